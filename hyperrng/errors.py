@@ -1,0 +1,75 @@
+"""Typed errors of hyperrng.
+
+Each class derives from :class:`HyperRNGError` and from the builtin that fits, so
+``except ValueError`` keeps working for callers who do not know hyperrng. Messages say
+what was wrong and what to do next.
+"""
+
+from __future__ import annotations
+
+from platforms.errors import (
+    AmbiguousPlatformError,
+    DeviceIndexError,
+    HyperRNGError,
+    InvalidOffsetError,
+    InvalidSeedError,
+    InvalidStateError,
+    PlatformError,
+    PlatformUnavailableError,
+    UnknownPlatformError,
+)
+
+__all__ = [
+    "HyperRNGError",
+    "InvalidSeedError",
+    "InvalidOffsetError",
+    "InvalidStateError",
+    "DeviceIndexError",
+    "PlatformError",
+    "UnknownPlatformError",
+    "PlatformUnavailableError",
+    "AmbiguousPlatformError",
+    "StreamError",
+    "UnknownStreamError",
+    "DuplicateStreamError",
+    "LayoutError",
+    "ShardingError",
+    "RNGDesyncError",
+    "CheckpointError",
+    "DistributedNotInitializedError",
+]
+
+
+class StreamError(HyperRNGError):
+    """Base class of errors about named RNG streams."""
+
+
+class UnknownStreamError(StreamError, KeyError):
+    """A stream name the tracker does not hold."""
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateStreamError(StreamError, ValueError):
+    """A stream name or seed that the tracker already holds."""
+
+
+class LayoutError(HyperRNGError, ValueError):
+    """A stream layout or mesh description that is inconsistent."""
+
+
+class ShardingError(HyperRNGError, ValueError):
+    """A mesh, coordinate, placement or shape that cannot describe a sharded tensor."""
+
+
+class RNGDesyncError(HyperRNGError, RuntimeError):
+    """Ranks that must share a stream disagree, or ranks that must differ agree."""
+
+
+class CheckpointError(HyperRNGError, ValueError):
+    """An RNG state dict that cannot be loaded onto this process as it stands."""
+
+
+class DistributedNotInitializedError(HyperRNGError, RuntimeError):
+    """A cross-rank operation called before ``torch.distributed`` was initialised."""
