@@ -12,6 +12,8 @@ from platforms.errors import (
     DeviceIndexError,
     HyperRNGError,
     InvalidOffsetError,
+    InvalidPlatformError,
+    PlatformNameError,
     InvalidSeedError,
     InvalidStateError,
     PlatformError,
@@ -29,6 +31,8 @@ __all__ = [
     "UnknownPlatformError",
     "PlatformUnavailableError",
     "AmbiguousPlatformError",
+    "InvalidPlatformError",
+    "PlatformNameError",
     "StreamError",
     "UnknownStreamError",
     "DuplicateStreamError",
@@ -37,6 +41,7 @@ __all__ = [
     "RNGDesyncError",
     "CheckpointError",
     "DistributedNotInitializedError",
+    "UsageError",
 ]
 
 
@@ -73,3 +78,7 @@ class CheckpointError(HyperRNGError, ValueError):
 
 class DistributedNotInitializedError(HyperRNGError, RuntimeError):
     """A cross-rank operation called before ``torch.distributed`` was initialised."""
+
+
+class UsageError(HyperRNGError, ValueError):
+    """A request that cannot be carried out as given (an unknown benchmark, a bad CLI option)."""

@@ -18,6 +18,8 @@ __all__ = [
     "UnknownPlatformError",
     "PlatformUnavailableError",
     "AmbiguousPlatformError",
+    "InvalidPlatformError",
+    "PlatformNameError",
 ]
 
 
@@ -58,3 +60,11 @@ class PlatformUnavailableError(PlatformError):
 
 class AmbiguousPlatformError(PlatformError):
     """Two or more plug-in platforms claim this machine; one must be chosen explicitly."""
+
+
+class InvalidPlatformError(PlatformError, TypeError):
+    """A factory or plug-in that does not produce a :class:`platforms.Platform`."""
+
+
+class PlatformNameError(PlatformError, ValueError):
+    """A platform name that is malformed, or already registered."""

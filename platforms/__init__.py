@@ -1,0 +1,80 @@
+"""hyperrng's hardware layer: one small :class:`Platform` interface, one implementation per device kind.
+
+Importing this package has no side effects: it resolves nothing and touches no device,
+so a plug-in can ``from platforms import Platform`` without an import cycle. The
+platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`current`).
+"""
+
+from __future__ import annotations
+
+from platforms.base import COUNTER_STATE_NBYTES, Platform, pack_counter_state, unpack_counter_state
+from platforms.cpu import MT19937_STATE_NBYTES, CPUPlatform
+from platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
+from platforms.errors import (
+    AmbiguousPlatformError,
+    DeviceIndexError,
+    HyperRNGError,
+    InvalidOffsetError,
+    InvalidPlatformError,
+    InvalidSeedError,
+    InvalidStateError,
+    PlatformError,
+    PlatformNameError,
+    PlatformUnavailableError,
+    UnknownPlatformError,
+)
+from platforms.registry import (
+    AUTO_ORDER,
+    ENTRY_POINT_GROUP,
+    ENV_VAR,
+    ProbeResult,
+    Selection,
+    current,
+    load,
+    register,
+    registered,
+    select,
+    selection,
+    set_current,
+    use,
+)
+from platforms.simulated import SimulatedDeviceModule, SimulatedGenerator, SimulatedPlatform
+
+__all__ = [
+    "Platform",
+    "CPUPlatform",
+    "DeviceModulePlatform",
+    "CUDAPlatform",
+    "NPUPlatform",
+    "SimulatedPlatform",
+    "SimulatedDeviceModule",
+    "SimulatedGenerator",
+    "COUNTER_STATE_NBYTES",
+    "MT19937_STATE_NBYTES",
+    "pack_counter_state",
+    "unpack_counter_state",
+    "ENV_VAR",
+    "ENTRY_POINT_GROUP",
+    "AUTO_ORDER",
+    "ProbeResult",
+    "Selection",
+    "register",
+    "registered",
+    "load",
+    "select",
+    "selection",
+    "current",
+    "set_current",
+    "use",
+    "HyperRNGError",
+    "PlatformError",
+    "UnknownPlatformError",
+    "PlatformUnavailableError",
+    "AmbiguousPlatformError",
+    "InvalidPlatformError",
+    "PlatformNameError",
+    "InvalidSeedError",
+    "InvalidOffsetError",
+    "InvalidStateError",
+    "DeviceIndexError",
+]

@@ -1,0 +1,76 @@
+"""Argument checks shared by every platform: validate first, then touch the device."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from platforms.errors import DeviceIndexError, InvalidOffsetError, InvalidSeedError, InvalidStateError
+
+__all__ = ["MAX_SEED", "MAX_OFFSET", "OFFSET_ALIGN", "check_seed", "check_offset", "check_state", "check_index"]
+
+MAX_SEED = 2**64 - 1
+"""Largest seed a torch generator accepts (seeds are unsigned 64-bit)."""
+
+MAX_OFFSET = 2**63 - 1
+"""Largest offset a counter-based state can hold (CUDA/NPU store it as int64)."""
+
+OFFSET_ALIGN = 4
+"""Philox draws 4 numbers per counter; CUDA and NPU keep offsets multiples of 4."""
+
+
+def _as_int(value: object, what: str, error: type[Exception]) -> int:
+    if isinstance(value, bool):
+        raise error(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise error(f"{what} must be an int, got {type(value).__name__} {value!r}.") from None
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """Return ``seed`` as an int in ``[0, 2**64 - 1]`` or raise :class:`InvalidSeedError`."""
+    value = _as_int(seed, what, InvalidSeedError)
+    if not 0 <= value <= MAX_SEED:
+        raise InvalidSeedError(
+            f"{what} must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
+        )
+    return value
+
+
+def check_offset(offset: object, what: str = "offset") -> int:
+    """Return ``offset`` as a non-negative multiple of 4 or raise :class:`InvalidOffsetError`."""
+    value = _as_int(offset, what, InvalidOffsetError)
+    if not 0 <= value <= MAX_OFFSET:
+        raise InvalidOffsetError(f"{what} must be in [0, 2**63 - 1], got {value}.")
+    if value % OFFSET_ALIGN:
+        raise InvalidOffsetError(
+            f"{what} must be a multiple of {OFFSET_ALIGN} (Philox draws 4 values per counter), got {value}; "
+            f"round it up to {value + OFFSET_ALIGN - value % OFFSET_ALIGN}."
+        )
+    return value
+
+
+def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
+    """Return ``state`` if it is a 1-D CPU ``torch.uint8`` tensor of ``nbytes`` bytes, else raise."""
+    expected = f"a 1-D torch.uint8 CPU tensor of {nbytes} bytes, as returned by get_rng_state()"
+    if not isinstance(state, torch.Tensor):
+        raise InvalidStateError(f"RNG state for platform {platform!r} must be {expected}; got {type(state).__name__}.")
+    if state.dtype != torch.uint8 or state.device.type != "cpu" or state.dim() != 1 or state.numel() != nbytes:
+        raise InvalidStateError(
+            f"RNG state for platform {platform!r} must be {expected}; got a {state.dtype} tensor of shape "
+            f"{tuple(state.shape)} on {state.device}."
+        )
+    return state
+
+
+def check_index(index: object, count: int, platform: str) -> int:
+    """Return ``index`` if it names one of ``count`` devices, else raise :class:`DeviceIndexError`."""
+    value = _as_int(index, "device index", DeviceIndexError)
+    if not 0 <= value < count:
+        raise DeviceIndexError(
+            f"device index {value} is out of range for platform {platform!r}, which has {count} device(s); "
+            f"use an index in [0, {count - 1}]." if count else f"platform {platform!r} has no devices."
+        )
+    return value

@@ -1,0 +1,206 @@
+"""The :class:`Platform` interface: everything hyperrng asks of a kind of device.
+
+A platform is mostly plain values (its name, torch device type, distributed backend,
+whether its generator is counter-based) plus a handful of functions. The public methods
+validate their arguments and then call a few small hooks; a plug-in implements the hooks
+and inherits the validation, so every platform refuses bad input the same way and never
+touches the device before the input is known to be good.
+
+What a plug-in must implement: :meth:`Platform.device_count`, ``_read_state``,
+``_write_state`` and ``_seed`` (and usually :meth:`Platform.probe`). Everything else has
+a default.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from platforms._validate import check_index, check_offset, check_seed, check_state
+
+__all__ = ["Platform", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
+
+COUNTER_STATE_NBYTES = 16
+"""Size of a counter-based (Philox) state: uint64 seed then int64 offset, little-endian."""
+
+_BYTE_ORDER = "little"
+
+
+class Platform:
+    """One kind of device, seen through the handful of operations hyperrng needs.
+
+    Attributes:
+        name: the registered name (``"cpu"``, ``"cuda"``, ``"npu"``, a plug-in's name).
+        device_type: the torch device type of tensors on this platform.
+        dist_backend: the ``torch.distributed`` backend to start process groups with.
+        counter_based: ``True`` when the generator state is a (seed, offset) pair that
+            can be positioned exactly (Philox on CUDA and NPU); ``False`` when positions
+            are modelled (the CPU's MT19937; see :meth:`set_seed_offset`).
+        state_nbytes: length of the state returned by :meth:`get_rng_state`.
+        state_dtype: dtype of packed RNG states (always ``torch.uint8``).
+    """
+
+    name: ClassVar[str] = "abstract"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    counter_based: ClassVar[bool] = False
+    state_nbytes: int = COUNTER_STATE_NBYTES
+    state_dtype: ClassVar[torch.dtype] = torch.uint8
+
+    # -- availability and devices ---------------------------------------------------
+    def probe(self) -> str | None:
+        """Return ``None`` when this platform can run here, else the reason why not.
+
+        Must be cheap and must not initialise the device (it runs at ``import hyperrng``).
+        """
+        return None
+
+    def is_available(self) -> bool:
+        """Whether :meth:`probe` found the platform usable."""
+        return self.probe() is None
+
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to the process."""
+        raise NotImplementedError(f"{type(self).__name__} must implement device_count()")
+
+    def current_device(self) -> int:
+        """Index of the device that operations without an explicit index use."""
+        return 0
+
+    def device(self, index: int | None = None) -> torch.device:
+        """The ``torch.device`` of device ``index`` (default: the current device)."""
+        return torch.device(self.device_type, self._index(index))
+
+    def default_generator(self, index: int | None = None) -> torch.Generator | None:
+        """The generator object that random ops on device ``index`` draw from, if exposed."""
+        return None
+
+    # -- RNG state ----------------------------------------------------------------------
+    def get_rng_state(self, index: int | None = None) -> torch.Tensor:
+        """Return a copy of device ``index``'s RNG state as a 1-D CPU ``uint8`` tensor."""
+        return self._read_state(self._index(index))
+
+    def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None:
+        """Restore a state returned by :meth:`get_rng_state`.
+
+        Raises:
+            InvalidStateError: ``state`` is not a 1-D CPU uint8 tensor of ``state_nbytes``.
+            DeviceIndexError: ``index`` names no device. Nothing changes on error.
+        """
+        idx = self._index(index)
+        self._write_state(check_state(state, self.state_nbytes, self.name), idx)
+
+    def manual_seed(self, seed: int, index: int | None = None) -> None:
+        """Seed device ``index`` (offset 0 on counter-based platforms).
+
+        Raises:
+            InvalidSeedError: ``seed`` is a bool, not an int, or outside [0, 2**64 - 1].
+        """
+        value = check_seed(seed)
+        self._seed(value, self._index(index))
+
+    def get_seed_offset(self, index: int | None = None) -> tuple[int, int]:
+        """Return the (seed, offset) position of device ``index``'s generator.
+
+        On counter-based platforms this is read from the state; see subclasses for
+        platforms that model positions.
+        """
+        state = self.get_rng_state(index)
+        return unpack_counter_state(state)
+
+    def set_seed_offset(self, seed: int, offset: int, index: int | None = None) -> None:
+        """Position device ``index``'s generator at (seed, offset).
+
+        Raises:
+            InvalidSeedError: see :meth:`manual_seed`.
+            InvalidOffsetError: ``offset`` is negative, too large or not a multiple of 4.
+        """
+        s, o = check_seed(seed), check_offset(offset)
+        idx = self._index(index)
+        self._write_state(pack_counter_state(s, o), idx)
+
+    # -- distributed --------------------------------------------------------------------
+    def rank(self, group: object | None = None) -> int:
+        """This process's rank in ``group`` (0 when ``torch.distributed`` is not initialised)."""
+        dist = _dist()
+        return dist.get_rank(group) if dist is not None else 0
+
+    def world_size(self, group: object | None = None) -> int:
+        """Size of ``group`` (1 when ``torch.distributed`` is not initialised)."""
+        dist = _dist()
+        return dist.get_world_size(group) if dist is not None else 1
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group: object | None = None) -> torch.Tensor:
+        """Return ``tensor`` as held by global rank ``src``, on the device ``tensor`` came from.
+
+        The tensor travels on the device the group's backend needs (the CPU for gloo,
+        this platform's current device otherwise). Without a process group it is
+        returned unchanged.
+        """
+        dist = _dist()
+        if dist is None:
+            return tensor
+        buf = tensor.to(self._comm_device(group), copy=True)
+        dist.broadcast(buf, src=src, group=group)
+        return buf.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor, group: object | None = None) -> list[torch.Tensor]:
+        """Return every rank's ``tensor`` (same shape on each rank), in rank order."""
+        dist = _dist()
+        if dist is None:
+            return [tensor.clone()]
+        buf = tensor.to(self._comm_device(group), copy=True)
+        out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, buf, group=group)
+        return [t.to(tensor.device) for t in out]
+
+    # -- hooks a plug-in implements -------------------------------------------------------
+    def _read_state(self, index: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _read_state(index)")
+
+    def _write_state(self, state: torch.Tensor, index: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _write_state(state, index)")
+
+    def _seed(self, seed: int, index: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _seed(seed, index)")
+
+    # -- shared helpers -------------------------------------------------------------------
+    def _index(self, index: int | None) -> int:
+        if index is None:
+            return self.current_device()
+        return check_index(index, self.device_count(), self.name)
+
+    def _comm_device(self, group: object | None) -> torch.device:
+        dist = _dist()
+        if dist is None or dist.get_backend(group) == "gloo":
+            return torch.device("cpu")
+        return self.device()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
+
+
+def _dist():  # type: ignore[no-untyped-def]
+    """``torch.distributed`` when a default process group exists, else ``None``."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def unpack_counter_state(state: torch.Tensor) -> tuple[int, int]:
+    """Split a 16-byte counter-based state into ``(seed, offset)``.
+
+    Works on every torch version: the bytes are read in Python, never through uint64
+    tensor ops (which older torch lacks).
+    """
+    raw = bytes(state.tolist())
+    seed = int.from_bytes(raw[:8], _BYTE_ORDER, signed=False)
+    offset = int.from_bytes(raw[8:16], _BYTE_ORDER, signed=True)
+    return seed, offset
+
+
+def pack_counter_state(seed: int, offset: int) -> torch.Tensor:
+    """Build the 16-byte state (uint64 seed, int64 offset, little-endian) that CUDA and NPU use."""
+    raw = seed.to_bytes(8, _BYTE_ORDER, signed=False) + offset.to_bytes(8, _BYTE_ORDER, signed=True)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

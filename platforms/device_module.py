@@ -1,0 +1,127 @@
+"""Accelerators that torch exposes as a device module (``torch.cuda``, ``torch.npu``, ...).
+
+CUDA and Ascend NPU have the same shape: a module with ``is_available()``,
+``device_count()``, ``current_device()`` and a tuple ``default_generators`` of Philox
+generators whose state is 16 bytes (uint64 seed, int64 offset). One implementation,
+:class:`DeviceModulePlatform`, drives any such module; :class:`CUDAPlatform` and
+:class:`NPUPlatform` only say where the module comes from, which backend talks between
+ranks, and how to explain a missing device. A third-party accelerator that registers its
+own module with torch can be served by the same class (see the README).
+
+Nothing here initialises a device until an RNG operation is actually asked for: probing
+only calls ``is_available()``, which torch documents as not creating a context.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from platforms.base import COUNTER_STATE_NBYTES, Platform
+
+__all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
+
+
+class DeviceModulePlatform(Platform):
+    """A counter-based accelerator driven through a torch device module.
+
+    Args:
+        module: the device module, or ``None`` to look it up lazily with
+            :meth:`_load_module` (so that constructing the platform imports nothing).
+    """
+
+    counter_based = True
+    state_nbytes = COUNTER_STATE_NBYTES
+
+    def __init__(self, module: Any | None = None) -> None:
+        self._module = module
+
+    @property
+    def module(self) -> Any:
+        """The device module (loaded on first use)."""
+        if self._module is None:
+            self._module = self._load_module()
+        return self._module
+
+    def _load_module(self) -> Any:
+        """Import and return the device module; raise with the reason when it cannot."""
+        return getattr(torch, self.device_type)
+
+    def probe(self) -> str | None:
+        try:
+            module = self.module
+        except ImportError as exc:
+            return str(exc)
+        if not module.is_available():
+            return self._unavailable_reason()
+        if module.device_count() < 1:
+            return f"torch.{self.device_type} reports no visible device"
+        return None
+
+    def _unavailable_reason(self) -> str:
+        return f"torch.{self.device_type}.is_available() returned False"
+
+    def device_count(self) -> int:
+        return int(self.module.device_count())
+
+    def current_device(self) -> int:
+        return int(self.module.current_device())
+
+    def default_generator(self, index: int | None = None) -> torch.Generator:
+        return self._generator(self._index(index))
+
+    def _generator(self, index: int) -> Any:
+        # default_generators is filled by the module's lazy initialisation; calling it
+        # here (never at import) keeps fork-before-use safe.
+        lazy_init = getattr(self.module, "_lazy_init", None)
+        if lazy_init is not None:
+            lazy_init()
+        return self.module.default_generators[index]
+
+    def _read_state(self, index: int) -> torch.Tensor:
+        return self._generator(index).get_state()
+
+    def _write_state(self, state: torch.Tensor, index: int) -> None:
+        # Straight into the default generator: no clone, no lazy-call queue (the
+        # module's own set_rng_state clones when the device is not initialised yet).
+        self._generator(index).set_state(state)
+
+    def _seed(self, seed: int, index: int) -> None:
+        self._generator(index).manual_seed(seed)
+
+
+class CUDAPlatform(DeviceModulePlatform):
+    """NVIDIA GPUs through ``torch.cuda`` (ROCm builds of torch expose the same module)."""
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def probe(self) -> str | None:
+        if self._module is None and not torch.backends.cuda.is_built():
+            return f"this torch build ({torch.__version__}) has no CUDA support"
+        return super().probe()
+
+    def _unavailable_reason(self) -> str:
+        return "torch.cuda.is_available() returned False (no NVIDIA GPU visible, or no usable driver)"
+
+
+class NPUPlatform(DeviceModulePlatform):
+    """Huawei Ascend NPUs through ``torch_npu``, imported only when this platform is probed."""
+
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+
+    def _load_module(self) -> ModuleType:
+        if importlib.util.find_spec("torch_npu") is None:
+            raise ModuleNotFoundError("torch_npu is not installed (pip install 'hyperrng[npu]')")
+        importlib.import_module("torch_npu")  # registers torch.npu as a side effect
+        return torch.npu  # type: ignore[attr-defined, no-any-return]
+
+    def _unavailable_reason(self) -> str:
+        return "torch.npu.is_available() returned False (no Ascend NPU visible, or CANN not set up)"

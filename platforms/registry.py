@@ -1,0 +1,283 @@
+"""Which platform runs: the registry, the probes, and the one resolution point.
+
+Resolution order (done once, by ``import hyperrng``, or lazily by :func:`current`):
+
+1. ``HYPERRNG_PLATFORM=<name>`` picks a registered or plug-in platform by name;
+   ``HYPERRNG_PLATFORM=package.module:Factory`` imports one. Either must be available,
+   or resolution fails with the probe's reason.
+2. Otherwise every plug-in of the ``hyperrng.platforms`` entry-point group is probed; one
+   available plug-in wins, two are an :class:`AmbiguousPlatformError`.
+3. Otherwise the built-ins in the order NPU, CUDA, CPU.
+
+A probe that raises anything is caught and its reason recorded (``hyperrng info`` shows
+it), so a broken driver never makes ``import hyperrng`` crash unless that backend was
+forced. The registry is a plain dict from name to factory; importing this module has no
+side effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from typing import Callable, Iterator, Mapping
+
+from platforms.base import Platform
+from platforms.cpu import CPUPlatform
+from platforms.device_module import CUDAPlatform, NPUPlatform
+from platforms.errors import (
+    AmbiguousPlatformError,
+    InvalidPlatformError,
+    PlatformNameError,
+    PlatformUnavailableError,
+    UnknownPlatformError,
+)
+from platforms.simulated import SimulatedPlatform
+
+__all__ = [
+    "ENV_VAR",
+    "ENTRY_POINT_GROUP",
+    "AUTO_ORDER",
+    "PlatformFactory",
+    "ProbeResult",
+    "Selection",
+    "register",
+    "registered",
+    "load",
+    "select",
+    "current",
+    "selection",
+    "set_current",
+    "use",
+]
+
+ENV_VAR = "HYPERRNG_PLATFORM"
+ENTRY_POINT_GROUP = "hyperrng.platforms"
+AUTO_ORDER = ("npu", "cuda", "cpu")
+"""Built-ins tried, in order, when neither the environment nor a plug-in decides."""
+
+PlatformFactory = Callable[[], Platform]
+
+_FACTORIES: dict[str, PlatformFactory] = {
+    "cpu": CPUPlatform,
+    "cuda": CUDAPlatform,
+    "npu": NPUPlatform,
+    "sim": SimulatedPlatform,
+}
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one probe found: ``reason`` is empty when the platform is available."""
+
+    name: str
+    source: str  # "builtin", "plugin", "env" or "override"
+    available: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of resolution: the platform, why it was chosen, and every probe."""
+
+    platform: Platform
+    reason: str
+    probes: tuple[ProbeResult, ...] = field(default_factory=tuple)
+    env_value: str | None = None
+
+
+_selection: Selection | None = None
+
+
+def register(name: str, factory: PlatformFactory, *, replace: bool = False) -> None:
+    """Register ``factory`` (a callable returning a :class:`Platform`) under ``name``.
+
+    Raises:
+        PlatformNameError: ``name`` is empty or contains ``:``, or is taken and ``replace`` is false.
+        InvalidPlatformError: ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise PlatformNameError(f"platform name must be a non-empty string without ':', got {name!r}.")
+    if not callable(factory):
+        raise InvalidPlatformError(f"factory for platform {name!r} must be callable, got {type(factory).__name__}.")
+    if name in _FACTORIES and not replace:
+        raise PlatformNameError(
+            f"platform {name!r} is already registered; pass replace=True to override it deliberately."
+        )
+    _FACTORIES[name] = factory
+
+
+def registered() -> tuple[str, ...]:
+    """Names of the registered platforms (built-ins and :func:`register` calls)."""
+    return tuple(_FACTORIES)
+
+
+def _build(factory: Callable[[], object], label: str) -> Platform:
+    platform = factory()
+    if not isinstance(platform, Platform):
+        raise InvalidPlatformError(
+            f"{label} returned {type(platform).__name__}, not a platforms.Platform; "
+            "make the factory return an instance of a Platform subclass."
+        )
+    return platform
+
+
+def _import_factory(spec: str) -> Callable[[], object]:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UnknownPlatformError(f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise UnknownPlatformError(
+            f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({type(exc).__name__}: {exc})."
+        ) from exc
+    try:
+        obj: object = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError as exc:
+        raise UnknownPlatformError(f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}.") from exc
+    if not callable(obj):
+        raise InvalidPlatformError(f"{ENV_VAR}={spec!r} names a {type(obj).__name__}, not a callable factory.")
+    return obj  # type: ignore[return-value]
+
+
+def _plugin_entry_points() -> list[EntryPoint]:
+    return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def _probe(platform: Platform) -> str | None:
+    """Run ``platform.probe()``, turning any exception into a reason."""
+    try:
+        return platform.probe()
+    except Exception as exc:
+        return f"probe raised {type(exc).__name__}: {exc}"
+
+
+def load(spec: str) -> Platform:
+    """Build and probe the platform named by ``spec`` (a name or ``module:Factory``).
+
+    Raises:
+        UnknownPlatformError: no such name, or the module/attribute does not load.
+        InvalidPlatformError: the factory does not return a :class:`Platform`.
+        PlatformUnavailableError: the platform's probe says it cannot run here.
+    """
+    spec = spec.strip()
+    if ":" in spec:
+        platform = _build(_import_factory(spec), spec)
+    else:
+        factory = _FACTORIES.get(spec)
+        if factory is None:
+            factory = next((ep.load() for ep in _plugin_entry_points() if ep.name == spec), None)
+        if factory is None:
+            known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
+            raise UnknownPlatformError(
+                f"unknown platform {spec!r}; known platforms: {known} (or give 'package.module:Factory')."
+            )
+        try:
+            platform = _build(factory, f"the factory of platform {spec!r}")
+        except (InvalidPlatformError, UnknownPlatformError):
+            raise
+        except Exception as exc:
+            raise PlatformUnavailableError(
+                f"platform {spec!r} could not be created: {type(exc).__name__}: {exc}"
+            ) from exc
+    reason = _probe(platform)
+    if reason is not None:
+        raise PlatformUnavailableError(f"platform {platform.name!r} is not available: {reason}")
+    return platform
+
+
+def select(env: Mapping[str, str] | None = None) -> Selection:
+    """Resolve the platform (see the module docstring), remember it, and return why.
+
+    Raises only when ``HYPERRNG_PLATFORM`` forces a platform that cannot be used, or when
+    two plug-ins both claim the machine.
+    """
+    global _selection
+    env = os.environ if env is None else env
+    forced = env.get(ENV_VAR, "").strip()
+    if forced:
+        platform = load(forced)
+        _selection = Selection(
+            platform,
+            f"{ENV_VAR}={forced!r}",
+            (ProbeResult(platform.name, "env", True),),
+            forced,
+        )
+        return _selection
+
+    probes: list[ProbeResult] = []
+    claimed: list[Platform] = []
+    for ep in _plugin_entry_points():
+        try:
+            plugin = _build(ep.load(), f"entry point {ep.name!r} ({ep.value})")
+        except Exception as exc:
+            probes.append(ProbeResult(ep.name, "plugin", False, f"failed to load: {type(exc).__name__}: {exc}"))
+            continue
+        reason = _probe(plugin)
+        probes.append(ProbeResult(ep.name, "plugin", reason is None, reason or ""))
+        if reason is None:
+            claimed.append(plugin)
+    if len(claimed) > 1:
+        names = ", ".join(p.name for p in claimed)
+        raise AmbiguousPlatformError(
+            f"plug-in platforms {names} all claim this machine; set {ENV_VAR} to the one you want."
+        )
+    if claimed:
+        _selection = Selection(claimed[0], f"plug-in {claimed[0].name!r} is available", tuple(probes))
+        return _selection
+
+    for name in AUTO_ORDER:
+        try:
+            candidate = _build(_FACTORIES[name], f"the factory of platform {name!r}")
+        except Exception as exc:
+            probes.append(ProbeResult(name, "builtin", False, f"failed to create: {type(exc).__name__}: {exc}"))
+            continue
+        reason = _probe(candidate)
+        probes.append(ProbeResult(name, "builtin", reason is None, reason or ""))
+        if reason is None:
+            why = "first available built-in (order: " + ", ".join(AUTO_ORDER) + ")"
+            _selection = Selection(candidate, why, tuple(probes))
+            return _selection
+    raise PlatformUnavailableError("no platform is available, not even the CPU: " + "; ".join(
+        f"{p.name}: {p.reason}" for p in probes
+    ))
+
+
+def selection() -> Selection:
+    """The current :class:`Selection`, resolving it first if nothing has yet."""
+    return _selection if _selection is not None else select()
+
+
+def current() -> Platform:
+    """The platform hyperrng uses now."""
+    return selection().platform
+
+
+def set_current(platform: Platform | str) -> Platform:
+    """Make ``platform`` (an instance, or a name/``module:Factory`` for :func:`load`) current."""
+    global _selection
+    if isinstance(platform, str):
+        resolved = load(platform)
+    elif isinstance(platform, Platform):
+        resolved = platform
+    else:
+        raise InvalidPlatformError(f"expected a Platform or a platform name, got {type(platform).__name__}.")
+    _selection = Selection(resolved, "set programmatically", (ProbeResult(resolved.name, "override", True),))
+    return resolved
+
+
+@contextlib.contextmanager
+def use(platform: Platform | str) -> Iterator[Platform]:
+    """Use ``platform`` inside the ``with`` block, then restore the previous selection."""
+    global _selection
+    previous = _selection
+    resolved = set_current(platform)
+    try:
+        yield resolved
+    finally:
+        _selection = previous

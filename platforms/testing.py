@@ -1,0 +1,245 @@
+"""Conformance suite for :class:`platforms.Platform` implementations.
+
+A platform author runs it against their implementation, with pytest::
+
+    import pytest
+    from platforms.testing import PlatformConformance
+
+    class TestMyPlatform(PlatformConformance):
+        @pytest.fixture
+        def platform(self):
+            return MyPlatform()
+
+or without pytest: ``platforms.testing.check_platform(MyPlatform())`` raises
+``AssertionError`` naming the first check that fails. Every check leaves the RNG state of
+every device as it found it. Our CPU, CUDA, NPU and simulated platforms pass it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from platforms.base import Platform
+from platforms.errors import (
+    DeviceIndexError,
+    HyperRNGError,
+    InvalidOffsetError,
+    InvalidSeedError,
+    InvalidStateError,
+)
+
+__all__ = ["CHECKS", "check_platform"]
+
+Check = Callable[[Platform], None]
+CHECKS: dict[str, Check] = {}
+
+
+def _check(fn: Check) -> Check:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _states(p: Platform) -> list[torch.Tensor]:
+    return [p.get_rng_state(i) for i in range(p.device_count())]
+
+
+def _assert_unchanged(p: Platform, before: list[torch.Tensor], what: str) -> None:
+    after = _states(p)
+    for i, (a, b) in enumerate(zip(before, after)):
+        assert torch.equal(a, b), f"{what} changed the RNG state of device {i}"
+
+
+def _assert_refused(p: Platform, call: Callable[[], object], error: type[Exception], what: str) -> None:
+    before = _states(p)
+    try:
+        call()
+    except error as exc:
+        assert isinstance(exc, HyperRNGError), f"{what}: {type(exc).__name__} is not a HyperRNGError"
+        assert str(exc), f"{what}: the error has no message"
+    else:
+        raise AssertionError(f"{what} was accepted; expected {error.__name__}")
+    _assert_unchanged(p, before, what)
+
+
+@_check
+def describes_itself(p: Platform) -> None:
+    assert isinstance(p.name, str) and p.name, "name must be a non-empty string"
+    torch.device(p.device_type)  # a valid torch device type
+    assert isinstance(p.dist_backend, str) and p.dist_backend, "dist_backend must name a backend"
+    assert isinstance(p.counter_based, bool)
+    assert isinstance(p.state_nbytes, int) and p.state_nbytes > 0
+    assert p.state_dtype == torch.uint8
+
+
+@_check
+def is_available(p: Platform) -> None:
+    assert p.probe() is None, f"probe() says unavailable: {p.probe()}"
+    assert p.is_available()
+
+
+@_check
+def enumerates_devices(p: Platform) -> None:
+    n = p.device_count()
+    assert isinstance(n, int) and n >= 1, "device_count() must be a positive int"
+    assert 0 <= p.current_device() < n
+    for i in range(n):
+        d = p.device(i)
+        assert isinstance(d, torch.device) and d.type == p.device_type
+
+
+@_check
+def state_is_a_cpu_byte_copy(p: Platform) -> None:
+    state = p.get_rng_state()
+    assert isinstance(state, torch.Tensor)
+    assert state.dtype == torch.uint8 and state.device.type == "cpu" and state.dim() == 1
+    assert state.numel() == p.state_nbytes, f"state has {state.numel()} bytes, state_nbytes says {p.state_nbytes}"
+    p.manual_seed(3)  # a state with non-zero bytes, so zeroing the copy is visible
+    state = p.get_rng_state()
+    expected = state.clone()
+    state.zero_()
+    assert torch.equal(p.get_rng_state(), expected), "get_rng_state() must return a copy, not the live state"
+
+
+@_check
+def set_restores_get(p: Platform) -> None:
+    saved = p.get_rng_state()
+    p.manual_seed(1234)
+    p.set_rng_state(saved)
+    assert torch.equal(p.get_rng_state(), saved), "set_rng_state(get_rng_state()) is not a round trip"
+
+
+@_check
+def manual_seed_is_deterministic(p: Platform) -> None:
+    p.manual_seed(7)
+    a = p.get_rng_state()
+    p.manual_seed(8)
+    b = p.get_rng_state()
+    p.manual_seed(7)
+    assert torch.equal(p.get_rng_state(), a), "manual_seed(7) twice gave different states"
+    assert not torch.equal(a, b), "manual_seed(7) and manual_seed(8) gave the same state"
+    p.manual_seed(2**64 - 1)  # the whole unsigned 64-bit range is accepted
+
+
+@_check
+def seed_offset_round_trips(p: Platform) -> None:
+    for seed, offset in [(11, 0), (11, 8), (2**64 - 1, 4), (0, 2**40)]:
+        p.set_seed_offset(seed, offset)
+        assert p.get_seed_offset() == (seed, offset), f"set_seed_offset({seed}, {offset}) did not round-trip"
+    p.set_seed_offset(99, 0)
+    at_zero = p.get_rng_state()
+    p.manual_seed(99)
+    assert torch.equal(p.get_rng_state(), at_zero), "offset 0 must be the state manual_seed gives"
+    p.set_seed_offset(99, 4)
+    assert not torch.equal(p.get_rng_state(), at_zero), "different offsets must give different states"
+
+
+@_check
+def refuses_bad_states(p: Platform) -> None:
+    n = p.state_nbytes
+    bad: list[object] = [
+        torch.zeros(n, dtype=torch.int64),
+        torch.zeros(n + 1, dtype=torch.uint8),
+        torch.zeros(1, n, dtype=torch.uint8),
+        torch.empty(n, dtype=torch.uint8, device="meta"),
+        bytes(n),
+    ]
+    for state in bad:
+        _assert_refused(p, lambda: p.set_rng_state(state), InvalidStateError, f"set_rng_state({state!r:.40})")  # type: ignore[arg-type]
+
+
+@_check
+def refuses_bad_seeds(p: Platform) -> None:
+    for seed in [-1, 2**64, True, 1.5, "3", None]:
+        _assert_refused(p, lambda: p.manual_seed(seed), InvalidSeedError, f"manual_seed({seed!r})")  # type: ignore[arg-type]
+        _assert_refused(p, lambda: p.set_seed_offset(seed, 0), InvalidSeedError, f"set_seed_offset({seed!r}, 0)")  # type: ignore[arg-type]
+    assert issubclass(InvalidSeedError, ValueError)
+
+
+@_check
+def refuses_bad_offsets(p: Platform) -> None:
+    for offset in [-4, 6, 2**63, False, 4.0]:
+        _assert_refused(
+            p, lambda: p.set_seed_offset(1, offset), InvalidOffsetError, f"set_seed_offset(1, {offset!r})"  # type: ignore[arg-type]
+        )
+
+
+@_check
+def refuses_bad_device_indices(p: Platform) -> None:
+    for index in [p.device_count(), -1, True]:
+        _assert_refused(p, lambda: p.manual_seed(1, index), DeviceIndexError, f"manual_seed(1, index={index!r})")
+        _assert_refused(p, lambda: p.get_rng_state(index), DeviceIndexError, f"get_rng_state({index!r})")
+    assert issubclass(DeviceIndexError, IndexError)
+
+
+@_check
+def devices_are_independent(p: Platform) -> None:
+    if p.device_count() < 2:
+        return
+    before = p.get_rng_state(0)
+    p.manual_seed(5, 1)
+    assert torch.equal(p.get_rng_state(0), before), "seeding device 1 changed device 0"
+
+
+@_check
+def collectives_without_a_group_are_identities(p: Platform) -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    assert p.rank() == 0 and p.world_size() == 1
+    t = torch.arange(4)
+    assert torch.equal(p.broadcast(t), t)
+    assert [x.tolist() for x in p.all_gather(t)] == [t.tolist()]
+
+
+@_check
+def exposes_a_generator_when_counter_based(p: Platform) -> None:
+    gen = p.default_generator()
+    if p.counter_based:
+        assert gen is not None, "a counter-based platform must expose its default generator"
+    if gen is not None:
+        assert torch.equal(gen.get_state(), p.get_rng_state()), "default_generator() is not the generator in use"
+
+
+def _restoring(p: Platform) -> Iterator[None]:
+    saved = _states(p)
+    try:
+        yield
+    finally:
+        for i, s in enumerate(saved):
+            p.set_rng_state(s, i)
+
+
+def check_platform(platform: Platform) -> None:
+    """Run every conformance check on ``platform``; raise ``AssertionError`` on the first failure."""
+    for name, check in CHECKS.items():
+        gen = _restoring(platform)
+        next(gen)
+        try:
+            check(platform)
+        except AssertionError as exc:
+            raise AssertionError(f"conformance check {name!r} failed for {platform!r}: {exc}") from exc
+        finally:
+            next(gen, None)
+
+
+try:
+    import pytest
+except ImportError:  # pytest is only needed to use the class below
+    pass
+else:
+
+    class PlatformConformance:
+        """Subclass in a test module and provide a ``platform`` fixture."""
+
+        @pytest.fixture(autouse=True)
+        def _restore_states(self, platform: Platform) -> Iterator[None]:
+            yield from _restoring(platform)
+
+        @pytest.mark.parametrize("check", list(CHECKS))
+        def test_conformance(self, platform: Platform, check: str) -> None:
+            CHECKS[check](platform)
+
+    __all__.append("PlatformConformance")
