@@ -1,0 +1,119 @@
+"""What each platform guarantees beyond the conformance suite: positions, draws, collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import platforms
+from platforms import CPUPlatform, SimulatedDeviceModule, SimulatedPlatform
+from tests._dist import run_ranks
+
+# -- the CPU's modelled (seed, offset) positions --------------------------------------------
+
+
+def test_cpu_offset_zero_is_exactly_manual_seed() -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(42, 0)
+    a = torch.rand(8)
+    torch.manual_seed(42)
+    assert torch.equal(a, torch.rand(8))
+
+
+def test_cpu_equal_positions_draw_equal_numbers_and_distinct_ones_differ() -> None:
+    cpu = CPUPlatform()
+    draws = {}
+    for pos in [(7, 0), (7, 4), (7, 8), (8, 4)]:
+        cpu.set_seed_offset(*pos)
+        draws[pos] = torch.rand(16)
+    cpu.set_seed_offset(7, 4)
+    assert torch.equal(torch.rand(16), draws[(7, 4)])
+    values = list(draws.values())
+    assert all(not torch.equal(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
+
+
+def test_cpu_position_survives_draws_but_not_a_reseed() -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(5, 12)
+    torch.rand(100)
+    assert cpu.get_seed_offset() == (5, 12)  # draws do not move the modelled offset
+    torch.manual_seed(77)
+    assert cpu.get_seed_offset() == (77, 0)
+
+
+def test_cpu_position_is_restored_with_the_state() -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(5, 12)
+    saved = cpu.get_rng_state()
+    torch.manual_seed(1)
+    cpu.set_rng_state(saved)
+    assert cpu.get_seed_offset() == (5, 12)
+
+
+# -- the simulated accelerator behaves like a Philox device ---------------------------------
+
+
+def test_simulated_draws_are_a_function_of_seed_and_offset() -> None:
+    sim = SimulatedPlatform()
+    mod = sim.module
+    sim.set_seed_offset(3, 0)
+    a, b = mod.rand(5), mod.rand(6)
+    assert sim.get_seed_offset() == (3, 16)  # 5 -> 8, 6 -> 8: offsets advance in steps of 4
+    sim.set_seed_offset(3, 8)
+    assert torch.equal(mod.rand(6), b)
+    sim.set_seed_offset(3, 0)
+    assert torch.equal(mod.rand(5), a)
+
+
+def test_simulated_graph_safe_swap_shares_state_objects() -> None:
+    mod = SimulatedDeviceModule(device_count=1)
+    gen = platforms.CUDAPlatform(module=mod).default_generator(0)
+    stream = gen.clone_state()
+    stream.manual_seed(9)
+    original = gen.graphsafe_get_state()
+    gen.graphsafe_set_state(stream)
+    mod.rand(4)
+    assert stream.get_offset() == 4  # drawing through the device advanced the swapped-in state
+    gen.graphsafe_set_state(original)
+    assert gen.initial_seed() != 9
+
+
+def test_simulated_module_initialises_lazily() -> None:
+    mod = SimulatedDeviceModule()
+    p = platforms.CUDAPlatform(module=mod)
+    assert p.probe() is None and p.device_count() == 2
+    assert not mod.is_initialized()
+    p.get_rng_state(1)
+    assert mod.is_initialized() and mod.lazy_init_calls == 1
+
+
+def test_unavailable_device_module_gives_a_reason() -> None:
+    p = platforms.CUDAPlatform(module=SimulatedDeviceModule(available=False))
+    assert "is_available() returned False" in (p.probe() or "")
+    assert not p.is_available()
+
+
+def test_simulated_device_maps_to_cpu_tensors() -> None:
+    sim = SimulatedPlatform()
+    assert sim.device(1) == torch.device("cpu")
+
+
+# -- collectives over real processes ----------------------------------------------------------
+
+
+def _collectives(rank: int, world_size: int) -> tuple[int, int, list[int], list[list[int]]]:
+    cpu = platforms.CPUPlatform()
+    mine = torch.full((3,), rank + 10, dtype=torch.int64)
+    got = cpu.broadcast(mine, src=world_size - 1)
+    gathered = cpu.all_gather(torch.tensor([rank, rank * rank]))
+    assert torch.equal(mine, torch.full((3,), rank + 10)), "broadcast must not modify its input"
+    return cpu.rank(), cpu.world_size(), got.tolist(), [t.tolist() for t in gathered]
+
+
+@pytest.mark.multiproc
+def test_broadcast_and_all_gather_over_gloo() -> None:
+    results = run_ranks(_collectives, 3)
+    for rank, (r, w, got, gathered) in enumerate(results):
+        assert (r, w) == (rank, 3)
+        assert got == [12, 12, 12]
+        assert gathered == [[0, 0], [1, 1], [2, 4]]

@@ -1,0 +1,311 @@
+"""How the platform is chosen: environment, plug-ins, built-ins, overrides, and their errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import platforms
+import platforms.registry as registry
+from platforms import (
+    AmbiguousPlatformError,
+    InvalidPlatformError,
+    PlatformNameError,
+    PlatformUnavailableError,
+    UnknownPlatformError,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Unavailable(platforms.SimulatedPlatform):
+    name = "nodev"
+
+    def probe(self) -> str | None:
+        return "no such device on this machine"
+
+
+def _raising_platform(exc: BaseException) -> type[platforms.Platform]:
+    class Raising(platforms.SimulatedPlatform):
+        name = "raising"
+
+        def probe(self) -> str | None:
+            raise exc
+
+    return Raising
+
+
+@pytest.fixture
+def plugin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Install tiny plug-in distributions (a dist-info with entry points) on sys.path."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def install(dist: str, entries: dict[str, str], module_source: str) -> None:
+        (tmp_path / f"{dist}.py").write_text(textwrap.dedent(module_source))
+        info = tmp_path / f"{dist}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        lines = "\n".join(f"{name} = {target}" for name, target in entries.items())
+        (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\n{lines}\n")
+
+    return install
+
+
+PLUGIN_SOURCE = """
+    import platforms
+
+    class Plug(platforms.SimulatedPlatform):
+        name = "{name}"
+
+        def probe(self):
+            return {reason!r}
+
+    def make():
+        return Plug()
+"""
+
+
+# -- environment variable ---------------------------------------------------------------
+
+
+def test_env_var_selects_a_registered_platform_by_name() -> None:
+    sel = platforms.select({platforms.ENV_VAR: "sim"})
+    assert isinstance(sel.platform, platforms.SimulatedPlatform)
+    assert "HYPERRNG_PLATFORM='sim'" in sel.reason
+    assert platforms.current() is sel.platform
+
+
+def test_env_var_imports_a_module_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "myaccel.py").write_text(
+        "import platforms\nclass Accel(platforms.SimulatedPlatform):\n    name = 'myaccel'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sel = platforms.select({platforms.ENV_VAR: "myaccel:Accel"})
+    assert sel.platform.name == "myaccel"
+
+
+def test_unknown_name_fails_listing_the_known_ones() -> None:
+    before = registry._selection
+    with pytest.raises(UnknownPlatformError, match="unknown platform 'tpu'; known platforms: cpu, cuda, npu, sim"):
+        platforms.select({platforms.ENV_VAR: "tpu"})
+    assert registry._selection is before
+    assert issubclass(UnknownPlatformError, KeyError)
+
+
+def test_known_but_unavailable_fails_with_the_underlying_reason() -> None:
+    with pytest.raises(PlatformUnavailableError, match="platform 'npu' is not available: torch_npu is not installed"):
+        platforms.select({platforms.ENV_VAR: "npu"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "fragment"),
+    [
+        ("no_such_module_xyz:Factory", UnknownPlatformError, "failed to import (ModuleNotFoundError"),
+        ("platforms:NoSuchFactory", UnknownPlatformError, "has no attribute 'NoSuchFactory'"),
+        ("platforms:ENV_VAR", InvalidPlatformError, "not a callable factory"),
+        ("platforms:registered", InvalidPlatformError, "returned tuple, not a platforms.Platform"),
+        ("platforms:", UnknownPlatformError, "malformed"),
+    ],
+)
+def test_bad_module_factory_specs_fail_clearly(spec: str, error: type[Exception], fragment: str) -> None:
+    before = registry._selection
+    with pytest.raises(error) as info:
+        platforms.select({platforms.ENV_VAR: spec})
+    assert fragment in str(info.value)
+    assert registry._selection is before
+
+
+def test_module_factory_that_raises_on_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "brokenaccel.py").write_text("raise OSError('libaccel.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownPlatformError, match="OSError: libaccel.so"):
+        platforms.select({platforms.ENV_VAR: "brokenaccel:Factory"})
+
+
+# -- automatic order and probes ---------------------------------------------------------
+
+
+def test_without_env_or_plugins_the_first_available_builtin_wins() -> None:
+    sel = platforms.select({})
+    assert [p.name for p in sel.probes] == ["npu", "cuda", "cpu"]
+    assert sel.platform.name == "cpu"  # this machine has neither torch_npu nor CUDA
+    assert all(p.reason for p in sel.probes if not p.available)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [RuntimeError("driver version mismatch"), OSError("libascendcl.so not found"), ValueError("bad env"), KeyError("x")],
+)
+def test_a_probe_raising_anything_is_recorded_and_skipped(exc: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(registry._FACTORIES, "npu", _raising_platform(exc))
+    sel = platforms.select({})
+    assert sel.platform.name == "cpu"
+    npu = sel.probes[0]
+    assert not npu.available and f"probe raised {type(exc).__name__}" in npu.reason
+
+
+def test_a_factory_raising_is_recorded_and_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> platforms.Platform:
+        raise ImportError("torch_npu was built for another torch")
+
+    monkeypatch.setitem(registry._FACTORIES, "cuda", broken)
+    sel = platforms.select({})
+    assert sel.platform.name == "cpu"
+    assert "ImportError: torch_npu was built for another torch" in sel.probes[1].reason
+
+
+def test_a_forced_platform_whose_probe_raises_fails_with_that_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(registry._FACTORIES, "npu", _raising_platform(OSError("CANN missing")))
+    with pytest.raises(PlatformUnavailableError, match="OSError: CANN missing"):
+        platforms.select({platforms.ENV_VAR: "npu"})
+
+
+# -- plug-ins through entry points --------------------------------------------------------
+
+
+def test_an_available_plugin_wins_over_builtins(plugin_env) -> None:  # type: ignore[no-untyped-def]
+    plugin_env("plug_a", {"pluga": "plug_a:make"}, PLUGIN_SOURCE.format(name="pluga", reason=None))
+    sel = platforms.select({})
+    assert sel.platform.name == "pluga"
+    assert sel.probes[0].source == "plugin"
+
+
+def test_an_unavailable_plugin_falls_back_to_builtins(plugin_env) -> None:  # type: ignore[no-untyped-def]
+    plugin_env("plug_b", {"plugb": "plug_b:make"}, PLUGIN_SOURCE.format(name="plugb", reason="no board"))
+    sel = platforms.select({})
+    assert sel.platform.name == "cpu"
+    assert ("plugb", "plugin", False, "no board") in [(p.name, p.source, p.available, p.reason) for p in sel.probes]
+
+
+def test_a_plugin_that_fails_to_load_is_recorded(plugin_env) -> None:  # type: ignore[no-untyped-def]
+    plugin_env("plug_c", {"plugc": "plug_c:missing"}, PLUGIN_SOURCE.format(name="plugc", reason=None))
+    sel = platforms.select({})
+    assert sel.platform.name == "cpu"
+    assert "failed to load: AttributeError" in sel.probes[0].reason
+
+
+def test_two_available_plugins_are_an_error(plugin_env) -> None:  # type: ignore[no-untyped-def]
+    plugin_env("plug_d", {"plugd": "plug_d:make"}, PLUGIN_SOURCE.format(name="plugd", reason=None))
+    plugin_env("plug_e", {"pluge": "plug_e:make"}, PLUGIN_SOURCE.format(name="pluge", reason=None))
+    with pytest.raises(AmbiguousPlatformError, match="plugd, pluge all claim this machine; set HYPERRNG_PLATFORM"):
+        platforms.select({})
+
+
+def test_env_var_picks_one_of_two_plugins_by_entry_point_name(plugin_env) -> None:  # type: ignore[no-untyped-def]
+    plugin_env("plug_f", {"plugf": "plug_f:make"}, PLUGIN_SOURCE.format(name="plugf", reason=None))
+    plugin_env("plug_g", {"plugg": "plug_g:make"}, PLUGIN_SOURCE.format(name="plugg", reason=None))
+    assert platforms.select({platforms.ENV_VAR: "plugg"}).platform.name == "plugg"
+
+
+# -- programmatic override and registration ------------------------------------------------
+
+
+def test_use_overrides_inside_the_block_and_restores_after() -> None:
+    outer = platforms.current()
+    sim = platforms.SimulatedPlatform()
+    with platforms.use(sim) as p:
+        assert p is sim and platforms.current() is sim
+    assert platforms.current() is outer
+
+
+def test_use_restores_even_when_the_block_raises() -> None:
+    outer = platforms.current()
+    with pytest.raises(ZeroDivisionError):
+        with platforms.use("sim"):
+            1 / 0
+    assert platforms.current() is outer
+
+
+def test_set_current_refuses_what_is_not_a_platform() -> None:
+    outer = platforms.current()
+    with pytest.raises(InvalidPlatformError, match="expected a Platform or a platform name, got int"):
+        platforms.set_current(3)  # type: ignore[arg-type]
+    assert platforms.current() is outer
+
+
+def test_register_adds_a_named_factory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("mysim", platforms.SimulatedPlatform)
+    assert "mysim" in platforms.registered()
+    assert isinstance(platforms.load("mysim"), platforms.SimulatedPlatform)
+
+
+@pytest.mark.parametrize(
+    ("name", "factory", "error", "fragment"),
+    [
+        ("cpu", platforms.CPUPlatform, PlatformNameError, "already registered; pass replace=True"),
+        ("", platforms.CPUPlatform, PlatformNameError, "non-empty string"),
+        ("a:b", platforms.CPUPlatform, PlatformNameError, "without ':'"),
+        ("x", 42, InvalidPlatformError, "must be callable"),
+    ],
+)
+def test_register_refuses_bad_names_and_factories(
+    name: str, factory: object, error: type[Exception], fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    before = dict(registry._FACTORIES)
+    with pytest.raises(error, match=fragment.replace("(", r"\(")):
+        platforms.register(name, factory)  # type: ignore[arg-type]
+    assert registry._FACTORIES == before
+
+
+def test_an_unavailable_registered_platform_cannot_be_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("nodev", _Unavailable)
+    with pytest.raises(PlatformUnavailableError, match="no such device on this machine"):
+        platforms.load("nodev")
+
+
+# -- import behaviour, in fresh interpreters ------------------------------------------------
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def test_importing_platforms_alone_selects_nothing() -> None:
+    out = _python("import platforms.registry as r; print(r._selection is None)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
+def test_import_hyperrng_initialises_no_device_and_loads_no_npu_runtime(tmp_path: Path) -> None:
+    (tmp_path / "countingaccel.py").write_text(
+        "import platforms\nMODULE = platforms.SimulatedDeviceModule()\n"
+        "def make():\n    return platforms.CUDAPlatform(module=MODULE)\n"
+    )
+    code = (
+        "import sys, torch, hyperrng, countingaccel\n"
+        "assert hyperrng.current_platform().module is countingaccel.MODULE\n"
+        "print(countingaccel.MODULE.is_initialized(), torch.cuda.is_initialized(), 'torch_npu' in sys.modules)"
+    )
+    out = _python(code, HYPERRNG_PLATFORM="countingaccel:make", PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"]
+
+
+def test_import_hyperrng_fails_at_import_when_the_forced_platform_is_unknown() -> None:
+    out = _python("import hyperrng", HYPERRNG_PLATFORM="tpu")
+    assert out.returncode != 0
+    assert "UnknownPlatformError: unknown platform 'tpu'" in out.stderr
+
+
+def test_info_explains_the_choice_and_every_probe() -> None:
+    out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))")
+    assert out.returncode == 0, out.stderr
+    assert "platform: cpu" in out.stdout
+    assert "chosen because: first available built-in" in out.stdout
+    assert "npu      [builtin] unavailable - torch_npu is not installed" in out.stdout
+    assert "HYPERRNG_PLATFORM=''" in out.stdout
+
+
+def test_info_shows_the_env_var_when_it_decides() -> None:
+    out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))", HYPERRNG_PLATFORM="sim")
+    assert out.returncode == 0, out.stderr
+    assert "platform: sim" in out.stdout and "chosen because: HYPERRNG_PLATFORM='sim'" in out.stdout
