@@ -13,7 +13,7 @@ from hyperrng.benchmarks._timing import BenchResult, best_time
 
 __all__ = ["SUITES", "BenchResult", "best_time", "run_benchmarks", "format_results"]
 
-SUITES = ("streams", "sharding", "philox")
+SUITES = ("platform", "streams", "sharding", "philox")
 
 
 def run_benchmarks(quick: bool = False, suites: Sequence[str] | None = None) -> list[BenchResult]:
