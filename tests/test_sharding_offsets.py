@@ -1,0 +1,503 @@
+"""Specification of hyperrng.sharding: RNG offset windows for shards of a DTensor.
+
+PyTorch is the reference twice over. Its offsets come from its own
+``OffsetBasedRNGTracker._compute_rng_offsets`` run on a real ``DTensorSpec`` whose
+``DeviceMesh`` is built for the rank in question without a process group
+(``_init_backend=False, _rank=r``); only the tracker's constructor, which demands a CUDA
+device, is bypassed. Which elements a rank holds comes from splitting ``torch.arange``
+with each placement's own ``_split_tensor``, in mesh-dim order, as ``distribute_tensor``
+does. Tests that need these torch internals skip when the installed torch lacks them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard, placement_types
+
+from hyperrng import sharding
+from hyperrng.errors import RNGDesyncError, ShardingError
+from hyperrng.sharding import (
+    PHILOX_OFFSET_ALIGNMENT,
+    check_disjoint,
+    local_index_ranges,
+    local_shard,
+    rng_offsets,
+)
+
+_StridedShard: Any = getattr(placement_types, "_StridedShard", None)  # absent from older torch releases
+
+needs_strided = pytest.mark.skipif(_StridedShard is None, reason="this torch has no _StridedShard")
+
+Config = tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]
+
+
+def _strided(dim: int, split_factor: int) -> Any:
+    assert _StridedShard is not None
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(size) for size in mesh_shape)))
+
+
+def _normalised(placements: Sequence[Any], ndim: int) -> tuple[Any, ...]:
+    """Placements with negative dims made positive, as distribute_tensor stores them."""
+    out: list[Any] = []
+    for p in placements:
+        if _StridedShard is not None and isinstance(p, _StridedShard):
+            out.append(_StridedShard(p.dim % ndim, split_factor=p.split_factor))
+        elif isinstance(p, Shard):
+            out.append(Shard(p.dim % ndim))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _torch_offsets(
+    mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], global_shape: Sequence[int]
+) -> tuple[int, int]:
+    """PyTorch's (start, end) for the rank at ``coordinate``; has the signature of rng_offsets."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._random import OffsetBasedRNGTracker
+    except ImportError as exc:
+        pytest.skip(f"this torch lacks DTensor's RNG internals: {exc}")
+    rank = int(np.ravel_multi_index(tuple(coordinate), tuple(mesh_shape)))
+    try:
+        mesh = DeviceMesh(
+            "cpu", torch.arange(math.prod(mesh_shape)).view(tuple(mesh_shape)), _init_backend=False, _rank=rank
+        )
+    except TypeError as exc:
+        pytest.skip(f"this torch cannot build a DeviceMesh without a process group: {exc}")
+    meta = TensorMeta(torch.Size(global_shape), torch.empty(tuple(global_shape)).stride(), torch.float32)
+    spec = DTensorSpec(mesh, _normalised(placements, len(global_shape)), tensor_meta=meta)
+    tracker = object.__new__(OffsetBasedRNGTracker)  # __init__ demands CUDA; the offset math does not
+    if not hasattr(tracker, "_compute_rng_offsets"):
+        pytest.skip("this torch has no OffsetBasedRNGTracker._compute_rng_offsets")
+    start, end = tracker._compute_rng_offsets(spec)
+    return int(start), int(end)
+
+
+def _torch_local_elements(
+    mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], global_shape: Sequence[int]
+) -> torch.Tensor:
+    """The flat global indices the rank holds, in local layout, split as distribute_tensor splits."""
+    local = torch.arange(math.prod(global_shape)).reshape(tuple(global_shape))
+    for mesh_dim, placement in enumerate(_normalised(placements, len(global_shape))):
+        if isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard)):
+            if not hasattr(placement, "_split_tensor"):
+                pytest.skip("this torch has no Placement._split_tensor")
+            pieces, _ = placement._split_tensor(local, mesh_shape[mesh_dim], with_padding=False, contiguous=False)
+            local = pieces[coordinate[mesh_dim]]
+    return local
+
+
+def _our_local_elements(
+    mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], global_shape: Sequence[int]
+) -> torch.Tensor:
+    local = torch.arange(math.prod(global_shape)).reshape(tuple(global_shape))
+    for dim, runs in enumerate(local_index_ranges(mesh_shape, coordinate, placements, global_shape)):
+        local = local.index_select(dim, torch.tensor([i for run in runs for i in run], dtype=torch.long))
+    return local
+
+
+def _torch_shard_numels(config: Config) -> set[int]:
+    mesh, placements, shape = config
+    return {_torch_local_elements(mesh, c, placements, shape).numel() for c in _coords(mesh)}
+
+
+def _assert_contract(config: Config, offsets: Callable[..., tuple[int, int]] = rng_offsets) -> None:
+    """The offset contract, checked independently of hyperrng's shard numbering.
+
+    Replicas are found from the data PyTorch gives each rank (equal element sets), not from
+    hyperrng's linear shard index.
+    """
+    mesh, placements, shape = config
+    ends = set()
+    by_shard: dict[frozenset[int], set[tuple[int, int]]] = {}
+    for coord in _coords(mesh):
+        start, end = offsets(mesh, coord, placements, shape)
+        assert start % PHILOX_OFFSET_ALIGNMENT == 0 and end % PHILOX_OFFSET_ALIGNMENT == 0, (coord, start, end)
+        assert start >= 0
+        ends.add(end)
+        elements = _torch_local_elements(mesh, coord, placements, shape).flatten().tolist()
+        if elements:
+            by_shard.setdefault(frozenset(elements), set()).add((start, start + len(elements)))
+    assert len(ends) == 1, f"ranks disagree on end: {ends}"
+    (end,) = ends
+    assert all(len(windows) == 1 for windows in by_shard.values()), "replicas got different windows"
+    windows = sorted(w for (w,) in by_shard.values())
+    assert all(high <= end for _, high in windows), (windows, end)
+    assert all(a_high <= b_low for (_, a_high), (b_low, _) in itertools.pairwise(windows)), windows
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def _shardings() -> list[Any]:
+    cases: list[Any] = [
+        pytest.param(((4,), (Shard(0),), (10,)), id="1d-uneven"),
+        pytest.param(((4, 4), (Shard(0), Shard(1)), (10, 10)), id="2d-uneven-4x4"),
+        pytest.param(((2, 2), (Shard(0), Shard(0)), (16,)), id="dim-sharded-twice"),
+        pytest.param(((2, 3), (Shard(0), Shard(0)), (7, 2)), id="dim-sharded-twice-uneven"),
+        pytest.param(((2, 2, 3), (Shard(1), Replicate(), Shard(1)), (3, 11)), id="twice-around-a-replicate"),
+        pytest.param(((2, 3, 2), (Shard(1), Replicate(), Shard(0)), (5, 7)), id="several-dims-and-replicas"),
+        pytest.param(((3, 2), (Partial(), Shard(-1)), (4, 9)), id="partial-and-negative-dim"),
+        pytest.param(((8,), (Shard(0),), (3, 2)), id="more-ranks-than-rows"),
+        pytest.param(((4,), (Shard(0),), (0, 5)), id="empty-tensor"),
+        pytest.param(((2,), (Replicate(),), ()), id="scalar-replicated"),
+        pytest.param(((2, 2, 2), (Shard(0), Shard(1), Shard(2)), (3, 5, 6)), id="three-dims-uneven"),
+    ]
+    if _StridedShard is not None:
+        cases += [
+            pytest.param(((2, 2), (_strided(0, 2), Shard(0)), (8, 8)), id="strided-fsdp2-tp"),
+            pytest.param(((2, 3), (_strided(1, 3), Shard(1)), (5, 10)), id="strided-uneven"),
+            pytest.param(((3, 2), (Shard(0), _strided(0, 2)), (11,)), id="shard-then-strided"),
+        ]
+    return cases
+
+
+def _sweep(seed: int, count: int) -> list[Config]:
+    """Random small shardings: uneven sizes, empty extents, dims sharded several times."""
+    rng = random.Random(seed)
+    configs = []
+    for _ in range(count):
+        mesh = tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 3)))
+        ndim = rng.randint(1, 3)
+        placements: list[Any] = []
+        for _ in mesh:
+            roll = rng.random()
+            if roll < 0.2:
+                placements.append(Replicate())
+            elif roll < 0.3:
+                placements.append(Partial())
+            elif roll < 0.45 and _StridedShard is not None:
+                placements.append(_strided(rng.randrange(ndim), rng.randint(1, 3)))
+            else:
+                placements.append(Shard(rng.randrange(-ndim, ndim)))
+        shape = tuple(rng.randint(0, 9) for _ in range(ndim))
+        configs.append((mesh, tuple(placements), shape))
+    return configs
+
+
+def _even_sweep(seed: int, count: int) -> list[Config]:
+    """Random shardings with equal shards whose numel is a multiple of 4, each dim sharded once."""
+    rng = random.Random(seed)
+    configs = []
+    for _ in range(count):
+        mesh = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        ndim = rng.randint(1, 3)
+        free_dims = list(range(ndim))
+        rng.shuffle(free_dims)
+        parts = [1] * ndim
+        placements: list[Any] = []
+        for size in mesh:
+            if free_dims and rng.random() < 0.7:
+                dim = free_dims.pop()
+                if _StridedShard is not None and rng.random() < 0.25:
+                    split_factor = rng.randint(1, 2)
+                    placements.append(_strided(dim, split_factor))
+                    parts[dim] = size * split_factor
+                else:
+                    placements.append(Shard(dim))
+                    parts[dim] = size
+            else:
+                placements.append(rng.choice([Replicate(), Partial()]))
+        shape = [p * rng.randint(1, 3) for p in parts]
+        shape[-1] *= 4  # every shard's last extent, hence its numel, becomes a multiple of 4
+        configs.append((mesh, tuple(placements), tuple(shape)))
+    return configs
+
+
+EQUAL_SHARDINGS = [
+    pytest.param(((4,), (Shard(0),), (16,)), id="1d"),
+    pytest.param(((2, 2, 2), (Shard(1), Replicate(), Shard(0)), (8, 16)), id="pytorch-docstring-example"),
+    pytest.param(((2, 4), (Shard(0), Shard(1)), (8, 8)), id="2d"),
+    pytest.param(((2, 2), (Partial(), Shard(1)), (4, 8)), id="partial"),
+    pytest.param(((2, 2, 2), (Shard(0), Shard(2), Replicate()), (4, 3, 8)), id="shard-numel-24"),
+    pytest.param(((3,), (Shard(-1),), (2, 6)), id="negative-dim"),
+]
+
+
+# --------------------------------------------------------------------------- agreement with PyTorch
+
+
+@pytest.mark.parametrize("config", EQUAL_SHARDINGS)
+def test_offsets_equal_pytorch_when_shards_are_equal_multiples_of_four_and_no_dim_is_sharded_twice(
+    config: Config,
+) -> None:
+    numels = _torch_shard_numels(config)
+    assert len(numels) == 1 and numels.pop() % 4 == 0
+    mesh, placements, shape = config
+    for coord in _coords(mesh):
+        assert rng_offsets(mesh, coord, placements, shape) == _torch_offsets(mesh, coord, placements, shape), coord
+
+
+def test_offsets_equal_pytorch_on_every_even_sharding_of_a_seeded_sweep() -> None:
+    compared = 0
+    for config in _even_sweep(seed=20240611, count=40):
+        numels = _torch_shard_numels(config)
+        assert len(numels) == 1 and next(iter(numels)) % 4 == 0, config
+        mesh, placements, shape = config
+        for coord in _coords(mesh):
+            ours = rng_offsets(mesh, coord, placements, shape)
+            assert ours == _torch_offsets(mesh, coord, placements, shape), (config, coord)
+            compared += 1
+    assert compared > 100
+
+
+@pytest.mark.parametrize("config", _shardings())
+def test_local_shard_equals_pytorch_compute_local_shape_and_global_offset(config: Config) -> None:
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError:
+        pytest.skip("this torch has no _compute_local_shape_and_global_offset")
+    mesh, placements, shape = config
+    for coord in _coords(mesh):
+        expected = _compute_local_shape_and_global_offset(shape, mesh, list(coord), _normalised(placements, len(shape)))
+        assert local_shard(mesh, coord, placements, shape) == expected, coord
+
+
+@pytest.mark.parametrize("config", _shardings())
+def test_local_index_ranges_hold_exactly_what_distribute_tensor_gives_each_rank(config: Config) -> None:
+    mesh, placements, shape = config
+    for coord in _coords(mesh):
+        expected = _torch_local_elements(mesh, coord, placements, shape)
+        assert torch.equal(_our_local_elements(mesh, coord, placements, shape), expected), coord
+
+
+def test_local_shards_match_pytorch_on_a_seeded_sweep_of_uneven_shardings() -> None:
+    for mesh, placements, shape in _sweep(seed=7, count=60):
+        for coord in _coords(mesh):
+            expected = _torch_local_elements(mesh, coord, placements, shape)
+            assert torch.equal(_our_local_elements(mesh, coord, placements, shape), expected), (mesh, placements)
+
+
+# --------------------------------------------------------------------------- the offset contract
+
+
+@pytest.mark.parametrize("config", _shardings())
+def test_windows_of_distinct_shards_are_disjoint_replicas_share_one_and_all_lie_below_end(config: Config) -> None:
+    _assert_contract(config)
+    check_disjoint(*config)
+
+
+def test_contract_holds_on_a_seeded_sweep_of_uneven_shardings() -> None:
+    for config in _sweep(seed=11, count=60):
+        _assert_contract(config)
+        check_disjoint(*config)
+
+
+def test_window_starts_are_packed_sums_of_the_earlier_shards_numels_rounded_to_four() -> None:
+    assert [rng_offsets((4,), (r,), [Shard(0)], (10,)) for r in range(4)] == [(0, 16), (4, 16), (8, 16), (12, 16)]
+    assert [rng_offsets((2,), (r,), [Shard(0)], (5,)) for r in range(2)] == [(0, 8), (4, 8)]
+    # (10, 10) on 4x4: shard extents 3, 3, 3, 1 per dim, so rows of numels 9 9 9 3 / ... / 3 3 3 1.
+    rounded = [12, 12, 12, 4] * 3 + [4, 4, 4, 4]
+    starts = [rng_offsets((4, 4), c, [Shard(0), Shard(1)], (10, 10))[0] for c in _coords((4, 4))]
+    assert starts == list(itertools.accumulate(rounded[:-1], initial=0))
+    assert rng_offsets((4, 4), (0, 0), [Shard(0), Shard(1)], (10, 10))[1] == sum(rounded) == 136
+
+
+def test_replicas_on_replicate_and_partial_mesh_dims_get_the_same_offsets() -> None:
+    placements = (Replicate(), Shard(0), Partial())
+    for shard in range(3):
+        got = {rng_offsets((2, 3, 2), (r, shard, p), placements, (7, 5)) for r in range(2) for p in range(2)}
+        assert len(got) == 1
+
+
+def test_a_replicated_tensor_starts_at_zero_and_ends_at_its_numel_rounded_up() -> None:
+    assert rng_offsets((2, 2), (1, 0), [Replicate(), Partial()], (5, 3)) == (0, 16)
+    assert rng_offsets((2, 2), (1, 0), [Replicate(), Partial()], (5, 3)) == _torch_offsets(
+        (2, 2), (1, 0), [Replicate(), Partial()], (5, 3)
+    )
+    assert rng_offsets((2,), (1,), [Replicate()], ()) == (0, 4)
+
+
+def test_a_negative_shard_dim_counts_from_the_end_like_dtensor() -> None:
+    for coord in _coords((2, 3)):
+        assert rng_offsets((2, 3), coord, [Shard(-1), Shard(0)], (5, 7)) == rng_offsets(
+            (2, 3), coord, [Shard(1), Shard(0)], (5, 7)
+        )
+        assert local_shard((2, 3), coord, [Shard(-1), Shard(0)], (5, 7)) == local_shard(
+            (2, 3), coord, [Shard(1), Shard(0)], (5, 7)
+        )
+
+
+def test_distinct_shards_partition_the_tensor() -> None:
+    mesh, placements, shape = (2, 3, 2), (Shard(1), Shard(0), Shard(1)), (7, 9)
+    held = {local_index_ranges(mesh, c, placements, shape) for c in _coords(mesh)}
+    cells = [cell for ranges in held for cell in itertools.product(*(list(itertools.chain(*r)) for r in ranges))]
+    assert sorted(cells) == list(itertools.product(range(7), range(9)))
+
+
+@needs_strided
+def test_strided_shard_follows_the_fsdp2_plus_tp_right_to_left_row_order() -> None:
+    placements = (_strided(0, 2), Shard(0))
+    rows = {c: local_index_ranges((2, 2), c, placements, (8, 8))[0] for c in _coords((2, 2))}
+    assert rows == {(0, 0): (range(2),), (0, 1): (range(4, 6),), (1, 0): (range(2, 4),), (1, 1): (range(6, 8),)}
+    assert local_index_ranges((2,), (1,), (_strided(0, 2),), (8,)) == ((range(2, 4), range(6, 8)),)
+    check_disjoint((2, 2), placements, (8, 8))
+
+
+# --------------------------------------------------------------------------- where PyTorch breaks the contract
+
+
+def test_pytorch_overruns_end_on_an_uneven_1d_split_and_ours_does_not() -> None:
+    mesh, placements, shape = (4,), (Shard(0),), (10,)
+    theirs = [_torch_offsets(mesh, (r,), placements, shape) for r in range(4)]
+    assert theirs == [(0, 12), (4, 12), (8, 12), (12, 12)]  # the last shard's 1 element: [12, 13), past 12
+    with pytest.raises(RNGDesyncError, match=r"\[12, 13\), past end=12"):
+        check_disjoint(mesh, placements, shape, offsets=_torch_offsets)
+    with pytest.raises(AssertionError):
+        _assert_contract((mesh, placements, shape), offsets=_torch_offsets)
+    assert [rng_offsets(mesh, (r,), placements, shape) for r in range(4)] == [(0, 16), (4, 16), (8, 16), (12, 16)]
+    _assert_contract((mesh, placements, shape))
+    check_disjoint(mesh, placements, shape)
+
+
+def test_pytorch_windows_overlap_on_a_10x10_tensor_over_a_4x4_mesh_and_ours_do_not() -> None:
+    mesh, placements, shape = (4, 4), (Shard(0), Shard(1)), (10, 10)
+    windows = {}
+    for coord in _coords(mesh):
+        start, end = _torch_offsets(mesh, coord, placements, shape)
+        windows[coord] = (start, start + math.prod(local_shard(mesh, coord, placements, shape)[0]))
+    assert end == 100
+    assert windows[(0, 1)] == (12, 21) and windows[(0, 2)] == (20, 29)  # overlapping
+    assert windows[(3, 3)] == (136, 137)  # and far past end
+    with pytest.raises(RNGDesyncError, match="overlapping|past end"):
+        check_disjoint(mesh, placements, shape, offsets=_torch_offsets)
+    with pytest.raises(AssertionError):
+        _assert_contract((mesh, placements, shape), offsets=_torch_offsets)
+    _assert_contract((mesh, placements, shape))
+    check_disjoint(mesh, placements, shape)
+
+
+def test_pytorch_overruns_end_when_a_dim_is_sharded_twice_and_ours_does_not() -> None:
+    mesh, placements, shape = (2, 2), (Shard(0), Shard(0)), (16,)
+    assert {math.prod(local_shard(mesh, c, placements, shape)[0]) for c in _coords(mesh)} == {4}
+    # PyTorch sizes the shard from the last mesh dim alone (16 / 2 = 8 instead of 4).
+    assert [_torch_offsets(mesh, c, placements, shape) for c in _coords(mesh)] == [(0, 16), (8, 16), (16, 16), (24, 16)]
+    with pytest.raises(RNGDesyncError, match="past end=16"):
+        check_disjoint(mesh, placements, shape, offsets=_torch_offsets)
+    with pytest.raises(AssertionError):
+        _assert_contract((mesh, placements, shape), offsets=_torch_offsets)
+    assert [rng_offsets(mesh, c, placements, shape) for c in _coords(mesh)] == [(0, 16), (4, 16), (8, 16), (12, 16)]
+    check_disjoint(mesh, placements, shape)
+
+
+# --------------------------------------------------------------------------- check_disjoint on foreign offsets
+
+
+def test_check_disjoint_rejects_replicas_that_start_at_different_offsets() -> None:
+    def by_rank(mesh: Sequence[int], coord: Sequence[int], placements: Any, shape: Sequence[int]) -> tuple[int, int]:
+        return 4 * coord[0], 8
+
+    with pytest.raises(RNGDesyncError, match="hold the same shard but start at offsets 0 and 4"):
+        check_disjoint((2,), (Replicate(),), (3,), offsets=by_rank)
+
+
+def test_check_disjoint_rejects_ranks_that_disagree_on_end() -> None:
+    def by_rank(mesh: Sequence[int], coord: Sequence[int], placements: Any, shape: Sequence[int]) -> tuple[int, int]:
+        return 4 * coord[0], 8 + 4 * coord[0]
+
+    with pytest.raises(RNGDesyncError, match="advance to different offsets after the op"):
+        check_disjoint((2,), (Shard(0),), (8,), offsets=by_rank)
+
+
+def test_check_disjoint_rejects_offsets_that_are_not_multiples_of_four() -> None:
+    def unaligned(mesh: Sequence[int], coord: Sequence[int], placements: Any, shape: Sequence[int]) -> tuple[int, int]:
+        return 3 * coord[0], 8
+
+    with pytest.raises(RNGDesyncError, match="multiples of 4"):
+        check_disjoint((2,), (Shard(0),), (6,), offsets=unaligned)
+
+
+# --------------------------------------------------------------------------- scale and caching
+
+
+def test_every_rank_of_8192_rank_3d_and_4d_meshes_passes_the_check() -> None:
+    check_disjoint((8, 16, 64), (Shard(0), Shard(1), Shard(0)), (5000, 3001))
+    check_disjoint((4, 8, 16, 16), (Shard(0), Replicate(), Shard(1), Shard(2)), (1024, 999, 77))
+
+
+def test_offsets_on_an_even_8192_rank_4d_mesh_equal_pytorch_on_sampled_ranks() -> None:
+    mesh, placements, shape = (4, 8, 16, 16), (Shard(0), Replicate(), Shard(1), Shard(2)), (64, 64, 64)
+    check_disjoint(mesh, placements, shape)
+    rng = random.Random(3)
+    for _ in range(8):
+        coord = tuple(rng.randrange(size) for size in mesh)
+        assert rng_offsets(mesh, coord, placements, shape) == _torch_offsets(mesh, coord, placements, shape)
+
+
+def test_repeated_lookups_reuse_one_table_per_mesh_placements_and_shape() -> None:
+    config = ((2, 6), (Shard(1), Shard(0)), (13, 17))
+    rng_offsets(config[0], (0, 0), *config[1:])
+    before = sharding._table.cache_info()
+    for coord in _coords(config[0]):
+        rng_offsets(config[0], coord, *config[1:])
+        local_shard(config[0], coord, list(config[1]), list(config[2]))
+    after = sharding._table.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 24
+
+
+def test_numpy_ints_and_torch_size_are_accepted_as_sizes() -> None:
+    got = rng_offsets((np.int64(4),), torch.Size([np.int64(1)]), [Shard(0)], torch.Size([10]))
+    assert got == rng_offsets((4,), (1,), [Shard(0)], (10,)) == (4, 16)
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD_INPUTS = [
+    pytest.param(((4,), (0, 1), [Shard(0)], (8,)), "has 2 entries but the mesh (4,) has 1 dims", id="coord-length"),
+    pytest.param(((4,), (4,), [Shard(0)], (8,)), "outside the mesh (4,): index 4", id="coord-too-large"),
+    pytest.param(((4,), (-1,), [Shard(0)], (8,)), "coordinate[0] is -1", id="coord-negative"),
+    pytest.param(((4,), (True,), [Shard(0)], (8,)), "coordinate[0] is the bool True", id="coord-bool"),
+    pytest.param(((4,), (0,), [Shard(0), Replicate()], (8,)), "got 2 placements for a 1-dim mesh", id="too-many"),
+    pytest.param(((2, 2), (0, 0), [Shard(0)], (8,)), "got 1 placements for a 2-dim mesh", id="too-few"),
+    pytest.param(((2,), (0,), [Shard(2)], (4, 4)), "has 2 dims; shard a dim in [-2, 2)", id="dim-too-large"),
+    pytest.param(((2,), (0,), [Shard(-3)], (4, 4)), "has 2 dims; shard a dim in [-2, 2)", id="dim-too-negative"),
+    pytest.param(((2,), (0,), [Shard(0)], ()), "0-dim and cannot be sharded", id="shard-a-scalar"),
+    pytest.param(((2,), (0,), [Shard(0)], (4, -1)), "global_shape[1] is -1", id="negative-size"),
+    pytest.param(((0,), (0,), [Shard(0)], (4,)), "mesh_shape[0] is 0", id="empty-mesh-dim"),
+    pytest.param(((2,), (0,), [Shard(0)], (2.5,)), "global_shape[0] is 2.5 of type float", id="float-size"),
+    pytest.param(((2,), (0,), [Shard(0)], (True,)), "global_shape[0] is the bool True", id="bool-size"),
+    pytest.param(("2", (0,), [Shard(0)], (4,)), "mesh_shape must be a sequence", id="string-mesh"),
+    pytest.param(((2,), (0,), ["Shard(0)"], (4,)), "not a placement this module knows", id="string-placement"),
+    pytest.param(((2,), (0,), [object()], (4,)), "of type object, not a placement", id="object-placement"),
+]
+if _StridedShard is not None:
+    BAD_INPUTS.append(
+        pytest.param(((2,), (0,), [_strided(0, 0)], (4,)), "split_factor 0; it must be at least 1", id="split-zero")
+    )
+
+
+@pytest.mark.parametrize(("args", "fragment"), BAD_INPUTS)
+@pytest.mark.parametrize("function", [rng_offsets, local_shard, local_index_ranges])
+def test_bad_input_raises_sharding_error_naming_the_problem_and_caches_nothing(
+    function: Callable[..., object], args: tuple[Any, ...], fragment: str
+) -> None:
+    before = sharding._table.cache_info().currsize
+    with pytest.raises(ShardingError) as info:
+        function(*args)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert sharding._table.cache_info().currsize == before
+
+
+def test_check_disjoint_rejects_bad_input_with_sharding_error() -> None:
+    with pytest.raises(ShardingError, match="got 1 placements for a 2-dim mesh"):
+        check_disjoint((2, 2), [Shard(0)], (8,))
+    with pytest.raises(ShardingError, match="has 1 dims; shard a dim"):
+        check_disjoint((2,), [Shard(1)], (8,))
