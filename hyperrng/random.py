@@ -1,0 +1,123 @@
+"""``fork_rng`` for any platform: torch's ``torch.random.fork_rng`` without the hard-coded device type.
+
+``torch.random.fork_rng`` forks the CPU and the devices of *one* device type, which
+defaults to CUDA (or whatever torch guesses), so on an NPU or a plug-in accelerator it
+silently forks the wrong backend. :func:`fork_rng` forks the CPU state and the chosen
+devices of the *current platform* (``platforms.current()``), and it is cheap: states are
+copied straight from and into the generators, with no clones and no validation of states
+it read itself.
+
+A ``device_type`` that is not the current platform's is an error rather than a lookup in
+the platform registry: forking a backend that hyperrng does not drive would protect
+nothing that hyperrng's streams use, and loading it could initialise a second device
+runtime. Select the platform with ``platforms.use(...)`` instead.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, ContextManager, Iterable
+
+import torch
+
+import platforms
+from hyperrng.errors import UsageError
+from platforms import Platform
+from platforms._validate import check_index
+
+__all__ = ["fork_rng"]
+
+
+class _ForkRNG:
+    """Saves the CPU state and the chosen device states on entry, restores them on exit."""
+
+    __slots__ = ("_platform", "_targets", "_saved")
+
+    def __init__(self, platform: Platform, targets: list[tuple[Any, int]]) -> None:
+        self._platform = platform
+        self._targets = targets  # (generator or None, device index)
+        self._saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        platform = self._platform
+        saved = [torch.default_generator.get_state()]
+        for gen, index in self._targets:
+            saved.append(gen.get_state() if gen is not None else platform.get_rng_state(index))
+        self._saved = saved
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        saved = self._saved
+        torch.default_generator.set_state(saved[0])
+        for (gen, index), state in zip(self._targets, saved[1:]):
+            if gen is not None:
+                gen.set_state(state)
+            else:
+                self._platform.set_rng_state(state, index)
+        self._saved = []
+
+
+class _NoFork:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_FORK = _NoFork()
+
+
+def fork_rng(
+    devices: Iterable[int] | None = None, enabled: bool = True, device_type: str | None = None
+) -> ContextManager[None]:
+    """Return a context manager that restores the CPU and device RNG states on exit.
+
+    Args:
+        devices: indices of the current platform's devices to fork; ``None`` forks all
+            of them (as ``torch.random.fork_rng`` does), ``[]`` only the CPU. On the CPU
+            platform the CPU is always forked and ``devices`` adds nothing.
+        enabled: ``False`` makes the context manager do nothing.
+        device_type: optional check that the current platform is the one meant: its
+            torch device type (``"cuda"``, ``"npu"``, ...) or its platform name.
+
+    Returns:
+        A context manager; the states are read on entry and written back on exit, also
+        when the block raises.
+
+    Raises:
+        UsageError: ``device_type`` is not the current platform's (select it with
+            ``platforms.use(...)``; see the module docstring).
+        DeviceIndexError: a device index is not an int in ``[0, device_count())``.
+
+    Nothing is read or changed until the ``with`` block is entered; a bad argument
+    raises before that.
+    """
+    if not enabled:
+        return _NO_FORK
+    platform = platforms.current()
+    if device_type is not None and device_type not in (platform.device_type, platform.name):
+        raise UsageError(
+            f"fork_rng(device_type={device_type!r}), but the current platform is {platform.name!r} "
+            f"(device type {platform.device_type!r}); select that platform with platforms.use(...) "
+            "or leave device_type out."
+        )
+    if devices is None:
+        indices: list[int] = list(range(platform.device_count()))
+    else:
+        count = platform.device_count()
+        indices = []
+        for index in devices:
+            value = check_index(index, count, platform.name)
+            if value not in indices:
+                indices.append(value)
+    targets = []
+    for index in indices:
+        gen = platform.default_generator(index)
+        if gen is torch.default_generator:  # the CPU platform's device is the CPU: forked already
+            continue
+        targets.append((gen, index))
+    return _ForkRNG(platform, targets)
