@@ -1,0 +1,359 @@
+"""A declarative stream layout: each stream names the mesh dimensions it varies over.
+
+The additive recipes of Megatron-core and slapo (``seed + 2718 + tp_rank``,
+``seed + 1024 + 100 * ep_rank + etp_rank``) give two different streams the same seed as
+soon as a parallel dimension is large enough (TP=8 and EP >= 18 is enough). A layout
+replaces them::
+
+    layout = StreamLayout(
+        dims=("pp", "dp", "cp", "tp", "ep"),
+        default=("pp",),
+        streams={
+            "model-parallel-rng": ("pp", "tp"),
+            "expert-parallel-rng": ("pp", "ep"),
+            "context-parallel-rng": ("pp", "cp", "tp"),
+        },
+    )
+    apply_layout(layout, base_seed=1234, coords={"pp": 1, "dp": 3, "cp": 0, "tp": 5, "ep": 2})
+
+**The seed of a stream** is, for a stream ``name`` varying over dimensions
+``d1, ..., dk`` (in the order the stream declares them) with this rank's coordinates
+``c1, ..., ck``::
+
+    combine64(LAYOUT_DOMAIN, base_seed, name_hash(name),
+              dim_hash(d1), c1, ..., dim_hash(dk), ck)
+
+where ``combine64`` is :func:`platforms._mix.combine64` (SplitMix64 steps) and the hashes
+are the first 8 bytes, little-endian, of BLAKE2b over the UTF-8 name with a personalisation
+string (``hyperrng.stream`` / ``hyperrng.dim``) — stable across processes, machines and
+Python versions, unlike ``hash()``. The default generator's seed is the same formula with
+the reserved name :data:`DEFAULT_STREAM`.
+
+Consequences:
+
+* ranks with equal coordinates on a stream's dimensions share that stream (replicas
+  draw the same numbers), whatever their coordinates on the other dimensions;
+* mesh *sizes* never enter the formula, so growing a dimension, or adding a dimension a
+  stream does not vary over, leaves every existing stream's seed unchanged;
+* two ranks of one stream that differ only in its last dimension are guaranteed distinct
+  (the last mixing step is a bijection); any other pair collides with probability
+  2**-64, i.e. below 1e-12 for a million (stream, coordinate) pairs.
+  :meth:`StreamLayout.check_distinct` verifies a concrete mesh exhaustively.
+
+A layout is plain data: :meth:`StreamLayout.to_dict` / :meth:`StreamLayout.from_dict`
+round-trip it through JSON-compatible values (checkpoints store it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Any, Mapping, Sequence
+
+import torch
+
+import platforms
+from hyperrng.errors import LayoutError
+from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from platforms._mix import combine64
+from platforms._validate import check_seed
+
+__all__ = [
+    "DEFAULT_STREAM",
+    "LAYOUT_DOMAIN",
+    "LAYOUT_FORMAT_VERSION",
+    "StreamLayout",
+    "apply_layout",
+    "mesh_coordinates",
+    "name_hash",
+]
+
+DEFAULT_STREAM = "default"
+"""Reserved name of the default generator's stream (what code outside any fork draws from)."""
+
+LAYOUT_DOMAIN = 0x4C41594F55543031  # "LAYOUT01": keeps layout seeds apart from other uses of combine64
+"""First value mixed into every layout seed; changing it would change every derived seed."""
+
+LAYOUT_FORMAT_VERSION = 1
+"""Version of the :meth:`StreamLayout.to_dict` format."""
+
+_HASH_BYTES = 8
+_STREAM_PERSON = b"hyperrng.stream"
+_DIM_PERSON = b"hyperrng.dim"
+
+
+def name_hash(name: str, *, kind: str = "stream") -> int:
+    """Return the stable 64-bit hash of a stream name (``kind="stream"``) or dimension name (``"dim"``)."""
+    person = _STREAM_PERSON if kind == "stream" else _DIM_PERSON
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=_HASH_BYTES, person=person).digest()
+    return int.from_bytes(digest, "little")
+
+
+class StreamLayout:
+    """Which mesh dimensions each stream varies over.
+
+    Args:
+        dims: the names of the mesh dimensions (e.g. ``("pp", "dp", "cp", "tp", "ep")``).
+        default: the dimensions the default generator varies over (``()`` for "the same
+            on every rank").
+        streams: ``{stream name: dimensions it varies over}``, in the order the seed
+            formula mixes them.
+
+    Raises:
+        LayoutError: a name is not a non-empty string, ``dims`` repeats a name, a stream
+            varies over a dimension twice or over one that ``dims`` does not name, or a
+            stream is called :data:`DEFAULT_STREAM`.
+    """
+
+    def __init__(self, dims: Sequence[str], default: Sequence[str], streams: Mapping[str, Sequence[str]]) -> None:
+        dim_list = _names(dims, "mesh dimension")
+        if len(set(dim_list)) != len(dim_list):
+            raise LayoutError(f"mesh dimensions {dim_list} repeat a name; each dimension needs its own name.")
+        if not isinstance(streams, Mapping):
+            raise LayoutError(f"streams must map a stream name to its dimensions, got {type(streams).__name__}.")
+        table: dict[str, tuple[str, ...]] = {DEFAULT_STREAM: _stream_dims(DEFAULT_STREAM, default, dim_list)}
+        for name, varies in streams.items():
+            if not isinstance(name, str) or not name:
+                raise LayoutError(f"a stream name must be a non-empty string, got {name!r}.")
+            if name == DEFAULT_STREAM:
+                raise LayoutError(
+                    f"{DEFAULT_STREAM!r} is reserved for the default generator; declare its dimensions with default=."
+                )
+            table[name] = _stream_dims(name, varies, dim_list)
+        self._dims = tuple(dim_list)
+        self._streams = table
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The mesh dimension names, in declaration order."""
+        return self._dims
+
+    @property
+    def streams(self) -> dict[str, tuple[str, ...]]:
+        """``{stream name: dimensions}`` for the named streams (the default stream excluded)."""
+        return {name: dims for name, dims in self._streams.items() if name != DEFAULT_STREAM}
+
+    @property
+    def default(self) -> tuple[str, ...]:
+        """The dimensions the default generator varies over."""
+        return self._streams[DEFAULT_STREAM]
+
+    # -- seeds ----------------------------------------------------------------------------
+    def seed(self, stream: str, base_seed: int, coords: Mapping[str, int] | object) -> int:
+        """Return the seed of ``stream`` (or :data:`DEFAULT_STREAM`) for the rank at ``coords``.
+
+        ``coords`` maps every dimension of the layout to this rank's coordinate, or is a
+        mesh object (see :func:`mesh_coordinates`).
+
+        Raises:
+            LayoutError: unknown stream, or coordinates that are missing, extra, negative or not ints.
+            InvalidSeedError: ``base_seed`` is not an int in [0, 2**64 - 1].
+        """
+        if stream not in self._streams:
+            raise LayoutError(f"the layout has no stream {stream!r}; it declares {list(self._streams)}.")
+        return self.seeds(base_seed, coords)[stream]
+
+    def seeds(self, base_seed: int, coords: Mapping[str, int] | object) -> dict[str, int]:
+        """Return ``{stream: seed}`` for every stream, the default stream first (see :meth:`seed`)."""
+        base = check_seed(base_seed, "base_seed")
+        point = self._coords(coords)
+        return {name: self._mix(base, name, dims, point) for name, dims in self._streams.items()}
+
+    def check_distinct(self, base_seed: int, sizes: Mapping[str, int]) -> int:
+        """Verify that every (stream, coordinates) of a mesh of ``sizes`` gets its own seed.
+
+        Enumerates, for each stream, the coordinates on its own dimensions only (ranks
+        that share a stream share its seed by construction), so the cost is the sum over
+        streams of the product of their dimensions' sizes, not the number of ranks.
+
+        Returns:
+            The number of distinct (stream, coordinates) pairs checked.
+
+        Raises:
+            LayoutError: two pairs share a seed (the message names both), or ``sizes``
+                does not give a positive int for every dimension.
+        """
+        base = check_seed(base_seed, "base_seed")
+        extent = self._coords(sizes, what="size", minimum=1)
+        seen: dict[int, tuple[str, tuple[int, ...]]] = {}
+        for name, dims in self._streams.items():
+            for point in _grid([extent[d] for d in dims]):
+                seed = self._mix(base, name, dims, dict(zip(dims, point)))
+                other = seen.setdefault(seed, (name, point))
+                if other != (name, point):
+                    raise LayoutError(
+                        f"streams {other[0]!r} at {dict(zip(self._streams[other[0]], other[1]))} and {name!r} at "
+                        f"{dict(zip(dims, point))} share seed {seed} for base seed {base}; pick another base seed."
+                    )
+        return len(seen)
+
+    def seed_tracker(self, tracker: RNGStatesTracker, base_seed: int, coords: Mapping[str, int] | object) -> dict[str, int]:
+        """Reset ``tracker``, add every named stream, and seed the default generator.
+
+        The default stream's seed goes to the current device's default generator and, on
+        a platform whose device is not the CPU, also to torch's CPU generator, so code
+        outside forks follows the default stream's sharing on both. Python's ``random``
+        and NumPy are left alone (the seeding recipes cover them).
+
+        Returns:
+            ``{stream: seed}`` as :meth:`seeds` computes it.
+
+        Raises:
+            LayoutError, InvalidSeedError: see :meth:`seeds`; raised before anything changes.
+            DuplicateStreamError: two of this rank's streams share a seed (probability 2**-64).
+            TrackerStateError: a fork of ``tracker`` is active.
+
+        The tracker is replaced all or nothing (:meth:`RNGStatesTracker.reseed`) before
+        the default generator is seeded, so an error leaves everything as it was.
+        """
+        seeds = self.seeds(base_seed, coords)
+        tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
+        default_seed = seeds[DEFAULT_STREAM]
+        platform = platforms.current()
+        platform.manual_seed(default_seed)
+        if platform.default_generator() is not torch.default_generator:
+            torch.default_generator.manual_seed(default_seed)
+        return seeds
+
+    # -- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Return the layout as JSON-compatible plain data (lists, strings, ints)."""
+        return {
+            "version": LAYOUT_FORMAT_VERSION,
+            "domain": LAYOUT_DOMAIN,
+            "dims": list(self._dims),
+            "default": list(self.default),
+            "streams": {name: list(dims) for name, dims in self.streams.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StreamLayout:
+        """Rebuild a layout from :meth:`to_dict` output.
+
+        Raises:
+            LayoutError: ``data`` is not such a dict, or comes from another format
+                version or mixing domain (its seeds would not be reproduced).
+        """
+        if not isinstance(data, Mapping):
+            raise LayoutError(f"a layout dict is a mapping, got {type(data).__name__}.")
+        missing = [key for key in ("version", "domain", "dims", "default", "streams") if key not in data]
+        if missing:
+            raise LayoutError(f"layout dict lacks {missing}; pass what StreamLayout.to_dict() returned.")
+        if data["version"] != LAYOUT_FORMAT_VERSION or data["domain"] != LAYOUT_DOMAIN:
+            raise LayoutError(
+                f"layout dict has version {data['version']!r} and domain {data['domain']!r}; this hyperrng "
+                f"reads version {LAYOUT_FORMAT_VERSION} with domain {LAYOUT_DOMAIN} only."
+            )
+        return cls(dims=data["dims"], default=data["default"], streams=data["streams"])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StreamLayout):
+            return NotImplemented
+        return self._dims == other._dims and self._streams == other._streams
+
+    def __hash__(self) -> int:
+        return hash((self._dims, tuple(self._streams.items())))
+
+    def __repr__(self) -> str:
+        return f"StreamLayout(dims={self._dims}, default={self.default}, streams={self.streams})"
+
+    # -- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _mix(base: int, name: str, dims: tuple[str, ...], point: Mapping[str, int]) -> int:
+        values = [LAYOUT_DOMAIN, base, name_hash(name)]
+        for dim in dims:
+            values += (name_hash(dim, kind="dim"), point[dim])
+        return combine64(*values)
+
+    def _coords(self, coords: object, what: str = "coordinate", minimum: int = 0) -> dict[str, int]:
+        point = coords if isinstance(coords, Mapping) else mesh_coordinates(coords)
+        extra = [d for d in point if d not in self._dims]
+        if extra:
+            raise LayoutError(f"{what}s given for {extra}, which the layout does not have (dims {list(self._dims)}).")
+        missing = [d for d in self._dims if d not in point]
+        if missing:
+            raise LayoutError(f"{what}s lack dimension(s) {missing}; give one for every dimension {list(self._dims)}.")
+        return {d: _check_int(point[d], f"{what} of {d!r}", minimum) for d in self._dims}
+
+
+def mesh_coordinates(mesh: Mapping[str, int] | object) -> dict[str, int]:
+    """Return ``{dim name: this rank's coordinate}`` of ``mesh``.
+
+    ``mesh`` is either such a mapping or an object with ``mesh_dim_names`` and
+    ``get_coordinate()``, like ``torch.distributed.DeviceMesh``.
+
+    Raises:
+        LayoutError: the mesh has no dimension names, this rank is not in it, or a
+            coordinate is negative or not an int.
+    """
+    if isinstance(mesh, Mapping):
+        if not all(isinstance(k, str) and k for k in mesh):
+            raise LayoutError(f"mesh dimension names must be non-empty strings, got {list(mesh)}.")
+        return {name: _check_int(value, f"coordinate of {name!r}") for name, value in mesh.items()}
+    names = getattr(mesh, "mesh_dim_names", None)
+    get_coordinate = getattr(mesh, "get_coordinate", None)
+    if not callable(get_coordinate):
+        raise LayoutError(
+            f"expected a mapping of dimension name to coordinate or a DeviceMesh, got {type(mesh).__name__}."
+        )
+    if not names:
+        raise LayoutError("the mesh has no mesh_dim_names; create it with names (e.g. init_device_mesh(..., mesh_dim_names=...)).")
+    coordinate = get_coordinate()
+    if coordinate is None:
+        raise LayoutError("this rank is not part of the mesh (get_coordinate() returned None).")
+    if len(coordinate) != len(names):
+        raise LayoutError(f"the mesh has {len(names)} dimension names but {len(coordinate)} coordinates.")
+    return {name: _check_int(value, f"coordinate of {name!r}") for name, value in zip(names, coordinate)}
+
+
+def apply_layout(
+    layout: StreamLayout,
+    base_seed: int,
+    coords: Mapping[str, int] | object,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> dict[str, int]:
+    """Seed ``tracker`` (default: the process-wide one) and the default generator from ``layout``.
+
+    See :meth:`StreamLayout.seed_tracker`; returns ``{stream: seed}``.
+    """
+    return layout.seed_tracker(tracker if tracker is not None else get_rng_tracker(), base_seed, coords)
+
+
+def _names(values: object, what: str) -> list[str]:
+    if isinstance(values, str) or not isinstance(values, Sequence):
+        raise LayoutError(f"{what}s must be a sequence of names such as ('pp', 'tp'), got {values!r}.")
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise LayoutError(f"a {what} name must be a non-empty string, got {value!r}.")
+    return list(values)
+
+
+def _stream_dims(name: str, varies: object, dims: Sequence[str]) -> tuple[str, ...]:
+    listed = _names(varies, f"dimension of stream {name!r}")
+    unknown = [d for d in listed if d not in dims]
+    if unknown:
+        raise LayoutError(f"stream {name!r} varies over {unknown}, which is not a mesh dimension {list(dims)}.")
+    repeated = sorted({d for d in listed if listed.count(d) > 1})
+    if repeated:
+        raise LayoutError(f"stream {name!r} varies over {repeated} more than once; list each dimension once.")
+    return tuple(listed)
+
+
+def _check_int(value: object, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool):
+        raise LayoutError(f"{what} must be an int, got the bool {value!r}.")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise LayoutError(f"{what} must be an int, got {type(value).__name__} {value!r}.") from None
+    if number < minimum:
+        raise LayoutError(f"{what} must be >= {minimum}, got {number}.")
+    return number
+
+
+def _grid(extents: Sequence[int]) -> list[tuple[int, ...]]:
+    points: list[tuple[int, ...]] = [()]
+    for extent in extents:
+        points = [p + (i,) for p in points for i in range(extent)]
+    return points
