@@ -1,0 +1,353 @@
+"""Seeding recipes of slapo, Megatron-core and d9d, on every platform, so existing runs reproduce.
+
+Each recipe keeps its published formula (tested against it) and its stream names, but
+seeds the current platform's devices instead of CUDA only, validates everything before it
+changes anything, and replaces the tracker's streams all or nothing. New code should
+prefer :mod:`hyperrng.layout`, whose seeds cannot collide the way these additive ones do
+(Megatron-core's model-parallel stream of ``tp_rank`` 6 and expert stream of ``ep_rank``
+17, ``etp_rank`` 0 are both ``seed + 2724``).
+
+What "seed torch" means here: torch's CPU generator and the default generator of every
+device of the current platform (what ``torch.manual_seed`` does for CUDA). Python's
+``random`` takes any int. NumPy's legacy ``np.random.seed`` accepts only seeds below
+2**32: smaller seeds are passed as they are (the stream the original recipes give), larger
+ones as the array ``[low 32 bits, high 32 bits]`` of ``uint32``, which NumPy's legacy
+seeding accepts and which keeps all 64 bits (distinct seeds give distinct states).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+import platforms
+from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
+from hyperrng.layout import mesh_coordinates
+from hyperrng.tracker import (
+    DATA_PARALLEL_STREAM,
+    EXPERT_PARALLEL_STREAM,
+    MODEL_PARALLEL_STREAM,
+    RNGStatesTracker,
+    TrackerStateError,
+    get_rng_tracker,
+)
+from platforms._validate import MAX_SEED, check_seed
+
+__all__ = [
+    "SLAPO_DEFAULT_SEED",
+    "MegatronSeeds",
+    "set_random_seed",
+    "model_parallel_manual_seed",
+    "model_parallel_cuda_manual_seed",
+    "is_random_seed_set",
+    "megatron_seeds",
+    "megatron_model_parallel_manual_seed",
+    "megatron_set_random_seed",
+    "set_seeds",
+    "seed_host",
+]
+
+SLAPO_DEFAULT_SEED = 2013
+"""slapo's default base seed."""
+
+_PIPELINE_SEED_STRIDE = 100  # slapo and Megatron-core: base seed += 100 * pp_rank
+_DATA_PARALLEL_SEED_STRIDE = 10  # slapo (when dp_rank is given) and Megatron-core (data_parallel_random_init)
+_MEGATRON_TP_OFFSET = 2718  # model-parallel seed = seed + 2718 + tp_rank ("any positive value works")
+_MEGATRON_EXPERT_OFFSET = 1024  # expert seed = seed + 1024 + 100 * ep_rank + etp_rank
+_MEGATRON_EP_STRIDE = 100
+_NUMPY_LEGACY_SEED_LIMIT = 2**32  # np.random.seed(int) refuses larger seeds
+_WORD_BITS = 32
+_WORD_MASK = (1 << _WORD_BITS) - 1
+_PYTHONHASHSEED_MODULUS = 2**32  # PYTHONHASHSEED must lie in [0, 2**32 - 1]
+_D9D_SEED_MODULUS = 2**64
+
+
+# -- shared pieces -------------------------------------------------------------------------
+def seed_host(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's legacy global state, and torch on the CPU and every device.
+
+    Seeds of 2**32 and above reach NumPy as two 32-bit words (see the module docstring).
+
+    Raises:
+        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1]; nothing is seeded.
+    """
+    value = check_seed(seed)
+    random.seed(value)
+    _seed_numpy(value)
+    _seed_torch(value)
+
+
+def _seed_numpy(seed: int) -> None:
+    if seed < _NUMPY_LEGACY_SEED_LIMIT:
+        np.random.seed(seed)
+    else:
+        np.random.seed(np.array([seed & _WORD_MASK, seed >> _WORD_BITS], dtype=np.uint32))
+
+
+def _seed_torch(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    platform = platforms.current()
+    for index in range(platform.device_count()):
+        platform.manual_seed(seed, index)
+
+
+def _rank(value: object, what: str) -> int:
+    """``value`` as a non-negative int (bools refused), else :class:`LayoutError`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{what} must be a non-negative int, got {type(value).__name__} {value!r}.")
+    if value < 0:
+        raise LayoutError(f"{what} must be a non-negative int, got {value}.")
+    return value
+
+
+def _derived(value: int, formula: str) -> int:
+    if value > MAX_SEED:
+        raise InvalidSeedError(f"{formula} = {value} exceeds 2**64 - 1; use a smaller base seed.")
+    return value
+
+
+def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
+    """The tracker to reseed; refuse up front when a fork is active, before anything is seeded."""
+    chosen = tracker if tracker is not None else get_rng_tracker()
+    if chosen.active_stream is not None:
+        raise TrackerStateError(
+            f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork."
+        )
+    return chosen
+
+
+# -- slapo -----------------------------------------------------------------------------------
+def model_parallel_manual_seed(
+    seed: int, tp_rank: int, always_enable_tp_seed: bool = False, *, tracker: RNGStatesTracker | None = None
+) -> int:
+    """slapo's model-parallel seeding: one stream, ``model-parallel-rng``, seeded ``seed + 2718 + tp_rank``.
+
+    The tracker (default: the process-wide one) is replaced by that single stream. The
+    current device's default generator gets ``seed``, or the model-parallel seed when
+    ``always_enable_tp_seed`` (slapo's choice with sequence parallelism, where every
+    dropout must differ across the TP group).
+
+    Returns:
+        The model-parallel seed.
+
+    Raises:
+        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1], or the derived seed overflows.
+        LayoutError: ``tp_rank`` is negative or not an int.
+        TrackerStateError: a fork of the tracker is active. Nothing changes on error.
+    """
+    base = check_seed(seed)
+    tp = _rank(tp_rank, "tp_rank")
+    tp_seed = _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
+    chosen = _idle(tracker)
+    chosen.reseed({MODEL_PARALLEL_STREAM: tp_seed})
+    platforms.current().manual_seed(tp_seed if always_enable_tp_seed else base)
+    return tp_seed
+
+
+model_parallel_cuda_manual_seed = model_parallel_manual_seed
+"""slapo's name for :func:`model_parallel_manual_seed` (which works on every platform)."""
+
+
+def set_random_seed(
+    seed: int = SLAPO_DEFAULT_SEED,
+    dp_rank: int | None = None,
+    pp_rank: int | None = None,
+    tp_rank: int | None = None,
+    always_enable_tp_seed: bool = False,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> int:
+    """slapo's ``set_random_seed``: shift the seed by the pipeline and data-parallel ranks, seed everything.
+
+    The base seed becomes ``seed + 100 * pp_rank`` (when given) ``+ 10 * dp_rank`` (when
+    given); Python, NumPy and torch (CPU and every device) are seeded with it. When
+    ``tp_rank`` is given, :func:`model_parallel_manual_seed` follows on every platform
+    (slapo only did so when CUDA devices existed).
+
+    Returns:
+        The adjusted base seed.
+
+    Raises:
+        InvalidSeedError, LayoutError, TrackerStateError: as for :func:`model_parallel_manual_seed`,
+            raised before anything is seeded.
+    """
+    base = check_seed(seed)
+    if pp_rank is not None:
+        base += _PIPELINE_SEED_STRIDE * _rank(pp_rank, "pp_rank")
+    if dp_rank is not None:
+        base += _DATA_PARALLEL_SEED_STRIDE * _rank(dp_rank, "dp_rank")
+    base = _derived(base, "seed + 100 * pp_rank + 10 * dp_rank")
+    if tp_rank is not None:
+        tp = _rank(tp_rank, "tp_rank")
+        _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
+        _idle(tracker)
+    seed_host(base)
+    if tp_rank is not None:
+        model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
+    return base
+
+
+def is_random_seed_set(tracker: RNGStatesTracker | None = None) -> bool:
+    """Whether the tracker (default: the process-wide one) holds at least one stream."""
+    chosen = tracker if tracker is not None else get_rng_tracker()
+    return bool(chosen.get_states())
+
+
+# -- Megatron-core ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MegatronSeeds:
+    """The seeds of Megatron-core's three streams for one rank."""
+
+    data_parallel: int
+    model_parallel: int
+    expert_parallel: int
+
+    def as_streams(self) -> dict[str, int]:
+        """``{stream name: seed}`` under Megatron-core's stream names."""
+        return {
+            DATA_PARALLEL_STREAM: self.data_parallel,
+            MODEL_PARALLEL_STREAM: self.model_parallel,
+            EXPERT_PARALLEL_STREAM: self.expert_parallel,
+        }
+
+
+def megatron_seeds(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> MegatronSeeds:
+    """Megatron-core's formulas (``model_parallel_cuda_manual_seed``), as a pure function.
+
+    data-parallel: ``seed``; model-parallel: ``seed + 2718 + tp_rank``; expert-parallel:
+    ``seed + 1024 + 100 * ep_rank + etp_rank``.
+
+    Raises:
+        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1], or a derived seed overflows.
+        LayoutError: a rank is negative or not an int.
+    """
+    base = check_seed(seed)
+    tp, ep, etp = _rank(tp_rank, "tp_rank"), _rank(ep_rank, "ep_rank"), _rank(etp_rank, "etp_rank")
+    return MegatronSeeds(
+        data_parallel=base,
+        model_parallel=_derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank"),
+        expert_parallel=_derived(
+            base + _MEGATRON_EXPERT_OFFSET + _MEGATRON_EP_STRIDE * ep + etp,
+            f"seed + {_MEGATRON_EXPERT_OFFSET} + {_MEGATRON_EP_STRIDE} * ep_rank + etp_rank",
+        ),
+    )
+
+
+def _check_megatron_distinct(seeds: MegatronSeeds) -> None:
+    streams = seeds.as_streams()
+    if len(set(streams.values())) != len(streams):
+        raise DuplicateStreamError(
+            f"Megatron-core's additive formulas give two of this rank's streams one seed: {streams}. "
+            "This is the formula's collision, not a bug in your ranks; use hyperrng.layout for collision-free seeds."
+        )
+
+
+def megatron_model_parallel_manual_seed(
+    seed: int,
+    tp_rank: int = 0,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> MegatronSeeds:
+    """Megatron-core's ``model_parallel_cuda_manual_seed`` on the current platform.
+
+    Replaces the tracker's streams (default: the process-wide tracker) by
+    ``data-parallel-rng``, ``model-parallel-rng`` and ``expert-parallel-rng`` seeded by
+    :func:`megatron_seeds`, and seeds the current device's default generator with the
+    data-parallel seed.
+
+    Returns:
+        The three seeds.
+
+    Raises:
+        InvalidSeedError, LayoutError: see :func:`megatron_seeds`.
+        DuplicateStreamError: the formulas collide for these ranks (Megatron-core raises
+            too); nothing changes.
+        TrackerStateError: a fork of the tracker is active.
+    """
+    seeds = megatron_seeds(seed, tp_rank, ep_rank, etp_rank)
+    _check_megatron_distinct(seeds)
+    _idle(tracker).reseed(seeds.as_streams())
+    platforms.current().manual_seed(seeds.data_parallel)
+    return seeds
+
+
+def megatron_set_random_seed(
+    seed: int,
+    *,
+    pp_rank: int = 0,
+    dp_rank: int = 0,
+    tp_rank: int = 0,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
+    data_parallel_random_init: bool = False,
+    tracker: RNGStatesTracker | None = None,
+) -> int:
+    """Megatron-core's ``_set_random_seed`` (megatron/training/initialize.py) on the current platform.
+
+    The base seed becomes ``seed + 100 * pp_rank``, plus ``10 * dp_rank`` with
+    ``data_parallel_random_init``; Python, NumPy and torch (CPU and every device) are
+    seeded with it, then :func:`megatron_model_parallel_manual_seed` runs with it.
+
+    Returns:
+        The adjusted base seed.
+
+    Raises:
+        InvalidSeedError: ``seed`` is not positive (Megatron-core refuses 0) or not an
+            int below 2**64, or a derived seed overflows.
+        LayoutError, DuplicateStreamError, TrackerStateError: see
+            :func:`megatron_model_parallel_manual_seed`; all raised before anything is seeded.
+    """
+    base = check_seed(seed)
+    if base == 0:
+        raise InvalidSeedError("Megatron-core's seed must be a positive integer, got 0.")
+    base += _PIPELINE_SEED_STRIDE * _rank(pp_rank, "pp_rank")
+    dp = _rank(dp_rank, "dp_rank")
+    if data_parallel_random_init:
+        base += _DATA_PARALLEL_SEED_STRIDE * dp
+    base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
+    _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
+    _idle(tracker)
+    seed_host(base)
+    megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
+    return base
+
+
+# -- d9d --------------------------------------------------------------------------------------
+def set_seeds(seed: int, mesh: Mapping[str, int] | object | None = None, distinct_dim: str = "pp") -> int:
+    """d9d's ``set_seeds``: shift the seed by this rank's coordinate on one mesh dimension, seed everything.
+
+    The seed becomes ``(seed + coordinate[distinct_dim]) % 2**64`` (unshifted without a
+    mesh); Python, NumPy (64-bit safe, see the module docstring), torch (CPU and every
+    device) are seeded with it and ``PYTHONHASHSEED`` is set to it modulo 2**32 (it only
+    affects Python processes started afterwards). d9d also seeds DTensor's generator
+    over the other dimensions; that belongs to :mod:`hyperrng.sharding`.
+
+    Args:
+        seed: the base seed.
+        mesh: ``None``, a mapping ``{dim name: this rank's coordinate}``, or an object
+            with ``mesh_dim_names`` and ``get_coordinate()`` such as a ``DeviceMesh``.
+        distinct_dim: the dimension along which seeds differ.
+
+    Returns:
+        The seed used.
+
+    Raises:
+        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1].
+        LayoutError: the mesh is malformed or has no dimension ``distinct_dim``. Nothing changes on error.
+    """
+    value = check_seed(seed)
+    if mesh is not None:
+        coords = mesh_coordinates(mesh)
+        if distinct_dim not in coords:
+            raise LayoutError(f"the mesh has no dimension {distinct_dim!r} (it has {list(coords)}).")
+        value = (value + coords[distinct_dim]) % _D9D_SEED_MODULUS
+    seed_host(value)
+    os.environ["PYTHONHASHSEED"] = str(value % _PYTHONHASHSEED_MODULUS)
+    return value
