@@ -137,6 +137,8 @@ class _Fork:
         gen = platform.default_generator()
         outer = tracker._active
         if tracker._graph_safe:
+            if gen is not tracker._home:
+                raise tracker._foreign_device(platform)
             # Outside any fork the generator holds the default state: keep a view of it.
             # Inside a fork it holds the outer stream's own object, which needs no saving.
             if outer is None:
@@ -207,6 +209,7 @@ class RNGStatesTracker:
         self._seeds: dict[int, str] = {}
         self._platform: Platform | None = None
         self._graph_safe = False
+        self._home: Any = None  # graph-safe mode: the generator whose device owns the state objects
         self._initialized = False
         self._active: _Fork | None = None
 
@@ -252,6 +255,7 @@ class RNGStatesTracker:
         self._seeds = {}
         self._platform = None
         self._graph_safe = False
+        self._home = None
         self._initialized = False
 
     def add(self, name: str, seed: int) -> None:
@@ -440,6 +444,8 @@ class RNGStatesTracker:
         if self._platform is not None and not rebind:
             if platform is not self._platform:
                 raise self._platform_mismatch(platform)
+            if self._graph_safe and platform.default_generator() is not self._home:
+                raise self._foreign_device(platform)
             return platform, self._graph_safe
         if self._want_graph_safe is False:
             return platform, False
@@ -454,6 +460,7 @@ class RNGStatesTracker:
     def _bind(self, platform: Platform, graph_safe: bool) -> None:
         self._platform = platform
         self._graph_safe = graph_safe
+        self._home = platform.default_generator() if graph_safe else None
 
     def _new_state(self, platform: Platform, graph_safe: bool, seed: int) -> Any:
         if graph_safe:
@@ -503,6 +510,13 @@ class RNGStatesTracker:
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
         return f"RNG stream {name!r} is not in the tracker (it holds {held}); {_SEED_HINT}"
+
+    def _foreign_device(self, platform: Platform) -> TrackerStateError:
+        return TrackerStateError(
+            f"graph-safe streams live on device {self._home.device} but the current device is "
+            f"{platform.current_device()}; fork them on their own device, or use graph_safe=False "
+            "for streams that follow the current device."
+        )
 
     def _platform_mismatch(self, platform: Platform) -> TrackerStateError:
         return TrackerStateError(

@@ -1,0 +1,596 @@
+"""The RNG stream tracker: forks, nesting, snapshots, graph-safe swaps, and refusal of bad input."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+import platforms
+from hyperrng.errors import (
+    DuplicateStreamError,
+    HyperRNGError,
+    InvalidSeedError,
+    InvalidStateError,
+    UnknownStreamError,
+)
+from hyperrng.tracker import (
+    MODEL_PARALLEL_STREAM,
+    CudaRNGStatesTracker,
+    RNGStatesTracker,
+    RNGTrackerProtocol,
+    StreamNameError,
+    TrackerStateError,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    set_rng_tracker,
+)
+
+
+class _NoGeneratorPlatform(platforms.SimulatedPlatform):
+    """A plug-in that exposes no generator object: the tracker must go through get/set_rng_state."""
+
+    name = "nogen"
+
+    def default_generator(self, index: int | None = None) -> None:
+        return None
+
+
+PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
+    "cpu": platforms.CPUPlatform,
+    "sim": platforms.SimulatedPlatform,
+    "cuda-on-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule()),
+    "plugin-without-generator": _NoGeneratorPlatform,
+}
+# (platform, graph_safe argument): every code path of the fork
+SETUPS = [
+    ("cpu", None),
+    ("sim", None),
+    ("sim", False),
+    ("cuda-on-sim", None),
+    ("cuda-on-sim", False),
+    ("plugin-without-generator", None),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_tracker() -> Iterator[None]:
+    get_rng_tracker().reset()
+    yield
+    get_rng_tracker().reset()
+
+
+@pytest.fixture(params=SETUPS, ids=[f"{p}-graph_safe={g}" for p, g in SETUPS])
+def setup(request: pytest.FixtureRequest) -> Iterator[tuple[platforms.Platform, RNGStatesTracker]]:
+    name, graph_safe = request.param
+    with platforms.use(PLATFORMS[name]()) as platform:
+        yield platform, RNGStatesTracker(graph_safe=graph_safe)
+
+
+@pytest.fixture
+def sim() -> Iterator[platforms.Platform]:
+    with platforms.use(platforms.SimulatedPlatform()) as platform:
+        yield platform
+
+
+def draw(platform: platforms.Platform, n: int = 8) -> torch.Tensor:
+    """Random numbers from the platform's current device generator."""
+    if isinstance(platform, platforms.DeviceModulePlatform):
+        return platform.module.rand(n)
+    return torch.rand(n)
+
+
+def device_states(platform: platforms.Platform) -> list[torch.Tensor]:
+    return [platform.get_rng_state(i) for i in range(platform.device_count())]
+
+
+def everything(platform: platforms.Platform, tracker: RNGStatesTracker) -> dict[str, Any]:
+    """All state a tracker operation could touch, as comparable values."""
+    return {
+        "streams": {k: v.tolist() for k, v in tracker.get_states(as_tensors=True).items()},
+        "seeds": tracker.seeds(),
+        "initialized": tracker.is_initialized(),
+        "devices": [s.tolist() for s in device_states(platform)],
+        "cpu": torch.get_rng_state().tolist(),
+    }
+
+
+def expect_refusal(
+    platform: platforms.Platform,
+    tracker: RNGStatesTracker,
+    call: Callable[[], object],
+    error: type[Exception],
+    fragment: str,
+) -> None:
+    before = everything(platform, tracker)
+    with pytest.raises(error, match=fragment) as info:
+        call()
+    assert isinstance(info.value, HyperRNGError)
+    assert everything(platform, tracker) == before, "a refused call changed state"
+
+
+# -- streams --------------------------------------------------------------------------------
+def test_a_stream_draws_what_its_seed_gives(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1234)
+    with tracker.fork("s"):
+        inside = draw(platform)
+    saved = platform.get_rng_state()
+    platform.manual_seed(1234)
+    expected = draw(platform)
+    platform.set_rng_state(saved)
+    assert torch.equal(inside, expected)
+
+
+def test_add_leaves_the_device_generator_untouched(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    before = device_states(platform)
+    tracker.add("s", 1)
+    tracker.add("t", 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, device_states(platform)))
+
+
+def test_a_fork_leaves_the_default_generator_exactly_as_before(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    platform, tracker = setup
+    tracker.add("s", 7)
+    platform.manual_seed(99)
+    reference = [draw(platform), draw(platform)]
+    platform.manual_seed(99)
+    first = draw(platform)
+    with tracker.fork("s"):
+        draw(platform, 100)
+    second = draw(platform)
+    assert torch.equal(first, reference[0]) and torch.equal(second, reference[1])
+
+
+def test_a_stream_remembers_its_advance_between_forks(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 5)
+    with tracker.fork("s"):
+        a = draw(platform)
+    with tracker.fork("s"):
+        b = draw(platform)
+    platform.manual_seed(5)
+    assert torch.equal(a, draw(platform)) and torch.equal(b, draw(platform))
+
+
+def test_fork_defaults_to_the_model_parallel_stream(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add(MODEL_PARALLEL_STREAM, 11)
+    tracker.add("other", 12)
+    with tracker.fork():
+        assert tracker.active_stream == MODEL_PARALLEL_STREAM
+        inside = draw(platform)
+    platform.manual_seed(11)
+    assert torch.equal(inside, draw(platform))
+
+
+def test_nested_forks_give_exactly_the_streams_of_sequential_forks(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    platform, tracker = setup
+    tracker.add("s1", 1)
+    tracker.add("s2", 2)
+    platform.manual_seed(42)
+    default_before = device_states(platform)
+
+    with tracker.fork("s1"):
+        a = draw(platform)
+        with tracker.fork("s2"):
+            b = draw(platform)
+            with tracker.fork("s1"):
+                c = draw(platform)
+            d = draw(platform)
+        e = draw(platform)
+    nested = everything(platform, tracker)
+    assert all(torch.equal(x, y) for x, y in zip(default_before, device_states(platform)))
+
+    sequential = RNGStatesTracker(graph_safe=tracker.graph_safe)
+    sequential.add("s1", 1)
+    sequential.add("s2", 2)
+    platform.manual_seed(42)
+    expected = []
+    for stream in ("s1", "s2", "s1", "s2", "s1"):
+        with sequential.fork(stream):
+            expected.append(draw(platform))
+    assert everything(platform, sequential) == nested
+    assert all(torch.equal(x, y) for x, y in zip([a, b, c, d, e], expected))
+
+
+def test_an_exception_inside_a_fork_restores_the_state_and_keeps_the_advance(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    platform, tracker = setup
+    tracker.add("s", 3)
+    before = device_states(platform)
+    with pytest.raises(ZeroDivisionError):
+        with tracker.fork("s"):
+            first = draw(platform)
+            1 / 0
+    assert tracker.active_stream is None
+    assert all(torch.equal(x, y) for x, y in zip(before, device_states(platform)))
+    with tracker.fork("s"):
+        second = draw(platform)
+    platform.manual_seed(3)
+    assert torch.equal(first, draw(platform)) and torch.equal(second, draw(platform))
+
+
+def test_byte_copy_forks_follow_the_current_device(sim: platforms.Platform) -> None:
+    tracker = RNGStatesTracker(graph_safe=False)
+    tracker.add("s", 8)
+    device0 = sim.get_rng_state(0)
+    sim.module.set_device(1)
+    with tracker.fork("s"):
+        inside = draw(sim)
+    assert torch.equal(sim.get_rng_state(0), device0)
+    sim.manual_seed(8, 1)
+    assert torch.equal(inside, draw(sim))
+
+
+# -- snapshots ------------------------------------------------------------------------------
+def test_get_states_is_a_snapshot_that_later_forks_do_not_alter(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    snapshot = tracker.get_states()
+    frozen = {k: (v.tolist() if isinstance(v, torch.Tensor) else v.get_state().tolist()) for k, v in snapshot.items()}
+    with tracker.fork("s"):
+        draw(platform)
+    after = {k: (v.tolist() if isinstance(v, torch.Tensor) else v.get_state().tolist()) for k, v in snapshot.items()}
+    assert after == frozen
+
+
+def test_set_states_replays_a_snapshot(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    tracker.add("t", 2)
+    snapshot = tracker.get_states()
+    with tracker.fork("s"):
+        first = draw(platform)
+    tracker.set_states(snapshot)
+    with tracker.fork("s"):
+        again = draw(platform)
+    assert torch.equal(first, again)
+
+
+def test_get_states_inside_a_fork_includes_the_active_advance(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    with tracker.fork("s"):
+        draw(platform)
+        midway = tracker.get_states()
+        rest = draw(platform)
+    tracker.set_states(midway)
+    with tracker.fork("s"):
+        assert torch.equal(draw(platform), rest)
+
+
+def test_set_states_inside_a_fork_moves_the_active_stream(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    start = tracker.get_states()
+    with tracker.fork("s"):
+        first = draw(platform)
+        tracker.set_states(start)
+        assert torch.equal(draw(platform), first)
+
+
+def test_an_empty_tracker_adopts_the_streams_of_a_snapshot(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    snapshot = tracker.get_states(as_tensors=True)
+    with tracker.fork("s"):
+        expected = draw(platform)
+    fresh = RNGStatesTracker()
+    fresh.set_states(snapshot)
+    assert fresh.is_initialized()
+    with fresh.fork("s"):
+        assert torch.equal(draw(platform), expected)
+
+
+def test_snapshots_cross_between_graph_safe_and_byte_copy_trackers(sim: platforms.Platform) -> None:
+    swapping, copying = RNGStatesTracker(graph_safe=True), RNGStatesTracker(graph_safe=False)
+    swapping.add("s", 1)
+    copying.set_states(swapping.get_states())
+    swapping.set_states(copying.get_states())
+    with swapping.fork("s"):
+        a = draw(sim)
+    with copying.fork("s"):
+        b = draw(sim)
+    assert torch.equal(a, b)
+
+
+# -- TransformerEngine / Megatron-core protocol ----------------------------------------------
+def test_the_tracker_satisfies_the_transformer_engine_protocol() -> None:
+    assert isinstance(get_rng_tracker(), RNGTrackerProtocol)
+    assert get_cuda_rng_tracker is get_rng_tracker
+    assert CudaRNGStatesTracker is RNGStatesTracker
+
+
+def test_activation_recompute_replays_the_forward_numbers(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    """TE's CheckpointFunction: get_states() before forward, set_states() around the recompute."""
+    platform, tracker = setup
+    tracker.add(MODEL_PARALLEL_STREAM, 9)
+
+    def layer() -> torch.Tensor:
+        with tracker.fork():
+            return draw(platform) + draw(platform)
+
+    fwd_device, fwd_tracker = platform.get_rng_state(), tracker.get_states()
+    forward = layer()
+    layer()  # training moves on
+    bwd_device, bwd_tracker = platform.get_rng_state(), tracker.get_states()
+    platform.set_rng_state(fwd_device)
+    tracker.set_states(fwd_tracker)
+    recomputed = layer()
+    platform.set_rng_state(bwd_device)
+    tracker.set_states(bwd_tracker)
+    assert torch.equal(forward, recomputed)
+
+
+def test_the_process_wide_tracker_can_be_replaced() -> None:
+    mine = RNGStatesTracker(graph_safe=False)
+    previous = set_rng_tracker(mine)
+    try:
+        assert get_rng_tracker() is mine and get_cuda_rng_tracker() is mine
+    finally:
+        assert set_rng_tracker(previous) is mine
+
+
+def test_is_initialized_follows_add_set_states_and_reset(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    _, tracker = setup
+    assert not tracker.is_initialized()
+    tracker.add("s", 1)
+    assert tracker.is_initialized()
+    tracker.reset()
+    assert not tracker.is_initialized() and tracker.get_states() == {}
+    tracker.set_states({})
+    assert tracker.is_initialized()
+
+
+def test_reseed_replaces_every_stream(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("old", 1)
+    tracker.reseed({"a": 10, "b": 11})
+    assert tracker.seeds() == {"a": 10, "b": 11} and "old" not in tracker
+    with tracker.fork("b"):
+        inside = draw(platform)
+    platform.manual_seed(11)
+    assert torch.equal(inside, draw(platform))
+
+
+# -- graph-safe mode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["sim", "cuda-on-sim"])
+def test_graph_safe_mode_is_detected_where_the_generator_supports_it(name: str) -> None:
+    with platforms.use(PLATFORMS[name]()):
+        tracker = RNGStatesTracker()
+        tracker.add("s", 1)
+        assert tracker.graph_safe is True
+
+
+def test_the_cpu_generator_gets_byte_copies() -> None:
+    with platforms.use(platforms.CPUPlatform()):
+        tracker = RNGStatesTracker()
+        tracker.add("s", 1)
+        assert tracker.graph_safe is False
+
+
+@pytest.mark.parametrize("name", ["sim", "cuda-on-sim"])
+def test_a_graph_safe_fork_swaps_the_generator_state_without_copying(name: str) -> None:
+    with platforms.use(PLATFORMS[name]()) as platform:
+        tracker = RNGStatesTracker(graph_safe=True)
+        tracker.add("s", 1)
+        gen = platform.default_generator()
+        live = tracker.graph_safe_states()["s"]
+        with tracker.fork("s"):
+            # The generator now shares the stream's state object: a draw advances both.
+            draw(platform)
+            assert torch.equal(gen.get_state(), live.get_state())
+        assert platform.default_generator() is gen
+        assert not torch.equal(gen.get_state(), live.get_state())
+
+
+def test_graph_safe_streams_stay_on_the_device_that_created_them(sim: platforms.Platform) -> None:
+    tracker = RNGStatesTracker(graph_safe=True)
+    tracker.add("s", 1)
+    sim.module.set_device(1)
+    expect_refusal(sim, tracker, lambda: tracker.fork("s").__enter__(), TrackerStateError, "current device is 1")
+    expect_refusal(sim, tracker, lambda: tracker.add("t", 2), TrackerStateError, "current device is 1")
+    sim.module.set_device(0)
+    with tracker.fork("s"):
+        draw(sim)
+
+
+def test_graph_safe_snapshots_are_clones(sim: platforms.Platform) -> None:
+    tracker = RNGStatesTracker(graph_safe=True)
+    tracker.add("s", 1)
+    snapshot = tracker.get_states()
+    assert snapshot["s"] is not tracker.graph_safe_states()["s"]
+
+
+def test_requiring_graph_safe_mode_on_the_cpu_is_refused() -> None:
+    with platforms.use(platforms.CPUPlatform()) as platform:
+        tracker = RNGStatesTracker(graph_safe=True)
+        expect_refusal(platform, tracker, lambda: tracker.add("s", 1), TrackerStateError, "graph-safe")
+        expect_refusal(platform, tracker, lambda: tracker.reseed({"s": 1}), TrackerStateError, "graph-safe")
+
+
+def test_graph_safe_states_needs_a_graph_safe_tracker() -> None:
+    with platforms.use(platforms.CPUPlatform()) as platform:
+        tracker = RNGStatesTracker()
+        tracker.add("s", 1)
+        expect_refusal(platform, tracker, tracker.graph_safe_states, TrackerStateError, "graph-safe tracker")
+
+
+def test_on_an_accelerator_a_fork_leaves_the_cpu_generator_to_cpu_draws(sim: platforms.Platform) -> None:
+    tracker = RNGStatesTracker()
+    tracker.add("s", 1)
+    torch.manual_seed(5)
+    expected = [torch.rand(4), torch.rand(4)]
+    torch.manual_seed(5)
+    with tracker.fork("s"):
+        first = torch.rand(4)
+    assert torch.equal(first, expected[0]) and torch.equal(torch.rand(4), expected[1])
+
+
+# -- bad input: typed error, clear message, nothing changed ----------------------------------------
+def test_a_duplicate_name_is_refused(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    expect_refusal(platform, tracker, lambda: tracker.add("s", 2), DuplicateStreamError, "already exists")
+
+
+def test_a_duplicate_seed_is_refused_and_burns_nothing(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    expect_refusal(platform, tracker, lambda: tracker.add("t", 1), DuplicateStreamError, "already used by stream 's'")
+    tracker.add("t", 2)  # the failed add reserved neither the name nor a seed
+    expect_refusal(platform, tracker, lambda: tracker.add("s", 3), DuplicateStreamError, "already exists")
+    tracker.add("u", 3)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5, "3", None])
+def test_a_bad_seed_is_refused(setup: tuple[platforms.Platform, RNGStatesTracker], seed: object) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    expect_refusal(platform, tracker, lambda: tracker.add("t", seed), InvalidSeedError, "seed must be")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["", 3, None])
+def test_a_bad_stream_name_is_refused(setup: tuple[platforms.Platform, RNGStatesTracker], name: object) -> None:
+    platform, tracker = setup
+    expect_refusal(platform, tracker, lambda: tracker.add(name, 1), StreamNameError, "non-empty string")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["missing", ["unhashable"]])
+def test_forking_an_unknown_stream_is_refused_with_a_hint(
+    setup: tuple[platforms.Platform, RNGStatesTracker], name: object
+) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+
+    def enter() -> None:
+        with tracker.fork(name):  # type: ignore[arg-type]
+            pass
+
+    expect_refusal(platform, tracker, enter, UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed")
+    assert issubclass(UnknownStreamError, KeyError)
+
+
+def test_forking_streams_of_another_platform_is_refused() -> None:
+    tracker = RNGStatesTracker()
+    with platforms.use(platforms.SimulatedPlatform()):
+        tracker.add("s", 1)
+    with platforms.use(platforms.CPUPlatform()) as platform:
+        expect_refusal(platform, tracker, lambda: tracker.fork("s"), TrackerStateError, "belong to platform")
+        expect_refusal(platform, tracker, lambda: tracker.add("t", 2), TrackerStateError, "belong to platform")
+
+
+def test_reset_inside_a_fork_is_refused(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+    with tracker.fork("s"):
+        expect_refusal(platform, tracker, tracker.reset, TrackerStateError, "inside a fork")
+        expect_refusal(platform, tracker, lambda: tracker.reseed({"t": 2}), TrackerStateError, "inside a fork")
+
+
+def test_forks_exited_out_of_order_are_refused(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    _, tracker = setup
+    tracker.add("s", 1)
+    tracker.add("t", 2)
+    outer, inner = tracker.fork("s"), tracker.fork("t")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(TrackerStateError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    assert tracker.active_stream == "t"
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert tracker.active_stream is None
+
+
+def test_a_fork_object_cannot_be_entered_twice_at_once(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    _, tracker = setup
+    tracker.add("s", 1)
+    fork = tracker.fork("s")
+    with fork:
+        with pytest.raises(TrackerStateError, match="already entered"):
+            fork.__enter__()
+    with fork:  # once exited it may be used again
+        pass
+
+
+def test_reseed_with_a_duplicate_seed_keeps_the_old_streams(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("old", 1)
+    expect_refusal(
+        platform, tracker, lambda: tracker.reseed({"a": 5, "b": 5}), DuplicateStreamError, "would share seed 5"
+    )
+    expect_refusal(platform, tracker, lambda: tracker.reseed({"a": 5, "b": -1}), InvalidSeedError, "seed of stream 'b'")
+
+
+def _malformed_states(platform: platforms.Platform) -> list[tuple[object, str]]:
+    n = platform.state_nbytes
+    return [
+        (torch.zeros(n, dtype=torch.int64), "uint8"),
+        (torch.zeros(n + 1, dtype=torch.uint8), "bytes"),
+        (torch.zeros(1, n, dtype=torch.uint8), "1-D"),
+        (torch.empty(n, dtype=torch.uint8, device="meta"), "CPU tensor"),
+        (bytes(n), "state"),
+        (None, "state"),
+    ]
+
+
+def test_set_states_refuses_a_malformed_entry_and_applies_none(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    platform, tracker = setup
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    with tracker.fork("a"):
+        draw(platform)
+    for bad, fragment in _malformed_states(platform):
+        states = {"a": tracker.get_states()["a"], "b": bad}
+        expect_refusal(platform, tracker, lambda: tracker.set_states(states), InvalidStateError, fragment)
+
+
+def test_set_states_refuses_a_missing_or_extra_stream(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
+    platform, tracker = setup
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    states = tracker.get_states()
+    missing = {"a": states["a"]}
+    extra = {**states, "c": states["a"]}
+    expect_refusal(platform, tracker, lambda: tracker.set_states(missing), InvalidStateError, "lacks stream")
+    expect_refusal(platform, tracker, lambda: tracker.set_states(extra), UnknownStreamError, "does not hold")
+    expect_refusal(platform, tracker, lambda: tracker.set_states([states["a"]]), InvalidStateError, "mapping")  # type: ignore[arg-type]
+    expect_refusal(platform, tracker, lambda: tracker.set_states({**states, 4: states["a"]}), StreamNameError, "name")  # type: ignore[dict-item]
+
+
+def test_set_states_refuses_a_generator_of_another_device(sim: platforms.Platform) -> None:
+    tracker = RNGStatesTracker(graph_safe=True)
+    tracker.add("s", 1)
+    cpu_generator = torch.Generator()
+    expect_refusal(sim, tracker, lambda: tracker.set_states({"s": cpu_generator}), InvalidStateError, "SimulatedGenerator")
+
+
+def test_graph_safe_argument_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="graph_safe"):
+        RNGStatesTracker(graph_safe="yes")  # type: ignore[arg-type]
+
+
+def test_replacing_the_global_tracker_inside_its_fork_is_refused(sim: platforms.Platform) -> None:
+    tracker = get_rng_tracker()
+    tracker.add("s", 1)
+    with tracker.fork("s"):
+        with pytest.raises(TrackerStateError, match="inside a fork"):
+            set_rng_tracker(RNGStatesTracker())
+    assert get_rng_tracker() is tracker
+    with pytest.raises(TypeError, match="RNGStatesTracker"):
+        set_rng_tracker(object())  # type: ignore[arg-type]
