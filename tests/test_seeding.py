@@ -1,0 +1,338 @@
+"""Seeding recipes, each checked against its published formula, on the CPU and an accelerator."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import platforms
+from hyperrng.errors import DuplicateStreamError, HyperRNGError, InvalidSeedError, LayoutError
+from hyperrng.seeding import (
+    SLAPO_DEFAULT_SEED,
+    MegatronSeeds,
+    is_random_seed_set,
+    megatron_model_parallel_manual_seed,
+    megatron_seeds,
+    megatron_set_random_seed,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+    seed_host,
+    set_random_seed,
+    set_seeds,
+)
+from hyperrng.tracker import (
+    DATA_PARALLEL_STREAM,
+    EXPERT_PARALLEL_STREAM,
+    MODEL_PARALLEL_STREAM,
+    TrackerStateError,
+    get_rng_tracker,
+)
+
+PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
+    "cpu": platforms.CPUPlatform,
+    "sim": platforms.SimulatedPlatform,
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_tracker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # set_seeds writes it; monkeypatch restores it
+    get_rng_tracker().reset()
+    yield
+    get_rng_tracker().reset()
+
+
+@pytest.fixture(params=list(PLATFORMS))
+def platform(request: pytest.FixtureRequest) -> Iterator[platforms.Platform]:
+    with platforms.use(PLATFORMS[request.param]()) as chosen:
+        yield chosen
+
+
+def device_state_for(platform: platforms.Platform, seed: int) -> list[int]:
+    """The current device's state right after manual_seed(seed), leaving the device as found."""
+    saved = platform.get_rng_state()
+    platform.manual_seed(seed)
+    state = platform.get_rng_state().tolist()
+    platform.set_rng_state(saved)
+    return state
+
+
+def everything(platform: platforms.Platform) -> dict[str, Any]:
+    """Every piece of global RNG state a recipe may touch, as comparable values."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "cpu": torch.get_rng_state().tolist(),
+        "devices": [platform.get_rng_state(i).tolist() for i in range(platform.device_count())],
+        "streams": {k: v.tolist() for k, v in get_rng_tracker().get_states(as_tensors=True).items()},
+        "hashseed": os.environ.get("PYTHONHASHSEED"),
+    }
+
+
+def expect_refusal(platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str) -> None:
+    get_rng_tracker().reseed({"existing": 77})
+    before = everything(platform)
+    with pytest.raises(error, match=fragment) as info:
+        call()
+    assert isinstance(info.value, HyperRNGError)
+    assert everything(platform) == before, "a refused recipe changed state"
+
+
+def host_seeded_with(seed: int) -> dict[str, Any]:
+    """Python, NumPy and torch CPU states after seeding each with ``seed`` the plain way."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "cpu": torch.get_rng_state().tolist(),
+    }
+
+
+# -- slapo ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dp_rank", "pp_rank", "expected"),
+    [(None, None, 2013), (3, None, 2013 + 10 * 3), (None, 2, 2013 + 100 * 2), (3, 2, 2013 + 100 * 2 + 10 * 3)],
+)
+def test_slapo_set_random_seed_shifts_by_pipeline_and_data_ranks(
+    platform: platforms.Platform, dp_rank: int | None, pp_rank: int | None, expected: int
+) -> None:
+    assert set_random_seed(dp_rank=dp_rank, pp_rank=pp_rank) == expected
+    seeded = everything(platform)
+    assert {k: seeded[k] for k in ("python", "numpy", "cpu")} == host_seeded_with(expected)
+    assert seeded["devices"] == [device_state_for(platform, expected)] * platform.device_count()
+    assert not is_random_seed_set(), "without tp_rank the tracker is left alone"
+
+
+def test_slapo_default_seed_is_2013() -> None:
+    assert SLAPO_DEFAULT_SEED == 2013
+
+
+def test_slapo_tp_rank_adds_the_model_parallel_stream_on_every_platform(platform: platforms.Platform) -> None:
+    base = set_random_seed(100, dp_rank=1, pp_rank=1, tp_rank=3)
+    assert base == 100 + 100 + 10
+    tracker = get_rng_tracker()
+    assert tracker.seeds() == {MODEL_PARALLEL_STREAM: base + 2718 + 3}
+    assert platform.get_rng_state().tolist() == device_state_for(platform, base)
+    assert is_random_seed_set()
+
+
+def test_slapo_model_parallel_seed_and_its_alias(platform: platforms.Platform) -> None:
+    assert model_parallel_cuda_manual_seed is model_parallel_manual_seed
+    assert model_parallel_manual_seed(50, tp_rank=2) == 50 + 2718 + 2
+    assert get_rng_tracker().seeds() == {MODEL_PARALLEL_STREAM: 2770}
+    assert platform.get_rng_state().tolist() == device_state_for(platform, 50)
+
+
+def test_slapo_always_enable_tp_seed_gives_the_default_generator_the_tp_seed(platform: platforms.Platform) -> None:
+    tp_seed = model_parallel_manual_seed(50, tp_rank=2, always_enable_tp_seed=True)
+    assert platform.get_rng_state().tolist() == device_state_for(platform, tp_seed)
+
+
+def test_slapo_model_parallel_seed_replaces_the_streams(platform: platforms.Platform) -> None:
+    get_rng_tracker().add("stale", 1)
+    model_parallel_manual_seed(50, tp_rank=0)
+    assert list(get_rng_tracker().get_states()) == [MODEL_PARALLEL_STREAM]
+
+
+def test_is_random_seed_set_follows_the_tracker(platform: platforms.Platform) -> None:
+    assert not is_random_seed_set()
+    model_parallel_manual_seed(1, tp_rank=0)
+    assert is_random_seed_set()
+    get_rng_tracker().reset()
+    assert not is_random_seed_set()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"seed": -1}, InvalidSeedError, "seed must be in"),
+        ({"seed": 2**64}, InvalidSeedError, "seed must be in"),
+        ({"seed": True}, InvalidSeedError, "bool"),
+        ({"seed": "7"}, InvalidSeedError, "must be an int"),
+        ({"seed": 1, "dp_rank": -1}, LayoutError, "dp_rank must be a non-negative int"),
+        ({"seed": 1, "pp_rank": 1.0}, LayoutError, "pp_rank must be a non-negative int"),
+        ({"seed": 1, "tp_rank": True}, LayoutError, "tp_rank must be a non-negative int"),
+        ({"seed": 2**64 - 1, "pp_rank": 1}, InvalidSeedError, "exceeds 2\\*\\*64 - 1"),
+        ({"seed": 2**64 - 1, "tp_rank": 0}, InvalidSeedError, "exceeds 2\\*\\*64 - 1"),
+    ],
+)
+def test_slapo_refuses_bad_input_and_seeds_nothing(
+    platform: platforms.Platform, kwargs: dict[str, Any], error: type[Exception], fragment: str
+) -> None:
+    expect_refusal(platform, lambda: set_random_seed(**kwargs), error, fragment)
+
+
+def test_model_parallel_seed_refuses_a_bad_rank(platform: platforms.Platform) -> None:
+    expect_refusal(platform, lambda: model_parallel_manual_seed(1, tp_rank=-2), LayoutError, "tp_rank")
+
+
+def test_recipes_refuse_to_reseed_inside_a_fork(platform: platforms.Platform) -> None:
+    tracker = get_rng_tracker()
+    tracker.add("s", 1)
+    with tracker.fork("s"):
+        before = everything(platform)
+        for call in (
+            lambda: set_random_seed(1, tp_rank=0),
+            lambda: model_parallel_manual_seed(1, 0),
+            lambda: megatron_set_random_seed(1),
+            lambda: megatron_model_parallel_manual_seed(1),
+        ):
+            with pytest.raises(TrackerStateError, match="inside a fork"):
+                call()
+            assert everything(platform) == before
+
+
+# -- Megatron-core ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("tp", "ep", "etp"), [(0, 0, 0), (3, 0, 0), (1, 5, 2), (7, 31, 1)])
+def test_megatron_formulas(tp: int, ep: int, etp: int) -> None:
+    seed = 1234
+    assert megatron_seeds(seed, tp, ep, etp) == MegatronSeeds(
+        data_parallel=seed,
+        model_parallel=seed + 2718 + tp,
+        expert_parallel=seed + 1024 + 100 * ep + etp,
+    )
+
+
+def test_megatron_model_parallel_seed_adds_its_three_streams(platform: platforms.Platform) -> None:
+    seeds = megatron_model_parallel_manual_seed(1234, tp_rank=2, ep_rank=3, etp_rank=1)
+    assert get_rng_tracker().seeds() == {
+        DATA_PARALLEL_STREAM: 1234,
+        MODEL_PARALLEL_STREAM: 1234 + 2718 + 2,
+        EXPERT_PARALLEL_STREAM: 1234 + 1024 + 300 + 1,
+    }
+    assert seeds.as_streams() == get_rng_tracker().seeds()
+    assert platform.get_rng_state().tolist() == device_state_for(platform, 1234)
+
+
+def test_megatron_collision_is_refused_and_changes_nothing(platform: platforms.Platform) -> None:
+    # One rank whose model-parallel and expert seeds coincide: 2718 + 7 == 1024 + 100 * 17 + 1.
+    tp, ep, etp = 7, 17, 1
+    assert megatron_seeds(5, tp, ep, etp).model_parallel == megatron_seeds(5, tp, ep, etp).expert_parallel
+    expect_refusal(
+        platform, lambda: megatron_model_parallel_manual_seed(5, tp, ep, etp), DuplicateStreamError, "additive formulas"
+    )
+    expect_refusal(
+        platform,
+        lambda: megatron_set_random_seed(5, tp_rank=tp, ep_rank=ep, etp_rank=etp),
+        DuplicateStreamError,
+        "additive formulas",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"pp_rank": 2, "dp_rank": 3}, 1000 + 200),
+        ({"pp_rank": 2, "dp_rank": 3, "data_parallel_random_init": True}, 1000 + 200 + 30),
+        ({}, 1000),
+    ],
+)
+def test_megatron_set_random_seed_shifts_by_pipeline_and_optionally_data_ranks(
+    platform: platforms.Platform, kwargs: dict[str, Any], expected: int
+) -> None:
+    assert megatron_set_random_seed(1000, tp_rank=1, **kwargs) == expected
+    seeded = everything(platform)
+    assert {k: seeded[k] for k in ("python", "numpy", "cpu")} == host_seeded_with(expected)
+    assert get_rng_tracker().seeds()[MODEL_PARALLEL_STREAM] == expected + 2718 + 1
+    assert platform.get_rng_state().tolist() == device_state_for(platform, expected)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        (lambda: megatron_set_random_seed(0), InvalidSeedError, "positive"),
+        (lambda: megatron_set_random_seed(1, pp_rank=-1), LayoutError, "pp_rank"),
+        (lambda: megatron_set_random_seed(1, ep_rank=None), LayoutError, "ep_rank"),  # type: ignore[arg-type]
+        (lambda: megatron_model_parallel_manual_seed(2**64 - 1), InvalidSeedError, "exceeds"),
+        (lambda: megatron_model_parallel_manual_seed(1, etp_rank=-3), LayoutError, "etp_rank"),
+    ],
+)
+def test_megatron_refuses_bad_input_and_seeds_nothing(
+    platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str
+) -> None:
+    expect_refusal(platform, call, error, fragment)
+
+
+# -- d9d --------------------------------------------------------------------------------------
+class FakeDeviceMesh:
+    """What hyperrng reads from a torch DeviceMesh: dimension names and this rank's coordinate."""
+
+    def __init__(self, names: tuple[str, ...] | None, coordinate: list[int] | None) -> None:
+        self.mesh_dim_names = names
+        self._coordinate = coordinate
+
+    def get_coordinate(self) -> list[int] | None:
+        return self._coordinate
+
+
+def test_d9d_without_a_mesh_seeds_everything_with_the_seed(platform: platforms.Platform) -> None:
+    assert set_seeds(42) == 42
+    seeded = everything(platform)
+    assert {k: seeded[k] for k in ("python", "numpy", "cpu")} == host_seeded_with(42)
+    assert seeded["devices"] == [device_state_for(platform, 42)] * platform.device_count()
+    assert os.environ["PYTHONHASHSEED"] == "42"
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"dp": 1, "pp": 3, "tp": 0}, FakeDeviceMesh(("dp", "pp", "tp"), [1, 3, 0])], ids=["mapping", "device-mesh"]
+)
+def test_d9d_shifts_the_seed_by_the_distinct_dimension(platform: platforms.Platform, mesh: object) -> None:
+    assert set_seeds(42, mesh) == 45
+    assert set_seeds(42, mesh, distinct_dim="dp") == 43
+
+
+def test_d9d_wraps_modulo_2_to_the_64(platform: platforms.Platform) -> None:
+    assert set_seeds(2**64 - 1, {"pp": 2}) == 1
+    assert os.environ["PYTHONHASHSEED"] == "1"
+
+
+def test_d9d_sets_pythonhashseed_modulo_2_to_the_32(platform: platforms.Platform) -> None:
+    set_seeds(2**40 + 5)
+    assert os.environ["PYTHONHASHSEED"] == "5"
+
+
+def test_64_bit_seeds_keep_every_bit_in_numpy() -> None:
+    with platforms.use(platforms.CPUPlatform()):
+        draws = {}
+        for seed in (5, 2**32 + 5, 2**33 + 5, 2**63 + 5, 2**64 - 1):
+            seed_host(seed)
+            draws[seed] = np.random.random_sample(4).tolist()
+        assert len({tuple(d) for d in draws.values()}) == len(draws)
+        np.random.seed(np.array([5, 2], dtype=np.uint32))
+        assert np.random.random_sample(4).tolist() == draws[2**33 + 5]
+
+
+def test_seeds_below_2_to_the_32_reach_numpy_unchanged() -> None:
+    with platforms.use(platforms.CPUPlatform()):
+        seed_host(2**32 - 1)
+        got = np.random.random_sample(4)
+        np.random.seed(2**32 - 1)
+        assert np.random.random_sample(4).tolist() == got.tolist()
+
+
+@pytest.mark.parametrize(
+    ("mesh", "fragment"),
+    [
+        ({"dp": 1}, "no dimension 'pp'"),
+        ({"pp": -1}, "coordinate of 'pp'"),
+        ({"pp": True}, "bool"),
+        (FakeDeviceMesh(("pp",), None), "not part of the mesh"),
+        (FakeDeviceMesh(None, [0]), "no mesh_dim_names"),
+        (object(), "DeviceMesh"),
+    ],
+)
+def test_d9d_refuses_a_bad_mesh_and_seeds_nothing(platform: platforms.Platform, mesh: object, fragment: str) -> None:
+    expect_refusal(platform, lambda: set_seeds(1, mesh), LayoutError, fragment)
+
+
+def test_d9d_refuses_a_bad_seed_and_seeds_nothing(platform: platforms.Platform) -> None:
+    expect_refusal(platform, lambda: set_seeds(-5), InvalidSeedError, "seed must be in")
