@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from platforms._validate import check_index, check_offset, check_seed, check_state
+from platforms.errors import InvalidStateError
 
 __all__ = ["Platform", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 
@@ -100,25 +101,36 @@ class Platform:
         value = check_seed(seed)
         self._seed(value, self._index(index))
 
-    def get_seed_offset(self, index: int | None = None) -> tuple[int, int]:
-        """Return the (seed, offset) position of device ``index``'s generator.
+    def get_seed_offset(
+        self, index: int | None = None, generator: torch.Generator | None = None
+    ) -> tuple[int, int]:
+        """Return the (seed, offset) position of ``generator`` (default: device ``index``'s).
 
         On counter-based platforms this is read from the state; see subclasses for
         platforms that model positions.
-        """
-        state = self.get_rng_state(index)
-        return unpack_counter_state(state)
 
-    def set_seed_offset(self, seed: int, offset: int, index: int | None = None) -> None:
-        """Position device ``index``'s generator at (seed, offset).
+        Raises:
+            InvalidStateError: ``generator`` belongs to another device type.
+        """
+        if generator is None:
+            return unpack_counter_state(self.get_rng_state(index))
+        return unpack_counter_state(self._check_generator(generator).get_state())
+
+    def set_seed_offset(
+        self, seed: int, offset: int, index: int | None = None, generator: torch.Generator | None = None
+    ) -> None:
+        """Position ``generator`` (default: device ``index``'s) at (seed, offset).
 
         Raises:
             InvalidSeedError: see :meth:`manual_seed`.
             InvalidOffsetError: ``offset`` is negative, too large or not a multiple of 4.
+            InvalidStateError: ``generator`` belongs to another device type.
         """
-        s, o = check_seed(seed), check_offset(offset)
-        idx = self._index(index)
-        self._write_state(pack_counter_state(s, o), idx)
+        state = pack_counter_state(check_seed(seed), check_offset(offset))
+        if generator is None:
+            self._write_state(state, self._index(index))
+        else:
+            self._check_generator(generator).set_state(state)
 
     # -- distributed --------------------------------------------------------------------
     def rank(self, group: object | None = None) -> int:
@@ -170,6 +182,15 @@ class Platform:
         if index is None:
             return self.current_device()
         return check_index(index, self.device_count(), self.name)
+
+    def _check_generator(self, generator: torch.Generator) -> torch.Generator:
+        device = getattr(generator, "device", None)
+        if not isinstance(device, torch.device) or device.type != self.device_type:
+            raise InvalidStateError(
+                f"generator on {device} does not belong to platform {self.name!r} (device type "
+                f"{self.device_type!r}); pass a generator created on that device, or None for the default."
+            )
+        return generator
 
     def _comm_device(self, group: object | None) -> torch.device:
         dist = _dist()

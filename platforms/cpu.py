@@ -17,18 +17,30 @@ are identical across devices should use the portable Philox generator instead.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from platforms._mix import combine64
+from platforms._mix import mix64
 from platforms._validate import check_offset, check_seed
 from platforms.base import Platform
 
-__all__ = ["CPUPlatform", "MT19937_STATE_NBYTES"]
+__all__ = ["CPUPlatform", "MT19937_STATE_NBYTES", "position_seed"]
 
 MT19937_STATE_NBYTES = 5056
 """Size of torch's CPU generator state (MT19937 words plus normal-sampling caches)."""
 
 _CPU_POSITION_DOMAIN = 0x43505530  # "CPU0": keeps modelled seeds apart from other mixes
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # odd, so multiplying by it permutes 64-bit integers
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, offset: int) -> int:
+    """The MT19937 seed that models position (seed, offset): ``seed`` itself at offset 0."""
+    # The offset is spread by an odd multiplier (a bijection mod 2**64), folded into the
+    # seed and mixed once: for one seed, distinct offsets can never share an MT19937 seed.
+    spread = ((offset ^ _CPU_POSITION_DOMAIN) * _GOLDEN_GAMMA) & _MASK64
+    return seed if offset == 0 else mix64(seed ^ spread)
 
 
 class CPUPlatform(Platform):
@@ -41,9 +53,11 @@ class CPUPlatform(Platform):
     state_nbytes = MT19937_STATE_NBYTES
 
     def __init__(self) -> None:
-        # (seed, offset, the MT19937 seed that pair mapped to): lets get_seed_offset tell
-        # whether the generator still sits where set_seed_offset put it.
-        self._position: tuple[int, int, int] | None = None
+        # generator -> (seed, offset, the MT19937 seed that pair mapped to): lets
+        # get_seed_offset tell whether a generator still sits where it was put.
+        self._positions: weakref.WeakKeyDictionary[torch.Generator, tuple[int, int, int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def device_count(self) -> int:
         return 1
@@ -52,21 +66,30 @@ class CPUPlatform(Platform):
         self._index(index)
         return torch.default_generator
 
-    def get_seed_offset(self, index: int | None = None) -> tuple[int, int]:
+    def get_seed_offset(
+        self, index: int | None = None, generator: torch.Generator | None = None
+    ) -> tuple[int, int]:
         """Return the modelled (seed, offset); ``(initial_seed, 0)`` after a plain reseed."""
-        self._index(index)
-        current = torch.default_generator.initial_seed()
-        if self._position is not None and self._position[2] == current:
-            return self._position[0], self._position[1]
+        gen = self._target(index, generator)
+        current = gen.initial_seed()
+        position = self._positions.get(gen)
+        if position is not None and position[2] == current:
+            return position[0], position[1]
         return current, 0
 
-    def set_seed_offset(self, seed: int, offset: int, index: int | None = None) -> None:
+    def set_seed_offset(
+        self, seed: int, offset: int, index: int | None = None, generator: torch.Generator | None = None
+    ) -> None:
         """Seed MT19937 from (seed, offset); see the module docstring for the guarantees."""
         s, o = check_seed(seed), check_offset(offset)
+        gen = self._target(index, generator)
+        mt_seed = position_seed(s, o)
+        gen.manual_seed(mt_seed)
+        self._positions[gen] = (s, o, mt_seed)
+
+    def _target(self, index: int | None, generator: torch.Generator | None) -> torch.Generator:
         self._index(index)
-        mt_seed = s if o == 0 else combine64(_CPU_POSITION_DOMAIN, s, o)
-        torch.default_generator.manual_seed(mt_seed)
-        self._position = (s, o, mt_seed)
+        return torch.default_generator if generator is None else self._check_generator(generator)
 
     def _read_state(self, index: int) -> torch.Tensor:
         return torch.default_generator.get_state()

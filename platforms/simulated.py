@@ -47,13 +47,14 @@ class _Counter:
 class SimulatedGenerator:
     """A Philox-style generator: a seed and an offset that advances by 4-aligned steps."""
 
-    def __init__(self, index: int = 0, seed: int = _DEFAULT_SEED) -> None:
+    def __init__(self, index: int = 0, seed: int = _DEFAULT_SEED, device_type: str = "cpu") -> None:
         self.index = index
+        self.device_type = device_type
         self._counter = _Counter(seed)
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return torch.device(self.device_type, self.index)
 
     def get_state(self) -> torch.Tensor:
         return pack_counter_state(self._counter.seed, self._counter.offset)
@@ -88,7 +89,7 @@ class SimulatedGenerator:
 
     # Graph-safe API of CUDA generators: swap the state object instead of copying bytes.
     def graphsafe_get_state(self) -> SimulatedGenerator:
-        view = SimulatedGenerator(self.index)
+        view = SimulatedGenerator(self.index, device_type=self.device_type)
         view._counter = self._counter
         return view
 
@@ -97,7 +98,7 @@ class SimulatedGenerator:
         return self
 
     def clone_state(self) -> SimulatedGenerator:
-        clone = SimulatedGenerator(self.index)
+        clone = SimulatedGenerator(self.index, device_type=self.device_type)
         clone._counter = _Counter(self._counter.seed, self._counter.offset)
         return clone
 
@@ -114,9 +115,12 @@ class SimulatedDeviceModule:
     Args:
         device_count: how many devices to simulate.
         available: what :meth:`is_available` answers (to simulate a missing device).
+        device_type: the device type its generators report (``"cuda"`` when it stands in
+            for ``torch.cuda``); tensors stay in CPU memory whatever it says.
     """
 
-    def __init__(self, device_count: int = 2, available: bool = True) -> None:
+    def __init__(self, device_count: int = 2, available: bool = True, device_type: str = "cpu") -> None:
+        self.device_type = device_type
         self._count = device_count
         self._available = available
         self._current = 0
@@ -138,7 +142,7 @@ class SimulatedDeviceModule:
             if not self.is_available():
                 raise RuntimeError("simulated device is not available")
             self.lazy_init_calls += 1
-            self._generators = tuple(SimulatedGenerator(i) for i in range(self._count))
+            self._generators = tuple(SimulatedGenerator(i, device_type=self.device_type) for i in range(self._count))
 
     @property
     def default_generators(self) -> tuple[SimulatedGenerator, ...]:

@@ -136,6 +136,21 @@ def seed_offset_round_trips(p: Platform) -> None:
 
 
 @_check
+def positions_a_passed_generator(p: Platform) -> None:
+    gen = p.default_generator()
+    if gen is None:
+        return
+    p.set_seed_offset(21, 12, generator=gen)
+    assert p.get_seed_offset() == (21, 12), "positioning the default generator must position the device"
+    assert p.get_seed_offset(generator=gen) == (21, 12)
+    if p.device_type != "cpu":
+        foreign = torch.Generator()  # a CPU generator cannot stand for this device
+        _assert_refused(
+            p, lambda: p.set_seed_offset(1, 0, generator=foreign), InvalidStateError, "a foreign generator"
+        )
+
+
+@_check
 def refuses_bad_states(p: Platform) -> None:
     n = p.state_nbytes
     bad: list[object] = [

@@ -23,7 +23,7 @@ class TestSimulatedPlatform(PlatformConformance):
 class TestCUDACodePathOnSimulatedModule(PlatformConformance):
     @pytest.fixture
     def platform(self) -> platforms.Platform:
-        return platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_count=3))
+        return platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_count=3, device_type="cuda"))
 
 
 def _emulate_torch_npu_device_name() -> None:
@@ -40,7 +40,7 @@ class TestNPUCodePathOnSimulatedModule(PlatformConformance):
     @pytest.fixture
     def platform(self) -> platforms.Platform:
         _emulate_torch_npu_device_name()
-        return platforms.NPUPlatform(module=platforms.SimulatedDeviceModule(device_count=2))
+        return platforms.NPUPlatform(module=platforms.SimulatedDeviceModule(device_count=2, device_type="npu"))
 
 
 @pytest.mark.cuda

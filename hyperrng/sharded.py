@@ -1,0 +1,300 @@
+"""An offset-based RNG tracker with DTensor semantics, written against the Platform interface.
+
+For a random op on a tensor sharded over a device mesh, :meth:`ShardedRNGTracker.distribute_region`
+positions the generator for this rank's shard before the op and, on exit (also when the op
+raises), moves every rank to the same position after it::
+
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(1234)                      # same seed on every rank of the mesh
+    with tracker.distribute_region(mesh, [Shard(0), Replicate()], (1024, 1024)):
+        local.uniform_()                           # this rank's shard draws its own window
+
+The positions come from :func:`hyperrng.sharding.rng_offsets` (pure, cached here by the
+region's arguments), so no collective runs per op. What each platform guarantees:
+
+* counter-based platforms (CUDA, NPU, the simulated accelerator): the offsets are real
+  Philox offsets. Shard ``k`` draws the counter window ``[start_k, start_k + numel_k)``
+  after the region's base offset; windows of distinct shards are disjoint, replicas draw
+  identical numbers, and every rank leaves at ``base + end``.
+* the CPU platform: positions are modelled (see :mod:`platforms.cpu`): each (seed, offset)
+  pair seeds MT19937 from a stable mix. Replicas draw identical numbers, distinct shards
+  draw from distinct seeds (independent streams, not disjoint windows of one stream), and
+  every rank leaves at the same modelled position ``base + end``.
+
+:meth:`ShardedRNGTracker.install_dtensor` routes random ops on real
+``torch.distributed.tensor`` DTensors through this tracker, on any platform, the CPU
+included (where PyTorch's own tracker refuses to run).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+import platforms
+from hyperrng.errors import InvalidOffsetError, ShardingError
+from hyperrng.sharding import rng_offsets
+from platforms import Platform
+from platforms._validate import MAX_OFFSET, check_seed
+
+__all__ = ["MeshInfo", "ShardedRNGTracker", "as_mesh_info"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A light description of a device mesh as seen by one rank: its shape and this rank's coordinate."""
+
+    shape: tuple[int, ...]
+    coordinate: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.coordinate):
+            raise ShardingError(
+                f"mesh coordinate {self.coordinate} has {len(self.coordinate)} entries but the mesh "
+                f"{self.shape} has {len(self.shape)} dimensions; give one coordinate per mesh dimension."
+            )
+
+
+def as_mesh_info(mesh: Any) -> MeshInfo:
+    """Accept a :class:`MeshInfo`, a ``(shape, coordinate)`` pair or a ``DeviceMesh``.
+
+    Raises:
+        ShardingError: the rank is not part of the ``DeviceMesh``, or ``mesh`` is none of the above.
+    """
+    if isinstance(mesh, MeshInfo):
+        return mesh
+    if isinstance(mesh, tuple) and len(mesh) == 2 and all(isinstance(m, (tuple, list)) for m in mesh):
+        return MeshInfo(tuple(mesh[0]), tuple(mesh[1]))
+    get_coordinate = getattr(mesh, "get_coordinate", None)
+    if get_coordinate is not None:
+        coordinate = get_coordinate()
+        if coordinate is None:
+            raise ShardingError(
+                "this rank is not part of the device mesh; run the random op only on ranks of the mesh."
+            )
+        return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in coordinate))
+    raise ShardingError(
+        f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}."
+    )
+
+
+class _Region:
+    """The context manager of one distribute_region call (a class: cheaper than @contextmanager)."""
+
+    __slots__ = ("_platform", "_generator", "_start", "_end", "_seed", "_base")
+
+    def __init__(self, platform: Platform, generator: torch.Generator | None, start: int, end: int) -> None:
+        self._platform = platform
+        self._generator = generator
+        self._start = start
+        self._end = end
+        self._seed = 0
+        self._base = 0
+
+    def __enter__(self) -> None:
+        p, gen = self._platform, self._generator
+        seed, base = p.get_seed_offset(generator=gen)
+        if base + self._end > MAX_OFFSET:
+            raise InvalidOffsetError(
+                f"the generator offset {base} plus this op's {self._end} would pass 2**63 - 1; reseed the generator."
+            )
+        self._seed, self._base = seed, base
+        p.set_seed_offset(seed, base + self._start, generator=gen)
+
+    def __exit__(self, *exc: object) -> None:
+        self._platform.set_seed_offset(self._seed, self._base + self._end, generator=self._generator)
+
+
+class ShardedRNGTracker:
+    """Positions a generator for this rank's shard of a sharded random op.
+
+    Args:
+        platform: the platform whose generator is positioned (default: the current one,
+            looked up at each call so ``platforms.use`` applies).
+    """
+
+    def __init__(self, platform: Platform | None = None) -> None:
+        self._platform = platform
+        self._offsets: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self.distribute_region_enabled = True
+
+    @property
+    def platform(self) -> Platform:
+        """The platform this tracker positions generators on."""
+        return self._platform if self._platform is not None else platforms.current()
+
+    # -- initialisation -------------------------------------------------------------------
+    def manual_seed(self, seed: int, mesh: Any | None = None) -> None:
+        """Put the device generator at (seed, 0); call it with the same seed on every rank.
+
+        ``mesh``, when given, must include this rank (as DTensor requires).
+        """
+        value = check_seed(seed)
+        if mesh is not None:
+            as_mesh_info(mesh)
+        self.platform.set_seed_offset(value, 0)
+
+    def sync_from_rank0(self, group: object | None = None) -> bool:
+        """Copy rank 0's device generator position to every rank of ``group``.
+
+        Returns whether this rank's position differed (and logs a warning when it did):
+        ranks that run sharded random ops must start from the same position.
+        """
+        p = self.platform
+        mine = p.get_seed_offset()
+        packed = torch.tensor([mine[0] - 2**63, mine[1]], dtype=torch.int64)  # uint64 seed shifted into int64
+        theirs = p.broadcast(packed, src=0, group=group)
+        seed, offset = int(theirs[0]) + 2**63, int(theirs[1])
+        differed = (seed, offset) != mine
+        if differed:
+            _log.warning(
+                "rank %d had generator position %s but rank 0 has %s; synchronised to rank 0. "
+                "Seed every rank with the same seed (ShardedRNGTracker.manual_seed) to avoid this.",
+                p.rank(group),
+                mine,
+                (seed, offset),
+            )
+        p.set_seed_offset(seed, offset)
+        return differed
+
+    # -- the region ------------------------------------------------------------------------
+    def offsets(self, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[int, int]:
+        """``(start, end)`` for this rank's shard; cached by the arguments, validated on first use."""
+        # Keyed by the arguments as given (a DeviceMesh is per rank, so it stands for its
+        # coordinate); the first call validates them through rng_offsets.
+        key = (mesh, tuple(placements), tuple(global_shape))
+        try:
+            return self._offsets[key]
+        except (KeyError, TypeError):
+            pass
+        info = as_mesh_info(mesh)
+        result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
+        try:
+            self._offsets[key] = result
+        except TypeError:  # an unhashable placement: correct, just not cached
+            pass
+        return result
+
+    def distribute_region(
+        self,
+        mesh: Any,
+        placements: Sequence[Any],
+        global_shape: Sequence[int],
+        generator: torch.Generator | None = None,
+    ) -> _Region:
+        """Context manager: position ``generator`` (default: the device's) for this rank's shard.
+
+        On entry the generator moves from its (seed, base) position to ``base + start``;
+        on exit, also on exception, every rank moves to ``base + end``. A passed generator
+        is positioned the same way and keeps its advance.
+
+        Raises (before anything changes):
+            ShardingError: bad mesh, coordinate, placements or shape.
+            InvalidStateError: ``generator`` belongs to another device type.
+            InvalidOffsetError: the op would push the offset past 2**63 - 1.
+        """
+        start, end = self.offsets(mesh, placements, global_shape)
+        # A foreign generator is refused by the first read in __enter__, before any write.
+        return _Region(self.platform, generator, start, end)
+
+    # -- DTensor interop ----------------------------------------------------------------------
+    def install_dtensor(self) -> Any:
+        """Route random ops on ``torch.distributed.tensor`` DTensors through this tracker.
+
+        Installs an adapter where DTensor looks for its RNG tracker and returns the
+        tracker it replaced (``None`` if none), for :meth:`uninstall_dtensor`.
+
+        Raises:
+            ShardingError: the installed torch has no DTensor RNG hook.
+        """
+        random_mod = _dtensor_random_module()
+        previous = random_mod._rng_tracker
+        random_mod._rng_tracker = _dtensor_adapter(self)
+        return previous
+
+    @staticmethod
+    def uninstall_dtensor(previous: Any = None) -> None:
+        """Put back the DTensor RNG tracker that :meth:`install_dtensor` replaced."""
+        _dtensor_random_module()._rng_tracker = previous
+
+
+def _dtensor_random_module() -> Any:
+    try:
+        from torch.distributed.tensor import _random
+    except ImportError as exc:
+        raise ShardingError(
+            f"this torch ({torch.__version__}) has no torch.distributed.tensor RNG hook; "
+            "use ShardedRNGTracker.distribute_region directly."
+        ) from exc
+    if not hasattr(_random, "_rng_tracker"):
+        raise ShardingError(f"torch {torch.__version__} keeps DTensor's RNG tracker elsewhere; cannot install.")
+    return _random
+
+
+def _dtensor_adapter(tracker: ShardedRNGTracker) -> Any:
+    """An object with the methods DTensor's dispatcher calls on its RNG tracker.
+
+    DTensor sends CUDA ops without a user generator through a traceable path that
+    requires an ``OffsetBasedRNGTracker`` and only asks it for ``_compute_rng_offsets``;
+    subclassing it (without running its CUDA-only constructor) serves that path too.
+    """
+    from torch.distributed.tensor import _random
+
+    base: type = getattr(_random, "OffsetBasedRNGTracker", object)
+
+    class HyperRNGDTensorTracker(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:  # deliberately not calling the CUDA-only base constructor
+            self._use_distribute_region = True
+            self._device = tracker.platform.device()
+
+        @property
+        def distribute_region_enabled(self) -> bool:
+            return self._use_distribute_region and tracker.distribute_region_enabled
+
+        @distribute_region_enabled.setter
+        def distribute_region_enabled(self, value: bool) -> None:
+            self._use_distribute_region = value
+
+        def _compute_rng_offsets(self, spec: Any) -> tuple[int, int]:
+            return tracker.offsets(spec.mesh, spec.placements, spec.shape)
+
+        def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Any:
+            return _DTensorRegion(tracker, spec, generator)
+
+    return HyperRNGDTensorTracker()
+
+
+class _DTensorRegion:
+    """DTensor pops a user generator off the op, so the op draws from the device generator:
+    position the device generator with the user generator's position, and hand the advance
+    back to the user generator afterwards, leaving the device generator as it was."""
+
+    def __init__(self, tracker: ShardedRNGTracker, spec: Any, generator: torch.Generator | None) -> None:
+        self._tracker = tracker
+        self._spec = spec
+        self._user = generator
+        self._saved: torch.Tensor | None = None
+        self._region: _Region | None = None
+
+    def __enter__(self) -> None:
+        t, p = self._tracker, self._tracker.platform
+        region = t.distribute_region(self._spec.mesh, self._spec.placements, self._spec.shape)
+        if self._user is not None:
+            position = p.get_seed_offset(generator=self._user)  # refuses a foreign generator first
+            self._saved = p.get_rng_state()
+            p.set_seed_offset(*position)
+        region.__enter__()
+        self._region = region
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._region is not None
+        self._region.__exit__(*exc)
+        if self._user is not None and self._saved is not None:
+            p = self._tracker.platform
+            p.set_seed_offset(*p.get_seed_offset(), generator=self._user)
+            p.set_rng_state(self._saved)

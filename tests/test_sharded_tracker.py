@@ -1,0 +1,266 @@
+"""The offset-based tracker: replicas agree, shards differ, every rank leaves at one position."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import platforms
+from hyperrng.errors import InvalidOffsetError, InvalidStateError, ShardingError
+from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
+from hyperrng.sharding import rng_offsets
+from tests._dist import run_ranks
+
+MESH = (2, 2)
+COORDS = [(0, 0), (0, 1), (1, 0), (1, 1)]
+PLACEMENTS = [Shard(0), Replicate()]
+SHAPE = (8, 6)
+
+
+@pytest.fixture(params=["cpu", "sim", "cuda-sim"])
+def platform(request: pytest.FixtureRequest) -> Any:
+    chosen = {
+        "cpu": platforms.CPUPlatform,
+        "sim": platforms.SimulatedPlatform,
+        "cuda-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
+    }[request.param]()
+    with platforms.use(chosen):
+        yield chosen
+
+
+def _draw(p: platforms.Platform, n: int) -> torch.Tensor:
+    """Draw n numbers from the platform's current device generator."""
+    if isinstance(p, platforms.CPUPlatform):
+        return torch.rand(n)
+    return p.module.rand(n)  # type: ignore[attr-defined, no-any-return]
+
+
+def _run_every_rank(p: platforms.Platform, seed: int = 11) -> dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int]]]:
+    out = {}
+    for coord in COORDS:
+        tracker = ShardedRNGTracker()
+        tracker.manual_seed(seed)
+        with tracker.distribute_region(MeshInfo(MESH, coord), PLACEMENTS, SHAPE):
+            local = _draw(p, 4 * 6)
+        out[coord] = (local, p.get_seed_offset())
+    return out
+
+
+def test_replicas_draw_the_same_numbers_and_shards_differ(platform: platforms.Platform) -> None:
+    out = _run_every_rank(platform)
+    assert torch.equal(out[(0, 0)][0], out[(0, 1)][0])
+    assert torch.equal(out[(1, 0)][0], out[(1, 1)][0])
+    assert not torch.equal(out[(0, 0)][0], out[(1, 0)][0])
+
+
+def test_every_rank_leaves_at_the_same_position(platform: platforms.Platform) -> None:
+    out = _run_every_rank(platform)
+    _, end = rng_offsets(MESH, (0, 0), PLACEMENTS, SHAPE)
+    assert {pos for _, pos in out.values()} == {(11, end)}
+
+
+def test_inside_the_region_the_generator_sits_at_the_shard_start(platform: platforms.Platform) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(3)
+    platform.set_seed_offset(3, 40)
+    with tracker.distribute_region(MeshInfo(MESH, (1, 1)), PLACEMENTS, SHAPE):
+        assert platform.get_seed_offset() == (3, 40 + 24)
+    assert platform.get_seed_offset() == (3, 40 + 48)
+
+
+def test_consecutive_regions_draw_new_numbers(platform: platforms.Platform) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(3)
+    mesh = MeshInfo(MESH, (0, 0))
+    with tracker.distribute_region(mesh, PLACEMENTS, SHAPE):
+        first = _draw(platform, 24)
+    with tracker.distribute_region(mesh, PLACEMENTS, SHAPE):
+        second = _draw(platform, 24)
+    assert not torch.equal(first, second)
+
+
+def test_an_exception_inside_the_region_still_synchronises(platform: platforms.Platform) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(3)
+    with pytest.raises(RuntimeError, match="boom"):
+        with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE):
+            raise RuntimeError("boom")
+    assert platform.get_seed_offset() == (3, 48)
+
+
+def test_a_passed_generator_is_positioned_and_keeps_its_advance(platform: platforms.Platform) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(5)
+    device_before = platform.get_rng_state()
+    default = platform.default_generator()
+    gen = torch.Generator() if isinstance(platform, platforms.CPUPlatform) else default.clone_state()  # type: ignore[union-attr]
+    platform.set_seed_offset(77, 8, generator=gen)
+    with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE, generator=gen):
+        assert platform.get_seed_offset(generator=gen) == (77, 8 + 24)
+    assert platform.get_seed_offset(generator=gen) == (77, 8 + 48)
+    assert torch.equal(platform.get_rng_state(), device_before), "the device generator must not move"
+
+
+def test_offsets_are_cached_after_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker = ShardedRNGTracker()
+    mesh = MeshInfo(MESH, (1, 0))
+    assert tracker.offsets(mesh, PLACEMENTS, SHAPE) == (24, 48)
+    import hyperrng.sharded as sharded
+
+    monkeypatch.setattr(sharded, "rng_offsets", lambda *a: pytest.fail("recomputed"))
+    assert tracker.offsets(mesh, PLACEMENTS, SHAPE) == (24, 48)
+
+
+def test_mesh_descriptions_are_accepted_in_three_forms() -> None:
+    class FakeDeviceMesh:
+        shape = (2, 4)
+
+        def get_coordinate(self) -> list[int]:
+            return [1, 3]
+
+    expected = MeshInfo((2, 4), (1, 3))
+    assert as_mesh_info(expected) is expected
+    assert as_mesh_info(((2, 4), (1, 3))) == expected
+    assert as_mesh_info(FakeDeviceMesh()) == expected
+
+
+# -- bad input: typed errors, nothing changed ----------------------------------------------
+
+
+class _NotInMesh:
+    shape = (2, 2)
+
+    def get_coordinate(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("mesh", "placements", "shape", "fragment"),
+    [
+        (((2, 2), (2, 0)), PLACEMENTS, SHAPE, "coordinate"),
+        (((2, 2), (0,)), PLACEMENTS, SHAPE, "coordinate"),
+        (((2, 2), (0, 0)), [Shard(0), Replicate(), Replicate()], SHAPE, "placement"),
+        (((2, 2), (0, 0)), [Shard(2), Replicate()], SHAPE, "dim"),
+        (((2, 2), (0, 0)), PLACEMENTS, (-1, 6), "must be at least 0"),
+        (_NotInMesh(), PLACEMENTS, SHAPE, "not part of the device mesh"),
+        ("2x2", PLACEMENTS, SHAPE, "expected a DeviceMesh"),
+    ],
+)
+def test_bad_regions_raise_before_anything_changes(
+    platform: platforms.Platform, mesh: Any, placements: Any, shape: Any, fragment: str
+) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(9)
+    before = platform.get_rng_state()
+    with pytest.raises(ShardingError) as info:
+        with tracker.distribute_region(mesh, placements, shape):
+            pytest.fail("the region body must not run")
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_a_generator_of_another_device_is_refused(platform: platforms.Platform) -> None:
+    if isinstance(platform, platforms.CUDAPlatform):
+        foreign = torch.Generator()
+    else:
+        foreign = platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")).default_generator()
+    tracker = ShardedRNGTracker()
+    before = platform.get_rng_state()
+    with pytest.raises(InvalidStateError, match="does not belong to platform"):
+        with tracker.distribute_region(MeshInfo(MESH, (0, 0)), PLACEMENTS, SHAPE, generator=foreign):
+            pytest.fail("the region body must not run")
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_an_offset_overflow_is_refused(platform: platforms.Platform) -> None:
+    platform.set_seed_offset(1, 2**63 - 8)
+    before = platform.get_rng_state()
+    with pytest.raises(InvalidOffsetError, match="would pass 2\\*\\*63 - 1"):
+        with ShardedRNGTracker().distribute_region(MeshInfo(MESH, (0, 0)), PLACEMENTS, SHAPE):
+            pytest.fail("the region body must not run")
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_manual_seed_refuses_bad_seeds_and_foreign_meshes() -> None:
+    tracker = ShardedRNGTracker()
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError, match="seed must be in"):
+        tracker.manual_seed(-1)
+    with pytest.raises(ShardingError, match="not part of the device mesh"):
+        tracker.manual_seed(1, _NotInMesh())
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def _sync_ranks(rank: int, world_size: int) -> tuple[bool, tuple[int, int]]:
+    tracker = ShardedRNGTracker()
+    torch.manual_seed(100 + (rank % 2))  # ranks 1 and 3 disagree with rank 0
+    differed = tracker.sync_from_rank0()
+    return differed, tracker.platform.get_seed_offset()
+
+
+@pytest.mark.multiproc
+def test_sync_from_rank0_aligns_every_rank_and_reports_who_differed(caplog: pytest.LogCaptureFixture) -> None:
+    results = run_ranks(_sync_ranks, 4)
+    assert [d for d, _ in results] == [False, True, False, True]
+    assert {pos for _, pos in results} == {(100, 0)}
+
+
+def _dtensor_random_ops(rank: int, world_size: int, install: bool) -> dict[str, list[float]]:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    tracker = ShardedRNGTracker()
+    previous = tracker.install_dtensor() if install else None
+    try:
+        torch.manual_seed(2024)  # the same seed everywhere
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0), Replicate()])
+            rows.uniform_()
+            cols = distribute_tensor(torch.zeros(4, 10), mesh, [Replicate(), Shard(1)])
+            torch.nn.init.normal_(cols)
+        position = tracker.platform.get_seed_offset()
+    finally:
+        if install:
+            tracker.uninstall_dtensor(previous)
+    return {
+        "rows": rows.to_local().flatten().tolist(),
+        "cols": cols.to_local().flatten().tolist(),
+        "position": list(position),
+    }
+
+
+@pytest.mark.multiproc
+def test_dtensor_random_ops_on_a_cpu_mesh_go_through_our_tracker() -> None:
+    r = run_ranks(_dtensor_random_ops, 4, True)  # coordinates: rank = 2 * i + j
+    # Shard(0) over mesh dim 0: ranks (i, 0) and (i, 1) are replicas.
+    assert r[0]["rows"] == r[1]["rows"] and r[2]["rows"] == r[3]["rows"]
+    assert r[0]["rows"] != r[2]["rows"]
+    # Shard(1) over mesh dim 1: ranks (0, j) and (1, j) are replicas.
+    assert r[0]["cols"] == r[2]["cols"] and r[1]["cols"] == r[3]["cols"]
+    assert r[0]["cols"] != r[1]["cols"]
+    assert len({tuple(x["position"]) for x in r}) == 1, "every rank must leave at the same position"
+
+
+@pytest.mark.multiproc
+def test_without_our_tracker_pytorch_draws_identical_shards_on_a_cpu_mesh() -> None:
+    r = run_ranks(_dtensor_random_ops, 4, False)
+    assert r[0]["rows"] == r[2]["rows"], "PyTorch gives every shard the same numbers on CPU meshes"
+
+
+def test_sync_logs_a_warning_when_ranks_disagree(caplog: pytest.LogCaptureFixture) -> None:
+    tracker = ShardedRNGTracker()
+    with caplog.at_level(logging.WARNING):
+        assert tracker.sync_from_rank0() is False  # single process: rank 0 agrees with itself
+    assert not caplog.records
