@@ -46,6 +46,7 @@ round-trip it through JSON-compatible values (checkpoints store it).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from typing import Any, Mapping, Sequence
@@ -78,13 +79,20 @@ LAYOUT_FORMAT_VERSION = 1
 """Version of the :meth:`StreamLayout.to_dict` format."""
 
 _HASH_BYTES = 8
-_STREAM_PERSON = b"hyperrng.stream"
-_DIM_PERSON = b"hyperrng.dim"
+_PERSONS = {"stream": b"hyperrng.stream", "dim": b"hyperrng.dim"}
+_NAME_HASH_CACHE = 1024  # names are few; caching keeps per-rank seed tables cheap
 
 
+@functools.lru_cache(maxsize=_NAME_HASH_CACHE)
 def name_hash(name: str, *, kind: str = "stream") -> int:
-    """Return the stable 64-bit hash of a stream name (``kind="stream"``) or dimension name (``"dim"``)."""
-    person = _STREAM_PERSON if kind == "stream" else _DIM_PERSON
+    """Return the stable 64-bit hash of a stream name (``kind="stream"``) or dimension name (``"dim"``).
+
+    It is the first 8 bytes, little-endian, of BLAKE2b over the UTF-8 name, personalised
+    with ``b"hyperrng.stream"`` or ``b"hyperrng.dim"``.
+    """
+    if kind not in _PERSONS:
+        raise LayoutError(f"kind must be one of {list(_PERSONS)}, got {kind!r}.")
+    person = _PERSONS[kind]
     digest = hashlib.blake2b(name.encode("utf-8"), digest_size=_HASH_BYTES, person=person).digest()
     return int.from_bytes(digest, "little")
 
