@@ -1,0 +1,126 @@
+"""Stream benchmarks: the cost of ``tracker.fork()`` and ``fork_rng`` against torch's own fork.
+
+Everything is measured in one run on the current platform, candidates and baselines
+interleaved so that a noisy neighbour slows both alike. The targets apply to the CPU
+platform, where ``torch.random.fork_rng(devices=[])`` forks the same generator the
+tracker switches; on an accelerator that baseline forks only the CPU, so the ratio is
+reported without a target.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import platforms
+from hyperrng.benchmarks._timing import BenchResult, best_time
+from hyperrng.random import fork_rng
+from hyperrng.tracker import RNGStatesTracker
+
+__all__ = ["benchmarks"]
+
+_FORK_TARGET = 1.0  # a fork that switches streams must cost no more than torch's fork_rng
+_QUICK_NUMBER, _FULL_NUMBER = 2_000, 20_000
+_QUICK_ROUNDS, _FULL_ROUNDS = 3, 7
+_STREAM_SEEDS = {"bench-a": 1, "bench-b": 2}
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], number: int, rounds: int) -> dict[str, float]:
+    """Best per-call time of each function, measuring them in turn ``rounds`` times."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], best_time(fn, number=number, repeat=1))
+    return best
+
+
+def _fork_loop(tracker: RNGStatesTracker) -> Callable[[], None]:
+    def run() -> None:
+        with tracker.fork("bench-a"):
+            pass
+
+    return run
+
+
+def benchmarks(quick: bool) -> list[BenchResult]:
+    """Enter+exit of ``tracker.fork()`` against raw get/set and ``torch.random.fork_rng``; ``fork_rng`` too."""
+    platform = platforms.current()
+    number = _QUICK_NUMBER if quick else _FULL_NUMBER
+    rounds = _QUICK_ROUNDS if quick else _FULL_ROUNDS
+    tracker = RNGStatesTracker()
+    tracker.reseed(_STREAM_SEEDS)
+    copying = RNGStatesTracker(graph_safe=False)
+    copying.reseed(_STREAM_SEEDS)
+    gen = platform.default_generator()
+    stream_state = copying.get_states()["bench-a"]
+
+    def raw_switch() -> None:
+        # The byte copies a stream switch cannot avoid: save, load, read back, restore.
+        if gen is not None:
+            saved = gen.get_state()
+            gen.set_state(stream_state)
+            gen.get_state()
+            gen.set_state(saved)
+        else:
+            saved = platform.get_rng_state()
+            platform.set_rng_state(stream_state)
+            platform.get_rng_state()
+            platform.set_rng_state(saved)
+
+    def torch_fork() -> None:
+        with torch.random.fork_rng(devices=[]):
+            pass
+
+    def our_fork_rng() -> None:
+        with fork_rng(devices=[]):
+            pass
+
+    fns: dict[str, Callable[[], object]] = {
+        "fork": _fork_loop(tracker),
+        "raw": raw_switch,
+        "torch": torch_fork,
+        "fork_rng": our_fork_rng,
+    }
+    if tracker.graph_safe:
+        fns["copying"] = _fork_loop(copying)
+    t = _interleaved(fns, number, rounds)
+
+    on_cpu = platform.default_generator() is torch.default_generator
+    mode = "graph-safe swap" if tracker.graph_safe else "byte copies"
+    results = [
+        BenchResult(
+            f"{platform.name}: tracker.fork enter+exit",
+            t["fork"],
+            "torch.random.fork_rng(devices=[])",
+            t["torch"],
+            target=_FORK_TARGET if on_cpu else None,
+            note=f"{mode}; the fork switches streams, torch's fork only saves and restores"
+            + ("" if on_cpu else "; torch's fork covers only the CPU here, so no target"),
+        ),
+        BenchResult(
+            f"{platform.name}: tracker.fork enter+exit",
+            t["fork"],
+            "raw get/set of the state (x2)",
+            t["raw"],
+            note="the Python cost of the fork over the copies it must make",
+        ),
+        BenchResult(
+            f"{platform.name}: hyperrng fork_rng(devices=[])",
+            t["fork_rng"],
+            "torch.random.fork_rng(devices=[])",
+            t["torch"],
+            target=_FORK_TARGET,
+        ),
+    ]
+    if "copying" in t:
+        results.append(
+            BenchResult(
+                f"{platform.name}: graph-safe tracker.fork",
+                t["fork"],
+                "byte-copy tracker.fork",
+                t["copying"],
+                note="swapping generator-state objects instead of copying bytes",
+            )
+        )
+    return results
