@@ -1,0 +1,94 @@
+"""Activation recompute that replays exactly the random numbers of the forward pass.
+
+:func:`checkpoint` runs ``function`` without keeping its activations, and reruns it in the
+backward pass. Before the first run it records torch's CPU generator, every device
+generator of the current platform and every stream of the tracker; before the rerun it
+puts exactly those states back, so dropout inside ``tracker.fork(...)`` regions draws the
+same masks twice; afterwards it restores the states the backward pass had found, so the
+recompute leaves no trace on the generators. It works on every platform, because it only
+uses the Platform interface and the tracker's ``get_states``/``set_states``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import platforms
+from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+
+__all__ = ["checkpoint"]
+
+
+class _RNGSnapshot:
+    """Torch's CPU state, every device state of the platform, and the tracker's streams."""
+
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        self.platform = platforms.current()
+        self.cpu = torch.get_rng_state()
+        self.devices = [self.platform.get_rng_state(i) for i in range(self.platform.device_count())]
+        self.streams = tracker.get_states() if tracker.is_initialized() else None
+
+    def restore(self, tracker: RNGStatesTracker) -> None:
+        if self.streams is not None:
+            tracker.set_states(self.streams)
+        for i, state in enumerate(self.devices):
+            self.platform.set_rng_state(state, i)
+        torch.set_rng_state(self.cpu)
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, function: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) -> Any:
+        ctx.function = function
+        ctx.tracker = tracker
+        ctx.snapshot = _RNGSnapshot(tracker)
+        tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.tensor_idx = tensor_idx
+        ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
+        ctx.save_for_backward(*(args[i] for i in tensor_idx))
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        args = list(ctx.others)
+        inputs = []
+        for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
+            x = t.detach()
+            x.requires_grad_(t.requires_grad)
+            args[i] = x
+            inputs.append(x)
+        now = _RNGSnapshot(ctx.tracker)
+        ctx.snapshot.restore(ctx.tracker)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*args)
+        finally:
+            now.restore(ctx.tracker)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        arg_grads = [None] * len(args)
+        for i, x in zip(ctx.tensor_idx, inputs):
+            arg_grads[i] = x.grad
+        return (None, None, *arg_grads)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
+    """Run ``function(*args)`` now and again in the backward pass, with identical random numbers.
+
+    Args:
+        function: the region to recompute; it may fork tracker streams and draw from any
+            generator. Its outputs are a tensor or a tuple of tensors.
+        *args: its inputs; tensors among them receive gradients.
+        tracker: whose streams are replayed (default: the process-wide tracker).
+
+    Returns:
+        What ``function`` returns. Gradients equal those of running ``function`` without
+        checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
+    """
+    return _Checkpoint.apply(function, tracker if tracker is not None else get_rng_tracker(), *args)

@@ -1,0 +1,166 @@
+"""Cross-rank checks: the ranks that must share a stream do, and the ones that must differ do.
+
+:func:`verify_rng_sync` runs one ``all_gather`` of a small integer vector per rank: a digest
+of the layout, the rank's mesh coordinates, and a 64-bit fingerprint of every stream's
+state (plus the default generator's). Every rank then applies the same rule to the same
+data, so every rank reaches the same verdict and, on a violation, raises the same
+:class:`RNGDesyncError`:
+
+* ranks with equal coordinates on a stream's dimensions must hold identical states;
+* ranks with different coordinates on them must hold different states;
+* every rank must hold every stream of the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+import platforms
+from hyperrng.errors import DistributedNotInitializedError, LayoutError, RNGDesyncError
+from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
+from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+
+__all__ = ["StreamVerdict", "fingerprint", "verify_rng_sync"]
+
+_MAX_REPORTED = 8  # violations listed in one error message; the rest are counted
+
+
+@dataclass(frozen=True)
+class StreamVerdict:
+    """What :func:`verify_rng_sync` found for one stream: its dimensions and distinct states."""
+
+    stream: str
+    dims: tuple[str, ...]
+    distinct_states: int
+    groups: int  # sets of ranks that must share the stream
+
+
+def fingerprint(state: torch.Tensor) -> int:
+    """A signed 64-bit BLAKE2b fingerprint of an RNG state's bytes (stable across processes)."""
+    digest = hashlib.blake2b(state.contiguous().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _layout_digest(layout: StreamLayout) -> int:
+    text = json.dumps(layout.to_dict(), sort_keys=True).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
+def _local_vector(layout: StreamLayout, coords: Mapping[str, int], tracker: RNGStatesTracker) -> list[int]:
+    states = tracker.get_states(as_tensors=True) if tracker.is_initialized() else {}
+    vector = [_layout_digest(layout)] + [coords[d] for d in layout.dims]
+    for name in layout.streams:
+        if name == DEFAULT_STREAM:
+            vector += [1, fingerprint(platforms.current().get_rng_state())]
+        elif name in states:
+            vector += [1, fingerprint(states[name])]
+        else:
+            vector += [0, 0]
+    return vector
+
+
+def verify_rng_sync(
+    layout: StreamLayout,
+    coords: Mapping[str, int] | object,
+    *,
+    tracker: RNGStatesTracker | None = None,
+    group: object | None = None,
+) -> list[StreamVerdict]:
+    """Check across the ranks of ``group`` that every stream is shared exactly as ``layout`` says.
+
+    Args:
+        layout: which dimensions each stream varies over.
+        coords: this rank's mesh coordinates (a ``{dim: coordinate}`` mapping or a named
+            ``DeviceMesh``); every dimension of ``layout`` must be given.
+        tracker: the tracker whose streams are checked (default: the process-wide one).
+            The default stream is the current device generator of the platform.
+        group: the process group (default: the world).
+
+    Returns:
+        One :class:`StreamVerdict` per stream when everything holds.
+
+    Raises:
+        DistributedNotInitializedError: ``torch.distributed`` has no process group yet.
+        RNGDesyncError: on every rank, naming each stream that is shared wrongly or
+            missing, and the ranks on each side.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedNotInitializedError(
+            "verify_rng_sync needs a process group; call torch.distributed.init_process_group first."
+        )
+    point = mesh_coordinates(coords)
+    missing_dims = [d for d in layout.dims if d not in point]
+    if missing_dims:
+        raise LayoutError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
+    tracker = tracker if tracker is not None else get_rng_tracker()
+    local = torch.tensor(_local_vector(layout, point, tracker), dtype=torch.int64)
+    rows = [t.tolist() for t in platforms.current().all_gather(local, group=group)]
+    return _judge(layout, rows)
+
+
+def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
+    """Apply the sharing rule to every rank's gathered vector; raise on any violation."""
+    ndims = len(layout.dims)
+    digests = {row[0] for row in rows}
+    if len(digests) > 1:
+        by_digest: dict[int, list[int]] = defaultdict(list)
+        for rank, row in enumerate(rows):
+            by_digest[row[0]].append(rank)
+        raise RNGDesyncError(
+            "ranks use different stream layouts: "
+            + " vs ".join(str(ranks) for ranks in by_digest.values())
+            + "; build the same StreamLayout on every rank."
+        )
+    problems: list[str] = []
+    verdicts: list[StreamVerdict] = []
+    for i, (name, dims) in enumerate(layout.streams.items()):
+        col = 1 + ndims + 2 * i
+        absent = [rank for rank, row in enumerate(rows) if row[col] == 0]
+        if absent:
+            problems.append(f"stream {name!r} is missing on rank(s) {absent}; seed it on every rank")
+            continue
+        dim_idx = [layout.dims.index(d) for d in dims]
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for rank, row in enumerate(rows):
+            groups[tuple(row[1 + j] for j in dim_idx)].append(rank)
+        owner: dict[int, tuple[int, ...]] = {}
+        for key, ranks in groups.items():
+            by_state: dict[int, list[int]] = defaultdict(list)
+            for rank in ranks:
+                by_state[rows[rank][col + 1]].append(rank)
+            if len(by_state) > 1:
+                sides = " vs ".join(str(r) for r in by_state.values())
+                where = _describe(dims, key) or "every rank"
+                problems.append(
+                    f"stream {name!r}: ranks {sides} must share it ({where}) but hold different states"
+                )
+            for state, state_ranks in by_state.items():
+                other = owner.setdefault(state, key)
+                if other != key:
+                    problems.append(
+                        f"stream {name!r}: ranks {groups[other]} and {state_ranks} must differ "
+                        f"({_describe(dims, other)} vs {_describe(dims, key)}) but hold identical states"
+                    )
+        states = {row[col + 1] for row in rows}
+        verdicts.append(StreamVerdict(name, dims, len(states), len(groups)))
+    if problems:
+        shown = problems[:_MAX_REPORTED]
+        more = len(problems) - len(shown)
+        raise RNGDesyncError(
+            "RNG streams are out of sync across ranks:\n  "
+            + "\n  ".join(shown)
+            + (f"\n  ... and {more} more" if more else "")
+        )
+    return verdicts
+
+
+def _describe(dims: tuple[str, ...], key: tuple[int, ...]) -> str:
+    return ", ".join(f"{d}={c}" for d, c in zip(dims, key))
