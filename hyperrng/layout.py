@@ -49,7 +49,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import operator
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -195,7 +196,9 @@ class StreamLayout:
                     )
         return len(seen)
 
-    def seed_tracker(self, tracker: RNGStatesTracker, base_seed: int, coords: Mapping[str, int] | object) -> dict[str, int]:
+    def seed_tracker(
+        self, tracker: RNGStatesTracker, base_seed: int, coords: Mapping[str, int] | object
+    ) -> dict[str, int]:
         """Reset ``tracker``, add every named stream, and seed the default generator.
 
         The default stream's seed goes to the current device's default generator and, on
@@ -305,7 +308,9 @@ def mesh_coordinates(mesh: Mapping[str, int] | object) -> dict[str, int]:
             f"expected a mapping of dimension name to coordinate or a DeviceMesh, got {type(mesh).__name__}."
         )
     if not names:
-        raise LayoutError("the mesh has no mesh_dim_names; create it with names (e.g. init_device_mesh(..., mesh_dim_names=...)).")
+        raise LayoutError(
+            "the mesh has no mesh_dim_names; create it with names (e.g. init_device_mesh(..., mesh_dim_names=...))."
+        )
     coordinate = get_coordinate()
     if coordinate is None:
         raise LayoutError("this rank is not part of the mesh (get_coordinate() returned None).")

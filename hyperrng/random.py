@@ -15,8 +15,10 @@ runtime. Select the platform with ``platforms.use(...)`` instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, ContextManager, Iterable
+from typing import Any
 
 import torch
 
@@ -31,7 +33,7 @@ __all__ = ["fork_rng"]
 class _ForkRNG:
     """Saves the CPU state and the chosen device states on entry, restores them on exit."""
 
-    __slots__ = ("_platform", "_targets", "_saved")
+    __slots__ = ("_platform", "_saved", "_targets")
 
     def __init__(self, platform: Platform, targets: list[tuple[Any, int]]) -> None:
         self._platform = platform
@@ -73,7 +75,7 @@ _NO_FORK = _NoFork()
 
 def fork_rng(
     devices: Iterable[int] | None = None, enabled: bool = True, device_type: str | None = None
-) -> ContextManager[None]:
+) -> AbstractContextManager[None]:
     """Return a context manager that restores the CPU and device RNG states on exit.
 
     Args:

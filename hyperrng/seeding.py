@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 import torch
@@ -41,15 +41,15 @@ from platforms._validate import MAX_SEED, check_seed
 __all__ = [
     "SLAPO_DEFAULT_SEED",
     "MegatronSeeds",
-    "set_random_seed",
-    "model_parallel_manual_seed",
-    "model_parallel_cuda_manual_seed",
     "is_random_seed_set",
-    "megatron_seeds",
     "megatron_model_parallel_manual_seed",
+    "megatron_seeds",
     "megatron_set_random_seed",
-    "set_seeds",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
     "seed_host",
+    "set_random_seed",
+    "set_seeds",
 ]
 
 SLAPO_DEFAULT_SEED = 2013

@@ -33,8 +33,9 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -50,16 +51,16 @@ from platforms import Platform
 from platforms._validate import check_seed, check_state
 
 __all__ = [
-    "MODEL_PARALLEL_STREAM",
     "DATA_PARALLEL_STREAM",
     "EXPERT_PARALLEL_STREAM",
-    "RNGTrackerProtocol",
-    "RNGStatesTracker",
+    "MODEL_PARALLEL_STREAM",
     "CudaRNGStatesTracker",
+    "RNGStatesTracker",
+    "RNGTrackerProtocol",
     "StreamNameError",
     "TrackerStateError",
-    "get_rng_tracker",
     "get_cuda_rng_tracker",
+    "get_rng_tracker",
     "set_rng_tracker",
 ]
 
@@ -114,7 +115,7 @@ def _supports_graph_safe(gen: object) -> bool:
 class _Fork:
     """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager."""
 
-    __slots__ = ("_tracker", "name", "gen", "index", "platform", "saved", "outer", "entered")
+    __slots__ = ("_tracker", "entered", "gen", "index", "name", "outer", "platform", "saved")
 
     def __init__(self, tracker: RNGStatesTracker, name: str, platform: Platform) -> None:
         self._tracker = tracker
@@ -491,8 +492,10 @@ class RNGStatesTracker:
             gen.set_state(tensor)
             return gen
         if graph_safe:
-            if isinstance(value, type(template)) and getattr(value, "device", None) == getattr(template, "device", None):
-                return value.clone_state()  # type: ignore[attr-defined]
+            if isinstance(value, type(template)) and getattr(value, "device", None) == getattr(
+                template, "device", None
+            ):
+                return value.clone_state()
             raise InvalidStateError(
                 f"{where} must be a {type(template).__name__} of this platform's device or a state tensor, "
                 f"got {type(value).__name__}."

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -64,10 +64,9 @@ def test_the_cpu_and_every_device_come_back_by_default(platform: platforms.Platf
 
 def test_states_come_back_when_the_block_raises(platform: platforms.Platform) -> None:
     before = snapshot(platform)
-    with pytest.raises(ZeroDivisionError):
-        with fork_rng():
-            scramble(platform)
-            1 / 0
+    with pytest.raises(RuntimeError, match="raised inside the block"), fork_rng():
+        scramble(platform)
+        raise RuntimeError("raised inside the block")
     assert snapshot(platform) == before
 
 

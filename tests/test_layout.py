@@ -6,7 +6,8 @@ import hashlib
 import itertools
 import json
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -307,7 +308,9 @@ def snapshot(platform: platforms.Platform) -> dict[str, Any]:
     }
 
 
-def expect_refusal(platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str) -> None:
+def expect_refusal(
+    platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str
+) -> None:
     get_rng_tracker().reseed({"existing": 77})
     before = snapshot(platform)
     with pytest.raises(error, match=fragment) as info:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -75,7 +76,9 @@ def everything(platform: platforms.Platform) -> dict[str, Any]:
     }
 
 
-def expect_refusal(platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str) -> None:
+def expect_refusal(
+    platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str
+) -> None:
     get_rng_tracker().reseed({"existing": 77})
     before = everything(platform)
     with pytest.raises(error, match=fragment) as info:

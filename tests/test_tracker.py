@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -206,10 +207,9 @@ def test_an_exception_inside_a_fork_restores_the_state_and_keeps_the_advance(
     platform, tracker = setup
     tracker.add("s", 3)
     before = device_states(platform)
-    with pytest.raises(ZeroDivisionError):
-        with tracker.fork("s"):
-            first = draw(platform)
-            1 / 0
+    with pytest.raises(RuntimeError, match="raised inside the block"), tracker.fork("s"):
+        first = draw(platform)
+        raise RuntimeError("raised inside the block")
     assert tracker.active_stream is None
     assert all(torch.equal(x, y) for x, y in zip(before, device_states(platform)))
     with tracker.fork("s"):
@@ -479,7 +479,9 @@ def test_forking_an_unknown_stream_is_refused_with_a_hint(
         with tracker.fork(name):  # type: ignore[arg-type]
             pass
 
-    expect_refusal(platform, tracker, enter, UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed")
+    expect_refusal(
+        platform, tracker, enter, UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"
+    )
     assert issubclass(UnknownStreamError, KeyError)
 
 
@@ -519,9 +521,8 @@ def test_a_fork_object_cannot_be_entered_twice_at_once(setup: tuple[platforms.Pl
     _, tracker = setup
     tracker.add("s", 1)
     fork = tracker.fork("s")
-    with fork:
-        with pytest.raises(TrackerStateError, match="already entered"):
-            fork.__enter__()
+    with fork, pytest.raises(TrackerStateError, match="already entered"):
+        fork.__enter__()
     with fork:  # once exited it may be used again
         pass
 
@@ -557,7 +558,7 @@ def test_set_states_refuses_a_malformed_entry_and_applies_none(
         draw(platform)
     for bad, fragment in _malformed_states(platform):
         states = {"a": tracker.get_states()["a"], "b": bad}
-        expect_refusal(platform, tracker, lambda: tracker.set_states(states), InvalidStateError, fragment)
+        expect_refusal(platform, tracker, lambda s=states: tracker.set_states(s), InvalidStateError, fragment)
 
 
 def test_set_states_refuses_a_missing_or_extra_stream(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
@@ -577,7 +578,9 @@ def test_set_states_refuses_a_generator_of_another_device(sim: platforms.Platfor
     tracker = RNGStatesTracker(graph_safe=True)
     tracker.add("s", 1)
     cpu_generator = torch.Generator()
-    expect_refusal(sim, tracker, lambda: tracker.set_states({"s": cpu_generator}), InvalidStateError, "SimulatedGenerator")
+    expect_refusal(
+        sim, tracker, lambda: tracker.set_states({"s": cpu_generator}), InvalidStateError, "SimulatedGenerator"
+    )
 
 
 def test_graph_safe_argument_must_be_a_bool_or_none() -> None:
@@ -588,9 +591,8 @@ def test_graph_safe_argument_must_be_a_bool_or_none() -> None:
 def test_replacing_the_global_tracker_inside_its_fork_is_refused(sim: platforms.Platform) -> None:
     tracker = get_rng_tracker()
     tracker.add("s", 1)
-    with tracker.fork("s"):
-        with pytest.raises(TrackerStateError, match="inside a fork"):
-            set_rng_tracker(RNGStatesTracker())
+    with tracker.fork("s"), pytest.raises(TrackerStateError, match="inside a fork"):
+        set_rng_tracker(RNGStatesTracker())
     assert get_rng_tracker() is tracker
     with pytest.raises(TypeError, match="RNGStatesTracker"):
         set_rng_tracker(object())  # type: ignore[arg-type]

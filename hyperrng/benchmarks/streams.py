@@ -9,7 +9,7 @@ reported without a target.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
