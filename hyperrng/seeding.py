@@ -195,7 +195,7 @@ def set_random_seed(
 def is_random_seed_set(tracker: RNGStatesTracker | None = None) -> bool:
     """Whether the tracker (default: the process-wide one) holds at least one stream."""
     chosen = tracker if tracker is not None else get_rng_tracker()
-    return bool(chosen.get_states())
+    return len(chosen) > 0
 
 
 # -- Megatron-core ---------------------------------------------------------------------------

@@ -237,6 +237,10 @@ class RNGStatesTracker:
     def __contains__(self, name: object) -> bool:
         return name in self._states
 
+    def __len__(self) -> int:
+        """Number of streams held."""
+        return len(self._states)
+
     def seeds(self) -> dict[str, int]:
         """Return ``{name: seed}`` for the streams created by :meth:`add` (not those restored by set_states)."""
         return {name: seed for seed, name in self._seeds.items()}

@@ -596,3 +596,29 @@ def test_replacing_the_global_tracker_inside_its_fork_is_refused(sim: platforms.
     assert get_rng_tracker() is tracker
     with pytest.raises(TypeError, match="RNGStatesTracker"):
         set_rng_tracker(object())  # type: ignore[arg-type]
+
+
+def test_creating_a_tracker_touches_no_device() -> None:
+    module = platforms.SimulatedDeviceModule()
+    with platforms.use(platforms.SimulatedPlatform(module)):
+        tracker = RNGStatesTracker()
+        assert tracker.graph_safe is None and len(tracker) == 0
+    assert module.lazy_init_calls == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph_safe", [None, False])
+def test_on_a_real_cuda_device_a_stream_draws_what_its_seed_gives(graph_safe: bool | None) -> None:
+    with platforms.use(platforms.CUDAPlatform()) as platform:
+        tracker = RNGStatesTracker(graph_safe=graph_safe)
+        tracker.add("s", 1234)
+        before = platform.get_rng_state()
+        with tracker.fork("s"):
+            inside = torch.rand(8, device=platform.device())
+        assert torch.equal(before, platform.get_rng_state())
+        platform.manual_seed(1234)
+        expected = torch.rand(8, device=platform.device())
+        platform.set_rng_state(before)
+        assert torch.equal(inside, expected)
+        snapshot = tracker.get_states(as_tensors=True)
+        assert all(state.device.type == "cpu" for state in snapshot.values())
