@@ -1,0 +1,417 @@
+"""Portable counter-based random numbers: Philox4x32-10 in plain torch integer ops.
+
+Every value is a pure function of a 64-bit ``key`` and its *global index*: element ``i``
+(row-major) of a tensor drawn with ``offset`` has global index ``j = offset + i`` and is
+computed from lane ``j % 4`` of the Philox block whose 64-bit counter is ``j // 4``. So
+
+* a shard computed from its index range equals the matching slice of the full tensor,
+  bit for bit, for any (uneven) sharding — pass ``shard=`` slices of the global shape;
+* consecutive calls that advance ``offset`` by the previous ``numel`` never reuse a value;
+* :func:`random_bits`, :func:`bernoulli`, :func:`dropout`'s mask and :func:`uniform`
+  with its default bounds are identical on every device, eager or compiled, because
+  they are exact integer and power-of-two operations. :func:`normal` depends on each
+  device's ``log``/``sin``/``cos`` (see its docstring).
+
+Draws of different distributions with the same key and offset read the same words, so
+they are dependent: give independent draws different keys or disjoint index ranges.
+
+Large tensors are produced in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
+blocks written into the preallocated result, so working memory does not grow with the
+tensor. ``compiled=True`` runs the same arithmetic through ``torch.compile`` (compiled
+on first use, once per distribution and compute dtype), which is faster and bitwise
+equal to eager for the exact distributions.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from hyperrng import _philox_kernels as _k
+from hyperrng.errors import HyperRNGError, InvalidOffsetError, InvalidSeedError, ShardingError
+
+__all__ = [
+    "COUNTER_SPACE",
+    "MAX_KEY",
+    "InvalidParameterError",
+    "InvalidShapeError",
+    "UnsupportedDTypeError",
+    "bernoulli",
+    "dropout",
+    "normal",
+    "philox4x32_10",
+    "random_bits",
+    "uniform",
+]
+
+MAX_KEY = 2**64 - 1
+"""Largest key: keys are the two 32-bit key words of Philox4x32, low word first."""
+
+COUNTER_SPACE = 2**64
+"""Global indices are below this: ``offset + numel`` may reach it but not exceed it."""
+
+_MAX_GLOBAL_NUMEL = 2**62
+"""Global shapes stay below this many elements so row-major indices fit int64 tensors
+with room for the lane arithmetic; no real tensor comes close."""
+
+_WORD_BITS = 32
+_PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
+
+_UNIFORM_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 11, torch.bfloat16: 8}
+"""Top bits of a word kept by :func:`uniform`: the significand width of the dtype
+(capped at the 32 bits of one word), so ``k * 2**-bits`` is exact for every ``k``."""
+
+_NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.bfloat16: 24}
+"""Bits per Box–Muller uniform; half types are computed in float32 and rounded once."""
+
+ShapeLike = int | Sequence[int] | torch.Size
+DeviceLike = torch.device | str | None
+
+
+class InvalidParameterError(HyperRNGError, ValueError):
+    """A distribution parameter outside its domain: a probability outside ``[0, 1]`` or
+    NaN, non-finite bounds, ``low > high``, a negative standard deviation."""
+
+
+class InvalidShapeError(HyperRNGError, ValueError):
+    """A shape with a negative or non-integer dimension, or too many elements."""
+
+
+class UnsupportedDTypeError(HyperRNGError, TypeError):
+    """A dtype (or tensor) the requested operation cannot produce or consume."""
+
+
+def _check_int(value: object, what: str, error: type[HyperRNGError]) -> int:
+    if isinstance(value, bool):
+        raise error(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise error(f"{what} must be an int, got {type(value).__name__} {value!r}.") from None
+
+
+def _check_key(key: object) -> int:
+    value = _check_int(key, "key", InvalidSeedError)
+    if not 0 <= value <= MAX_KEY:
+        raise InvalidSeedError(
+            f"key must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
+        )
+    return value
+
+
+def _check_offset(offset: object, numel: int) -> int:
+    value = _check_int(offset, "offset", InvalidOffsetError)
+    if value < 0:
+        raise InvalidOffsetError(f"offset must be >= 0, got {value}.")
+    if value + numel > COUNTER_SPACE:
+        raise InvalidOffsetError(
+            f"offset {value} + {numel} elements overflows the 2**64 counter space by "
+            f"{value + numel - COUNTER_SPACE}; start a new key instead of wrapping around."
+        )
+    return value
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+    if not isinstance(dims, Sequence):
+        raise InvalidShapeError(f"shape must be an int or a sequence of ints, got {type(shape).__name__}.")
+    result = tuple(_check_int(d, "each shape dimension", InvalidShapeError) for d in dims)
+    if any(d < 0 for d in result):
+        raise InvalidShapeError(f"shape {result} has a negative dimension; dimensions must be >= 0.")
+    if math.prod(result) >= _MAX_GLOBAL_NUMEL:
+        raise InvalidShapeError(f"shape {result} has 2**62 or more elements, more than a tensor can hold.")
+    return result
+
+
+def _check_real(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParameterError(f"{what} must be a real number, got {type(value).__name__} {value!r}.")
+    result = float(value)
+    if not math.isfinite(result):
+        raise InvalidParameterError(f"{what} must be finite, got {result}.")
+    return result
+
+
+def _check_probability(p: object) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise InvalidParameterError(f"p must be a real number in [0, 1], got {type(p).__name__} {p!r}.")
+    value = float(p)
+    if not 0.0 <= value <= 1.0:  # also refuses NaN, for which every comparison is False
+        raise InvalidParameterError(f"p must be a probability in [0, 1], got {value}.")
+    return value
+
+
+def _check_dtype(dtype: object, supported: dict[torch.dtype, int], what: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or dtype not in supported:
+        names = ", ".join(str(d) for d in supported)
+        raise UnsupportedDTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
+    return dtype
+
+
+def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    if shard is None:
+        return [(0, d) for d in shape]
+    if not isinstance(shard, Sequence) or not all(isinstance(s, slice) for s in shard):
+        raise ShardingError(f"shard must be a sequence of slices, one per leading dimension; got {shard!r}.")
+    if len(shard) > len(shape):
+        raise ShardingError(f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions.")
+    ranges = []
+    for d, extent in enumerate(shape):
+        start, stop, step = shard[d].indices(extent) if d < len(shard) else (0, extent, 1)
+        if step != 1:
+            raise ShardingError(f"shard slice {shard[d]!r} of dimension {d} has step {step}; only step 1 is supported.")
+        ranges.append((start, max(start, stop)))
+    return ranges
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half types are computed in float32 and rounded once, when written into the result.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _threshold(p: float) -> int:
+    # p * 2**32 is exact in binary floating point, so only the final rounding is lossy.
+    return round(p * _PROBABILITY_SCALE)
+
+
+def _generate(
+    shape: ShapeLike,
+    key: object,
+    offset: object,
+    shard: Sequence[slice] | None,
+    device: DeviceLike,
+    dtype: torch.dtype,
+    transform: _k.Transform,
+    params: Sequence[float | int],
+    param_dtypes: Sequence[torch.dtype],
+    compiled: bool,
+) -> torch.Tensor:
+    global_shape = _check_shape(shape)
+    key_value = _check_key(key)
+    offset_value = _check_offset(offset, math.prod(global_shape))
+    geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
+    target = torch.device("cpu") if device is None else torch.device(device)
+    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, compiled)
+    out = torch.empty(geometry.local_shape, dtype=dtype, device=target)
+    return _k.fill(out, geometry, offset_value, kernel)
+
+
+def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Apply the Philox4x32-10 block function.
+
+    Args:
+        counter: int64 tensor of shape ``(..., 4)``, words in ``[0, 2**32)``.
+        key: int64 tensor of shape ``(..., 2)``, words in ``[0, 2**32)``, broadcastable
+            against ``counter`` over the leading dimensions.
+
+    Returns:
+        int64 tensor of shape ``(..., 4)``: the output words, each in ``[0, 2**32)``, in
+        Random123's word order (``philox4x32(ctr, key)``'s ``v[0..3]``).
+    """
+    for name, t, width in (("counter", counter, _k.WORDS_PER_BLOCK), ("key", key, 2)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            raise UnsupportedDTypeError(f"{name} must be an int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}.")
+        if t.dim() == 0 or t.shape[-1] != width:
+            raise InvalidShapeError(f"{name} must have shape (..., {width}), got {tuple(t.shape)}.")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > 2**_WORD_BITS - 1):
+            error = InvalidOffsetError if name == "counter" else InvalidSeedError
+            raise error(f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}].")
+    batch = torch.broadcast_shapes(counter.shape[:-1], key.shape[:-1])  # type: ignore[no-untyped-call]
+    c = counter.expand(*batch, _k.WORDS_PER_BLOCK).unbind(-1)
+    k = key.expand(*batch, 2).unbind(-1)
+    return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
+
+
+def random_bits(
+    shape: ShapeLike,
+    key: int,
+    offset: int = 0,
+    *,
+    shard: Sequence[slice] | None = None,
+    device: DeviceLike = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Return raw 32-bit Philox words as an int64 tensor of ``shape`` (values in ``[0, 2**32)``).
+
+    Element ``i`` is lane ``(offset + i) % 4`` of the block with counter
+    ``(offset + i) // 4`` under ``key``. With ``shard`` (slices of the global ``shape``,
+    step 1, trailing dimensions may be omitted) only that block of the global tensor is
+    computed: the result equals ``random_bits(shape, key, offset)[shard]`` bit for bit.
+
+    Raises:
+        InvalidSeedError: ``key`` is not an int in ``[0, 2**64 - 1]``.
+        InvalidOffsetError: ``offset`` is negative, not an int, or ``offset + numel > 2**64``.
+        InvalidShapeError: ``shape`` has a negative or non-integer dimension.
+        ShardingError: ``shard`` is not a sequence of step-1 slices fitting ``shape``.
+    """
+    return _generate(shape, key, offset, shard, device, torch.int64, _k.bits_values, (), (), compiled)
+
+
+def uniform(
+    shape: ShapeLike,
+    key: int,
+    offset: int = 0,
+    dtype: torch.dtype = torch.float32,
+    low: float = 0.0,
+    high: float = 1.0,
+    *,
+    shard: Sequence[slice] | None = None,
+    device: DeviceLike = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Return uniform floats of ``shape``; element ``i`` depends only on ``(key, offset + i)``.
+
+    With the default bounds the values are exactly ``k * 2**-b`` for the top ``b`` bits
+    ``k`` of the element's word: ``b`` = 24 for float32 (interval ``[0, 1 - 2**-24]``),
+    11 for float16 (``[0, 1 - 2**-11]``), 8 for bfloat16 (``[0, 1 - 2**-8]``) and 32 for
+    float64 (``[0, 1 - 2**-32]``: float64 values have 32 random bits, not 53). These
+    values are bit-identical on every device, eager or compiled. Other bounds give
+    ``low + (high - low) * u`` computed in float32 (float64 for float64) with ``high - low``
+    and ``low`` rounded to that precision, then rounded once to ``dtype``; rounding can
+    then produce ``high`` itself. That is a multiply and an add, identical wherever they
+    are not fused into one FMA: in eager code on any device and in compiled CPU code
+    (inductor compiles with ``-ffp-contract=off``); compiled GPU code may fuse them and
+    differ by an ulp.
+
+    ``shard`` selects a block of the global ``shape`` as in :func:`random_bits`.
+
+    Raises:
+        UnsupportedDTypeError: ``dtype`` is not float32, float64, float16 or bfloat16.
+        InvalidParameterError: ``low``/``high`` are not finite reals or ``low > high``.
+        And the errors of :func:`random_bits`.
+    """
+    dtype = _check_dtype(dtype, _UNIFORM_BITS, "uniform")
+    low_value, high_value = _check_real(low, "low"), _check_real(high, "high")
+    if low_value > high_value:
+        raise InvalidParameterError(f"low must be <= high, got low={low_value} and high={high_value}.")
+    bits = _UNIFORM_BITS[dtype]
+    compute = _compute_dtype(dtype)
+    params = (_WORD_BITS - bits, 2.0**-bits, high_value - low_value, low_value)
+    dtypes = (torch.int64, compute, compute, compute)
+    return _generate(shape, key, offset, shard, device, dtype, _k.uniform_values, params, dtypes, compiled)
+
+
+def bernoulli(
+    shape: ShapeLike,
+    p: float,
+    key: int,
+    offset: int = 0,
+    *,
+    shard: Sequence[slice] | None = None,
+    device: DeviceLike = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Return a bool tensor of ``shape`` whose elements are True with probability ``p``.
+
+    Element ``i`` is ``word < round(p * 2**32)``, an integer comparison on the word of
+    global index ``offset + i``: the probability is exactly ``round(p * 2**32) / 2**32``
+    (within ``2**-33`` of ``p``; ``p = 0`` and ``p = 1`` are exact) and the result is
+    bit-identical on every device, eager or compiled. ``shard`` works as in
+    :func:`random_bits`.
+
+    Raises:
+        InvalidParameterError: ``p`` is not a real number in ``[0, 1]`` (NaN included).
+        And the errors of :func:`random_bits`.
+    """
+    threshold = _threshold(_check_probability(p))
+    return _generate(
+        shape, key, offset, shard, device, torch.bool, _k.bernoulli_values, (threshold,), (torch.int64,), compiled
+    )
+
+
+def dropout(
+    x: torch.Tensor,
+    p: float,
+    key: int,
+    offset: int = 0,
+    training: bool = True,
+    *,
+    global_shape: ShapeLike | None = None,
+    shard: Sequence[slice] | None = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Zero each element of ``x`` with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    Element ``i`` is dropped exactly where ``bernoulli(x.shape, p, key, offset)[i]`` is
+    True (an integer threshold compare on its 32-bit word), so the mask is identical on
+    every device. Kept elements are ``x * (1 / (1 - p))`` computed in ``x``'s dtype
+    arithmetic; dropped ones are exactly 0 (even where ``x`` is inf or NaN). ``p = 1``
+    returns zeros; ``p = 0`` or ``training=False`` returns ``x`` itself. Gradients flow
+    through the kept elements.
+
+    For a shard of a larger tensor, pass ``global_shape`` and ``shard`` (slices as in
+    :func:`random_bits`); ``x`` must have the shard's shape and is masked exactly as the
+    matching block of the global tensor would be. The mask costs one byte per element.
+
+    Raises:
+        UnsupportedDTypeError: ``x`` is not a floating-point tensor.
+        InvalidShapeError: ``x.shape`` is not the shape of ``shard`` in ``global_shape``.
+        And the errors of :func:`bernoulli`.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise UnsupportedDTypeError(f"dropout expects a floating-point torch.Tensor, got {got}.")
+    p_value = _check_probability(p)
+    if (global_shape is None) != (shard is None):
+        raise ShardingError("pass global_shape and shard together, or neither.")
+    shape = tuple(x.shape) if global_shape is None else _check_shape(global_shape)
+    local = tuple(b - a for a, b in _check_shard(shard, shape))
+    if local != tuple(x.shape):
+        raise InvalidShapeError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
+    _check_key(key)
+    _check_offset(offset, math.prod(shape))
+    if not training or p_value == 0.0:
+        return x
+    if p_value == 1.0:
+        return torch.zeros_like(x)
+    dropped = bernoulli(shape, p_value, key, offset, shard=shard, device=x.device, compiled=compiled)
+    return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p_value)))
+
+
+def normal(
+    shape: ShapeLike,
+    key: int,
+    offset: int = 0,
+    dtype: torch.dtype = torch.float32,
+    mean: float = 0.0,
+    std: float = 1.0,
+    *,
+    shard: Sequence[slice] | None = None,
+    device: DeviceLike = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Return normal samples of ``shape``; element ``i`` depends only on ``(key, offset + i)``.
+
+    Box–Muller per block: global index ``j`` uses block ``j // 4``; lanes 0 and 1 are
+    ``r cos t`` and ``r sin t`` from words (0, 1), lanes 2 and 3 the same from words
+    (2, 3), with ``r = sqrt(-2 log u1)``, ``t = 2 pi u2``, ``u1 = (k1 + 1) * 2**-b`` in
+    ``(0, 1]`` and ``u2 = k2 * 2**-b`` from the top ``b`` bits of the words. float32,
+    float16 and bfloat16 are computed in float32 with ``b = 24`` and rounded once, so
+    ``|z| <= 5.77`` before scaling; float64 uses ``b = 32`` (``|z| <= 6.67``). Then
+    ``mean + std * z``.
+
+    Exactness: shards and chunks equal slices of the full tensor bit for bit on one
+    device and path. Across device kinds the integer part is identical but ``log``,
+    ``sin``, ``cos`` (and on CPU even ``sqrt``) are each device's own implementations
+    (SLEEF on CPU, libdevice on CUDA, ...), so values agree to a few ulp, not bit for
+    bit. The same holds between eager and ``compiled=True``, whose generated code has
+    its own implementations of these functions.
+
+    Raises:
+        UnsupportedDTypeError: ``dtype`` is not float32, float64, float16 or bfloat16.
+        InvalidParameterError: ``mean``/``std`` are not finite reals or ``std < 0``.
+        And the errors of :func:`random_bits`.
+    """
+    dtype = _check_dtype(dtype, _NORMAL_BITS, "normal")
+    mean_value, std_value = _check_real(mean, "mean"), _check_real(std, "std")
+    if std_value < 0:
+        raise InvalidParameterError(f"std must be >= 0, got {std_value}.")
+    bits = _NORMAL_BITS[dtype]
+    compute = _compute_dtype(dtype)
+    params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
+    dtypes = (torch.int64, compute, compute, compute, compute)
+    return _generate(shape, key, offset, shard, device, dtype, _k.normal_values, params, dtypes, compiled)

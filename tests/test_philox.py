@@ -1,0 +1,528 @@
+"""Specification of hyperrng.philox: portable counter-based random numbers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hyperrng import _philox_kernels as kernels
+from hyperrng.errors import HyperRNGError, InvalidOffsetError, InvalidSeedError, ShardingError
+from hyperrng.philox import (
+    InvalidParameterError,
+    InvalidShapeError,
+    UnsupportedDTypeError,
+    bernoulli,
+    dropout,
+    normal,
+    philox4x32_10,
+    random_bits,
+    uniform,
+)
+
+MASK32 = 0xFFFFFFFF
+KEY = 0x0123456789ABCDEF
+
+# Random123's kat_vectors for philox4x32_10: (counter, key, expected output).
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32, MASK32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+def philox_reference(counter: tuple[int, ...], key: tuple[int, ...]) -> tuple[int, ...]:
+    """Philox4x32-10 on Python ints, written straight from the Random123 definition."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for round_index in range(10):
+        if round_index:
+            k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & MASK32
+    return c0, c1, c2, c3
+
+
+def reference_word(key: int, index: int) -> int:
+    """The word of global index ``index``: lane index % 4 of block counter index // 4."""
+    block = index // 4
+    return philox_reference((block & MASK32, block >> 32, 0, 0), (key & MASK32, key >> 32))[index % 4]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (distinguishes -0.0 from 0.0 and compares NaN payloads)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.equal(a, b)
+
+
+# Each entry draws a global tensor of ``shape`` with ``key``/``offset`` and optional shard.
+DISTRIBUTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "random_bits": lambda shape, offset, **kw: random_bits(shape, KEY, offset, **kw),
+    "uniform": lambda shape, offset, **kw: uniform(shape, KEY, offset, **kw),
+    "uniform_bf16": lambda shape, offset, **kw: uniform(shape, KEY, offset, torch.bfloat16, **kw),
+    "uniform_bounds": lambda shape, offset, **kw: uniform(shape, KEY, offset, low=-2.5, high=4.0, **kw),
+    "bernoulli": lambda shape, offset, **kw: bernoulli(shape, 0.3, KEY, offset, **kw),
+    "normal": lambda shape, offset, **kw: normal(shape, KEY, offset, **kw),
+    "normal_f64": lambda shape, offset, **kw: normal(shape, KEY, offset, torch.float64, mean=1.0, std=2.0, **kw),
+}
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Chunks of 3 blocks, so small tensors cross many chunk boundaries."""
+    monkeypatch.setattr(kernels, "CHUNK_BLOCKS", 3)
+    return 3
+
+
+# --- the block function -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
+def test_reference_block_function_reproduces_random123_known_answers(
+    counter: tuple[int, ...], key: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    assert philox_reference(counter, key) == expected
+
+
+@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
+def test_tensor_block_function_reproduces_random123_known_answers(
+    counter: tuple[int, ...], key: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    out = philox4x32_10(torch.tensor(counter), torch.tensor(key))
+    assert tuple(out.tolist()) == expected
+
+
+def test_tensor_block_function_matches_reference_on_random_inputs() -> None:
+    rng = random.Random(20240611)
+    counters = [[rng.getrandbits(32) for _ in range(4)] for _ in range(200)]
+    keys = [[rng.getrandbits(32) for _ in range(2)] for _ in range(200)]
+    out = philox4x32_10(torch.tensor(counters), torch.tensor(keys))
+    assert out.tolist() == [list(philox_reference(tuple(c), tuple(k))) for c, k in zip(counters, keys)]
+
+
+def test_tensor_block_function_broadcasts_one_key_over_many_counters() -> None:
+    counters = torch.tensor([[i, 0, 0, 0] for i in range(5)])
+    out = philox4x32_10(counters, torch.tensor([7, 9]))
+    assert out.tolist() == [list(philox_reference((i, 0, 0, 0), (7, 9))) for i in range(5)]
+
+
+# --- the index mapping --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0, 3, 2**32 - 6, 4 * 2**32 - 6, 2**64 - 100])
+def test_random_bits_are_the_words_of_their_global_index(offset: int) -> None:
+    # 4 * 2**32 - 6 makes the block counter carry from word 0 into word 1.
+    out = random_bits(20, KEY, offset)
+    assert out.tolist() == [reference_word(KEY, offset + i) for i in range(20)]
+
+
+def test_the_last_elements_of_the_counter_space_can_be_drawn() -> None:
+    out = random_bits((2, 3), 2**64 - 1, 2**64 - 6)
+    assert out.flatten().tolist() == [reference_word(2**64 - 1, 2**64 - 6 + i) for i in range(6)]
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+@pytest.mark.parametrize("offset", [2**32 - 6, 2**64 - 100])
+def test_element_depends_only_on_key_and_global_index(name: str, offset: int) -> None:
+    draw = DISTRIBUTIONS[name]
+    whole = draw(20, offset)
+    for cuts in ([0, 20], [0, 1, 20], [0, 5, 6, 13, 20], [0, 3, 7, 8, 9, 19, 20]):
+        pieces = [draw(b - a, offset + a) for a, b in itertools.pairwise(cuts)]
+        assert same_bits(torch.cat(pieces), whole)
+
+
+def test_shape_only_arranges_the_elements_in_row_major_order() -> None:
+    assert torch.equal(uniform((3, 4, 5), KEY, 9), uniform(60, KEY, 9).reshape(3, 4, 5))
+
+
+def test_different_keys_give_different_streams() -> None:
+    assert not torch.equal(random_bits(64, 1), random_bits(64, 2))
+
+
+def test_key_words_are_low_half_then_high_half_of_the_key() -> None:
+    words = random_bits(4, KEY)
+    expected = philox4x32_10(torch.zeros(4, dtype=torch.int64), torch.tensor([KEY & MASK32, KEY >> 32]))
+    assert torch.equal(words, expected)
+
+
+# --- sharding -----------------------------------------------------------------------
+
+SHARDS = [
+    (slice(2, 5),),
+    (slice(None), slice(3, 7)),
+    (slice(1, 6), slice(0, 9), slice(2, 3)),
+    (slice(6, 7), slice(8, 9), slice(4, 5)),
+    (slice(-3, None), slice(1, -1)),
+    (slice(0, 0),),
+    (slice(None), slice(None), slice(None)),
+]
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+@pytest.mark.parametrize("shard", SHARDS, ids=repr)
+def test_shard_equals_the_matching_slice_of_the_global_tensor(name: str, shard: tuple[slice, ...]) -> None:
+    draw = DISTRIBUTIONS[name]
+    assert same_bits(draw((7, 9, 5), 2**32 - 11, shard=shard), draw((7, 9, 5), 2**32 - 11)[shard])
+
+
+@pytest.mark.parametrize("shard", SHARDS, ids=repr)
+def test_shard_equals_slice_when_runs_are_batched_across_chunks(shard: tuple[slice, ...], tiny_chunks: int) -> None:
+    # Tiny chunks push short runs through the batched gather path and long ones through ranges.
+    for draw in DISTRIBUTIONS.values():
+        assert same_bits(draw((7, 9, 5), 13, shard=shard), draw((7, 9, 5), 13)[shard])
+
+
+def test_uneven_grid_of_shards_reassembles_the_global_tensor() -> None:
+    full = normal((10, 7), KEY, 5)
+    rows, cols = [0, 3, 4, 10], [0, 5, 7]
+    blocks = [
+        [normal((10, 7), KEY, 5, shard=(slice(r0, r1), slice(c0, c1))) for c0, c1 in itertools.pairwise(cols)]
+        for r0, r1 in itertools.pairwise(rows)
+    ]
+    assert same_bits(torch.cat([torch.cat(row, dim=1) for row in blocks], dim=0), full)
+
+
+def test_shard_of_a_tensor_near_the_end_of_the_counter_space() -> None:
+    offset = 2**64 - 4 * 6 - 1
+    shard = (slice(1, 4), slice(2, 5))
+    assert same_bits(random_bits((4, 6), KEY, offset, shard=shard), random_bits((4, 6), KEY, offset)[shard])
+
+
+# --- chunking and memory ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+def test_chunked_result_equals_single_chunk_result(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    draw = DISTRIBUTIONS[name]
+    monkeypatch.setattr(kernels, "CHUNK_BLOCKS", 1 << 20)
+    single = draw((5, 11), 7)
+    monkeypatch.setattr(kernels, "CHUNK_BLOCKS", 3)
+    assert same_bits(draw((5, 11), 7), single)
+
+
+def test_kernels_never_see_more_than_one_chunk_of_blocks(monkeypatch: pytest.MonkeyPatch, tiny_chunks: int) -> None:
+    seen: list[int] = []
+    make_kernel = kernels.make_kernel
+
+    def recording_make_kernel(*args: Any, **kwargs: Any) -> kernels.Kernel:
+        kernel = make_kernel(*args, **kwargs)
+
+        def recording_kernel(blocks: torch.Tensor) -> torch.Tensor:
+            seen.append(blocks.numel())
+            return kernel(blocks)
+
+        return recording_kernel
+
+    monkeypatch.setattr(kernels, "make_kernel", recording_make_kernel)
+    uniform(1000, KEY, 3)
+    uniform((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
+    uniform((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
+    assert seen and max(seen) <= tiny_chunks
+
+
+# --- distributions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, bits", [(torch.float32, 24), (torch.float16, 11), (torch.bfloat16, 8), (torch.float64, 32)]
+)
+def test_uniform_is_the_top_bits_of_the_word_scaled_exactly_into_0_1(dtype: torch.dtype, bits: int) -> None:
+    words = random_bits(4096, KEY, 5)
+    u = uniform(4096, KEY, 5, dtype)
+    assert u.dtype == dtype
+    assert torch.equal(u.double() * 2**bits, (words >> (32 - bits)).double())
+    assert 0.0 <= u.min().item() and u.max().item() <= 1.0 - 2.0**-bits
+
+
+def test_uniform_with_bounds_is_low_plus_span_times_u_in_float32() -> None:
+    u = uniform(1000, KEY, dtype=torch.float16).float()  # the 11-bit grid of float16
+    expected = (u * torch.tensor(7.5 - -1.25) + torch.tensor(-1.25)).to(torch.float16)
+    assert same_bits(uniform(1000, KEY, dtype=torch.float16, low=-1.25, high=7.5), expected)
+
+
+def test_uniform_moments_match_the_uniform_distribution() -> None:
+    u = uniform(1 << 16, KEY).double()
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert abs(u.var().item() - 1 / 12) < 0.005
+
+
+def test_bernoulli_is_an_integer_threshold_on_the_word() -> None:
+    words = random_bits(4096, KEY)
+    assert torch.equal(bernoulli(4096, 0.3, KEY), words < round(0.3 * 2**32))
+
+
+@pytest.mark.parametrize("p, value", [(0.0, False), (1.0, True), (0, False), (1, True)])
+def test_bernoulli_extreme_probabilities_are_exact(p: float, value: bool) -> None:
+    assert torch.equal(bernoulli(4096, p, KEY), torch.full((4096,), value))
+
+
+def test_bernoulli_frequency_matches_p() -> None:
+    assert abs(bernoulli(1 << 16, 0.25, KEY).double().mean().item() - 0.25) < 0.01
+
+
+def test_dropout_zeroes_where_bernoulli_p_is_true_and_scales_the_rest() -> None:
+    x = torch.randn(8, 16)
+    out = dropout(x, 0.4, KEY, 3)
+    dropped = bernoulli((8, 16), 0.4, KEY, 3)
+    assert torch.equal(out, torch.where(dropped, 0.0, x * (1.0 / 0.6)))
+
+
+def test_dropout_of_non_finite_values_gives_exact_zeros_where_dropped() -> None:
+    x = torch.full((64,), math.inf)
+    out = dropout(x, 0.5, KEY)
+    assert torch.equal(out == 0, bernoulli(64, 0.5, KEY))
+
+
+def test_dropout_with_p_one_returns_zeros() -> None:
+    x = torch.randn(5, 5, requires_grad=True)
+    assert torch.equal(dropout(x, 1.0, KEY), torch.zeros(5, 5))
+
+
+@pytest.mark.parametrize("p, training", [(0.0, True), (0.5, False)])
+def test_dropout_returns_its_input_when_nothing_is_dropped(p: float, training: bool) -> None:
+    x = torch.randn(5, 5)
+    assert dropout(x, p, KEY, training=training) is x
+
+
+def test_dropout_follows_logical_row_major_order_for_non_contiguous_input() -> None:
+    x = torch.randn(6, 4).t()
+    assert torch.equal(dropout(x, 0.5, KEY), dropout(x.contiguous(), 0.5, KEY))
+
+
+def test_dropout_passes_gradients_to_kept_elements_only() -> None:
+    x = torch.randn(32, requires_grad=True)
+    (grad,) = torch.autograd.grad(dropout(x, 0.5, KEY).sum(), x)
+    assert torch.equal(grad, torch.where(bernoulli(32, 0.5, KEY), 0.0, 2.0))
+
+
+def test_dropout_of_a_shard_equals_the_shard_of_the_global_dropout() -> None:
+    x = torch.randn(6, 10, dtype=torch.float16)
+    shard = (slice(1, 5), slice(3, 8))
+    local = dropout(x[shard], 0.3, KEY, 7, global_shape=(6, 10), shard=shard)
+    assert same_bits(local, dropout(x, 0.3, KEY, 7)[shard])
+
+
+def test_normal_is_box_muller_on_word_pairs_within_float32_rounding() -> None:
+    words = random_bits(4096, KEY).view(-1, 2, 2).double()
+    u1 = (torch.floor(words[..., 0] / 256) + 1) * 2.0**-24
+    u2 = torch.floor(words[..., 1] / 256) * 2.0**-24
+    radius = torch.sqrt(-2 * torch.log(u1))
+    expected = torch.stack((radius * torch.cos(2 * math.pi * u2), radius * torch.sin(2 * math.pi * u2)), -1)
+    assert torch.allclose(normal(4096, KEY).double(), expected.flatten(), rtol=0, atol=1e-5)
+
+
+def test_normal_moments_and_float32_tail_bound() -> None:
+    z = normal(1 << 16, KEY).double()
+    assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1) < 0.02
+    assert z.abs().max().item() <= math.sqrt(-2 * math.log(2.0**-24))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_normal_in_half_precision_is_float32_normal_rounded_once(dtype: torch.dtype) -> None:
+    expected = (normal(1000, KEY, mean=0.5, std=3.0)).to(dtype)
+    assert same_bits(normal(1000, KEY, dtype=dtype, mean=0.5, std=3.0), expected)
+
+
+def test_results_are_created_on_the_requested_device() -> None:
+    assert uniform(3, KEY, device="cpu").device == torch.device("cpu")
+
+
+# --- compiled path ------------------------------------------------------------------
+
+
+def test_importing_the_module_compiles_nothing() -> None:
+    code = (
+        "import hyperrng.philox, hyperrng._philox_kernels as k, sys; "
+        "assert k._compiled.cache_info().currsize == 0; assert 'torch._inductor.compile_fx' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compiled_uniform_is_bitwise_equal_to_eager(tiny_chunks: int) -> None:
+    # Tiny chunks give varying block counts, so one dynamic-shape compilation is exercised.
+    for offset, shard in [(2**32 - 7, None), (5, (slice(2, 9), slice(1, 4))), (2**64 - 200, (slice(3, 4),))]:
+        eager = uniform((11, 13), KEY, offset, shard=shard)
+        assert same_bits(uniform((11, 13), KEY, offset, shard=shard, compiled=True), eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["random_bits", "bernoulli", "uniform_bf16", "uniform_bounds"])
+def test_compiled_exact_distributions_are_bitwise_equal_to_eager(name: str) -> None:
+    draw = DISTRIBUTIONS[name]
+    assert same_bits(draw((13, 7), 2**32 - 3, compiled=True), draw((13, 7), 2**32 - 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, ulp", [(torch.float32, 2.0**-21), (torch.float64, 2.0**-50)])
+def test_compiled_normal_is_within_a_few_ulp_of_eager(dtype: torch.dtype, ulp: float) -> None:
+    # Inductor's log/sin/cos/sqrt are not eager's vectorised ones, so only ulp-level agreement.
+    eager, compiled = normal(1001, KEY, 5, dtype), normal(1001, KEY, 5, dtype, compiled=True)
+    assert torch.allclose(compiled, eager, rtol=4 * ulp, atol=8 * ulp)
+
+
+@pytest.mark.slow
+def test_compiled_normal_shards_equal_slices_of_the_compiled_global_tensor() -> None:
+    shard = (slice(2, 11), slice(1, 5))
+    full = normal((13, 7), KEY, 2**32 - 3, compiled=True)
+    assert same_bits(normal((13, 7), KEY, 2**32 - 3, shard=shard, compiled=True), full[shard])
+    assert same_bits(normal(1, KEY, 2**32 - 3 + 20, compiled=True), full.flatten()[20:21])
+
+
+# --- bad input ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, fragment",
+    [
+        (-1, "[0, 2**64 - 1]"),
+        (2**64, "[0, 2**64 - 1]"),
+        (True, "bool"),
+        (1.5, "must be an int"),
+        ("3", "must be an int"),
+    ],
+)
+def test_bad_keys_are_refused(key: Any, fragment: str) -> None:
+    with pytest.raises(InvalidSeedError, match=fragment.replace("[", r"\[").replace("*", r"\*")) as info:
+        uniform(4, key)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, HyperRNGError)
+
+
+@pytest.mark.parametrize(
+    "offset, numel, fragment",
+    [(-1, 4, ">= 0"), (True, 4, "bool"), (2.0, 4, "must be an int"), (2**64 - 3, 4, "overflows the 2\\*\\*64 counter")],
+)
+def test_bad_offsets_are_refused(offset: Any, numel: int, fragment: str) -> None:
+    with pytest.raises(InvalidOffsetError, match=fragment) as info:
+        random_bits(numel, KEY, offset)
+    assert isinstance(info.value, ValueError)
+
+
+def test_counter_range_is_checked_against_the_global_shape_not_the_shard() -> None:
+    with pytest.raises(InvalidOffsetError, match="overflows"):
+        random_bits((4, 4), KEY, 2**64 - 10, shard=(slice(0, 1),))
+
+
+@pytest.mark.parametrize(
+    "shape, fragment",
+    [
+        ((-1, 2), "negative dimension"),
+        ((2, 1.5), "must be an int"),
+        ((True,), "bool"),
+        ("ab", "must be an int"),
+        (2.0, "int or a sequence"),
+        ((2**31, 2**31), "2\\*\\*62"),
+    ],
+)
+def test_bad_shapes_are_refused(shape: Any, fragment: str) -> None:
+    with pytest.raises(InvalidShapeError, match=fragment) as info:
+        uniform(shape, KEY)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.1, math.nan, math.inf])
+def test_probabilities_outside_0_1_are_refused(p: float) -> None:
+    with pytest.raises(InvalidParameterError, match=r"in \[0, 1\]") as info:
+        bernoulli(4, p, KEY)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(InvalidParameterError, match=r"in \[0, 1\]"):
+        dropout(torch.ones(4), p, KEY)
+
+
+@pytest.mark.parametrize("p", ["0.5", True, None, torch.tensor(0.5)])
+def test_probabilities_that_are_not_real_numbers_are_refused(p: Any) -> None:
+    with pytest.raises(InvalidParameterError, match="must be a real number"):
+        bernoulli(4, p, KEY)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, "float32"])
+@pytest.mark.parametrize("draw", [uniform, normal])
+def test_unsupported_dtypes_are_refused(draw: Any, dtype: Any) -> None:
+    with pytest.raises(UnsupportedDTypeError, match="supports dtypes") as info:
+        draw(4, KEY, dtype=dtype)
+    assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"low": 2.0, "high": 1.0}, "low must be <= high"),
+        ({"low": -math.inf}, "must be finite"),
+        ({"high": "1"}, "must be a real number"),
+    ],
+)
+def test_bad_uniform_bounds_are_refused(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(InvalidParameterError, match=fragment):
+        uniform(4, KEY, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment", [({"std": -1.0}, "std must be >= 0"), ({"mean": math.nan}, "must be finite")]
+)
+def test_bad_normal_parameters_are_refused(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(InvalidParameterError, match=fragment):
+        normal(4, KEY, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "shard, fragment",
+    [
+        ((slice(0, 4, 2),), "only step 1"),
+        ((slice(None),) * 3, "has 3 slices"),
+        ((0, 1), "sequence of slices"),
+        (slice(0, 1), "sequence of slices"),
+    ],
+)
+def test_bad_shards_are_refused(shard: Any, fragment: str) -> None:
+    with pytest.raises(ShardingError, match=fragment) as info:
+        uniform((4, 4), KEY, shard=shard)
+    assert isinstance(info.value, ValueError)
+
+
+def test_dropout_refuses_integer_tensors_and_non_tensors() -> None:
+    with pytest.raises(UnsupportedDTypeError, match="floating-point"):
+        dropout(torch.ones(4, dtype=torch.int64), 0.5, KEY)
+    with pytest.raises(UnsupportedDTypeError, match="floating-point"):
+        dropout([1.0, 2.0], 0.5, KEY)  # type: ignore[arg-type]
+
+
+def test_dropout_refuses_a_tensor_that_does_not_match_its_shard() -> None:
+    with pytest.raises(InvalidShapeError, match="has shape"):
+        dropout(torch.ones(3, 3), 0.5, KEY, global_shape=(6, 6), shard=(slice(0, 2),))
+    with pytest.raises(ShardingError, match="together"):
+        dropout(torch.ones(3, 3), 0.5, KEY, global_shape=(6, 6))
+
+
+def test_dropout_validates_its_key_even_when_not_training() -> None:
+    with pytest.raises(InvalidSeedError):
+        dropout(torch.ones(3), 0.5, -1, training=False)
+
+
+@pytest.mark.parametrize(
+    "counter, key, error, fragment",
+    [
+        (torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), UnsupportedDTypeError, "int64"),
+        (torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), InvalidShapeError, r"\(\.\.\., 4\)"),
+        (torch.tensor([2**32, 0, 0, 0]), torch.zeros(2, dtype=torch.int64), InvalidOffsetError, "counter words"),
+        (torch.zeros(4, dtype=torch.int64), torch.tensor([-1, 0]), InvalidSeedError, "key words"),
+    ],
+)
+def test_block_function_refuses_bad_words(
+    counter: torch.Tensor, key: torch.Tensor, error: type[Exception], fragment: str
+) -> None:
+    with pytest.raises(error, match=fragment):
+        philox4x32_10(counter, key)
