@@ -1,4 +1,4 @@
-"""The ``hyperrng`` command line: ``info``, ``bench`` and ``demo``."""
+"""The ``hyperrng`` command line: ``demo``, ``info`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -62,9 +62,27 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hyperrng.demo import DemoConfig, main
+
+    cfg = DemoConfig(
+        world_size=args.world_size, tp=args.tp, steps=args.steps, save_step=args.save_step, seed=args.seed
+    )
+    return main(cfg=cfg)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperrng", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
+    )
+    demo.add_argument("--world-size", type=int, default=4, help="processes to start (default 4)")
+    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size; must divide the world size")
+    demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    demo.add_argument("--save-step", type=int, default=2, help="step after which the RNG checkpoint is saved")
+    demo.add_argument("--seed", type=int, default=1234, help="base seed of the stream layout")
+    demo.set_defaults(func=_cmd_demo)
     info = sub.add_parser("info", help="which platform runs and why; every probe's result")
     info.set_defaults(func=_cmd_info)
     bench = sub.add_parser("bench", help="benchmarks, as ratios against baselines measured in the same run")
