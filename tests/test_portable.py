@@ -1,0 +1,195 @@
+"""Portable draws at managed positions: every sharding and every platform give the same numbers."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import platforms
+from hyperrng import philox, portable
+from hyperrng.errors import InvalidOffsetError, ShardingError
+from hyperrng.sharded import MeshInfo
+from hyperrng.tracker import RNGStatesTracker
+from tests._dist import run_ranks
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # older torch
+    _StridedShard = None
+
+SEED = 2024
+
+
+def _platforms() -> dict[str, Any]:
+    return {
+        "cpu": platforms.CPUPlatform(),
+        "sim": platforms.SimulatedPlatform(),
+        "cuda-sim": platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
+    }
+
+
+@pytest.fixture(params=list(_platforms()))
+def platform(request: pytest.FixtureRequest) -> Any:
+    with platforms.use(_platforms()[request.param]) as p:
+        yield p
+
+
+def _assemble(mesh_shape: tuple[int, ...], placements: list[Any], shape: tuple[int, ...], draw: Any) -> torch.Tensor:
+    """Put every rank's shard back at its global indices; check replicas agree on the way."""
+    full = torch.full(shape, float("nan"))
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        mesh = MeshInfo(mesh_shape, coord)
+        local = draw(mesh)
+        index = [list(itertools.chain(*(range(s.start, s.stop) for s in sl))) for sl in portable.shard_slices(mesh, placements, shape)]
+        block = full[torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in index], indexing="ij")]
+        if not torch.isnan(block).all():
+            assert torch.equal(block, local), f"replica at {coord} drew other numbers"
+        full[torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in index], indexing="ij")] = local
+    return full
+
+
+SHARDINGS = [
+    ((4,), [Shard(0)], (10, 6)),  # uneven: 3, 3, 3, 1 rows
+    ((2, 2), [Shard(0), Replicate()], (8, 6)),
+    ((2, 3), [Shard(1), Shard(0)], (7, 5)),  # two tensor dims sharded
+    ((2, 2), [Shard(0), Shard(0)], (9, 3)),  # one dim sharded over two mesh dims
+    ((3,), [Replicate()], (4, 4)),
+]
+if _StridedShard is not None:
+    SHARDINGS.append(((2, 2), [_StridedShard(0, split_factor=2), Shard(0)], (8, 2)))
+
+
+@pytest.mark.parametrize(("mesh_shape", "placements", "shape"), SHARDINGS)
+def test_shards_put_together_equal_the_unsharded_tensor(
+    mesh_shape: tuple[int, ...], placements: list[Any], shape: tuple[int, ...]
+) -> None:
+    def draw(mesh: MeshInfo) -> torch.Tensor:
+        torch.manual_seed(SEED)  # every rank starts from the same position
+        return portable.sharded_uniform(mesh, placements, shape)
+
+    assert torch.equal(_assemble(mesh_shape, placements, shape, draw), philox.uniform(shape, key=SEED, offset=0))
+
+
+def test_every_rank_leaves_at_the_same_position(platform: platforms.Platform) -> None:
+    positions = set()
+    for c in range(4):
+        platform.manual_seed(SEED)
+        portable.sharded_normal(MeshInfo((4,), (c,)), [Shard(0)], (10, 6))
+        positions.add(platform.get_seed_offset())
+    assert positions == {(SEED, 60)}
+
+
+def test_every_platform_draws_the_same_numbers() -> None:
+    results = []
+    for p in _platforms().values():
+        with platforms.use(p):
+            p.manual_seed(SEED)
+            results.append(
+                (portable.uniform((33,)), portable.bernoulli((17,), 0.3), portable.sharded_uniform(
+                    MeshInfo((2,), (1,)), [Shard(0)], (6, 5)))  # fmt: skip
+            )
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_consecutive_draws_continue_where_the_last_stopped(platform: platforms.Platform) -> None:
+    platform.manual_seed(SEED)
+    a, b = portable.uniform((5,)), portable.uniform((3,))
+    assert platform.get_seed_offset() == (SEED, 12)  # 5 -> 8, then 3 -> 4
+    assert torch.equal(a, philox.uniform((5,), key=SEED, offset=0))
+    assert torch.equal(b, philox.uniform((3,), key=SEED, offset=8))
+
+
+def test_inside_a_fork_the_stream_hands_out_positions(platform: platforms.Platform) -> None:
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 77)
+    platform.manual_seed(SEED)
+    default_before = platform.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        first = portable.dropout(torch.ones(16), 0.5)
+    with tracker.fork("model-parallel-rng"):
+        second = portable.uniform((4,))
+    assert torch.equal(first, philox.dropout(torch.ones(16), 0.5, key=77, offset=0))
+    assert torch.equal(second, philox.uniform((4,), key=77, offset=16))
+    assert torch.equal(platform.get_rng_state(), default_before)
+
+
+def test_sharded_dropout_masks_each_shard_like_the_full_tensor() -> None:
+    x = torch.randn(10, 6)
+    full = philox.dropout(x, 0.25, key=SEED, offset=0)
+    rows = [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]
+    for c, sl in enumerate(rows):
+        torch.manual_seed(SEED)
+        assert torch.equal(portable.sharded_dropout(x[sl], 0.25, MeshInfo((4,), (c,)), [Shard(0)], (10, 6)), full[sl])
+
+
+def test_dropout_outside_training_changes_nothing(platform: platforms.Platform) -> None:
+    before = platform.get_rng_state()
+    x = torch.ones(8)
+    assert portable.dropout(x, 0.5, training=False) is x
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_a_passed_generator_is_used_and_advanced() -> None:
+    gen = torch.Generator().manual_seed(5)
+    before = torch.get_rng_state()
+    a = portable.uniform((6,), generator=gen)
+    assert torch.equal(a, philox.uniform((6,), key=5, offset=0))
+    assert platforms.CPUPlatform().get_seed_offset(generator=gen) != (5, 0)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        (lambda: portable.uniform((4,), dtype=torch.int32), TypeError, "int32"),
+        (lambda: portable.uniform((-1, 3)), ValueError, "-1"),
+        (lambda: portable.bernoulli((4,), 1.5), ValueError, "1.5"),
+        (lambda: portable.normal((4,), std=-1.0), ValueError, "std"),
+        (lambda: portable.dropout(torch.ones(4), float("nan")), ValueError, "nan"),
+        (lambda: portable.dropout(torch.ones(4, dtype=torch.int64), 0.5), TypeError, "floating-point"),
+        (lambda: portable.sharded_uniform(MeshInfo((2,), (2,)), [Shard(0)], (4,)), ShardingError, "coordinate"),
+        (lambda: portable.sharded_uniform(MeshInfo((2,), (0,)), [Shard(3)], (4,)), ShardingError, "dim"),
+        (lambda: portable.sharded_dropout(torch.ones(3), 0.5, MeshInfo((2,), (0,)), [Shard(0)], (4,)), ValueError,
+         "this rank's shard has shape (2,)"),  # fmt: skip
+        (lambda: portable.reserve(-1), InvalidOffsetError, "non-negative"),
+    ],
+)
+def test_bad_input_raises_before_the_generator_moves(
+    platform: platforms.Platform, call: Any, error: type[Exception], fragment: str
+) -> None:
+    platform.manual_seed(SEED)
+    before = platform.get_rng_state()
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_an_offset_overflow_is_refused(platform: platforms.Platform) -> None:
+    platform.set_seed_offset(1, 2**63 - 8)
+    before = platform.get_rng_state()
+    with pytest.raises(InvalidOffsetError, match="would pass 2\\*\\*63 - 1"):
+        portable.uniform((16,))
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def _rank_shard(rank: int, world_size: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(SEED)
+    return portable.sharded_uniform(mesh, [Shard(1)], (3, 7)).flatten().tolist()
+
+
+@pytest.mark.multiproc
+def test_real_ranks_compute_their_shards_with_no_collective() -> None:
+    shards = run_ranks(_rank_shard, 3)  # columns 3, 3, 1
+    widths = [3, 3, 1]
+    full = philox.uniform((3, 7), key=SEED, offset=0)
+    got = torch.cat([torch.tensor(s).reshape(3, w) for s, w in zip(shards, widths)], dim=1)
+    assert torch.equal(got, full)
