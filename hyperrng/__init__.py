@@ -34,7 +34,48 @@ from platforms import Platform
 
 __version__ = "0.1.0"
 
+# Resolve the platform before anything below asks for it: HYPERRNG_PLATFORM, plug-ins, NPU, CUDA, CPU.
 _platforms.select()
+
+from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
+from hyperrng.random import fork_rng  # noqa: E402
+from hyperrng.recompute import checkpoint  # noqa: E402
+from hyperrng.seeding import (  # noqa: E402
+    MegatronSeeds,
+    is_random_seed_set,
+    megatron_model_parallel_manual_seed,
+    megatron_seeds,
+    megatron_set_random_seed,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+    seed_host,
+    set_random_seed,
+    set_seeds,
+)
+from hyperrng.sharded import MeshInfo, ShardedRNGTracker  # noqa: E402
+from hyperrng.sharding import rng_offsets  # noqa: E402
+from hyperrng.state import (  # noqa: E402
+    RNGResumeWarning,
+    RNGStateful,
+    load_rng_state,
+    load_rng_state_dict,
+    rng_state_dict,
+    save_rng_state,
+)
+from hyperrng.tracker import (  # noqa: E402
+    DATA_PARALLEL_STREAM,
+    EXPERT_PARALLEL_STREAM,
+    MODEL_PARALLEL_STREAM,
+    CudaRNGStatesTracker,
+    RNGStatesTracker,
+    RNGTrackerProtocol,
+    StreamNameError,
+    TrackerStateError,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    set_rng_tracker,
+)
+from hyperrng.verify import verify_rng_sync  # noqa: E402
 
 
 def current_platform() -> Platform:
@@ -46,6 +87,46 @@ __all__ = [
     "__version__",
     "current_platform",
     "Platform",
+    # streams
+    "RNGStatesTracker",
+    "CudaRNGStatesTracker",
+    "RNGTrackerProtocol",
+    "get_rng_tracker",
+    "get_cuda_rng_tracker",
+    "set_rng_tracker",
+    "MODEL_PARALLEL_STREAM",
+    "DATA_PARALLEL_STREAM",
+    "EXPERT_PARALLEL_STREAM",
+    "DEFAULT_STREAM",
+    "fork_rng",
+    # seeding and layout
+    "StreamLayout",
+    "apply_layout",
+    "mesh_coordinates",
+    "seed_host",
+    "set_random_seed",
+    "model_parallel_manual_seed",
+    "model_parallel_cuda_manual_seed",
+    "is_random_seed_set",
+    "MegatronSeeds",
+    "megatron_seeds",
+    "megatron_model_parallel_manual_seed",
+    "megatron_set_random_seed",
+    "set_seeds",
+    # sharded tensors
+    "rng_offsets",
+    "MeshInfo",
+    "ShardedRNGTracker",
+    # across ranks
+    "verify_rng_sync",
+    "rng_state_dict",
+    "load_rng_state_dict",
+    "save_rng_state",
+    "load_rng_state",
+    "RNGStateful",
+    "RNGResumeWarning",
+    "checkpoint",
+    # errors
     "HyperRNGError",
     "PlatformError",
     "UnknownPlatformError",
@@ -66,4 +147,6 @@ __all__ = [
     "CheckpointError",
     "DistributedNotInitializedError",
     "UsageError",
+    "StreamNameError",
+    "TrackerStateError",
 ]

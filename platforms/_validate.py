@@ -31,6 +31,8 @@ def _as_int(value: object, what: str, error: type[Exception]) -> int:
 
 def check_seed(seed: object, what: str = "seed") -> int:
     """Return ``seed`` as an int in ``[0, 2**64 - 1]`` or raise :class:`InvalidSeedError`."""
+    if type(seed) is int and 0 <= seed <= MAX_SEED:  # the common case, checked cheaply (forks are hot)
+        return seed
     value = _as_int(seed, what, InvalidSeedError)
     if not 0 <= value <= MAX_SEED:
         raise InvalidSeedError(
@@ -41,6 +43,8 @@ def check_seed(seed: object, what: str = "seed") -> int:
 
 def check_offset(offset: object, what: str = "offset") -> int:
     """Return ``offset`` as a non-negative multiple of 4 or raise :class:`InvalidOffsetError`."""
+    if type(offset) is int and 0 <= offset <= MAX_OFFSET and not offset % OFFSET_ALIGN:
+        return offset
     value = _as_int(offset, what, InvalidOffsetError)
     if not 0 <= value <= MAX_OFFSET:
         raise InvalidOffsetError(f"{what} must be in [0, 2**63 - 1], got {value}.")

@@ -88,7 +88,8 @@ class CPUPlatform(Platform):
         self._positions[gen] = (s, o, mt_seed)
 
     def _target(self, index: int | None, generator: torch.Generator | None) -> torch.Generator:
-        self._index(index)
+        if index is not None:
+            self._index(index)
         return torch.default_generator if generator is None else self._check_generator(generator)
 
     def _read_state(self, index: int) -> torch.Tensor:

@@ -7,6 +7,9 @@ Two questions, each answered against a baseline timed in the same run:
   :func:`~hyperrng.sharding.rng_offsets` once per rank with a warm cache.
 * ``rng_offsets_cached``: one rank's lookup once its mesh, placements and shape are cached,
   against the same lookup that has to rebuild the table first.
+* ``distribute_region``: enter+exit of a region on the current platform, offsets cached,
+  against a bare ``tracker.fork()`` (target: at most 2x), on a small mesh and on an
+  8192-rank one, to show the cost does not depend on mesh size.
 """
 
 from __future__ import annotations
@@ -38,7 +41,59 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     results: list[BenchResult] = []
     for label, mesh, placements, shape in cases:
         results.extend(_bench_case(label, mesh, placements, shape, repeat))
+    results.extend(_bench_region(quick))
     return results
+
+
+_REGION_TARGET = 2.0  # a region may cost at most two bare forks once its offsets are cached
+
+
+def _bench_region(quick: bool) -> list[BenchResult]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    import platforms
+    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+    from hyperrng.tracker import RNGStatesTracker
+
+    platform = platforms.current()
+    number, rounds = (2_000, 3) if quick else (20_000, 7)
+    tracker = RNGStatesTracker()
+    tracker.add("bench-region", 1)
+    sharded = ShardedRNGTracker()
+    small = (MeshInfo((2, 2), (1, 0)), [Shard(0), Replicate()], (64, 64))
+    large = (MeshInfo((8, 16, 64), (7, 15, 63)), [Shard(0), Shard(1), Shard(0)], (5000, 3001))
+
+    def fork() -> None:
+        with tracker.fork("bench-region"):
+            pass
+
+    def region(args: tuple[MeshInfo, list[object], tuple[int, ...]]) -> None:
+        with sharded.distribute_region(*args):
+            pass
+
+    best = {"fork": float("inf"), "small": float("inf"), "large": float("inf")}
+    for _ in range(rounds):  # interleaved, so a noisy neighbour slows all three alike
+        best["fork"] = min(best["fork"], best_time(fork, number=number, repeat=1))
+        best["small"] = min(best["small"], best_time(lambda: region(small), number=number, repeat=1))
+        best["large"] = min(best["large"], best_time(lambda: region(large), number=number, repeat=1))
+    target = _REGION_TARGET if platform.name == "cpu" else None
+    return [
+        BenchResult(
+            f"{platform.name}: distribute_region, 2x2 mesh",
+            best["small"],
+            "tracker.fork() enter+exit",
+            best["fork"],
+            target=target,
+        ),
+        BenchResult(
+            f"{platform.name}: distribute_region, 8192-rank mesh",
+            best["large"],
+            "tracker.fork() enter+exit",
+            best["fork"],
+            target=target,
+            note="offsets cached: the cost does not grow with the mesh",
+        ),
+    ]
 
 
 def _bench_case(
