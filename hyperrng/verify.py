@@ -1,10 +1,10 @@
 """Cross-rank checks: the ranks that must share a stream do, and the ones that must differ do.
 
-:func:`verify_rng_sync` runs one ``all_gather`` of a small integer vector per rank: a digest
-of the layout, the rank's mesh coordinates, and a 64-bit fingerprint of every stream's
-state (plus the default generator's). Every rank then applies the same rule to the same
-data, so every rank reaches the same verdict and, on a violation, raises the same
-:class:`RNGDesyncError`:
+:func:`verify_rng_sync` gathers a digest of every rank's layout (one integer each), then,
+when the layouts agree, one small integer vector per rank: its mesh coordinates and a
+64-bit fingerprint of every stream's state, the default generator's included. Every rank
+applies the same rule to the same data, so every rank reaches the same verdict and, on a
+violation, raises the same :class:`RNGDesyncError`:
 
 * ranks with equal coordinates on a stream's dimensions must hold identical states;
 * ranks with different coordinates on them must hold different states;
@@ -52,10 +52,15 @@ def _layout_digest(layout: StreamLayout) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
+def _all_streams(layout: StreamLayout) -> dict[str, tuple[str, ...]]:
+    """Every stream the layout declares, the default generator first."""
+    return {DEFAULT_STREAM: layout.default, **layout.streams}
+
+
 def _local_vector(layout: StreamLayout, coords: Mapping[str, int], tracker: RNGStatesTracker) -> list[int]:
     states = tracker.get_states(as_tensors=True) if tracker.is_initialized() else {}
-    vector = [_layout_digest(layout)] + [coords[d] for d in layout.dims]
-    for name in layout.streams:
+    vector = [coords[d] for d in layout.dims]
+    for name in _all_streams(layout):
         if name == DEFAULT_STREAM:
             vector += [1, fingerprint(platforms.current().get_rng_state())]
         elif name in states:
@@ -101,28 +106,30 @@ def verify_rng_sync(
     if missing_dims:
         raise LayoutError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
     tracker = tracker if tracker is not None else get_rng_tracker()
+    p = platforms.current()
+    # The layouts must agree before the vectors are gathered: their length depends on it.
+    digests = [int(t) for t in p.all_gather(torch.tensor([_layout_digest(layout)]), group=group)]
+    if len(set(digests)) > 1:
+        by_digest: dict[int, list[int]] = defaultdict(list)
+        for rank, digest in enumerate(digests):
+            by_digest[digest].append(rank)
+        raise RNGDesyncError(
+            "ranks use different stream layouts: "
+            + " vs ".join(str(ranks) for ranks in by_digest.values())
+            + "; build the same StreamLayout on every rank."
+        )
     local = torch.tensor(_local_vector(layout, point, tracker), dtype=torch.int64)
-    rows = [t.tolist() for t in platforms.current().all_gather(local, group=group)]
+    rows = [t.tolist() for t in p.all_gather(local, group=group)]
     return _judge(layout, rows)
 
 
 def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
     """Apply the sharing rule to every rank's gathered vector; raise on any violation."""
     ndims = len(layout.dims)
-    digests = {row[0] for row in rows}
-    if len(digests) > 1:
-        by_digest: dict[int, list[int]] = defaultdict(list)
-        for rank, row in enumerate(rows):
-            by_digest[row[0]].append(rank)
-        raise RNGDesyncError(
-            "ranks use different stream layouts: "
-            + " vs ".join(str(ranks) for ranks in by_digest.values())
-            + "; build the same StreamLayout on every rank."
-        )
     problems: list[str] = []
     verdicts: list[StreamVerdict] = []
-    for i, (name, dims) in enumerate(layout.streams.items()):
-        col = 1 + ndims + 2 * i
+    for i, (name, dims) in enumerate(_all_streams(layout).items()):
+        col = ndims + 2 * i
         absent = [rank for rank, row in enumerate(rows) if row[col] == 0]
         if absent:
             problems.append(f"stream {name!r} is missing on rank(s) {absent}; seed it on every rank")
@@ -130,7 +137,7 @@ def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
         dim_idx = [layout.dims.index(d) for d in dims]
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for rank, row in enumerate(rows):
-            groups[tuple(row[1 + j] for j in dim_idx)].append(rank)
+            groups[tuple(row[j] for j in dim_idx)].append(rank)
         owner: dict[int, tuple[int, ...]] = {}
         for key, ranks in groups.items():
             by_state: dict[int, list[int]] = defaultdict(list)
