@@ -12,7 +12,8 @@ import datetime
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Sequence
 
 __all__ = ["main"]
 
@@ -65,9 +65,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hyperrng.demo import DemoConfig, main
 
-    cfg = DemoConfig(
-        world_size=args.world_size, tp=args.tp, steps=args.steps, save_step=args.save_step, seed=args.seed
-    )
+    cfg = DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps, save_step=args.save_step, seed=args.seed)
     return main(cfg=cfg)
 
 

@@ -23,9 +23,10 @@ import hashlib
 import os
 import random
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -278,7 +279,11 @@ def _verdicts(
             f"replicas {'equal' if replicas_equal else 'DIFFER'}, shards {'differ' if shards_differ else 'COLLIDE'}, "
             f"positions {'agree' if one_position else 'DISAGREE'}",
         ),
-        ("verify_rng_sync: streams shared exactly as the layout says", not errors, errors[0] if errors else "no desync"),
+        (
+            "verify_rng_sync: streams shared exactly as the layout says",
+            not errors,
+            errors[0] if errors else "no desync",
+        ),
         (
             f"resume from step {cfg.save_step} {'in fresh processes' if fresh else 'after scrambling'} "
             "is bit-identical",
@@ -289,7 +294,10 @@ def _verdicts(
 
 
 def _table(cfg: DemoConfig, trained: list[dict[str, Any]]) -> str:
-    head = f"{'rank':>4} {'dp':>3} {'tp':>3}  {'default seed':<18} {'TP-stream seed':<18} {'mask in':<9} {'mask out':<9} {'shard':<9} {'loss':>9}"
+    head = (
+        f"{'rank':>4} {'dp':>3} {'tp':>3}  {'default seed':<18} {'TP-stream seed':<18} "
+        f"{'mask in':<9} {'mask out':<9} {'shard':<9} {'loss':>9}"
+    )
     lines = [head, "-" * len(head)]
     for rank, row in enumerate(trained):
         last = row["steps"][-1]

@@ -13,10 +13,10 @@ from platforms.errors import (
     HyperRNGError,
     InvalidOffsetError,
     InvalidPlatformError,
-    PlatformNameError,
     InvalidSeedError,
     InvalidStateError,
     PlatformError,
+    PlatformNameError,
     PlatformUnavailableError,
     UnknownPlatformError,
 )

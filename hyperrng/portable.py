@@ -23,7 +23,8 @@ are still exactly Philox's: the same on CPU, CUDA and NPU for the same (key, off
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -258,7 +259,9 @@ def sharded_dropout(
     if p == 1.0:
         return torch.zeros_like(x)
     dropped = _assemble(
-        per_dim, lambda block: philox.bernoulli(shape, p, key=key, offset=offset, shard=block, device=x.device,
-                                                compiled=compiled)  # fmt: skip
+        per_dim,
+        lambda block: philox.bernoulli(
+            shape, p, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
+        ),  # fmt: skip
     )
     return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p)))

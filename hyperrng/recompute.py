@@ -11,7 +11,8 @@ uses the Platform interface and the tracker's ``get_states``/``set_states``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

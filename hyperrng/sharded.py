@@ -29,8 +29,9 @@ included (where PyTorch's own tracker refuses to run).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -78,9 +79,7 @@ def as_mesh_info(mesh: Any) -> MeshInfo:
                 "this rank is not part of the device mesh; run the random op only on ranks of the mesh."
             )
         return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in coordinate))
-    raise ShardingError(
-        f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}."
-    )
+    raise ShardingError(f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}.")
 
 
 class _Region:

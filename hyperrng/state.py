@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import random
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch

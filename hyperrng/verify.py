@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -146,9 +146,7 @@ def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
             if len(by_state) > 1:
                 sides = " vs ".join(str(r) for r in by_state.values())
                 where = _describe(dims, key) or "every rank"
-                problems.append(
-                    f"stream {name!r}: ranks {sides} must share it ({where}) but hold different states"
-                )
+                problems.append(f"stream {name!r}: ranks {sides} must share it ({where}) but hold different states")
             for state, state_ranks in by_state.items():
                 other = owner.setdefault(state, key)
                 if other != key:

@@ -75,6 +75,8 @@ def check_index(index: object, count: int, platform: str) -> int:
     if not 0 <= value < count:
         raise DeviceIndexError(
             f"device index {value} is out of range for platform {platform!r}, which has {count} device(s); "
-            f"use an index in [0, {count - 1}]." if count else f"platform {platform!r} has no devices."
+            f"use an index in [0, {count - 1}]."
+            if count
+            else f"platform {platform!r} has no devices."
         )
     return value

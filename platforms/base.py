@@ -101,9 +101,7 @@ class Platform:
         value = check_seed(seed)
         self._seed(value, self._index(index))
 
-    def get_seed_offset(
-        self, index: int | None = None, generator: torch.Generator | None = None
-    ) -> tuple[int, int]:
+    def get_seed_offset(self, index: int | None = None, generator: torch.Generator | None = None) -> tuple[int, int]:
         """Return the (seed, offset) position of ``generator`` (default: device ``index``'s).
 
         On counter-based platforms this is read from the state; see subclasses for

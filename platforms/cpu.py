@@ -55,9 +55,7 @@ class CPUPlatform(Platform):
     def __init__(self) -> None:
         # generator -> (seed, offset, the MT19937 seed that pair mapped to): lets
         # get_seed_offset tell whether a generator still sits where it was put.
-        self._positions: weakref.WeakKeyDictionary[torch.Generator, tuple[int, int, int]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._positions: weakref.WeakKeyDictionary[torch.Generator, tuple[int, int, int]] = weakref.WeakKeyDictionary()
 
     def device_count(self) -> int:
         return 1
@@ -66,9 +64,7 @@ class CPUPlatform(Platform):
         self._index(index)
         return torch.default_generator
 
-    def get_seed_offset(
-        self, index: int | None = None, generator: torch.Generator | None = None
-    ) -> tuple[int, int]:
+    def get_seed_offset(self, index: int | None = None, generator: torch.Generator | None = None) -> tuple[int, int]:
         """Return the modelled (seed, offset); ``(initial_seed, 0)`` after a plain reseed."""
         gen = self._target(index, generator)
         current = gen.initial_seed()

@@ -20,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
-from typing import Callable, Iterator, Mapping
 
 from platforms.base import Platform
 from platforms.cpu import CPUPlatform
@@ -243,9 +243,9 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
             why = "first available built-in (order: " + ", ".join(AUTO_ORDER) + ")"
             _selection = Selection(candidate, why, tuple(probes))
             return _selection
-    raise PlatformUnavailableError("no platform is available, not even the CPU: " + "; ".join(
-        f"{p.name}: {p.reason}" for p in probes
-    ))
+    raise PlatformUnavailableError(
+        "no platform is available, not even the CPU: " + "; ".join(f"{p.name}: {p.reason}" for p in probes)
+    )
 
 
 def selection() -> Selection:

@@ -18,7 +18,7 @@ It is also the worked example of plugging in a device: see the README.
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -17,7 +17,7 @@ every device as it found it. Our CPU, CUDA, NPU and simulated platforms pass it.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -145,9 +145,7 @@ def positions_a_passed_generator(p: Platform) -> None:
     assert p.get_seed_offset(generator=gen) == (21, 12)
     if p.device_type != "cpu":
         foreign = torch.Generator()  # a CPU generator cannot stand for this device
-        _assert_refused(
-            p, lambda: p.set_seed_offset(1, 0, generator=foreign), InvalidStateError, "a foreign generator"
-        )
+        _assert_refused(p, lambda: p.set_seed_offset(1, 0, generator=foreign), InvalidStateError, "a foreign generator")
 
 
 @_check
@@ -161,14 +159,18 @@ def refuses_bad_states(p: Platform) -> None:
         bytes(n),
     ]
     for state in bad:
-        _assert_refused(p, lambda: p.set_rng_state(state), InvalidStateError, f"set_rng_state({state!r:.40})")  # type: ignore[arg-type]
+        _assert_refused(
+            p, lambda state=state: p.set_rng_state(state), InvalidStateError, f"set_rng_state({state!r:.40})"
+        )  # type: ignore[arg-type]
 
 
 @_check
 def refuses_bad_seeds(p: Platform) -> None:
     for seed in [-1, 2**64, True, 1.5, "3", None]:
-        _assert_refused(p, lambda: p.manual_seed(seed), InvalidSeedError, f"manual_seed({seed!r})")  # type: ignore[arg-type]
-        _assert_refused(p, lambda: p.set_seed_offset(seed, 0), InvalidSeedError, f"set_seed_offset({seed!r}, 0)")  # type: ignore[arg-type]
+        _assert_refused(p, lambda seed=seed: p.manual_seed(seed), InvalidSeedError, f"manual_seed({seed!r})")  # type: ignore[arg-type]
+        _assert_refused(
+            p, lambda seed=seed: p.set_seed_offset(seed, 0), InvalidSeedError, f"set_seed_offset({seed!r}, 0)"
+        )  # type: ignore[arg-type]
     assert issubclass(InvalidSeedError, ValueError)
 
 
@@ -176,15 +178,20 @@ def refuses_bad_seeds(p: Platform) -> None:
 def refuses_bad_offsets(p: Platform) -> None:
     for offset in [-4, 6, 2**63, False, 4.0]:
         _assert_refused(
-            p, lambda: p.set_seed_offset(1, offset), InvalidOffsetError, f"set_seed_offset(1, {offset!r})"  # type: ignore[arg-type]
+            p,
+            lambda offset=offset: p.set_seed_offset(1, offset),
+            InvalidOffsetError,
+            f"set_seed_offset(1, {offset!r})",  # type: ignore[arg-type]
         )
 
 
 @_check
 def refuses_bad_device_indices(p: Platform) -> None:
     for index in [p.device_count(), -1, True]:
-        _assert_refused(p, lambda: p.manual_seed(1, index), DeviceIndexError, f"manual_seed(1, index={index!r})")
-        _assert_refused(p, lambda: p.get_rng_state(index), DeviceIndexError, f"get_rng_state({index!r})")
+        _assert_refused(
+            p, lambda index=index: p.manual_seed(1, index), DeviceIndexError, f"manual_seed(1, index={index!r})"
+        )
+        _assert_refused(p, lambda index=index: p.get_rng_state(index), DeviceIndexError, f"get_rng_state({index!r})")
     assert issubclass(DeviceIndexError, IndexError)
 
 

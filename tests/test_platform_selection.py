@@ -139,7 +139,12 @@ def test_without_env_or_plugins_the_first_available_builtin_wins() -> None:
 
 @pytest.mark.parametrize(
     "exc",
-    [RuntimeError("driver version mismatch"), OSError("libascendcl.so not found"), ValueError("bad env"), KeyError("x")],
+    [
+        RuntimeError("driver version mismatch"),
+        OSError("libascendcl.so not found"),
+        ValueError("bad env"),
+        KeyError("x"),
+    ],
 )
 def test_a_probe_raising_anything_is_recorded_and_skipped(exc: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(registry._FACTORIES, "npu", _raising_platform(exc))
@@ -217,7 +222,7 @@ def test_use_restores_even_when_the_block_raises() -> None:
     outer = platforms.current()
     with pytest.raises(ZeroDivisionError):
         with platforms.use("sim"):
-            1 / 0
+            raise ZeroDivisionError("inside the block")
     assert platforms.current() is outer
 
 

@@ -44,7 +44,8 @@ def _assemble(mesh_shape: tuple[int, ...], placements: list[Any], shape: tuple[i
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         mesh = MeshInfo(mesh_shape, coord)
         local = draw(mesh)
-        index = [list(itertools.chain(*(range(s.start, s.stop) for s in sl))) for sl in portable.shard_slices(mesh, placements, shape)]
+        slices = portable.shard_slices(mesh, placements, shape)
+        index = [list(itertools.chain(*(range(s.start, s.stop) for s in sl))) for sl in slices]
         block = full[torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in index], indexing="ij")]
         if not torch.isnan(block).all():
             assert torch.equal(block, local), f"replica at {coord} drew other numbers"
@@ -89,8 +90,11 @@ def test_every_platform_draws_the_same_numbers() -> None:
         with platforms.use(p):
             p.manual_seed(SEED)
             results.append(
-                (portable.uniform((33,)), portable.bernoulli((17,), 0.3), portable.sharded_uniform(
-                    MeshInfo((2,), (1,)), [Shard(0)], (6, 5)))  # fmt: skip
+                (
+                    portable.uniform((33,)),
+                    portable.bernoulli((17,), 0.3),
+                    portable.sharded_uniform(MeshInfo((2,), (1,)), [Shard(0)], (6, 5)),
+                )  # fmt: skip
             )
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
@@ -154,8 +158,11 @@ def test_a_passed_generator_is_used_and_advanced() -> None:
         (lambda: portable.dropout(torch.ones(4, dtype=torch.int64), 0.5), TypeError, "floating-point"),
         (lambda: portable.sharded_uniform(MeshInfo((2,), (2,)), [Shard(0)], (4,)), ShardingError, "coordinate"),
         (lambda: portable.sharded_uniform(MeshInfo((2,), (0,)), [Shard(3)], (4,)), ShardingError, "dim"),
-        (lambda: portable.sharded_dropout(torch.ones(3), 0.5, MeshInfo((2,), (0,)), [Shard(0)], (4,)), ValueError,
-         "this rank's shard has shape (2,)"),  # fmt: skip
+        (
+            lambda: portable.sharded_dropout(torch.ones(3), 0.5, MeshInfo((2,), (0,)), [Shard(0)], (4,)),
+            ValueError,
+            "this rank's shard has shape (2,)",
+        ),  # fmt: skip
         (lambda: portable.reserve(-1), InvalidOffsetError, "non-negative"),
     ],
 )

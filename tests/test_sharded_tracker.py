@@ -39,7 +39,10 @@ def _draw(p: platforms.Platform, n: int) -> torch.Tensor:
     return p.module.rand(n)  # type: ignore[attr-defined, no-any-return]
 
 
-def _run_every_rank(p: platforms.Platform, seed: int = 11) -> dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int]]]:
+Draw = dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int]]]
+
+
+def _run_every_rank(p: platforms.Platform, seed: int = 11) -> Draw:
     out = {}
     for coord in COORDS:
         tracker = ShardedRNGTracker()

@@ -7,7 +7,7 @@ Every figure is a ratio against a baseline measured in the same run.
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from hyperrng.benchmarks._timing import BenchResult, best_time
 
@@ -38,9 +38,7 @@ def format_results(results: Sequence[BenchResult]) -> str:
     for r in results:
         target = "-" if r.target is None else ("<=" if r.better == "lower" else ">=") + f"{r.target:g}"
         ok = {None: "", True: "yes", False: "NO"}[r.meets_target]
-        lines.append(
-            f"{r.name:<46} {_fmt_time(r.seconds):>10} {r.baseline:<34} {r.ratio:>7.2f} {target:>8}  {ok}"
-        )
+        lines.append(f"{r.name:<46} {_fmt_time(r.seconds):>10} {r.baseline:<34} {r.ratio:>7.2f} {target:>8}  {ok}")
         if r.note:
             lines.append(f"    {r.note}")
     return "\n".join(lines)

@@ -8,8 +8,8 @@ several repeats, which is the figure least disturbed by other processes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["BenchResult", "best_time"]
 
