@@ -1,0 +1,219 @@
+"""Activation recompute: the backward pass replays the forward's random numbers, bit for bit, and leaves no trace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import platforms
+from hyperrng.recompute import checkpoint
+from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
+
+MP = MODEL_PARALLEL_STREAM
+
+PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
+    "cpu": platforms.CPUPlatform,
+    "sim": platforms.SimulatedPlatform,
+    "cuda-on-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_tracker_on_the_cpu() -> Iterator[None]:
+    """Tests run on the CPU platform unless they ask for ``platform``; the process-wide tracker starts empty."""
+    get_rng_tracker().reset()
+    with platforms.use(platforms.CPUPlatform()):
+        yield
+    get_rng_tracker().reset()
+
+
+@pytest.fixture(params=list(PLATFORMS))
+def platform(request: pytest.FixtureRequest) -> Iterator[platforms.Platform]:
+    with platforms.use(PLATFORMS[request.param]()) as chosen:
+        yield chosen
+
+
+def device_mask(shape: torch.Size, p: float) -> torch.Tensor:
+    """An inverted-dropout mask drawn from the current device generator (a fork's stream inside a fork)."""
+    plat = platforms.current()
+    u = torch.rand(shape) if plat.name == "cpu" else plat.module.rand(*shape)  # type: ignore[attr-defined]
+    return (u >= p).float() / (1.0 - p)
+
+
+class Block(torch.nn.Module):
+    """A layer that draws from a tracker stream, from the device's default generator and from torch's CPU one."""
+
+    def __init__(self, tracker: RNGStatesTracker | None = None) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(6, 12)
+        self.down = torch.nn.Linear(12, 6)
+        self.tracker = tracker
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.relu(self.up(x))
+        with (self.tracker if self.tracker is not None else get_rng_tracker()).fork(MP):  # tensor-parallel dropout
+            h = h * device_mask(h.shape, 0.3)
+            h = F.dropout(h, 0.1)  # on an accelerator this one still draws from the CPU generator
+        h = h * device_mask(h.shape, 0.2)  # the device's default generator
+        return self.down(F.dropout(h, 0.2))
+
+
+def generator_states(tracker: RNGStatesTracker) -> dict[str, Any]:
+    p = platforms.current()
+    return {
+        "cpu": torch.get_rng_state(),
+        "devices": [p.get_rng_state(i) for i in range(p.device_count())],
+        "streams": tracker.get_states(as_tensors=True),
+    }
+
+
+def assert_equal_states(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert torch.equal(a["cpu"], b["cpu"])
+    assert len(a["devices"]) == len(b["devices"])
+    assert all(torch.equal(x, y) for x, y in zip(a["devices"], b["devices"]))
+    assert a["streams"].keys() == b["streams"].keys()
+    assert all(torch.equal(a["streams"][k], b["streams"][k]) for k in a["streams"])
+
+
+def train_step(recompute: Callable[..., Any] | None, tracker: RNGStatesTracker | None = None) -> dict[str, Any]:
+    """Two blocks, a draw between forward and backward, one backward; everything a comparison needs."""
+    streams = tracker if tracker is not None else get_rng_tracker()
+    torch.manual_seed(0)
+    blocks = [Block(tracker), Block(tracker)]
+    streams.reseed({MP: 4321})
+    platforms.current().manual_seed(99)
+    x = torch.randn(5, 6, requires_grad=True)
+    h = x
+    for block in blocks:
+        h = recompute(block, h) if recompute else block(h)
+    out = F.dropout(h, 0.5)  # after the forward, before the backward: the recompute must not replay this
+    after_forward = generator_states(streams)
+    (out**2).sum().backward()
+    return {
+        "out": out.detach(),
+        "grads": [x.grad] + [p.grad for b in blocks for p in b.parameters()],
+        "after_forward": after_forward,
+        "after_backward": generator_states(streams),
+        "calls": [b.calls for b in blocks],
+    }
+
+
+def ours(tracker: RNGStatesTracker | None = None) -> Callable[..., Any]:
+    return lambda block, h: checkpoint(block, h, tracker=tracker)
+
+
+def test_gradients_and_generators_equal_those_of_the_run_without_recompute(platform: platforms.Platform) -> None:
+    plain = train_step(None)
+    recomputed = train_step(ours())
+    assert recomputed["calls"] == [2, 2], "each block ran again in the backward pass"
+    assert torch.equal(recomputed["out"], plain["out"])
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_forward"], plain["after_forward"])
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
+    assert_equal_states(recomputed["after_backward"], recomputed["after_forward"])  # the backward drew nothing
+
+
+def test_the_tracker_passed_is_the_one_replayed(platform: platforms.Platform) -> None:
+    get_rng_tracker().reseed({MP: 1})  # a decoy: same stream name, other seed
+    decoy = get_rng_tracker().get_states(as_tensors=True)[MP]
+    mine = RNGStatesTracker()
+    plain = train_step(None, mine)
+    recomputed = train_step(ours(mine), mine)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
+    assert torch.equal(get_rng_tracker().get_states(as_tensors=True)[MP], decoy)
+
+
+def test_torch_checkpoint_alone_replays_the_wrong_stream_masks() -> None:
+    """Why the tracker must be part of the replay: torch restores its own generators, not the streams."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    plain = train_step(None)
+    theirs = train_step(lambda block, h: torch_checkpoint(block, h, use_reentrant=False))
+    assert not all(torch.equal(a, b) for a, b in zip(theirs["grads"], plain["grads"], strict=True))
+
+
+def test_non_tensor_arguments_pass_through_to_both_runs() -> None:
+    seen: list[tuple[Any, ...]] = []
+    options = {"mode": "train"}
+
+    def scaled(x: torch.Tensor, scale: float, label: str, opts: dict[str, str], nothing: None) -> torch.Tensor:
+        seen.append((scale, label, opts, nothing))
+        return x * scale
+
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(scaled, x, 2.5, "block-0", options, None).sum().backward()
+    assert len(seen) == 2
+    assert all(s == (2.5, "block-0", options, None) and s[2] is options for s in seen)
+    assert x.grad is not None and torch.equal(x.grad, torch.full((3,), 2.5))
+
+
+def test_tuple_outputs_get_their_gradients() -> None:
+    get_rng_tracker().reseed({MP: 7})
+
+    def two(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with get_rng_tracker().fork(MP):
+            return F.dropout(x * w, 0.5), x + w
+
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        get_rng_tracker().reseed({MP: 7})
+        x, w = torch.ones(4, requires_grad=True), torch.full((4,), 3.0, requires_grad=True)
+        a, b = checkpoint(two, x, w) if recompute else two(x, w)
+        (a.sum() + 2 * b.sum()).backward()
+        assert x.grad is not None and w.grad is not None
+        return [x.grad, w.grad]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False), strict=True))
+
+
+def test_an_exception_in_the_forward_propagates_and_leaves_no_fork_open() -> None:
+    get_rng_tracker().reseed({MP: 7})
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork(MP):
+            raise ValueError("bad shape")
+
+    with pytest.raises(ValueError, match="bad shape"):
+        checkpoint(broken, torch.ones(2, requires_grad=True))
+    assert get_rng_tracker().active_stream is None
+
+
+def test_an_exception_in_the_recompute_propagates_and_the_generators_are_put_back() -> None:
+    get_rng_tracker().reseed({MP: 7})
+    calls = []
+
+    def fails_the_second_time(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        with get_rng_tracker().fork(MP):
+            y = F.dropout(x, 0.5)
+        if len(calls) == 2:
+            raise RuntimeError("recompute failed")
+        return y
+
+    y = checkpoint(fails_the_second_time, torch.ones(8, requires_grad=True))
+    torch.rand(2)
+    before = generator_states(get_rng_tracker())
+    with pytest.raises(RuntimeError, match="recompute failed"):
+        y.sum().backward()
+    assert_equal_states(generator_states(get_rng_tracker()), before)
+    assert get_rng_tracker().active_stream is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="recompute.py _Checkpoint is a reentrant autograd.Function: when no tensor argument requires grad, "
+    "its output does not either, so the parameters inside `function` silently get no gradient",
+)
+def test_parameters_inside_get_gradients_when_no_input_requires_grad() -> None:
+    get_rng_tracker().reseed({MP: 7})
+    torch.manual_seed(0)
+    block = Block()
+    data = torch.randn(5, 6)  # raw input data never requires grad
+    checkpoint(block, data).sum().backward()
+    assert all(p.grad is not None for p in block.parameters())

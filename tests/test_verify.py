@@ -1,0 +1,325 @@
+"""Cross-rank sync check: replicas must share a stream, shards must differ, and every rank says so."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import platforms
+from hyperrng.errors import DistributedNotInitializedError, HyperRNGError
+from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
+from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
+from hyperrng.verify import StreamVerdict, fingerprint, verify_rng_sync
+from tests._dist import run_ranks
+
+SEED = 1234
+WORLD = 4
+MP, DP = MODEL_PARALLEL_STREAM, DATA_PARALLEL_STREAM
+
+
+def mesh_of(rank: int) -> dict[str, int]:
+    """Ranks 0..3 on a 2 x 2 (dp, tp) mesh: tp varies fastest."""
+    return {"dp": rank // 2, "tp": rank % 2}
+
+
+def megatron_layout() -> StreamLayout:
+    return StreamLayout(dims=("dp", "tp"), default=(), streams={MP: ("tp",), DP: ("dp",)})
+
+
+# Layouts that every rank seeds correctly: verify_rng_sync must accept each of them.
+CLEAN_LAYOUTS: dict[str, StreamLayout] = {
+    "megatron": megatron_layout(),
+    "default-over-dp-and-three-kinds-of-stream": StreamLayout(
+        dims=("dp", "tp"),
+        default=("dp",),
+        streams={MP: ("tp",), "expert-parallel-rng": ("dp", "tp"), "global-rng": ()},
+    ),
+    "dimensions-declared-in-reverse-order": StreamLayout(
+        dims=("dp", "tp"), default=(), streams={"context-parallel-rng": ("tp", "dp"), DP: ("dp",)}
+    ),
+}
+# (stream, dims, distinct states, sharing groups) that each clean layout must report on 4 ranks,
+# the default generator first
+CLEAN_VERDICTS: dict[str, list[tuple[str, tuple[str, ...], int, int]]] = {
+    "megatron": [(DEFAULT_STREAM, (), 1, 1), (MP, ("tp",), 2, 2), (DP, ("dp",), 2, 2)],
+    "default-over-dp-and-three-kinds-of-stream": [
+        (DEFAULT_STREAM, ("dp",), 2, 2),
+        (MP, ("tp",), 2, 2),
+        ("expert-parallel-rng", ("dp", "tp"), 4, 4),
+        ("global-rng", (), 1, 1),
+    ],
+    "dimensions-declared-in-reverse-order": [
+        (DEFAULT_STREAM, (), 1, 1),
+        ("context-parallel-rng", ("tp", "dp"), 4, 4),
+        (DP, ("dp",), 2, 2),
+    ],
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_tracker() -> Iterator[None]:
+    get_rng_tracker().reset()
+    yield
+    get_rng_tracker().reset()
+
+
+# -- one 4-rank run holds every multi-rank scenario --------------------------------------------
+
+
+def _draw_in_sync(tracker: RNGStatesTracker, layout: StreamLayout) -> None:
+    """What a training step does on every rank alike: draw from each stream and the default generator."""
+    draw = platforms.current().module.rand if platforms.current().name != "cpu" else torch.rand  # type: ignore[attr-defined]
+    for name in layout.streams:
+        with tracker.fork(name):
+            draw(5)
+    draw(3)
+
+
+def _outcome(layout: StreamLayout, coords: Any, **kwargs: Any) -> str | list[tuple[str, tuple[str, ...], int, int]]:
+    """The verdicts of a passing check, or the error's type and message (so every rank reports it)."""
+    try:
+        verdicts = verify_rng_sync(layout, coords, **kwargs)
+    except HyperRNGError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    assert all(isinstance(v, StreamVerdict) for v in verdicts)
+    return [(v.stream, v.dims, v.distinct_states, v.groups) for v in verdicts]
+
+
+def _fault(rank: int, name: str) -> str | list[Any]:
+    """Seed every rank as the Megatron layout says, break one thing on one rank, and check."""
+    layout, coords, tracker = megatron_layout(), mesh_of(rank), RNGStatesTracker()
+    if name == "one-rank-reseeded":
+        apply_layout(layout, SEED + 1 if rank == 3 else SEED, coords, tracker=tracker)
+    elif name == "tp-stream-not-varied-over-tp":  # the classic bug: every TP rank gets the same TP seed
+        apply_layout(layout, SEED, {**coords, "tp": 0}, tracker=tracker)
+    else:
+        apply_layout(layout, SEED, coords, tracker=tracker)
+    if name == "one-stream-advanced-once-more" and rank == 2:
+        with tracker.fork(MP):
+            torch.rand(1)
+    if name == "stream-missing-on-one-rank" and rank == 1:
+        tracker.reseed({MP: layout.seed(MP, SEED, coords)})
+    if name == "default-generator-advanced-once-more" and rank == 2:
+        torch.rand(1)
+    if name == "one-rank-uses-another-layout" and rank == 3:
+        layout = StreamLayout(dims=("dp", "tp"), default=(), streams={MP: ("dp", "tp"), DP: ("dp",)})
+    return _outcome(layout, coords, tracker=tracker)
+
+
+FAULTS = (
+    "one-rank-reseeded",
+    "one-stream-advanced-once-more",
+    "stream-missing-on-one-rank",
+    "tp-stream-not-varied-over-tp",
+    "one-rank-uses-another-layout",
+    "default-generator-advanced-once-more",
+)
+
+
+def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {}
+    with platforms.use(platforms.CPUPlatform()):
+        for name, layout in CLEAN_LAYOUTS.items():
+            tracker = RNGStatesTracker()
+            apply_layout(layout, SEED, mesh_of(rank), tracker=tracker)
+            _draw_in_sync(tracker, layout)
+            out[f"clean/{name}"] = _outcome(layout, mesh_of(rank), tracker=tracker)
+
+        layout = megatron_layout()
+        apply_layout(layout, SEED, mesh_of(rank))  # the process-wide tracker, the default argument
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        out["clean/device-mesh-and-global-tracker"] = _outcome(layout, mesh)
+        get_rng_tracker().reset()
+
+        first_dp_row = dist.new_group([0, 1])  # every rank must create it; ranks 0 and 1 use it
+        if rank in (0, 1):
+            tracker = RNGStatesTracker()
+            apply_layout(layout, SEED, mesh_of(rank), tracker=tracker)
+            out["clean/subgroup"] = _outcome(layout, mesh_of(rank), tracker=tracker, group=first_dp_row)
+
+        out["coords-without-tp"] = _outcome(layout, {"dp": rank // 2}, tracker=RNGStatesTracker())
+        for name in FAULTS:
+            out[name] = _fault(rank, name)
+
+    with platforms.use(platforms.SimulatedPlatform()):  # graph-safe streams on the simulated device
+        tracker = RNGStatesTracker()
+        apply_layout(layout, SEED, mesh_of(rank), tracker=tracker)
+        _draw_in_sync(tracker, layout)
+        out["clean/simulated-device"] = _outcome(layout, mesh_of(rank), tracker=tracker)
+        if rank == 2:
+            with tracker.fork(MP):
+                platforms.current().module.rand(1)  # type: ignore[attr-defined]
+        out["simulated-device/one-stream-advanced-once-more"] = _outcome(layout, mesh_of(rank), tracker=tracker)
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict[str, Any]]:
+    """Every rank's outcome of every scenario, from a single 4-rank run."""
+    return run_ranks(_every_scenario, WORLD)
+
+
+def error_on_every_rank(outcomes: list[dict[str, Any]], scenario: str) -> str:
+    """The error every rank raised for ``scenario``; fails unless all raised the same one."""
+    seen = [o[scenario] for o in outcomes]
+    assert all(isinstance(s, str) for s in seen), f"some ranks raised nothing: {seen}"
+    assert len(set(seen)) == 1, f"ranks disagree: {seen}"
+    return seen[0]
+
+
+# -- clean runs -------------------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(CLEAN_LAYOUTS))
+def test_a_correctly_seeded_layout_passes_and_reports_each_streams_sharing(
+    outcomes: list[dict[str, Any]], name: str
+) -> None:
+    assert [o[f"clean/{name}"] for o in outcomes] == [CLEAN_VERDICTS[name]] * WORLD
+
+
+@pytest.mark.multiproc
+def test_a_device_mesh_and_the_process_wide_tracker_are_accepted(outcomes: list[dict[str, Any]]) -> None:
+    assert [o["clean/device-mesh-and-global-tracker"] for o in outcomes] == [CLEAN_VERDICTS["megatron"]] * WORLD
+
+
+@pytest.mark.multiproc
+def test_streams_on_a_simulated_device_pass_when_in_sync(outcomes: list[dict[str, Any]]) -> None:
+    assert [o["clean/simulated-device"] for o in outcomes] == [CLEAN_VERDICTS["megatron"]] * WORLD
+
+
+@pytest.mark.multiproc
+def test_a_subgroup_is_checked_on_its_own_ranks(outcomes: list[dict[str, Any]]) -> None:
+    # ranks 0 and 1 share dp=0: one data-parallel state, two tensor-parallel ones
+    expected = [(DEFAULT_STREAM, (), 1, 1), (MP, ("tp",), 2, 2), (DP, ("dp",), 1, 1)]
+    assert [o.get("clean/subgroup") for o in outcomes] == [expected, expected, None, None]
+
+
+# -- injected faults: every rank raises the same error, naming the stream and both sides --------
+
+
+@pytest.mark.multiproc
+def test_one_reseeded_rank_breaks_both_of_its_replica_groups(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "one-rank-reseeded")
+    assert message.startswith("RNGDesyncError: RNG streams are out of sync across ranks")
+    assert f"stream {DEFAULT_STREAM!r}: ranks [0, 1, 2] vs [3] must share it (every rank)" in message
+    assert f"stream {MP!r}: ranks [1] vs [3] must share it (tp=1) but hold different states" in message
+    assert f"stream {DP!r}: ranks [2] vs [3] must share it (dp=1) but hold different states" in message
+
+
+@pytest.mark.multiproc
+def test_a_stream_advanced_once_more_on_one_rank_is_named_with_its_replica(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "one-stream-advanced-once-more")
+    assert f"stream {MP!r}: ranks [0] vs [2] must share it (tp=0) but hold different states" in message
+    assert repr(DP) not in message, "only the advanced stream is out of sync"
+
+
+@pytest.mark.multiproc
+def test_a_stream_advanced_on_a_simulated_device_is_detected(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "simulated-device/one-stream-advanced-once-more")
+    assert f"stream {MP!r}: ranks [0] vs [2] must share it (tp=0)" in message
+
+
+@pytest.mark.multiproc
+def test_a_stream_missing_on_one_rank_is_named_with_that_rank(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "stream-missing-on-one-rank")
+    assert f"stream {DP!r} is missing on rank(s) [1]; seed it on every rank" in message
+    assert repr(MP) not in message
+
+
+@pytest.mark.multiproc
+def test_shards_that_draw_identical_numbers_are_refused(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "tp-stream-not-varied-over-tp")
+    assert f"stream {MP!r}: ranks [0, 2] and [1, 3] must differ (tp=0 vs tp=1) but hold identical states" in message
+    assert repr(DP) not in message
+
+
+@pytest.mark.multiproc
+def test_ranks_with_different_layouts_are_named_on_each_side(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "one-rank-uses-another-layout")
+    assert message == (
+        "RNGDesyncError: ranks use different stream layouts: [0, 1, 2] vs [3]; "
+        "build the same StreamLayout on every rank."
+    )
+
+
+@pytest.mark.multiproc
+def test_the_default_generator_advanced_on_one_rank_is_detected(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "default-generator-advanced-once-more")
+    assert (
+        f"stream {DEFAULT_STREAM!r}: ranks [0, 1, 3] vs [2] must share it (every rank) but hold different states"
+        in message
+    )
+    assert repr(MP) not in message and repr(DP) not in message
+
+
+@pytest.mark.multiproc
+def test_coords_lacking_a_layout_dimension_are_refused_on_every_rank(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "coords-without-tp")
+    assert message.startswith("LayoutError: coords lack the layout's dimension(s) ['tp']")
+
+
+def _layouts_of_different_sizes(rank: int, world_size: int) -> str | list[Any]:
+    streams: dict[str, tuple[str, ...]] = {MP: ("tp",)}
+    if rank == 1:
+        streams[DP] = ()  # one stream more: a longer fingerprint vector than rank 0's
+    layout = StreamLayout(dims=("tp",), default=(), streams=streams)
+    tracker = RNGStatesTracker()
+    apply_layout(layout, SEED, {"tp": rank}, tracker=tracker)
+    return _outcome(layout, {"tp": rank}, tracker=tracker)
+
+
+@pytest.mark.multiproc
+def test_layouts_with_different_numbers_of_streams_are_refused_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hyperrng._launch
+
+    # Gathering vectors of different lengths would crash gloo on one rank, which then never answers.
+    monkeypatch.setattr(hyperrng._launch, "_RESULT_TIMEOUT_S", 30)
+    messages = run_ranks(_layouts_of_different_sizes, 2)
+    assert len(set(messages)) == 1
+    assert str(messages[0]).startswith("RNGDesyncError: ranks use different stream layouts: [0] vs [1]")
+
+
+# -- single process ----------------------------------------------------------------------------
+
+
+def test_without_a_process_group_the_check_refuses_and_changes_nothing() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    tracker = RNGStatesTracker()
+    apply_layout(megatron_layout(), SEED, mesh_of(0), tracker=tracker)
+    before = (torch.get_rng_state(), tracker.get_states())
+    with pytest.raises(DistributedNotInitializedError, match="call torch.distributed.init_process_group first") as info:
+        verify_rng_sync(megatron_layout(), mesh_of(0), tracker=tracker)
+    assert isinstance(info.value, RuntimeError)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    after = tracker.get_states()
+    assert after.keys() == before[1].keys() and all(torch.equal(after[k], before[1][k]) for k in after)
+
+
+def test_a_fingerprint_is_the_signed_little_endian_blake2b_of_the_state_bytes() -> None:
+    state = torch.arange(16, dtype=torch.uint8)
+    digest = hashlib.blake2b(bytes(range(16)), digest_size=8).digest()
+    assert fingerprint(state) == int.from_bytes(digest, "little", signed=True)
+    assert -(2**63) <= fingerprint(state) < 2**63
+
+
+def test_equal_states_share_a_fingerprint_and_one_changed_byte_changes_it() -> None:
+    state = torch.get_rng_state()
+    other = state.clone()
+    other[100] ^= 1
+    assert fingerprint(state) == fingerprint(state.clone())
+    assert fingerprint(state) != fingerprint(other)
+
+
+def test_a_non_contiguous_state_is_fingerprinted_by_its_contents() -> None:
+    wide = torch.arange(32, dtype=torch.uint8)
+    assert fingerprint(wide[::2]) == fingerprint(wide[::2].contiguous())
