@@ -80,7 +80,8 @@ def rng_state_dict(
     p = platforms.current()
     tracker = tracker if tracker is not None else get_rng_tracker()
     py_version, py_words, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    np_state: Any = np.random.get_state(legacy=True)  # the legacy 5-tuple, not the dict form
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     body: dict[str, Any] = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -316,15 +317,25 @@ class RNGStateful:
         on_mismatch: str = "error",
         group: object | None = None,
     ) -> None:
-        self._kw = {"tracker": tracker, "layout": layout, "coords": coords, "group": group}
+        self._tracker = tracker
+        self._layout = layout
+        self._coords = coords
+        self._group = group
         self._base_seed = base_seed
         self._on_mismatch = on_mismatch
 
     def _key(self) -> str:
-        return f"rank_{platforms.current().rank(self._kw['group'])}"
+        return f"rank_{platforms.current().rank(self._group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key(): rng_state_dict(base_seed=self._base_seed, **self._kw)}
+        state = rng_state_dict(
+            tracker=self._tracker,
+            layout=self._layout,
+            coords=self._coords,
+            base_seed=self._base_seed,
+            group=self._group,
+        )
+        return {self._key(): state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         key = self._key()
@@ -333,7 +344,14 @@ class RNGStateful:
                 f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)}); "
                 "it was saved with a different world size."
             )
-        load_rng_state_dict(state_dict[key], on_mismatch=self._on_mismatch, **self._kw)
+        load_rng_state_dict(
+            state_dict[key],
+            tracker=self._tracker,
+            layout=self._layout,
+            coords=self._coords,
+            on_mismatch=self._on_mismatch,
+            group=self._group,
+        )
 
 
 def _digest(state: Mapping[str, Any]) -> str:

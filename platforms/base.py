@@ -13,7 +13,7 @@ a default.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -25,7 +25,7 @@ __all__ = ["Platform", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_cou
 COUNTER_STATE_NBYTES = 16
 """Size of a counter-based (Philox) state: uint64 seed then int64 offset, little-endian."""
 
-_BYTE_ORDER = "little"
+_BYTE_ORDER: Literal["little"] = "little"
 
 
 class Platform:

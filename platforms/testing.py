@@ -17,7 +17,9 @@ every device as it found it. Our CPU, CUDA, NPU and simulated platforms pass it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -151,7 +153,7 @@ def positions_a_passed_generator(p: Platform) -> None:
 @_check
 def refuses_bad_states(p: Platform) -> None:
     n = p.state_nbytes
-    bad: list[object] = [
+    bad: list[Any] = [  # deliberately wrong types and shapes
         torch.zeros(n, dtype=torch.int64),
         torch.zeros(n + 1, dtype=torch.uint8),
         torch.zeros(1, n, dtype=torch.uint8),
@@ -160,28 +162,30 @@ def refuses_bad_states(p: Platform) -> None:
     ]
     for state in bad:
         _assert_refused(
-            p, lambda state=state: p.set_rng_state(state), InvalidStateError, f"set_rng_state({state!r:.40})"
-        )  # type: ignore[arg-type]
+            p, functools.partial(p.set_rng_state, state), InvalidStateError, f"set_rng_state({state!r:.40})"
+        )
 
 
 @_check
 def refuses_bad_seeds(p: Platform) -> None:
-    for seed in [-1, 2**64, True, 1.5, "3", None]:
-        _assert_refused(p, lambda seed=seed: p.manual_seed(seed), InvalidSeedError, f"manual_seed({seed!r})")  # type: ignore[arg-type]
+    bad_seeds: list[Any] = [-1, 2**64, True, 1.5, "3", None]
+    for seed in bad_seeds:
+        _assert_refused(p, functools.partial(p.manual_seed, seed), InvalidSeedError, f"manual_seed({seed!r})")
         _assert_refused(
-            p, lambda seed=seed: p.set_seed_offset(seed, 0), InvalidSeedError, f"set_seed_offset({seed!r}, 0)"
-        )  # type: ignore[arg-type]
+            p, functools.partial(p.set_seed_offset, seed, 0), InvalidSeedError, f"set_seed_offset({seed!r}, 0)"
+        )
     assert issubclass(InvalidSeedError, ValueError)
 
 
 @_check
 def refuses_bad_offsets(p: Platform) -> None:
-    for offset in [-4, 6, 2**63, False, 4.0]:
+    bad_offsets: list[Any] = [-4, 6, 2**63, False, 4.0]
+    for offset in bad_offsets:
         _assert_refused(
             p,
-            lambda offset=offset: p.set_seed_offset(1, offset),
+            functools.partial(p.set_seed_offset, 1, offset),
             InvalidOffsetError,
-            f"set_seed_offset(1, {offset!r})",  # type: ignore[arg-type]
+            f"set_seed_offset(1, {offset!r})",
         )
 
 
@@ -189,9 +193,9 @@ def refuses_bad_offsets(p: Platform) -> None:
 def refuses_bad_device_indices(p: Platform) -> None:
     for index in [p.device_count(), -1, True]:
         _assert_refused(
-            p, lambda index=index: p.manual_seed(1, index), DeviceIndexError, f"manual_seed(1, index={index!r})"
+            p, functools.partial(p.manual_seed, 1, index), DeviceIndexError, f"manual_seed(1, index={index!r})"
         )
-        _assert_refused(p, lambda index=index: p.get_rng_state(index), DeviceIndexError, f"get_rng_state({index!r})")
+        _assert_refused(p, functools.partial(p.get_rng_state, index), DeviceIndexError, f"get_rng_state({index!r})")
     assert issubclass(DeviceIndexError, IndexError)
 
 
