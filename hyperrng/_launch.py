@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 
 _RESULT_TIMEOUT_S = 240  # a hung collective must fail the run, not block it
+_POLL_S = 1.0  # how often to look for ranks that died without answering
 _COLLECTIVE_TIMEOUT_S = 120
 
 
@@ -66,13 +69,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    answered: set[int] = set()
+    deadline = time.monotonic() + _RESULT_TIMEOUT_S
     try:
-        for _ in range(world_size):
+        while len(answered) < world_size and not failures:
             try:
-                rank, ok, value = queue.get(timeout=_RESULT_TIMEOUT_S)
-            except Exception:
-                failures.append(f"no answer from ranks {sorted(set(range(world_size)) - set(results))}")
-                break
+                rank, ok, value = queue.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                # A rank killed by the OS (or a C++ abort in a collective) never answers:
+                # notice it now instead of waiting out the whole timeout.
+                dead = [r for r, p in enumerate(procs) if r not in answered and p.exitcode not in (None, 0)]
+                if dead:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    failures.append(f"rank(s) {dead} died without answering (exit codes {codes})")
+                elif time.monotonic() > deadline:
+                    failures.append(f"no answer from ranks {sorted(set(range(world_size)) - answered)}")
+                continue
+            answered.add(rank)
             if ok:
                 results[rank] = value
             else:

@@ -41,7 +41,9 @@ class _RNGSnapshot:
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, function: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) -> Any:
+    def forward(
+        ctx: Any, function: Callable[..., Any], tracker: RNGStatesTracker, anchor: torch.Tensor, *args: Any
+    ) -> Any:
         ctx.function = function
         ctx.tracker = tracker
         ctx.snapshot = _RNGSnapshot(tracker)
@@ -76,7 +78,7 @@ class _Checkpoint(torch.autograd.Function):
         arg_grads = [None] * len(args)
         for i, x in zip(ctx.tensor_idx, inputs):
             arg_grads[i] = x.grad
-        return (None, None, *arg_grads)
+        return (None, None, None, *arg_grads)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
@@ -92,4 +94,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
         What ``function`` returns. Gradients equal those of running ``function`` without
         checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
     """
-    return _Checkpoint.apply(function, tracker if tracker is not None else get_rng_tracker(), *args)
+    # The anchor requires grad, so the output does too even when no input does (raw data
+    # in, parameters inside): without it the parameters would silently get no gradient.
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    return _Checkpoint.apply(function, tracker if tracker is not None else get_rng_tracker(), anchor, *args)

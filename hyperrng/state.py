@@ -138,7 +138,13 @@ def load_rng_state_dict(
     if on_mismatch not in ON_MISMATCH:
         raise CheckpointError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     tracker = tracker if tracker is not None else get_rng_tracker()
+    if tracker.active_stream is not None:
+        # The fork's exit would restore the state it saved before this load, losing both.
+        raise CheckpointError(
+            f"cannot load an RNG state inside a fork of stream {tracker.active_stream!r}; load it outside any fork."
+        )
     _check_envelope(state)
+    _check_metadata(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)
     if mismatches:
@@ -176,6 +182,33 @@ def _check_envelope(state: Mapping[str, Any]) -> None:
         )
 
 
+_METADATA_TYPES: dict[str, tuple[type, ...]] = {
+    "platform": (str,),
+    "rank": (int,),
+    "world_size": (int,),
+    "base_seed": (int, type(None)),
+    "layout": (Mapping, type(None)),
+    "coords": (Mapping, type(None)),
+    "devices": (list, tuple),
+    "streams": (Mapping,),
+    "python": (Mapping,),
+    "numpy": (Mapping,),
+}
+
+
+def _check_metadata(state: Mapping[str, Any]) -> None:
+    """Every top-level field present with its type, so later reads cannot fail halfway."""
+    for field, types in _METADATA_TYPES.items():
+        if field not in state:
+            raise CheckpointError(f"the RNG state is malformed: field {field!r} is missing.")
+        value = state[field]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise CheckpointError(
+                f"the RNG state is malformed: field {field!r} is a {type(value).__name__}, "
+                f"expected {' or '.join(t.__name__ for t in types)}."
+            )
+
+
 def _mismatches(
     state: Mapping[str, Any], p: platforms.Platform, layout: StreamLayout | None, coords: object, group: object
 ) -> list[str]:
@@ -207,9 +240,17 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
         cpu = _tensor(state["torch_cpu"], torch.uint8, torch.get_rng_state().numel(), "torch CPU state")
         devices = [_tensor(d, torch.uint8, p.state_nbytes, f"device {i} state") for i, d in enumerate(state["devices"])]
         streams = dict(state["streams"])
+        if py_state[2] is not None and not isinstance(py_state[2], float):
+            raise CheckpointError(
+                f"the RNG state is malformed: the Python cached normal must be None or a float, got {py_state[2]!r}."
+            )
+        # Apply each value to a scratch generator first: the real ones must not be half-written.
+        random.Random().setstate(py_state)
+        np.random.RandomState().set_state(np_state)
+        torch.Generator().set_state(cpu)
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as exc:
         raise CheckpointError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
     held = set(tracker.get_states()) if tracker.is_initialized() else set()
     missing = sorted(held - set(streams))

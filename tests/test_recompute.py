@@ -205,11 +205,6 @@ def test_an_exception_in_the_recompute_propagates_and_the_generators_are_put_bac
     assert get_rng_tracker().active_stream is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recompute.py _Checkpoint is a reentrant autograd.Function: when no tensor argument requires grad, "
-    "its output does not either, so the parameters inside `function` silently get no gradient",
-)
 def test_parameters_inside_get_gradients_when_no_input_requires_grad() -> None:
     get_rng_tracker().reseed({MP: 7})
     torch.manual_seed(0)

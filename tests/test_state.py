@@ -246,17 +246,6 @@ def _flip_byte(tensor: torch.Tensor) -> torch.Tensor:
     return changed
 
 
-_PARTIAL_APPLY = (
-    "state.py _decode checks only dtypes and lengths; _apply then hands out-of-range values to "
-    "torch.set_rng_state / np.random.set_state / random.setstate, which raise a non-CheckpointError "
-    "after the tracker, devices and torch CPU state were already overwritten"
-)
-_UNGUARDED_METADATA = (
-    "state.py _mismatches reads state['platform'|'world_size'|'rank'|'devices'] outside any try, so a "
-    "digest-consistent state missing one of them raises KeyError/TypeError instead of CheckpointError"
-)
-
-
 def refusal(
     name: str,
     edit: Callable[[dict[str, Any]], object] | None,
@@ -350,32 +339,29 @@ REFUSALS = [
         _set(f"streams.{MP}", lambda t: t[:16]),
         "the saved streams do not fit the tracker",
     ),
-    refusal("numpy-field-missing", _drop("numpy"), f"{MALFORMED} (KeyError"),
+    refusal("numpy-field-missing", _drop("numpy"), f"{MALFORMED}: field 'numpy' is missing"),
     refusal("numpy-position-not-a-number", _set("numpy.pos", lambda _: "x"), f"{MALFORMED} (ValueError"),
     # malformed fields that get through today
-    refusal("devices-field-missing", _drop("devices"), MALFORMED, bug=_UNGUARDED_METADATA),
-    refusal("platform-field-missing", _drop("platform"), MALFORMED, bug=_UNGUARDED_METADATA),
-    refusal("devices-not-a-list", _set("devices", lambda _: 3), MALFORMED, bug=_UNGUARDED_METADATA),
-    refusal("numpy-kind-not-mt19937", _set("numpy.kind", lambda _: "PCG64"), MALFORMED, bug=_PARTIAL_APPLY),
+    refusal("devices-field-missing", _drop("devices"), MALFORMED),
+    refusal("platform-field-missing", _drop("platform"), MALFORMED),
+    refusal("devices-not-a-list", _set("devices", lambda _: 3), MALFORMED),
+    refusal("numpy-kind-not-mt19937", _set("numpy.kind", lambda _: "PCG64"), MALFORMED),
     refusal(
         "python-position-beyond-624",
         _set("python.state", lambda t: torch.cat([t[:-1], torch.tensor([700])])),
         MALFORMED,
-        bug=_PARTIAL_APPLY,
     ),
     refusal(
         "python-word-negative",
         _set("python.state", lambda t: torch.cat([torch.tensor([-1]), t[1:]])),
         MALFORMED,
-        bug=_PARTIAL_APPLY,
     ),
-    refusal("python-version-unknown", _set("python.version", lambda _: 7), MALFORMED, bug=_PARTIAL_APPLY),
-    refusal("python-cached-normal-not-a-number", _set("python.gauss", lambda _: "x"), MALFORMED, bug=_PARTIAL_APPLY),
+    refusal("python-version-unknown", _set("python.version", lambda _: 7), MALFORMED),
+    refusal("python-cached-normal-not-a-number", _set("python.gauss", lambda _: "x"), MALFORMED),
     refusal(
         "cpu-state-not-a-valid-mt19937",
         _set("torch_cpu", lambda t: torch.full_like(t, 255)),
         MALFORMED,
-        bug=_PARTIAL_APPLY,
     ),
 ]
 
@@ -404,12 +390,6 @@ def test_a_tracker_holding_another_stream_refuses_the_state(saved: tuple[dict[st
     expect_refusal(state, tracker, "lacks stream(s) ['expert-parallel-rng'] that the tracker holds")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="state.py _apply: tracker.set_states puts the active stream into the generator, then "
-    "p.set_rng_state/torch.set_rng_state overwrite it with the default state, and the fork's exit restores "
-    "its pre-load default state: loading inside a fork silently corrupts both",
-)
 def test_loading_inside_a_fork_is_refused_and_changes_nothing(saved: tuple[dict[str, Any], RNGStatesTracker]) -> None:
     state, tracker = saved
     with tracker.fork(MP):
