@@ -59,6 +59,7 @@ from hyperrng.errors import LayoutError
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
 from platforms._mix import combine64
 from platforms._validate import check_seed
+from platforms.cpu import seed_generator
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -223,7 +224,7 @@ class StreamLayout:
         platform = platforms.current()
         platform.manual_seed(default_seed)
         if platform.default_generator() is not torch.default_generator:
-            torch.default_generator.manual_seed(default_seed)
+            seed_generator(torch.default_generator, default_seed)  # all 64 bits, unlike torch.manual_seed
         return seeds
 
     # -- serialisation --------------------------------------------------------------------

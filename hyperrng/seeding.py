@@ -37,6 +37,7 @@ from hyperrng.tracker import (
     get_rng_tracker,
 )
 from platforms._validate import MAX_SEED, check_seed
+from platforms.cpu import seed_generator
 
 __all__ = [
     "SLAPO_DEFAULT_SEED",
@@ -90,7 +91,7 @@ def _seed_numpy(seed: int) -> None:
 
 
 def _seed_torch(seed: int) -> None:
-    torch.default_generator.manual_seed(seed)
+    seed_generator(torch.default_generator, seed)  # all 64 bits, unlike torch.manual_seed
     platform = platforms.current()
     for index in range(platform.device_count()):
         platform.manual_seed(seed, index)

@@ -1,12 +1,22 @@
 """The CPU platform: real, the default everywhere no accelerator is found.
 
-torch's CPU generator is MT19937, whose 5056-byte state has no notion of an offset. The
-(seed, offset) positioning that counter-based devices offer is therefore *modelled*:
+torch's CPU generator is MT19937, whose 5056-byte state has no notion of an offset.
+
+**Seeds.** ``torch.manual_seed`` keeps only the low 32 bits of a seed (seeds 5 and
+5 + 2**32 draw identical numbers), which would silently merge streams whose 64-bit seeds
+differ only in their high bits. This platform's :meth:`CPUPlatform.manual_seed` keeps all
+64: a seed below 2**32 gives exactly torch's stream; a larger one gives the word-wise sum
+(mod 2**32) of the MT19937 states seeded with its high and its low word, a valid state
+that differs from every other seed's.
+
+**Positions.** The (seed, offset) positioning of counter-based devices is *modelled*:
 
 * ``set_seed_offset(seed, 0)`` is exactly ``manual_seed(seed)``;
-* ``set_seed_offset(seed, offset)`` with ``offset > 0`` seeds MT19937 with a stable
-  64-bit mix of the pair, so equal pairs give equal streams on every rank and distinct
-  pairs give distinct, statistically independent streams;
+* ``set_seed_offset(seed, offset)`` with ``offset > 0`` seeds MT19937 with
+  ``(M(seed) + offset / 4) mod 2**32``, ``M`` a stable 64-bit mix: equal pairs give equal
+  streams on every rank, and the positions of one seed never share a stream (for offsets
+  below 2**34); positions of two different seeds share one with probability about
+  ``n / 2**31`` for ``n`` positions each;
 * ``get_seed_offset()`` returns the pair last set, as long as nobody reseeded the
   generator since; draws do not move the modelled offset.
 
@@ -17,30 +27,63 @@ are identical across devices should use the portable Philox generator instead.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
+import numpy as np
 import torch
 
 from platforms._mix import mix64
-from platforms._validate import check_offset, check_seed
+from platforms._validate import OFFSET_ALIGN, check_offset, check_seed
 from platforms.base import Platform
 
-__all__ = ["CPUPlatform", "MT19937_STATE_NBYTES", "position_seed"]
+__all__ = ["CPUPlatform", "MT19937_STATE_NBYTES", "position_seed", "seed_generator"]
 
 MT19937_STATE_NBYTES = 5056
 """Size of torch's CPU generator state (MT19937 words plus normal-sampling caches)."""
 
 _CPU_POSITION_DOMAIN = 0x43505530  # "CPU0": keeps modelled seeds apart from other mixes
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # odd, so multiplying by it permutes 64-bit integers
-_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1  # torch's MT19937 seeding reads only these bits
+_POSITION_CACHE = 256  # seeds whose mix is kept: a run positions few distinct seeds
+# Layout of torch's CPU state (CPUGeneratorImplState): uint64 initial seed, int32 left,
+# int32 seeded, uint64 next, then the 624 MT19937 words, each widened to uint64.
+_MT_WORDS_START = 24
+_MT_WORDS_END = _MT_WORDS_START + 624 * 8
+
+
+@functools.lru_cache(maxsize=_POSITION_CACHE)
+def _position_base(seed: int) -> int:
+    return mix64(seed ^ _CPU_POSITION_DOMAIN)
 
 
 def position_seed(seed: int, offset: int) -> int:
-    """The MT19937 seed that models position (seed, offset): ``seed`` itself at offset 0."""
-    # The offset is spread by an odd multiplier (a bijection mod 2**64), folded into the
-    # seed and mixed once: for one seed, distinct offsets can never share an MT19937 seed.
-    spread = ((offset ^ _CPU_POSITION_DOMAIN) * _GOLDEN_GAMMA) & _MASK64
-    return seed if offset == 0 else mix64(seed ^ spread)
+    """The MT19937 seed that models position (seed, offset): ``seed`` itself at offset 0.
+
+    Other offsets count up from a mix of the seed, one per block of 4, in torch's 32-bit
+    seed space: injective in the offset, so the shards of one op never share a stream.
+    """
+    if offset == 0:
+        return seed
+    return (_position_base(seed) + offset // OFFSET_ALIGN) & _MASK32
+
+
+def seed_generator(gen: torch.Generator, seed: int) -> None:
+    """Seed a CPU generator with all 64 bits of ``seed`` (see the module docstring)."""
+    if seed <= _MASK32:
+        gen.manual_seed(seed)
+        return
+    gen.manual_seed(seed >> 32)
+    high = gen.get_state().numpy()
+    gen.manual_seed(seed & _MASK32)
+    state = gen.get_state()
+    raw = state.numpy()  # shares memory with ``state``
+    words = raw[_MT_WORDS_START:_MT_WORDS_END].view(np.uint64)
+    # Word-wise sum mod 2**32 (not XOR, which would cancel to the degenerate all-zero
+    # state when the two words of the seed are equal).
+    words += high[_MT_WORDS_START:_MT_WORDS_END].view(np.uint64)
+    words &= _MASK32
+    raw[:8] = np.frombuffer(seed.to_bytes(8, "little"), dtype=np.uint8)  # what initial_seed() reports
+    gen.set_state(state)
 
 
 class CPUPlatform(Platform):
@@ -80,7 +123,7 @@ class CPUPlatform(Platform):
         s, o = check_seed(seed), check_offset(offset)
         gen = self._target(index, generator)
         mt_seed = position_seed(s, o)
-        gen.manual_seed(mt_seed)
+        seed_generator(gen, mt_seed)
         self._positions[gen] = (s, o, mt_seed)
 
     def _target(self, index: int | None, generator: torch.Generator | None) -> torch.Generator:
@@ -95,4 +138,4 @@ class CPUPlatform(Platform):
         torch.default_generator.set_state(state)
 
     def _seed(self, seed: int, index: int) -> None:
-        torch.default_generator.manual_seed(seed)
+        seed_generator(torch.default_generator, seed)

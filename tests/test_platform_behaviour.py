@@ -117,3 +117,51 @@ def test_broadcast_and_all_gather_over_gloo() -> None:
         assert (r, w) == (rank, 3)
         assert got == [12, 12, 12]
         assert gathered == [[0, 0], [1, 1], [2, 4]]
+
+
+# -- the CPU keeps all 64 bits of a seed ------------------------------------------------------
+
+
+def test_torch_alone_merges_seeds_that_differ_only_in_their_high_bits() -> None:
+    torch.manual_seed(5)
+    a = torch.rand(8)
+    torch.manual_seed(5 + 2**32)
+    assert torch.equal(torch.rand(8), a), "why the CPU platform seeds with all 64 bits itself"
+
+
+def test_cpu_seeds_that_differ_only_in_their_high_bits_draw_different_numbers() -> None:
+    cpu = CPUPlatform()
+    draws = []
+    for seed in [5, 5 + 2**32, 5 + 2**63, 2**64 - 1, 7 * 2**32 + 7]:  # the last: equal high and low words
+        cpu.manual_seed(seed)
+        draws.append(torch.rand(64))
+        assert torch.default_generator.initial_seed() == seed
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])
+    assert all(0.0 < float(d.std()) for d in draws), "no degenerate (all-zero) MT19937 state"
+
+
+def test_cpu_seeds_below_2_to_the_32_are_exactly_torchs() -> None:
+    cpu = CPUPlatform()
+    cpu.manual_seed(2**32 - 1)
+    a = torch.rand(8)
+    torch.manual_seed(2**32 - 1)
+    assert torch.equal(torch.rand(8), a)
+
+
+def test_cpu_64_bit_seeds_are_reproducible_and_restorable() -> None:
+    cpu = CPUPlatform()
+    cpu.manual_seed(2**40 + 3)
+    saved = cpu.get_rng_state()
+    a = torch.rand(8)
+    cpu.manual_seed(2**40 + 3)
+    assert torch.equal(torch.rand(8), a)
+    cpu.set_rng_state(saved)
+    assert torch.equal(torch.rand(8), a)
+
+
+def test_cpu_positions_of_one_seed_never_share_a_stream() -> None:
+    from platforms.cpu import position_seed
+
+    for seed in [0, 7, 2**63 + 11]:
+        mt_seeds = {position_seed(seed, 4 * k) & (2**32 - 1) for k in range(1, 100_001)}
+        assert len(mt_seeds) == 100_000
