@@ -166,7 +166,11 @@ class ShardedRNGTracker:
         """``(start, end)`` for this rank's shard; cached by the arguments, validated on first use."""
         # Keyed by the arguments as given (a DeviceMesh is per rank, so it stands for its
         # coordinate); the first call validates them through rng_offsets.
-        key = (mesh, tuple(placements), tuple(global_shape))
+        key = (
+            mesh,
+            placements if type(placements) is tuple else tuple(placements),
+            global_shape if type(global_shape) is tuple else tuple(global_shape),
+        )
         try:
             return self._offsets[key]
         except (KeyError, TypeError):

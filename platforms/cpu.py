@@ -99,6 +99,8 @@ class CPUPlatform(Platform):
         # generator -> (seed, offset, the MT19937 seed that pair mapped to): lets
         # get_seed_offset tell whether a generator still sits where it was put.
         self._positions: weakref.WeakKeyDictionary[torch.Generator, tuple[int, int, int]] = weakref.WeakKeyDictionary()
+        # The default generator's position, kept apart: sharded regions set it twice per op.
+        self._default_position: tuple[int, int, int] | None = None
 
     def device_count(self) -> int:
         return 1
@@ -111,7 +113,7 @@ class CPUPlatform(Platform):
         """Return the modelled (seed, offset); ``(initial_seed, 0)`` after a plain reseed."""
         gen = self._target(index, generator)
         current = gen.initial_seed()
-        position = self._positions.get(gen)
+        position = self._default_position if gen is torch.default_generator else self._positions.get(gen)
         if position is not None and position[2] == current:
             return position[0], position[1]
         return current, 0
@@ -124,7 +126,10 @@ class CPUPlatform(Platform):
         gen = self._target(index, generator)
         mt_seed = position_seed(s, o)
         seed_generator(gen, mt_seed)
-        self._positions[gen] = (s, o, mt_seed)
+        if gen is torch.default_generator:
+            self._default_position = (s, o, mt_seed)
+        else:
+            self._positions[gen] = (s, o, mt_seed)
 
     def _target(self, index: int | None, generator: torch.Generator | None) -> torch.Generator:
         if index is not None:
