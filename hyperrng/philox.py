@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from hyperrng import _philox_kernels as _k
 from hyperrng.errors import HyperRNGError, InvalidOffsetError, InvalidSeedError, ShardingError
+from platforms._validate import check_int
 
 __all__ = [
     "COUNTER_SPACE",
@@ -85,17 +85,8 @@ class UnsupportedDTypeError(HyperRNGError, TypeError):
     """A dtype (or tensor) the requested operation cannot produce or consume."""
 
 
-def _check_int(value: object, what: str, error: type[HyperRNGError]) -> int:
-    if isinstance(value, bool):
-        raise error(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise error(f"{what} must be an int, got {type(value).__name__} {value!r}.") from None
-
-
 def _check_key(key: object) -> int:
-    value = _check_int(key, "key", InvalidSeedError)
+    value = check_int(key, "key", InvalidSeedError)
     if not 0 <= value <= MAX_KEY:
         raise InvalidSeedError(
             f"key must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
@@ -104,7 +95,7 @@ def _check_key(key: object) -> int:
 
 
 def _check_offset(offset: object, numel: int) -> int:
-    value = _check_int(offset, "offset", InvalidOffsetError)
+    value = check_int(offset, "offset", InvalidOffsetError)
     if value < 0:
         raise InvalidOffsetError(f"offset must be >= 0, got {value}.")
     if value + numel > COUNTER_SPACE:
@@ -119,7 +110,7 @@ def _check_shape(shape: object) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
     if not isinstance(dims, Sequence):
         raise InvalidShapeError(f"shape must be an int or a sequence of ints, got {type(shape).__name__}.")
-    result = tuple(_check_int(d, "each shape dimension", InvalidShapeError) for d in dims)
+    result = tuple(check_int(d, "each shape dimension", InvalidShapeError) for d in dims)
     if any(d < 0 for d in result):
         raise InvalidShapeError(f"shape {result} has a negative dimension; dimensions must be >= 0.")
     if math.prod(result) >= _MAX_GLOBAL_NUMEL:

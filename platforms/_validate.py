@@ -8,7 +8,16 @@ import torch
 
 from platforms.errors import DeviceIndexError, InvalidOffsetError, InvalidSeedError, InvalidStateError
 
-__all__ = ["MAX_SEED", "MAX_OFFSET", "OFFSET_ALIGN", "check_seed", "check_offset", "check_state", "check_index"]
+__all__ = [
+    "MAX_SEED",
+    "MAX_OFFSET",
+    "OFFSET_ALIGN",
+    "check_int",
+    "check_seed",
+    "check_offset",
+    "check_state",
+    "check_index",
+]
 
 MAX_SEED = 2**64 - 1
 """Largest seed a torch generator accepts (seeds are unsigned 64-bit)."""
@@ -20,7 +29,8 @@ OFFSET_ALIGN = 4
 """Philox draws 4 numbers per counter; CUDA and NPU keep offsets multiples of 4."""
 
 
-def _as_int(value: object, what: str, error: type[Exception]) -> int:
+def check_int(value: object, what: str, error: type[Exception]) -> int:
+    """Return ``value`` as an int (anything with ``__index__`` but a bool), else raise ``error``."""
     if isinstance(value, bool):
         raise error(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
     try:
@@ -33,7 +43,7 @@ def check_seed(seed: object, what: str = "seed") -> int:
     """Return ``seed`` as an int in ``[0, 2**64 - 1]`` or raise :class:`InvalidSeedError`."""
     if type(seed) is int and 0 <= seed <= MAX_SEED:  # the common case, checked cheaply (forks are hot)
         return seed
-    value = _as_int(seed, what, InvalidSeedError)
+    value = check_int(seed, what, InvalidSeedError)
     if not 0 <= value <= MAX_SEED:
         raise InvalidSeedError(
             f"{what} must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
@@ -45,7 +55,7 @@ def check_offset(offset: object, what: str = "offset") -> int:
     """Return ``offset`` as a non-negative multiple of 4 or raise :class:`InvalidOffsetError`."""
     if type(offset) is int and 0 <= offset <= MAX_OFFSET and not offset % OFFSET_ALIGN:
         return offset
-    value = _as_int(offset, what, InvalidOffsetError)
+    value = check_int(offset, what, InvalidOffsetError)
     if not 0 <= value <= MAX_OFFSET:
         raise InvalidOffsetError(f"{what} must be in [0, 2**63 - 1], got {value}.")
     if value % OFFSET_ALIGN:
@@ -71,7 +81,7 @@ def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
 
 def check_index(index: object, count: int, platform: str) -> int:
     """Return ``index`` if it names one of ``count`` devices, else raise :class:`DeviceIndexError`."""
-    value = _as_int(index, "device index", DeviceIndexError)
+    value = check_int(index, "device index", DeviceIndexError)
     if not 0 <= value < count:
         raise DeviceIndexError(
             f"device index {value} is out of range for platform {platform!r}, which has {count} device(s); "
