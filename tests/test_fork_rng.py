@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,30 +10,13 @@ import torch
 import platforms
 from hyperrng.errors import DeviceIndexError, HyperRNGError, UsageError
 from hyperrng.random import fork_rng
+from tests._platforms import WITH_PLUGIN, use_each
 
-
-class _NoGeneratorPlatform(platforms.SimulatedPlatform):
-    """A plug-in that exposes no generator object: fork_rng must use get/set_rng_state."""
-
-    name = "nogen"
-
-    def default_generator(self, index: int | None = None) -> None:
-        return None
-
-
-PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
-    "cpu": platforms.CPUPlatform,
-    "sim": platforms.SimulatedPlatform,
-    "cuda-on-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule()),
-    "plugin-without-generator": _NoGeneratorPlatform,
-}
+PLATFORMS = WITH_PLUGIN
 ACCELERATORS = ["sim", "cuda-on-sim", "plugin-without-generator"]
 
 
-@pytest.fixture(params=list(PLATFORMS))
-def platform(request: pytest.FixtureRequest) -> Iterator[platforms.Platform]:
-    with platforms.use(PLATFORMS[request.param]()) as chosen:
-        yield chosen
+platform = use_each(PLATFORMS)
 
 
 @pytest.fixture(params=ACCELERATORS)

@@ -15,6 +15,7 @@ from hyperrng.errors import InvalidOffsetError, ShardingError
 from hyperrng.sharded import MeshInfo
 from hyperrng.tracker import RNGStatesTracker
 from tests._dist import run_ranks
+from tests._platforms import PLATFORMS, use_each
 
 try:
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -24,18 +25,7 @@ except ImportError:  # older torch
 SEED = 2024
 
 
-def _platforms() -> dict[str, Any]:
-    return {
-        "cpu": platforms.CPUPlatform(),
-        "sim": platforms.SimulatedPlatform(),
-        "cuda-sim": platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
-    }
-
-
-@pytest.fixture(params=list(_platforms()))
-def platform(request: pytest.FixtureRequest) -> Any:
-    with platforms.use(_platforms()[request.param]) as p:
-        yield p
+platform = use_each(PLATFORMS)
 
 
 def _assemble(mesh_shape: tuple[int, ...], placements: list[Any], shape: tuple[int, ...], draw: Any) -> torch.Tensor:
@@ -86,8 +76,8 @@ def test_every_rank_leaves_at_the_same_position(platform: platforms.Platform) ->
 
 def test_every_platform_draws_the_same_numbers() -> None:
     results = []
-    for p in _platforms().values():
-        with platforms.use(p):
+    for make in PLATFORMS.values():
+        with platforms.use(make()) as p:
             p.manual_seed(SEED)
             results.append(
                 (

@@ -12,14 +12,9 @@ import torch.nn.functional as F
 import platforms
 from hyperrng.recompute import checkpoint
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
+from tests._platforms import PLATFORMS, use_each
 
 MP = MODEL_PARALLEL_STREAM
-
-PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
-    "cpu": platforms.CPUPlatform,
-    "sim": platforms.SimulatedPlatform,
-    "cuda-on-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -31,10 +26,7 @@ def _fresh_global_tracker_on_the_cpu() -> Iterator[None]:
     get_rng_tracker().reset()
 
 
-@pytest.fixture(params=list(PLATFORMS))
-def platform(request: pytest.FixtureRequest) -> Iterator[platforms.Platform]:
-    with platforms.use(PLATFORMS[request.param]()) as chosen:
-        yield chosen
+platform = use_each(PLATFORMS)
 
 
 def device_mask(shape: torch.Size, p: float) -> torch.Tensor:

@@ -33,11 +33,9 @@ from hyperrng.tracker import (
     TrackerStateError,
     get_rng_tracker,
 )
+from tests._platforms import PLATFORMS, use_each
 
-PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
-    "cpu": platforms.CPUPlatform,
-    "sim": platforms.SimulatedPlatform,
-}
+TWO_PLATFORMS = {name: PLATFORMS[name] for name in ("cpu", "sim")}
 
 
 @pytest.fixture(autouse=True)
@@ -48,10 +46,7 @@ def _fresh_global_tracker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     get_rng_tracker().reset()
 
 
-@pytest.fixture(params=list(PLATFORMS))
-def platform(request: pytest.FixtureRequest) -> Iterator[platforms.Platform]:
-    with platforms.use(PLATFORMS[request.param]()) as chosen:
-        yield chosen
+platform = use_each(TWO_PLATFORMS)
 
 
 def device_state_for(platform: platforms.Platform, seed: int) -> list[int]:

@@ -14,6 +14,7 @@ from hyperrng.errors import InvalidOffsetError, InvalidStateError, ShardingError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
 from hyperrng.sharding import rng_offsets
 from tests._dist import run_ranks
+from tests._platforms import PLATFORMS, use_each
 
 MESH = (2, 2)
 COORDS = [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -21,15 +22,7 @@ PLACEMENTS = [Shard(0), Replicate()]
 SHAPE = (8, 6)
 
 
-@pytest.fixture(params=["cpu", "sim", "cuda-sim"])
-def platform(request: pytest.FixtureRequest) -> Any:
-    chosen = {
-        "cpu": platforms.CPUPlatform,
-        "sim": platforms.SimulatedPlatform,
-        "cuda-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
-    }[request.param]()
-    with platforms.use(chosen):
-        yield chosen
+platform = use_each(PLATFORMS)
 
 
 def _draw(p: platforms.Platform, n: int) -> torch.Tensor:

@@ -33,17 +33,12 @@ from hyperrng.state import (
 )
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._dist import run_ranks
+from tests._platforms import PLATFORMS, use_each
 
 MP, DP = MODEL_PARALLEL_STREAM, DATA_PARALLEL_STREAM
 SEED = 1234
 LAYOUT = StreamLayout(dims=("dp", "tp"), default=(), streams={MP: ("tp",), DP: ("dp",)})
 COORDS = {"dp": 1, "tp": 0}
-
-PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
-    "cpu": platforms.CPUPlatform,
-    "sim": platforms.SimulatedPlatform,
-    "cuda-on-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +50,7 @@ def _fresh_global_tracker_on_the_cpu() -> Iterator[None]:
     get_rng_tracker().reset()
 
 
-@pytest.fixture(params=list(PLATFORMS))
-def platform(request: pytest.FixtureRequest) -> Iterator[platforms.Platform]:
-    with platforms.use(PLATFORMS[request.param]()) as chosen:
-        yield chosen
+platform = use_each(PLATFORMS)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -27,23 +27,9 @@ from hyperrng.tracker import (
     get_rng_tracker,
     set_rng_tracker,
 )
+from tests._platforms import WITH_PLUGIN
 
-
-class _NoGeneratorPlatform(platforms.SimulatedPlatform):
-    """A plug-in that exposes no generator object: the tracker must go through get/set_rng_state."""
-
-    name = "nogen"
-
-    def default_generator(self, index: int | None = None) -> None:
-        return None
-
-
-PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {
-    "cpu": platforms.CPUPlatform,
-    "sim": platforms.SimulatedPlatform,
-    "cuda-on-sim": lambda: platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule()),
-    "plugin-without-generator": _NoGeneratorPlatform,
-}
+PLATFORMS = WITH_PLUGIN
 # (platform, graph_safe argument): every code path of the fork
 SETUPS = [
     ("cpu", None),
