@@ -9,7 +9,7 @@ import pytest
 
 import platforms
 
-__all__ = ["NoGeneratorPlatform", "cuda_on_sim", "PLATFORMS", "WITH_PLUGIN", "use_each"]
+__all__ = ["NoGeneratorPlatform", "cuda_on_sim", "PLATFORMS", "WITH_PLUGIN", "use_each", "fresh_tracker_on_cpu"]
 
 
 class NoGeneratorPlatform(platforms.SimulatedPlatform):
@@ -46,3 +46,14 @@ def use_each(table: Mapping[str, Callable[[], platforms.Platform]]) -> Any:
             yield chosen
 
     return platform
+
+
+@pytest.fixture(autouse=True)
+def fresh_tracker_on_cpu() -> Iterator[None]:
+    """Autouse where imported: the CPU platform unless a test asks for ``platform``; an empty global tracker."""
+    from hyperrng.tracker import get_rng_tracker
+
+    get_rng_tracker().reset()
+    with platforms.use(platforms.CPUPlatform()):
+        yield
+    get_rng_tracker().reset()

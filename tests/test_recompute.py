@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,21 +12,13 @@ import torch.nn.functional as F
 import platforms
 from hyperrng.recompute import checkpoint
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
-from tests._platforms import PLATFORMS, use_each
+from tests._platforms import PLATFORMS, fresh_tracker_on_cpu, use_each
 
 MP = MODEL_PARALLEL_STREAM
 
 
-@pytest.fixture(autouse=True)
-def _fresh_global_tracker_on_the_cpu() -> Iterator[None]:
-    """Tests run on the CPU platform unless they ask for ``platform``; the process-wide tracker starts empty."""
-    get_rng_tracker().reset()
-    with platforms.use(platforms.CPUPlatform()):
-        yield
-    get_rng_tracker().reset()
-
-
 platform = use_each(PLATFORMS)
+_fresh = fresh_tracker_on_cpu  # autouse: imported fixtures apply to this module
 
 
 def device_mask(shape: torch.Size, p: float) -> torch.Tensor:

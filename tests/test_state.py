@@ -7,7 +7,7 @@ import datetime
 import random
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from hyperrng.state import (
 )
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._dist import run_ranks
-from tests._platforms import PLATFORMS, use_each
+from tests._platforms import PLATFORMS, fresh_tracker_on_cpu, use_each
 
 MP, DP = MODEL_PARALLEL_STREAM, DATA_PARALLEL_STREAM
 SEED = 1234
@@ -41,16 +41,8 @@ LAYOUT = StreamLayout(dims=("dp", "tp"), default=(), streams={MP: ("tp",), DP: (
 COORDS = {"dp": 1, "tp": 0}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_global_tracker_on_the_cpu() -> Iterator[None]:
-    """Tests run on the CPU platform unless they ask for ``platform``; the process-wide tracker starts empty."""
-    get_rng_tracker().reset()
-    with platforms.use(platforms.CPUPlatform()):
-        yield
-    get_rng_tracker().reset()
-
-
 platform = use_each(PLATFORMS)
+_fresh = fresh_tracker_on_cpu  # autouse: imported fixtures apply to this module
 
 
 # -- helpers ---------------------------------------------------------------------------------
