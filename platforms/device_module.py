@@ -49,6 +49,9 @@ class DeviceModulePlatform(Platform):
 
     def _load_module(self) -> Any:
         """Import and return the device module; raise with the reason when it cannot."""
+        get_device_module = getattr(torch, "get_device_module", None)  # torch >= 2.3
+        if get_device_module is not None:
+            return get_device_module(self.device_type)
         return getattr(torch, self.device_type)
 
     def probe(self) -> str | None:
