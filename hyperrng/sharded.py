@@ -19,7 +19,9 @@ region's arguments), so no collective runs per op. What each platform guarantees
 * the CPU platform: positions are modelled (see :mod:`platforms.cpu`): each (seed, offset)
   pair seeds MT19937 from a stable mix. Replicas draw identical numbers, distinct shards
   draw from distinct seeds (independent streams, not disjoint windows of one stream), and
-  every rank leaves at the same modelled position ``base + end``.
+  every rank leaves at the same modelled position. Plain draws do not move a modelled
+  offset, so every window starts one block (4) later than on a counter-based device, and
+  ranks leave at ``base + 4 + end``: no shard replays what plain draws at ``base`` drew.
 
 :meth:`ShardedRNGTracker.install_dtensor` routes random ops on real
 ``torch.distributed.tensor`` DTensors through this tracker, on any platform, the CPU
@@ -39,11 +41,13 @@ import platforms
 from hyperrng.errors import InvalidOffsetError, ShardingError
 from hyperrng.sharding import rng_offsets
 from platforms import Platform
-from platforms._validate import MAX_OFFSET, check_seed
+from platforms._validate import MAX_OFFSET, OFFSET_ALIGN, check_seed
 
 __all__ = ["MeshInfo", "ShardedRNGTracker", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
+
+_MODELLED_GAP = OFFSET_ALIGN  # one block between a region's base and its windows where draws do not advance offsets
 
 
 @dataclass(frozen=True)
@@ -202,8 +206,13 @@ class ShardedRNGTracker:
             InvalidOffsetError: the op would push the offset past 2**63 - 1.
         """
         start, end = self.offsets(mesh, placements, global_shape)
+        p = self.platform
+        if not p.counter_based:
+            # Modelled positions do not move when plain ops draw, so the stream at the base
+            # position may already have been drawn from: start every window one block later.
+            start, end = start + _MODELLED_GAP, end + _MODELLED_GAP
         # A foreign generator is refused by the first read in __enter__, before any write.
-        return _Region(self.platform, generator, start, end)
+        return _Region(p, generator, start, end)
 
     # -- DTensor interop ----------------------------------------------------------------------
     def install_dtensor(self) -> Any:
@@ -291,7 +300,12 @@ class _DTensorRegion:
             position = p.get_seed_offset(generator=self._user)  # refuses a foreign generator first
             self._saved = p.get_rng_state()
             p.set_seed_offset(*position)
-        region.__enter__()
+        try:
+            region.__enter__()
+        except BaseException:
+            if self._saved is not None:
+                p.set_rng_state(self._saved)
+            raise
         self._region = region
 
     def __exit__(self, *exc: object) -> None:

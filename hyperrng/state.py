@@ -33,6 +33,7 @@ import platforms
 from hyperrng.errors import CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from platforms._validate import check_offset, check_seed
 
 __all__ = [
     "FORMAT",
@@ -101,6 +102,8 @@ def rng_state_dict(
         },
         "torch_cpu": torch.get_rng_state(),
         "devices": [p.get_rng_state(i) for i in range(p.device_count())],
+        # Where positions are modelled (the CPU) the bytes alone do not say the (seed, offset).
+        "positions": [list(p.get_seed_offset(i)) for i in range(p.device_count())],
         "streams": tracker.get_states(as_tensors=True) if tracker.is_initialized() else {},
     }
     body["digest"] = _digest(body)
@@ -190,6 +193,7 @@ _METADATA_TYPES: dict[str, tuple[type, ...]] = {
     "layout": (Mapping, type(None)),
     "coords": (Mapping, type(None)),
     "devices": (list, tuple),
+    "positions": (list, tuple),
     "streams": (Mapping,),
     "python": (Mapping,),
     "numpy": (Mapping,),
@@ -239,6 +243,11 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
         np_state = (str(npy["kind"]), np_keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["gauss"]))
         cpu = _tensor(state["torch_cpu"], torch.uint8, torch.get_rng_state().numel(), "torch CPU state")
         devices = [_tensor(d, torch.uint8, p.state_nbytes, f"device {i} state") for i, d in enumerate(state["devices"])]
+        for d in devices:
+            p.check_rng_state(d)
+        positions = [(check_seed(s), check_offset(o)) for s, o in state["positions"]]
+        if len(positions) != len(devices):
+            raise CheckpointError(f"the RNG state is malformed: {len(positions)} positions for {len(devices)} devices.")
         streams = dict(state["streams"])
         if py_state[2] is not None and not isinstance(py_state[2], float):
             raise CheckpointError(
@@ -250,7 +259,8 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
         torch.Generator().set_state(cpu)
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError, HyperRNGError) as exc:
+        # (InvalidSeedError/InvalidOffsetError of a bad position are ValueErrors too.)
         raise CheckpointError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
     held = set(tracker.get_states()) if tracker.is_initialized() else set()
     missing = sorted(held - set(streams))
@@ -265,7 +275,14 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
             f"the RNG state holds stream(s) {extra} that the tracker does not; add them first, "
             "or reset() the tracker to adopt the saved streams."
         )
-    return {"python": py_state, "numpy": np_state, "cpu": cpu, "devices": devices, "streams": streams}
+    return {
+        "python": py_state,
+        "numpy": np_state,
+        "cpu": cpu,
+        "devices": devices,
+        "positions": positions,
+        "streams": streams,
+    }
 
 
 def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> None:
@@ -276,7 +293,8 @@ def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTra
             tracker.set_states(decoded["streams"])
         except HyperRNGError as exc:
             raise CheckpointError(f"the saved streams do not fit the tracker: {exc}") from exc
-    for i, s in enumerate(decoded["devices"]):
+    for i, (s, (seed, offset)) in enumerate(zip(decoded["devices"], decoded["positions"])):
+        p.set_seed_offset(seed, offset, i)  # makes a modelled position known again; the bytes follow
         p.set_rng_state(s, i)
     torch.set_rng_state(decoded["cpu"])
     np.random.set_state(decoded["numpy"])

@@ -487,7 +487,7 @@ class RNGStatesTracker:
         where = f"state of stream {name!r}"
         if isinstance(value, torch.Tensor):
             try:
-                tensor = check_state(value, platform.state_nbytes, platform.name)
+                tensor = platform.check_rng_state(value)
             except InvalidStateError as exc:
                 raise InvalidStateError(f"{where}: {exc}") from None
             if not graph_safe:

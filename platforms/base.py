@@ -90,7 +90,16 @@ class Platform:
             DeviceIndexError: ``index`` names no device. Nothing changes on error.
         """
         idx = self._index(index)
-        self._write_state(check_state(state, self.state_nbytes, self.name), idx)
+        self._write_state(self.check_rng_state(state), idx)
+
+    def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
+        """Return ``state`` if :meth:`set_rng_state` would accept it; change nothing.
+
+        Raises:
+            InvalidStateError: wrong type, dtype, length or device, or (where the platform
+                can tell) contents its generator refuses.
+        """
+        return check_state(state, self.state_nbytes, self.name)
 
     def manual_seed(self, seed: int, index: int | None = None) -> None:
         """Seed device ``index`` (offset 0 on counter-based platforms).

@@ -14,11 +14,14 @@ that differs from every other seed's.
 * ``set_seed_offset(seed, 0)`` is exactly ``manual_seed(seed)``;
 * ``set_seed_offset(seed, offset)`` with ``offset > 0`` seeds MT19937 with
   ``(M(seed) + offset / 4) mod 2**32``, ``M`` a stable 64-bit mix: equal pairs give equal
-  streams on every rank, and the positions of one seed never share a stream (for offsets
-  below 2**34); positions of two different seeds share one with probability about
-  ``n / 2**31`` for ``n`` positions each;
-* ``get_seed_offset()`` returns the pair last set, as long as nobody reseeded the
-  generator since; draws do not move the modelled offset.
+  streams on every rank, and two positive offsets of one seed below 2**34 never share a
+  stream; any other two positions share one with probability about ``2**-32`` each;
+* ``get_seed_offset()`` returns the pair the generator was last positioned at, also
+  after its state bytes were saved and restored (the state carries the MT19937 seed,
+  which maps back to the pair), until it is reseeded; draws do not move the modelled
+  offset. :class:`hyperrng.sharded.ShardedRNGTracker` therefore leaves a one-block gap on
+  this platform so that a shard never replays what plain draws at the region's base
+  position drew.
 
 What the model does *not* give: the stream at (seed, offset + k) is not the stream at
 (seed, offset) advanced by k draws, as it is on CUDA/NPU. Code that needs numbers that
@@ -28,7 +31,6 @@ are identical across devices should use the portable Philox generator instead.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ import torch
 from platforms._mix import mix64
 from platforms._validate import OFFSET_ALIGN, check_offset, check_seed
 from platforms.base import Platform
+from platforms.errors import InvalidStateError
 
 __all__ = ["CPUPlatform", "MT19937_STATE_NBYTES", "position_seed", "seed_generator"]
 
@@ -56,11 +59,24 @@ def _position_base(seed: int) -> int:
     return mix64(seed ^ _CPU_POSITION_DOMAIN)
 
 
+_POSITIONS: dict[int, tuple[int, int]] = {}
+"""MT19937 seed -> the (seed, offset) it models, for every generator and platform instance
+(the generators are process-wide too). Bounded: the oldest entries go first."""
+_POSITIONS_KEPT = 1 << 16  # far more than the positions one training step sets and restores
+
+
+def _remember(mt_seed: int, position: tuple[int, int]) -> None:
+    _POSITIONS[mt_seed] = position
+    if len(_POSITIONS) > _POSITIONS_KEPT:
+        del _POSITIONS[next(iter(_POSITIONS))]
+
+
 def position_seed(seed: int, offset: int) -> int:
     """The MT19937 seed that models position (seed, offset): ``seed`` itself at offset 0.
 
     Other offsets count up from a mix of the seed, one per block of 4, in torch's 32-bit
-    seed space: injective in the offset, so the shards of one op never share a stream.
+    seed space: injective in positive offsets below 2**34, so the shards of one op never
+    share a stream.
     """
     if offset == 0:
         return seed
@@ -95,13 +111,6 @@ class CPUPlatform(Platform):
     counter_based = False
     state_nbytes = MT19937_STATE_NBYTES
 
-    def __init__(self) -> None:
-        # generator -> (seed, offset, the MT19937 seed that pair mapped to): lets
-        # get_seed_offset tell whether a generator still sits where it was put.
-        self._positions: weakref.WeakKeyDictionary[torch.Generator, tuple[int, int, int]] = weakref.WeakKeyDictionary()
-        # The default generator's position, kept apart: sharded regions set it twice per op.
-        self._default_position: tuple[int, int, int] | None = None
-
     def device_count(self) -> int:
         return 1
 
@@ -110,13 +119,13 @@ class CPUPlatform(Platform):
         return torch.default_generator
 
     def get_seed_offset(self, index: int | None = None, generator: torch.Generator | None = None) -> tuple[int, int]:
-        """Return the modelled (seed, offset); ``(initial_seed, 0)`` after a plain reseed."""
-        gen = self._target(index, generator)
-        current = gen.initial_seed()
-        position = self._default_position if gen is torch.default_generator else self._positions.get(gen)
-        if position is not None and position[2] == current:
-            return position[0], position[1]
-        return current, 0
+        """Return the modelled (seed, offset); ``(initial_seed, 0)`` after a plain reseed.
+
+        The pair is found from the MT19937 seed the generator's state carries, so it
+        survives a save and restore of the state bytes (forks, recompute, checkpoints).
+        """
+        current = self._target(index, generator).initial_seed()
+        return _POSITIONS.get(current) or (current, 0)
 
     def set_seed_offset(
         self, seed: int, offset: int, index: int | None = None, generator: torch.Generator | None = None
@@ -126,10 +135,20 @@ class CPUPlatform(Platform):
         gen = self._target(index, generator)
         mt_seed = position_seed(s, o)
         seed_generator(gen, mt_seed)
-        if gen is torch.default_generator:
-            self._default_position = (s, o, mt_seed)
-        else:
-            self._positions[gen] = (s, o, mt_seed)
+        if o:
+            _remember(mt_seed, (s, o))
+
+    def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
+        """Also try ``state`` on a scratch generator: MT19937 refuses some byte patterns."""
+        checked = super().check_rng_state(state)
+        try:
+            torch.Generator().set_state(checked)
+        except RuntimeError as exc:
+            raise InvalidStateError(
+                f"RNG state for platform {self.name!r} is not a valid MT19937 state ({exc}); "
+                "pass a state returned by get_rng_state()."
+            ) from None
+        return checked
 
     def _target(self, index: int | None, generator: torch.Generator | None) -> torch.Generator:
         if index is not None:

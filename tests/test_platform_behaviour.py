@@ -165,3 +165,13 @@ def test_cpu_positions_of_one_seed_never_share_a_stream() -> None:
     for seed in [0, 7, 2**63 + 11]:
         mt_seeds = {position_seed(seed, 4 * k) & (2**32 - 1) for k in range(1, 100_001)}
         assert len(mt_seeds) == 100_000
+
+
+def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None:
+    from platforms import InvalidStateError
+
+    cpu = CPUPlatform()
+    before = cpu.get_rng_state()
+    with pytest.raises(InvalidStateError, match="not a valid MT19937 state"):
+        cpu.set_rng_state(torch.zeros(5056, dtype=torch.uint8))
+    assert torch.equal(cpu.get_rng_state(), before)

@@ -25,6 +25,55 @@ SHAPE = (8, 6)
 platform = use_each(PLATFORMS)
 
 
+def _gap(p: platforms.Platform) -> int:
+    """The block a region skips on platforms whose draws do not advance the offset."""
+    return 0 if p.counter_based else 4
+
+
+def test_on_the_cpu_no_shard_replays_the_plain_draws_made_at_the_base_position() -> None:
+    with platforms.use(platforms.CPUPlatform()) as cpu:
+        tracker = ShardedRNGTracker()
+        tracker.manual_seed(1234)
+        for _ in range(2):  # at the first op's base, and again after an op
+            base = cpu.get_seed_offset()
+            plain = torch.rand(4)
+            with tracker.distribute_region(MeshInfo((2,), (0,)), [Shard(0)], (8,)):
+                shard0 = torch.rand(4)
+            assert not torch.equal(plain, shard0), f"shard 0 replayed the plain draws at {base}"
+
+
+def test_a_sharded_op_inside_recompute_replays_its_mask(platform: platforms.Platform) -> None:
+    from hyperrng.recompute import checkpoint
+
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(1234)
+    with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,)):
+        pass  # leave offset 0, where a lost position would go unnoticed
+    masks: list[torch.Tensor] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,)):
+            mask = (_draw(platform, 4) > 0.5).float()
+        masks.append(mask)
+        return x * mask
+
+    x = torch.ones(4, requires_grad=True)
+    checkpoint(block, x).sum().backward()
+    assert len(masks) == 2 and torch.equal(masks[0], masks[1])
+    assert x.grad is not None and torch.equal(x.grad, masks[0])
+
+
+def test_a_position_survives_a_save_and_restore_of_the_state_bytes(platform: platforms.Platform) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(5)
+    with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE):
+        pass
+    position, saved = platform.get_seed_offset(), platform.get_rng_state()
+    platform.manual_seed(99)
+    platform.set_rng_state(saved)
+    assert platform.get_seed_offset() == position
+
+
 def _draw(p: platforms.Platform, n: int) -> torch.Tensor:
     """Draw n numbers from the platform's current device generator."""
     if isinstance(p, platforms.CPUPlatform):
@@ -56,7 +105,7 @@ def test_replicas_draw_the_same_numbers_and_shards_differ(platform: platforms.Pl
 def test_every_rank_leaves_at_the_same_position(platform: platforms.Platform) -> None:
     out = _run_every_rank(platform)
     _, end = rng_offsets(MESH, (0, 0), PLACEMENTS, SHAPE)
-    assert {pos for _, pos in out.values()} == {(11, end)}
+    assert {pos for _, pos in out.values()} == {(11, _gap(platform) + end)}
 
 
 def test_inside_the_region_the_generator_sits_at_the_shard_start(platform: platforms.Platform) -> None:
@@ -64,8 +113,8 @@ def test_inside_the_region_the_generator_sits_at_the_shard_start(platform: platf
     tracker.manual_seed(3)
     platform.set_seed_offset(3, 40)
     with tracker.distribute_region(MeshInfo(MESH, (1, 1)), PLACEMENTS, SHAPE):
-        assert platform.get_seed_offset() == (3, 40 + 24)
-    assert platform.get_seed_offset() == (3, 40 + 48)
+        assert platform.get_seed_offset() == (3, 40 + _gap(platform) + 24)
+    assert platform.get_seed_offset() == (3, 40 + _gap(platform) + 48)
 
 
 def test_consecutive_regions_draw_new_numbers(platform: platforms.Platform) -> None:
@@ -85,7 +134,7 @@ def test_an_exception_inside_the_region_still_synchronises(platform: platforms.P
     with pytest.raises(RuntimeError, match="boom"):
         with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE):
             raise RuntimeError("boom")
-    assert platform.get_seed_offset() == (3, 48)
+    assert platform.get_seed_offset() == (3, _gap(platform) + 48)
 
 
 def test_a_passed_generator_is_positioned_and_keeps_its_advance(platform: platforms.Platform) -> None:
@@ -96,8 +145,8 @@ def test_a_passed_generator_is_positioned_and_keeps_its_advance(platform: platfo
     gen = torch.Generator() if isinstance(platform, platforms.CPUPlatform) else default.clone_state()  # type: ignore[union-attr]
     platform.set_seed_offset(77, 8, generator=gen)
     with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE, generator=gen):
-        assert platform.get_seed_offset(generator=gen) == (77, 8 + 24)
-    assert platform.get_seed_offset(generator=gen) == (77, 8 + 48)
+        assert platform.get_seed_offset(generator=gen) == (77, 8 + _gap(platform) + 24)
+    assert platform.get_seed_offset(generator=gen) == (77, 8 + _gap(platform) + 48)
     assert torch.equal(platform.get_rng_state(), device_before), "the device generator must not move"
 
 

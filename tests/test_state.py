@@ -662,3 +662,27 @@ def test_a_run_resumed_in_new_processes_is_bit_identical_to_an_uninterrupted_one
             "without the RNG state the resumed run must differ, or this test could not tell"
         )
         assert resumed[rank]["streams_in_sync"] == [(DEFAULT_STREAM, 1), (MP, 2)]
+
+
+def test_a_modelled_cpu_position_is_restored_in_a_fresh_process(tmp_path: Any) -> None:
+    """On the CPU the state bytes alone do not name the (seed, offset) a sharded op continues from."""
+    from torch.distributed.tensor import Shard
+
+    import platforms.cpu as cpu_module
+    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(1234)
+    region = (MeshInfo((2,), (1,)), [Shard(0)], (8,))
+    with tracker.distribute_region(*region):
+        pass
+    position = platforms.current().get_seed_offset()
+    save_rng_state(tmp_path / "rng.pt", rng_state_dict())
+    with tracker.distribute_region(*region):
+        expected = torch.rand(4)
+    cpu_module._POSITIONS.clear()  # what a new process starts with
+    torch.manual_seed(7)
+    load_rng_state_dict(load_rng_state(tmp_path / "rng.pt"))
+    assert platforms.current().get_seed_offset() == position
+    with tracker.distribute_region(*region):
+        assert torch.equal(torch.rand(4), expected)
