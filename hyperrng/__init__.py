@@ -10,6 +10,7 @@ from __future__ import annotations
 import platforms as _platforms
 from hyperrng.errors import (
     AmbiguousPlatformError,
+    ArgumentTypeError,
     CheckpointError,
     DeviceIndexError,
     DistributedNotInitializedError,
@@ -147,6 +148,7 @@ __all__ = [
     "CheckpointError",
     "DistributedNotInitializedError",
     "UsageError",
+    "ArgumentTypeError",
     "StreamNameError",
     "TrackerStateError",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "DistributedNotInitializedError",
     "UsageError",
+    "ArgumentTypeError",
 ]
 
 
@@ -82,3 +83,7 @@ class DistributedNotInitializedError(HyperRNGError, RuntimeError):
 
 class UsageError(HyperRNGError, ValueError):
     """A request that cannot be carried out as given (an unknown benchmark, a bad CLI option)."""
+
+
+class ArgumentTypeError(HyperRNGError, TypeError):
+    """An argument of the wrong type (a tracker that is not one, a flag that is not a bool)."""

@@ -59,7 +59,6 @@ from hyperrng.errors import LayoutError
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
 from platforms._mix import combine64
 from platforms._validate import check_seed
-from platforms.cpu import seed_generator
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -224,7 +223,7 @@ class StreamLayout:
         platform = platforms.current()
         platform.manual_seed(default_seed)
         if platform.default_generator() is not torch.default_generator:
-            seed_generator(torch.default_generator, default_seed)  # all 64 bits, unlike torch.manual_seed
+            platforms.CPUPlatform().manual_seed(default_seed)  # the host too; all 64 bits, unlike torch.manual_seed
         return seeds
 
     # -- serialisation --------------------------------------------------------------------
@@ -264,7 +263,7 @@ class StreamLayout:
         return self._dims == other._dims and self._streams == other._streams
 
     def __hash__(self) -> int:
-        return hash((self._dims, tuple(self._streams.items())))
+        return hash((self._dims, frozenset(self._streams.items())))  # order-free, like __eq__
 
     def __repr__(self) -> str:
         return f"StreamLayout(dims={self._dims}, default={self.default}, streams={self.streams})"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import platforms
-from hyperrng.errors import UsageError
+from hyperrng.errors import ArgumentTypeError, UsageError
 from platforms import Platform
 from platforms._validate import check_index
 
@@ -110,6 +110,10 @@ def fork_rng(
     if devices is None:
         indices: list[int] = list(range(platform.device_count()))
     else:
+        if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+            raise ArgumentTypeError(
+                f"devices must be an iterable of device indices (or None for all), got {type(devices).__name__}."
+            )
         count = platform.device_count()
         indices = []
         for index in devices:

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 import platforms
 from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
@@ -37,7 +36,6 @@ from hyperrng.tracker import (
     get_rng_tracker,
 )
 from platforms._validate import MAX_SEED, check_seed
-from platforms.cpu import seed_generator
 
 __all__ = [
     "SLAPO_DEFAULT_SEED",
@@ -68,6 +66,9 @@ _PYTHONHASHSEED_MODULUS = 2**32  # PYTHONHASHSEED must lie in [0, 2**32 - 1]
 _D9D_SEED_MODULUS = 2**64
 
 
+_HOST = platforms.CPUPlatform()  # torch's CPU generator, which every platform's host side uses
+
+
 # -- shared pieces -------------------------------------------------------------------------
 def seed_host(seed: int) -> None:
     """Seed Python's ``random``, NumPy's legacy global state, and torch on the CPU and every device.
@@ -91,7 +92,7 @@ def _seed_numpy(seed: int) -> None:
 
 
 def _seed_torch(seed: int) -> None:
-    seed_generator(torch.default_generator, seed)  # all 64 bits, unlike torch.manual_seed
+    _HOST.manual_seed(seed)  # all 64 bits, unlike torch.manual_seed
     platform = platforms.current()
     for index in range(platform.device_count()):
         platform.manual_seed(seed, index)
@@ -113,12 +114,16 @@ def _derived(value: int, formula: str) -> int:
 
 
 def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
-    """The tracker to reseed; refuse up front when a fork is active, before anything is seeded."""
+    """The tracker to reseed; refuse up front (an active fork, a mode the platform lacks),
+    before anything is seeded."""
     chosen = tracker if tracker is not None else get_rng_tracker()
+    if not isinstance(chosen, RNGStatesTracker):
+        raise TrackerStateError(f"tracker must be an RNGStatesTracker, got {type(chosen).__name__}.")
     if chosen.active_stream is not None:
         raise TrackerStateError(
             f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork."
         )
+    chosen._target(rebind=True)  # a reseed would refuse the same way, but only after the host was seeded
     return chosen
 
 

@@ -41,6 +41,7 @@ import torch
 
 import platforms
 from hyperrng.errors import (
+    ArgumentTypeError,
     DuplicateStreamError,
     InvalidSeedError,
     InvalidStateError,
@@ -204,7 +205,7 @@ class RNGStatesTracker:
 
     def __init__(self, graph_safe: bool | None = None) -> None:
         if graph_safe is not None and not isinstance(graph_safe, bool):
-            raise TypeError(f"graph_safe must be True, False or None, got {graph_safe!r}.")
+            raise ArgumentTypeError(f"graph_safe must be True, False or None, got {graph_safe!r}.")
         self._want_graph_safe = graph_safe
         self._states: dict[str, Any] = {}
         self._seeds: dict[int, str] = {}
@@ -565,7 +566,7 @@ def set_rng_tracker(tracker: RNGStatesTracker) -> RNGStatesTracker:
     """
     global _TRACKER
     if not isinstance(tracker, RNGStatesTracker):
-        raise TypeError(f"expected an RNGStatesTracker, got {type(tracker).__name__}.")
+        raise ArgumentTypeError(f"expected an RNGStatesTracker, got {type(tracker).__name__}; pass RNGStatesTracker().")
     if _TRACKER._active is not None:
         raise TrackerStateError(
             f"cannot replace the process-wide tracker inside a fork of stream {_TRACKER._active.name!r}."

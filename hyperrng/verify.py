@@ -53,8 +53,9 @@ def _layout_digest(layout: StreamLayout) -> int:
 
 
 def _all_streams(layout: StreamLayout) -> dict[str, tuple[str, ...]]:
-    """Every stream the layout declares, the default generator first."""
-    return {DEFAULT_STREAM: layout.default, **layout.streams}
+    """Every stream the layout declares, the default generator first, the rest by name
+    (ranks may declare equal layouts in different orders)."""
+    return {DEFAULT_STREAM: layout.default, **dict(sorted(layout.streams.items()))}
 
 
 def _local_vector(layout: StreamLayout, coords: Mapping[str, int], tracker: RNGStatesTracker) -> list[int]:
@@ -164,7 +165,8 @@ def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
             + "\n  ".join(shown)
             + (f"\n  ... and {more} more" if more else "")
         )
-    return verdicts
+    declared = [DEFAULT_STREAM, *layout.streams]  # report in the order the layout declares them
+    return sorted(verdicts, key=lambda v: declared.index(v.stream))
 
 
 def _describe(dims: tuple[str, ...], key: tuple[int, ...]) -> str:

@@ -167,7 +167,13 @@ def load(spec: str) -> Platform:
     """
     spec = spec.strip()
     if ":" in spec:
-        platform = _build(_import_factory(spec), spec)
+        imported = _import_factory(spec)
+        try:
+            platform = _build(imported, spec)
+        except InvalidPlatformError:
+            raise
+        except Exception as exc:
+            raise PlatformUnavailableError(f"{spec} could not create a platform: {type(exc).__name__}: {exc}") from exc
     else:
         factory = _FACTORIES.get(spec)
         if factory is None:

@@ -238,3 +238,14 @@ class SimulatedPlatform(DeviceModulePlatform):
     def device(self, index: int | None = None) -> torch.device:
         self._index(index)
         return torch.device("cpu")
+
+    def _check_generator(self, generator: torch.Generator) -> torch.Generator:
+        # Its tensors live on the CPU, so the device type cannot tell its generators apart
+        # from torch's CPU ones (whose 5056-byte state would be misread as a position).
+        if not isinstance(generator, SimulatedGenerator) or generator.device.type != self.device_type:
+            raise InvalidStateError(
+                f"platform 'sim' positions only its own generators, got {type(generator).__name__} "
+                f"on {getattr(generator, 'device', None)}; "
+                "pass platform.default_generator() or a clone_state() of it."
+            )
+        return generator

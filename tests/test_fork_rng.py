@@ -122,3 +122,10 @@ def test_on_the_cpu_platform_device_zero_is_the_cpu() -> None:
         with context:
             torch.rand(8)
         assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_devices_that_are_not_an_iterable_are_refused() -> None:
+    from hyperrng.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="devices must be an iterable of device indices"):
+        fork_rng(devices=0)  # type: ignore[arg-type]

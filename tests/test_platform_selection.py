@@ -314,3 +314,10 @@ def test_info_shows_the_env_var_when_it_decides() -> None:
     out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))", HYPERRNG_PLATFORM="sim")
     assert out.returncode == 0, out.stderr
     assert "platform: sim" in out.stdout and "chosen because: HYPERRNG_PLATFORM='sim'" in out.stdout
+
+
+def test_a_module_factory_that_raises_when_called_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "raisingaccel.py").write_text("def make():\n    raise OSError('no board on the bus')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PlatformUnavailableError, match="could not create a platform: OSError: no board on the bus"):
+        platforms.select({platforms.ENV_VAR: "raisingaccel:make"})

@@ -334,3 +334,24 @@ def test_d9d_refuses_a_bad_mesh_and_seeds_nothing(platform: platforms.Platform, 
 
 def test_d9d_refuses_a_bad_seed_and_seeds_nothing(platform: platforms.Platform) -> None:
     expect_refusal(platform, lambda: set_seeds(-5), InvalidSeedError, "seed must be in")
+
+
+def test_a_tracker_the_platform_cannot_serve_is_refused_before_the_host_is_seeded() -> None:
+    import random as py_random
+
+    import numpy as np
+
+    from hyperrng.seeding import megatron_set_random_seed, set_random_seed
+    from hyperrng.tracker import RNGStatesTracker
+
+    needs_graph_safe = RNGStatesTracker(graph_safe=True)  # the CPU generator has no graph-safe API
+    before = (py_random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    for call in (
+        lambda: set_random_seed(7, tp_rank=0, tracker=needs_graph_safe),
+        lambda: megatron_set_random_seed(7, tracker=needs_graph_safe),
+    ):
+        with pytest.raises(TrackerStateError, match="graph_safe=True"):
+            call()
+        assert py_random.getstate() == before[0]
+        assert (np.random.get_state()[1] == before[1]).all()
+        assert torch.equal(torch.get_rng_state(), before[2])

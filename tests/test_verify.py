@@ -323,3 +323,15 @@ def test_equal_states_share_a_fingerprint_and_one_changed_byte_changes_it() -> N
 def test_a_non_contiguous_state_is_fingerprinted_by_its_contents() -> None:
     wide = torch.arange(32, dtype=torch.uint8)
     assert fingerprint(wide[::2]) == fingerprint(wide[::2].contiguous())
+
+
+def test_equal_layouts_declared_in_different_orders_fingerprint_alike() -> None:
+    from hyperrng.verify import _local_vector
+
+    ab = StreamLayout(dims=("dp", "tp"), default=(), streams={"a": ("tp",), "b": ("dp",)})
+    ba = StreamLayout(dims=("dp", "tp"), default=(), streams={"b": ("dp",), "a": ("tp",)})
+    assert ab == ba and hash(ab) == hash(ba)
+    tracker = RNGStatesTracker()
+    tracker.reseed({"a": 1, "b": 2})
+    coords = {"dp": 0, "tp": 1}
+    assert _local_vector(ab, coords, tracker) == _local_vector(ba, coords, tracker)
