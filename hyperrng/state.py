@@ -80,6 +80,12 @@ def rng_state_dict(
     """
     p = platforms.current()
     tracker = tracker if tracker is not None else get_rng_tracker()
+    if tracker.active_stream is not None:
+        # The device generator holds the stream now, not the default state a resume needs.
+        raise CheckpointError(
+            f"cannot capture the RNG state inside a fork of stream {tracker.active_stream!r}; "
+            "capture it outside any fork."
+        )
     py_version, py_words, py_gauss = random.getstate()
     np_state: Any = np.random.get_state(legacy=True)  # the legacy 5-tuple, not the dict form
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state

@@ -24,7 +24,7 @@ import torch
 import platforms
 from hyperrng.errors import DistributedNotInitializedError, LayoutError, RNGDesyncError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from hyperrng.tracker import RNGStatesTracker, TrackerStateError, get_rng_tracker
 
 __all__ = ["StreamVerdict", "fingerprint", "verify_rng_sync"]
 
@@ -98,6 +98,13 @@ def verify_rng_sync(
     """
     import torch.distributed as dist
 
+    tracker = tracker if tracker is not None else get_rng_tracker()
+    if tracker.active_stream is not None:
+        # Checked before any collective, so every rank raises alike only if every rank forks alike;
+        # inside a fork the default generator holds the stream and would be misjudged.
+        raise TrackerStateError(
+            f"verify_rng_sync cannot run inside a fork of stream {tracker.active_stream!r}; call it outside any fork."
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedNotInitializedError(
             "verify_rng_sync needs a process group; call torch.distributed.init_process_group first."
@@ -106,7 +113,6 @@ def verify_rng_sync(
     missing_dims = [d for d in layout.dims if d not in point]
     if missing_dims:
         raise LayoutError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
-    tracker = tracker if tracker is not None else get_rng_tracker()
     p = platforms.current()
     # The layouts must agree before the vectors are gathered: their length depends on it.
     digests = [int(t) for t in p.all_gather(torch.tensor([_layout_digest(layout)]), group=group)]

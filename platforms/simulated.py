@@ -244,8 +244,7 @@ class SimulatedPlatform(DeviceModulePlatform):
         # from torch's CPU ones (whose 5056-byte state would be misread as a position).
         if not isinstance(generator, SimulatedGenerator) or generator.device.type != self.device_type:
             raise InvalidStateError(
-                f"platform 'sim' positions only its own generators, got {type(generator).__name__} "
-                f"on {getattr(generator, 'device', None)}; "
-                "pass platform.default_generator() or a clone_state() of it."
+                f"{type(generator).__name__} on {getattr(generator, 'device', None)} does not belong to platform "
+                "'sim'; pass platform.default_generator() or a clone_state() of it."
             )
         return generator

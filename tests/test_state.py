@@ -686,3 +686,11 @@ def test_a_modelled_cpu_position_is_restored_in_a_fresh_process(tmp_path: Any) -
     assert platforms.current().get_seed_offset() == position
     with tracker.distribute_region(*region):
         assert torch.equal(torch.rand(4), expected)
+
+
+def test_capturing_inside_a_fork_is_refused() -> None:
+    tracker = get_rng_tracker()
+    tracker.reseed({MODEL_PARALLEL_STREAM: 3})
+    with tracker.fork(MODEL_PARALLEL_STREAM):
+        with pytest.raises(CheckpointError, match="inside a fork of stream 'model-parallel-rng'"):
+            rng_state_dict()

@@ -335,3 +335,14 @@ def test_equal_layouts_declared_in_different_orders_fingerprint_alike() -> None:
     tracker.reseed({"a": 1, "b": 2})
     coords = {"dp": 0, "tp": 1}
     assert _local_vector(ab, coords, tracker) == _local_vector(ba, coords, tracker)
+
+
+def test_checking_inside_a_fork_is_refused_before_any_collective() -> None:
+    from hyperrng.tracker import TrackerStateError
+
+    tracker = RNGStatesTracker()
+    tracker.reseed({"a": 1})
+    layout = StreamLayout(dims=("tp",), default=(), streams={"a": ("tp",)})
+    with tracker.fork("a"):
+        with pytest.raises(TrackerStateError, match="inside a fork of stream 'a'"):
+            verify_rng_sync(layout, {"tp": 0}, tracker=tracker)
