@@ -71,6 +71,9 @@ def _remember(mt_seed: int, position: tuple[int, int]) -> None:
         del _POSITIONS[next(iter(_POSITIONS))]
 
 
+_SCRATCH = torch.Generator()  # validates states by trying them; its own numbers are never used
+
+
 def position_seed(seed: int, offset: int) -> int:
     """The MT19937 seed that models position (seed, offset): ``seed`` itself at offset 0.
 
@@ -142,7 +145,7 @@ class CPUPlatform(Platform):
         """Also try ``state`` on a scratch generator: MT19937 refuses some byte patterns."""
         checked = super().check_rng_state(state)
         try:
-            torch.Generator().set_state(checked)
+            _SCRATCH.set_state(checked)
         except RuntimeError as exc:
             raise InvalidStateError(
                 f"RNG state for platform {self.name!r} is not a valid MT19937 state ({exc}); "
