@@ -33,7 +33,7 @@ from hyperrng import philox
 from hyperrng.errors import InvalidOffsetError
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
-from platforms._validate import MAX_OFFSET, OFFSET_ALIGN
+from platforms._validate import MAX_OFFSET, round_up_offset
 
 __all__ = [
     "reserve",
@@ -47,10 +47,6 @@ __all__ = [
     "sharded_bernoulli",
     "sharded_dropout",
 ]
-
-
-def _round_up(n: int) -> int:
-    return -(-n // OFFSET_ALIGN) * OFFSET_ALIGN
 
 
 def reserve(numel: int, generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -67,7 +63,7 @@ def reserve(numel: int, generator: torch.Generator | None = None) -> tuple[int, 
         raise InvalidOffsetError(f"numel must be a non-negative int, got {numel!r}.")
     p = platforms.current()
     seed, offset = p.get_seed_offset(generator=generator)
-    end = offset + _round_up(numel)
+    end = offset + round_up_offset(numel)
     if end > MAX_OFFSET:
         raise InvalidOffsetError(
             f"reserving {numel} counters at offset {offset} would pass 2**63 - 1; reseed the generator."

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from hyperrng.errors import RNGDesyncError, ShardingError
+from platforms._validate import OFFSET_ALIGN, round_up_offset
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
@@ -80,7 +81,7 @@ __all__ = [
     "rng_offsets",
 ]
 
-PHILOX_OFFSET_ALIGNMENT: Final = 4
+PHILOX_OFFSET_ALIGNMENT: Final = OFFSET_ALIGN
 """Generator offsets advance in multiples of this: one Philox call yields four 32-bit values."""
 
 OffsetFunction = Callable[[Sequence[int], Sequence[int], Sequence["Placement"], Sequence[int]], tuple[int, int]]
@@ -319,7 +320,7 @@ def _table(mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tupl
             shard_weights[mesh_dim] += weight * stride
     extents = [[sum(len(run) for run in runs) for runs in dim_pieces] for dim_pieces in pieces]
     numels = tuple(math.prod(sizes) for sizes in itertools.product(*extents))
-    starts = tuple(itertools.accumulate((_round_up(n) for n in numels[:-1]), initial=0))
+    starts = tuple(itertools.accumulate((round_up_offset(n) for n in numels[:-1]), initial=0))
     return _Table(
         shard_weights=tuple(shard_weights),
         piece_weights=tuple(map(tuple, piece_weights)),
@@ -327,7 +328,7 @@ def _table(mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tupl
         sharded=tuple(any(weights) for weights in piece_weights),
         starts=starts,
         numels=numels,
-        end=starts[-1] + _round_up(numels[-1]),
+        end=starts[-1] + round_up_offset(numels[-1]),
     )
 
 
@@ -372,10 +373,6 @@ def _merge(runs: list[range]) -> tuple[range, ...]:
         else:
             merged.append(run)
     return tuple(merged)
-
-
-def _round_up(n: int) -> int:
-    return -(-n // PHILOX_OFFSET_ALIGNMENT) * PHILOX_OFFSET_ALIGNMENT
 
 
 def _normalise(

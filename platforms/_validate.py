@@ -12,6 +12,7 @@ __all__ = [
     "MAX_SEED",
     "MAX_OFFSET",
     "OFFSET_ALIGN",
+    "round_up_offset",
     "check_int",
     "check_seed",
     "check_offset",
@@ -27,6 +28,11 @@ MAX_OFFSET = 2**63 - 1
 
 OFFSET_ALIGN = 4
 """Philox draws 4 numbers per counter; CUDA and NPU keep offsets multiples of 4."""
+
+
+def round_up_offset(n: int) -> int:
+    """``n`` rounded up to the next multiple of :data:`OFFSET_ALIGN` (whole Philox blocks)."""
+    return -(-n // OFFSET_ALIGN) * OFFSET_ALIGN
 
 
 def check_int(value: object, what: str, error: type[Exception]) -> int:

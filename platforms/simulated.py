@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from platforms._mix import combine64
-from platforms._validate import check_index, check_offset, check_seed
+from platforms._validate import check_index, check_offset, check_seed, round_up_offset
 from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from platforms.device_module import DeviceModulePlatform
 from platforms.errors import InvalidStateError
@@ -105,7 +105,7 @@ class SimulatedGenerator:
     def _take(self, numel: int) -> torch.Generator:
         """Return a CPU generator for the next ``numel`` draws and advance the offset."""
         g = torch.Generator().manual_seed(combine64(_DRAW_DOMAIN, self._counter.seed, self._counter.offset))
-        self._counter.offset += -(-numel // 4) * 4
+        self._counter.offset += round_up_offset(numel)
         return g
 
 
