@@ -28,13 +28,18 @@ class _RNGSnapshot:
     def __init__(self, tracker: RNGStatesTracker) -> None:
         self.platform = platforms.current()
         self.cpu = torch.get_rng_state()
-        self.devices = [self.platform.get_rng_state(i) for i in range(self.platform.device_count())]
+        # (index, state) of every device generator other than the CPU one, captured just above.
+        self.devices = [
+            (i, self.platform.get_rng_state(i))
+            for i in range(self.platform.device_count())
+            if self.platform.default_generator(i) is not torch.default_generator
+        ]
         self.streams = tracker.get_states() if tracker.is_initialized() else None
 
     def restore(self, tracker: RNGStatesTracker) -> None:
         if self.streams is not None:
             tracker.set_states(self.streams)
-        for i, state in enumerate(self.devices):
+        for i, state in self.devices:
             self.platform.set_rng_state(state, i)
         torch.set_rng_state(self.cpu)
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 import platforms
 from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
@@ -95,7 +96,8 @@ def _seed_torch(seed: int) -> None:
     _HOST.manual_seed(seed)  # all 64 bits, unlike torch.manual_seed
     platform = platforms.current()
     for index in range(platform.device_count()):
-        platform.manual_seed(seed, index)
+        if platform.default_generator(index) is not torch.default_generator:  # the CPU is seeded already
+            platform.manual_seed(seed, index)
 
 
 def _rank(value: object, what: str) -> int:
