@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from platforms.errors import (
     AmbiguousPlatformError,
+    ArgumentTypeError,
     DeviceIndexError,
     HyperRNGError,
     InvalidOffsetError,
@@ -43,11 +44,29 @@ __all__ = [
     "DistributedNotInitializedError",
     "UsageError",
     "ArgumentTypeError",
+    "StreamNameError",
+    "TrackerStateError",
+    "InvalidParameterError",
+    "InvalidShapeError",
+    "UnsupportedDTypeError",
 ]
 
 
 class StreamError(HyperRNGError):
     """Base class of errors about named RNG streams."""
+
+
+class StreamNameError(StreamError, ValueError):
+    """A stream name that is an empty string."""
+
+
+class TrackerStateError(StreamError, RuntimeError):
+    """An operation the tracker cannot do in its current state.
+
+    Raised when a fork is active during :meth:`~hyperrng.RNGStatesTracker.reset`, when
+    forks are exited out of order, when the streams belong to another platform than the
+    current one, or when graph-safe mode is required on a platform that lacks it.
+    """
 
 
 class UnknownStreamError(StreamError, KeyError):
@@ -77,13 +96,22 @@ class CheckpointError(HyperRNGError, ValueError):
     """An RNG state dict that cannot be loaded onto this process as it stands."""
 
 
+class InvalidParameterError(HyperRNGError, ValueError):
+    """A distribution parameter outside its domain: a probability outside ``[0, 1]`` or
+    NaN, non-finite bounds, ``low > high``, a negative standard deviation."""
+
+
+class InvalidShapeError(HyperRNGError, ValueError):
+    """A shape with a negative dimension, or too many elements."""
+
+
+class UnsupportedDTypeError(HyperRNGError, TypeError):
+    """A dtype (or tensor) the requested operation cannot produce or consume."""
+
+
 class DistributedNotInitializedError(HyperRNGError, RuntimeError):
     """A cross-rank operation called before ``torch.distributed`` was initialised."""
 
 
 class UsageError(HyperRNGError, ValueError):
     """A request that cannot be carried out as given (an unknown benchmark, a bad CLI option)."""
-
-
-class ArgumentTypeError(HyperRNGError, TypeError):
-    """An argument of the wrong type (a tracker that is not one, a flag that is not a bool)."""

@@ -23,7 +23,7 @@ replaces them::
     combine64(LAYOUT_DOMAIN, base_seed, name_hash(name),
               dim_hash(d1), c1, ..., dim_hash(dk), ck)
 
-where ``combine64`` is :func:`platforms._mix.combine64` (SplitMix64 steps) and the hashes
+where ``combine64`` is :func:`platforms.mix.combine64` (SplitMix64 steps) and the hashes
 are the first 8 bytes, little-endian, of BLAKE2b over the UTF-8 name with a personalisation
 string (``hyperrng.stream`` / ``hyperrng.dim``) — stable across processes, machines and
 Python versions, unlike ``hash()``. The default generator's seed is the same formula with
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,8 +56,8 @@ import torch
 import platforms
 from hyperrng.errors import LayoutError
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
-from platforms._mix import combine64
-from platforms._validate import check_seed
+from platforms.mix import combine64
+from platforms.validate import MAX_SEED, check_int, check_seed
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -354,14 +353,10 @@ def _stream_dims(name: str, varies: object, dims: Sequence[str]) -> tuple[str, .
 
 
 def _check_int(value: object, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool):
-        raise LayoutError(f"{what} must be an int, got the bool {value!r}.")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise LayoutError(f"{what} must be an int, got {type(value).__name__} {value!r}.") from None
-    if number < minimum:
-        raise LayoutError(f"{what} must be >= {minimum}, got {number}.")
+    number = check_int(value, what)
+    if not minimum <= number <= MAX_SEED:
+        # The mix takes 64-bit words: a larger coordinate would alias a smaller one.
+        raise LayoutError(f"{what} must be in [{minimum}, 2**64 - 1], got {number}.")
     return number
 
 

@@ -31,8 +31,16 @@ from collections.abc import Sequence
 import torch
 
 from hyperrng import _philox_kernels as _k
-from hyperrng.errors import HyperRNGError, InvalidOffsetError, InvalidSeedError, ShardingError
-from platforms._validate import check_int
+from hyperrng.errors import (
+    ArgumentTypeError,
+    InvalidOffsetError,
+    InvalidParameterError,
+    InvalidSeedError,
+    InvalidShapeError,
+    ShardingError,
+    UnsupportedDTypeError,
+)
+from platforms.validate import check_int
 
 __all__ = [
     "COUNTER_SPACE",
@@ -72,21 +80,8 @@ ShapeLike = int | Sequence[int] | torch.Size
 DeviceLike = torch.device | str | None
 
 
-class InvalidParameterError(HyperRNGError, ValueError):
-    """A distribution parameter outside its domain: a probability outside ``[0, 1]`` or
-    NaN, non-finite bounds, ``low > high``, a negative standard deviation."""
-
-
-class InvalidShapeError(HyperRNGError, ValueError):
-    """A shape with a negative or non-integer dimension, or too many elements."""
-
-
-class UnsupportedDTypeError(HyperRNGError, TypeError):
-    """A dtype (or tensor) the requested operation cannot produce or consume."""
-
-
 def _check_key(key: object) -> int:
-    value = check_int(key, "key", InvalidSeedError)
+    value = check_int(key, "key")
     if not 0 <= value <= MAX_KEY:
         raise InvalidSeedError(
             f"key must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
@@ -95,7 +90,7 @@ def _check_key(key: object) -> int:
 
 
 def _check_offset(offset: object, numel: int) -> int:
-    value = check_int(offset, "offset", InvalidOffsetError)
+    value = check_int(offset, "offset")
     if value < 0:
         raise InvalidOffsetError(f"offset must be >= 0, got {value}.")
     if value + numel > COUNTER_SPACE:
@@ -109,8 +104,8 @@ def _check_offset(offset: object, numel: int) -> int:
 def _check_shape(shape: object) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
     if not isinstance(dims, Sequence):
-        raise InvalidShapeError(f"shape must be an int or a sequence of ints, got {type(shape).__name__}.")
-    result = tuple(check_int(d, "each shape dimension", InvalidShapeError) for d in dims)
+        raise ArgumentTypeError(f"shape must be an int or a sequence of ints, got {type(shape).__name__}.")
+    result = tuple(check_int(d, "each shape dimension") for d in dims)
     if any(d < 0 for d in result):
         raise InvalidShapeError(f"shape {result} has a negative dimension; dimensions must be >= 0.")
     if math.prod(result) >= _MAX_GLOBAL_NUMEL:

@@ -33,7 +33,7 @@ from hyperrng import philox
 from hyperrng.errors import InvalidOffsetError
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
-from platforms._validate import MAX_OFFSET, round_up_offset
+from platforms.validate import MAX_OFFSET, round_up_offset
 
 __all__ = [
     "reserve",

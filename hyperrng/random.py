@@ -25,7 +25,7 @@ import torch
 import platforms
 from hyperrng.errors import ArgumentTypeError, UsageError
 from platforms import Platform
-from platforms._validate import check_index
+from platforms.validate import check_index
 
 __all__ = ["fork_rng"]
 

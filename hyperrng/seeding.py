@@ -36,7 +36,7 @@ from hyperrng.tracker import (
     TrackerStateError,
     get_rng_tracker,
 )
-from platforms._validate import MAX_SEED, check_seed
+from platforms.validate import MAX_SEED, check_int, check_seed
 
 __all__ = [
     "SLAPO_DEFAULT_SEED",
@@ -101,12 +101,11 @@ def _seed_torch(seed: int) -> None:
 
 
 def _rank(value: object, what: str) -> int:
-    """``value`` as a non-negative int (bools refused), else :class:`LayoutError`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LayoutError(f"{what} must be a non-negative int, got {type(value).__name__} {value!r}.")
-    if value < 0:
-        raise LayoutError(f"{what} must be a non-negative int, got {value}.")
-    return value
+    """``value`` as a non-negative int: :class:`ArgumentTypeError` for another type, :class:`LayoutError` below 0."""
+    number = check_int(value, what)
+    if number < 0:
+        raise LayoutError(f"{what} must be a non-negative int, got {number}.")
+    return number
 
 
 def _derived(value: int, formula: str) -> int:

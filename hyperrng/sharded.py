@@ -41,7 +41,7 @@ import platforms
 from hyperrng.errors import InvalidOffsetError, ShardingError
 from hyperrng.sharding import rng_offsets
 from platforms import Platform
-from platforms._validate import MAX_OFFSET, OFFSET_ALIGN, check_seed
+from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_seed
 
 __all__ = ["MeshInfo", "ShardedRNGTracker", "as_mesh_info"]
 

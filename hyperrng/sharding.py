@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from hyperrng.errors import RNGDesyncError, ShardingError
-from platforms._validate import OFFSET_ALIGN, round_up_offset
+from platforms.validate import OFFSET_ALIGN, round_up_offset
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement

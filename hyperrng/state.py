@@ -33,7 +33,7 @@ import platforms
 from hyperrng.errors import CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
-from platforms._validate import check_offset, check_seed
+from platforms.validate import check_offset, check_seed
 
 __all__ = [
     "FORMAT",

@@ -43,13 +43,13 @@ import platforms
 from hyperrng.errors import (
     ArgumentTypeError,
     DuplicateStreamError,
-    InvalidSeedError,
     InvalidStateError,
-    StreamError,
+    StreamNameError,
+    TrackerStateError,
     UnknownStreamError,
 )
 from platforms import Platform
-from platforms._validate import check_seed, check_state
+from platforms.validate import check_seed, check_state
 
 __all__ = [
     "DATA_PARALLEL_STREAM",
@@ -76,19 +76,6 @@ EXPERT_PARALLEL_STREAM = "expert-parallel-rng"
 
 _SEED_HINT = "did you call set_random_seed / model_parallel_manual_seed (or apply_layout), or tracker.add(name, seed)?"
 _GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
-
-
-class StreamNameError(StreamError, ValueError):
-    """A stream name that is not a non-empty string."""
-
-
-class TrackerStateError(StreamError, RuntimeError):
-    """An operation the tracker cannot do in its current state.
-
-    Raised when a fork is active during :meth:`RNGStatesTracker.reset`, when forks are
-    exited out of order, when the streams belong to another platform than the current
-    one, or when graph-safe mode is required on a platform that lacks it.
-    """
 
 
 @runtime_checkable
@@ -313,7 +300,7 @@ class RNGStatesTracker:
                 f"cannot reseed the tracker inside a fork of stream {self._active.name!r}; reseed it outside the fork."
             )
         if not isinstance(seeds, Mapping):
-            raise InvalidSeedError(f"reseed() takes a mapping of stream name to seed, got {type(seeds).__name__}.")
+            raise ArgumentTypeError(f"reseed() takes a mapping of stream name to seed, got {type(seeds).__name__}.")
         owners: dict[int, str] = {}
         for name, seed in seeds.items():
             _check_name(name)
@@ -391,7 +378,7 @@ class RNGStatesTracker:
             TrackerStateError: the streams belong to another platform.
         """
         if not isinstance(states, Mapping):
-            raise InvalidStateError(
+            raise ArgumentTypeError(
                 f"set_states() takes the mapping get_states() returned, got {type(states).__name__}."
             )
         for name in states:
@@ -538,8 +525,10 @@ class RNGStatesTracker:
 
 
 def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise StreamNameError(f"a stream name must be a non-empty string, got {name!r}.")
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"a stream name must be a non-empty string, got {type(name).__name__} {name!r}.")
+    if not name:
+        raise StreamNameError("a stream name must be a non-empty string, got ''; name the stream.")
 
 
 CudaRNGStatesTracker = RNGStatesTracker

@@ -17,8 +17,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from platforms._validate import check_index, check_offset, check_seed, check_state
 from platforms.errors import InvalidStateError
+from platforms.validate import check_index, check_offset, check_seed, check_state
 
 __all__ = ["Platform", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 

@@ -35,10 +35,10 @@ import functools
 import numpy as np
 import torch
 
-from platforms._mix import mix64
-from platforms._validate import OFFSET_ALIGN, check_offset, check_seed
 from platforms.base import Platform
 from platforms.errors import InvalidStateError
+from platforms.mix import mix64
+from platforms.validate import OFFSET_ALIGN, check_offset, check_seed
 
 __all__ = ["CPUPlatform", "MT19937_STATE_NBYTES", "position_seed", "seed_generator"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "HyperRNGError",
+    "ArgumentTypeError",
     "InvalidSeedError",
     "InvalidOffsetError",
     "InvalidStateError",
@@ -25,6 +26,12 @@ __all__ = [
 
 class HyperRNGError(Exception):
     """Base class of every error raised by hyperrng and its platform layer."""
+
+
+class ArgumentTypeError(HyperRNGError, TypeError):
+    """An argument of the wrong type: a seed given as a string or a float, a tracker that is
+    not one, a flag that is not a bool. Wrong *values* of the right type raise a
+    ``ValueError`` subclass instead."""
 
 
 class InvalidSeedError(HyperRNGError, ValueError):

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 
 import torch
 
-from platforms._mix import combine64
-from platforms._validate import check_index, check_offset, check_seed, round_up_offset
 from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from platforms.device_module import DeviceModulePlatform
 from platforms.errors import InvalidStateError
+from platforms.mix import combine64
+from platforms.validate import check_index, check_offset, check_seed, round_up_offset
 
 __all__ = ["SimulatedGenerator", "SimulatedDeviceModule", "SimulatedPlatform"]
 

@@ -25,6 +25,7 @@ import torch
 
 from platforms.base import Platform
 from platforms.errors import (
+    ArgumentTypeError,
     DeviceIndexError,
     HyperRNGError,
     InvalidOffsetError,
@@ -166,36 +167,32 @@ def refuses_bad_states(p: Platform) -> None:
         )
 
 
+_WRONG_TYPES: list[Any] = [True, 1.5, 4.0, "3", None]  # never ints, never truncated
+
+
 @_check
 def refuses_bad_seeds(p: Platform) -> None:
-    bad_seeds: list[Any] = [-1, 2**64, True, 1.5, "3", None]
-    for seed in bad_seeds:
-        _assert_refused(p, functools.partial(p.manual_seed, seed), InvalidSeedError, f"manual_seed({seed!r})")
-        _assert_refused(
-            p, functools.partial(p.set_seed_offset, seed, 0), InvalidSeedError, f"set_seed_offset({seed!r}, 0)"
-        )
-    assert issubclass(InvalidSeedError, ValueError)
+    for seed, error in [(-1, InvalidSeedError), (2**64, InvalidSeedError)] + [
+        (t, ArgumentTypeError) for t in _WRONG_TYPES
+    ]:
+        _assert_refused(p, functools.partial(p.manual_seed, seed), error, f"manual_seed({seed!r})")
+        _assert_refused(p, functools.partial(p.set_seed_offset, seed, 0), error, f"set_seed_offset({seed!r}, 0)")
+    assert issubclass(InvalidSeedError, ValueError) and issubclass(ArgumentTypeError, TypeError)
 
 
 @_check
 def refuses_bad_offsets(p: Platform) -> None:
-    bad_offsets: list[Any] = [-4, 6, 2**63, False, 4.0]
-    for offset in bad_offsets:
-        _assert_refused(
-            p,
-            functools.partial(p.set_seed_offset, 1, offset),
-            InvalidOffsetError,
-            f"set_seed_offset(1, {offset!r})",
-        )
+    bad: list[Any] = [(-4, InvalidOffsetError), (6, InvalidOffsetError), (2**63, InvalidOffsetError)]
+    for offset, error in bad + [(t, ArgumentTypeError) for t in _WRONG_TYPES]:
+        _assert_refused(p, functools.partial(p.set_seed_offset, 1, offset), error, f"set_seed_offset(1, {offset!r})")
 
 
 @_check
 def refuses_bad_device_indices(p: Platform) -> None:
-    for index in [p.device_count(), -1, True]:
-        _assert_refused(
-            p, functools.partial(p.manual_seed, 1, index), DeviceIndexError, f"manual_seed(1, index={index!r})"
-        )
-        _assert_refused(p, functools.partial(p.get_rng_state, index), DeviceIndexError, f"get_rng_state({index!r})")
+    bad: list[Any] = [(p.device_count(), DeviceIndexError), (-1, DeviceIndexError)]
+    for index, error in bad + [(t, ArgumentTypeError) for t in _WRONG_TYPES if t is not None]:
+        _assert_refused(p, functools.partial(p.manual_seed, 1, index), error, f"manual_seed(1, index={index!r})")
+        _assert_refused(p, functools.partial(p.get_rng_state, index), error, f"get_rng_state({index!r})")
     assert issubclass(DeviceIndexError, IndexError)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import platforms
-from hyperrng.errors import DeviceIndexError, HyperRNGError, UsageError
+from hyperrng.errors import ArgumentTypeError, DeviceIndexError, HyperRNGError, UsageError
 from hyperrng.random import fork_rng
 from tests._platforms import WITH_PLUGIN, use_each
 
@@ -105,12 +105,21 @@ def test_another_device_type_is_refused_and_changes_nothing(platform: platforms.
     assert snapshot(platform) == before
 
 
-@pytest.mark.parametrize("devices", [[2], [-1], [True], ["0"], [0, 5]])
+@pytest.mark.parametrize(
+    ("devices", "error"),
+    [
+        ([2], DeviceIndexError),
+        ([-1], DeviceIndexError),
+        ([True], ArgumentTypeError),
+        (["0"], ArgumentTypeError),
+        ([0, 5], DeviceIndexError),
+    ],
+)
 def test_a_bad_device_index_is_refused_and_changes_nothing(
-    accelerator: platforms.Platform, devices: list[object]
+    accelerator: platforms.Platform, devices: list[object], error: type[Exception]
 ) -> None:
     before = snapshot(accelerator)
-    with pytest.raises(DeviceIndexError, match="device index|must be an int"):
+    with pytest.raises(error, match="device index|must be an int"):
         fork_rng(devices=devices)  # type: ignore[arg-type]
     assert snapshot(accelerator) == before
 

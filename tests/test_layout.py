@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import platforms
-from hyperrng.errors import HyperRNGError, InvalidSeedError, LayoutError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, LayoutError
 from hyperrng.layout import (
     DEFAULT_STREAM,
     LAYOUT_DOMAIN,
@@ -30,7 +30,7 @@ from hyperrng.tracker import (
     TrackerStateError,
     get_rng_tracker,
 )
-from platforms._mix import combine64
+from platforms.mix import combine64
 
 DIMS = ("pp", "dp", "cp", "tp", "ep")
 STREAMS = {
@@ -261,10 +261,11 @@ GOOD = {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
     [
         ({k: v for k, v in GOOD.items() if k != "ep"}, LayoutError, "lack dimension"),
         ({**GOOD, "zz": 1}, LayoutError, "does not have"),
-        ({**GOOD, "tp": -1}, LayoutError, "must be >= 0"),
-        ({**GOOD, "tp": True}, LayoutError, "bool"),
-        ({**GOOD, "tp": 1.0}, LayoutError, "must be an int"),
-        ({**GOOD, "tp": "1"}, LayoutError, "must be an int"),
+        ({**GOOD, "tp": -1}, LayoutError, r"must be in \[0, 2\*\*64 - 1\]"),
+        ({**GOOD, "tp": 2**64}, LayoutError, r"must be in \[0, 2\*\*64 - 1\]"),
+        ({**GOOD, "tp": True}, ArgumentTypeError, "bool"),
+        ({**GOOD, "tp": 1.0}, ArgumentTypeError, "must be an int"),
+        ({**GOOD, "tp": "1"}, ArgumentTypeError, "must be an int"),
         (object(), LayoutError, "DeviceMesh"),
     ],
 )
@@ -274,9 +275,14 @@ def test_apply_layout_refuses_bad_coordinates_and_changes_nothing(
     expect_refusal(platform, lambda: apply_layout(megatron_like_layout(), 1, coords), error, fragment)
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, True, 2.0])
-def test_apply_layout_refuses_a_bad_base_seed_and_changes_nothing(platform: platforms.Platform, seed: object) -> None:
-    expect_refusal(platform, lambda: apply_layout(megatron_like_layout(), seed, GOOD), InvalidSeedError, "base_seed")  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("seed", "error"),
+    [(-1, InvalidSeedError), (2**64, InvalidSeedError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)],
+)
+def test_apply_layout_refuses_a_bad_base_seed_and_changes_nothing(
+    platform: platforms.Platform, seed: object, error: type[Exception]
+) -> None:
+    expect_refusal(platform, lambda: apply_layout(megatron_like_layout(), seed, GOOD), error, "base_seed")  # type: ignore[arg-type]
 
 
 def test_apply_layout_inside_a_fork_is_refused_and_changes_nothing(platform: platforms.Platform) -> None:
@@ -291,7 +297,7 @@ def test_apply_layout_inside_a_fork_is_refused_and_changes_nothing(platform: pla
 
 @pytest.mark.parametrize("sizes", [{**GOOD}, {**GOOD, "pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": -2}])
 def test_check_distinct_refuses_sizes_below_one(sizes: dict[str, int]) -> None:
-    with pytest.raises(LayoutError, match="must be >= 1"):
+    with pytest.raises(LayoutError, match=r"must be in \[1, 2\*\*64 - 1\]"):
         megatron_like_layout().check_distinct(1, sizes)
 
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
 
-from platforms.errors import DeviceIndexError, InvalidOffsetError, InvalidSeedError, InvalidStateError
+from platforms.errors import (
+    ArgumentTypeError,
+    DeviceIndexError,
+    InvalidOffsetError,
+    InvalidSeedError,
+    InvalidStateError,
+)
 
 __all__ = [
     "MAX_SEED",
@@ -35,21 +42,29 @@ def round_up_offset(n: int) -> int:
     return -(-n // OFFSET_ALIGN) * OFFSET_ALIGN
 
 
-def check_int(value: object, what: str, error: type[Exception]) -> int:
-    """Return ``value`` as an int (anything with ``__index__`` but a bool), else raise ``error``."""
-    if isinstance(value, bool):
-        raise error(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
+def check_int(value: object, what: str) -> int:
+    """Return ``value`` as an int, else raise :class:`ArgumentTypeError` naming ``what``.
+
+    Python and NumPy integers (anything with ``__index__``) are accepted; bools, floats
+    (even integral ones such as ``7.0``), strings and ``None`` are refused, never truncated.
+    """
+    if type(value) is int:
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise error(f"{what} must be an int, got {type(value).__name__} {value!r}.") from None
+        raise ArgumentTypeError(
+            f"{what} must be an int, got {type(value).__name__} {value!r}; pass a Python or NumPy integer."
+        ) from None
 
 
 def check_seed(seed: object, what: str = "seed") -> int:
     """Return ``seed`` as an int in ``[0, 2**64 - 1]`` or raise :class:`InvalidSeedError`."""
     if type(seed) is int and 0 <= seed <= MAX_SEED:  # the common case, checked cheaply (forks are hot)
         return seed
-    value = check_int(seed, what, InvalidSeedError)
+    value = check_int(seed, what)
     if not 0 <= value <= MAX_SEED:
         raise InvalidSeedError(
             f"{what} must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
@@ -61,7 +76,7 @@ def check_offset(offset: object, what: str = "offset") -> int:
     """Return ``offset`` as a non-negative multiple of 4 or raise :class:`InvalidOffsetError`."""
     if type(offset) is int and 0 <= offset <= MAX_OFFSET and not offset % OFFSET_ALIGN:
         return offset
-    value = check_int(offset, what, InvalidOffsetError)
+    value = check_int(offset, what)
     if not 0 <= value <= MAX_OFFSET:
         raise InvalidOffsetError(f"{what} must be in [0, 2**63 - 1], got {value}.")
     if value % OFFSET_ALIGN:
@@ -87,7 +102,7 @@ def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
 
 def check_index(index: object, count: int, platform: str) -> int:
     """Return ``index`` if it names one of ``count`` devices, else raise :class:`DeviceIndexError`."""
-    value = check_int(index, "device index", DeviceIndexError)
+    value = check_int(index, "device index")
     if not 0 <= value < count:
         raise DeviceIndexError(
             f"device index {value} is out of range for platform {platform!r}, which has {count} device(s); "
