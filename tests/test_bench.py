@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hyperrng.benchmarks import SUITES, BenchResult, format_results, run_benchmarks
+from hyperrng.benchmarks import SUITES, BenchResult, Timing, format_results, run_benchmarks
 from hyperrng.cli import main
 from hyperrng.errors import UsageError
 
@@ -30,7 +30,22 @@ def test_an_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_a_result_knows_which_way_is_better() -> None:
-    cost = BenchResult("x", 2.0, "base", 4.0, better="lower", target=1.0)
-    speed = BenchResult("y", 2.0, "base", 1.0, better="higher", target=0.8)
+    cost = BenchResult("x", Timing((2.0,)), "base", Timing((4.0,)), better="lower", target=1.0)
+    speed = BenchResult("y", Timing((2.0,)), "base", Timing((1.0,)), better="higher", target=0.8)
     assert (cost.ratio, cost.meets_target) == (0.5, True)
     assert (speed.ratio, speed.meets_target) == (0.5, False)
+
+
+def test_a_result_is_the_median_of_its_rounds_with_their_spread() -> None:
+    # One fast round must not hide slow ones: the median and the range say what happened.
+    r = BenchResult("x", Timing((1.0, 5.0, 6.0)), "base", Timing((2.0, 2.0, 2.0)), target=1.5)
+    assert r.seconds == 5.0 and r.ratio == 2.5 and not r.meets_target
+    assert r.ratio_range == (0.5, 3.0)
+
+
+def test_rounds_that_slow_down_over_a_run_are_reported_as_drift() -> None:
+    flat = BenchResult("flat", Timing((1.0, 1.1, 1.0, 0.9, 1.0, 1.1)), "b", Timing((1.0,) * 6))
+    building = BenchResult("built", Timing((1.0, 1.0, 3.0, 6.0, 12.0, 20.0)), "b", Timing((1.0,) * 6))
+    assert not flat.drifted and building.drifted
+    table = format_results([flat, building])
+    assert table.count("DRIFT") == 1 and "16.00x slower" in table

@@ -1,7 +1,9 @@
 """The benchmark suites behind ``hyperrng bench``.
 
 Each suite is a module of this package with ``benchmarks(quick: bool) -> list[BenchResult]``.
-Every figure is a ratio against a baseline measured in the same run.
+Every figure is a ratio against a baseline measured in the same run: the median over
+interleaved rounds, with the spread of the per-round ratios, and a warning when the late
+rounds of a measurement ran slower than its early ones (see :mod:`._timing`).
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-from hyperrng.benchmarks._timing import BenchResult, best_time
+from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved, time_rounds
 
-__all__ = ["SUITES", "BenchResult", "best_time", "run_benchmarks", "format_results"]
+__all__ = ["SUITES", "BenchResult", "Timing", "interleaved", "time_rounds", "run_benchmarks", "format_results"]
 
 SUITES = ("platform", "streams", "sharding", "philox")
 
@@ -32,13 +34,26 @@ def run_benchmarks(quick: bool = False, suites: Sequence[str] | None = None) -> 
 
 
 def format_results(results: Sequence[BenchResult]) -> str:
-    """A fixed-width table of results: figure, baseline, ratio, target and verdict."""
-    header = f"{'benchmark':<46} {'time':>10} {'baseline':<34} {'ratio':>7} {'target':>8}  ok"
+    """A fixed-width table: median time and its spread, baseline, median ratio and its range, target."""
+    header = (
+        f"{'benchmark':<46} {'median':>10} {'spread':>19} {'baseline':<34} {'ratio':>6} {'ratio range':>13} "
+        f"{'target':>7}  ok"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         target = "-" if r.target is None else ("<=" if r.better == "lower" else ">=") + f"{r.target:g}"
         ok = {None: "", True: "yes", False: "NO"}[r.meets_target]
-        lines.append(f"{r.name:<46} {_fmt_time(r.seconds):>10} {r.baseline:<34} {r.ratio:>7.2f} {target:>8}  {ok}")
+        spread = f"{_fmt_time(r.timing.low)}-{_fmt_time(r.timing.high)}"
+        low, high = r.ratio_range
+        lines.append(
+            f"{r.name:<46} {_fmt_time(r.seconds):>10} {spread:>19} {r.baseline:<34} {r.ratio:>6.2f} "
+            f"{f'{low:.2f}-{high:.2f}':>13} {target:>7}  {ok}"
+        )
+        if r.drifted:
+            lines.append(
+                f"    DRIFT: its last rounds ran {r.timing.drift:.2f}x slower than its first "
+                f"({len(r.timing.rounds)} rounds): something builds up over the run"
+            )
         if r.note:
             lines.append(f"    {r.note}")
     return "\n".join(lines)
@@ -46,7 +61,7 @@ def format_results(results: Sequence[BenchResult]) -> str:
 
 def _fmt_time(seconds: float) -> str:
     if seconds < 1e-3:
-        return f"{seconds * 1e6:.2f} us"
+        return f"{seconds * 1e6:.1f}us"
     if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
+        return f"{seconds * 1e3:.1f}ms"
+    return f"{seconds:.2f}s"

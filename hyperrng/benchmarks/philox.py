@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from hyperrng.benchmarks._timing import BenchResult, best_time
+from hyperrng.benchmarks._timing import BenchResult, interleaved
 from hyperrng.philox import uniform
 
 __all__ = ["benchmarks"]
@@ -25,14 +25,13 @@ _COMPILED_TARGET = 0.8
 
 
 def _versus_rand(name: str, fn: Callable[[], object], n: int, repeat: int, target: float, note: str) -> BenchResult:
-    # The baseline is timed right before the candidate so both see the same machine load.
-    baseline = best_time(lambda: torch.rand(n), number=1, repeat=repeat)
-    seconds = best_time(fn, number=1, repeat=repeat)
+    # Interleaved rounds, so both see the same machine load.
+    t = interleaved({"base": lambda: torch.rand(n), "ours": fn}, number=1, rounds=repeat)
     return BenchResult(
         name=name,
-        seconds=seconds,
+        timing=t["ours"],
         baseline="torch.rand",
-        baseline_seconds=baseline,
+        baseline_timing=t["base"],
         better="higher",
         target=target,
         note=note,

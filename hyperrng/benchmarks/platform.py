@@ -7,21 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hyperrng.benchmarks._timing import BenchResult, best_time
+from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved
 
 __all__ = ["benchmarks"]
 
 _REPO = str(Path(__file__).resolve().parents[2])
 
 
-def _import_seconds(repeat: int) -> tuple[float, float]:
-    """Best cumulative import time of torch and of hyperrng after it, from ``-X importtime``.
+def _import_seconds(repeat: int) -> tuple[Timing, Timing]:
+    """Cumulative import times of torch and of torch plus hyperrng, per run, from ``-X importtime``.
 
     The interpreter's own accounting excludes process start-up, which dwarfs and blurs
     the difference when whole processes are timed.
     """
     env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    best_torch = best_ours = float("inf")
+    torch_runs: list[float] = []
+    both_runs: list[float] = []
     for _ in range(repeat):
         out = subprocess.run(
             [sys.executable, "-X", "importtime", "-c", "import torch, hyperrng"],
@@ -35,9 +36,9 @@ def _import_seconds(repeat: int) -> tuple[float, float]:
             parts = line.split("|")
             if len(parts) == 3 and parts[1].strip().isdigit() and not parts[2].startswith("  "):  # top level
                 cumulative[parts[2].strip()] = int(parts[1]) / 1e6
-        best_torch = min(best_torch, cumulative["torch"])
-        best_ours = min(best_ours, cumulative["hyperrng"])
-    return best_torch, best_ours
+        torch_runs.append(cumulative["torch"])
+        both_runs.append(cumulative["torch"] + cumulative["hyperrng"])
+    return Timing(tuple(torch_runs)), Timing(tuple(both_runs))
 
 
 def benchmarks(quick: bool) -> list[BenchResult]:
@@ -45,8 +46,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     import hyperrng
 
     repeat = 2 if quick else 5
-    base, extra = _import_seconds(repeat)
-    ours = base + extra
+    base, ours = _import_seconds(repeat)
     p = hyperrng.current_platform()
     gen = p.default_generator()
     state = p.get_rng_state()
@@ -58,7 +58,8 @@ def benchmarks(quick: bool) -> list[BenchResult]:
             "import torch",
             base,
             target=1.10,
-            note=f"hyperrng adds {(ours - base) * 1e3:.0f} ms to a {base * 1e3:.0f} ms torch import",
+            note=f"hyperrng adds {(ours.median - base.median) * 1e3:.0f} ms "
+            f"to a {base.median * 1e3:.0f} ms torch import",
         )
     ]
     if gen is not None:
@@ -69,12 +70,13 @@ def benchmarks(quick: bool) -> list[BenchResult]:
         def validated() -> None:
             p.set_rng_state(p.get_rng_state())
 
+        t = interleaved({"validated": validated, "raw": raw}, number=number, rounds=5)
         results.append(
             BenchResult(
                 f"{p.name}: platform get+set state",
-                best_time(validated, number=number),
+                t["validated"],
                 "generator get_state+set_state",
-                best_time(raw, number=number),
+                t["raw"],
                 note=f"{state.numel()}-byte state; the difference is argument validation",
             )
         )

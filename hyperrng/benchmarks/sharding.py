@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hyperrng import sharding
-from hyperrng.benchmarks._timing import BenchResult, best_time
+from hyperrng.benchmarks._timing import BenchResult, interleaved, time_rounds
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
@@ -71,11 +71,9 @@ def _bench_region(quick: bool) -> list[BenchResult]:
         with sharded.distribute_region(*args):
             pass
 
-    best = {"fork": float("inf"), "small": float("inf"), "large": float("inf")}
-    for _ in range(rounds):  # interleaved, so a noisy neighbour slows all three alike
-        best["fork"] = min(best["fork"], best_time(fork, number=number, repeat=1))
-        best["small"] = min(best["small"], best_time(lambda: region(small), number=number, repeat=1))
-        best["large"] = min(best["large"], best_time(lambda: region(large), number=number, repeat=1))
+    best = interleaved(
+        {"fork": fork, "small": lambda: region(small), "large": lambda: region(large)}, number=number, rounds=rounds
+    )
     target = _REGION_TARGET if platform.name == "cpu" else None
     return [
         BenchResult(
@@ -118,24 +116,24 @@ def _bench_case(
         sharding._table.cache_clear()
         sharding.rng_offsets(mesh, middle, placements, shape)
 
-    check = best_time(check_cold, number=1, repeat=repeat)
-    loop = best_time(every_rank_warm, number=1, repeat=repeat)
-    cold = best_time(one_rank_cold, number=1, repeat=repeat)
-    warm = best_time(one_rank_warm, number=100, repeat=repeat)
+    pair = interleaved({"check": check_cold, "loop": every_rank_warm}, number=1, rounds=repeat)
+    check, loop = pair["check"], pair["loop"]
+    cold = time_rounds(one_rank_cold, number=1, rounds=repeat)
+    warm = time_rounds(one_rank_warm, number=100, rounds=repeat)
     return [
         BenchResult(
             name=f"sharding.check_all_ranks[{label}]",
-            seconds=check,
+            timing=check,
             baseline=f"{ranks} warm rng_offsets calls",
-            baseline_seconds=loop,
-            note=f"check_disjoint from a cold cache over {ranks} ranks: {check:.4f} s; "
-            f"one rng_offsets call per rank: {loop:.4f} s",
+            baseline_timing=loop,
+            note=f"check_disjoint from a cold cache over {ranks} ranks: {check.median:.4f} s; "
+            f"one rng_offsets call per rank: {loop.median:.4f} s",
         ),
         BenchResult(
             name=f"sharding.rng_offsets_cached[{label}]",
-            seconds=warm,
+            timing=warm,
             baseline="rng_offsets rebuilding its table",
-            baseline_seconds=cold,
-            note=f"cached lookup {warm * 1e6:.1f} us; uncached (table for {ranks} ranks) {cold:.4f} s",
+            baseline_timing=cold,
+            note=f"cached lookup {warm.median * 1e6:.1f} us; uncached (table for {ranks} ranks) {cold.median:.4f} s",
         ),
     ]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 import platforms
-from hyperrng.benchmarks._timing import BenchResult, best_time
+from hyperrng.benchmarks._timing import BenchResult, interleaved
 from hyperrng.random import fork_rng
 from hyperrng.tracker import RNGStatesTracker
 
@@ -22,17 +22,8 @@ __all__ = ["benchmarks"]
 
 _FORK_TARGET = 1.0  # a fork that switches streams must cost no more than torch's fork_rng
 _QUICK_NUMBER, _FULL_NUMBER = 2_000, 20_000
-_QUICK_ROUNDS, _FULL_ROUNDS = 3, 7
+_QUICK_ROUNDS, _FULL_ROUNDS = 3, 9
 _STREAM_SEEDS = {"bench-a": 1, "bench-b": 2}
-
-
-def _interleaved(fns: dict[str, Callable[[], object]], number: int, rounds: int) -> dict[str, float]:
-    """Best per-call time of each function, measuring them in turn ``rounds`` times."""
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], best_time(fn, number=number, repeat=1))
-    return best
 
 
 def _fork_loop(tracker: RNGStatesTracker) -> Callable[[], None]:
@@ -84,7 +75,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     }
     if tracker.graph_safe:
         fns["copying"] = _fork_loop(copying)
-    t = _interleaved(fns, number, rounds)
+    t = interleaved(fns, number=number, rounds=rounds)
 
     on_cpu = platform.default_generator() is torch.default_generator
     mode = "graph-safe swap" if tracker.graph_safe else "byte copies"
