@@ -37,17 +37,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _isolate_rng() -> Iterator[None]:
-    """Give every test the process RNG state and platform selection it found, back afterwards."""
+    """Give every test the process RNG state and platform selection it found, back afterwards.
+
+    That covers the CPU platform's cursor and, once a test has registered it, every
+    generator of the simulated device (``torch.manual_seed`` seeds those too).
+    """
     import numpy as np
 
     import platforms.registry as registry
+    from platforms.cpu import CPUPlatform
+    from platforms.simulated import _Backend
 
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    host = CPUPlatform()
+    py_state, np_state, host_state = random.getstate(), np.random.get_state(), host.get_rng_state()
+    sim = _Backend.module
+    sim_states = [g.get_state() for g in sim.default_generators] if sim is not None else []
+    sim_device = sim.current_device() if sim is not None else 0
     selection = registry._selection
     try:
         yield
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
+        host.set_rng_state(host_state)
+        if sim is not None:
+            sim.set_device(sim_device)
+            for gen, state in zip(sim.default_generators, sim_states):
+                gen.set_state(state)
         registry._selection = selection

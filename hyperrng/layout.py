@@ -221,8 +221,8 @@ class StreamLayout:
         default_seed = seeds[DEFAULT_STREAM]
         platform = platforms.current()
         platform.manual_seed(default_seed)
-        if platform.default_generator() is not torch.default_generator:
-            platforms.CPUPlatform().manual_seed(default_seed)  # the host too; all 64 bits, unlike torch.manual_seed
+        if not platform.is_host:  # the host too; all 64 bits, unlike torch.manual_seed
+            platforms.seed_generator(torch.default_generator, default_seed)
         return seeds
 
     # -- serialisation --------------------------------------------------------------------

@@ -4,8 +4,9 @@
 defaults to CUDA (or whatever torch guesses), so on an NPU or a plug-in accelerator it
 silently forks the wrong backend. :func:`fork_rng` forks the CPU state and the chosen
 devices of the *current platform* (``platforms.current()``), and it is cheap: states are
-copied straight from and into the generators, with no clones and no validation of states
-it read itself.
+copied straight from and into the generators where they are the whole state, with no
+clones and no validation of states it read itself. On the CPU platform the device is the
+host, and its state (with its position cursor) is forked once.
 
 A ``device_type`` that is not the current platform's is an error rather than a lookup in
 the platform registry: forking a backend that hyperrng does not drive would protect
@@ -20,43 +21,31 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
-import torch
-
 import platforms
+from hyperrng._device_state import StateIO, host_and_devices
 from hyperrng.errors import ArgumentTypeError, UsageError
-from platforms import Platform
 from platforms.validate import check_index
 
 __all__ = ["fork_rng"]
 
 
 class _ForkRNG:
-    """Saves the CPU state and the chosen device states on entry, restores them on exit."""
+    """Saves the host state and the chosen device states on entry, restores them on exit."""
 
-    __slots__ = ("_platform", "_saved", "_targets")
+    __slots__ = ("_saved", "_targets")
 
-    def __init__(self, platform: Platform, targets: list[tuple[Any, int]]) -> None:
-        self._platform = platform
-        self._targets = targets  # (generator or None, device index)
-        self._saved: list[torch.Tensor] = []
+    def __init__(self, targets: list[StateIO]) -> None:
+        self._targets = targets
+        self._saved: list[Any] = []
 
     def __enter__(self) -> None:
-        platform = self._platform
-        saved = [torch.default_generator.get_state()]
-        for gen, index in self._targets:
-            saved.append(gen.get_state() if gen is not None else platform.get_rng_state(index))
-        self._saved = saved
+        self._saved = [read() for read, _ in self._targets]
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        saved = self._saved
-        torch.default_generator.set_state(saved[0])
-        for (gen, index), state in zip(self._targets, saved[1:]):
-            if gen is not None:
-                gen.set_state(state)
-            else:
-                self._platform.set_rng_state(state, index)
+        for (_, write), state in zip(self._targets, self._saved):
+            write(state)
         self._saved = []
 
 
@@ -81,7 +70,8 @@ def fork_rng(
     Args:
         devices: indices of the current platform's devices to fork; ``None`` forks all
             of them (as ``torch.random.fork_rng`` does), ``[]`` only the CPU. On the CPU
-            platform the CPU is always forked and ``devices`` adds nothing.
+            platform the CPU (with its position cursor) is always forked and ``devices``
+            adds nothing.
         enabled: ``False`` makes the context manager do nothing.
         device_type: optional check that the current platform is the one meant: its
             torch device type (``"cuda"``, ``"npu"``, ...) or its platform name.
@@ -120,10 +110,4 @@ def fork_rng(
             value = check_index(index, count, platform.name)
             if value not in indices:
                 indices.append(value)
-    targets = []
-    for index in indices:
-        gen = platform.default_generator(index)
-        if gen is torch.default_generator:  # the CPU platform's device is the CPU: forked already
-            continue
-        targets.append((gen, index))
-    return _ForkRNG(platform, targets)
+    return _ForkRNG(host_and_devices(platform, indices))

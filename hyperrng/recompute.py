@@ -17,31 +17,25 @@ from typing import Any
 import torch
 
 import platforms
+from hyperrng._device_state import host_and_devices
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
 
 __all__ = ["checkpoint"]
 
 
 class _RNGSnapshot:
-    """Torch's CPU state, every device state of the platform, and the tracker's streams."""
+    """The host state, every device state of the platform, and the tracker's streams."""
 
     def __init__(self, tracker: RNGStatesTracker) -> None:
-        self.platform = platforms.current()
-        self.cpu = torch.get_rng_state()
-        # (index, state) of every device generator other than the CPU one, captured just above.
-        self.devices = [
-            (i, self.platform.get_rng_state(i))
-            for i in range(self.platform.device_count())
-            if self.platform.default_generator(i) is not torch.default_generator
-        ]
+        self.targets = host_and_devices(platforms.current())
+        self.states = [read() for read, _ in self.targets]
         self.streams = tracker.get_states() if tracker.is_initialized() else None
 
     def restore(self, tracker: RNGStatesTracker) -> None:
         if self.streams is not None:
             tracker.set_states(self.streams)
-        for i, state in self.devices:
-            self.platform.set_rng_state(state, i)
-        torch.set_rng_state(self.cpu)
+        for (_, write), state in zip(self.targets, self.states):
+            write(state)
 
 
 class _Checkpoint(torch.autograd.Function):

@@ -67,9 +67,6 @@ _PYTHONHASHSEED_MODULUS = 2**32  # PYTHONHASHSEED must lie in [0, 2**32 - 1]
 _D9D_SEED_MODULUS = 2**64
 
 
-_HOST = platforms.CPUPlatform()  # torch's CPU generator, which every platform's host side uses
-
-
 # -- shared pieces -------------------------------------------------------------------------
 def seed_host(seed: int) -> None:
     """Seed Python's ``random``, NumPy's legacy global state, and torch on the CPU and every device.
@@ -93,11 +90,11 @@ def _seed_numpy(seed: int) -> None:
 
 
 def _seed_torch(seed: int) -> None:
-    _HOST.manual_seed(seed)  # all 64 bits, unlike torch.manual_seed
     platform = platforms.current()
+    if not platform.is_host:  # where the device is the host, seeding the device seeds it
+        platforms.seed_generator(torch.default_generator, seed)  # all 64 bits, unlike torch.manual_seed
     for index in range(platform.device_count()):
-        if platform.default_generator(index) is not torch.default_generator:  # the CPU is seeded already
-            platform.manual_seed(seed, index)
+        platform.manual_seed(seed, index)
 
 
 def _rank(value: object, what: str) -> int:

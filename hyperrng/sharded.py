@@ -16,12 +16,11 @@ region's arguments), so no collective runs per op. What each platform guarantees
   Philox offsets. Shard ``k`` draws the counter window ``[start_k, start_k + numel_k)``
   after the region's base offset; windows of distinct shards are disjoint, replicas draw
   identical numbers, and every rank leaves at ``base + end``.
-* the CPU platform: positions are modelled (see :mod:`platforms.cpu`): each (seed, offset)
-  pair seeds MT19937 from a stable mix. Replicas draw identical numbers, distinct shards
-  draw from distinct seeds (independent streams, not disjoint windows of one stream), and
-  every rank leaves at the same modelled position. Plain draws do not move a modelled
-  offset, so every window starts one block (4) later than on a counter-based device, and
-  ranks leave at ``base + 4 + end``: no shard replays what plain draws at ``base`` drew.
+* the CPU platform keeps each position as an explicit cursor and seeds MT19937 from a
+  stable mix of the pair (see :mod:`platforms.cpu`): replicas draw identical numbers,
+  distinct shards draw from distinct seeds (independent streams, not disjoint windows of
+  one stream), and every rank leaves at ``base + end``. The region reads and writes
+  positions through the platform only, so it needs nothing CPU-specific.
 
 :meth:`ShardedRNGTracker.install_dtensor` routes random ops on real
 ``torch.distributed.tensor`` DTensors through this tracker, on any platform, the CPU
@@ -38,16 +37,14 @@ from typing import Any
 import torch
 
 import platforms
-from hyperrng.errors import InvalidOffsetError, ShardingError
+from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, ShardingError
 from hyperrng.sharding import rng_offsets
 from platforms import Platform
-from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_seed
+from platforms.validate import MAX_OFFSET, check_int, check_seed
 
 __all__ = ["MeshInfo", "ShardedRNGTracker", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
-
-_MODELLED_GAP = OFFSET_ALIGN  # one block between a region's base and its windows where draws do not advance offsets
 
 
 @dataclass(frozen=True)
@@ -58,6 +55,11 @@ class MeshInfo:
     coordinate: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        for field, values in (("mesh shape", self.shape), ("mesh coordinate", self.coordinate)):
+            if not isinstance(values, tuple):
+                raise ArgumentTypeError(f"the {field} must be a tuple of ints, got {type(values).__name__}.")
+            for value in values:
+                check_int(value, f"each entry of the {field}")
         if len(self.shape) != len(self.coordinate):
             raise ShardingError(
                 f"mesh coordinate {self.coordinate} has {len(self.coordinate)} entries but the mesh "
@@ -167,24 +169,22 @@ class ShardedRNGTracker:
 
     # -- the region ------------------------------------------------------------------------
     def offsets(self, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[int, int]:
-        """``(start, end)`` for this rank's shard; cached by the arguments, validated on first use."""
-        # Keyed by the arguments as given (a DeviceMesh is per rank, so it stands for its
-        # coordinate); the first call validates them through rng_offsets.
-        key = (
-            mesh,
-            placements if type(placements) is tuple else tuple(placements),
-            global_shape if type(global_shape) is tuple else tuple(global_shape),
-        )
-        try:
-            return self._offsets[key]
-        except (KeyError, TypeError):
-            pass
+        """``(start, end)`` for this rank's shard; see :func:`hyperrng.sharding.rng_offsets`.
+
+        Results are cached, but only for arguments whose every entry is exactly an int (a
+        ``MeshInfo`` is validated when it is made; a ``DeviceMesh`` is one rank's view of a
+        mesh, so it stands for its coordinate): an argument that equals a cached one only
+        by ``==`` (``True`` for ``1``, ``8.0`` for ``8``) is validated like a new one.
+        """
+        key = _cache_key(mesh, placements, global_shape)
+        if key is not None:
+            cached = self._offsets.get(key)
+            if cached is not None:
+                return cached
         info = as_mesh_info(mesh)
         result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
-        try:
+        if key is not None:
             self._offsets[key] = result
-        except TypeError:  # an unhashable placement: correct, just not cached
-            pass
         return result
 
     def distribute_region(
@@ -206,13 +206,8 @@ class ShardedRNGTracker:
             InvalidOffsetError: the op would push the offset past 2**63 - 1.
         """
         start, end = self.offsets(mesh, placements, global_shape)
-        p = self.platform
-        if not p.counter_based:
-            # Modelled positions do not move when plain ops draw, so the stream at the base
-            # position may already have been drawn from: start every window one block later.
-            start, end = start + _MODELLED_GAP, end + _MODELLED_GAP
         # A foreign generator is refused by the first read in __enter__, before any write.
-        return _Region(p, generator, start, end)
+        return _Region(self.platform, generator, start, end)
 
     # -- DTensor interop ----------------------------------------------------------------------
     def install_dtensor(self) -> Any:
@@ -233,6 +228,21 @@ class ShardedRNGTracker:
     def uninstall_dtensor(previous: Any = None) -> None:
         """Put back the DTensor RNG tracker that :meth:`install_dtensor` replaced."""
         _dtensor_random_module()._rng_tracker = previous
+
+
+def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
+    """A key under which these arguments' offsets may be cached, or ``None`` if they must be validated."""
+    if isinstance(mesh, tuple):  # a (shape, coordinate) pair: ``==`` would equate 1 and True
+        return None
+    shape = global_shape if type(global_shape) is tuple else tuple(global_shape)
+    if not all(type(d) is int for d in shape):
+        return None
+    key = (mesh, placements if type(placements) is tuple else tuple(placements), shape)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable mesh or placement: correct, just not cached
+        return None
+    return key
 
 
 def _dtensor_random_module() -> Any:

@@ -4,8 +4,15 @@
 CPU generator, every device of the current platform, the tracker's streams, and metadata
 (format version, platform, base seed, layout, this rank's coordinates, rank and world
 size). It holds only tensors, numbers, strings, ``None``, lists and dicts, so
-``torch.load(path, weights_only=True)`` reads it, and it carries a BLAKE2b digest of its
-content so a tampered or damaged state is refused instead of silently resumed.
+``torch.load(path, weights_only=True)`` reads it (that loader runs no code), and it carries
+a BLAKE2b digest of its content so that a damaged state (a truncated or corrupted file) is
+refused instead of silently resumed.
+
+**Trust.** The digest is not keyed: it detects accidental damage, not forgery (anyone who
+edits the dict can recompute it). Every field is nevertheless typed and bounded before
+anything is applied, so a forged state can at worst resume other random numbers, never
+crash the process or leave a generator half-written. Sign the file yourself if it crosses
+a trust boundary.
 
 :func:`load_rng_state_dict` validates everything before applying anything. A state saved
 under another platform, world size, rank, layout or mesh position is refused by default;
@@ -20,6 +27,7 @@ rank, so DCP never deduplicates one rank's state onto another.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import warnings
 from collections.abc import Mapping
@@ -33,7 +41,8 @@ import platforms
 from hyperrng.errors import CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
-from platforms.validate import check_offset, check_seed
+from platforms.cpu import MT19937_STATE_NBYTES
+from platforms.validate import MAX_SEED, check_seed
 
 __all__ = [
     "FORMAT",
@@ -48,11 +57,15 @@ __all__ = [
 ]
 
 FORMAT = "hyperrng.rng_state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2: device states in the platform's own format (the CPU's carries its position
+cursor), no separate position list, and no copy of torch's CPU state where the platform's
+device is the host."""
 ON_MISMATCH = ("error", "reseed")
 
-_PY_STATE_WORDS = 625  # CPython's MT19937: 624 words plus the position
-_NP_KEY_WORDS = 624
+_MT_WORDS = 624
+_PY_STATE_WORDS = _MT_WORDS + 1  # CPython's MT19937: 624 words plus the position
+_PY_STATE_VERSION = 3
 _DIGEST_BYTES = 16
 
 
@@ -80,6 +93,8 @@ def rng_state_dict(
     """
     p = platforms.current()
     tracker = tracker if tracker is not None else get_rng_tracker()
+    if base_seed is not None:
+        base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
     if tracker.active_stream is not None:
         # The device generator holds the stream now, not the default state a resume needs.
         raise CheckpointError(
@@ -106,10 +121,9 @@ def rng_state_dict(
             "has_gauss": int(np_has_gauss),
             "gauss": float(np_gauss),
         },
-        "torch_cpu": torch.get_rng_state(),
+        # Where the platform's device is the host, devices[0] already holds torch's CPU state.
+        "torch_cpu": None if p.is_host else torch.get_rng_state(),
         "devices": [p.get_rng_state(i) for i in range(p.device_count())],
-        # Where positions are modelled (the CPU) the bytes alone do not say the (seed, offset).
-        "positions": [list(p.get_seed_offset(i)) for i in range(p.device_count())],
         "streams": tracker.get_states(as_tensors=True) if tracker.is_initialized() else {},
     }
     body["digest"] = _digest(body)
@@ -140,7 +154,7 @@ def load_rng_state_dict(
         group: the process group whose rank and size are checked (default: the world).
 
     Raises:
-        CheckpointError: another format or version, a digest mismatch (tampered or damaged),
+        CheckpointError: another format or version, a digest mismatch (a damaged state),
             a malformed field, a topology or platform mismatch, or a missing stream.
             Nothing has changed when it is raised.
     """
@@ -198,8 +212,8 @@ _METADATA_TYPES: dict[str, tuple[type, ...]] = {
     "base_seed": (int, type(None)),
     "layout": (Mapping, type(None)),
     "coords": (Mapping, type(None)),
+    "torch_cpu": (torch.Tensor, type(None)),
     "devices": (list, tuple),
-    "positions": (list, tuple),
     "streams": (Mapping,),
     "python": (Mapping,),
     "numpy": (Mapping,),
@@ -207,7 +221,7 @@ _METADATA_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _check_metadata(state: Mapping[str, Any]) -> None:
-    """Every top-level field present with its type, so later reads cannot fail halfway."""
+    """Every top-level field present with its type and range, so later reads cannot fail halfway."""
     for field, types in _METADATA_TYPES.items():
         if field not in state:
             raise CheckpointError(f"the RNG state is malformed: field {field!r} is missing.")
@@ -217,6 +231,12 @@ def _check_metadata(state: Mapping[str, Any]) -> None:
                 f"the RNG state is malformed: field {field!r} is a {type(value).__name__}, "
                 f"expected {' or '.join(t.__name__ for t in types)}."
             )
+    if state["base_seed"] is not None and not 0 <= state["base_seed"] <= MAX_SEED:
+        raise CheckpointError(f"the RNG state is malformed: base_seed {state['base_seed']} is outside [0, 2**64 - 1].")
+    if not 0 <= state["rank"] < state["world_size"]:
+        raise CheckpointError(
+            f"the RNG state is malformed: rank {state['rank']} does not lie in a world of size {state['world_size']}."
+        )
 
 
 def _mismatches(
@@ -239,35 +259,29 @@ def _mismatches(
 
 
 def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> dict[str, Any]:
-    """Check every field's type and size and build the objects to apply; change nothing."""
-    try:
-        py = state["python"]
-        py_words = _tensor(py["state"], torch.int64, _PY_STATE_WORDS, "python state")
-        py_state = (int(py["version"]), tuple(int(w) for w in py_words.tolist()), py["gauss"])
-        npy = state["numpy"]
-        np_keys = _tensor(npy["keys"], torch.int64, _NP_KEY_WORDS, "numpy keys").numpy().astype(np.uint32)
-        np_state = (str(npy["kind"]), np_keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["gauss"]))
-        cpu = _tensor(state["torch_cpu"], torch.uint8, torch.get_rng_state().numel(), "torch CPU state")
-        devices = [_tensor(d, torch.uint8, p.state_nbytes, f"device {i} state") for i, d in enumerate(state["devices"])]
-        for d in devices:
-            p.check_rng_state(d)
-        positions = [(check_seed(s), check_offset(o)) for s, o in state["positions"]]
-        if len(positions) != len(devices):
-            raise CheckpointError(f"the RNG state is malformed: {len(positions)} positions for {len(devices)} devices.")
-        streams = dict(state["streams"])
-        if py_state[2] is not None and not isinstance(py_state[2], float):
+    """Check every field's type, size and range and build the objects to apply; change nothing."""
+    py_state = _python_state(state["python"])
+    np_state = _numpy_state(state["numpy"])
+    if p.is_host:  # devices[0] carries torch's CPU state
+        if state["torch_cpu"] is not None:
             raise CheckpointError(
-                f"the RNG state is malformed: the Python cached normal must be None or a float, got {py_state[2]!r}."
+                "the RNG state is malformed: torch_cpu must be None on a platform whose device is the host."
             )
-        # Apply each value to a scratch generator first: the real ones must not be half-written.
-        random.Random().setstate(py_state)
-        np.random.RandomState().set_state(np_state)
-        torch.Generator().set_state(cpu)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError, HyperRNGError) as exc:
-        # (InvalidSeedError/InvalidOffsetError of a bad position are ValueErrors too.)
-        raise CheckpointError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
+        cpu = None
+    else:
+        cpu = _tensor(state["torch_cpu"], torch.uint8, MT19937_STATE_NBYTES, "torch CPU state")
+        try:
+            torch.Generator().set_state(cpu)  # a scratch generator: refuses bytes MT19937 cannot take
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"the RNG state is malformed: the torch CPU state is not a valid MT19937 state ({exc})."
+            ) from None
+    devices = [_platform_state(p, d, f"device {i} state") for i, d in enumerate(state["devices"])]
+    streams = {}
+    for name, value in state["streams"].items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"the RNG state is malformed: stream name {name!r} is not a non-empty string.")
+        streams[name] = _platform_state(p, value, f"state of stream {name!r}")
     held = set(tracker.get_states()) if tracker.is_initialized() else set()
     missing = sorted(held - set(streams))
     if missing:
@@ -281,14 +295,64 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
             f"the RNG state holds stream(s) {extra} that the tracker does not; add them first, "
             "or reset() the tracker to adopt the saved streams."
         )
-    return {
-        "python": py_state,
-        "numpy": np_state,
-        "cpu": cpu,
-        "devices": devices,
-        "positions": positions,
-        "streams": streams,
-    }
+    return {"python": py_state, "numpy": np_state, "cpu": cpu, "devices": devices, "streams": streams}
+
+
+def _malformed(what: str, expected: str, got: object) -> CheckpointError:
+    return CheckpointError(f"the RNG state is malformed: {what} must be {expected}, got {got!r:.80}.")
+
+
+def _exact_int(value: object, what: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _malformed(what, f"an int in [{low}, {high}]", value)
+    return value
+
+
+def _fields(value: object, what: str, names: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping) or set(value) != set(names):
+        got = sorted(value) if isinstance(value, Mapping) else value
+        raise _malformed(what, f"a mapping with exactly the keys {list(names)}", got)
+    return value
+
+
+def _python_state(value: object) -> tuple[int, tuple[int, ...], float | None]:
+    """CPython's ``random`` state: version 3, 624 MT19937 words below 2**32 and a position in [0, 624]."""
+    py = _fields(value, "the Python random state", ("version", "state", "gauss"))
+    _exact_int(py["version"], "the Python random state version", _PY_STATE_VERSION, _PY_STATE_VERSION)
+    words = _tensor(py["state"], torch.int64, _PY_STATE_WORDS, "the Python random state").tolist()
+    if not all(0 <= w < 2**32 for w in words[:-1]) or not 0 <= words[-1] <= _MT_WORDS:
+        raise _malformed(
+            "the Python random state", "624 words in [0, 2**32) then a position in [0, 624]", "out of range"
+        )
+    gauss = py["gauss"]
+    if gauss is not None and type(gauss) is not float:
+        raise _malformed("the Python cached normal", "None or a float", gauss)
+    return _PY_STATE_VERSION, tuple(words), gauss
+
+
+def _numpy_state(value: object) -> tuple[str, np.ndarray, int, int, float]:
+    """NumPy's legacy MT19937 state: 624 words below 2**32, a position in [0, 624], a cached normal."""
+    npy = _fields(value, "the NumPy state", ("kind", "keys", "pos", "has_gauss", "gauss"))
+    if npy["kind"] != "MT19937":
+        raise _malformed("the NumPy state's kind", "'MT19937'", npy["kind"])
+    keys = _tensor(npy["keys"], torch.int64, _MT_WORDS, "the NumPy state keys")
+    if bool(((keys < 0) | (keys >= 2**32)).any()):
+        raise _malformed("the NumPy state keys", "624 words in [0, 2**32)", "out of range")
+    # NumPy does not check the position: one past 624 reads outside its key array later.
+    pos = _exact_int(npy["pos"], "the NumPy state position", 0, _MT_WORDS)
+    has_gauss = _exact_int(npy["has_gauss"], "the NumPy has_gauss flag", 0, 1)
+    gauss = npy["gauss"]
+    if type(gauss) is not float or not math.isfinite(gauss):
+        raise _malformed("the NumPy cached normal", "a finite float", gauss)
+    return "MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss
+
+
+def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Tensor:
+    state = _tensor(value, torch.uint8, p.state_nbytes, what)
+    try:
+        return p.check_rng_state(state).clone()
+    except HyperRNGError as exc:
+        raise CheckpointError(f"the RNG state is malformed: {what}: {exc}") from None
 
 
 def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> None:
@@ -299,10 +363,10 @@ def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTra
             tracker.set_states(decoded["streams"])
         except HyperRNGError as exc:
             raise CheckpointError(f"the saved streams do not fit the tracker: {exc}") from exc
-    for i, (s, (seed, offset)) in enumerate(zip(decoded["devices"], decoded["positions"])):
-        p.set_seed_offset(seed, offset, i)  # makes a modelled position known again; the bytes follow
-        p.set_rng_state(s, i)
-    torch.set_rng_state(decoded["cpu"])
+    for i, device_state in enumerate(decoded["devices"]):
+        p.set_rng_state(device_state, i)
+    if decoded["cpu"] is not None:
+        torch.set_rng_state(decoded["cpu"])
     np.random.set_state(decoded["numpy"])
     random.setstate(decoded["python"])
 
@@ -447,7 +511,19 @@ def _feed(h: Any, value: Any) -> None:
 
 
 def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.dim() != 1 or value.numel() != numel:
-        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise CheckpointError(f"{what} must be a 1-D {dtype} tensor of {numel} elements, got {got}.")
-    return value.to("cpu")
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype != dtype
+        or value.dim() != 1
+        or value.numel() != numel
+        or value.device.type != "cpu"
+    ):
+        got = (
+            f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise CheckpointError(
+            f"the RNG state is malformed: {what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}."
+        )
+    return value.contiguous()

@@ -15,16 +15,27 @@ TransformerEngine's trackers do: random ops on CPU tensors inside a fork keep dr
 region in :func:`hyperrng.random.fork_rng` when the CPU state must be isolated too. On the
 CPU platform the device generator *is* torch's CPU generator, so the fork covers it.
 
-Two modes, chosen when the first stream is added (``graph_safe`` argument):
+How a fork swaps the stream in is decided once, when the tracker binds to a platform
+(its first stream), and never branched on again:
 
-* **byte copies** — the stream's state bytes are copied into the generator on entry and
-  read back on exit (every platform);
-* **graph-safe** — where the platform's generator offers ``graphsafe_get_state``,
-  ``graphsafe_set_state`` and ``clone_state`` (CUDA, NPU, the simulated accelerator), the
-  fork swaps generator-state *objects* instead of copying bytes: no copy, no allocation,
-  and the swap can be captured in a CUDA graph. Snapshots (:meth:`RNGStatesTracker.get_states`)
-  and new streams are cloned, so call those outside graph capture. Support is detected on
-  ``platform.default_generator()`` by calling the API, never assumed.
+* **state bytes** (the default): the device's whole state is copied in and out, through
+  the generator's own ``get_state`` / ``set_state`` where they are the whole state
+  (counter-based devices: CUDA, NPU, the simulated accelerator), else through
+  ``platform.get_rng_state`` / ``set_rng_state`` (the CPU, whose state carries its
+  position cursor; platforms that expose no generator);
+* **generator objects** (``graph_safe=True``; CUDA, NPU, the simulated accelerator): the
+  fork swaps generator-state *objects* with ``graphsafe_get_state`` /
+  ``graphsafe_set_state``: no copy, no allocation, capturable in a CUDA graph.
+  :meth:`RNGStatesTracker.get_states` then returns cloned generator objects (or tensors
+  with ``as_tensors=True``); snapshots and new streams clone, so call those outside graph
+  capture. Support is checked on ``platform.default_generator()`` by calling the API.
+
+Whatever the swap, :meth:`RNGStatesTracker.get_states` of a default tracker returns
+byte tensors on every platform, as Megatron-core's default tracker does.
+
+One thread at a time: the device generator a fork swaps is shared by the whole process,
+so a fork entered on one thread while another thread has a fork of the same tracker open
+raises :class:`TrackerStateError` in the second thread and changes nothing.
 
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
@@ -33,13 +44,13 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 import platforms
+from hyperrng._device_state import StateIO, state_io
 from hyperrng.errors import (
     ArgumentTypeError,
     DuplicateStreamError,
@@ -49,7 +60,7 @@ from hyperrng.errors import (
     UnknownStreamError,
 )
 from platforms import Platform
-from platforms.validate import check_seed, check_state
+from platforms.validate import check_seed
 
 __all__ = [
     "DATA_PARALLEL_STREAM",
@@ -100,17 +111,130 @@ def _supports_graph_safe(gen: object) -> bool:
     return True
 
 
+class _Swap:
+    """How forks put a stream into the device generator: one strategy, chosen when the tracker binds.
+
+    ``bind()`` returns the (read, write) pair for the current device; ``in_place`` says
+    whether the stream's own object advances while swapped in (generator objects), so
+    that nothing needs reading back on exit.
+    """
+
+    in_place = False
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+
+    def bind(self) -> StateIO:
+        raise NotImplementedError
+
+    def new_state(self, seed: int) -> Any:
+        """The state of a fresh stream seeded with ``seed``; the device is left as it was."""
+        read, write = self.bind()
+        saved = read()
+        try:
+            self.platform.manual_seed(seed)
+            return read()
+        finally:
+            write(saved)
+
+    def coerce(self, name: str, value: object) -> Any:
+        """Validate one snapshot entry and return it in this strategy's own form (a private copy)."""
+        return self.platform.check_rng_state(_as_state_tensor(name, value)).clone()
+
+    def export(self, state: Any, as_tensors: bool) -> Any:
+        """A snapshot of one stream's state that later forks cannot alter."""
+        return state.clone()
+
+
+class _StateBytes(_Swap):
+    """Copies of the current device's whole state (see :func:`hyperrng._device_state.state_io`)."""
+
+    def bind(self) -> StateIO:
+        return state_io(self.platform)
+
+
+class _GeneratorObjects(_Swap):
+    """Graph-safe swaps of generator-state objects on the device that created them."""
+
+    in_place = True
+
+    def __init__(self, platform: Platform) -> None:
+        super().__init__(platform)
+        self.home: Any = platform.default_generator()
+
+    def bind(self) -> StateIO:
+        gen = self.platform.default_generator()
+        if gen is not self.home:
+            raise TrackerStateError(
+                f"graph-safe streams live on device {self.home.device} but the current device is "
+                f"{self.platform.current_device()}; fork them on their own device, or use graph_safe=False "
+                "for streams that follow the current device."
+            )
+        return gen.graphsafe_get_state, gen.graphsafe_set_state  # type: ignore[union-attr]
+
+    def new_state(self, seed: int) -> Any:
+        self.bind()
+        state = self.home.clone_state()
+        state.manual_seed(seed)
+        return state
+
+    def coerce(self, name: str, value: object) -> Any:
+        template = self.home
+        if isinstance(value, type(template)) and getattr(value, "device", None) == template.device:
+            return value.clone_state()
+        if not isinstance(value, _tensor_type()):
+            raise InvalidStateError(
+                f"state of stream {name!r} must be a {type(template).__name__} of this platform's device or a "
+                f"state tensor, got {type(value).__name__}."
+            )
+        gen = template.clone_state()
+        gen.set_state(super().coerce(name, value))
+        return gen
+
+    def export(self, state: Any, as_tensors: bool) -> Any:
+        return state.get_state() if as_tensors else state.clone_state()
+
+
+def _tensor_type() -> type:
+    import torch
+
+    return torch.Tensor
+
+
+def _as_state_tensor(name: str, value: object) -> Any:
+    """A snapshot entry as a state tensor: tensors as they are, generator objects by their state."""
+    if isinstance(value, _tensor_type()):
+        return value
+    get_state = getattr(value, "get_state", None)
+    if callable(get_state):  # a generator object, e.g. from a graph-safe tracker's snapshot
+        return get_state()
+    raise InvalidStateError(
+        f"state of stream {name!r} must be a state tensor as returned by get_states(), got {type(value).__name__}."
+    )
+
+
+def _choose_swap(platform: Platform, graph_safe: bool) -> _Swap:
+    gen = platform.default_generator()
+    if graph_safe:
+        if not _supports_graph_safe(gen):
+            raise TrackerStateError(
+                f"graph_safe=True, but platform {platform.name!r} has no graph-safe generator API "
+                f"({', '.join(_GRAPH_SAFE_API)}); use graph_safe=False (byte copies)."
+            )
+        return _GeneratorObjects(platform)
+    return _StateBytes(platform)
+
+
 class _Fork:
     """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager."""
 
-    __slots__ = ("_tracker", "entered", "gen", "index", "name", "outer", "platform", "saved")
+    __slots__ = ("_tracker", "entered", "name", "outer", "read", "saved", "write")
 
-    def __init__(self, tracker: RNGStatesTracker, name: str, platform: Platform) -> None:
+    def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self.name = name
-        self.platform = platform
-        self.gen: Any = None
-        self.index = 0
+        self.read: Any = None
+        self.write: Any = None
         self.saved: Any = None
         self.outer: _Fork | None = None
         self.entered = False
@@ -119,88 +243,93 @@ class _Fork:
         tracker = self._tracker
         if self.entered:
             raise TrackerStateError(f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.")
-        state = tracker._states.get(self.name)
-        if state is None:  # the tracker was reset between fork() and entering it
-            raise UnknownStreamError(tracker._unknown(self.name))
-        platform = self.platform
-        gen = platform.default_generator()
-        outer = tracker._active
-        if tracker._graph_safe:
-            if gen is not tracker._home:
-                raise tracker._foreign_device(platform)
-            # Outside any fork the generator holds the default state: keep a view of it.
-            # Inside a fork it holds the outer stream's own object, which needs no saving.
-            if outer is None:
-                self.saved = gen.graphsafe_get_state()
-            gen.graphsafe_set_state(state)
-        elif gen is not None:
-            current = gen.get_state()
-            if outer is None:
-                self.saved = current
+        with tracker._lock:
+            outer = tracker._active
+            me = threading.get_ident()
+            if outer is not None and tracker._owner != me:
+                raise TrackerStateError(
+                    f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
+                    f"stream {outer.name!r} open: both would swap the one device generator. Fork on one thread "
+                    "at a time, or give each thread its own device."
+                )
+            states = tracker._states
+            state = states.get(self.name)
+            if state is None:  # the tracker was reset between fork() and entering it
+                raise UnknownStreamError(tracker._unknown(self.name))
+            swap = tracker._swap
+            read, write = swap.bind()  # type: ignore[union-attr]
+            if swap.in_place:  # type: ignore[union-attr]
+                # Outside any fork the generator holds the default state: keep a view of it.
+                # Inside a fork it holds the outer stream's own object, which needs no saving.
+                if outer is None:
+                    self.saved = read()
             else:
-                tracker._states[outer.name] = current
-            gen.set_state(state)
-        else:
-            self.index = index = platform.current_device()
-            current = platform.get_rng_state(index)
-            if outer is None:
-                self.saved = current
-            else:
-                tracker._states[outer.name] = current
-            platform.set_rng_state(state, index)
-        self.gen = gen
-        self.outer = outer
-        self.entered = True
-        tracker._active = self
+                current = read()
+                if outer is None:
+                    self.saved = current
+                else:
+                    states[outer.name] = current
+            write(state)
+            self.read, self.write, self.outer, self.entered = read, write, outer, True
+            tracker._active = self
+            tracker._owner = me
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         tracker = self._tracker
-        if tracker._active is not self:
-            raise TrackerStateError(
-                f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order."
-            )
-        gen, outer, states = self.gen, self.outer, tracker._states
-        back = self.saved if outer is None else states[outer.name]
-        if tracker._graph_safe:
-            # The stream's object advanced in place while it was swapped in: nothing to read back.
-            gen.graphsafe_set_state(back)
-        elif gen is not None:
-            states[self.name] = gen.get_state()
-            gen.set_state(back)
-        else:
-            states[self.name] = self.platform.get_rng_state(self.index)
-            self.platform.set_rng_state(back, self.index)
-        tracker._active = outer
-        self.saved = None
-        self.entered = False
+        with tracker._lock:
+            if tracker._active is not self:
+                raise TrackerStateError(
+                    f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order."
+                )
+            outer, states = self.outer, tracker._states
+            back = self.saved if outer is None else states[outer.name]
+            if not tracker._swap.in_place:  # type: ignore[union-attr]
+                states[self.name] = self.read()
+            self.write(back)
+            tracker._active = outer
+            if outer is None:
+                tracker._owner = None
+            self.saved = self.read = self.write = None
+            self.entered = False
+
+    def current_state(self) -> Any:
+        """The active stream's state as it stands now, inside the fork."""
+        return self.read()
 
 
 class RNGStatesTracker:
     """Named RNG streams on the current platform's device generator.
 
     Args:
-        graph_safe: ``None`` (default) uses the graph-safe mode when the platform's
-            default generator supports it and byte copies otherwise; ``True`` requires it
-            (:class:`TrackerStateError` when the first stream is added on a platform
-            without it); ``False`` always copies bytes. See the module docstring.
+        graph_safe: ``False`` (default) copies state bytes on every platform, so
+            :meth:`get_states` returns byte tensors, as Megatron-core's default tracker
+            does. ``True`` swaps generator-state objects instead (capturable in CUDA
+            graphs; :class:`TrackerStateError` when the first stream is added on a
+            platform without the graph-safe generator API). ``None`` means ``False``.
 
     The tracker binds to the platform that is current when its first stream is added (or
     :meth:`set_states` fills it); :meth:`reset` unbinds it.
+
+    Raises:
+        ArgumentTypeError: ``graph_safe`` is not a bool or ``None``.
     """
 
-    def __init__(self, graph_safe: bool | None = None) -> None:
+    def __init__(self, graph_safe: bool | None = False) -> None:
         if graph_safe is not None and not isinstance(graph_safe, bool):
-            raise ArgumentTypeError(f"graph_safe must be True, False or None, got {graph_safe!r}.")
-        self._want_graph_safe = graph_safe
+            raise ArgumentTypeError(
+                f"graph_safe must be True or False, got {type(graph_safe).__name__} {graph_safe!r}."
+            )
+        self._want_graph_safe = bool(graph_safe)
         self._states: dict[str, Any] = {}
         self._seeds: dict[int, str] = {}
         self._platform: Platform | None = None
-        self._graph_safe = False
-        self._home: Any = None  # graph-safe mode: the generator whose device owns the state objects
+        self._swap: _Swap | None = None
         self._initialized = False
         self._active: _Fork | None = None
+        self._owner: int | None = None  # the thread whose fork is open
+        self._lock = threading.Lock()
 
     # -- introspection --------------------------------------------------------------------
     def is_initialized(self) -> bool:
@@ -210,7 +339,7 @@ class RNGStatesTracker:
     @property
     def graph_safe(self) -> bool | None:
         """Whether forks swap generator objects; ``None`` until the tracker is bound to a platform."""
-        return self._graph_safe if self._platform is not None else None
+        return self._swap.in_place if self._swap is not None else None
 
     @property
     def platform(self) -> Platform | None:
@@ -240,15 +369,11 @@ class RNGStatesTracker:
         Raises:
             TrackerStateError: a fork is active (its exit would restore a stream that is gone).
         """
-        if self._active is not None:
-            raise TrackerStateError(
-                f"cannot reset the tracker inside a fork of stream {self._active.name!r}; reset it outside the fork."
-            )
+        self._idle("reset the tracker")
         self._states = {}
         self._seeds = {}
         self._platform = None
-        self._graph_safe = False
-        self._home = None
+        self._swap = None
         self._initialized = False
 
     def add(self, name: str, seed: int) -> None:
@@ -258,11 +383,12 @@ class RNGStatesTracker:
         anything changes, so a failed ``add`` leaves the tracker and the device untouched.
 
         Raises:
-            StreamNameError: ``name`` is not a non-empty string.
-            InvalidSeedError: ``seed`` is a bool, not an int, or outside [0, 2**64 - 1].
+            ArgumentTypeError: ``name`` is not a string, or ``seed`` not an int.
+            StreamNameError: ``name`` is empty.
+            InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
             DuplicateStreamError: the tracker already holds ``name``, or a stream with ``seed``.
-            TrackerStateError: the streams belong to another platform, or graph-safe mode
-                was required and the platform lacks it.
+            TrackerStateError: the streams belong to another platform, a fork is open on
+                another thread, or graph-safe mode was required and the platform lacks it.
         """
         _check_name(name)
         value = check_seed(seed)
@@ -275,9 +401,10 @@ class RNGStatesTracker:
                 f"seed {value} is already used by stream {self._seeds[value]!r}; two streams with one seed "
                 "would draw identical numbers. Derive distinct seeds (see hyperrng.layout)."
             )
-        platform, graph_safe = self._target(rebind=False)
-        state = self._new_state(platform, graph_safe, value)
-        self._bind(platform, graph_safe)
+        self._not_elsewhere("add a stream")
+        swap = self._target(rebind=False)
+        state = swap.new_state(value)
+        self._bind(swap)
         self._states[name] = state
         self._seeds[value] = name
         self._initialized = True
@@ -291,14 +418,11 @@ class RNGStatesTracker:
         :func:`hyperrng.layout.apply_layout` use it.
 
         Raises:
-            StreamNameError, InvalidSeedError, DuplicateStreamError: as for :meth:`add`.
+            ArgumentTypeError, StreamNameError, InvalidSeedError, DuplicateStreamError: as for :meth:`add`.
             TrackerStateError: a fork is active, or graph-safe mode was required and the
                 current platform lacks it.
         """
-        if self._active is not None:
-            raise TrackerStateError(
-                f"cannot reseed the tracker inside a fork of stream {self._active.name!r}; reseed it outside the fork."
-            )
+        self._idle("reseed the tracker")
         if not isinstance(seeds, Mapping):
             raise ArgumentTypeError(f"reseed() takes a mapping of stream name to seed, got {type(seeds).__name__}.")
         owners: dict[int, str] = {}
@@ -311,9 +435,9 @@ class RNGStatesTracker:
                     "derive distinct seeds (see hyperrng.layout)."
                 )
             owners[value] = name
-        platform, graph_safe = self._target(rebind=True)
-        states = {name: self._new_state(platform, graph_safe, seed) for seed, name in owners.items()}
-        self._bind(platform, graph_safe)
+        swap = self._target(rebind=True)
+        states = {name: swap.new_state(seed) for seed, name in owners.items()}
+        self._bind(swap)
         self._states = states
         self._seeds = owners
         self._initialized = True
@@ -328,7 +452,8 @@ class RNGStatesTracker:
 
         Raises:
             UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
-            TrackerStateError: the streams belong to another platform than the current one.
+            TrackerStateError: the streams belong to another platform than the current one;
+                on entry, a fork of this tracker is open on another thread.
         """
         try:
             known = name in self._states
@@ -339,27 +464,23 @@ class RNGStatesTracker:
         platform = platforms.current()
         if platform is not self._platform:
             raise self._platform_mismatch(platform)
-        return _Fork(self, name, platform)
+        return _Fork(self, name)
 
     # -- snapshots ------------------------------------------------------------------------
     def get_states(self, *, as_tensors: bool = False) -> dict[str, Any]:
         """Return a snapshot ``{name: state}`` of every stream, including an active fork's advance.
 
-        Later forks do not alter the snapshot. States are CPU ``uint8`` tensors in byte-copy
-        mode and cloned generator objects in graph-safe mode (``as_tensors=True`` turns
-        those into tensors, e.g. for a checkpoint). In graph-safe mode it clones: call it
-        outside CUDA graph capture.
+        Later forks do not alter the snapshot. States are CPU ``uint8`` tensors (the
+        platform's state format), except on a ``graph_safe=True`` tracker, which returns
+        cloned generator objects unless ``as_tensors=True`` (call it outside CUDA graph
+        capture: it clones).
         """
-        active = self._active
-        if self._graph_safe:
-            if as_tensors:
-                return {name: gen.get_state() for name, gen in self._states.items()}
-            return {name: gen.clone_state() for name, gen in self._states.items()}
-        snapshot = {name: state.clone() for name, state in self._states.items()}
-        if active is not None:
-            snapshot[active.name] = (
-                active.gen.get_state() if active.gen is not None else active.platform.get_rng_state(active.index)
-            )
+        swap, active = self._swap, self._active
+        if swap is None:
+            return {}
+        snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
+        if active is not None and not swap.in_place:  # the generator holds the active stream's advance
+            snapshot[active.name] = active.current_state()
         return snapshot
 
     def set_states(self, states: Mapping[str, Any]) -> None:
@@ -371,11 +492,13 @@ class RNGStatesTracker:
         its restored state.
 
         Raises:
-            InvalidStateError: ``states`` is not a mapping, lacks one of the tracker's
-                streams, or holds a state of the wrong kind, dtype, size or device.
+            ArgumentTypeError: ``states`` is not a mapping, or a key is not a string.
+            InvalidStateError: ``states`` lacks one of the tracker's streams, or holds a
+                state of the wrong kind, dtype, size or device.
             UnknownStreamError: ``states`` names a stream the tracker does not hold.
-            StreamNameError: a key is not a non-empty string.
-            TrackerStateError: the streams belong to another platform.
+            StreamNameError: a key is empty.
+            TrackerStateError: the streams belong to another platform, or a fork is open
+                on another thread.
         """
         if not isinstance(states, Mapping):
             raise ArgumentTypeError(
@@ -395,21 +518,21 @@ class RNGStatesTracker:
                 raise InvalidStateError(
                     f"set_states() lacks stream(s) {missing}; pass the complete mapping get_states() returned."
                 )
-        platform, graph_safe = self._target(rebind=False)
-        template = platform.default_generator() if graph_safe else None
+        self._not_elsewhere("set the states")
+        swap = self._target(rebind=False)
         order = list(self._states) or list(states)
-        new = {name: self._coerce(name, states[name], platform, graph_safe, template) for name in order}
-        self._bind(platform, graph_safe)
+        new = {}
+        for name in order:
+            try:
+                new[name] = swap.coerce(name, states[name])
+            except InvalidStateError as exc:
+                raise InvalidStateError(f"state of stream {name!r}: {exc}") from None
+        self._bind(swap)
         self._states = new
         self._initialized = True
         active = self._active
         if active is not None:  # the generator holds the old state of the active stream
-            if graph_safe:
-                active.gen.graphsafe_set_state(new[active.name])
-            elif active.gen is not None:
-                active.gen.set_state(new[active.name])
-            else:
-                platform.set_rng_state(new[active.name], active.index)
+            active.write(new[active.name])
 
     def graph_safe_states(self) -> dict[str, Any]:
         """The live generator-state objects of every stream (graph-safe mode only).
@@ -420,98 +543,45 @@ class RNGStatesTracker:
         Raises:
             TrackerStateError: the tracker copies bytes, so it has no such objects.
         """
-        if not self._graph_safe:
+        if not self.graph_safe:
             raise TrackerStateError(
-                "graph_safe_states() needs a graph-safe tracker; this one copies bytes "
-                f"(platform {self._platform.name if self._platform else None!r})."
+                "graph_safe_states() needs a graph-safe tracker (RNGStatesTracker(graph_safe=True)); this one "
+                f"copies bytes (platform {self._platform.name if self._platform else None!r})."
             )
         return dict(self._states)
 
     # -- helpers --------------------------------------------------------------------------
-    def _target(self, *, rebind: bool) -> tuple[Platform, bool]:
-        """The platform and mode new states are made for; raises before anything changes.
+    def _target(self, *, rebind: bool) -> _Swap:
+        """The swap strategy new states are made for; raises before anything changes.
 
         ``rebind`` ignores the current binding (the caller replaces every stream).
         """
         platform = platforms.current()
-        if self._platform is not None and not rebind:
+        if self._swap is not None and not rebind:
             if platform is not self._platform:
                 raise self._platform_mismatch(platform)
-            if self._graph_safe and platform.default_generator() is not self._home:
-                raise self._foreign_device(platform)
-            return platform, self._graph_safe
-        if self._want_graph_safe is False:
-            return platform, False
-        supported = _supports_graph_safe(platform.default_generator())
-        if self._want_graph_safe and not supported:
+            return self._swap
+        return _choose_swap(platform, self._want_graph_safe)
+
+    def _bind(self, swap: _Swap) -> None:
+        self._platform = swap.platform
+        self._swap = swap
+
+    def _idle(self, what: str) -> None:
+        if self._active is not None:
             raise TrackerStateError(
-                f"graph_safe=True, but platform {platform.name!r} has no graph-safe generator API "
-                f"({', '.join(_GRAPH_SAFE_API)}); use graph_safe=None to fall back to byte copies."
+                f"cannot {what} inside a fork of stream {self._active.name!r}; do it outside the fork."
             )
-        return platform, supported
 
-    def _bind(self, platform: Platform, graph_safe: bool) -> None:
-        self._platform = platform
-        self._graph_safe = graph_safe
-        self._home = platform.default_generator() if graph_safe else None
-
-    def _new_state(self, platform: Platform, graph_safe: bool, seed: int) -> Any:
-        if graph_safe:
-            state = platform.default_generator().clone_state()  # type: ignore[union-attr]
-            state.manual_seed(seed)
-            return state
-        # Seed the device generator and read the state back: the only portable way to get
-        # a platform's state for a seed. The previous state is restored whatever happens.
-        saved = platform.get_rng_state()
-        try:
-            platform.manual_seed(seed)
-            return platform.get_rng_state()
-        finally:
-            platform.set_rng_state(saved)
-
-    @staticmethod
-    def _coerce(name: str, value: object, platform: Platform, graph_safe: bool, template: Any) -> Any:
-        """Validate one snapshot entry and return it in this tracker's own form (a private copy)."""
-        where = f"state of stream {name!r}"
-        if isinstance(value, torch.Tensor):
-            try:
-                tensor = platform.check_rng_state(value)
-            except InvalidStateError as exc:
-                raise InvalidStateError(f"{where}: {exc}") from None
-            if not graph_safe:
-                return tensor.clone()
-            gen = template.clone_state()
-            gen.set_state(tensor)
-            return gen
-        if graph_safe:
-            if isinstance(value, type(template)) and getattr(value, "device", None) == getattr(
-                template, "device", None
-            ):
-                return value.clone_state()
-            raise InvalidStateError(
-                f"{where} must be a {type(template).__name__} of this platform's device or a state tensor, "
-                f"got {type(value).__name__}."
+    def _not_elsewhere(self, what: str) -> None:
+        if self._active is not None and self._owner != threading.get_ident():
+            raise TrackerStateError(
+                f"cannot {what} while another thread has a fork of stream {self._active.name!r} open."
             )
-        get_state = getattr(value, "get_state", None)
-        if callable(get_state):  # a generator object, e.g. from a graph-safe tracker's snapshot
-            try:
-                return check_state(get_state(), platform.state_nbytes, platform.name)
-            except InvalidStateError as exc:
-                raise InvalidStateError(f"{where}: {exc}") from None
-        raise InvalidStateError(
-            f"{where} must be a state tensor as returned by get_states(), got {type(value).__name__}."
-        )
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
         return f"RNG stream {name!r} is not in the tracker (it holds {held}); {_SEED_HINT}"
-
-    def _foreign_device(self, platform: Platform) -> TrackerStateError:
-        return TrackerStateError(
-            f"graph-safe streams live on device {self._home.device} but the current device is "
-            f"{platform.current_device()}; fork them on their own device, or use graph_safe=False "
-            "for streams that follow the current device."
-        )
 
     def _platform_mismatch(self, platform: Platform) -> TrackerStateError:
         return TrackerStateError(
@@ -556,9 +626,6 @@ def set_rng_tracker(tracker: RNGStatesTracker) -> RNGStatesTracker:
     global _TRACKER
     if not isinstance(tracker, RNGStatesTracker):
         raise ArgumentTypeError(f"expected an RNGStatesTracker, got {type(tracker).__name__}; pass RNGStatesTracker().")
-    if _TRACKER._active is not None:
-        raise TrackerStateError(
-            f"cannot replace the process-wide tracker inside a fork of stream {_TRACKER._active.name!r}."
-        )
+    _TRACKER._idle("replace the process-wide tracker")
     previous, _TRACKER = _TRACKER, tracker
     return previous

@@ -8,10 +8,11 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 from __future__ import annotations
 
 from platforms.base import COUNTER_STATE_NBYTES, Platform, pack_counter_state, unpack_counter_state
-from platforms.cpu import MT19937_STATE_NBYTES, CPUPlatform
+from platforms.cpu import CPU_STATE_NBYTES, MT19937_STATE_NBYTES, CPUPlatform, CursorGenerator, seed_generator
 from platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
 from platforms.errors import (
     AmbiguousPlatformError,
+    ArgumentTypeError,
     DeviceIndexError,
     HyperRNGError,
     InvalidOffsetError,
@@ -38,11 +39,18 @@ from platforms.registry import (
     set_current,
     use,
 )
-from platforms.simulated import SimulatedDeviceModule, SimulatedGenerator, SimulatedPlatform
+from platforms.simulated import (
+    SIM_DEVICE_TYPE,
+    SimulatedDeviceModule,
+    SimulatedGenerator,
+    SimulatedPlatform,
+    simulated_backend,
+)
 
 __all__ = [
     "Platform",
     "CPUPlatform",
+    "CursorGenerator",
     "DeviceModulePlatform",
     "CUDAPlatform",
     "NPUPlatform",
@@ -51,6 +59,10 @@ __all__ = [
     "SimulatedGenerator",
     "COUNTER_STATE_NBYTES",
     "MT19937_STATE_NBYTES",
+    "CPU_STATE_NBYTES",
+    "SIM_DEVICE_TYPE",
+    "seed_generator",
+    "simulated_backend",
     "pack_counter_state",
     "unpack_counter_state",
     "ENV_VAR",
@@ -67,6 +79,7 @@ __all__ = [
     "set_current",
     "use",
     "HyperRNGError",
+    "ArgumentTypeError",
     "PlatformError",
     "UnknownPlatformError",
     "PlatformUnavailableError",

@@ -36,8 +36,12 @@ class Platform:
         device_type: the torch device type of tensors on this platform.
         dist_backend: the ``torch.distributed`` backend to start process groups with.
         counter_based: ``True`` when the generator state is a (seed, offset) pair that
-            can be positioned exactly (Philox on CUDA and NPU); ``False`` when positions
-            are modelled (the CPU's MT19937; see :meth:`set_seed_offset`).
+            can be positioned exactly and that draws advance (Philox on CUDA and NPU);
+            ``False`` when the platform keeps positions as an explicit cursor beside its
+            generator's bytes (the CPU's MT19937; see :mod:`platforms.cpu`).
+        is_host: ``True`` when this platform's device is the host CPU, i.e. its device
+            generator is torch's CPU generator (the CPU platform). Callers use it to
+            avoid forking or seeding the host twice; they never compare generators.
         state_nbytes: length of the state returned by :meth:`get_rng_state`.
         state_dtype: dtype of packed RNG states (always ``torch.uint8``).
     """
@@ -46,6 +50,7 @@ class Platform:
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
     counter_based: ClassVar[bool] = False
+    is_host: ClassVar[bool] = False
     state_nbytes: int = COUNTER_STATE_NBYTES
     state_dtype: ClassVar[torch.dtype] = torch.uint8
 

@@ -1,17 +1,42 @@
-"""A simulated accelerator: a CPU-backed device module with a counter-based generator.
+"""A simulated accelerator: a torch device of its own, with a counter-based generator.
 
-It has the RNG API of ``torch.cuda`` / ``torch.npu`` (``default_generators``,
-``get_rng_state``, ``set_rng_state``, ``manual_seed``, ``initial_seed``, ...) and a
-16-byte (uint64 seed, int64 offset) state, so every CUDA/NPU code path of hyperrng runs
-on a machine without an accelerator: ``CUDAPlatform(module=SimulatedDeviceModule())``
-drives the CUDA implementation, ``NPUPlatform(module=...)`` the NPU one, and
-``HYPERRNG_PLATFORM=sim`` selects it as a platform of its own.
+``HYPERRNG_PLATFORM=sim`` (or ``platforms.use("sim")``) selects it. It registers, once per
+process and on first use, torch's ``PrivateUse1`` backend under the name ``"sim"``, with
+the device module :class:`SimulatedDeviceModule` as ``torch.sim``. Tensors on ``"sim:0"``
+and ``"sim:1"`` then behave like tensors of an accelerator:
 
-Tensors of the simulated device live in CPU memory. Its random draws (:meth:`rand`,
-:meth:`randn`, :meth:`dropout`) behave like a Philox device: they are a pure function of
-(seed, offset) and advance the offset by the element count rounded up to 4, so
-positioning a generator at a (seed, offset) pair reproduces exactly what was drawn there.
+* **Random ops draw from the device generator, never from the host's.** Every op torch
+  tags as random (``rand``, ``randn``, ``rand_like``, ``randn_like``, ``randint``,
+  ``uniform_``, ``normal_``, ``bernoulli_``, ``random_``, ``native_dropout`` behind
+  ``F.dropout``, ``randperm``, ``multinomial``, ...) draws at the device generator's
+  (seed, offset) position and advances the offset by the number of elements it produced,
+  rounded up to a multiple of 4, as CUDA's and Ascend's Philox generators do: positioning
+  a generator at a pair reproduces exactly what was drawn there, whatever ran before.
+  ``torch.manual_seed`` seeds it too, ``torch.random.fork_rng(device_type="sim")`` forks it.
+* **Everything else a small model needs works**: creation, ``.to("sim")``/``.cpu()``,
+  elementwise ops, matmul, reductions, views, in-place ops and autograd. Each op runs on
+  CPU memory behind the device tensor.
+* **Devices are kept apart as on real hardware**: an op mixing a ``sim`` tensor with a
+  CPU tensor (other than a 0-dim scalar or the source/target of a copy), or tensors of two
+  ``sim`` devices, raises torch's "Expected all tensors to be on the same device".
+  ``.numpy()`` and collectives of a backend that needs host memory (gloo) refuse device
+  tensors: stage through the host, as with a GPU.
 
+What it does not model: speed (each op pays a Python dispatch; registering it also runs
+autograd's backward passes on the calling thread, on the thread that registered it,
+because torch's Python backend hooks report a single device to autograd's per-device
+worker threads: a backward through ``sim:1`` on another thread fails), CUDA's exact Philox
+numbers (a draw is a stable mix of (seed, offset) fed to a CPU generator: a pure function
+of the pair, but other numbers than a GPU's), streams and events, memory limits, explicit
+``generator=`` arguments in torch ops (refused; position the device generator instead,
+e.g. through a tracker stream), DTensor/``DeviceMesh`` on the ``sim`` device type,
+``torch.compile``, pickling device tensors, and a second ``PrivateUse1`` backend in the
+same process (torch has one slot: with ``torch_npu`` or another such plug-in loaded, this
+platform reports itself unavailable).
+
+The same module also stands in for ``torch.cuda`` or ``torch.npu`` in tests:
+``CUDAPlatform(module=SimulatedDeviceModule(device_type="cuda"))`` drives the CUDA
+implementation's generator paths without a GPU (no tensors: ``"cuda"`` stays torch's).
 It is also the worked example of plugging in a device: see the README.
 """
 
@@ -19,19 +44,32 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from platforms.device_module import DeviceModulePlatform
-from platforms.errors import InvalidStateError
+from platforms.errors import InvalidStateError, PlatformUnavailableError
 from platforms.mix import combine64
 from platforms.validate import check_index, check_offset, check_seed, round_up_offset
 
-__all__ = ["SimulatedGenerator", "SimulatedDeviceModule", "SimulatedPlatform"]
+__all__ = [
+    "SIM_DEVICE_TYPE",
+    "SimulatedGenerator",
+    "SimulatedDeviceModule",
+    "SimulatedPlatform",
+    "simulated_backend",
+]
+
+SIM_DEVICE_TYPE = "sim"
+"""The torch device type of the simulated accelerator."""
 
 _DRAW_DOMAIN = 0x53494D30  # "SIM0": separates draw seeds from other uses of the mixer
 _DEFAULT_SEED = 67280421310721  # torch's default CUDA seed, so a fresh device looks familiar
+_DEFAULT_DEVICE_COUNT = 2
+_BUILTIN_DEVICE_TYPES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla", "lazy"})
 
 
 class _Counter:
@@ -45,9 +83,15 @@ class _Counter:
 
 
 class SimulatedGenerator:
-    """A Philox-style generator: a seed and an offset that advances by 4-aligned steps."""
+    """A Philox-style generator: a seed and an offset that advances by 4-aligned steps.
 
-    def __init__(self, index: int = 0, seed: int = _DEFAULT_SEED, device_type: str = "cpu") -> None:
+    It has the generator API of ``torch.cuda`` generators (``get_state``/``set_state``
+    with a 16-byte (uint64 seed, int64 offset) state, ``manual_seed``, ``get_offset``,
+    ``set_offset``, and the graph-safe ``graphsafe_get_state``/``graphsafe_set_state``/
+    ``clone_state``).
+    """
+
+    def __init__(self, index: int = 0, seed: int = _DEFAULT_SEED, device_type: str = SIM_DEVICE_TYPE) -> None:
         self.index = index
         self.device_type = device_type
         self._counter = _Counter(seed)
@@ -102,24 +146,27 @@ class SimulatedGenerator:
         clone._counter = _Counter(self._counter.seed, self._counter.offset)
         return clone
 
-    def _take(self, numel: int) -> torch.Generator:
-        """Return a CPU generator for the next ``numel`` draws and advance the offset."""
-        g = torch.Generator().manual_seed(combine64(_DRAW_DOMAIN, self._counter.seed, self._counter.offset))
-        self._counter.offset += round_up_offset(numel)
-        return g
+    def __repr__(self) -> str:
+        c = self._counter
+        return f"<SimulatedGenerator {self.device_type}:{self.index} seed={c.seed} offset={c.offset}>"
 
 
 class SimulatedDeviceModule:
-    """A stand-in for ``torch.cuda`` / ``torch.npu`` with CPU-backed devices.
+    """A device module in the shape of ``torch.cuda`` / ``torch.npu``, for simulated devices.
 
     Args:
         device_count: how many devices to simulate.
         available: what :meth:`is_available` answers (to simulate a missing device).
-        device_type: the device type its generators report (``"cuda"`` when it stands in
-            for ``torch.cuda``); tensors stay in CPU memory whatever it says.
+        device_type: the device type it serves. ``"sim"`` (or any name that is not a
+            built-in torch device type, e.g. ``"npu"``) registers this module as torch's
+            ``PrivateUse1`` backend on first use, so tensors of that type exist and draw
+            from its generators; ``"cuda"`` only stands in for ``torch.cuda``'s generator
+            API (no tensors).
     """
 
-    def __init__(self, device_count: int = 2, available: bool = True, device_type: str = "cpu") -> None:
+    def __init__(
+        self, device_count: int = _DEFAULT_DEVICE_COUNT, available: bool = True, device_type: str = SIM_DEVICE_TYPE
+    ) -> None:
         self.device_type = device_type
         self._count = device_count
         self._available = available
@@ -134,6 +181,9 @@ class SimulatedDeviceModule:
     def is_initialized(self) -> bool:
         return bool(self._generators)
 
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
     def device_count(self) -> int:
         return self._count if self._available else 0
 
@@ -141,6 +191,8 @@ class SimulatedDeviceModule:
         if not self._generators:
             if not self.is_available():
                 raise RuntimeError("simulated device is not available")
+            if self.device_type not in _BUILTIN_DEVICE_TYPES:
+                _register(self)
             self.lazy_init_calls += 1
             self._generators = tuple(SimulatedGenerator(i, device_type=self.device_type) for i in range(self._count))
 
@@ -152,11 +204,12 @@ class SimulatedDeviceModule:
         self._lazy_init()
         return self._current
 
-    def set_device(self, index: int) -> None:
+    def set_device(self, device: int | str | torch.device) -> None:
         self._lazy_init()
-        self._current = check_index(index, self._count, "sim")
+        index = device if isinstance(device, int) else torch.device(device).index
+        self._current = check_index(self._current if index is None else index, self._count, self.device_type)
 
-    def synchronize(self, device: int | None = None) -> None:
+    def synchronize(self, device: int | str | torch.device | None = None) -> None:
         """Nothing to wait for: simulated work runs synchronously on the CPU."""
 
     def _gen(self, device: int | str | torch.device | None) -> SimulatedGenerator:
@@ -192,59 +245,248 @@ class SimulatedDeviceModule:
     def seed(self) -> None:
         self._gen(None).seed()
 
+    def seed_all(self) -> None:
+        self._lazy_init()
+        for g in self._generators:
+            g.seed()
+
     def initial_seed(self) -> int:
         return self._gen(None).initial_seed()
 
-    # -- random draws on the simulated device ---------------------------------------------
-    def rand(self, *size: int, generator: SimulatedGenerator | None = None) -> torch.Tensor:
-        """Uniform [0, 1) float32 numbers drawn at the generator's (seed, offset)."""
-        gen = generator if generator is not None else self._gen(None)
-        numel = _numel(size)
-        return torch.rand(size, generator=gen._take(numel))
-
-    def randn(self, *size: int, generator: SimulatedGenerator | None = None) -> torch.Tensor:
-        """Standard normal float32 numbers drawn at the generator's (seed, offset)."""
-        gen = generator if generator is not None else self._gen(None)
-        numel = _numel(size)
-        return torch.randn(size, generator=gen._take(numel))
-
-    def dropout(self, x: torch.Tensor, p: float = 0.5, generator: SimulatedGenerator | None = None) -> torch.Tensor:
-        """Inverted dropout of ``x`` with a mask drawn at the generator's (seed, offset)."""
-        keep = self.rand(*x.shape, generator=generator) >= p
-        return x * keep / (1.0 - p) if p < 1.0 else torch.zeros_like(x)
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        """What autocast may use on this device (``torch.utils.checkpoint`` asks)."""
+        return [torch.float16, torch.bfloat16]
 
 
-def _numel(size: Sequence[int]) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n
+# -- the torch backend ----------------------------------------------------------------------
+class _Backend:
+    """The one module registered with torch as the PrivateUse1 backend, and the hooks it needs."""
+
+    module: SimulatedDeviceModule | None = None
+    library: Any = None
+    scratch: torch.Generator | None = None  # draws of device ops; reseeded for every draw
+
+
+def backend_conflict(device_type: str = SIM_DEVICE_TYPE) -> str | None:
+    """Why ``device_type`` cannot be registered as a simulated backend here (``None`` if it can).
+
+    Changes nothing: the probe of :class:`SimulatedPlatform` calls it at import time.
+    """
+    acc = getattr(torch._C, "_acc", None)
+    if acc is None or not hasattr(acc, "register_python_privateuseone_hook"):
+        return f"torch {torch.__version__} cannot host a device backend written in Python (needs torch >= 2.9)"
+    taken = torch._C._get_privateuse1_backend_name()
+    if taken not in ("privateuseone", device_type):
+        return f"torch's PrivateUse1 backend is already taken by {taken!r} (one per process)"
+    if taken == device_type and _Backend.module is None:
+        return f"device type {device_type!r} is already registered by another module"
+    return None
+
+
+def simulated_backend(device_type: str = SIM_DEVICE_TYPE) -> SimulatedDeviceModule:
+    """The simulated device module registered with torch for ``device_type``, registering one if needed.
+
+    Raises:
+        PlatformUnavailableError: another backend holds torch's PrivateUse1 slot.
+    """
+    module = _Backend.module
+    if module is not None and module.device_type == device_type:
+        return module
+    module = SimulatedDeviceModule(device_type=device_type)
+    module._lazy_init()
+    return module
+
+
+def _register(module: SimulatedDeviceModule) -> None:
+    if _Backend.module is module:
+        return
+    reason = backend_conflict(module.device_type)
+    if reason is None and _Backend.module is not None:
+        reason = f"a simulated backend is already registered as {_Backend.module.device_type!r}"
+    if reason is not None:
+        raise PlatformUnavailableError(f"cannot register the simulated device {module.device_type!r}: {reason}")
+    name = module.device_type
+    torch.utils.rename_privateuse1_backend(name)
+    torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
+    torch._register_device_module(name, module)
+    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    library = torch.library.Library("_", "IMPL")
+    library.fallback(_factory_fallback, "PrivateUse1")  # ops with no device tensor input (factories)
+    # torch's Python backend hooks report one device to the autograd engine, whose worker
+    # threads are per device index: run backward passes on the calling thread instead,
+    # so that every simulated device index works in autograd.
+    torch.autograd.set_multithreading_enabled(False)  # takes effect when made, like set_grad_enabled
+    _Backend.module, _Backend.library, _Backend.scratch = module, library, torch.Generator()
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc, name-defined]
+    def is_available(self) -> bool:
+        return _Backend.module is not None and _Backend.module.is_available()
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc, name-defined]
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+class _DeviceTensor(torch.Tensor):
+    """A tensor on a simulated device: torch sees the device, the data lives in CPU memory (``_raw``)."""
+
+    _raw: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, raw: torch.Tensor, device: torch.device) -> _DeviceTensor:
+        wrapper = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            raw.shape,
+            strides=raw.stride(),
+            storage_offset=raw.storage_offset(),
+            dtype=raw.dtype,
+            layout=raw.layout,
+            device=device,
+            requires_grad=False,
+        )
+        wrapper._raw = raw
+        return wrapper  # type: ignore[no-any-return]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        body = repr(self._raw)
+        grad = f", grad_fn=<{type(self.grad_fn).__name__}>" if self.grad_fn is not None else ""
+        grad = grad or (", requires_grad=True" if self.requires_grad else "")
+        return f"{body[: body.rindex(')')]}, device='{self.device}'{grad})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        return _run(func, args, kwargs or {})
+
+
+_COPY_OPS = frozenset(
+    {
+        torch.ops.aten.copy_.default,
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten._copy_from.default,
+        torch.ops.aten._copy_from_and_resize.default,
+        torch.ops.aten.index.Tensor,
+        torch.ops.aten.index_put_.default,
+        torch.ops.aten._index_put_impl_.default,
+    }
+)
+
+
+def _factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    return _run(op, args, kwargs)
+
+
+def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on the CPU memory behind the device tensors and wrap what it makes."""
+    devices: set[torch.device] = set()
+    host_arrays = False
+    wrappers: dict[int, _DeviceTensor] = {}
+
+    def unwrap(x: Any) -> Any:
+        nonlocal host_arrays
+        if isinstance(x, _DeviceTensor):
+            devices.add(x.device)
+            wrappers[id(x._raw)] = x
+            return x._raw
+        if isinstance(x, torch.Tensor):
+            host_arrays = host_arrays or x.dim() > 0
+        elif isinstance(x, torch.device) and x.type == _Backend.module.device_type:  # type: ignore[union-attr]
+            devices.add(x if x.index is not None else torch.device(x.type, _Backend.module.current_device()))  # type: ignore[union-attr]
+            return torch.device("cpu")
+        return x
+
+    raw_args, raw_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+    if len(devices) > 1 or (host_arrays and devices and func not in _COPY_OPS):
+        found = sorted(str(d) for d in devices) + (["cpu"] if host_arrays else [])
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, {found[0]} and "
+            f"{found[1]}! (in {func})"
+        )
+    device = next(iter(devices)) if devices else torch.device(_Backend.module.device_type, 0)  # type: ignore[union-attr]
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        out = _draw(func, raw_args, raw_kwargs, device)
+    else:
+        out = func(*raw_args, **raw_kwargs)
+    target = kwargs.get("device")
+    if target is not None and torch.device(target).type == "cpu":  # a copy to the host: hand back host tensors
+        return out
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, _DeviceTensor):
+            same = wrappers.get(id(x))
+            return same if same is not None else _DeviceTensor(x, device)
+        return x
+
+    return tree_map(wrap, out)
+
+
+def _draw(func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:
+    """A random op: draw at the device generator's (seed, offset) and advance it past what was drawn."""
+    if kwargs.get("generator") is not None:
+        raise RuntimeError(
+            f"{func}: the simulated device draws only from its device generators; generator= is not supported "
+            f"on '{device.type}' tensors (position the device generator instead, e.g. with a tracker stream)."
+        )
+    module = _Backend.module
+    assert module is not None and _Backend.scratch is not None
+    counter = module._gen(device.index)._counter
+    draw_seed = combine64(_DRAW_DOMAIN, counter.seed, counter.offset)
+    if any(a.name == "generator" for a in func._schema.arguments):
+        out = func(*args, **{**kwargs, "generator": _Backend.scratch.manual_seed(draw_seed)})
+    else:  # ops without a generator argument draw from the host generator: lend it, then restore it
+        host = torch.default_generator
+        saved = host.get_state()
+        host.manual_seed(draw_seed)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            host.set_state(saved)
+    produced = [t.numel() for t in _tensors(out)] or [0]
+    counter.offset += round_up_offset(max(produced))
+    return out
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
 
 
 class SimulatedPlatform(DeviceModulePlatform):
     """The simulated accelerator as a platform of its own (``HYPERRNG_PLATFORM=sim``).
 
-    It is never picked automatically. The gloo backend carries its collectives, since its
-    tensors live in CPU memory.
+    Args:
+        module: the device module to drive; by default the one registered with torch as
+            the ``"sim"`` device type (registered on first use, never at construction or
+            while probing).
+
+    It is never picked automatically. Its collectives run over gloo, staged through the
+    host (see :meth:`platforms.Platform.broadcast`).
     """
 
     name = "sim"
-    device_type = "cpu"
+    device_type = SIM_DEVICE_TYPE
     dist_backend = "gloo"
 
     def __init__(self, module: SimulatedDeviceModule | None = None) -> None:
-        super().__init__(module if module is not None else SimulatedDeviceModule())
+        super().__init__(module)
+        if module is not None:
+            self.device_type = module.device_type  # type: ignore[misc]
 
-    def device(self, index: int | None = None) -> torch.device:
-        self._index(index)
-        return torch.device("cpu")
+    def _load_module(self) -> SimulatedDeviceModule:
+        return simulated_backend(self.device_type)
 
-    def _check_generator(self, generator: torch.Generator) -> torch.Generator:
-        # Its tensors live on the CPU, so the device type cannot tell its generators apart
-        # from torch's CPU ones (whose 5056-byte state would be misread as a position).
-        if not isinstance(generator, SimulatedGenerator) or generator.device.type != self.device_type:
-            raise InvalidStateError(
-                f"{type(generator).__name__} on {getattr(generator, 'device', None)} does not belong to platform "
-                "'sim'; pass platform.default_generator() or a clone_state() of it."
-            )
-        return generator
+    def probe(self) -> str | None:
+        if self._module is None:
+            return backend_conflict(self.device_type)
+        return super().probe()

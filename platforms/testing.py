@@ -154,17 +154,26 @@ def positions_a_passed_generator(p: Platform) -> None:
 @_check
 def refuses_bad_states(p: Platform) -> None:
     n = p.state_nbytes
-    bad: list[Any] = [  # deliberately wrong types and shapes
+    bad: list[Any] = [  # deliberately wrong dtypes, shapes and devices
         torch.zeros(n, dtype=torch.int64),
         torch.zeros(n + 1, dtype=torch.uint8),
         torch.zeros(1, n, dtype=torch.uint8),
         torch.empty(n, dtype=torch.uint8, device="meta"),
-        bytes(n),
     ]
     for state in bad:
         _assert_refused(
             p, functools.partial(p.set_rng_state, state), InvalidStateError, f"set_rng_state({state!r:.40})"
         )
+    wrong_types: list[Any] = [bytes(n), list(range(n)), None]
+    for wrong in wrong_types:
+        call = functools.partial(p.set_rng_state, wrong)
+        _assert_refused(p, call, ArgumentTypeError, f"set_rng_state({wrong!r:.40})")
+    # A valid state that is not contiguous is still a valid state.
+    state = p.get_rng_state()
+    strided = torch.stack([state, state], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    p.set_rng_state(strided)
+    assert torch.equal(p.get_rng_state(), state), "a non-contiguous copy of a valid state was not restored"
 
 
 _WRONG_TYPES: list[Any] = [True, 1.5, 4.0, "3", None]  # never ints, never truncated
@@ -206,6 +215,33 @@ def devices_are_independent(p: Platform) -> None:
 
 
 @_check
+def each_device_is_addressed_by_its_index(p: Platform) -> None:
+    # What is set on device i must be read back from device i, whatever was set on the
+    # others since: a platform that always touches one device fails here.
+    n = p.device_count()
+    seeded = []
+    for i in range(n):
+        p.manual_seed(1000 + i, i)
+        seeded.append(p.get_rng_state(i))
+    for i in reversed(range(n)):
+        p.manual_seed(2000 + i, i)
+    for i in range(n):
+        p.set_rng_state(seeded[i], i)
+    for i in range(n):
+        assert torch.equal(p.get_rng_state(i), seeded[i]), f"device {i} does not hold the state set on it"
+    assert n < 2 or not torch.equal(seeded[0], seeded[1]), "two devices seeded differently report one state"
+    for i in range(n):
+        p.set_seed_offset(3000 + i, 4 * (i + 1), i)
+    for i in range(n):
+        assert p.get_seed_offset(i) == (3000 + i, 4 * (i + 1)), f"device {i} lost its position"
+        gen = p.default_generator(i)
+        if gen is not None:
+            assert p.get_seed_offset(generator=gen) == (3000 + i, 4 * (i + 1)), (
+                f"default_generator({i}) is not device {i}'s generator"
+            )
+
+
+@_check
 def collectives_without_a_group_are_identities(p: Platform) -> None:
     import torch.distributed as dist
 
@@ -220,8 +256,17 @@ def collectives_without_a_group_are_identities(p: Platform) -> None:
 @_check
 def exposes_the_generator_in_use(p: Platform) -> None:
     gen = p.default_generator()  # None is allowed: callers then copy state bytes
-    if gen is not None:
+    if gen is None:
+        return
+    if p.counter_based:  # the generator's state is the whole (seed, offset) state
         assert torch.equal(gen.get_state(), p.get_rng_state()), "default_generator() is not the generator in use"
+    p.manual_seed(11)
+    seeded = gen.get_state()
+    p.manual_seed(12)
+    assert not torch.equal(gen.get_state(), seeded), "seeding the platform did not reach default_generator()"
+    before = p.get_rng_state()
+    gen.manual_seed(13)
+    assert not torch.equal(p.get_rng_state(), before), "seeding default_generator() did not reach the platform"
 
 
 def _restoring(p: Platform) -> Iterator[None]:

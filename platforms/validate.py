@@ -88,16 +88,21 @@ def check_offset(offset: object, what: str = "offset") -> int:
 
 
 def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
-    """Return ``state`` if it is a 1-D CPU ``torch.uint8`` tensor of ``nbytes`` bytes, else raise."""
+    """Return ``state`` (made contiguous) if it is a 1-D CPU ``torch.uint8`` tensor of ``nbytes`` bytes, else raise.
+
+    Raises:
+        ArgumentTypeError: ``state`` is not a tensor.
+        InvalidStateError: a tensor of another dtype, shape, size or device.
+    """
     expected = f"a 1-D torch.uint8 CPU tensor of {nbytes} bytes, as returned by get_rng_state()"
     if not isinstance(state, torch.Tensor):
-        raise InvalidStateError(f"RNG state for platform {platform!r} must be {expected}; got {type(state).__name__}.")
+        raise ArgumentTypeError(f"RNG state for platform {platform!r} must be {expected}; got {type(state).__name__}.")
     if state.dtype != torch.uint8 or state.device.type != "cpu" or state.dim() != 1 or state.numel() != nbytes:
         raise InvalidStateError(
             f"RNG state for platform {platform!r} must be {expected}; got a {state.dtype} tensor of shape "
             f"{tuple(state.shape)} on {state.device}."
         )
-    return state
+    return state.contiguous()
 
 
 def check_index(index: object, count: int, platform: str) -> int:

@@ -6,10 +6,23 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
+import torch
 
 import platforms
+from platforms.mix import combine64
+from platforms.validate import round_up_offset
 
-__all__ = ["NoGeneratorPlatform", "cuda_on_sim", "PLATFORMS", "WITH_PLUGIN", "use_each", "fresh_tracker_on_cpu"]
+__all__ = [
+    "NoGeneratorPlatform",
+    "cuda_on_sim",
+    "draw",
+    "PLATFORMS",
+    "WITH_PLUGIN",
+    "use_each",
+    "fresh_tracker_on_cpu",
+]
+
+_EMULATED_DRAW = 0x54455354  # "TEST": the stand-in's draws, apart from every other use of the mixer
 
 
 class NoGeneratorPlatform(platforms.SimulatedPlatform):
@@ -22,8 +35,28 @@ class NoGeneratorPlatform(platforms.SimulatedPlatform):
 
 
 def cuda_on_sim() -> platforms.Platform:
-    """The CUDA implementation driven by a simulated device module."""
+    """The CUDA implementation driven by a simulated device module (generator paths only: no tensors)."""
     return platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda"))
+
+
+def draw(platform: platforms.Platform, n: int = 8, generator: Any = None, index: int | None = None) -> torch.Tensor:
+    """``n`` numbers from device ``index``'s generator (default: the current device's, or ``generator``), on the host.
+
+    Where the platform's device has tensors (the CPU, the simulated device) this is
+    torch's own ``torch.rand`` on that device. A stand-in for ``torch.cuda`` has no
+    tensors, and torch ops take no simulated generator object: there the draw is
+    emulated as a Philox device makes it, a function of the generator's (seed, offset)
+    that advances the offset by ``n`` rounded up to 4.
+    """
+    real_device = platform.device_type in ("cpu", platforms.SIM_DEVICE_TYPE)
+    if real_device and (generator is None or platform.device_type == "cpu"):
+        return torch.rand(n, device=platform.device(index), generator=generator).cpu()
+    if generator is None and index is not None:
+        generator = platform.default_generator(index)
+    seed, offset = platform.get_seed_offset(generator=generator)
+    out = torch.rand(n, generator=torch.Generator().manual_seed(combine64(_EMULATED_DRAW, seed, offset)))
+    platform.set_seed_offset(seed, offset + round_up_offset(n), generator=generator)
+    return out
 
 
 PLATFORMS: dict[str, Callable[[], platforms.Platform]] = {

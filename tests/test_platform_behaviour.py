@@ -32,13 +32,55 @@ def test_cpu_equal_positions_draw_equal_numbers_and_distinct_ones_differ() -> No
     assert all(not torch.equal(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
 
 
-def test_cpu_position_survives_draws_but_not_a_reseed() -> None:
+def test_cpu_position_moves_one_block_once_drawn_from_and_follows_a_reseed() -> None:
     cpu = CPUPlatform()
     cpu.set_seed_offset(5, 12)
+    assert cpu.get_seed_offset() == (5, 12)
     torch.rand(100)
-    assert cpu.get_seed_offset() == (5, 12)  # draws do not move the modelled offset
-    torch.manual_seed(77)
+    # The stream of (5, 12) has been drawn from: what is positioned next must not replay it.
+    assert cpu.get_seed_offset() == (5, 16)
+    torch.rand(100)
+    assert cpu.get_seed_offset() == (5, 16)
+    torch.manual_seed(77)  # behind the platform's back: the cursor no longer describes the generator
     assert cpu.get_seed_offset() == (77, 0)
+
+
+def test_cpu_state_is_the_mt19937_bytes_followed_by_the_cursor() -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(2**40 + 9, 64)
+    state = cpu.get_rng_state()
+    assert state.numel() == platforms.CPU_STATE_NBYTES == platforms.MT19937_STATE_NBYTES + 16
+    assert torch.equal(state[: platforms.MT19937_STATE_NBYTES], torch.get_rng_state())
+    assert platforms.unpack_counter_state(state[platforms.MT19937_STATE_NBYTES :]) == (2**40 + 9, 64)
+
+
+def test_cpu_positions_are_kept_beside_the_bytes_not_looked_up() -> None:
+    # Many other positions in between cannot make a saved state lose its position.
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(1234, 8)
+    saved = cpu.get_rng_state()
+    for k in range(70_000):
+        cpu.set_seed_offset(99, 4 * k)
+    cpu.set_rng_state(saved)
+    assert cpu.get_seed_offset() == (1234, 8)
+
+
+@pytest.mark.parametrize(
+    ("cursor", "fragment"),
+    [((1234, -4), "non-negative multiples"), ((1234, 6), "non-negative multiples"), ((1235, 8), "does not belong")],
+)
+def test_cpu_refuses_a_cursor_that_does_not_fit_its_bytes(cursor: tuple[int, int], fragment: str) -> None:
+    from platforms import InvalidStateError
+
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(1234, 8)
+    state = cpu.get_rng_state()
+    forged = torch.cat((state[: platforms.MT19937_STATE_NBYTES], platforms.pack_counter_state(*cursor)))
+    cpu.manual_seed(5)
+    before = cpu.get_rng_state()
+    with pytest.raises(InvalidStateError, match=fragment):
+        cpu.set_rng_state(forged)
+    assert torch.equal(cpu.get_rng_state(), before)
 
 
 def test_cpu_position_is_restored_with_the_state() -> None:
@@ -55,31 +97,31 @@ def test_cpu_position_is_restored_with_the_state() -> None:
 
 def test_simulated_draws_are_a_function_of_seed_and_offset() -> None:
     sim = SimulatedPlatform()
-    mod = sim.module
+    device = sim.device(0)
     sim.set_seed_offset(3, 0)
-    a, b = mod.rand(5), mod.rand(6)
+    a, b = torch.rand(5, device=device), torch.rand(6, device=device)
     assert sim.get_seed_offset() == (3, 16)  # 5 -> 8, 6 -> 8: offsets advance in steps of 4
     sim.set_seed_offset(3, 8)
-    assert torch.equal(mod.rand(6), b)
+    assert torch.equal(torch.rand(6, device=device).cpu(), b.cpu())
     sim.set_seed_offset(3, 0)
-    assert torch.equal(mod.rand(5), a)
+    assert torch.equal(torch.rand(5, device=device).cpu(), a.cpu())
 
 
 def test_simulated_graph_safe_swap_shares_state_objects() -> None:
-    mod = SimulatedDeviceModule(device_count=1)
-    gen = platforms.CUDAPlatform(module=mod).default_generator(0)
+    sim = SimulatedPlatform()
+    gen = sim.default_generator(0)
     stream = gen.clone_state()
     stream.manual_seed(9)
     original = gen.graphsafe_get_state()
     gen.graphsafe_set_state(stream)
-    mod.rand(4)
-    assert stream.get_offset() == 4  # drawing through the device advanced the swapped-in state
+    torch.rand(4, device=sim.device(0))
+    assert stream.get_offset() == 4  # drawing on the device advanced the swapped-in state
     gen.graphsafe_set_state(original)
     assert gen.initial_seed() != 9
 
 
 def test_simulated_module_initialises_lazily() -> None:
-    mod = SimulatedDeviceModule()
+    mod = SimulatedDeviceModule(device_type="cuda")
     p = platforms.CUDAPlatform(module=mod)
     assert p.probe() is None and p.device_count() == 2
     assert not mod.is_initialized()
@@ -88,14 +130,15 @@ def test_simulated_module_initialises_lazily() -> None:
 
 
 def test_unavailable_device_module_gives_a_reason() -> None:
-    p = platforms.CUDAPlatform(module=SimulatedDeviceModule(available=False))
+    p = platforms.CUDAPlatform(module=SimulatedDeviceModule(available=False, device_type="cuda"))
     assert "is_available() returned False" in (p.probe() or "")
     assert not p.is_available()
 
 
-def test_simulated_device_maps_to_cpu_tensors() -> None:
+def test_simulated_device_is_a_device_type_of_its_own() -> None:
     sim = SimulatedPlatform()
-    assert sim.device(1) == torch.device("cpu")
+    assert sim.device(1) == torch.device("sim", 1) and sim.device_type == "sim" and not sim.is_host
+    assert torch.rand(2, device=sim.device(1)).device == torch.device("sim", 1)
 
 
 # -- collectives over real processes ----------------------------------------------------------
@@ -173,5 +216,5 @@ def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None
     cpu = CPUPlatform()
     before = cpu.get_rng_state()
     with pytest.raises(InvalidStateError, match="not a valid MT19937 state"):
-        cpu.set_rng_state(torch.zeros(5056, dtype=torch.uint8))
+        cpu.set_rng_state(torch.zeros(platforms.CPU_STATE_NBYTES, dtype=torch.uint8))
     assert torch.equal(cpu.get_rng_state(), before)

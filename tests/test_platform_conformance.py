@@ -34,8 +34,12 @@ class TestCUDACodePathOnSimulatedModule(PlatformConformance):
 _NPU_ON_SIM = """
 import torch, platforms
 from platforms.testing import check_platform
-torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does
-check_platform(platforms.NPUPlatform(module=platforms.SimulatedDeviceModule(device_count=2, device_type="npu")))
+module = platforms.SimulatedDeviceModule(device_count=2, device_type="npu")
+npu = platforms.NPUPlatform(module=module)  # registers the module as torch.npu, as importing torch_npu does
+check_platform(npu)
+npu.set_seed_offset(7, 0, 1)
+x = torch.rand(5, device=npu.device(1))  # torch's own op on an "npu" tensor draws from device 1
+assert x.device == torch.device("npu", 1) and npu.get_seed_offset(1) == (7, 8), npu.get_seed_offset(1)
 print("conformant")
 """
 

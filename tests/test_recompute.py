@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import platforms
 from hyperrng.recompute import checkpoint
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
-from tests._platforms import PLATFORMS, fresh_tracker_on_cpu, use_each
+from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each
 
 MP = MODEL_PARALLEL_STREAM
 
@@ -21,15 +21,23 @@ platform = use_each(PLATFORMS)
 _fresh = fresh_tracker_on_cpu  # autouse: imported fixtures apply to this module
 
 
-def device_mask(shape: torch.Size, p: float) -> torch.Tensor:
-    """An inverted-dropout mask drawn from the current device generator (a fork's stream inside a fork)."""
+def tensor_device() -> torch.device:
+    """Where the model lives: the platform's device where it has tensors, else (a stand-in) the host."""
     plat = platforms.current()
-    u = torch.rand(shape) if plat.name == "cpu" else plat.module.rand(*shape)  # type: ignore[attr-defined]
+    return plat.device() if plat.device_type in ("cpu", platforms.SIM_DEVICE_TYPE) else torch.device("cpu")
+
+
+def device_mask(like: torch.Tensor, p: float) -> torch.Tensor:
+    """An inverted-dropout mask drawn from the current device generator (a fork's stream inside a fork)."""
+    u = draw(platforms.current(), like.numel()).reshape(like.shape).to(like.device)
     return (u >= p).float() / (1.0 - p)
 
 
 class Block(torch.nn.Module):
-    """A layer that draws from a tracker stream, from the device's default generator and from torch's CPU one."""
+    """A layer that draws from a tracker stream, from the device's default generator and from torch's CPU one.
+
+    Its dropout runs on its tensors' device: inside the fork it draws from the stream.
+    """
 
     def __init__(self, tracker: RNGStatesTracker | None = None) -> None:
         super().__init__()
@@ -42,9 +50,10 @@ class Block(torch.nn.Module):
         self.calls += 1
         h = torch.relu(self.up(x))
         with (self.tracker if self.tracker is not None else get_rng_tracker()).fork(MP):  # tensor-parallel dropout
-            h = h * device_mask(h.shape, 0.3)
-            h = F.dropout(h, 0.1)  # on an accelerator this one still draws from the CPU generator
-        h = h * device_mask(h.shape, 0.2)  # the device's default generator
+            h = h * device_mask(h, 0.3)
+            h = F.dropout(h, 0.1)
+        h = h * device_mask(h, 0.2)  # the device's default generator
+        h = h + 0.01 * torch.rand(h.shape).to(h.device)  # the host generator, on every platform
         return self.down(F.dropout(h, 0.2))
 
 
@@ -68,11 +77,12 @@ def assert_equal_states(a: dict[str, Any], b: dict[str, Any]) -> None:
 def train_step(recompute: Callable[..., Any] | None, tracker: RNGStatesTracker | None = None) -> dict[str, Any]:
     """Two blocks, a draw between forward and backward, one backward; everything a comparison needs."""
     streams = tracker if tracker is not None else get_rng_tracker()
+    device = tensor_device()  # first: torch.manual_seed seeds the devices that exist
     torch.manual_seed(0)
-    blocks = [Block(tracker), Block(tracker)]
+    blocks = [Block(tracker).to(device), Block(tracker).to(device)]
     streams.reseed({MP: 4321})
     platforms.current().manual_seed(99)
-    x = torch.randn(5, 6, requires_grad=True)
+    x = torch.randn(5, 6).to(device).requires_grad_()
     h = x
     for block in blocks:
         h = recompute(block, h) if recompute else block(h)
@@ -80,8 +90,8 @@ def train_step(recompute: Callable[..., Any] | None, tracker: RNGStatesTracker |
     after_forward = generator_states(streams)
     (out**2).sum().backward()
     return {
-        "out": out.detach(),
-        "grads": [x.grad] + [p.grad for b in blocks for p in b.parameters()],
+        "out": out.detach().cpu(),
+        "grads": [g.cpu() for g in [x.grad] + [p.grad for b in blocks for p in b.parameters()] if g is not None],
         "after_forward": after_forward,
         "after_backward": generator_states(streams),
         "calls": [b.calls for b in blocks],

@@ -14,7 +14,7 @@ from hyperrng.errors import InvalidOffsetError, InvalidStateError, ShardingError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
 from hyperrng.sharding import rng_offsets
 from tests._dist import run_ranks
-from tests._platforms import PLATFORMS, use_each
+from tests._platforms import PLATFORMS, draw, use_each
 
 MESH = (2, 2)
 COORDS = [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -23,11 +23,6 @@ SHAPE = (8, 6)
 
 
 platform = use_each(PLATFORMS)
-
-
-def _gap(p: platforms.Platform) -> int:
-    """The block a region skips on platforms whose draws do not advance the offset."""
-    return 0 if p.counter_based else 4
 
 
 def test_on_the_cpu_no_shard_replays_the_plain_draws_made_at_the_base_position() -> None:
@@ -53,7 +48,7 @@ def test_a_sharded_op_inside_recompute_replays_its_mask(platform: platforms.Plat
 
     def block(x: torch.Tensor) -> torch.Tensor:
         with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,)):
-            mask = (_draw(platform, 4) > 0.5).float()
+            mask = (draw(platform, 4) > 0.5).float()
         masks.append(mask)
         return x * mask
 
@@ -74,13 +69,6 @@ def test_a_position_survives_a_save_and_restore_of_the_state_bytes(platform: pla
     assert platform.get_seed_offset() == position
 
 
-def _draw(p: platforms.Platform, n: int) -> torch.Tensor:
-    """Draw n numbers from the platform's current device generator."""
-    if isinstance(p, platforms.CPUPlatform):
-        return torch.rand(n)
-    return p.module.rand(n)  # type: ignore[attr-defined, no-any-return]
-
-
 Draw = dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int]]]
 
 
@@ -90,7 +78,7 @@ def _run_every_rank(p: platforms.Platform, seed: int = 11) -> Draw:
         tracker = ShardedRNGTracker()
         tracker.manual_seed(seed)
         with tracker.distribute_region(MeshInfo(MESH, coord), PLACEMENTS, SHAPE):
-            local = _draw(p, 4 * 6)
+            local = draw(p, 4 * 6)
         out[coord] = (local, p.get_seed_offset())
     return out
 
@@ -105,7 +93,7 @@ def test_replicas_draw_the_same_numbers_and_shards_differ(platform: platforms.Pl
 def test_every_rank_leaves_at_the_same_position(platform: platforms.Platform) -> None:
     out = _run_every_rank(platform)
     _, end = rng_offsets(MESH, (0, 0), PLACEMENTS, SHAPE)
-    assert {pos for _, pos in out.values()} == {(11, _gap(platform) + end)}
+    assert {pos for _, pos in out.values()} == {(11, end)}
 
 
 def test_inside_the_region_the_generator_sits_at_the_shard_start(platform: platforms.Platform) -> None:
@@ -113,8 +101,8 @@ def test_inside_the_region_the_generator_sits_at_the_shard_start(platform: platf
     tracker.manual_seed(3)
     platform.set_seed_offset(3, 40)
     with tracker.distribute_region(MeshInfo(MESH, (1, 1)), PLACEMENTS, SHAPE):
-        assert platform.get_seed_offset() == (3, 40 + _gap(platform) + 24)
-    assert platform.get_seed_offset() == (3, 40 + _gap(platform) + 48)
+        assert platform.get_seed_offset() == (3, 40 + 24)
+    assert platform.get_seed_offset() == (3, 40 + 48)
 
 
 def test_consecutive_regions_draw_new_numbers(platform: platforms.Platform) -> None:
@@ -122,9 +110,9 @@ def test_consecutive_regions_draw_new_numbers(platform: platforms.Platform) -> N
     tracker.manual_seed(3)
     mesh = MeshInfo(MESH, (0, 0))
     with tracker.distribute_region(mesh, PLACEMENTS, SHAPE):
-        first = _draw(platform, 24)
+        first = draw(platform, 24)
     with tracker.distribute_region(mesh, PLACEMENTS, SHAPE):
-        second = _draw(platform, 24)
+        second = draw(platform, 24)
     assert not torch.equal(first, second)
 
 
@@ -134,7 +122,7 @@ def test_an_exception_inside_the_region_still_synchronises(platform: platforms.P
     with pytest.raises(RuntimeError, match="boom"):
         with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE):
             raise RuntimeError("boom")
-    assert platform.get_seed_offset() == (3, _gap(platform) + 48)
+    assert platform.get_seed_offset() == (3, 48)
 
 
 def test_a_passed_generator_is_positioned_and_keeps_its_advance(platform: platforms.Platform) -> None:
@@ -142,11 +130,11 @@ def test_a_passed_generator_is_positioned_and_keeps_its_advance(platform: platfo
     tracker.manual_seed(5)
     device_before = platform.get_rng_state()
     default = platform.default_generator()
-    gen = torch.Generator() if isinstance(platform, platforms.CPUPlatform) else default.clone_state()  # type: ignore[union-attr]
+    gen = platforms.CursorGenerator() if platform.is_host else default.clone_state()  # type: ignore[union-attr]
     platform.set_seed_offset(77, 8, generator=gen)
     with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE, generator=gen):
-        assert platform.get_seed_offset(generator=gen) == (77, 8 + _gap(platform) + 24)
-    assert platform.get_seed_offset(generator=gen) == (77, 8 + _gap(platform) + 48)
+        assert platform.get_seed_offset(generator=gen) == (77, 8 + 24)
+    assert platform.get_seed_offset(generator=gen) == (77, 8 + 48)
     assert torch.equal(platform.get_rng_state(), device_before), "the device generator must not move"
 
 

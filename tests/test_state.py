@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import random
 import re
 import warnings
@@ -33,7 +34,7 @@ from hyperrng.state import (
 )
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._dist import run_ranks
-from tests._platforms import PLATFORMS, fresh_tracker_on_cpu, use_each
+from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each
 
 MP, DP = MODEL_PARALLEL_STREAM, DATA_PARALLEL_STREAM
 SEED = 1234
@@ -50,11 +51,7 @@ _fresh = fresh_tracker_on_cpu  # autouse: imported fixtures apply to this module
 
 def device_draw(n: int, index: int | None = None) -> list[float]:
     """``n`` numbers from a device generator of the current platform (the current one by default)."""
-    p = platforms.current()
-    if p.name == "cpu":
-        return torch.rand(n).tolist()
-    gen = p.default_generator(index) if index is not None else None
-    return p.module.rand(n, generator=gen).tolist()  # type: ignore[attr-defined, no-any-return]
+    return draw(platforms.current(), n, index=index).tolist()  # type: ignore[no-any-return]
 
 
 def draw_everything(tracker: RNGStatesTracker) -> list[float]:
@@ -248,6 +245,19 @@ OTHER_LAYOUT = StreamLayout(dims=("dp", "tp"), default=(), streams={MP: ("dp", "
 DIGEST = "digest does not match its content: the file was modified or damaged"
 MALFORMED = "the RNG state is malformed"
 
+
+def _cursor(seed: int, offset: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An edit of the CPU platform's state that replaces its position cursor (the last 16 bytes)."""
+
+    def forge(state: torch.Tensor) -> torch.Tensor:
+        raw = seed.to_bytes(8, "little") + (offset % 2**64).to_bytes(8, "little")
+        return torch.cat([state[: platforms.MT19937_STATE_NBYTES], torch.frombuffer(bytearray(raw), dtype=torch.uint8)])
+
+    return forge
+
+
+CPU_STATE = f"device 0 state must be a 1-D torch.uint8 CPU tensor of {platforms.CPU_STATE_NBYTES} elements"
+
 REFUSALS = [
     # another format
     refusal(
@@ -256,12 +266,12 @@ REFUSALS = [
         f"not a hyperrng RNG state (expected format {FORMAT!r})",
     ),
     refusal(
-        "format-version-2",
-        _set("version", lambda _: 2),
-        "format version 2 cannot be read by this hyperrng, which reads version 1",
+        "format-version-1",
+        _set("version", lambda _: 1),
+        "format version 1 cannot be read by this hyperrng, which reads version 2",
     ),
-    # damaged or tampered: one byte, one field, or the digest itself
-    refusal("one-byte-of-the-cpu-state-changed", _set("torch_cpu", _flip_byte), DIGEST, reseal=False),
+    # damaged: one byte, one field, or the digest itself
+    refusal("one-byte-of-the-cpu-state-changed", _set("devices", lambda d: [_flip_byte(d[0])]), DIGEST, reseal=False),
     refusal("one-byte-of-a-stream-changed", _set(f"streams.{MP}", _flip_byte), DIGEST, reseal=False),
     refusal("one-byte-of-the-python-state-changed", _set("python.state", _flip_byte), DIGEST, reseal=False),
     refusal("metadata-edited-without-its-digest", _set("rank", lambda _: 1), DIGEST, reseal=False),
@@ -272,7 +282,7 @@ REFUSALS = [
         _set("world_size", lambda _: 2),
         "saved under a different setup: world size 2 (now 1)",
     ),
-    refusal("saved-by-another-rank", _set("rank", lambda _: 1), "saved under a different setup: rank 1 (now 0)"),
+    refusal("a-rank-outside-its-world", _set("rank", lambda _: 1), "rank 1 does not lie in a world of size 1"),
     refusal(
         "other-mesh-coordinates",
         None,
@@ -290,42 +300,92 @@ REFUSALS = [
     # malformed fields
     refusal(
         "cpu-state-of-the-wrong-dtype",
-        _set("torch_cpu", lambda t: t.float()),
-        "torch CPU state must be a 1-D torch.uint8 tensor of 5056 elements, got torch.float32 (5056,)",
+        _set("devices", lambda d: [d[0].float()]),
+        f"{CPU_STATE}, got a torch.float32 tensor of shape ({platforms.CPU_STATE_NBYTES},)",
     ),
     refusal(
         "cpu-state-truncated",
-        _set("torch_cpu", lambda t: t[:100]),
-        "torch CPU state must be a 1-D torch.uint8 tensor of 5056 elements, got torch.uint8 (100,)",
+        _set("devices", lambda d: [d[0][:100]]),
+        f"{CPU_STATE}, got a torch.uint8 tensor of shape (100,)",
+    ),
+    refusal(
+        "a-host-copy-where-the-device-is-the-host",
+        _set("torch_cpu", lambda _: torch.get_rng_state()),
+        "torch_cpu must be None on a platform whose device is the host",
     ),
     refusal(
         "python-state-truncated",
         _set("python.state", lambda t: t[:10]),
-        "python state must be a 1-D torch.int64 tensor of 625 elements",
+        "the Python random state must be a 1-D torch.int64 CPU tensor of 625 elements",
     ),
     refusal(
         "python-state-as-a-list",
         _set("python.state", lambda t: t.tolist()),
-        "python state must be a 1-D torch.int64 tensor of 625 elements, got list",
+        "the Python random state must be a 1-D torch.int64 CPU tensor of 625 elements, got list",
     ),
     refusal(
         "numpy-keys-of-the-wrong-dtype",
         _set("numpy.keys", lambda t: t.int()),
-        "numpy keys must be a 1-D torch.int64 tensor of 624 elements, got torch.int32",
+        "the NumPy state keys must be a 1-D torch.int64 CPU tensor of 624 elements, got a torch.int32",
     ),
     refusal(
         "device-state-of-the-wrong-shape",
         _set("devices", lambda d: [d[0].view(2, -1)]),
-        "device 0 state must be a 1-D torch.uint8 tensor",
+        "device 0 state must be a 1-D torch.uint8 CPU tensor",
     ),
     refusal(
         "stream-state-of-the-wrong-length",
         _set(f"streams.{MP}", lambda t: t[:16]),
-        "the saved streams do not fit the tracker",
+        f"state of stream {MP!r} must be a 1-D torch.uint8 CPU tensor",
     ),
     refusal("numpy-field-missing", _drop("numpy"), f"{MALFORMED}: field 'numpy' is missing"),
-    refusal("numpy-position-not-a-number", _set("numpy.pos", lambda _: "x"), f"{MALFORMED} (ValueError"),
-    # malformed fields that get through today
+    refusal(
+        "numpy-position-not-a-number",
+        _set("numpy.pos", lambda _: "x"),
+        "the NumPy state position must be an int in [0, 624], got 'x'",
+    ),
+    # a forged position crashes NumPy later: every field is bounded before anything applies
+    refusal(
+        "numpy-position-past-624",
+        _set("numpy.pos", lambda _: 10**6),
+        "the NumPy state position must be an int in [0, 624]",
+    ),
+    refusal(
+        "numpy-position-700", _set("numpy.pos", lambda _: 700), "the NumPy state position must be an int in [0, 624]"
+    ),
+    refusal(
+        "numpy-position-negative",
+        _set("numpy.pos", lambda _: -1),
+        "the NumPy state position must be an int in [0, 624]",
+    ),
+    refusal(
+        "numpy-position-a-float",
+        _set("numpy.pos", lambda _: 3.7),
+        "the NumPy state position must be an int in [0, 624]",
+    ),
+    refusal(
+        "numpy-position-a-bool",
+        _set("numpy.pos", lambda _: True),
+        "the NumPy state position must be an int in [0, 624]",
+    ),
+    refusal(
+        "numpy-key-past-32-bits",
+        _set("numpy.keys", lambda t: torch.cat([torch.tensor([2**32]), t[1:]])),
+        "the NumPy state keys must be 624 words",
+    ),
+    refusal(
+        "numpy-has-gauss-2", _set("numpy.has_gauss", lambda _: 2), "the NumPy has_gauss flag must be an int in [0, 1]"
+    ),
+    refusal(
+        "numpy-cached-normal-nan",
+        _set("numpy.gauss", lambda _: float("nan")),
+        "the NumPy cached normal must be a finite float",
+    ),
+    refusal(
+        "numpy-extra-field",
+        _set("numpy", lambda n: {**n, "extra": 1}),
+        "the NumPy state must be a mapping with exactly the keys",
+    ),
     refusal("devices-field-missing", _drop("devices"), MALFORMED),
     refusal("platform-field-missing", _drop("platform"), MALFORMED),
     refusal("devices-not-a-list", _set("devices", lambda _: 3), MALFORMED),
@@ -341,11 +401,38 @@ REFUSALS = [
         MALFORMED,
     ),
     refusal("python-version-unknown", _set("python.version", lambda _: 7), MALFORMED),
+    refusal(
+        "python-version-a-float",
+        _set("python.version", lambda _: 3.0),
+        "the Python random state version must be an int in [3, 3]",
+    ),
     refusal("python-cached-normal-not-a-number", _set("python.gauss", lambda _: "x"), MALFORMED),
     refusal(
         "cpu-state-not-a-valid-mt19937",
-        _set("torch_cpu", lambda t: torch.full_like(t, 255)),
-        MALFORMED,
+        _set("devices", lambda d: [torch.full_like(d[0], 255)]),
+        "not a valid MT19937 state",
+    ),
+    # the CPU platform's position cursor, kept beside the MT19937 bytes
+    refusal("cursor-offset-negative", _set("devices", lambda d: [_cursor(SEED, -4)(d[0])]), "cursor offset of -4"),
+    refusal("cursor-offset-not-a-block", _set("devices", lambda d: [_cursor(SEED, 6)(d[0])]), "cursor offset of 6"),
+    refusal(
+        "cursor-of-another-position",
+        _set("devices", lambda d: [_cursor(SEED + 1, 8)(d[0])]),
+        "does not belong to its MT19937 bytes",
+    ),
+    refusal(  # offsets are stored as int64: 2**64 - 1 reads back as -1
+        "cursor-offset-past-2-to-the-63",
+        _set("devices", lambda d: [_cursor(SEED, 2**64 - 1)(d[0])]),
+        "cursor offset of -1",
+    ),
+    # metadata typed and bounded
+    refusal("base-seed-negative", _set("base_seed", lambda _: -5), "base_seed -5 is outside [0, 2**64 - 1]"),
+    refusal("base-seed-past-2-to-the-64", _set("base_seed", lambda _: 2**70), "is outside [0, 2**64 - 1]"),
+    refusal("base-seed-a-float", _set("base_seed", lambda _: 1234.0), "field 'base_seed' is a float"),
+    refusal(
+        "stream-name-empty",
+        _set("streams", lambda s: {"": s[MP], DP: s[DP]}),
+        "stream name '' is not a non-empty string",
     ),
 ]
 
@@ -664,28 +751,52 @@ def test_a_run_resumed_in_new_processes_is_bit_identical_to_an_uninterrupted_one
         assert resumed[rank]["streams_in_sync"] == [(DEFAULT_STREAM, 1), (MP, 2)]
 
 
-def test_a_modelled_cpu_position_is_restored_in_a_fresh_process(tmp_path: Any) -> None:
-    """On the CPU the state bytes alone do not name the (seed, offset) a sharded op continues from."""
-    from torch.distributed.tensor import Shard
+_FRESH_PROCESS_RESUME = """
+import sys, torch, platforms
+from hyperrng import portable
+from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.tracker import MODEL_PARALLEL_STREAM as MP, get_rng_tracker
+platforms.set_current(sys.argv[1])
+path, role = sys.argv[2], sys.argv[3]
+tracker = get_rng_tracker()
+if role == "save":
+    tracker.reseed({MP: 1234})
+    with tracker.fork(MP):
+        portable.uniform((5,))  # the stream moves to (1234, 8)
+    save_rng_state(path, rng_state_dict())
+    for k in range(1000):  # many other positions in between change nothing
+        platforms.current().set_seed_offset(99, 4 * k)
+else:
+    load_rng_state_dict(load_rng_state(path))
+with tracker.fork(MP):
+    print(platforms.current().get_seed_offset(), portable.uniform((6,)).tolist())
+"""
 
-    import platforms.cpu as cpu_module
-    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 
-    tracker = ShardedRNGTracker()
-    tracker.manual_seed(1234)
-    region = (MeshInfo((2,), (1,)), [Shard(0)], (8,))
-    with tracker.distribute_region(*region):
-        pass
-    position = platforms.current().get_seed_offset()
-    save_rng_state(tmp_path / "rng.pt", rng_state_dict())
-    with tracker.distribute_region(*region):
-        expected = torch.rand(4)
-    cpu_module._POSITIONS.clear()  # what a new process starts with
-    torch.manual_seed(7)
-    load_rng_state_dict(load_rng_state(tmp_path / "rng.pt"))
-    assert platforms.current().get_seed_offset() == position
-    with tracker.distribute_region(*region):
-        assert torch.equal(torch.rand(4), expected)
+@pytest.mark.parametrize("name", ["cpu", "sim"])
+def test_a_stream_position_resumes_exactly_in_a_fresh_process(name: str, tmp_path: Any) -> None:
+    """A position is state kept beside the bytes: a new process has nothing else to recover it from."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    path = str(tmp_path / "rng.pt")
+
+    def run(role: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", _FRESH_PROCESS_RESUME, name, path, role],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip()
+
+    uninterrupted = run("save")
+    assert uninterrupted.startswith("(1234, 8) ")
+    assert run("load") == uninterrupted
 
 
 def test_capturing_inside_a_fork_is_refused() -> None:

@@ -15,6 +15,7 @@ from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from hyperrng.verify import StreamVerdict, fingerprint, verify_rng_sync
 from tests._dist import run_ranks
+from tests._platforms import draw
 
 SEED = 1234
 WORLD = 4
@@ -72,11 +73,11 @@ def _fresh_global_tracker() -> Iterator[None]:
 
 def _draw_in_sync(tracker: RNGStatesTracker, layout: StreamLayout) -> None:
     """What a training step does on every rank alike: draw from each stream and the default generator."""
-    draw = platforms.current().module.rand if platforms.current().name != "cpu" else torch.rand  # type: ignore[attr-defined]
+    platform = platforms.current()
     for name in layout.streams:
         with tracker.fork(name):
-            draw(5)
-    draw(3)
+            draw(platform, 5)
+    draw(platform, 3)
 
 
 def _outcome(layout: StreamLayout, coords: Any, **kwargs: Any) -> str | list[tuple[str, tuple[str, ...], int, int]]:
@@ -149,13 +150,13 @@ def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
             out[name] = _fault(rank, name)
 
     with platforms.use(platforms.SimulatedPlatform()):  # graph-safe streams on the simulated device
-        tracker = RNGStatesTracker()
+        tracker = RNGStatesTracker(graph_safe=True)
         apply_layout(layout, SEED, mesh_of(rank), tracker=tracker)
         _draw_in_sync(tracker, layout)
         out["clean/simulated-device"] = _outcome(layout, mesh_of(rank), tracker=tracker)
         if rank == 2:
             with tracker.fork(MP):
-                platforms.current().module.rand(1)  # type: ignore[attr-defined]
+                draw(platforms.current(), 1)
         out["simulated-device/one-stream-advanced-once-more"] = _outcome(layout, mesh_of(rank), tracker=tracker)
     return out
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 import platforms
+from hyperrng._device_state import state_io
 from hyperrng.benchmarks._timing import BenchResult, interleaved
 from hyperrng.random import fork_rng
 from hyperrng.tracker import RNGStatesTracker
@@ -43,21 +44,15 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     tracker.reseed(_STREAM_SEEDS)
     copying = RNGStatesTracker(graph_safe=False)
     copying.reseed(_STREAM_SEEDS)
-    gen = platform.default_generator()
+    read, write = state_io(platform)
     stream_state = copying.get_states()["bench-a"]
 
     def raw_switch() -> None:
-        # The byte copies a stream switch cannot avoid: save, load, read back, restore.
-        if gen is not None:
-            saved = gen.get_state()
-            gen.set_state(stream_state)
-            gen.get_state()
-            gen.set_state(saved)
-        else:
-            saved = platform.get_rng_state()
-            platform.set_rng_state(stream_state)
-            platform.get_rng_state()
-            platform.set_rng_state(saved)
+        # The state copies a stream switch cannot avoid: save, load, read back, restore.
+        saved = read()
+        write(stream_state)
+        read()
+        write(saved)
 
     def torch_fork() -> None:
         with torch.random.fork_rng(devices=[]):
@@ -77,7 +72,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
         fns["copying"] = _fork_loop(copying)
     t = interleaved(fns, number=number, rounds=rounds)
 
-    on_cpu = platform.default_generator() is torch.default_generator
+    on_cpu = platform.is_host
     mode = "graph-safe swap" if tracker.graph_safe else "byte copies"
     results = [
         BenchResult(
