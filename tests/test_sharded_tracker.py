@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import platforms
-from hyperrng.errors import InvalidOffsetError, InvalidStateError, ShardingError
+from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, InvalidStateError, ShardingError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
 from hyperrng.sharding import rng_offsets
 from tests._dist import run_ranks
@@ -297,3 +297,30 @@ def test_sync_logs_a_warning_when_ranks_disagree(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.WARNING):
         assert tracker.sync_from_rank0() is False  # single process: rank 0 agrees with itself
     assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("mesh", "shape", "error"),
+    [
+        (((2,), (True,)), (8,), ArgumentTypeError),  # equal to ((2,), (1,)) by ==, but a bool
+        (MeshInfo((2,), (1,)), (8.0,), (ArgumentTypeError, ShardingError)),  # equal to (8,) by ==, but a float
+    ],
+)
+def test_the_offset_cache_never_skips_validation(mesh: Any, shape: Any, error: Any) -> None:
+    tracker = ShardedRNGTracker()
+    assert tracker.offsets(MeshInfo((2,), (1,)), [Shard(0)], (8,)) == (4, 8)
+    with pytest.raises(error):
+        tracker.distribute_region(mesh, [Shard(0)], shape)
+
+
+def test_on_the_cpu_a_plain_generator_reads_as_its_seed_and_a_cursor_generator_keeps_its_position() -> None:
+    with platforms.use(platforms.CPUPlatform()) as cpu:
+        plain = torch.Generator().manual_seed(42)
+        assert cpu.get_seed_offset(generator=plain) == (42, 0)
+        cpu.set_seed_offset(42, 8, generator=plain)  # reseeds it: a plain generator has nowhere to keep (42, 8)
+        assert cpu.get_seed_offset(generator=plain) == (plain.initial_seed(), 0) != (42, 8)
+        kept = platforms.CursorGenerator()
+        cpu.set_seed_offset(42, 8, generator=kept)
+        assert cpu.get_seed_offset(generator=kept) == (42, 8)
+        torch.rand(3, generator=kept)
+        assert cpu.get_seed_offset(generator=kept) == (42, 12), "a drawn block is not handed out again"

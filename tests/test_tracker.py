@@ -611,3 +611,42 @@ def test_on_a_real_cuda_device_a_stream_draws_what_its_seed_gives(graph_safe: bo
         assert torch.equal(inside, expected)
         snapshot = tracker.get_states(as_tensors=True)
         assert all(state.device.type == "cpu" for state in snapshot.values())
+
+
+# -- threads ------------------------------------------------------------------------------------
+def test_a_fork_on_a_second_thread_is_refused_while_another_thread_has_one_open() -> None:
+    import threading
+
+    tracker = get_rng_tracker()
+    tracker.reseed({"a": 1, "b": 2})
+    platform = platforms.current()
+    default_before = platform.get_rng_state()
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with tracker.fork("a"):
+            inside.set()
+            release.wait(timeout=60)
+
+    def second() -> None:
+        inside.wait(timeout=60)
+        try:
+            with tracker.fork("b"):
+                pass
+        except TrackerStateError as exc:
+            errors.append(str(exc))
+        try:
+            tracker.set_states(tracker.get_states())
+        except TrackerStateError as exc:
+            errors.append(str(exc))
+        release.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(errors) == 2 and "another thread has a fork of stream 'a' open" in errors[0]
+    assert tracker.active_stream is None
+    assert torch.equal(platform.get_rng_state(), default_before), "the default generator was not restored"
+    tracker.reset()  # nothing left half-open
