@@ -1,10 +1,7 @@
-"""Fast, exact reads and writes of a device's whole RNG state, chosen once per platform.
+"""Save and restore the host and device RNG states, as forks, ``fork_rng`` and recompute do.
 
-Forks, ``fork_rng`` and recompute copy states they read themselves, many times a step.
-On a counter-based device whose generator is exposed, the generator's own
-``get_state``/``set_state`` *are* the whole state and cost least; elsewhere (the CPU,
-whose state carries its position cursor, or a platform exposing no generator) the
-platform's ``get_rng_state``/``set_rng_state`` are.
+Each device's snapshot goes through :meth:`platforms.Platform.state_io`, the platform's
+fastest exact way (no validation of states it read itself).
 """
 
 from __future__ import annotations
@@ -16,29 +13,21 @@ import torch
 
 from platforms import Platform
 
-__all__ = ["StateIO", "state_io", "host_and_devices"]
+__all__ = ["ReadWrite", "host_and_devices"]
 
-StateIO = tuple[Callable[[], Any], Callable[[Any], Any]]
-"""A (read, write) pair for one device's RNG state."""
-
-
-def state_io(platform: Platform, index: int | None = None) -> StateIO:
-    """The (read, write) pair for device ``index`` (default: the current device) of ``platform``."""
-    gen = platform.default_generator(index) if platform.counter_based else None
-    if gen is not None:
-        return gen.get_state, gen.set_state
-    i = platform.current_device() if index is None else index
-    return (lambda: platform.get_rng_state(i)), (lambda state: platform.set_rng_state(state, i))
+ReadWrite = tuple[Callable[[], Any], Callable[[Any], Any]]
+"""A (read, write) pair for one generator's state."""
 
 
-def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -> list[StateIO]:
+def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -> list[ReadWrite]:
     """(read, write) pairs for torch's CPU generator and devices ``indices`` (default: all).
 
     Where the platform's device is the host, its one state (position cursor included)
     covers torch's CPU generator, so it is the only pair.
     """
     if platform.is_host:
-        return [state_io(platform, 0)]
+        io = platform.state_io(0)
+        return [(io.read, io.write)]
     host = torch.default_generator
     chosen = range(platform.device_count()) if indices is None else indices
-    return [(host.get_state, host.set_state)] + [state_io(platform, i) for i in chosen]
+    return [(host.get_state, host.set_state)] + [platform.state_io(i)[:2] for i in chosen]

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 import platforms
-from hyperrng._device_state import StateIO, host_and_devices
+from hyperrng._device_state import ReadWrite, host_and_devices
 from hyperrng.errors import ArgumentTypeError, UsageError
 from platforms.validate import check_index
 
@@ -34,7 +34,7 @@ class _ForkRNG:
 
     __slots__ = ("_saved", "_targets")
 
-    def __init__(self, targets: list[StateIO]) -> None:
+    def __init__(self, targets: list[ReadWrite]) -> None:
         self._targets = targets
         self._saved: list[Any] = []
 

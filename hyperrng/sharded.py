@@ -65,6 +65,10 @@ class MeshInfo:
                 f"mesh coordinate {self.coordinate} has {len(self.coordinate)} entries but the mesh "
                 f"{self.shape} has {len(self.shape)} dimensions; give one coordinate per mesh dimension."
             )
+        object.__setattr__(self, "_hash", hash((self.shape, self.coordinate)))
+
+    def __hash__(self) -> int:  # computed once: a region looks its offsets up by it on every op
+        return self._hash  # type: ignore[attr-defined, no-any-return]
 
 
 def as_mesh_info(mesh: Any) -> MeshInfo:
@@ -103,16 +107,16 @@ class _Region:
 
     def __enter__(self) -> None:
         p, gen = self._platform, self._generator
-        seed, base = p.get_seed_offset(generator=gen)
+        seed, base = p.get_seed_offset(None, gen)
         if base + self._end > MAX_OFFSET:
             raise InvalidOffsetError(
                 f"the generator offset {base} plus this op's {self._end} would pass 2**63 - 1; reseed the generator."
             )
         self._seed, self._base = seed, base
-        p.set_seed_offset(seed, base + self._start, generator=gen)
+        p.set_seed_offset(seed, base + self._start, None, gen)
 
     def __exit__(self, *exc: object) -> None:
-        self._platform.set_seed_offset(self._seed, self._base + self._end, generator=self._generator)
+        self._platform.set_seed_offset(self._seed, self._base + self._end, None, self._generator)
 
 
 class ShardedRNGTracker:
@@ -177,14 +181,17 @@ class ShardedRNGTracker:
         by ``==`` (``True`` for ``1``, ``8.0`` for ``8``) is validated like a new one.
         """
         key = _cache_key(mesh, placements, global_shape)
-        if key is not None:
-            cached = self._offsets.get(key)
-            if cached is not None:
-                return cached
+        try:
+            return self._offsets[key]  # type: ignore[index]
+        except (KeyError, TypeError):  # not cached yet, or unhashable: correct, just not cached
+            pass
         info = as_mesh_info(mesh)
         result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
         if key is not None:
-            self._offsets[key] = result
+            try:
+                self._offsets[key] = result
+            except TypeError:
+                pass
         return result
 
     def distribute_region(
@@ -207,7 +214,7 @@ class ShardedRNGTracker:
         """
         start, end = self.offsets(mesh, placements, global_shape)
         # A foreign generator is refused by the first read in __enter__, before any write.
-        return _Region(self.platform, generator, start, end)
+        return _Region(self._platform or platforms.current(), generator, start, end)
 
     # -- DTensor interop ----------------------------------------------------------------------
     def install_dtensor(self) -> Any:
@@ -232,17 +239,13 @@ class ShardedRNGTracker:
 
 def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
     """A key under which these arguments' offsets may be cached, or ``None`` if they must be validated."""
-    if isinstance(mesh, tuple):  # a (shape, coordinate) pair: ``==`` would equate 1 and True
+    if type(mesh) is tuple:  # a (shape, coordinate) pair: ``==`` would equate 1 and True
         return None
     shape = global_shape if type(global_shape) is tuple else tuple(global_shape)
-    if not all(type(d) is int for d in shape):
-        return None
-    key = (mesh, placements if type(placements) is tuple else tuple(placements), shape)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable mesh or placement: correct, just not cached
-        return None
-    return key
+    for d in shape:
+        if type(d) is not int:
+            return None
+    return (mesh, placements if type(placements) is tuple else tuple(placements), shape)
 
 
 def _dtensor_random_module() -> Any:

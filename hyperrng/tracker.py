@@ -49,8 +49,10 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 import platforms
-from hyperrng._device_state import StateIO, state_io
+from hyperrng._device_state import ReadWrite
 from hyperrng.errors import (
     ArgumentTypeError,
     DuplicateStreamError,
@@ -59,7 +61,7 @@ from hyperrng.errors import (
     TrackerStateError,
     UnknownStreamError,
 )
-from platforms import Platform
+from platforms import Platform, StateIO
 from platforms.validate import check_seed
 
 __all__ = [
@@ -87,6 +89,7 @@ EXPERT_PARALLEL_STREAM = "expert-parallel-rng"
 
 _SEED_HINT = "did you call set_random_seed / model_parallel_manual_seed (or apply_layout), or tracker.add(name, seed)?"
 _GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
+_OWNER = "thread"
 
 
 @runtime_checkable
@@ -124,7 +127,7 @@ class _Swap:
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
 
-    def bind(self) -> StateIO:
+    def bind(self) -> ReadWrite:
         raise NotImplementedError
 
     def new_state(self, seed: int) -> Any:
@@ -139,18 +142,36 @@ class _Swap:
 
     def coerce(self, name: str, value: object) -> Any:
         """Validate one snapshot entry and return it in this strategy's own form (a private copy)."""
-        return self.platform.check_rng_state(_as_state_tensor(name, value)).clone()
+        raise NotImplementedError
 
     def export(self, state: Any, as_tensors: bool) -> Any:
         """A snapshot of one stream's state that later forks cannot alter."""
-        return state.clone()
+        raise NotImplementedError
 
 
 class _StateBytes(_Swap):
-    """Copies of the current device's whole state (see :func:`hyperrng._device_state.state_io`)."""
+    """Copies of the current device's whole state, through :meth:`platforms.Platform.state_io`."""
 
-    def bind(self) -> StateIO:
-        return state_io(self.platform)
+    def __init__(self, platform: Platform) -> None:
+        super().__init__(platform)
+        self._io: dict[int, StateIO] = {}  # per device index: the platform's accessors do not change
+
+    def io(self) -> StateIO:
+        index = self.platform.current_device()
+        io = self._io.get(index)
+        if io is None:
+            io = self._io[index] = self.platform.state_io(index)
+        return io
+
+    def bind(self) -> ReadWrite:
+        io = self.io()
+        return io.read, io.write
+
+    def coerce(self, name: str, value: object) -> Any:
+        return self.io().unpack(self.platform.check_rng_state(_as_state_tensor(name, value)))
+
+    def export(self, state: Any, as_tensors: bool) -> Any:
+        return self.io().pack(state)
 
 
 class _GeneratorObjects(_Swap):
@@ -162,7 +183,7 @@ class _GeneratorObjects(_Swap):
         super().__init__(platform)
         self.home: Any = platform.default_generator()
 
-    def bind(self) -> StateIO:
+    def bind(self) -> ReadWrite:
         gen = self.platform.default_generator()
         if gen is not self.home:
             raise TrackerStateError(
@@ -182,28 +203,22 @@ class _GeneratorObjects(_Swap):
         template = self.home
         if isinstance(value, type(template)) and getattr(value, "device", None) == template.device:
             return value.clone_state()
-        if not isinstance(value, _tensor_type()):
+        if not isinstance(value, torch.Tensor):
             raise InvalidStateError(
                 f"state of stream {name!r} must be a {type(template).__name__} of this platform's device or a "
                 f"state tensor, got {type(value).__name__}."
             )
         gen = template.clone_state()
-        gen.set_state(super().coerce(name, value))
+        gen.set_state(self.platform.check_rng_state(value))
         return gen
 
     def export(self, state: Any, as_tensors: bool) -> Any:
         return state.get_state() if as_tensors else state.clone_state()
 
 
-def _tensor_type() -> type:
-    import torch
-
-    return torch.Tensor
-
-
 def _as_state_tensor(name: str, value: object) -> Any:
     """A snapshot entry as a state tensor: tensors as they are, generator objects by their state."""
-    if isinstance(value, _tensor_type()):
+    if isinstance(value, torch.Tensor):
         return value
     get_state = getattr(value, "get_state", None)
     if callable(get_state):  # a generator object, e.g. from a graph-safe tracker's snapshot
@@ -243,15 +258,17 @@ class _Fork:
         tracker = self._tracker
         if self.entered:
             raise TrackerStateError(f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.")
-        with tracker._lock:
-            outer = tracker._active
-            me = threading.get_ident()
-            if outer is not None and tracker._owner != me:
-                raise TrackerStateError(
-                    f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
-                    f"stream {outer.name!r} open: both would swap the one device generator. Fork on one thread "
-                    "at a time, or give each thread its own device."
-                )
+        me = threading.get_ident()
+        # One thread at a time: the first fork claims the tracker (dict.setdefault is atomic).
+        owner = tracker._claim.setdefault(_OWNER, me)
+        if owner != me:
+            raise TrackerStateError(
+                f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
+                f"stream {tracker.active_stream!r} open: both would swap the one device generator. Fork on one "
+                "thread at a time, or give each thread its own device."
+            )
+        outer = tracker._active
+        try:
             states = tracker._states
             state = states.get(self.name)
             if state is None:  # the tracker was reset between fork() and entering it
@@ -270,29 +287,31 @@ class _Fork:
                 else:
                     states[outer.name] = current
             write(state)
-            self.read, self.write, self.outer, self.entered = read, write, outer, True
-            tracker._active = self
-            tracker._owner = me
+        except BaseException:
+            if outer is None:
+                del tracker._claim[_OWNER]
+            raise
+        self.read, self.write, self.outer, self.entered = read, write, outer, True
+        tracker._active = self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         tracker = self._tracker
-        with tracker._lock:
-            if tracker._active is not self:
-                raise TrackerStateError(
-                    f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order."
-                )
-            outer, states = self.outer, tracker._states
-            back = self.saved if outer is None else states[outer.name]
-            if not tracker._swap.in_place:  # type: ignore[union-attr]
-                states[self.name] = self.read()
-            self.write(back)
-            tracker._active = outer
-            if outer is None:
-                tracker._owner = None
-            self.saved = self.read = self.write = None
-            self.entered = False
+        if tracker._active is not self:
+            raise TrackerStateError(
+                f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order."
+            )
+        outer, states = self.outer, tracker._states
+        back = self.saved if outer is None else states[outer.name]
+        if not tracker._swap.in_place:  # type: ignore[union-attr]
+            states[self.name] = self.read()
+        self.write(back)
+        tracker._active = outer
+        self.saved = self.read = self.write = None
+        self.entered = False
+        if outer is None:
+            del tracker._claim[_OWNER]
 
     def current_state(self) -> Any:
         """The active stream's state as it stands now, inside the fork."""
@@ -328,8 +347,7 @@ class RNGStatesTracker:
         self._swap: _Swap | None = None
         self._initialized = False
         self._active: _Fork | None = None
-        self._owner: int | None = None  # the thread whose fork is open
-        self._lock = threading.Lock()
+        self._claim: dict[str, int] = {}  # while a fork is open: the thread that holds it
 
     # -- introspection --------------------------------------------------------------------
     def is_initialized(self) -> bool:
@@ -480,7 +498,7 @@ class RNGStatesTracker:
             return {}
         snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
         if active is not None and not swap.in_place:  # the generator holds the active stream's advance
-            snapshot[active.name] = active.current_state()
+            snapshot[active.name] = swap.export(active.current_state(), as_tensors)
         return snapshot
 
     def set_states(self, states: Mapping[str, Any]) -> None:
@@ -574,9 +592,9 @@ class RNGStatesTracker:
             )
 
     def _not_elsewhere(self, what: str) -> None:
-        if self._active is not None and self._owner != threading.get_ident():
+        if self._claim.get(_OWNER, threading.get_ident()) != threading.get_ident():
             raise TrackerStateError(
-                f"cannot {what} while another thread has a fork of stream {self._active.name!r} open."
+                f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open."
             )
 
     def _unknown(self, name: object) -> str:

@@ -7,7 +7,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 
 from __future__ import annotations
 
-from platforms.base import COUNTER_STATE_NBYTES, Platform, pack_counter_state, unpack_counter_state
+from platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, pack_counter_state, unpack_counter_state
 from platforms.cpu import CPU_STATE_NBYTES, MT19937_STATE_NBYTES, CPUPlatform, CursorGenerator, seed_generator
 from platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
 from platforms.errors import (
@@ -49,6 +49,7 @@ from platforms.simulated import (
 
 __all__ = [
     "Platform",
+    "StateIO",
     "CPUPlatform",
     "CursorGenerator",
     "DeviceModulePlatform",

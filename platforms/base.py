@@ -13,14 +13,15 @@ a default.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
 from platforms.errors import InvalidStateError
 from platforms.validate import check_index, check_offset, check_seed, check_state
 
-__all__ = ["Platform", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
+__all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 
 COUNTER_STATE_NBYTES = 16
 """Size of a counter-based (Philox) state: uint64 seed then int64 offset, little-endian."""
@@ -83,6 +84,31 @@ class Platform:
         return None
 
     # -- RNG state ----------------------------------------------------------------------
+    def state_io(self, index: int | None = None) -> StateIO:
+        """The fastest exact way to save and restore device ``index``'s whole RNG state.
+
+        For hot paths that copy states they read themselves (tracker forks, ``fork_rng``,
+        recompute). ``read()`` returns an opaque snapshot and ``write(snapshot)`` puts one
+        back *without validation*: pass it only what ``read`` returned. ``pack`` turns a
+        snapshot into the tensor :meth:`get_rng_state` returns; ``unpack`` turns a state
+        tensor that :meth:`check_rng_state` accepted into a snapshot.
+
+        The default copies the default generator's bytes where those are the whole state
+        (counter-based devices), and goes through :meth:`get_rng_state` /
+        :meth:`set_rng_state` otherwise. A platform whose state has parts outside the
+        generator (the CPU's position cursor) overrides it.
+        """
+        gen = self.default_generator(index) if self.counter_based else None
+        if gen is not None:
+            return StateIO(gen.get_state, gen.set_state, torch.Tensor.clone, torch.Tensor.clone)
+        i = self._index(index)
+        return StateIO(
+            lambda: self.get_rng_state(i),
+            lambda state: self.set_rng_state(state, i),
+            torch.Tensor.clone,
+            torch.Tensor.clone,
+        )
+
     def get_rng_state(self, index: int | None = None) -> torch.Tensor:
         """Return a copy of device ``index``'s RNG state as a 1-D CPU ``uint8`` tensor."""
         return self._read_state(self._index(index))
@@ -212,6 +238,19 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
+
+
+class StateIO(NamedTuple):
+    """What :meth:`Platform.state_io` returns: read/write of snapshots, and their conversion to state tensors.
+
+    ``pack`` returns a tensor the caller may keep and modify; ``unpack`` keeps no
+    reference to the tensor it is given.
+    """
+
+    read: Callable[[], Any]
+    write: Callable[[Any], object]
+    pack: Callable[[Any], torch.Tensor]
+    unpack: Callable[[torch.Tensor], Any]
 
 
 def _dist():  # type: ignore[no-untyped-def]

@@ -43,13 +43,16 @@ are identical across devices should use the portable Philox generator instead.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import numpy as np
 import torch
 
-from platforms.base import Platform
+from platforms.base import Platform, StateIO
 from platforms.errors import InvalidStateError
 from platforms.mix import mix64
-from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_offset, check_seed, check_state
+from platforms.validate import MAX_OFFSET, MAX_SEED, OFFSET_ALIGN, check_offset, check_seed, check_state
 
 __all__ = [
     "CPUPlatform",
@@ -69,15 +72,36 @@ CPU_STATE_NBYTES = MT19937_STATE_NBYTES + _CURSOR_NBYTES
 
 _CPU_POSITION_DOMAIN = 0x43505530  # "CPU0": keeps modelled seeds apart from other mixes
 _MASK32 = (1 << 32) - 1  # torch's MT19937 seeding reads only these bits
+
+
 # Layout of torch's CPU state (CPUGeneratorImplState): uint64 initial seed, int32 left,
 # int32 seeded, uint64 next, then the 624 MT19937 words, each widened to uint64.
-_HEADER = np.dtype([("seed", "<u8"), ("left", "<i4"), ("seeded", "<i4"), ("next", "<u8")])
-_FRESH_LEFT, _FRESH_NEXT = 1, 0  # what seeding leaves in the draw counters, until the first draw
-_MT_WORDS_START = _HEADER.itemsize
+class _Header(ctypes.Structure):
+    """The head of that state; ``left`` and ``next`` are what seeding sets (1 and 0) and every draw moves.
+
+    Read in place (``from_address``) because sharded regions ask on every op.
+    """
+
+    _fields_ = [
+        ("initial_seed", ctypes.c_uint64),
+        ("left", ctypes.c_int32),
+        ("seeded", ctypes.c_int32),
+        ("next", ctypes.c_uint64),
+    ]
+
+
+_LAST_BLOCK = MAX_OFFSET - OFFSET_ALIGN
+_MT_WORDS_START = 24
 _MT_WORDS_END = _MT_WORDS_START + 624 * 8
 _CURSOR = np.dtype([("seed", "<u8"), ("offset", "<i8")])
 
 _SCRATCH = torch.Generator()  # validates states by trying them; its own numbers are never used
+
+
+@functools.lru_cache(maxsize=64)
+def _mixed(seed: int) -> int:
+    """The pure mix positions of ``seed`` count up from (memoised: a run positions few seeds, twice a region)."""
+    return mix64(seed ^ _CPU_POSITION_DOMAIN)
 
 
 def position_seed(seed: int, offset: int) -> int:
@@ -89,7 +113,7 @@ def position_seed(seed: int, offset: int) -> int:
     """
     if offset == 0:
         return seed
-    return (mix64(seed ^ _CPU_POSITION_DOMAIN) + offset // OFFSET_ALIGN) & _MASK32
+    return (_mixed(seed) + offset // OFFSET_ALIGN) & _MASK32
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
@@ -111,16 +135,11 @@ def seed_generator(gen: torch.Generator, seed: int) -> None:
     gen.set_state(state)
 
 
-def _has_drawn(mt_state: np.ndarray) -> bool:
-    """Whether the generator drew since it was seeded (torch's draw counters left their start)."""
-    header = mt_state[: _HEADER.itemsize].view(_HEADER)[0]
-    return bool(header["left"] != _FRESH_LEFT or header["next"] != _FRESH_NEXT)
-
-
 class _Cursor:
-    """The (seed, offset) position of ``torch.default_generator``, and the MT19937 seed it models.
+    """The (seed, offset) position of a generator, and the MT19937 seed it models.
 
-    One exists per process, beside the one process-wide generator it describes.
+    One exists beside ``torch.default_generator`` (per process, like the generator), and
+    one on each :class:`CursorGenerator`.
     """
 
     __slots__ = ("seed", "offset", "mt_seed")
@@ -130,13 +149,6 @@ class _Cursor:
 
     def set(self, seed: int, offset: int, mt_seed: int) -> None:
         self.seed, self.offset, self.mt_seed = seed, offset, mt_seed
-
-    def read(self, gen: torch.Generator) -> tuple[int, int]:
-        """The pair the generator's stream was positioned at (without the draw model)."""
-        current = gen.initial_seed()
-        if current != self.mt_seed:  # reseeded or replaced outside the platform
-            return current, 0
-        return self.seed, self.offset
 
 
 _DEFAULT_CURSOR = _Cursor()
@@ -184,24 +196,41 @@ class CPUPlatform(Platform):
         once the generator has drawn from that stream, ``(initial_seed, 0)`` (or
         ``(initial_seed, 4)``) for a generator the platform did not position.
         """
-        gen = self._target(index, generator)
-        cursor = _cursor_of(gen)
-        seed, offset = cursor.read(gen) if cursor is not None else (gen.initial_seed(), 0)
-        if _has_drawn(gen.get_state().numpy()) and offset < MAX_OFFSET - OFFSET_ALIGN:
-            offset += OFFSET_ALIGN
+        # (The device's own generator without detours: sharded regions read it every op.)
+        gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
+        cursor = _DEFAULT_CURSOR if gen is torch.default_generator else _cursor_of(gen)
+        current = gen.initial_seed()
+        if cursor is not None and cursor.mt_seed == current:
+            seed, offset = cursor.seed, cursor.offset
+        else:  # no cursor, or reseeded behind the platform's back: the stream of a plain manual_seed
+            seed, offset = current, 0
+        if offset < _LAST_BLOCK:
+            state = gen.get_state()  # held while its header is read in place
+            header = _Header.from_address(state.data_ptr())
+            if header.left != 1 or header.next != 0:  # the generator has drawn from this position's stream
+                offset += OFFSET_ALIGN
         return seed, offset
 
     def set_seed_offset(
         self, seed: int, offset: int, index: int | None = None, generator: torch.Generator | None = None
     ) -> None:
         """Seed MT19937 from (seed, offset) and set the generator's cursor to the pair (where it has one)."""
-        s, o = check_seed(seed), check_offset(offset)
-        gen = self._target(index, generator)
-        mt_seed = position_seed(s, o)
-        seed_generator(gen, mt_seed)
-        cursor = _cursor_of(gen)
-        if cursor is not None:
-            cursor.set(s, o, gen.initial_seed())
+        # Valid ints pass without a call (regions position twice per op); anything else is checked.
+        s = seed if type(seed) is int and 0 <= seed <= MAX_SEED else check_seed(seed)
+        o = (
+            offset
+            if type(offset) is int and 0 <= offset <= MAX_OFFSET and not offset % OFFSET_ALIGN
+            else check_offset(offset)
+        )
+        gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
+        mt_seed = s if o == 0 else (_mixed(s) + o // OFFSET_ALIGN) & _MASK32  # position_seed, inlined
+        if mt_seed <= _MASK32:
+            gen.manual_seed(mt_seed)
+        else:
+            seed_generator(gen, mt_seed)
+        cursor = _DEFAULT_CURSOR if gen is torch.default_generator else _cursor_of(gen)
+        if cursor is not None:  # seeding made mt_seed the generator's initial seed
+            cursor.seed, cursor.offset, cursor.mt_seed = s, o, mt_seed
 
     def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
         """Check the length, the MT19937 bytes (on a scratch generator) and the cursor; change nothing.
@@ -237,17 +266,16 @@ class CPUPlatform(Platform):
             self._index(index)
         return torch.default_generator if generator is None else self._check_generator(generator)
 
+    def state_io(self, index: int | None = None) -> StateIO:
+        """Snapshots are (MT19937 bytes, cursor content) pairs: no packing on the hot path."""
+        self._index(index)
+        return _STATE_IO
+
     def _read_state(self, index: int) -> torch.Tensor:
-        gen = torch.default_generator
-        seed, offset = _DEFAULT_CURSOR.read(gen)
-        cursor = np.array([(seed, offset)], dtype=_CURSOR).view(np.uint8)
-        return torch.from_numpy(np.concatenate((gen.get_state().numpy(), cursor)))
+        return _pack(_read())
 
     def _write_state(self, state: torch.Tensor, index: int) -> None:
-        gen = torch.default_generator
-        gen.set_state(state[:MT19937_STATE_NBYTES])
-        seed, offset = _unpack_cursor(state)
-        _DEFAULT_CURSOR.set(seed, offset, gen.initial_seed())
+        _write(_unpack(state))
 
     def _seed(self, seed: int, index: int) -> None:
         seed_generator(torch.default_generator, seed)
@@ -257,3 +285,36 @@ class CPUPlatform(Platform):
 def _unpack_cursor(state: torch.Tensor) -> tuple[int, int]:
     cursor = state[MT19937_STATE_NBYTES:].numpy().view(_CURSOR)[0]
     return int(cursor["seed"]), int(cursor["offset"])
+
+
+_Snapshot = tuple[torch.Tensor, int, int, int]  # the MT19937 bytes, then the cursor's seed, offset and MT seed
+
+
+def _read() -> _Snapshot:
+    c = _DEFAULT_CURSOR
+    return torch.default_generator.get_state(), c.seed, c.offset, c.mt_seed
+
+
+def _write(snapshot: _Snapshot) -> None:
+    torch.default_generator.set_state(snapshot[0])
+    c = _DEFAULT_CURSOR
+    _, c.seed, c.offset, c.mt_seed = snapshot
+
+
+def _pack(snapshot: _Snapshot) -> torch.Tensor:
+    mt, seed, offset, mt_seed = snapshot
+    raw = mt.numpy()
+    if int(raw[:8].view("<u8")[0]) != mt_seed:  # the cursor no longer describes these bytes
+        seed, offset = int(raw[:8].view("<u8")[0]), 0
+    cursor = np.array([(seed, offset)], dtype=_CURSOR).view(np.uint8)
+    return torch.from_numpy(np.concatenate((raw, cursor)))
+
+
+def _unpack(state: torch.Tensor) -> _Snapshot:
+    """A state :meth:`CPUPlatform.check_rng_state` accepted, as a snapshot (its cursor belongs to its bytes)."""
+    mt = state[:MT19937_STATE_NBYTES].clone()
+    seed, offset = _unpack_cursor(state)
+    return mt, seed, offset, int(mt.numpy()[:8].view("<u8")[0])
+
+
+_STATE_IO = StateIO(_read, _write, _pack, _unpack)

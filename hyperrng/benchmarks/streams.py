@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 
 import platforms
-from hyperrng._device_state import state_io
 from hyperrng.benchmarks._timing import BenchResult, interleaved
 from hyperrng.random import fork_rng
 from hyperrng.tracker import RNGStatesTracker
@@ -44,8 +43,8 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     tracker.reseed(_STREAM_SEEDS)
     copying = RNGStatesTracker(graph_safe=False)
     copying.reseed(_STREAM_SEEDS)
-    read, write = state_io(platform)
-    stream_state = copying.get_states()["bench-a"]
+    read, write, _, unpack = platform.state_io()
+    stream_state = unpack(copying.get_states()["bench-a"])
 
     def raw_switch() -> None:
         # The state copies a stream switch cannot avoid: save, load, read back, restore.
