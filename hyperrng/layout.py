@@ -55,9 +55,9 @@ import torch
 
 import platforms
 from hyperrng.errors import LayoutError
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 from platforms.mix import combine64
-from platforms.validate import MAX_SEED, check_int, check_seed
+from platforms.validate import MAX_SEED, check_instance, check_int, check_seed
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -329,7 +329,8 @@ def apply_layout(
 
     See :meth:`StreamLayout.seed_tracker`; returns ``{stream: seed}``.
     """
-    return layout.seed_tracker(tracker if tracker is not None else get_rng_tracker(), base_seed, coords)
+    check_instance(layout, StreamLayout, "layout")
+    return layout.seed_tracker(resolve_tracker(tracker), base_seed, coords)
 
 
 def _names(values: object, what: str) -> list[str]:

@@ -88,6 +88,8 @@ def fork_rng(
     Nothing is read or changed until the ``with`` block is entered; a bad argument
     raises before that.
     """
+    if not isinstance(enabled, bool):
+        raise ArgumentTypeError(f"enabled must be True or False, got {type(enabled).__name__} {enabled!r}.")
     if not enabled:
         return _NO_FORK
     platform = platforms.current()

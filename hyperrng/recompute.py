@@ -18,7 +18,8 @@ import torch
 
 import platforms
 from hyperrng._device_state import host_and_devices
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from hyperrng.errors import ArgumentTypeError
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["checkpoint"]
 
@@ -93,7 +94,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
         What ``function`` returns. Gradients equal those of running ``function`` without
         checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
     """
+    if not callable(function):
+        raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")
+    resolved = resolve_tracker(tracker)
     # The anchor requires grad, so the output does too even when no input does (raw data
     # in, parameters inside): without it the parameters would silently get no gradient.
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-    return _Checkpoint.apply(function, tracker if tracker is not None else get_rng_tracker(), anchor, *args)
+    return _Checkpoint.apply(function, resolved, anchor, *args)

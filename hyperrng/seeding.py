@@ -34,7 +34,7 @@ from hyperrng.tracker import (
     MODEL_PARALLEL_STREAM,
     RNGStatesTracker,
     TrackerStateError,
-    get_rng_tracker,
+    resolve_tracker,
 )
 from platforms.validate import MAX_SEED, check_int, check_seed
 
@@ -114,9 +114,7 @@ def _derived(value: int, formula: str) -> int:
 def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     """The tracker to reseed; refuse up front (an active fork, a mode the platform lacks),
     before anything is seeded."""
-    chosen = tracker if tracker is not None else get_rng_tracker()
-    if not isinstance(chosen, RNGStatesTracker):
-        raise TrackerStateError(f"tracker must be an RNGStatesTracker, got {type(chosen).__name__}.")
+    chosen = resolve_tracker(tracker)
     if chosen.active_stream is not None:
         raise TrackerStateError(
             f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork."
@@ -189,7 +187,7 @@ def set_random_seed(
     if tp_rank is not None:
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
-        _idle(tracker)
+    _idle(tracker)  # inside a fork, seeding the device would reseed the forked stream
     seed_host(base)
     if tp_rank is not None:
         model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
@@ -198,7 +196,7 @@ def set_random_seed(
 
 def is_random_seed_set(tracker: RNGStatesTracker | None = None) -> bool:
     """Whether the tracker (default: the process-wide one) holds at least one stream."""
-    chosen = tracker if tracker is not None else get_rng_tracker()
+    chosen = resolve_tracker(tracker)
     return len(chosen) > 0
 
 

@@ -40,7 +40,7 @@ import platforms
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, ShardingError
 from hyperrng.sharding import rng_offsets
 from platforms import Platform
-from platforms.validate import MAX_OFFSET, check_int, check_seed
+from platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
 
 __all__ = ["MeshInfo", "ShardedRNGTracker", "as_mesh_info"]
 
@@ -128,6 +128,8 @@ class ShardedRNGTracker:
     """
 
     def __init__(self, platform: Platform | None = None) -> None:
+        if platform is not None:
+            check_instance(platform, Platform, "platform")
         self._platform = platform
         self._offsets: dict[tuple[Any, ...], tuple[int, int]] = {}
         self.distribute_region_enabled = True

@@ -40,9 +40,9 @@ import torch
 import platforms
 from hyperrng.errors import CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 from platforms.cpu import MT19937_STATE_NBYTES
-from platforms.validate import MAX_SEED, check_seed
+from platforms.validate import MAX_SEED, check_instance, check_seed
 
 __all__ = [
     "FORMAT",
@@ -92,7 +92,9 @@ def rng_state_dict(
         group: the process group whose rank and size are recorded (default: the world).
     """
     p = platforms.current()
-    tracker = tracker if tracker is not None else get_rng_tracker()
+    tracker = resolve_tracker(tracker)
+    if layout is not None:
+        check_instance(layout, StreamLayout, "layout")
     if base_seed is not None:
         base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
     if tracker.active_stream is not None:
@@ -160,7 +162,9 @@ def load_rng_state_dict(
     """
     if on_mismatch not in ON_MISMATCH:
         raise CheckpointError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
-    tracker = tracker if tracker is not None else get_rng_tracker()
+    tracker = resolve_tracker(tracker)
+    if layout is not None:
+        check_instance(layout, StreamLayout, "layout")
     if tracker.active_stream is not None:
         # The fork's exit would restore the state it saved before this load, losing both.
         raise CheckpointError(

@@ -62,7 +62,7 @@ from hyperrng.errors import (
     UnknownStreamError,
 )
 from platforms import Platform, StateIO
-from platforms.validate import check_seed
+from platforms.validate import check_instance, check_seed
 
 __all__ = [
     "DATA_PARALLEL_STREAM",
@@ -75,6 +75,7 @@ __all__ = [
     "TrackerStateError",
     "get_cuda_rng_tracker",
     "get_rng_tracker",
+    "resolve_tracker",
     "set_rng_tracker",
 ]
 
@@ -632,6 +633,17 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 get_cuda_rng_tracker = get_rng_tracker
 """Alias of :func:`get_rng_tracker` under Megatron-core's and slapo's name."""
+
+
+def resolve_tracker(tracker: object) -> RNGStatesTracker:
+    """``tracker``, or the process-wide one for ``None``.
+
+    Raises:
+        ArgumentTypeError: ``tracker`` is neither ``None`` nor an :class:`RNGStatesTracker`.
+    """
+    if tracker is None:
+        return _TRACKER
+    return check_instance(tracker, RNGStatesTracker, "tracker")  # type: ignore[no-any-return]
 
 
 def set_rng_tracker(tracker: RNGStatesTracker) -> RNGStatesTracker:

@@ -24,7 +24,8 @@ import torch
 import platforms
 from hyperrng.errors import DistributedNotInitializedError, LayoutError, RNGDesyncError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
-from hyperrng.tracker import RNGStatesTracker, TrackerStateError, get_rng_tracker
+from hyperrng.tracker import RNGStatesTracker, TrackerStateError, resolve_tracker
+from platforms.validate import check_instance
 
 __all__ = ["StreamVerdict", "fingerprint", "verify_rng_sync"]
 
@@ -98,7 +99,8 @@ def verify_rng_sync(
     """
     import torch.distributed as dist
 
-    tracker = tracker if tracker is not None else get_rng_tracker()
+    check_instance(layout, StreamLayout, "layout")
+    tracker = resolve_tracker(tracker)
     if tracker.active_stream is not None:
         # Checked before any collective, so every rank raises alike only if every rank forks alike;
         # inside a fork the default generator holds the stream and would be misjudged.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "OFFSET_ALIGN",
     "round_up_offset",
     "check_int",
+    "check_instance",
     "check_seed",
     "check_offset",
     "check_state",
@@ -58,6 +60,18 @@ def check_int(value: object, what: str) -> int:
         raise ArgumentTypeError(
             f"{what} must be an int, got {type(value).__name__} {value!r}; pass a Python or NumPy integer."
         ) from None
+
+
+def check_instance(value: object, types: type | tuple[type, ...], what: str) -> Any:
+    """Return ``value`` if it is an instance of ``types``, else raise :class:`ArgumentTypeError` naming ``what``."""
+    if isinstance(value, types) and not (isinstance(value, bool) and bool not in _as_tuple(types)):
+        return value
+    names = " or ".join(t.__name__ for t in _as_tuple(types))
+    raise ArgumentTypeError(f"{what} must be a {names}, got {type(value).__name__} {value!r:.60}.")
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
 
 
 def check_seed(seed: object, what: str = "seed") -> int:

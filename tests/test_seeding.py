@@ -357,3 +357,15 @@ def test_a_tracker_the_platform_cannot_serve_is_refused_before_the_host_is_seede
         assert py_random.getstate() == before[0]
         assert (np.random.get_state()[1] == before[1]).all()
         assert torch.equal(torch.get_rng_state(), before[2])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tp_rank": 0}], ids=["without-tp", "with-tp"])
+def test_set_random_seed_inside_a_fork_is_refused_either_way(kwargs: dict[str, int]) -> None:
+    tracker = get_rng_tracker()
+    tracker.reseed({MODEL_PARALLEL_STREAM: 5})
+    platform = platforms.current()
+    with tracker.fork(MODEL_PARALLEL_STREAM):
+        before = everything(platform)
+        with pytest.raises(TrackerStateError, match="inside a fork"):
+            set_random_seed(1, **kwargs)
+        assert everything(platform) == before
