@@ -16,10 +16,14 @@ Draws of different distributions with the same key and offset read the same word
 they are dependent: give independent draws different keys or disjoint index ranges.
 
 Large tensors are produced in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
-blocks written into the preallocated result, so working memory does not grow with the
-tensor. ``compiled=True`` runs the same arithmetic through ``torch.compile`` (compiled
-on first use, once per distribution and compute dtype), which is faster and bitwise
-equal to eager for the exact distributions.
+blocks written straight into the preallocated result, so working memory besides the
+result is bounded, whatever the tensor size, by
+:func:`~hyperrng._philox_kernels.scratch_bytes` (5 MiB: eager code keeps six ``int64``
+rows and at most four value rows of one chunk; no ``int64`` tensor of the full size is
+ever formed). ``compiled=True`` runs the same arithmetic through ``torch.compile``
+(compiled on first use, once per distribution and compute dtype, then reused for every
+key, offset, parameter and size), which is faster and bitwise equal to eager for the
+exact distributions.
 """
 
 from __future__ import annotations
@@ -175,15 +179,15 @@ def _generate(
     params: Sequence[float | int],
     param_dtypes: Sequence[torch.dtype],
     compiled: bool,
+    value_dtype: torch.dtype,
 ) -> torch.Tensor:
     global_shape = _check_shape(shape)
     key_value = _check_key(key)
     offset_value = _check_offset(offset, math.prod(global_shape))
     geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
     target = torch.device("cpu") if device is None else torch.device(device)
-    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, compiled)
-    out = torch.empty(geometry.local_shape, dtype=dtype, device=target)
-    return _k.fill(out, geometry, offset_value, kernel)
+    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, compiled, value_dtype)
+    return _k.fill(geometry, offset_value, kernel, dtype)
 
 
 def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -234,7 +238,7 @@ def random_bits(
         InvalidShapeError: ``shape`` has a negative or non-integer dimension.
         ShardingError: ``shard`` is not a sequence of step-1 slices fitting ``shape``.
     """
-    return _generate(shape, key, offset, shard, device, torch.int64, _k.bits_values, (), (), compiled)
+    return _generate(shape, key, offset, shard, device, torch.int64, _k.BITS, (), (), compiled, torch.int64)
 
 
 def uniform(
@@ -274,11 +278,11 @@ def uniform(
     low_value, high_value = _check_real(low, "low"), _check_real(high, "high")
     if low_value > high_value:
         raise InvalidParameterError(f"low must be <= high, got low={low_value} and high={high_value}.")
-    bits = _UNIFORM_BITS[dtype]
     compute = _compute_dtype(dtype)
-    params = (_WORD_BITS - bits, 2.0**-bits, high_value - low_value, low_value)
+    keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
+    params = (keep, 2.0**-_WORD_BITS, high_value - low_value, low_value)
     dtypes = (torch.int64, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, dtype, _k.uniform_values, params, dtypes, compiled)
+    return _generate(shape, key, offset, shard, device, dtype, _k.UNIFORM, params, dtypes, compiled, compute)
 
 
 def bernoulli(
@@ -305,7 +309,7 @@ def bernoulli(
     """
     threshold = _threshold(_check_probability(p))
     return _generate(
-        shape, key, offset, shard, device, torch.bool, _k.bernoulli_values, (threshold,), (torch.int64,), compiled
+        shape, key, offset, shard, device, torch.bool, _k.BERNOULLI, (threshold,), (torch.int64,), compiled, torch.bool
     )
 
 
@@ -400,4 +404,4 @@ def normal(
     compute = _compute_dtype(dtype)
     params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
     dtypes = (torch.int64, compute, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, dtype, _k.normal_values, params, dtypes, compiled)
+    return _generate(shape, key, offset, shard, device, dtype, _k.NORMAL, params, dtypes, compiled, compute)

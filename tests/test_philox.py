@@ -215,24 +215,41 @@ def test_chunked_result_equals_single_chunk_result(name: str, monkeypatch: pytes
     assert same_bits(draw((5, 11), 7), single)
 
 
-def test_kernels_never_see_more_than_one_chunk_of_blocks(monkeypatch: pytest.MonkeyPatch, tiny_chunks: int) -> None:
+@pytest.mark.parametrize("draw", [uniform, normal, random_bits])
+def test_kernels_never_see_more_than_one_chunk_of_blocks(
+    draw: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch, tiny_chunks: int
+) -> None:
     seen: list[int] = []
-    make_kernel = kernels.make_kernel
+    values, fill_chunk = kernels.Kernel.values, kernels.Kernel._fill_chunk
 
-    def recording_make_kernel(*args: Any, **kwargs: Any) -> kernels.Kernel:
-        kernel = make_kernel(*args, **kwargs)
+    def recording_values(self: kernels.Kernel, blocks: torch.Tensor) -> torch.Tensor:
+        seen.append(blocks.numel())
+        return values(self, blocks)
 
-        def recording_kernel(blocks: torch.Tensor) -> torch.Tensor:
-            seen.append(blocks.numel())
-            return kernel(blocks)
+    def recording_fill_chunk(self: kernels.Kernel, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
+        seen.append(dst.shape[0])
+        fill_chunk(self, dst, first, offsets)
 
-        return recording_kernel
+    monkeypatch.setattr(kernels.Kernel, "values", recording_values)
+    monkeypatch.setattr(kernels.Kernel, "_fill_chunk", recording_fill_chunk)
+    draw(1000, KEY, 3)
+    draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
+    draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
+    assert seen and max(seen) <= kernels.chunk_blocks() <= tiny_chunks * kernels.MAX_CHUNK_THREADS
 
-    monkeypatch.setattr(kernels, "make_kernel", recording_make_kernel)
-    uniform(1000, KEY, 3)
-    uniform((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
-    uniform((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
-    assert seen and max(seen) <= tiny_chunks
+
+def test_eager_scratch_memory_is_bounded_by_the_chunk_not_the_tensor() -> None:
+    # Six int64 rows of words and products plus four value rows per chunk: 5 MiB a thread, 20 MiB at most.
+    assert kernels.scratch_bytes(1) == kernels.CHUNK_BLOCKS * 10 * 8 <= 5 * 2**20
+    assert kernels.scratch_bytes() == kernels.scratch_bytes(64) <= 20 * 2**20
+    kernel = kernels.make_kernel(
+        kernels.UNIFORM, (0xFFFFFF00, 2.0**-32, 1.0, 0.0), [torch.int64] + [torch.float32] * 3, KEY,
+        torch.device("cpu"), False, torch.float32,
+    )  # fmt: skip
+    out = torch.empty(6 * kernels.chunk_blocks() + 5, 4)
+    kernel.fill(out, 0)
+    assert kernel._scratch is not None and kernel._scratch.shape == (6, kernels.chunk_blocks())
+    assert torch.equal(out.flatten(), uniform(out.numel(), KEY))
 
 
 # --- distributions ------------------------------------------------------------------
