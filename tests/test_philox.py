@@ -379,6 +379,30 @@ def test_compiled_uniform_is_bitwise_equal_to_eager(tiny_chunks: int) -> None:
         assert same_bits(uniform((11, 13), KEY, offset, shard=shard, compiled=True), eager)
 
 
+def test_compiled_code_is_reused_for_new_keys_offsets_sizes_shards_and_bounds() -> None:
+    from torch._dynamo.utils import counters
+
+    uniform((11, 13), KEY, 2, compiled=True)  # a range and its partial end blocks
+    uniform((11, 13), KEY, 2, shard=(slice(2, 9), slice(1, 4)), compiled=True)  # short runs
+    graphs = counters["stats"]["unique_graphs"]
+    for n, offset in [(1000, 0), (1001, 3), (4 * 2**16 + 7, 1), (5, 2**64 - 8), (2, 1), (1, 0), (4, 0), (8, 0)]:
+        uniform(n, offset + 1, offset, compiled=True)
+    uniform((40, 25), 9, 3, shard=(slice(None), slice(1, 3)), compiled=True)
+    uniform((40, 25), 9, 3, shard=(slice(5, 6), slice(1, 3)), compiled=True)
+    uniform(100, 9, 3, dtype=torch.bfloat16, low=-2.0, high=5.0, compiled=True)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_compiled_whole_block_draw_is_returned_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_copy(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the compiled range was copied")
+
+    eager = uniform((64, 32), KEY, 8)
+    monkeypatch.setattr(kernels.Kernel, "fill", no_copy)
+    out = uniform((64, 32), KEY, 8, compiled=True)
+    assert out.is_contiguous() and out.shape == (64, 32) and same_bits(out, eager)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["random_bits", "bernoulli", "uniform_bf16", "uniform_bounds"])
 def test_compiled_exact_distributions_are_bitwise_equal_to_eager(name: str) -> None:
