@@ -78,7 +78,7 @@ WORDS_PER_BLOCK = 4
 
 CHUNK_BLOCKS = 2**16
 """Blocks computed per eager step and thread (see :func:`chunk_blocks`). Eager rounds keep
-six ``int64`` rows of a chunk (four words and two products) plus at most four value rows,
+six ``int64`` rows of a chunk (four words and two products) plus at most six value rows,
 so working memory stays below :func:`scratch_bytes` whatever the tensor size, and the
 rows stay in cache. Measured on CPU with one thread, 2**16 and 2**17 run equally fast;
 smaller chunks pay more per-operation overhead than they gain in cache."""
@@ -92,7 +92,7 @@ _MASK32 = 0xFFFFFFFF
 _WRAP32 = 1 << 32
 _HALF_SHIFT = 32  # bits between the low and high word of a 64-bit product or counter
 _SCRATCH_ROWS = 6  # eager int64 rows per chunk: four words and two products
-_VALUE_ROWS = 4  # eager float rows per chunk, for distributions that need a temporary
+_VALUE_ROWS = 6  # eager value rows per chunk, at most: normal's radii, angles and one lane pair
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Params = Sequence[torch.Tensor]
@@ -108,8 +108,9 @@ def chunk_blocks() -> int:
 def scratch_bytes(threads: int | None = None) -> int:
     """Upper bound of the working memory of one eager draw besides its result, in bytes.
 
-    Six ``int64`` rows and four value rows (at most 8 bytes an element) of one chunk:
-    5 MiB with one thread, 20 MiB at most. Compiled draws keep nothing but the result.
+    Six ``int64`` rows and at most six value rows (8 bytes an element at most) of one
+    chunk: 6 MiB with one thread, 24 MiB at most. Compiled draws keep nothing but the
+    result.
     """
     count = MAX_CHUNK_THREADS if threads is None else min(max(threads, 1), MAX_CHUNK_THREADS)
     return CHUNK_BLOCKS * count * (_SCRATCH_ROWS + _VALUE_ROWS) * 8
@@ -332,10 +333,13 @@ def _normal_blockwise(
 
 def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
     shift, unit, two_pi, std, mean = params
-    # Rows (0, 2) give the radii and rows (1, 3) the angles of lanes (0, 1) and (2, 3).
-    radius, theta = _box_muller(words[0::2], words[1::2], shift, unit, two_pi)
+    # The operations of _box_muller, in place: rows (0, 2) give the radii and rows (1, 3)
+    # the angles of lanes (0, 1) and (2, 3). At most six value rows are alive at once.
+    radius = torch.mul(torch.bitwise_right_shift(words[0::2], shift).add_(1), unit)
+    radius.log_().mul_(-2.0).sqrt_()
+    theta = torch.mul(torch.bitwise_right_shift(words[1::2], shift), unit).mul_(two_pi)
     for column, trig in ((0, torch.cos), (1, torch.sin)):
-        z = radius * trig(theta)
+        z = trig(theta).mul_(radius)  # radius * trig(theta): multiplication commutes exactly
         z.mul_(std).add_(mean)
         dst[:, column::2].copy_(z.t())
 

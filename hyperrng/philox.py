@@ -29,7 +29,7 @@ Memory: eager draws work in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLO
 blocks per torch thread (for up to four threads). The rounds run in place on six
 ``int64`` rows of one chunk and each lane is written straight into the result, so the
 working memory besides the result is at most
-:func:`~hyperrng._philox_kernels.scratch_bytes`, 5 MiB a thread and 20 MiB in all,
+:func:`~hyperrng._philox_kernels.scratch_bytes`, 6 MiB a thread and 24 MiB in all,
 whatever the tensor size: no ``int64`` tensor of the full size is ever formed.
 ``compiled=True`` runs the same arithmetic through ``torch.compile`` as one fused loop
 per contiguous run, which keeps nothing in memory but the values; it is compiled on
@@ -128,7 +128,10 @@ def _check_key(key: object) -> int:
 def _check_offset(offset: object, numel: int) -> int:
     value = check_int(offset, "offset")
     if value < 0:
-        raise InvalidOffsetError(f"offset must be >= 0, got {value}.")
+        raise InvalidOffsetError(
+            f"offset must be >= 0, got {value}; it is the global index of the first element, "
+            f"e.g. the number of values already drawn with this key."
+        )
     if value + numel > COUNTER_SPACE:
         raise InvalidOffsetError(
             f"offset {value} + {numel} elements overflows the 2**64 counter space by "
@@ -145,9 +148,12 @@ def _check_shape(shape: object) -> tuple[int, ...]:
         )
     result = tuple(check_int(d, "each shape dimension") for d in dims)
     if any(d < 0 for d in result):
-        raise InvalidShapeError(f"shape {result} has a negative dimension; dimensions must be >= 0.")
+        raise InvalidShapeError(f"shape {result} has a negative dimension; every dimension must be >= 0.")
     if math.prod(result) >= _MAX_GLOBAL_NUMEL:
-        raise InvalidShapeError(f"shape {result} has 2**62 or more elements, more than a tensor can hold.")
+        raise InvalidShapeError(
+            f"shape {result} has 2**62 or more elements, more than the counter space indexes; "
+            f"split it into tensors drawn with different keys."
+        )
     return result
 
 
