@@ -329,6 +329,16 @@ def test_dropout_passes_gradients_to_kept_elements_only() -> None:
     assert torch.equal(grad, torch.where(bernoulli(32, 0.5, KEY), 0.0, 2.0))
 
 
+def test_dropout_values_and_gradients_equal_the_where_formulation_bit_for_bit() -> None:
+    x = torch.randn(4096, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(4096, dtype=torch.float64)
+    ours = dropout(x, 0.3, KEY, 5)
+    reference = torch.where(bernoulli(4096, 0.3, KEY, 5), 0.0, x * (1.0 / 0.7))
+    (g_ours,) = torch.autograd.grad(ours, x, grad_out, create_graph=True)
+    (g_reference,) = torch.autograd.grad(reference, x, grad_out, create_graph=True)
+    assert same_bits(ours.detach(), reference.detach()) and same_bits(g_ours, g_reference)
+
+
 def test_dropout_of_a_shard_equals_the_shard_of_the_global_dropout() -> None:
     x = torch.randn(6, 10, dtype=torch.float16)
     shard = (slice(1, 5), slice(3, 8))
