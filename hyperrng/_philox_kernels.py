@@ -374,25 +374,27 @@ _MIN_COMPILED_BLOCKS = 2
 
 
 @functools.cache
-def _compiled(blockwise: Blockwise, device_type: str = "cpu", parallel: bool = False) -> Blockwise:
-    """``blockwise`` compiled for one device type and, on CPU, one threading mode.
+def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
+    """``blockwise`` compiled for one device type.
 
     Compiled once per distribution on first use, never at import. Keys and parameters
     are tensor arguments and block counts are dynamic, so new keys, offsets, bounds or
     sizes reuse the compiled code; the compute dtype and whether the blocks are a range
-    (``blocks is None``) or a tensor of indices select among at most four variants.
-    Inductor specialises CPU code on the thread count it compiles under (serial code for
-    one thread) and never recompiles when it changes, so one-thread and many-thread
-    callers get separate compilations. Each (distribution, device type, threading mode)
-    runs as its own code object, because torch.compile keeps one cache, with a
-    recompile limit, per code object.
+    (``blocks is None``) or a tensor of indices select among at most four variants. Each
+    (distribution, device type) runs as its own code object, because torch.compile keeps
+    one cache, with a recompile limit, per code object.
+
+    CPU code is built with inductor's ``cpp.dynamic_threads``: otherwise it specialises
+    on the thread count it compiles under (serial code for one thread) and keeps running
+    that code when the count changes, and inductor's on-disk cache hands a kernel built
+    by a one-thread process to later processes whatever their thread count.
     """
-    name = f"{blockwise.__name__}_{device_type}" + ("_parallel" if parallel else "")
+    name = f"{blockwise.__name__}_{device_type}"
     code = blockwise.__code__.replace(co_name=name)
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=name)
     fn = types.FunctionType(code, blockwise.__globals__, name, blockwise.__defaults__, blockwise.__closure__)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
 @functools.lru_cache(maxsize=16)
@@ -433,8 +435,7 @@ class Kernel:
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
-            parallel = device.type == "cpu" and torch.get_num_threads() > 1
-            self._fn = _compiled(transform.blockwise, device.type, parallel)
+            self._fn = _compiled(transform.blockwise, device.type)
             self._keys = (torch.tensor(self.k0, device=device), torch.tensor(self.k1, device=device))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:

@@ -403,22 +403,23 @@ def test_compiled_code_is_reused_for_new_keys_offsets_sizes_shards_and_bounds() 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.slow
-def test_one_thread_and_many_thread_callers_get_their_own_compiled_code() -> None:
-    # Inductor emits serial CPU code when it compiles under one thread and would keep
-    # running it after set_num_threads(8); each threading mode gets its own code object.
+def test_compiled_code_serves_every_thread_count_without_recompiling() -> None:
+    # CPU code is built thread-count independent (inductor's cpp.dynamic_threads): left
+    # to its default, inductor specialises kernels on the count it compiles under.
+    from torch._dynamo.utils import counters
+
+    eager = uniform(1001, KEY, 3)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         serial = uniform(1001, KEY, 3, compiled=True)
+        graphs = counters["stats"]["unique_graphs"]
         torch.set_num_threads(2)
         parallel = uniform(1001, KEY, 3, compiled=True)
     finally:
         torch.set_num_threads(previous)
-    assert same_bits(serial, parallel) and same_bits(serial, uniform(1001, KEY, 3))
-    compiled = [kernels._compiled(kernels.UNIFORM.blockwise, "cpu", parallel) for parallel in (False, True)]
-    names = {fn._torchdynamo_orig_callable.__name__ for fn in compiled}  # type: ignore[attr-defined]
-    assert names == {"_uniform_blockwise_cpu", "_uniform_blockwise_cpu_parallel"}
+    assert same_bits(serial, eager) and same_bits(parallel, eager)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_compiled_whole_block_draw_is_returned_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
