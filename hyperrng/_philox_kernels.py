@@ -2,53 +2,60 @@
 
 Everything here is plain torch integer arithmetic, so the same code runs on any device.
 Unsigned 32-bit words live in ``int64`` tensors because torch has no ``uint32``
-arithmetic on CPU. The product of two values below ``2**32`` wraps modulo ``2**64`` in
-``int64``, so its bit pattern is the exact unsigned 64-bit product: its high word is
-``(p >> 32) & 0xFFFFFFFF`` (the mask undoes the sign extension of the arithmetic shift)
-and its low word is ``p & 0xFFFFFFFF``.
+arithmetic on CPU.
 
 Counter layout: global element index ``j`` lives in Philox block ``j // 4``, lane
 ``j % 4``. The block index is the 64-bit counter held in words 0 (low half) and 1 (high
 half); words 2 and 3 are zero. Since ``j < 2**64``, block indices are below ``2**62`` and
 fit an ``int64`` tensor.
 
-A *kernel* maps a 1-D ``int64`` tensor of block indices to a ``(blocks, 4)`` tensor of
-values, one per lane, in the distribution's compute dtype; writing them into the result
-rounds them to its dtype. Distributions are *transforms* ``(blocks, k0, k1, *params)``
-that take the function producing the words as ``words_fn``: eager kernels pass the
-in-place rounds (reused buffers, which is what makes eager fast), compiled kernels
-compile the transform with the default functional rounds, which inductor fuses with the
-transform into one loop. Both run the same integer operations, so they agree bit for bit
-wherever the transform is exact.
+A :class:`Kernel` binds a distribution (a :class:`Transform`), its parameters and a key.
+It turns block indices into values, one per lane, and writes whole runs of blocks
+straight into the result. There are two implementations of the same arithmetic:
+
+* eager: the rounds run in place on a few reused rows of one chunk (no allocation per
+  operation), and the distribution writes each lane directly into its strided column of
+  the result, so a chunk costs about a hundred tensor operations and no extra pass;
+* compiled: ``torch.compile`` fuses the functional rounds and the distribution into one
+  loop over the blocks, with nothing but the values in memory.
+
+Both run the same integer operations, so they agree bit for bit wherever the
+distribution is exact.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "BERNOULLI",
+    "BITS",
     "CHUNK_BLOCKS",
+    "MAX_CHUNK_THREADS",
+    "NORMAL",
     "PHILOX_M0",
     "PHILOX_M1",
     "PHILOX_ROUNDS",
     "PHILOX_W0",
     "PHILOX_W1",
+    "UNIFORM",
     "WORDS_PER_BLOCK",
     "Kernel",
     "ShardGeometry",
     "Transform",
-    "bernoulli_values",
-    "bits_values",
     "counter_words",
     "fill",
     "make_kernel",
-    "normal_values",
     "philox_rounds",
-    "uniform_values",
+    "chunk_blocks",
+    "scratch_bytes",
 ]
 
 PHILOX_M0 = 0xD2511F53
@@ -70,33 +77,58 @@ WORDS_PER_BLOCK = 4
 """32-bit words one Philox4x32 block produces; element ``j`` uses lane ``j % 4``."""
 
 CHUNK_BLOCKS = 2**16
-"""Blocks computed per kernel call. At 8 bytes a word the eager working set (four word
-rows and two product rows, about 3 MiB) stays in cache, and it bounds working memory
-independently of the tensor size."""
+"""Blocks computed per eager step and thread (see :func:`chunk_blocks`). Eager rounds keep
+six ``int64`` rows of a chunk (four words and two products) plus at most six value rows,
+so working memory stays below :func:`scratch_bytes` whatever the tensor size, and the
+rows stay in cache. Measured on CPU with one thread, 2**16 and 2**17 run equally fast;
+smaller chunks pay more per-operation overhead than they gain in cache."""
+
+MAX_CHUNK_THREADS = 4
+"""Chunks grow with the thread count up to this many threads: each eager operation forks
+and joins the threads once, so a chunk of ``CHUNK_BLOCKS`` per thread keeps that cost
+small, and the cap keeps the scratch memory bounded on many-core machines."""
 
 _MASK32 = 0xFFFFFFFF
+_WRAP32 = 1 << 32
 _HALF_SHIFT = 32  # bits between the low and high word of a 64-bit product or counter
-_HALF16_SHIFT = 16  # the overflow-free multiply works on 16-bit halves of the multiplier
-_MASK16 = 0xFFFF
-
-Kernel = Callable[[torch.Tensor], torch.Tensor]
-"""Block indices, a 1-D int64 tensor of shape ``(m,)``, to values of shape ``(m, 4)``."""
+_SCRATCH_ROWS = 6  # eager int64 rows per chunk: four words and two products
+_VALUE_ROWS = 6  # eager value rows per chunk, at most: normal's radii, angles and one lane pair
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Params = Sequence[torch.Tensor]
+Scalars = Sequence[float | int]
+
+
+def chunk_blocks() -> int:
+    """Blocks per eager step: :data:`CHUNK_BLOCKS` per torch thread, for up to
+    :data:`MAX_CHUNK_THREADS` threads (read when a draw starts)."""
+    return CHUNK_BLOCKS * min(max(torch.get_num_threads(), 1), MAX_CHUNK_THREADS)
+
+
+def scratch_bytes(threads: int | None = None) -> int:
+    """Upper bound of the working memory of one eager draw besides its result, in bytes.
+
+    Six ``int64`` rows and at most six value rows (8 bytes an element at most) of one
+    chunk: 6 MiB with one thread, 24 MiB at most. Compiled draws keep nothing but the
+    result.
+    """
+    count = MAX_CHUNK_THREADS if threads is None else min(max(threads, 1), MAX_CHUNK_THREADS)
+    return CHUNK_BLOCKS * count * (_SCRATCH_ROWS + _VALUE_ROWS) * 8
 
 
 def _mulhilo32(c: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low words of ``c * multiplier`` (both below ``2**32``) without int64 overflow.
+    """High and low words of ``c * multiplier`` for ``c`` and ``multiplier`` below ``2**32``.
 
-    Compiled code must never overflow: inductor emits C++, where signed overflow is
-    undefined, and gcc, knowing ``c < 2**32``, then drops the mask that corrects the sign
-    of a wrapped product. Splitting the multiplier into 16-bit halves keeps every
-    intermediate below ``2**49``.
+    One multiply and no overflow, which compiled code needs (inductor emits C++, where
+    signed overflow is undefined and gcc, knowing ``c < 2**32``, would drop a mask that
+    corrects a wrapped product): with ``m' = multiplier - 2**32`` (negative, above
+    ``-2**31``) the product ``c * m'`` fits ``int64``, and ``c * multiplier`` is
+    ``c * m' + c * 2**32``. So the high word is ``floor(c * m' / 2**32) + c`` (an
+    arithmetic shift floors), already in ``[0, 2**32)``, and the low word is the low
+    half of ``c * m'``.
     """
-    upper = c * (multiplier >> _HALF16_SHIFT)
-    lower = c * (multiplier & _MASK16)
-    middle = upper + (lower >> _HALF16_SHIFT)  # == (c * multiplier) >> 16
-    return middle >> _HALF16_SHIFT, ((middle & _MASK16) << _HALF16_SHIFT) | (lower & _MASK16)
+    product = c * (multiplier - _WRAP32)
+    return (product >> _HALF_SHIFT) + c, product & _MASK32
 
 
 def philox_rounds(
@@ -129,75 +161,353 @@ def counter_words(blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor
     return philox_rounds(blocks & _MASK32, blocks >> _HALF_SHIFT, zeros, zeros, k0, k1)
 
 
-def _counter_words_inplace(blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor | int) -> Words:
-    """Eager twin of :func:`counter_words` on reused buffers, with one wrapping multiply.
+def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: int, final_mask: int) -> None:
+    """Eager Philox4x32-10 on the ``(4, m)`` rows ``words``, in place, with ``(2, m)`` scratch.
 
-    Each round writes into the buffers the previous round freed, so a chunk costs six
-    word rows of memory and no allocation per operation. Unlike the compiled rounds it
-    multiplies 32-bit words directly and lets the int64 product wrap: torch's eager
-    kernels are compiled ahead of time and wrap on every backend, and one multiply in
-    place of the split one is part of why eager runs these rounds about three times
-    faster than :func:`counter_words`.
+    On entry rows 0 and 1 hold the low and high counter words (rows 2 and 3, the zero
+    counter words, are not read); on exit the four rows hold the output words, masked
+    with ``final_mask`` (a distribution that keeps only the top bits of a word passes
+    those bits and saves a pass). Each round writes into the rows the previous round
+    freed, so nothing is allocated. Unlike :func:`philox_rounds` it multiplies the words
+    directly and lets the ``int64`` product wrap: torch's eager kernels are compiled
+    ahead of time and wrap on every backend, the wrapped product is the exact unsigned
+    64-bit one, and its high word is ``(p >> 32) & 0xFFFFFFFF`` (the mask undoes the sign
+    extension of the arithmetic shift). The masks are applied once per new word, after
+    the XORs, since garbage in the upper half of a word never reaches its low half.
     """
-    words = torch.empty((WORDS_PER_BLOCK, blocks.numel()), dtype=torch.int64, device=blocks.device)
     c0, c1, c2, c3 = words.unbind(0)
-    torch.bitwise_and(blocks, _MASK32, out=c0)
-    torch.bitwise_right_shift(blocks, _HALF_SHIFT, out=c1)
-    c2.zero_()
-    c3.zero_()
-    p0 = torch.empty_like(c0)
-    p1 = torch.empty_like(c2)
-    for r in range(PHILOX_ROUNDS):
+    p0, p1 = products.unbind(0)
+    # Round 0: words 2 and 3 are zero, so its second product is zero.
+    torch.mul(c0, PHILOX_M0, out=p0)
+    torch.bitwise_xor(c1, k0 & _MASK32, out=c0)  # high product word 0, word 1, key
+    torch.bitwise_right_shift(p0, _HALF_SHIFT, out=c2)
+    c2.bitwise_xor_(k1 & _MASK32).bitwise_and_(_MASK32)
+    p1.zero_()
+    c1, p1 = p1, c1
+    c3, p0 = p0, c3
+    for r in range(1, PHILOX_ROUNDS):
         kr0 = (k0 + r * PHILOX_W0) & _MASK32
         kr1 = (k1 + r * PHILOX_W1) & _MASK32
+        mask = final_mask if r == PHILOX_ROUNDS - 1 else _MASK32
         torch.mul(c0, PHILOX_M0, out=p0)
         torch.mul(c2, PHILOX_M1, out=p1)
         torch.bitwise_right_shift(p1, _HALF_SHIFT, out=c0)
-        c0.bitwise_xor_(c1).bitwise_xor_(kr0).bitwise_and_(_MASK32)
+        c0.bitwise_xor_(c1).bitwise_xor_(kr0).bitwise_and_(mask)
         torch.bitwise_right_shift(p0, _HALF_SHIFT, out=c2)
-        c2.bitwise_xor_(c3).bitwise_xor_(kr1).bitwise_and_(_MASK32)
-        # The products become words 1 and 3; their old buffers hold the next products.
+        c2.bitwise_xor_(c3).bitwise_xor_(kr1).bitwise_and_(mask)
+        # The products become words 1 and 3; their old rows hold the next products.
         c1, p1 = p1, c1
         c3, p0 = p0, c3
-    # An even number of rounds swaps the buffers back, so words 1 and 3 are rows 1 and 3.
-    words[1::2].bitwise_and_(_MASK32)
-    return c0, words[1], c2, words[3]
+    # Ten rounds swap each pair ten times, so words 1 and 3 are back in rows 1 and 3.
+    words[1::2].bitwise_and_(final_mask)
 
 
-WordsFn = Callable[[torch.Tensor, torch.Tensor | int, torch.Tensor | int], Words]
-Transform = Callable[..., torch.Tensor]
+# --- distributions --------------------------------------------------------------------
+
+Writer = Callable[[torch.Tensor, torch.Tensor, Params, Scalars], None]
+Blockwise = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """How a distribution turns the four words of a block into its four values.
+
+    ``blockwise(first, m, blocks, k0, k1, *params)`` is the functional form that gets
+    compiled: the ``(m, 4)`` values of the blocks ``blocks``, or of ``first + arange(m)``
+    when ``blocks`` is None (then no block index is ever stored). ``write(words, dst,
+    params, scalars)`` is the eager form: ``words`` are the ``(4, m)`` output rows of the
+    rounds, already masked with ``final_mask(scalars)``, and it writes lane ``i`` into
+    column ``i`` of ``dst`` (shape ``(m, 4)``, any dtype the values round to). ``params``
+    are the parameters as 0-d tensors, ``scalars`` the same as Python numbers.
+    """
+
+    name: str
+    blockwise: Blockwise
+    write: Writer
+    final_mask: Callable[[Scalars], int] = lambda scalars: _MASK32
+
+
+def _block_indices(first: torch.Tensor, m: int, blocks: torch.Tensor | None) -> torch.Tensor:
+    """``blocks``, or the ``m`` blocks from ``first`` (an arange from 0 plus a 0-d tensor)."""
+    if blocks is not None:
+        return blocks
+    return torch.arange(m, dtype=torch.int64, device=first.device) + first
+
+
+def _bits_blockwise(
+    first: torch.Tensor, m: int, blocks: torch.Tensor | None, k0: torch.Tensor, k1: torch.Tensor
+) -> torch.Tensor:
+    return torch.stack(counter_words(_block_indices(first, m, blocks), k0, k1), dim=1)
+
+
+def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+    for lane in range(WORDS_PER_BLOCK):
+        dst[:, lane].copy_(words[lane])
+
+
+def _uniform_lane(
+    word: torch.Tensor, keep: torch.Tensor, unit: torch.Tensor, span: torch.Tensor, low: torch.Tensor
+) -> torch.Tensor:
+    # ``word & keep`` keeps the top bits; times 2**-32 it is exactly k * 2**-bits.
+    return (word & keep) * unit * span + low
+
+
+def _uniform_blockwise(
+    first: torch.Tensor,
+    m: int,
+    blocks: torch.Tensor | None,
+    k0: torch.Tensor,
+    k1: torch.Tensor,
+    keep: torch.Tensor,
+    unit: torch.Tensor,
+    span: torch.Tensor,
+    low: torch.Tensor,
+) -> torch.Tensor:
+    words = counter_words(_block_indices(first, m, blocks), k0, k1)
+    return torch.stack([_uniform_lane(w, keep, unit, span, low) for w in words], dim=1)
+
+
+def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+    _, unit, span, low = params
+    default_bounds = scalars[2] == 1.0 and scalars[3] == 0.0  # u * 1 + 0 is u exactly (u >= 0: no -0.0)
+    if dst.dtype == unit.dtype:
+        # The masked word converts to the compute dtype exactly; then one contiguous pass
+        # scales it (and applies the bounds, rounding twice as compiled code does).
+        for lane in range(WORDS_PER_BLOCK):
+            dst[:, lane].copy_(words[lane])
+        dst.mul_(unit)
+        if not default_bounds:
+            dst.mul_(span).add_(low)
+        return
+    if default_bounds:
+        # k * 2**-bits is exact in the half dtype too: compute in unit's dtype, round once.
+        for lane in range(WORDS_PER_BLOCK):
+            torch.mul(words[lane], unit, out=dst[:, lane])
+        return
+    values = torch.mul(words, unit)
+    values.mul_(span).add_(low)  # two roundings, as compiled code does (no fused multiply-add)
+    for lane in range(WORDS_PER_BLOCK):
+        dst[:, lane].copy_(values[lane])
+
+
+def _bernoulli_blockwise(
+    first: torch.Tensor,
+    m: int,
+    blocks: torch.Tensor | None,
+    k0: torch.Tensor,
+    k1: torch.Tensor,
+    threshold: torch.Tensor,
+) -> torch.Tensor:
+    words = counter_words(_block_indices(first, m, blocks), k0, k1)
+    return torch.stack([w < threshold for w in words], dim=1)
+
+
+def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+    threshold = scalars[0]
+    for lane in range(WORDS_PER_BLOCK):
+        torch.lt(words[lane], threshold, out=dst[:, lane])
+
+
+def _box_muller(
+    w_radius: torch.Tensor,
+    w_angle: torch.Tensor,
+    shift: torch.Tensor,
+    unit: torch.Tensor,
+    two_pi: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r`` and ``t`` of Box–Muller: ``u1 = ((w >> shift) + 1) * unit`` is in ``(0, 1]``."""
+    u1 = ((w_radius >> shift) + 1) * unit
+    u2 = (w_angle >> shift) * unit
+    return torch.sqrt(torch.log(u1) * -2.0), u2 * two_pi
+
+
+def _normal_blockwise(
+    first: torch.Tensor,
+    m: int,
+    blocks: torch.Tensor | None,
+    k0: torch.Tensor,
+    k1: torch.Tensor,
+    shift: torch.Tensor,
+    unit: torch.Tensor,
+    two_pi: torch.Tensor,
+    std: torch.Tensor,
+    mean: torch.Tensor,
+) -> torch.Tensor:
+    w0, w1, w2, w3 = counter_words(_block_indices(first, m, blocks), k0, k1)
+    ra, ta = _box_muller(w0, w1, shift, unit, two_pi)
+    rb, tb = _box_muller(w2, w3, shift, unit, two_pi)
+    z = (ra * torch.cos(ta), ra * torch.sin(ta), rb * torch.cos(tb), rb * torch.sin(tb))
+    return torch.stack([v * std + mean for v in z], dim=1)
+
+
+def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+    shift, unit, two_pi, std, mean = params
+    # The operations of _box_muller, in place: rows (0, 2) give the radii and rows (1, 3)
+    # the angles of lanes (0, 1) and (2, 3). At most six value rows are alive at once.
+    radius = torch.mul(torch.bitwise_right_shift(words[0::2], shift).add_(1), unit)
+    radius.log_().mul_(-2.0).sqrt_()
+    theta = torch.mul(torch.bitwise_right_shift(words[1::2], shift), unit).mul_(two_pi)
+    for column, trig in ((0, torch.cos), (1, torch.sin)):
+        z = trig(theta).mul_(radius)  # radius * trig(theta): multiplication commutes exactly
+        z.mul_(std).add_(mean)
+        dst[:, column::2].copy_(z.t())
+
+
+BITS = Transform("random_bits", _bits_blockwise, _bits_write)
+"""The raw words, ``int64`` in ``[0, 2**32)``."""
+
+UNIFORM = Transform("uniform", _uniform_blockwise, _uniform_write, lambda scalars: int(scalars[0]))
+"""Parameters ``(keep, unit, span, low)``: ``(word & keep) * unit * span + low``, where
+``keep`` keeps the top bits of the word and ``unit`` is ``2**-32``."""
+
+BERNOULLI = Transform("bernoulli", _bernoulli_blockwise, _bernoulli_write)
+"""Parameter ``(threshold,)``: ``word < threshold``."""
+
+NORMAL = Transform("normal", _normal_blockwise, _normal_write)
+"""Parameters ``(shift, unit, two_pi, std, mean)``: Box–Muller on word pairs (0, 1), (2, 3)."""
+
+
+# --- kernels ----------------------------------------------------------------------------
+
+_MIN_COMPILED_BLOCKS = 2
+"""Compiled calls never see fewer blocks: sizes 0 and 1 would be specialised and compiled again."""
 
 
 @functools.cache
-def _compiled(transform: Transform) -> Transform:
-    # Compiled once per distribution, on first use, never at import. Each transform is
-    # its own code object, so each has its own compile cache; keys and parameters are
-    # tensor arguments and the block count is dynamic, so new keys, offsets, bounds or
-    # sizes reuse the compiled code (only the compute dtype and device select variants).
-    return torch.compile(transform, dynamic=True, fullgraph=True)
+def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
+    """``blockwise`` compiled for one device type.
+
+    Compiled once per distribution on first use, never at import. Keys and parameters
+    are tensor arguments and block counts are dynamic, so new keys, offsets, bounds or
+    sizes reuse the compiled code; the compute dtype and whether the blocks are a range
+    (``blocks is None``) or a tensor of indices select among at most four variants. Each
+    (distribution, device type) runs as its own code object, because torch.compile keeps
+    one cache, with a recompile limit, per code object.
+
+    CPU code is built with inductor's ``cpp.dynamic_threads``: otherwise it specialises
+    on the thread count it compiles under (serial code for one thread) and keeps running
+    that code when the count changes, and inductor's on-disk cache hands a kernel built
+    by a one-thread process to later processes whatever their thread count.
+    """
+    name = f"{blockwise.__name__}_{device_type}"
+    code = blockwise.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):
+        code = code.replace(co_qualname=name)
+    fn = types.FunctionType(code, blockwise.__globals__, name, blockwise.__defaults__, blockwise.__closure__)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+
+
+@functools.lru_cache(maxsize=16)
+def _block_offsets(device: torch.device, count: int) -> torch.Tensor:
+    """``arange(count)`` on ``device``, shared by every eager chunk: blocks are ``offsets + first``."""
+    # arange from 0 plus a scalar stays exact in int64 for blocks up to 2**62, where an
+    # arange with large bounds would size itself in floating point.
+    return torch.arange(count, dtype=torch.int64, device=device)
+
+
+class Kernel:
+    """A distribution bound to its parameters, a 64-bit key and a device.
+
+    :meth:`values` computes the values of any blocks (at most a chunk); :meth:`run`
+    returns those of a range of consecutive blocks and :meth:`fill` writes them into a
+    ``(blocks, 4)`` view of the result. Eager kernels work a chunk (:func:`chunk_blocks`)
+    at a time; compiled kernels compute a whole range in one fused loop, which keeps
+    nothing in memory but the values.
+    """
+
+    def __init__(
+        self,
+        transform: Transform,
+        params: Scalars,
+        param_dtypes: Sequence[torch.dtype],
+        key: int,
+        device: torch.device,
+        compiled: bool,
+        value_dtype: torch.dtype,
+    ) -> None:
+        self.transform = transform
+        self.device = device
+        self.compiled = compiled
+        self.value_dtype = value_dtype
+        self.scalars = tuple(params)
+        self.params = tuple(torch.tensor(v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
+        self.k0, self.k1 = key & _MASK32, key >> _HALF_SHIFT
+        self.final_mask = transform.final_mask(self.scalars)
+        self._scratch: torch.Tensor | None = None
+        if compiled:
+            self._fn = _compiled(transform.blockwise, device.type)
+            self._keys = (torch.tensor(self.k0, device=device), torch.tensor(self.k1, device=device))
+
+    def values(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Values of the blocks ``blocks`` (1-D ``int64``), shape ``(m, 4)``, in ``value_dtype``."""
+        m = blocks.numel()
+        if self.compiled:
+            padded = blocks if m >= _MIN_COMPILED_BLOCKS else blocks.expand(_MIN_COMPILED_BLOCKS).contiguous()
+            first = torch.zeros((), dtype=torch.int64, device=self.device)
+            return self._fn(first, _MIN_COMPILED_BLOCKS, padded, *self._keys, *self.params)[:m]
+        words, products = self._rows(m)
+        torch.bitwise_and(blocks, _MASK32, out=words[0])
+        torch.bitwise_right_shift(blocks, _HALF_SHIFT, out=words[1])
+        _rounds_inplace(words, products, self.k0, self.k1, self.final_mask)
+        out = torch.empty((m, WORDS_PER_BLOCK), dtype=self.value_dtype, device=self.device)
+        self.transform.write(words, out, self.params, self.scalars)
+        return out
+
+    def run(self, first: int, m: int) -> torch.Tensor:
+        """Values of blocks ``first, ..., first + m - 1`` as a new ``(m, 4)`` tensor of ``value_dtype``."""
+        if self.compiled:
+            start = torch.tensor(first, dtype=torch.int64, device=self.device)
+            return self._fn(start, max(m, _MIN_COMPILED_BLOCKS), None, *self._keys, *self.params)[:m]
+        out = torch.empty((m, WORDS_PER_BLOCK), dtype=self.value_dtype, device=self.device)
+        self.fill(out, first)
+        return out
+
+    def fill(self, dst: torch.Tensor, first: int) -> None:
+        """Write the values of blocks ``first, first + 1, ...`` into the rows of ``dst`` ``(m, 4)``."""
+        if self.compiled:
+            dst.copy_(self.run(first, dst.shape[0]))
+            return
+        chunk = chunk_blocks()
+        offsets = _block_offsets(self.device, chunk)
+        for start in range(0, dst.shape[0], chunk):
+            self._fill_chunk(dst[start : start + chunk], first + start, offsets)
+
+    def _fill_chunk(self, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
+        m = dst.shape[0]
+        words, products = self._rows(m)
+        torch.add(offsets[:m], first, out=words[0])
+        torch.bitwise_right_shift(words[0], _HALF_SHIFT, out=words[1])
+        words[0].bitwise_and_(_MASK32)
+        _rounds_inplace(words, products, self.k0, self.k1, self.final_mask)
+        self.transform.write(words, dst, self.params, self.scalars)
+
+    def _rows(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Four word rows and two product rows of ``m`` blocks, reused across chunks."""
+        if self._scratch is None or self._scratch.shape[1] < m:
+            self._scratch = torch.empty((_SCRATCH_ROWS, m), dtype=torch.int64, device=self.device)
+        rows = self._scratch[:, :m]
+        return rows[:WORDS_PER_BLOCK], rows[WORDS_PER_BLOCK:]
 
 
 def make_kernel(
     transform: Transform,
-    params: Sequence[float | int],
+    params: Scalars,
     param_dtypes: Sequence[torch.dtype],
     key: int,
     device: torch.device,
     compiled: bool,
+    value_dtype: torch.dtype,
 ) -> Kernel:
-    """Bind a transform, its parameters and a 64-bit key into a :data:`Kernel`.
+    """Bind a transform, its parameters and a 64-bit key into a :class:`Kernel`.
 
     ``params`` become 0-d tensors of ``param_dtypes`` on ``device``, so that eager and
     compiled code round them identically and compiled code is not specialised on them.
-    Eager kernels run the in-place rounds; compiled kernels trace the functional ones.
+    ``value_dtype`` is the dtype the kernel computes values in (the compute dtype).
     """
-    tensors = tuple(torch.tensor(v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
-    k0, k1 = key & _MASK32, key >> _HALF_SHIFT
-    if compiled:
-        fn = _compiled(transform)
-        keys = (torch.tensor(k0, device=device), torch.tensor(k1, device=device))
-        return lambda blocks: fn(blocks, *keys, *tensors)
-    return lambda blocks: transform(blocks, k0, k1, *tensors, words_fn=_counter_words_inplace)
+    return Kernel(transform, params, param_dtypes, key, device, compiled, value_dtype)
+
+
+# --- geometry and filling ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -250,22 +560,26 @@ class ShardGeometry:
 
 
 def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
-    """Write the values of global indices ``[start, start + out.numel())`` into 1-D ``out``."""
+    """Write the values of global indices ``[start, start + out.numel())`` into 1-D ``out``.
+
+    The whole blocks in the middle are written in place, a chunk at a time; the partial
+    blocks at either end (at most two) are computed together and their lanes copied.
+    """
     n = out.numel()
-    first, last = start // WORDS_PER_BLOCK, (start + n - 1) // WORDS_PER_BLOCK
-    skip = start % WORDS_PER_BLOCK  # lanes of the first block before ``start``
-    written = 0
-    block = first
-    while block <= last:
-        m = min(CHUNK_BLOCKS, last - block + 1)
-        # arange from 0 plus a scalar stays exact in int64 for blocks up to 2**62.
-        blocks = torch.arange(m, dtype=torch.int64, device=out.device) + block
-        values = kernel(blocks).reshape(-1)
-        take = min(values.numel() - skip, n - written)
-        out[written : written + take].copy_(values[skip : skip + take])
-        written += take
-        skip = 0
-        block += m
+    head = min(-start % WORDS_PER_BLOCK, n)  # elements before the first block boundary
+    whole = (n - head) // WORDS_PER_BLOCK
+    tail = n - head - whole * WORDS_PER_BLOCK
+    first = (start + head) // WORDS_PER_BLOCK
+    if whole:
+        kernel.fill(out[head : head + whole * WORDS_PER_BLOCK].view(whole, WORDS_PER_BLOCK), first)
+    ends = ([start // WORDS_PER_BLOCK] if head else []) + ([first + whole] if tail else [])
+    if ends:
+        values = kernel.values(torch.tensor(ends, dtype=torch.int64, device=out.device))
+        if head:
+            lane = start % WORDS_PER_BLOCK
+            out[:head].copy_(values[0, lane : lane + head])
+        if tail:
+            out[n - tail :].copy_(values[-1, :tail])
 
 
 def _blocks_spanned(run: int) -> int:
@@ -281,7 +595,7 @@ def _fill_short_runs(out: torch.Tensor, geometry: ShardGeometry, offset: int, ke
     """Fill ``out`` of shape ``(segments, run)`` many runs per kernel call, gathering lanes."""
     run = geometry.run
     span = _blocks_spanned(run)
-    group = CHUNK_BLOCKS // span
+    group = max(chunk_blocks() // span, 1)
     device = out.device
     steps = torch.arange(span, dtype=torch.int64, device=device)
     columns = torch.arange(run, dtype=torch.int64, device=device)
@@ -293,90 +607,43 @@ def _fill_short_runs(out: torch.Tensor, geometry: ShardGeometry, offset: int, ke
         first_blocks = shifted // WORDS_PER_BLOCK + base_block
         lanes = shifted % WORDS_PER_BLOCK
         blocks = (first_blocks[:, None] + steps[None, :]).reshape(-1)
-        values = kernel(blocks).reshape(ids.numel(), span * WORDS_PER_BLOCK)
+        values = kernel.values(blocks).reshape(ids.numel(), span * WORDS_PER_BLOCK)
         out[g0 : g0 + ids.numel()] = values.gather(1, lanes[:, None] + columns[None, :])
 
 
-def fill(out: torch.Tensor, geometry: ShardGeometry, offset: int, kernel: Kernel) -> torch.Tensor:
-    """Fill contiguous ``out`` (of ``geometry.local_shape``) with the kernel's values.
+def fill(
+    geometry: ShardGeometry, offset: int, kernel: Kernel, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Return a tensor of ``geometry.local_shape`` and ``dtype`` holding the kernel's values.
 
     Element ``e`` of the global tensor gets the value of global index ``offset + e``
     (``e`` row-major in ``geometry.global_shape``). Long runs are computed one range at a
     time; runs shorter than a chunk are batched, as many per kernel call as fit in a
     chunk, and their lanes gathered: that computes up to four words per element kept but
-    saves a kernel call (about a hundred tensor operations) per run.
+    saves a kernel call (about a hundred tensor operations) per run. A compiled kernel
+    whose result is one whole-block range in its compute dtype returns that range as the
+    result, with no copy. ``out`` (contiguous) is filled and returned when given.
     """
-    if out.numel() == 0:
+    numel = math.prod(geometry.local_shape)
+    if out is None:
+        if (
+            kernel.compiled
+            and geometry.segments == 1
+            and dtype == kernel.value_dtype
+            and numel > 0
+            and numel % WORDS_PER_BLOCK == 0
+        ):
+            start = offset + int(geometry.segment_starts(torch.zeros(1, dtype=torch.int64)).item())
+            if start % WORDS_PER_BLOCK == 0:
+                return kernel.run(start // WORDS_PER_BLOCK, numel // WORDS_PER_BLOCK).view(geometry.local_shape)
+        out = torch.empty(geometry.local_shape, dtype=dtype, device=kernel.device)
+    if numel == 0:
         return out
     rows = out.view(geometry.segments, geometry.run)
-    if geometry.segments == 1 or _blocks_spanned(geometry.run) > CHUNK_BLOCKS:
+    if geometry.segments == 1 or _blocks_spanned(geometry.run) > chunk_blocks():
         ids = torch.arange(geometry.segments, dtype=torch.int64)
         for row, start in zip(rows, geometry.segment_starts(ids).tolist()):
             _fill_range(row, offset + start, kernel)
     else:
         _fill_short_runs(rows, geometry, offset, kernel)
     return out
-
-
-def bits_values(
-    blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor | int, *, words_fn: WordsFn = counter_words
-) -> torch.Tensor:
-    """The raw words, lane-major: ``(m, 4)`` int64 in ``[0, 2**32)``."""
-    return torch.stack(words_fn(blocks, k0, k1), dim=1)
-
-
-def uniform_values(
-    blocks: torch.Tensor,
-    k0: torch.Tensor | int,
-    k1: torch.Tensor | int,
-    shift: torch.Tensor,
-    unit: torch.Tensor,
-    span: torch.Tensor,
-    low: torch.Tensor,
-    *,
-    words_fn: WordsFn = counter_words,
-) -> torch.Tensor:
-    """``low + span * ((word >> shift) * unit)`` in the dtype of ``unit``.
-
-    ``unit`` is ``2**-(32 - shift)``, so the uniform is exact; with ``span = 1`` and
-    ``low = 0`` the affine step is exact too.
-    """
-    u = (torch.stack(words_fn(blocks, k0, k1), dim=1) >> shift) * unit
-    return u * span + low
-
-
-def bernoulli_values(
-    blocks: torch.Tensor,
-    k0: torch.Tensor | int,
-    k1: torch.Tensor | int,
-    threshold: torch.Tensor,
-    *,
-    words_fn: WordsFn = counter_words,
-) -> torch.Tensor:
-    """``word < threshold``: True with probability exactly ``threshold / 2**32``."""
-    return torch.stack(words_fn(blocks, k0, k1), dim=1) < threshold
-
-
-def normal_values(
-    blocks: torch.Tensor,
-    k0: torch.Tensor | int,
-    k1: torch.Tensor | int,
-    shift: torch.Tensor,
-    unit: torch.Tensor,
-    two_pi: torch.Tensor,
-    std: torch.Tensor,
-    mean: torch.Tensor,
-    *,
-    words_fn: WordsFn = counter_words,
-) -> torch.Tensor:
-    """Box–Muller on the word pairs (0, 1) and (2, 3): lanes 2i and 2i+1 share a radius.
-
-    ``u1 = ((w >> shift) + 1) * unit`` lies in ``(0, 1]`` so the logarithm is finite.
-    """
-    w0, w1, w2, w3 = words_fn(blocks, k0, k1)
-    u1 = ((torch.stack((w0, w2), dim=1) >> shift) + 1) * unit
-    u2 = (torch.stack((w1, w3), dim=1) >> shift) * unit
-    radius = torch.sqrt(torch.log(u1) * -2.0)
-    theta = u2 * two_pi
-    z = torch.stack((radius * torch.cos(theta), radius * torch.sin(theta)), dim=2).reshape(-1, WORDS_PER_BLOCK)
-    return z * std + mean

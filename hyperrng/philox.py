@@ -15,11 +15,33 @@ computed from lane ``j % 4`` of the Philox block whose 64-bit counter is ``j // 
 Draws of different distributions with the same key and offset read the same words, so
 they are dependent: give independent draws different keys or disjoint index ranges.
 
-Large tensors are produced in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
-blocks written into the preallocated result, so working memory does not grow with the
-tensor. ``compiled=True`` runs the same arithmetic through ``torch.compile`` (compiled
-on first use, once per distribution and compute dtype), which is faster and bitwise
-equal to eager for the exact distributions.
+Limits, checked before anything is allocated or computed:
+
+* a global shape holds fewer than ``2**62`` elements, and ``offset + numel`` (the
+  counters it uses, rounded up to whole 4-word blocks) stays within :data:`COUNTER_SPACE`
+  (``2**64``);
+* one call returns at most :data:`MAX_NUMEL` (``2**36``) elements: the whole tensor, or
+  the shard when ``shard=`` is given. Larger requests are refused with
+  :class:`InvalidShapeError` instead of failing in the allocator; draw them as shards or
+  as consecutive pieces (``offset`` advanced by each piece's size).
+
+Memory: eager draws work in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
+blocks per torch thread (for up to four threads). The rounds run in place on six
+``int64`` rows of one chunk and each lane is written straight into the result, so the
+working memory besides the result is at most
+:func:`~hyperrng._philox_kernels.scratch_bytes`, 6 MiB a thread and 24 MiB in all,
+whatever the tensor size: no ``int64`` tensor of the full size is ever formed.
+``compiled=True`` runs the same arithmetic through ``torch.compile`` as one fused loop
+per contiguous run, which keeps nothing in memory but the values; it is compiled on
+first use, once per distribution and compute dtype, then reused for every key, offset,
+parameter and size, and is bitwise equal to eager for the exact distributions.
+
+Bad arguments raise typed errors before any work: a wrong type raises
+:class:`~hyperrng.errors.ArgumentTypeError` (a ``TypeError``), a wrong value a
+``ValueError`` subclass (:class:`InvalidShapeError`, :class:`InvalidParameterError`,
+:class:`~hyperrng.errors.InvalidSeedError`, :class:`~hyperrng.errors.InvalidOffsetError`,
+:class:`~hyperrng.errors.ShardingError`), and an unsupported dtype
+:class:`UnsupportedDTypeError`.
 """
 
 from __future__ import annotations
@@ -28,6 +50,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hyperrng import _philox_kernels as _k
@@ -45,6 +68,7 @@ from platforms.validate import check_int
 __all__ = [
     "COUNTER_SPACE",
     "MAX_KEY",
+    "MAX_NUMEL",
     "InvalidParameterError",
     "InvalidShapeError",
     "UnsupportedDTypeError",
@@ -60,7 +84,14 @@ MAX_KEY = 2**64 - 1
 """Largest key: keys are the two 32-bit key words of Philox4x32, low word first."""
 
 COUNTER_SPACE = 2**64
-"""Global indices are below this: ``offset + numel`` may reach it but not exceed it."""
+"""Global indices are below this: ``offset + numel`` may reach it but not exceed it.
+Since ``2**64`` is a whole number of 4-word blocks, that is the same as the counters of
+the blocks a draw touches (``offset + numel`` rounded up to a multiple of 4) fitting."""
+
+MAX_NUMEL = 2**36
+"""Most elements one call returns (the tensor, or the shard with ``shard=``): 2**36, that
+is 64 GiB at one byte per element and 256 GiB of float32, more than one device holds.
+Global shapes may be larger (up to ``2**62`` elements) when drawn shard by shard."""
 
 _MAX_GLOBAL_NUMEL = 2**62
 """Global shapes stay below this many elements so row-major indices fit int64 tensors
@@ -68,6 +99,7 @@ with room for the lane arithmetic; no real tensor comes close."""
 
 _WORD_BITS = 32
 _PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
+_WORD_UNIT = 2.0**-_WORD_BITS  # the weight of the lowest bit of a word
 
 _UNIFORM_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 11, torch.bfloat16: 8}
 """Top bits of a word kept by :func:`uniform`: the significand width of the dtype
@@ -77,7 +109,11 @@ _NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.b
 """Bits per Box–Muller uniform; half types are computed in float32 and rounded once."""
 
 ShapeLike = int | Sequence[int] | torch.Size
-DeviceLike = torch.device | str | None
+DeviceLike = torch.device | str | int | None
+
+_DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplementedError)
+"""What torch raises for a device it cannot name or reach (AssertionError: a backend that
+this build lacks)."""
 
 
 def _check_key(key: object) -> int:
@@ -92,7 +128,10 @@ def _check_key(key: object) -> int:
 def _check_offset(offset: object, numel: int) -> int:
     value = check_int(offset, "offset")
     if value < 0:
-        raise InvalidOffsetError(f"offset must be >= 0, got {value}.")
+        raise InvalidOffsetError(
+            f"offset must be >= 0, got {value}; it is the global index of the first element, "
+            f"e.g. the number of values already drawn with this key."
+        )
     if value + numel > COUNTER_SPACE:
         raise InvalidOffsetError(
             f"offset {value} + {numel} elements overflows the 2**64 counter space by "
@@ -104,18 +143,43 @@ def _check_offset(offset: object, numel: int) -> int:
 def _check_shape(shape: object) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
     if not isinstance(dims, Sequence):
-        raise ArgumentTypeError(f"shape must be an int or a sequence of ints, got {type(shape).__name__}.")
+        raise ArgumentTypeError(
+            f"shape must be an int or a sequence of ints such as (4, 8), got {type(shape).__name__} {shape!r}."
+        )
     result = tuple(check_int(d, "each shape dimension") for d in dims)
     if any(d < 0 for d in result):
-        raise InvalidShapeError(f"shape {result} has a negative dimension; dimensions must be >= 0.")
+        raise InvalidShapeError(f"shape {result} has a negative dimension; every dimension must be >= 0.")
     if math.prod(result) >= _MAX_GLOBAL_NUMEL:
-        raise InvalidShapeError(f"shape {result} has 2**62 or more elements, more than a tensor can hold.")
+        raise InvalidShapeError(
+            f"shape {result} has 2**62 or more elements, more than the counter space indexes; "
+            f"split it into tensors drawn with different keys."
+        )
     return result
+
+
+def _check_draw_size(shape: tuple[int, ...], what: str) -> None:
+    numel = math.prod(shape)
+    if numel > MAX_NUMEL:
+        raise InvalidShapeError(
+            f"{what} {shape} has {numel} elements, more than MAX_NUMEL = 2**36 per call; draw it in "
+            f"shards (shard=) or in pieces, advancing offset by each piece's size."
+        )
+
+
+def _check_bool(value: object, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise ArgumentTypeError(f"{what} must be a bool (True or False), got {type(value).__name__} {value!r}.")
 
 
 def _check_real(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidParameterError(f"{what} must be a real number, got {type(value).__name__} {value!r}.")
+        raise ArgumentTypeError(
+            f"{what} must be a real number (int or float), got {type(value).__name__} {value!r}; "
+            f"pass a Python number, e.g. {what}=float(t) for a 0-d tensor t."
+        )
     result = float(value)
     if not math.isfinite(result):
         raise InvalidParameterError(f"{what} must be finite, got {result}.")
@@ -124,7 +188,9 @@ def _check_real(value: object, what: str) -> float:
 
 def _check_probability(p: object) -> float:
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise InvalidParameterError(f"p must be a real number in [0, 1], got {type(p).__name__} {p!r}.")
+        raise ArgumentTypeError(
+            f"p must be a real number in [0, 1], got {type(p).__name__} {p!r}; pass a Python float such as 0.1."
+        )
     value = float(p)
     if not 0.0 <= value <= 1.0:  # also refuses NaN, for which every comparison is False
         raise InvalidParameterError(f"p must be a probability in [0, 1], got {value}.")
@@ -132,24 +198,81 @@ def _check_probability(p: object) -> float:
 
 
 def _check_dtype(dtype: object, supported: dict[torch.dtype, int], what: str) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or dtype not in supported:
-        names = ", ".join(str(d) for d in supported)
+    names = ", ".join(str(d) for d in supported)
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(
+            f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__} {dtype!r}; "
+            f"{what} supports {names}."
+        )
+    if dtype not in supported:
         raise UnsupportedDTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
     return dtype
+
+
+def _first_line(error: BaseException, limit: int = 160) -> str:
+    """The gist of a torch error: its first line, shortened."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_device(device: object) -> torch.device:
+    """``device`` as a torch.device that this process can allocate on, or a typed error."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, torch.device):
+        target = device
+    elif isinstance(device, str) or (isinstance(device, numbers.Integral) and not isinstance(device, bool)):
+        try:
+            target = torch.device(device)  # type: ignore[arg-type]
+        except _DEVICE_ERRORS as error:
+            raise InvalidParameterError(
+                f"device {device!r} is not a device torch knows ({_first_line(error)}); pass e.g. 'cpu' or 'cuda:0'."
+            ) from None
+    else:
+        raise ArgumentTypeError(
+            f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None; "
+            f"got {type(device).__name__} {device!r}."
+        )
+    try:
+        torch.empty(0, device=target)  # names an available device: nothing else is touched first
+    except _DEVICE_ERRORS as error:
+        raise InvalidParameterError(
+            f"device {str(target)!r} is not available in this process ({_first_line(error)}); "
+            f"pick one that is, e.g. 'cpu'."
+        ) from None
+    return target
 
 
 def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     if shard is None:
         return [(0, d) for d in shape]
-    if not isinstance(shard, Sequence) or not all(isinstance(s, slice) for s in shard):
-        raise ShardingError(f"shard must be a sequence of slices, one per leading dimension; got {shard!r}.")
+    if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
+        raise ArgumentTypeError(
+            f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
+            f"got {type(shard).__name__} {shard!r}."
+        )
+    for d, s in enumerate(shard):
+        if not isinstance(s, slice):
+            raise ArgumentTypeError(
+                f"shard[{d}] must be a slice, got {type(s).__name__} {s!r}; write slice(i, i + 1) for one index."
+            )
     if len(shard) > len(shape):
         raise ShardingError(f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions.")
     ranges = []
     for d, extent in enumerate(shape):
-        start, stop, step = shard[d].indices(extent) if d < len(shard) else (0, extent, 1)
-        if step != 1:
-            raise ShardingError(f"shard slice {shard[d]!r} of dimension {d} has step {step}; only step 1 is supported.")
+        if d >= len(shard):
+            ranges.append((0, extent))
+            continue
+        s = shard[d]
+        bounds = [
+            None if b is None else check_int(b, f"shard[{d}].{name}")
+            for b, name in ((s.start, "start"), (s.stop, "stop"), (s.step, "step"))
+        ]
+        if bounds[2] is not None and bounds[2] != 1:
+            raise ShardingError(
+                f"shard slice {s!r} of dimension {d} has step {bounds[2]}; only step 1 (or None) is supported."
+            )
+        start, stop, _ = slice(bounds[0], bounds[1]).indices(extent)
         ranges.append((start, max(start, stop)))
     return ranges
 
@@ -157,6 +280,11 @@ def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half types are computed in float32 and rounded once, when written into the result.
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _finite_in(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``value`` rounds to a finite number of ``dtype``."""
+    return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
 
 
 def _threshold(p: float) -> int:
@@ -168,22 +296,24 @@ def _generate(
     shape: ShapeLike,
     key: object,
     offset: object,
-    shard: Sequence[slice] | None,
-    device: DeviceLike,
+    shard: object,
+    device: object,
+    compiled: object,
     dtype: torch.dtype,
     transform: _k.Transform,
     params: Sequence[float | int],
     param_dtypes: Sequence[torch.dtype],
-    compiled: bool,
+    value_dtype: torch.dtype,
 ) -> torch.Tensor:
     global_shape = _check_shape(shape)
     key_value = _check_key(key)
     offset_value = _check_offset(offset, math.prod(global_shape))
     geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
-    target = torch.device("cpu") if device is None else torch.device(device)
-    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, compiled)
-    out = torch.empty(geometry.local_shape, dtype=dtype, device=target)
-    return _k.fill(out, geometry, offset_value, kernel)
+    _check_draw_size(geometry.local_shape, "the shard" if shard is not None else "shape")
+    use_compiled = _check_bool(compiled, "compiled")
+    target = _check_device(device)
+    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
+    return _k.fill(geometry, offset_value, kernel, dtype)
 
 
 def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -192,21 +322,45 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     Args:
         counter: int64 tensor of shape ``(..., 4)``, words in ``[0, 2**32)``.
         key: int64 tensor of shape ``(..., 2)``, words in ``[0, 2**32)``, broadcastable
-            against ``counter`` over the leading dimensions.
+            against ``counter`` over the leading dimensions, on ``counter``'s device.
 
     Returns:
         int64 tensor of shape ``(..., 4)``: the output words, each in ``[0, 2**32)``, in
         Random123's word order (``philox4x32(ctr, key)``'s ``v[0..3]``).
+
+    Raises:
+        ArgumentTypeError: ``counter`` or ``key`` is not a tensor.
+        UnsupportedDTypeError: ``counter`` or ``key`` is not ``int64``.
+        InvalidShapeError: a last dimension is not 4 (counter) or 2 (key), or the leading
+            dimensions do not broadcast.
+        InvalidParameterError: ``counter`` and ``key`` are on different devices.
+        InvalidOffsetError / InvalidSeedError: a counter / key word outside ``[0, 2**32)``.
     """
     for name, t, width in (("counter", counter, _k.WORDS_PER_BLOCK), ("key", key, 2)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
-            raise UnsupportedDTypeError(f"{name} must be an int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}.")
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(
+                f"{name} must be an int64 torch.Tensor of shape (..., {width}), got {type(t).__name__}; "
+                f"build it with torch.tensor(..., dtype=torch.int64)."
+            )
+        if t.dtype != torch.int64:
+            raise UnsupportedDTypeError(f"{name} must be an int64 tensor, got {t.dtype}; convert it with .long().")
         if t.dim() == 0 or t.shape[-1] != width:
             raise InvalidShapeError(f"{name} must have shape (..., {width}), got {tuple(t.shape)}.")
+    if counter.device != key.device:
+        raise InvalidParameterError(
+            f"counter is on {counter.device} but key is on {key.device}; move both to one device."
+        )
+    try:
+        batch = torch.broadcast_shapes(counter.shape[:-1], key.shape[:-1])  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        raise InvalidShapeError(
+            f"counter {tuple(counter.shape)} and key {tuple(key.shape)} do not broadcast over their leading "
+            f"dimensions; give key shape (2,) for one key, or one key per counter."
+        ) from None
+    for name, t in (("counter", counter), ("key", key)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) > 2**_WORD_BITS - 1):
             error = InvalidOffsetError if name == "counter" else InvalidSeedError
             raise error(f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}].")
-    batch = torch.broadcast_shapes(counter.shape[:-1], key.shape[:-1])  # type: ignore[no-untyped-call]
     c = counter.expand(*batch, _k.WORDS_PER_BLOCK).unbind(-1)
     k = key.expand(*batch, 2).unbind(-1)
     return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
@@ -229,12 +383,20 @@ def random_bits(
     computed: the result equals ``random_bits(shape, key, offset)[shard]`` bit for bit.
 
     Raises:
-        InvalidSeedError: ``key`` is not an int in ``[0, 2**64 - 1]``.
-        InvalidOffsetError: ``offset`` is negative, not an int, or ``offset + numel > 2**64``.
-        InvalidShapeError: ``shape`` has a negative or non-integer dimension.
-        ShardingError: ``shard`` is not a sequence of step-1 slices fitting ``shape``.
+        ArgumentTypeError: an argument of the wrong type: ``key``, ``offset`` or a shape
+            dimension that is not an int (bools and floats included), a ``shape`` that is
+            not an int or a sequence, a ``shard`` that is not a sequence of slices with int
+            bounds, a ``device`` that is not a string, torch.device or None, a ``compiled``
+            that is not a bool.
+        InvalidSeedError: ``key`` is not in ``[0, 2**64 - 1]``.
+        InvalidOffsetError: ``offset`` is negative or ``offset + numel > 2**64``.
+        InvalidShapeError: ``shape`` has a negative dimension or ``2**62`` elements or
+            more, or the result (the shard, with ``shard=``) more than :data:`MAX_NUMEL`.
+        ShardingError: ``shard`` has more slices than ``shape`` has dimensions, or a step
+            other than 1.
+        InvalidParameterError: ``device`` names no device, or one this process lacks.
     """
-    return _generate(shape, key, offset, shard, device, torch.int64, _k.bits_values, (), (), compiled)
+    return _generate(shape, key, offset, shard, device, compiled, torch.int64, _k.BITS, (), (), torch.int64)
 
 
 def uniform(
@@ -266,19 +428,33 @@ def uniform(
     ``shard`` selects a block of the global ``shape`` as in :func:`random_bits`.
 
     Raises:
+        ArgumentTypeError: ``dtype`` is not a torch.dtype, ``low``/``high`` are not real
+            numbers; and the type errors of :func:`random_bits`.
         UnsupportedDTypeError: ``dtype`` is not float32, float64, float16 or bfloat16.
-        InvalidParameterError: ``low``/``high`` are not finite reals or ``low > high``.
+        InvalidParameterError: ``low``/``high`` are not finite values of ``dtype``,
+            ``low > high``, or ``high - low`` overflows the compute precision.
         And the errors of :func:`random_bits`.
     """
     dtype = _check_dtype(dtype, _UNIFORM_BITS, "uniform")
     low_value, high_value = _check_real(low, "low"), _check_real(high, "high")
     if low_value > high_value:
         raise InvalidParameterError(f"low must be <= high, got low={low_value} and high={high_value}.")
-    bits = _UNIFORM_BITS[dtype]
     compute = _compute_dtype(dtype)
-    params = (_WORD_BITS - bits, 2.0**-bits, high_value - low_value, low_value)
+    for name, value in (("low", low_value), ("high", high_value)):
+        if not _finite_in(value, dtype):
+            raise InvalidParameterError(
+                f"{name}={value} is outside the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); "
+                f"narrow the bounds or use a wider dtype."
+            )
+    span = high_value - low_value
+    if not _finite_in(span, compute):
+        raise InvalidParameterError(
+            f"high - low = {span} overflows {compute}, the precision uniform computes in; narrow the bounds."
+        )
+    keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
+    params = (keep, _WORD_UNIT, span, low_value)
     dtypes = (torch.int64, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, dtype, _k.uniform_values, params, dtypes, compiled)
+    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.UNIFORM, params, dtypes, compute)
 
 
 def bernoulli(
@@ -300,12 +476,14 @@ def bernoulli(
     :func:`random_bits`.
 
     Raises:
-        InvalidParameterError: ``p`` is not a real number in ``[0, 1]`` (NaN included).
+        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors
+            included); and the type errors of :func:`random_bits`.
+        InvalidParameterError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
     threshold = _threshold(_check_probability(p))
     return _generate(
-        shape, key, offset, shard, device, torch.bool, _k.bernoulli_values, (threshold,), (torch.int64,), compiled
+        shape, key, offset, shard, device, compiled, torch.bool, _k.BERNOULLI, (threshold,), (torch.int64,), torch.bool
     )
 
 
@@ -334,14 +512,23 @@ def dropout(
     matching block of the global tensor would be. The mask costs one byte per element.
 
     Raises:
+        ArgumentTypeError: ``x`` is not a tensor, ``training`` or ``compiled`` is not a
+            bool; and the type errors of :func:`bernoulli`.
         UnsupportedDTypeError: ``x`` is not a floating-point tensor.
         InvalidShapeError: ``x.shape`` is not the shape of ``shard`` in ``global_shape``.
+        ShardingError: only one of ``global_shape`` and ``shard`` is given.
         And the errors of :func:`bernoulli`.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise UnsupportedDTypeError(f"dropout expects a floating-point torch.Tensor, got {got}.")
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(
+            f"dropout expects x to be a floating-point torch.Tensor, got {type(x).__name__}; convert it with "
+            f"torch.as_tensor(x, dtype=torch.float32)."
+        )
+    if not x.is_floating_point():
+        raise UnsupportedDTypeError(f"dropout expects a floating-point torch.Tensor, got {x.dtype}.")
     p_value = _check_probability(p)
+    is_training = _check_bool(training, "training")
+    _check_bool(compiled, "compiled")
     if (global_shape is None) != (shard is None):
         raise ShardingError("pass global_shape and shard together, or neither.")
     shape = tuple(x.shape) if global_shape is None else _check_shape(global_shape)
@@ -350,12 +537,14 @@ def dropout(
         raise InvalidShapeError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
     _check_key(key)
     _check_offset(offset, math.prod(shape))
-    if not training or p_value == 0.0:
+    if not is_training or p_value == 0.0:
         return x
     if p_value == 1.0:
         return torch.zeros_like(x)
     dropped = bernoulli(shape, p_value, key, offset, shard=shard, device=x.device, compiled=compiled)
-    return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p_value)))
+    # In place on the scaled copy: the same values and gradients as torch.where(dropped, 0.0,
+    # x * scale), without a second tensor of x's size.
+    return (x * (1.0 / (1.0 - p_value))).masked_fill_(dropped, 0.0)
 
 
 def normal(
@@ -388,8 +577,11 @@ def normal(
     its own implementations of these functions.
 
     Raises:
+        ArgumentTypeError: ``dtype`` is not a torch.dtype, ``mean``/``std`` are not real
+            numbers; and the type errors of :func:`random_bits`.
         UnsupportedDTypeError: ``dtype`` is not float32, float64, float16 or bfloat16.
-        InvalidParameterError: ``mean``/``std`` are not finite reals or ``std < 0``.
+        InvalidParameterError: ``mean``/``std`` are not finite, ``std < 0``, or samples
+            (up to ``mean ± 5.77 std``, ``6.67 std`` for float64) could overflow ``dtype``.
         And the errors of :func:`random_bits`.
     """
     dtype = _check_dtype(dtype, _NORMAL_BITS, "normal")
@@ -397,7 +589,13 @@ def normal(
     if std_value < 0:
         raise InvalidParameterError(f"std must be >= 0, got {std_value}.")
     bits = _NORMAL_BITS[dtype]
+    z_max = math.sqrt(-2.0 * math.log(2.0**-bits))  # |z| of the smallest u1, 2**-bits
+    if abs(mean_value) + z_max * std_value > torch.finfo(dtype).max:
+        raise InvalidParameterError(
+            f"mean={mean_value} and std={std_value} can give samples up to mean ± {z_max:.2f} * std, beyond "
+            f"the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); use a wider dtype or smaller values."
+        )
     compute = _compute_dtype(dtype)
     params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
     dtypes = (torch.int64, compute, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, dtype, _k.normal_values, params, dtypes, compiled)
+    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.NORMAL, params, dtypes, compute)

@@ -10,12 +10,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from hyperrng import _philox_kernels as kernels
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidOffsetError, InvalidSeedError, ShardingError
 from hyperrng.philox import (
+    MAX_NUMEL,
     InvalidParameterError,
     InvalidShapeError,
     UnsupportedDTypeError,
@@ -215,24 +217,41 @@ def test_chunked_result_equals_single_chunk_result(name: str, monkeypatch: pytes
     assert same_bits(draw((5, 11), 7), single)
 
 
-def test_kernels_never_see_more_than_one_chunk_of_blocks(monkeypatch: pytest.MonkeyPatch, tiny_chunks: int) -> None:
+@pytest.mark.parametrize("draw", [uniform, normal, random_bits])
+def test_kernels_never_see_more_than_one_chunk_of_blocks(
+    draw: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch, tiny_chunks: int
+) -> None:
     seen: list[int] = []
-    make_kernel = kernels.make_kernel
+    values, fill_chunk = kernels.Kernel.values, kernels.Kernel._fill_chunk
 
-    def recording_make_kernel(*args: Any, **kwargs: Any) -> kernels.Kernel:
-        kernel = make_kernel(*args, **kwargs)
+    def recording_values(self: kernels.Kernel, blocks: torch.Tensor) -> torch.Tensor:
+        seen.append(blocks.numel())
+        return values(self, blocks)
 
-        def recording_kernel(blocks: torch.Tensor) -> torch.Tensor:
-            seen.append(blocks.numel())
-            return kernel(blocks)
+    def recording_fill_chunk(self: kernels.Kernel, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
+        seen.append(dst.shape[0])
+        fill_chunk(self, dst, first, offsets)
 
-        return recording_kernel
+    monkeypatch.setattr(kernels.Kernel, "values", recording_values)
+    monkeypatch.setattr(kernels.Kernel, "_fill_chunk", recording_fill_chunk)
+    draw(1000, KEY, 3)
+    draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
+    draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
+    assert seen and max(seen) <= kernels.chunk_blocks() <= tiny_chunks * kernels.MAX_CHUNK_THREADS
 
-    monkeypatch.setattr(kernels, "make_kernel", recording_make_kernel)
-    uniform(1000, KEY, 3)
-    uniform((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
-    uniform((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
-    assert seen and max(seen) <= tiny_chunks
+
+def test_eager_scratch_memory_is_bounded_by_the_chunk_not_the_tensor() -> None:
+    # Six int64 rows of words and products plus six value rows per chunk: 6 MiB a thread, 24 MiB at most.
+    assert kernels.scratch_bytes(1) == kernels.CHUNK_BLOCKS * 12 * 8 <= 6 * 2**20
+    assert kernels.scratch_bytes() == kernels.scratch_bytes(64) <= 24 * 2**20
+    kernel = kernels.make_kernel(
+        kernels.UNIFORM, (0xFFFFFF00, 2.0**-32, 1.0, 0.0), [torch.int64] + [torch.float32] * 3, KEY,
+        torch.device("cpu"), False, torch.float32,
+    )  # fmt: skip
+    out = torch.empty(6 * kernels.chunk_blocks() + 5, 4)
+    kernel.fill(out, 0)
+    assert kernel._scratch is not None and kernel._scratch.shape == (6, kernels.chunk_blocks())
+    assert torch.equal(out.flatten(), uniform(out.numel(), KEY))
 
 
 # --- distributions ------------------------------------------------------------------
@@ -310,6 +329,16 @@ def test_dropout_passes_gradients_to_kept_elements_only() -> None:
     assert torch.equal(grad, torch.where(bernoulli(32, 0.5, KEY), 0.0, 2.0))
 
 
+def test_dropout_values_and_gradients_equal_the_where_formulation_bit_for_bit() -> None:
+    x = torch.randn(4096, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(4096, dtype=torch.float64)
+    ours = dropout(x, 0.3, KEY, 5)
+    reference = torch.where(bernoulli(4096, 0.3, KEY, 5), 0.0, x * (1.0 / 0.7))
+    (g_ours,) = torch.autograd.grad(ours, x, grad_out, create_graph=True)
+    (g_reference,) = torch.autograd.grad(reference, x, grad_out, create_graph=True)
+    assert same_bits(ours.detach(), reference.detach()) and same_bits(g_ours, g_reference)
+
+
 def test_dropout_of_a_shard_equals_the_shard_of_the_global_dropout() -> None:
     x = torch.randn(6, 10, dtype=torch.float16)
     shard = (slice(1, 5), slice(3, 8))
@@ -358,6 +387,49 @@ def test_compiled_uniform_is_bitwise_equal_to_eager(tiny_chunks: int) -> None:
     for offset, shard in [(2**32 - 7, None), (5, (slice(2, 9), slice(1, 4))), (2**64 - 200, (slice(3, 4),))]:
         eager = uniform((11, 13), KEY, offset, shard=shard)
         assert same_bits(uniform((11, 13), KEY, offset, shard=shard, compiled=True), eager)
+
+
+def test_compiled_code_is_reused_for_new_keys_offsets_sizes_shards_and_bounds() -> None:
+    from torch._dynamo.utils import counters
+
+    uniform((11, 13), KEY, 2, compiled=True)  # a range and its partial end blocks
+    uniform((11, 13), KEY, 2, shard=(slice(2, 9), slice(1, 4)), compiled=True)  # short runs
+    graphs = counters["stats"]["unique_graphs"]
+    for n, offset in [(1000, 0), (1001, 3), (4 * 2**16 + 7, 1), (5, 2**64 - 8), (2, 1), (1, 0), (4, 0), (8, 0)]:
+        uniform(n, offset + 1, offset, compiled=True)
+    uniform((40, 25), 9, 3, shard=(slice(None), slice(1, 3)), compiled=True)
+    uniform((40, 25), 9, 3, shard=(slice(5, 6), slice(1, 3)), compiled=True)
+    uniform(100, 9, 3, dtype=torch.bfloat16, low=-2.0, high=5.0, compiled=True)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_code_serves_every_thread_count_without_recompiling() -> None:
+    # CPU code is built thread-count independent (inductor's cpp.dynamic_threads): left
+    # to its default, inductor specialises kernels on the count it compiles under.
+    from torch._dynamo.utils import counters
+
+    eager = uniform(1001, KEY, 3)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = uniform(1001, KEY, 3, compiled=True)
+        graphs = counters["stats"]["unique_graphs"]
+        torch.set_num_threads(2)
+        parallel = uniform(1001, KEY, 3, compiled=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert same_bits(serial, eager) and same_bits(parallel, eager)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_compiled_whole_block_draw_is_returned_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_copy(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the compiled range was copied")
+
+    eager = uniform((64, 32), KEY, 8)
+    monkeypatch.setattr(kernels.Kernel, "fill", no_copy)
+    out = uniform((64, 32), KEY, 8, compiled=True)
+    assert out.is_contiguous() and out.shape == (64, 32) and same_bits(out, eager)
 
 
 @pytest.mark.slow
@@ -452,12 +524,14 @@ def test_probabilities_outside_0_1_are_refused(p: float) -> None:
 
 
 @pytest.mark.parametrize("p", ["0.5", True, None, torch.tensor(0.5)])
-def test_probabilities_that_are_not_real_numbers_are_refused(p: Any) -> None:
-    with pytest.raises(InvalidParameterError, match="must be a real number"):
+def test_probabilities_that_are_not_real_numbers_are_a_type_error(p: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match="p must be a real number"):
         bernoulli(4, p, KEY)
+    with pytest.raises(ArgumentTypeError, match="p must be a real number"):
+        dropout(torch.ones(4), p, KEY)
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, "float32"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, torch.float8_e4m3fn])
 @pytest.mark.parametrize("draw", [uniform, normal])
 def test_unsupported_dtypes_are_refused(draw: Any, dtype: Any) -> None:
     with pytest.raises(UnsupportedDTypeError, match="supports dtypes") as info:
@@ -465,12 +539,24 @@ def test_unsupported_dtypes_are_refused(draw: Any, dtype: Any) -> None:
     assert isinstance(info.value, TypeError)
 
 
+@pytest.mark.parametrize("dtype", ["float32", float, None, 32])
+@pytest.mark.parametrize("draw", [uniform, normal])
+def test_dtypes_that_are_not_torch_dtypes_are_a_type_error(draw: Any, dtype: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match="dtype must be a torch.dtype such as torch.float32"):
+        draw(4, KEY, dtype=dtype)
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
         ({"low": 2.0, "high": 1.0}, "low must be <= high"),
-        ({"low": -math.inf}, "must be finite"),
-        ({"high": "1"}, "must be a real number"),
+        ({"low": -math.inf}, "low must be finite"),
+        ({"high": math.inf}, "high must be finite"),
+        ({"low": math.nan}, "low must be finite"),
+        ({"high": 1e5, "dtype": torch.float16}, "high=100000.0 is outside the finite range of torch.float16"),
+        ({"low": -1e39}, "low=-1e[+]?39 is outside the finite range of torch.float32"),
+        ({"low": -3e38, "high": 3e38}, "high - low = 6e[+]?38 overflows torch.float32"),
+        ({"low": -1e308, "high": 1e308, "dtype": torch.float64}, "overflows torch.float64"),
     ],
 )
 def test_bad_uniform_bounds_are_refused(kwargs: dict[str, Any], fragment: str) -> None:
@@ -478,21 +564,51 @@ def test_bad_uniform_bounds_are_refused(kwargs: dict[str, Any], fragment: str) -
         uniform(4, KEY, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"high": "1"}, {"low": None}, {"low": torch.tensor(0.0)}, {"high": True}])
+def test_uniform_bounds_of_the_wrong_type_are_a_type_error(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ArgumentTypeError, match=f"{next(iter(kwargs))} must be a real number"):
+        uniform(4, KEY, **kwargs)
+
+
+def test_normal_parameters_at_the_edge_of_the_dtype_range_are_accepted() -> None:
+    assert torch.isfinite(normal(4096, KEY, mean=3.4e38, std=1.0)).all()
+    assert torch.isfinite(normal(4096, KEY, dtype=torch.float16, std=1e4)).all()
+
+
+def test_bounds_at_the_edge_of_the_dtype_range_are_accepted_and_stay_finite() -> None:
+    u = uniform(4096, KEY, dtype=torch.float16, low=-65504.0, high=65504.0)
+    assert torch.isfinite(u).all() and u.min() >= -65504 and u.max() <= 65504
+
+
 @pytest.mark.parametrize(
-    "kwargs, fragment", [({"std": -1.0}, "std must be >= 0"), ({"mean": math.nan}, "must be finite")]
+    "kwargs, fragment",
+    [
+        ({"std": -1.0}, "std must be >= 0"),
+        ({"mean": math.nan}, "mean must be finite"),
+        ({"std": math.inf}, "std must be finite"),
+        ({"mean": -math.inf}, "mean must be finite"),
+        ({"std": 2e4, "dtype": torch.float16}, "beyond the finite range of torch.float16"),
+        ({"mean": 3.4e38, "std": 1e37}, "beyond the finite range of torch.float32"),
+    ],
 )
 def test_bad_normal_parameters_are_refused(kwargs: dict[str, Any], fragment: str) -> None:
     with pytest.raises(InvalidParameterError, match=fragment):
         normal(4, KEY, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"std": "1"}, {"mean": None}, {"std": False}])
+def test_normal_parameters_of_the_wrong_type_are_a_type_error(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ArgumentTypeError, match=f"{next(iter(kwargs))} must be a real number"):
+        normal(4, KEY, **kwargs)
+
+
 @pytest.mark.parametrize(
     "shard, fragment",
     [
-        ((slice(0, 4, 2),), "only step 1"),
+        ((slice(0, 4, 2),), "has step 2; only step 1"),
+        ((slice(0, 4, 0),), "has step 0; only step 1"),
+        ((slice(None, None, -1),), "has step -1; only step 1"),
         ((slice(None),) * 3, "has 3 slices"),
-        ((0, 1), "sequence of slices"),
-        (slice(0, 1), "sequence of slices"),
     ],
 )
 def test_bad_shards_are_refused(shard: Any, fragment: str) -> None:
@@ -501,11 +617,48 @@ def test_bad_shards_are_refused(shard: Any, fragment: str) -> None:
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize(
+    "shard, fragment",
+    [
+        ((0, 1), r"shard\[0\] must be a slice"),
+        ((slice(0, 2), 1), r"shard\[1\] must be a slice"),
+        (slice(0, 1), "shard must be a sequence of slices"),
+        ("ab", "shard must be a sequence of slices"),
+        ({0: slice(0, 1)}, "shard must be a sequence of slices"),
+        ([slice("a", None)], r"shard\[0\].start must be an int"),
+        ([slice(None, 2.0)], r"shard\[0\].stop must be an int"),
+        ([slice(True, 3)], r"shard\[0\].start must be an int, got the bool"),
+        ([slice(0, 3, "1")], r"shard\[0\].step must be an int"),
+    ],
+)
+def test_shards_of_the_wrong_type_are_a_type_error(shard: Any, fragment: str) -> None:
+    with pytest.raises(ArgumentTypeError, match=fragment) as info:
+        uniform((4, 4), KEY, shard=shard)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, HyperRNGError)
+
+
+def test_shard_bounds_may_be_numpy_integers_and_steps_one() -> None:
+    shard = (slice(np.int64(1), np.int32(3), 1), slice(None, None, None))
+    assert torch.equal(uniform((4, 4), KEY, shard=shard), uniform((4, 4), KEY)[1:3])
+
+
 def test_dropout_refuses_integer_tensors_and_non_tensors() -> None:
     with pytest.raises(UnsupportedDTypeError, match="floating-point"):
         dropout(torch.ones(4, dtype=torch.int64), 0.5, KEY)
-    with pytest.raises(UnsupportedDTypeError, match="floating-point"):
+    with pytest.raises(ArgumentTypeError, match="x to be a floating-point torch.Tensor, got list"):
         dropout([1.0, 2.0], 0.5, KEY)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", ["training", "compiled"])
+@pytest.mark.parametrize("value", ["no", 0, None, 1.0])
+def test_dropout_flags_must_be_bools(flag: str, value: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match=f"{flag} must be a bool"):
+        dropout(torch.ones(4), 0.5, KEY, **{flag: value})
+
+
+def test_dropout_accepts_numpy_bools_for_training() -> None:
+    x = torch.ones(4)
+    assert dropout(x, 0.5, KEY, training=np.bool_(False)) is x
 
 
 def test_dropout_refuses_a_tensor_that_does_not_match_its_shard() -> None:
@@ -534,3 +687,129 @@ def test_block_function_refuses_bad_words(
 ) -> None:
     with pytest.raises(error, match=fragment):
         philox4x32_10(counter, key)
+
+
+def test_block_function_refuses_non_tensors_and_mismatched_batches() -> None:
+    with pytest.raises(ArgumentTypeError, match="counter must be an int64 torch.Tensor"):
+        philox4x32_10([0, 0, 0, 0], torch.zeros(2, dtype=torch.int64))  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="key must be an int64 torch.Tensor"):
+        philox4x32_10(torch.zeros(4, dtype=torch.int64), (1, 2))  # type: ignore[arg-type]
+    with pytest.raises(InvalidShapeError, match="do not broadcast"):
+        philox4x32_10(torch.zeros(3, 4, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64))
+
+
+# --- devices ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "device, fragment",
+    [
+        ("bogus", "device 'bogus' is not a device torch knows"),
+        ("cuda:-1", "is not a device torch knows"),
+        (-1, "device -1 is not a device torch knows"),
+    ],
+)
+def test_devices_torch_cannot_name_are_refused(device: Any, fragment: str) -> None:
+    with pytest.raises(InvalidParameterError, match=fragment) as info:
+        uniform(4, KEY, device=device)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
+def test_devices_this_process_lacks_are_refused() -> None:
+    with pytest.raises(InvalidParameterError, match="device 'cuda' is not available in this process"):
+        uniform(4, KEY, device="cuda")
+    with pytest.raises(InvalidParameterError, match="is not available in this process"):
+        bernoulli(4, 0.5, KEY, device=torch.device("cuda", 3))
+
+
+@pytest.mark.parametrize("device", [3.5, ["cpu"], True, object()])
+def test_devices_of_the_wrong_type_are_a_type_error(device: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match="device must be a torch.device, a string"):
+        normal(4, KEY, device=device)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", torch.device("cpu"), None])
+def test_every_spelling_of_the_cpu_is_accepted(device: Any) -> None:
+    assert torch.equal(uniform(6, KEY, device=device), uniform(6, KEY))
+
+
+# --- sizes and counters -------------------------------------------------------------
+
+
+def test_max_numel_is_2_to_the_36_elements_per_call() -> None:
+    assert MAX_NUMEL == 2**36
+
+
+@pytest.mark.parametrize("shape", [(2**40,), (2**20, 2**20), (2**36 + 1,), (2**18, 2**18 + 1)])
+@pytest.mark.parametrize("draw", [uniform, normal, random_bits])
+def test_draws_larger_than_max_numel_are_refused_before_any_allocation(
+    draw: Callable[..., torch.Tensor], shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_work(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("work started before the size was checked")
+
+    monkeypatch.setattr(kernels, "make_kernel", no_work)
+    monkeypatch.setattr(kernels, "fill", no_work)
+    with pytest.raises(InvalidShapeError, match="more than MAX_NUMEL = 2\\*\\*36 per call"):
+        draw(shape, KEY)
+
+
+def test_a_small_shard_of_a_global_shape_larger_than_max_numel_is_drawn() -> None:
+    shard = (slice(2**40 - 7, None),)
+    assert torch.equal(uniform((2**40,), KEY, shard=shard), uniform(7, KEY, 2**40 - 7))
+    with pytest.raises(InvalidShapeError, match="the shard .* more than MAX_NUMEL"):
+        uniform((2**40,), KEY, shard=(slice(0, 2**37),))
+
+
+def test_a_shape_whose_counters_pass_2_to_the_64_is_an_offset_error() -> None:
+    with pytest.raises(InvalidOffsetError, match="overflows the 2\\*\\*64 counter space by 4"):
+        uniform((2**30, 2**30), KEY, 2**64 - 2**60 + 4)
+    with pytest.raises(InvalidOffsetError, match="overflows"):
+        bernoulli((2**60,), 0.5, KEY, 2**64 - 2**59)
+
+
+def test_numpy_integer_keys_and_offsets_are_accepted() -> None:
+    assert torch.equal(random_bits(5, np.uint64(2**64 - 1), np.int64(3)), random_bits(5, 2**64 - 1, 3))
+
+
+@pytest.mark.parametrize("compiled", ["yes", 1, None])
+@pytest.mark.parametrize("draw", [uniform, normal, random_bits])
+def test_compiled_must_be_a_bool(draw: Callable[..., torch.Tensor], compiled: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match="compiled must be a bool"):
+        draw(4, KEY, compiled=compiled)
+
+
+BAD_CALLS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
+    ("device", lambda: uniform(4, KEY, device="bogus"), InvalidParameterError, "device"),
+    ("device type", lambda: uniform(4, KEY, device=1.5), ArgumentTypeError, "device"),
+    ("shard bound", lambda: uniform((4,), KEY, shard=[slice("a", None)]), ArgumentTypeError, "shard"),
+    ("shard step", lambda: uniform((4,), KEY, shard=[slice(0, 4, 0)]), ShardingError, "step 0"),
+    ("size", lambda: uniform((2**40,), KEY), InvalidShapeError, "MAX_NUMEL"),
+    ("nan bound", lambda: uniform(4, KEY, low=math.nan), InvalidParameterError, "low"),
+    ("inf std", lambda: normal(4, KEY, std=math.inf), InvalidParameterError, "std"),
+    ("nan p", lambda: bernoulli(4, math.nan, KEY), InvalidParameterError, "p must be"),
+    ("dtype type", lambda: uniform(4, KEY, dtype="float32"), ArgumentTypeError, "dtype"),
+    ("dtype", lambda: normal(4, KEY, dtype=torch.int8), UnsupportedDTypeError, "normal supports"),
+    ("key", lambda: random_bits(4, -1), InvalidSeedError, "key"),
+    ("offset", lambda: random_bits(4, KEY, -1), InvalidOffsetError, "offset"),
+    ("counter end", lambda: random_bits(8, KEY, 2**64 - 4), InvalidOffsetError, "overflows"),
+    ("compiled", lambda: random_bits(4, KEY, compiled="no"), ArgumentTypeError, "compiled"),
+    ("shape", lambda: random_bits((4, -1), KEY), InvalidShapeError, "negative"),
+    ("dropout flag", lambda: dropout(torch.ones(4), 0.5, KEY, training="no"), ArgumentTypeError, "training"),
+]
+
+
+@pytest.mark.parametrize("name, call, error, fragment", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_every_bad_input_is_a_typed_error_raised_before_any_work(
+    name: str, call: Callable[[], object], error: type[Exception], fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_work(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(kernels, "make_kernel", no_work)
+    with pytest.raises(error, match=fragment) as info:
+        call()
+    assert isinstance(info.value, HyperRNGError)
+    expected_builtin = TypeError if issubclass(error, (ArgumentTypeError, UnsupportedDTypeError)) else ValueError
+    assert isinstance(info.value, expected_builtin)
