@@ -41,7 +41,6 @@ import platforms
 from hyperrng.errors import CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
-from platforms.cpu import MT19937_STATE_NBYTES
 from platforms.validate import MAX_SEED, check_instance, check_seed
 
 __all__ = [
@@ -273,7 +272,7 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
             )
         cpu = None
     else:
-        cpu = _tensor(state["torch_cpu"], torch.uint8, MT19937_STATE_NBYTES, "torch CPU state")
+        cpu = _tensor(state["torch_cpu"], torch.uint8, platforms.MT19937_STATE_NBYTES, "torch CPU state")
         try:
             torch.Generator().set_state(cpu)  # a scratch generator: refuses bytes MT19937 cannot take
         except RuntimeError as exc:
