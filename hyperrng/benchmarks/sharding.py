@@ -3,10 +3,8 @@
 Two questions, each answered against a baseline timed in the same run:
 
 * ``check_all_ranks``: computing and checking the offsets of every rank
-  (:func:`~hyperrng.sharding.check_disjoint`, starting from an empty cache) against asking
-  :func:`~hyperrng.sharding.rng_offsets` once per rank with a warm cache.
-* ``rng_offsets_cached``: one rank's lookup once its mesh, placements and shape are cached,
-  against the same lookup that has to rebuild the table first.
+  (:func:`~hyperrng.sharding.check_disjoint`) against asking
+  :func:`~hyperrng.sharding.rng_offsets` once per rank.
 * ``distribute_region``: enter+exit of a region on the current platform, offsets cached,
   against a bare ``tracker.fork()`` (target: at most 2x), on a small mesh and on an
   8192-rank one, to show the cost does not depend on mesh size.
@@ -19,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hyperrng import sharding
-from hyperrng.benchmarks._timing import BenchResult, interleaved, time_rounds
+from hyperrng.benchmarks._timing import BenchResult, interleaved
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
@@ -99,41 +97,23 @@ def _bench_case(
 ) -> list[BenchResult]:
     coords = list(itertools.product(*(range(size) for size in mesh)))
     ranks = len(coords)
-    middle = coords[ranks // 2]
 
-    def check_cold() -> None:
-        sharding._table.cache_clear()
+    def check() -> None:
         sharding.check_disjoint(mesh, placements, shape)
 
-    def every_rank_warm() -> None:
+    def every_rank() -> None:
         for coord in coords:
             sharding.rng_offsets(mesh, coord, placements, shape)
 
-    def one_rank_warm() -> None:
-        sharding.rng_offsets(mesh, middle, placements, shape)
-
-    def one_rank_cold() -> None:
-        sharding._table.cache_clear()
-        sharding.rng_offsets(mesh, middle, placements, shape)
-
-    pair = interleaved({"check": check_cold, "loop": every_rank_warm}, number=1, rounds=repeat)
-    check, loop = pair["check"], pair["loop"]
-    cold = time_rounds(one_rank_cold, number=1, rounds=repeat)
-    warm = time_rounds(one_rank_warm, number=100, rounds=repeat)
+    pair = interleaved({"check": check, "loop": every_rank}, number=1, rounds=repeat)
+    check_timing, loop = pair["check"], pair["loop"]
     return [
         BenchResult(
             name=f"sharding.check_all_ranks[{label}]",
-            timing=check,
-            baseline=f"{ranks} warm rng_offsets calls",
+            timing=check_timing,
+            baseline=f"{ranks} rng_offsets calls",
             baseline_timing=loop,
-            note=f"check_disjoint from a cold cache over {ranks} ranks: {check.median:.4f} s; "
+            note=f"check_disjoint over {ranks} ranks: {check_timing.median:.4f} s; "
             f"one rng_offsets call per rank: {loop.median:.4f} s",
-        ),
-        BenchResult(
-            name=f"sharding.rng_offsets_cached[{label}]",
-            timing=warm,
-            baseline="rng_offsets rebuilding its table",
-            baseline_timing=cold,
-            note=f"cached lookup {warm.median * 1e6:.1f} us; uncached (table for {ranks} ranks) {cold.median:.4f} s",
         ),
     ]
