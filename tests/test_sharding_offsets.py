@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, placement_types
 
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, RNGDesyncError, ShardingError
@@ -32,6 +34,8 @@ from hyperrng.sharding import (
 )
 
 _StridedShard: Any = getattr(placement_types, "_StridedShard", None)  # absent from older torch releases
+
+_strided_types: tuple[type, ...] = (_StridedShard,) if _StridedShard is not None else ()
 
 needs_strided = pytest.mark.skipif(_StridedShard is None, reason="this torch has no _StridedShard")
 
@@ -110,6 +114,40 @@ def _our_local_elements(
     for dim, runs in enumerate(local_index_ranges(mesh_shape, coordinate, placements, global_shape)):
         local = local.index_select(dim, torch.tensor([i for run in runs for i in run], dtype=torch.long))
     return local
+
+
+def _reference_offsets(config: Config) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Every rank's (start, end) by enumerating all shards, as the module docstring defines them.
+
+    Shards are numbered as PyTorch numbers them (per tensor dim, the mixed-radix number of
+    the coordinates on the mesh dims sharding it; then row-major over tensor dims); each
+    shard's size comes from splitting the tensor as distribute_tensor does; the windows are
+    laid end to end, each rounded up to 4.
+    """
+    mesh, placements, shape = config
+    normalised = _normalised(placements, len(shape))
+    by_dim = [
+        [m for m, p in enumerate(normalised) if isinstance(p, (Shard, *_strided_types)) and p.dim == d]
+        for d in range(len(shape))
+    ]
+
+    def shard_index(coord: tuple[int, ...]) -> int:
+        index = 0
+        for dims in by_dim:
+            piece, count = 0, 1
+            for m in dims:
+                piece, count = piece * mesh[m] + coord[m], count * mesh[m]
+            index = index * count + piece
+        return index
+
+    numels: dict[int, int] = {}
+    for coord in _coords(mesh):
+        numel = _torch_local_elements(mesh, coord, placements, shape).numel()
+        assert numels.setdefault(shard_index(coord), numel) == numel, "replicas hold different sizes"
+    shards = math.prod(math.prod(mesh[m] for m in dims) for dims in by_dim)
+    assert sorted(numels) == list(range(shards))
+    starts = list(itertools.accumulate((-(-numels[k] // 4) * 4 for k in range(shards)), initial=0))
+    return {coord: (starts[shard_index(coord)], starts[shards]) for coord in _coords(mesh)}
 
 
 def _torch_shard_numels(config: Config) -> set[int]:
@@ -350,6 +388,57 @@ def test_strided_shard_follows_the_fsdp2_plus_tp_right_to_left_row_order() -> No
     check_disjoint((2, 2), placements, (8, 8))
 
 
+# --------------------------------------------------------------------------- closed form against enumeration
+
+
+@pytest.mark.parametrize("config", _shardings() + EQUAL_SHARDINGS)
+def test_closed_form_equals_a_brute_force_enumeration_of_the_shards(config: Config) -> None:
+    mesh, placements, shape = config
+    expected = _reference_offsets(config)
+    assert {coord: rng_offsets(mesh, coord, placements, shape) for coord in _coords(mesh)} == expected
+
+
+def test_closed_form_equals_enumeration_on_a_seeded_sweep_of_uneven_and_even_shardings() -> None:
+    for config in _sweep(seed=13, count=80) + _even_sweep(seed=17, count=20):
+        mesh, placements, shape = config
+        expected = _reference_offsets(config)
+        assert {coord: rng_offsets(mesh, coord, placements, shape) for coord in _coords(mesh)} == expected, config
+
+
+@st.composite
+def _configs(draw: st.DrawFn) -> Config:
+    """Small meshes and shapes: replicas, partials, uneven and empty pieces, dims split twice, strided."""
+    mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    ndim = draw(st.integers(0, 3))
+    kinds = ["replicate", "partial"] + (["shard", "shard", "strided"] if ndim else [])
+    placements: list[Any] = []
+    for _ in mesh:
+        kind = draw(st.sampled_from(kinds))
+        if kind == "replicate":
+            placements.append(Replicate())
+        elif kind == "partial":
+            placements.append(Partial())
+        elif kind == "strided" and _StridedShard is not None:
+            placements.append(_strided(draw(st.integers(0, ndim - 1)), draw(st.integers(1, 4))))
+        else:
+            placements.append(Shard(draw(st.integers(-ndim, ndim - 1))))
+    shape = tuple(draw(st.lists(st.integers(0, 23), min_size=ndim, max_size=ndim)))
+    return mesh, tuple(placements), shape
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(_configs())
+def test_closed_form_and_local_pieces_equal_enumeration_for_any_small_sharding(config: Config) -> None:
+    mesh, placements, shape = config
+    expected = _reference_offsets(config)
+    for coord in _coords(mesh):
+        assert rng_offsets(mesh, coord, placements, shape) == expected[coord], coord
+        held = _torch_local_elements(mesh, coord, placements, shape)
+        assert torch.equal(_our_local_elements(mesh, coord, placements, shape), held), coord
+        assert local_shard(mesh, coord, placements, shape)[0] == tuple(held.shape), coord
+    check_disjoint(mesh, placements, shape)
+
+
 # --------------------------------------------------------------------------- where PyTorch breaks the contract
 
 
@@ -438,6 +527,47 @@ def test_offsets_on_an_even_8192_rank_4d_mesh_equal_pytorch_on_sampled_ranks() -
     for _ in range(8):
         coord = tuple(rng.randrange(size) for size in mesh)
         assert rng_offsets(mesh, coord, placements, shape) == _torch_offsets(mesh, coord, placements, shape)
+
+
+def test_a_2_62_rank_mesh_answers_with_the_values_derived_by_hand() -> None:
+    ranks = 2**62
+    # Shard(0) of 2**40 elements: ranks below 2**40 hold one element each (windows of 4),
+    # the others nothing; end is 4 * 2**40.
+    shape = (2**40,)
+    assert rng_offsets((ranks,), (0,), [Shard(0)], shape) == (0, 2**42)
+    assert rng_offsets((ranks,), (2**40 - 1,), [Shard(0)], shape) == (2**42 - 4, 2**42)
+    assert rng_offsets((ranks,), (2**61 + 3,), [Shard(0)], shape) == (2**42, 2**42)
+    assert rng_offsets((ranks,), (ranks - 1,), [Shard(0)], shape) == (2**42, 2**42)
+    assert local_index_ranges((ranks,), (12345,), [Shard(0)], shape) == ((range(12345, 12346),),)
+    assert local_index_ranges((ranks,), (ranks - 1,), [Shard(0)], shape) == ((),)
+    assert local_shard((ranks,), (ranks - 1,), [Shard(0)], shape) == ((0,), (2**40,))
+    # An evenly divisible split across a 2**31 x 2**31 mesh, replicated along the second dim:
+    # shards of 4 elements, one window of 4 per row of the mesh.
+    mesh, placements = (2**31, 2**31), [Shard(0), Replicate()]
+    assert rng_offsets(mesh, (2**31 - 1, 7), placements, (2**33,)) == (2**33 - 4, 2**33)
+    assert rng_offsets(mesh, (1000, 2**31 - 1), placements, (2**33,)) == (4000, 2**33)
+    # _StridedShard over 2**40 ranks: two chunks of 2**42 elements, four of each per rank.
+    if _StridedShard is not None:
+        assert rng_offsets((2**40,), (99,), [_strided(0, 2)], (2**43,)) == (8 * 99, 2**43)
+        assert local_index_ranges((2**40,), (99,), [_strided(0, 2)], (2**43,)) == (
+            (range(396, 400), range(2**42 + 396, 2**42 + 400)),
+        )
+    # Replicated, on the largest mesh there is.
+    assert rng_offsets((2**63,), (2**63 - 1,), [Replicate()], (5,)) == (0, 8)
+
+
+def test_a_2_20_rank_mesh_answers_with_the_values_derived_by_hand_and_equals_pytorch() -> None:
+    mesh, placements, shape = (2**20,), [Shard(0)], (2**23,)
+    for rank in (0, 1, 2**19 + 5, 2**20 - 1):
+        assert rng_offsets(mesh, (rank,), placements, shape) == (8 * rank, 2**23)
+    # 2**10 x 2**10 over a (2**12, 2**13) tensor: shards of 4 x 8 elements, numbered row-major.
+    mesh2, placements2, shape2 = (2**10, 2**10), [Shard(0), Shard(1)], (2**12, 2**13)
+    for i, j in ((0, 0), (3, 1000), (1023, 1023)):
+        assert rng_offsets(mesh2, (i, j), placements2, shape2) == (32 * (i * 1024 + j), 2**25)
+    assert rng_offsets(mesh2, (3, 1000), placements2, shape2) == _torch_offsets(mesh2, (3, 1000), placements2, shape2)
+    # Uneven: 10**6 + 3 rows over 2**20 ranks leave ranks past 10**6 + 2 empty.
+    assert rng_offsets(mesh, (999_999,), placements, (10**6 + 3, 3)) == (999_999 * 4, (10**6 + 3) * 4)
+    assert rng_offsets(mesh, (2**20 - 1,), placements, (10**6 + 3, 3)) == ((10**6 + 3) * 4, (10**6 + 3) * 4)
 
 
 def test_numpy_ints_and_torch_size_are_accepted_as_sizes() -> None:
