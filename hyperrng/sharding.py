@@ -165,7 +165,8 @@ def rng_offsets(
 
     Works in closed form: the cost grows with the number of mesh and tensor dims, never
     with the number of ranks, so a mesh of any size up to :data:`MAX_MESH_SIZE` ranks
-    answers at once. Every call validates its arguments; nothing is cached.
+    answers at once. Every call validates its arguments; nothing is cached. Sizes and
+    indices may be Python or NumPy integers; bools and floats are refused, never truncated.
 
     Args:
         mesh_shape: sizes of the device mesh, one positive int per mesh dimension.
@@ -173,9 +174,6 @@ def rng_offsets(
         placements: one ``Shard``/``_StridedShard``/``Replicate``/``Partial`` per mesh
             dimension; negative ``Shard`` dims count from the end, as in DTensor.
         global_shape: shape of the whole (unsharded) tensor.
-
-    Sizes and indices may be Python or NumPy integers; bools and floats are refused, never
-    truncated.
 
     Returns:
         ``(start, end)``: add ``start`` to the offset before the op on this rank; after it,
