@@ -53,26 +53,54 @@ the same numbers. Otherwise PyTorch's windows can collide or leave ``[0, end)``:
 The price is that ``end`` may exceed ``r4(numel(global_shape))`` by less than 4 per shard, so
 the generator advances a little further than under PyTorch when shard sizes are uneven or
 not multiples of 4.
+
+Cost and limits
+---------------
+:func:`rng_offsets`, :func:`local_shard` and :func:`local_index_ranges` answer for one rank
+without enumerating ranks or shards. ``rng_offsets`` works in closed form: ``torch.chunk``
+gives at most three distinct piece sizes along a tensor dim split once (at most five for
+``_StridedShard``), so the sums of ``r4(numel_j)`` over the shards before this one follow
+from counting, per tensor dim, the pieces of each size before this rank's piece and their
+residues mod 4. Its cost is ``O(mesh dims + tensor dims)`` when each tensor dim is split by
+at most one ``Shard``; a dim split by several mesh dims, or by ``_StridedShard``, adds work
+that grows with the number of *distinct* piece sizes (a few per level), never with the
+number of ranks. ``local_index_ranges`` costs as much as the ranges it returns.
+:func:`check_disjoint` visits every rank, so its cost is linear in the mesh size.
+
+Nothing is cached: every call validates all its arguments. A mesh may have up to
+:data:`MAX_MESH_SIZE` (``2**63``) ranks and a global shape up to :data:`MAX_GLOBAL_NUMEL`
+(``2**63 - 1``) elements; larger ones, and shardings whose ``end`` would pass ``2**63 - 1``
+(the largest generator offset), raise :class:`~hyperrng.errors.ShardingError` at once.
+
+Errors
+------
+One rule throughout: an argument of the wrong type (a size given as ``2.7`` or ``True``,
+a mesh shape given as a string, an object that is not a placement) raises
+:class:`~hyperrng.errors.ArgumentTypeError`, a ``TypeError``; a wrong value of the right
+type (a coordinate outside the mesh, a ``Shard`` dim outside the tensor, a negative size)
+raises :class:`~hyperrng.errors.ShardingError`, a ``ValueError``. Both messages name the
+argument. NumPy integers are accepted wherever Python ints are; floats are never truncated.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 import itertools
 import math
-import operator
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from hyperrng.errors import RNGDesyncError, ShardingError
-from platforms.validate import OFFSET_ALIGN, round_up_offset
+from hyperrng.errors import ArgumentTypeError, RNGDesyncError, ShardingError
+from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_int
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
+    "MAX_GLOBAL_NUMEL",
+    "MAX_MESH_SIZE",
     "PHILOX_OFFSET_ALIGNMENT",
     "OffsetFunction",
     "check_disjoint",
@@ -84,10 +112,24 @@ __all__ = [
 PHILOX_OFFSET_ALIGNMENT: Final = OFFSET_ALIGN
 """Generator offsets advance in multiples of this: one Philox call yields four 32-bit values."""
 
+MAX_MESH_SIZE: Final = 2**63
+"""Most ranks a mesh may have, so that every rank index fits an int64 as in torch."""
+
+MAX_GLOBAL_NUMEL: Final = 2**63 - 1
+"""Largest element count of a global shape, and largest size of one of its dims (int64, as
+``torch.Size`` stores them)."""
+
 OffsetFunction = Callable[[Sequence[int], Sequence[int], Sequence["Placement"], Sequence[int]], tuple[int, int]]
 """The signature of :func:`rng_offsets`: ``(mesh_shape, coordinate, placements, global_shape)``."""
 
-_TABLE_CACHE_SIZE: Final = 256  # distinct (mesh, placements, shape) triples kept; a model has few
+_Level = tuple[int, int, int]  # one mesh dim splitting a tensor dim: (mesh dim, parts, split_factor)
+_Runs = list[tuple[int, int]]  # piece sizes in piece order, run-length coded: (count, size)
+_Residues = tuple[int, int, int]  # how many values are 1, 2 and 3 mod 4; multiples of 4 need no padding
+_DimState = tuple[int, int, _Residues, _Residues]  # see _dim_state
+
+_NO_RESIDUES: Final[_Residues] = (0, 0, 0)
+_ONE: Final[_Residues] = (1, 0, 0)  # the residues of the empty product: a single 1
+_RESIDUES_OF: Final[tuple[_Residues, ...]] = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1))
 
 
 class _Split(NamedTuple):
@@ -110,17 +152,7 @@ class _PlacementTypes(NamedTuple):
     replica: tuple[type[Any], ...]
 
 
-@dataclass(frozen=True)
-class _Table:
-    """Everything about one (mesh, placements, shape) that does not depend on the rank."""
-
-    shard_weights: tuple[int, ...]  # per mesh dim: weight of its coordinate in the linear shard index
-    piece_weights: tuple[tuple[int, ...], ...]  # per tensor dim, per mesh dim: weight in the piece index
-    pieces: tuple[tuple[tuple[range, ...], ...], ...]  # per tensor dim, per piece: global index runs
-    sharded: tuple[bool, ...]  # per tensor dim: split by at least one mesh dim
-    starts: tuple[int, ...]  # per linear shard index
-    numels: tuple[int, ...]  # per linear shard index
-    end: int
+# ------------------------------------------------------------------------------------ public
 
 
 def rng_offsets(
@@ -131,8 +163,13 @@ def rng_offsets(
 ) -> tuple[int, int]:
     """Return the generator-offset increments for a random op on this rank's shard.
 
+    Works in closed form: the cost grows with the number of mesh and tensor dims, never
+    with the number of ranks, so a mesh of any size up to :data:`MAX_MESH_SIZE` ranks
+    answers at once. Every call validates its arguments; nothing is cached. Sizes and
+    indices may be Python or NumPy integers; bools and floats are refused, never truncated.
+
     Args:
-        mesh_shape: sizes of the device mesh, one per mesh dimension.
+        mesh_shape: sizes of the device mesh, one positive int per mesh dimension.
         coordinate: this rank's index along each mesh dimension.
         placements: one ``Shard``/``_StridedShard``/``Replicate``/``Partial`` per mesh
             dimension; negative ``Shard`` dims count from the end, as in DTensor.
@@ -141,17 +178,30 @@ def rng_offsets(
     Returns:
         ``(start, end)``: add ``start`` to the offset before the op on this rank; after it,
         every rank sets its offset to the one it had before the op plus ``end``. Both are
-        multiples of :data:`PHILOX_OFFSET_ALIGNMENT`; see the module docstring for the
-        contract and where it differs from PyTorch's ``OffsetBasedRNGTracker``.
+        multiples of :data:`PHILOX_OFFSET_ALIGNMENT` and at most ``2**63 - 1``; see the
+        module docstring for the contract and where it differs from PyTorch's
+        ``OffsetBasedRNGTracker``.
 
     Raises:
-        ShardingError: a coordinate outside the mesh, a placement count other than the
-            mesh's dimension count, a ``Shard`` dim outside the tensor, a negative or
-            non-integer size, or an unknown placement type.
+        ArgumentTypeError: an argument of the wrong type: a sequence that is not one, a
+            size, index, ``dim`` or ``split_factor`` that is not an integer (a bool, a
+            float), or a placement that is none of the four kinds above. It is a
+            ``TypeError``.
+        ShardingError: a wrong value: a coordinate outside the mesh, a placement count
+            other than the mesh's dimension count, a ``Shard`` dim outside the tensor, a
+            ``split_factor`` below 1, a negative size, a mesh dim below 1, a mesh of more
+            than :data:`MAX_MESH_SIZE` ranks, a global shape of more than
+            :data:`MAX_GLOBAL_NUMEL` elements, or offsets that would pass ``2**63 - 1``.
+            It is a ``ValueError``.
     """
-    mesh, splits, shape = _normalise(mesh_shape, placements, global_shape)
-    coord = _normalise_coordinate(coordinate, mesh)
-    return _offsets_at(_table(mesh, splits, shape), coord)
+    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
+    coord = _validate_coordinate(coordinate, mesh)
+    levels = _levels(mesh, splits, len(shape))
+    states = [_dim_state(size, dim_levels, coord) for size, dim_levels in zip(shape, levels)]
+    numels, tails, end = _tails(shape, [state[3] for state in states])
+    if end > MAX_OFFSET:
+        raise _end_overflow(mesh, splits, shape, end)
+    return _start(states, numels, tails), end
 
 
 def local_shard(
@@ -164,22 +214,25 @@ def local_shard(
 
     Takes the same arguments as :func:`rng_offsets` and returns what PyTorch's
     ``compute_local_shape_and_global_offset`` returns: the offset of an unsharded dim is 0,
-    and that of a sharded dim whose local extent is empty is the dim's global size.
+    and that of a sharded dim whose local extent is empty is the dim's global size. The
+    cost does not grow with the number of ranks.
 
     .. warning:: With ``_StridedShard`` a rank holds several separate index runs along a
        dim, and the offset names only the first; use :func:`local_index_ranges` for them all.
 
     Raises:
-        ShardingError: as :func:`rng_offsets`.
+        ArgumentTypeError: as :func:`rng_offsets`.
+        ShardingError: as :func:`rng_offsets`, except that offsets past ``2**63 - 1``
+            are no error here.
     """
-    mesh, splits, shape = _normalise(mesh_shape, placements, global_shape)
-    coord = _normalise_coordinate(coordinate, mesh)
-    table = _table(mesh, splits, shape)
-    runs_per_dim = _runs_at(table, coord)
-    local_shape = tuple(sum(len(run) for run in runs) for runs in runs_per_dim)
+    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
+    coord = _validate_coordinate(coordinate, mesh)
+    runs_per_dim = _runs_at(mesh, splits, shape, coord)
+    sharded = _sharded_dims(splits, len(shape))
+    local_shape = tuple(sum(run.stop - run.start for run in runs) for runs in runs_per_dim)
     offsets = tuple(
-        (runs[0].start if runs else size) if sharded else 0
-        for runs, size, sharded in zip(runs_per_dim, shape, table.sharded)
+        (runs[0].start if runs else size) if is_sharded else 0
+        for runs, size, is_sharded in zip(runs_per_dim, shape, sharded)
     )
     return local_shape, offsets
 
@@ -195,14 +248,16 @@ def local_index_ranges(
     Takes the same arguments as :func:`rng_offsets`. Local index ``i`` along dim ``d`` is
     global index ``list(itertools.chain(*result[d]))[i]``. A ``Shard``-only placement gives
     at most one range per dim; ``_StridedShard`` may give several; an empty extent gives
-    none. Adjacent ranges are merged.
+    none. Adjacent ranges are merged. The cost grows with the number of ranges returned
+    and of mesh dims, never with the number of ranks.
 
     Raises:
-        ShardingError: as :func:`rng_offsets`.
+        ArgumentTypeError: as :func:`rng_offsets`.
+        ShardingError: as :func:`local_shard`.
     """
-    mesh, splits, shape = _normalise(mesh_shape, placements, global_shape)
-    coord = _normalise_coordinate(coordinate, mesh)
-    return _runs_at(_table(mesh, splits, shape), coord)
+    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
+    coord = _validate_coordinate(coordinate, mesh)
+    return _runs_at(mesh, splits, shape, coord)
 
 
 def check_disjoint(
@@ -215,28 +270,55 @@ def check_disjoint(
     """Check the offset contract over every rank of the mesh.
 
     Computes ``(start, end)`` for every coordinate with ``offsets`` (default: this module's
-    :func:`rng_offsets`, read from one shared table) and checks that every rank gets the
+    closed form, as :func:`rng_offsets` computes it) and checks that every rank gets the
     same ``end``, that both numbers are non-negative multiples of 4, that replicas get the
     same ``start``, and that the windows ``[start, start + local numel)`` of distinct
-    non-empty shards are disjoint and lie inside ``[0, end)``. Pass another
-    :data:`OffsetFunction` (PyTorch's formula, say) to audit it against the same rules.
+    non-empty shards are disjoint and lie inside ``[0, end)``. Local element counts come
+    from the index ranges of :func:`local_index_ranges`, not from the offset formula. Pass
+    another :data:`OffsetFunction` (PyTorch's formula, say) to audit it against the same
+    rules. The cost is linear in the number of ranks.
 
     Raises:
+        ArgumentTypeError: as :func:`rng_offsets`.
         ShardingError: invalid mesh, placements or shape, as :func:`rng_offsets`.
         RNGDesyncError: a rule is broken; the message names the ranks and windows.
     """
-    mesh, splits, shape = _normalise(mesh_shape, placements, global_shape)
-    table = _table(mesh, splits, shape)
-    if offsets is None:
-        compute: Callable[[tuple[int, ...]], tuple[int, int]] = functools.partial(_offsets_at, table)
-    else:
-        given = tuple(placements)
-        compute = functools.partial(_call_foreign, offsets, mesh, given, shape)
+    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
+    levels = _levels(mesh, splits, len(shape))
+    piece_dims = [[mesh_dim for mesh_dim, _, _ in dim_levels] for dim_levels in levels]
+    state_memo: list[dict[tuple[int, ...], _DimState]] = [{} for _ in shape]
+    numel_memo: list[dict[tuple[int, ...], int]] = [{} for _ in shape]
     origin = (0,) * len(mesh)
-    end = compute(origin)[1]
-    seen: dict[int, tuple[tuple[int, ...], int]] = {}  # linear shard index -> (first coordinate, start)
+    numels, tails, end = _tails(shape, [_dim_state(size, lv, origin)[3] for size, lv in zip(shape, levels)])
+
+    def own(coord: tuple[int, ...], pieces: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
+        states = []
+        for size, dim_levels, memo, piece in zip(shape, levels, state_memo, pieces):
+            state = memo.get(piece)
+            if state is None:
+                state = memo[piece] = _dim_state(size, dim_levels, coord)
+            states.append(state)
+        return _start(states, numels, tails), end
+
+    def numel_of(coord: tuple[int, ...], pieces: tuple[tuple[int, ...], ...]) -> int:
+        numel = 1
+        for size, dim_levels, memo, piece in zip(shape, levels, numel_memo, pieces):
+            if piece not in memo:
+                memo[piece] = sum(run.stop - run.start for run in _rank_runs(size, dim_levels, coord))
+            numel *= memo[piece]
+        return numel
+
+    compute: Callable[[tuple[int, ...], tuple[tuple[int, ...], ...]], tuple[int, int]] = own
+    if offsets is None:
+        if end > MAX_OFFSET:
+            raise _end_overflow(mesh, splits, shape, end)
+    else:
+        compute = functools.partial(_call_foreign, offsets, mesh, tuple(placements), shape)
+        end = compute(origin, ())[1]
+    seen: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], int, int]] = {}  # shard -> (coord, start, numel)
     for coord in itertools.product(*(range(size) for size in mesh)):
-        start, rank_end = compute(coord)
+        shard = tuple(tuple(coord[m] for m in dims) for dims in piece_dims)
+        start, rank_end = compute(coord, shard)
         if start < 0 or start % PHILOX_OFFSET_ALIGNMENT or rank_end % PHILOX_OFFSET_ALIGNMENT:
             raise RNGDesyncError(
                 f"rank at coordinate {coord} got offsets (start={start}, end={rank_end}); both must be "
@@ -247,17 +329,14 @@ def check_disjoint(
                 f"ranks at coordinates {origin} and {coord} advance to different offsets after the op "
                 f"(end={end} vs {rank_end}); every rank must apply the same end increment."
             )
-        shard = _linear_index(table, coord)
         if shard not in seen:
-            seen[shard] = (coord, start)
+            seen[shard] = (coord, start, numel_of(coord, shard))
         elif seen[shard][1] != start:
             raise RNGDesyncError(
                 f"ranks at coordinates {seen[shard][0]} and {coord} hold the same shard but start at "
                 f"offsets {seen[shard][1]} and {start}; replicas must draw the same numbers."
             )
-    windows = sorted(
-        (start, start + table.numels[shard], coord) for shard, (coord, start) in seen.items() if table.numels[shard]
-    )
+    windows = sorted((start, start + numel, coord) for coord, start, numel in seen.values() if numel)
     for low, high, coord in windows:
         if high > end:
             raise RNGDesyncError(
@@ -278,119 +357,322 @@ def _call_foreign(
     placements: tuple[Placement, ...],
     shape: tuple[int, ...],
     coord: tuple[int, ...],
+    shard: object,
 ) -> tuple[int, int]:
     start, end = offsets(mesh, coord, placements, shape)
     return int(start), int(end)
 
 
-def _offsets_at(table: _Table, coord: tuple[int, ...]) -> tuple[int, int]:
-    return table.starts[_linear_index(table, coord)], table.end
+# ------------------------------------------------------------------------------------ closed form
+#
+# Along one tensor dim, the mesh dims that shard it (its *levels*, in mesh-dim order) cut it
+# into pieces numbered in mixed radix. Only the sizes of the pieces matter for the offsets,
+# and one split of a length into ``parts`` pieces yields at most five runs of equal sizes
+# (three for ``Shard``: ceil(n / parts) repeated, a remainder, then empties). So a tensor
+# dim is summed up, for one rank, by its own extent, the total size of the pieces before
+# it, and how many of those and of all pieces are 1, 2 or 3 mod 4 (the padding r4 adds
+# depends on nothing else). Pieces before the rank's one are tracked as a multiset of sizes
+# (dict size -> count), split level by level; equal sizes merge, so its length depends on
+# the sizes, never on the number of ranks. The row-major sum over tensor dims then follows
+# from sums of products being products of sums, and residues mod 4 multiplying.
 
 
-def _linear_index(table: _Table, coord: tuple[int, ...]) -> int:
-    return sum(map(operator.mul, coord, table.shard_weights))
-
-
-def _runs_at(table: _Table, coord: tuple[int, ...]) -> tuple[tuple[range, ...], ...]:
-    return tuple(
-        pieces[sum(map(operator.mul, coord, weights))] for pieces, weights in zip(table.pieces, table.piece_weights)
-    )
-
-
-@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
-def _table(mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tuple[int, ...]) -> _Table:
-    """Split every tensor dim, number the shards and lay their offset windows end to end."""
-    pieces: list[list[tuple[range, ...]]] = [[(range(size),)] for size in shape]
-    piece_weights = [[0] * len(mesh) for _ in shape]
+def _levels(mesh: tuple[int, ...], splits: tuple[_Split | None, ...], ndim: int) -> list[list[_Level]]:
+    """Per tensor dim, the mesh dims that split it, in mesh-dim order; one-part splits dropped."""
+    levels: list[list[_Level]] = [[] for _ in range(ndim)]
     for mesh_dim, split in enumerate(splits):
-        if split is None:
-            continue
-        parts, weights = mesh[mesh_dim], piece_weights[split.dim]
-        # Mixed radix in mesh-dim order: an earlier mesh dim is the more significant digit.
-        weights[:] = [weight * parts for weight in weights]
-        weights[mesh_dim] = 1
-        pieces[split.dim] = [
-            child for parent in pieces[split.dim] for child in _split_runs(parent, parts, split.split_factor)
-        ]
-    counts = [len(dim_pieces) for dim_pieces in pieces]
-    shard_weights = [0] * len(mesh)
-    for dim, weights in enumerate(piece_weights):
-        stride = math.prod(counts[dim + 1 :])  # row-major over tensor dims, as PyTorch numbers shards
-        for mesh_dim, weight in enumerate(weights):
-            shard_weights[mesh_dim] += weight * stride
-    extents = [[sum(len(run) for run in runs) for runs in dim_pieces] for dim_pieces in pieces]
-    numels = tuple(math.prod(sizes) for sizes in itertools.product(*extents))
-    starts = tuple(itertools.accumulate((round_up_offset(n) for n in numels[:-1]), initial=0))
-    return _Table(
-        shard_weights=tuple(shard_weights),
-        piece_weights=tuple(map(tuple, piece_weights)),
-        pieces=tuple(map(tuple, pieces)),
-        sharded=tuple(any(weights) for weights in piece_weights),
-        starts=starts,
-        numels=numels,
-        end=starts[-1] + round_up_offset(numels[-1]),
-    )
+        if split is not None and mesh[mesh_dim] > 1:  # one part is the whole extent, strided or not
+            levels[split.dim].append((mesh_dim, mesh[mesh_dim], split.split_factor))
+    return levels
 
 
-def _split_runs(runs: tuple[range, ...], parts: int, split_factor: int) -> list[tuple[range, ...]]:
-    """Split a local extent (given as global index runs) as ``_StridedShard`` does.
-
-    ``split_factor == 1`` is plain ``Shard``: ``torch.chunk`` into ``parts`` pieces.
-    """
-    length = sum(len(run) for run in runs)
-    out: list[list[range]] = [[] for _ in range(parts)]
-    for low, high in _chunk_bounds(length, split_factor):
-        if low == high:  # an empty chunk adds nothing, and split_factor may far exceed length
-            continue
-        for part, (a, b) in enumerate(_chunk_bounds(high - low, parts)):
-            out[part].extend(_slice_runs(runs, low + a, low + b))
-    return [_merge(part_runs) for part_runs in out]
-
-
-def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
-    """``torch.chunk`` bounds, padded with empty chunks to exactly ``parts`` entries."""
+def _chunk_runs(length: int, parts: int) -> _Runs:
+    """``torch.chunk`` sizes of ``length`` in ``parts`` pieces: full chunks, a remainder, empties."""
+    if not length:
+        return [(parts, 0)]
     size = -(-length // parts)
-    return [(min(i * size, length), min((i + 1) * size, length)) for i in range(parts)]
+    full, rest = divmod(length, size)
+    runs = [(full, size)]
+    if rest:
+        runs.append((1, rest))
+    if parts > full + (rest > 0):
+        runs.append((parts - full - (rest > 0), 0))
+    return runs
 
 
-def _slice_runs(runs: tuple[range, ...], low: int, high: int) -> list[range]:
-    """The global runs behind local indices ``[low, high)`` of the concatenated ``runs``."""
-    out = []
-    position = 0
-    for run in runs:
-        a, b = max(low - position, 0), min(high - position, len(run))
-        if a < b:
-            out.append(run[a:b])
-        position += len(run)
+def _split_runs(length: int, parts: int, split_factor: int) -> _Runs:
+    """Piece sizes of ``length`` split into ``parts`` as ``_StridedShard(split_factor)`` splits it.
+
+    The extent is cut into ``split_factor`` chunks (``full`` of size ``chunk``, maybe one of
+    ``rest``); piece ``c`` takes piece ``c`` of each, so its size is
+    ``full * size_c(chunk) + size_c(rest)``: the merge of two chunk-run lists.
+    """
+    if split_factor == 1 or not length:
+        return _chunk_runs(length, parts)
+    chunk = -(-length // split_factor)
+    full, rest = divmod(length, chunk)
+    runs: _Runs = []
+    whole, partial = _chunk_runs(chunk, parts), _chunk_runs(rest, parts)
+    i = j = 0
+    left_i, left_j = whole[0][0], partial[0][0]
+    while i < len(whole):
+        count = min(left_i, left_j)
+        size = full * whole[i][1] + partial[j][1]
+        if runs and runs[-1][1] == size:
+            runs[-1] = (runs[-1][0] + count, size)
+        else:
+            runs.append((count, size))
+        left_i -= count
+        left_j -= count
+        if not left_i:
+            i += 1
+            left_i = whole[i][0] if i < len(whole) else 0
+        if not left_j:
+            j += 1
+            left_j = partial[j][0] if j < len(partial) else 0
+    return runs
+
+
+def _expand(sizes: dict[int, int], parts: int, split_factor: int) -> dict[int, int]:
+    """Split every piece of a size multiset; empty pieces are dropped (they add nothing)."""
+    out: dict[int, int] = {}
+    for size, count in sizes.items():
+        for run_count, run_size in _split_runs(size, parts, split_factor):
+            if run_size:
+                out[run_size] = out.get(run_size, 0) + count * run_count
     return out
 
 
-def _merge(runs: list[range]) -> tuple[range, ...]:
+def _residues(sizes: Iterable[tuple[int, int]]) -> _Residues:
+    """How many of the ``(size, count)`` values are 1, 2 and 3 mod 4."""
+    counts = [0, 0, 0, 0]
+    for size, count in sizes:
+        counts[size & 3] += count
+    return counts[1], counts[2], counts[3]
+
+
+def _dim_state(length: int, levels: list[_Level], coord: Sequence[int]) -> _DimState:
+    """Sum up one tensor dim for the rank at ``coord``.
+
+    Returns ``(extent, before, before_residues, all_residues)``: the rank's piece size, the
+    total size of the pieces before it in mixed-radix order, and how many pieces before it
+    and in all are 1, 2 and 3 mod 4.
+    """
+    if not levels:
+        return length, 0, _NO_RESIDUES, _RESIDUES_OF[length & 3]
+    if len(levels) == 1 and levels[0][2] == 1:  # one Shard: three runs, counted directly
+        mesh_dim, parts, _ = levels[0]
+        if not length:
+            return 0, 0, _NO_RESIDUES, _NO_RESIDUES
+        index = coord[mesh_dim]
+        size = -(-length // parts)
+        full, rest = divmod(length, size)
+        if index < full:
+            extent, before_full, before_rest = size, index, 0
+        else:
+            extent = rest if index == full else 0
+            before_full, before_rest = full, (rest if index > full else 0)
+        before_residues = _residues(((size, before_full), (before_rest, 1)))
+        return extent, before_full * size + before_rest, before_residues, _residues(((size, full), (rest, 1)))
+    earlier: dict[int, int] = {}  # sizes of the pieces before the rank's one, at the current level
+    every: dict[int, int] = {length: 1} if length else {}
+    extent = length
+    for mesh_dim, parts, split_factor in levels:
+        index = coord[mesh_dim]
+        earlier = _expand(earlier, parts, split_factor)
+        every = _expand(every, parts, split_factor)
+        position = 0
+        for count, size in _split_runs(extent, parts, split_factor):
+            if index < position + count:
+                if size and index > position:
+                    earlier[size] = earlier.get(size, 0) + index - position
+                extent = size
+                break
+            if size:
+                earlier[size] = earlier.get(size, 0) + count
+            position += count
+    before = sum(size * count for size, count in earlier.items())
+    return extent, before, _residues(earlier.items()), _residues(every.items())
+
+
+def _times(u: _Residues, v: _Residues) -> _Residues:
+    """Residues of the products of every value counted by ``u`` with every one counted by ``v``."""
+    u1, u2, u3 = u
+    v1, v2, v3 = v
+    return u1 * v1 + u3 * v3, u1 * v2 + u2 * v1 + u2 * v3 + u3 * v2, u1 * v3 + u3 * v1
+
+
+def _padding(scale: int, x: _Residues) -> int:
+    """Sum of ``r4(v) - v`` over the values counted by ``x``, each multiplied by ``scale`` (mod 4)."""
+    x1, x2, x3 = x
+    if scale == 1:
+        return 3 * x1 + 2 * x2 + x3
+    if scale == 3:
+        return x1 + 2 * x2 + 3 * x3
+    if scale == 2:
+        return 2 * (x1 + x3)
+    return 0
+
+
+def _tails(shape: tuple[int, ...], all_residues: Sequence[_Residues]) -> tuple[list[int], list[_Residues], int]:
+    """What the offsets need from the tensor dims after each dim ``t``, the same on every rank.
+
+    Returns ``(numels, tails, end)``: the product of the global sizes of the dims after
+    ``t``, the residues mod 4 of the products of piece sizes over those dims, and ``end``.
+    """
+    numels = [1] * len(shape)
+    tails = [_ONE] * len(shape)
+    numel, tail = 1, _ONE  # the empty product: a single 1
+    for t in range(len(shape) - 1, -1, -1):
+        numels[t], tails[t] = numel, tail
+        numel *= shape[t]
+        tail = _times(all_residues[t], tail)
+    return numels, tails, numel + _padding(1, tail)
+
+
+def _start(states: Sequence[_DimState], numels: list[int], tails: list[_Residues]) -> int:
+    """This rank's ``start`` from its per-dim states, shards numbered row-major over tensor dims.
+
+    Shards before the rank's one are, for each tensor dim ``t``, those that agree with it on
+    dims before ``t``, hold an earlier piece on ``t`` and anything after ``t``. Their
+    element counts sum to ``head * before_t * numels[t]`` (``head`` the product of the
+    rank's extents before ``t``); their padding follows from the residues mod 4.
+    """
+    start = 0
+    head = 1
+    for (extent, before, before_residues, _), numel, tail in zip(states, numels, tails):
+        if before:
+            start += head * before * numel + _padding(head & 3, _times(before_residues, tail))
+        head *= extent
+    return start
+
+
+def _end_overflow(
+    mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tuple[int, ...], end: int
+) -> ShardingError:
+    shards = math.prod(size for size, split in zip(mesh, splits) if split is not None)
+    return ShardingError(
+        f"offsets for global_shape {shape} on mesh_shape {mesh} would end at {end}, past {MAX_OFFSET} "
+        f"(2**63 - 1), the largest generator offset: each of the {shards} shards pads its window to a "
+        f"multiple of {PHILOX_OFFSET_ALIGNMENT}. Use a smaller tensor or fewer shards."
+    )
+
+
+# ------------------------------------------------------------------------------------ index runs
+
+
+def _runs_at(
+    mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tuple[int, ...], coord: tuple[int, ...]
+) -> tuple[tuple[range, ...], ...]:
+    """Per tensor dim, the global runs the rank holds; an unsharded dim is one whole range."""
+    sharded = _sharded_dims(splits, len(shape))
+    return tuple(
+        _rank_runs(size, dim_levels, coord) if is_sharded else (range(size),)
+        for size, dim_levels, is_sharded in zip(shape, _levels(mesh, splits, len(shape)), sharded)
+    )
+
+
+def _sharded_dims(splits: tuple[_Split | None, ...], ndim: int) -> list[bool]:
+    sharded = [False] * ndim
+    for split in splits:
+        if split is not None:
+            sharded[split.dim] = True
+    return sharded
+
+
+def _rank_runs(length: int, levels: list[_Level], coord: Sequence[int]) -> tuple[range, ...]:
+    """The global index runs the rank at ``coord`` holds along one tensor dim."""
+    runs = [range(length)] if length else []
+    for mesh_dim, parts, split_factor in levels:
+        if not runs:
+            break
+        runs = _part_runs(runs, parts, split_factor, coord[mesh_dim])
+    return tuple(runs)
+
+
+def _part_runs(runs: list[range], parts: int, split_factor: int, part: int) -> list[range]:
+    """Piece ``part`` of a non-empty extent (global runs), split as ``_StridedShard`` splits it.
+
+    ``split_factor == 1`` is plain ``Shard``. Only chunks where the piece is non-empty are
+    visited, so the cost follows the number of runs returned.
+    """
+    length = sum(run.stop - run.start for run in runs)
+    chunk = -(-length // split_factor)
+    full, rest = divmod(length, chunk)
+    picks: list[tuple[int, int]] = []  # local [low, high) bounds of the piece, chunk by chunk
+    low, high = _piece(chunk, parts, part)
+    if low < high:
+        picks.extend((i * chunk + low, i * chunk + high) for i in range(full))
+    if rest:
+        low, high = _piece(rest, parts, part)
+        if low < high:
+            picks.append((full * chunk + low, full * chunk + high))
+    if len(runs) == 1:
+        base = runs[0].start
+        return _merge([range(base + a, base + b) for a, b in picks])
+    starts = list(itertools.accumulate((run.stop - run.start for run in runs[:-1]), initial=0))
+    return _merge([piece for a, b in picks for piece in _take(runs, starts, a, b)])
+
+
+def _piece(length: int, parts: int, part: int) -> tuple[int, int]:
+    """``torch.chunk`` bounds of piece ``part`` of ``length`` in ``parts`` (empty past the end)."""
+    size = -(-length // parts)
+    return min(part * size, length), min((part + 1) * size, length)
+
+
+def _take(runs: list[range], starts: list[int], low: int, high: int) -> list[range]:
+    """The global runs behind local indices ``[low, high)`` of the concatenated ``runs``."""
+    out = []
+    i = bisect.bisect_right(starts, low) - 1
+    while i < len(runs) and starts[i] < high:
+        run, position = runs[i], starts[i]
+        a, b = max(low - position, 0), min(high - position, run.stop - run.start)
+        if a < b:
+            out.append(range(run.start + a, run.start + b))
+        i += 1
+    return out
+
+
+def _merge(runs: list[range]) -> list[range]:
     merged: list[range] = []
     for run in runs:
         if merged and merged[-1].stop == run.start:
             merged[-1] = range(merged[-1].start, run.stop)
         else:
             merged.append(run)
-    return tuple(merged)
+    return merged
 
 
-def _normalise(
-    mesh_shape: Sequence[int], placements: Sequence[Placement], global_shape: Sequence[int]
+# ------------------------------------------------------------------------------------ validation
+
+
+def _validate(
+    mesh_shape: object, placements: object, global_shape: object
 ) -> tuple[tuple[int, ...], tuple[_Split | None, ...], tuple[int, ...]]:
     mesh = _int_tuple(mesh_shape, "mesh_shape", minimum=1)
-    shape = _int_tuple(global_shape, "global_shape", minimum=0)
-    placements = _sequence(placements, "placements")
-    if len(placements) != len(mesh):
+    ranks = math.prod(mesh)
+    if ranks > MAX_MESH_SIZE:
         raise ShardingError(
-            f"got {len(placements)} placements for a {len(mesh)}-dim mesh {mesh}; give exactly one per mesh "
+            f"mesh_shape {mesh} has {ranks} ranks, more than {MAX_MESH_SIZE} (2**63); rank indices must fit an int64."
+        )
+    shape = _int_tuple(global_shape, "global_shape", minimum=0)
+    numel = math.prod(shape)
+    if numel > MAX_GLOBAL_NUMEL or (not numel and any(size > MAX_GLOBAL_NUMEL for size in shape)):
+        raise ShardingError(
+            f"global_shape {shape} has {numel} elements or a dim past {MAX_GLOBAL_NUMEL} (2**63 - 1); "
+            f"torch sizes and element counts are int64."
+        )
+    given = _sequence(placements, "placements")
+    if len(given) != len(mesh):
+        raise ShardingError(
+            f"got {len(given)} placements for a {len(mesh)}-dim mesh {mesh}; give exactly one per mesh "
             f"dim, Replicate() where a mesh dim does not shard the tensor (DTensor requires the same)."
         )
-    splits = tuple(_normalise_placement(p, i, shape) for i, p in enumerate(placements))
+    splits = tuple(_split_of(placement, i, shape) for i, placement in enumerate(given))
     return mesh, splits, shape
 
 
-def _normalise_coordinate(coordinate: Sequence[int], mesh: tuple[int, ...]) -> tuple[int, ...]:
+def _validate_coordinate(coordinate: object, mesh: tuple[int, ...]) -> tuple[int, ...]:
     coord = _int_tuple(coordinate, "coordinate", minimum=0)
     if len(coord) != len(mesh):
         raise ShardingError(
@@ -405,25 +687,25 @@ def _normalise_coordinate(coordinate: Sequence[int], mesh: tuple[int, ...]) -> t
     return coord
 
 
-def _normalise_placement(placement: Any, mesh_dim: int, shape: tuple[int, ...]) -> _Split | None:
+def _split_of(placement: Any, mesh_dim: int, shape: tuple[int, ...]) -> _Split | None:
     kind = _kind_of(placement.__class__)
     if kind is _Kind.REPLICA:
         return None
     if kind is _Kind.UNKNOWN:
         kinds = _placement_types()
         known = ", ".join(t.__name__ for t in (*kinds.shard, *kinds.strided, *kinds.replica)) or "none"
-        raise ShardingError(
+        raise ArgumentTypeError(
             f"placements[{mesh_dim}] is {placement!r} of type {type(placement).__name__}, not a placement "
             f"this module knows (this torch offers: {known}); pass torch.distributed.tensor placements."
         )
     split_factor = 1
     if kind is _Kind.STRIDED:
-        split_factor = _as_int(placement.split_factor, "split_factor of placements", mesh_dim)
+        split_factor = _int(getattr(placement, "split_factor", None), f"placements[{mesh_dim}].split_factor")
         if split_factor < 1:
             raise ShardingError(
                 f"placements[{mesh_dim}] is {placement!r} with split_factor {split_factor}; it must be at least 1."
             )
-    dim = _as_int(placement.dim, "dim of placements", mesh_dim)
+    dim = _int(getattr(placement, "dim", None), f"placements[{mesh_dim}].dim")
     ndim = len(shape)
     if not -ndim <= dim < ndim:
         raise ShardingError(
@@ -473,25 +755,19 @@ def _sequence(value: object, name: str) -> Sequence[Any]:
     if isinstance(value, (tuple, list)):  # the common case, and far cheaper than the ABC check
         return value
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ShardingError(f"{name} must be a sequence (tuple or list), got {value!r}.")
+        raise ArgumentTypeError(
+            f"{name} must be a sequence (tuple, list or torch.Size), got {type(value).__name__} {value!r}."
+        )
     return value
 
 
 def _int_tuple(values: object, name: str, *, minimum: int) -> tuple[int, ...]:
-    out = tuple(_as_int(v, name, i) for i, v in enumerate(_sequence(values, name)))
+    out = tuple(v if type(v) is int else check_int(v, f"{name}[{i}]") for i, v in enumerate(_sequence(values, name)))
     for i, v in enumerate(out):
         if v < minimum:
             raise ShardingError(f"{name}[{i}] is {v} in {out}; it must be at least {minimum}.")
     return out
 
 
-def _as_int(value: object, name: str, index: int | None = None) -> int:
-    if type(value) is int:  # the common case; bool is excluded here because True as a size is a mistake
-        return value
-    label = name if index is None else f"{name}[{index}]"
-    if isinstance(value, bool):
-        raise ShardingError(f"{label} is the bool {value}; pass an int.")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ShardingError(f"{label} is {value!r} of type {type(value).__name__}; pass an int.") from None
+def _int(value: object, what: str) -> int:
+    return value if type(value) is int else check_int(value, what)

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, placement_types
 
-from hyperrng import sharding
-from hyperrng.errors import RNGDesyncError, ShardingError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, RNGDesyncError, ShardingError
 from hyperrng.sharding import (
     PHILOX_OFFSET_ALIGNMENT,
     check_disjoint,
@@ -33,6 +34,8 @@ from hyperrng.sharding import (
 )
 
 _StridedShard: Any = getattr(placement_types, "_StridedShard", None)  # absent from older torch releases
+
+_strided_types: tuple[type, ...] = (_StridedShard,) if _StridedShard is not None else ()
 
 needs_strided = pytest.mark.skipif(_StridedShard is None, reason="this torch has no _StridedShard")
 
@@ -111,6 +114,40 @@ def _our_local_elements(
     for dim, runs in enumerate(local_index_ranges(mesh_shape, coordinate, placements, global_shape)):
         local = local.index_select(dim, torch.tensor([i for run in runs for i in run], dtype=torch.long))
     return local
+
+
+def _reference_offsets(config: Config) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Every rank's (start, end) by enumerating all shards, as the module docstring defines them.
+
+    Shards are numbered as PyTorch numbers them (per tensor dim, the mixed-radix number of
+    the coordinates on the mesh dims sharding it; then row-major over tensor dims); each
+    shard's size comes from splitting the tensor as distribute_tensor does; the windows are
+    laid end to end, each rounded up to 4.
+    """
+    mesh, placements, shape = config
+    normalised = _normalised(placements, len(shape))
+    by_dim = [
+        [m for m, p in enumerate(normalised) if isinstance(p, (Shard, *_strided_types)) and p.dim == d]
+        for d in range(len(shape))
+    ]
+
+    def shard_index(coord: tuple[int, ...]) -> int:
+        index = 0
+        for dims in by_dim:
+            piece, count = 0, 1
+            for m in dims:
+                piece, count = piece * mesh[m] + coord[m], count * mesh[m]
+            index = index * count + piece
+        return index
+
+    numels: dict[int, int] = {}
+    for coord in _coords(mesh):
+        numel = _torch_local_elements(mesh, coord, placements, shape).numel()
+        assert numels.setdefault(shard_index(coord), numel) == numel, "replicas hold different sizes"
+    shards = math.prod(math.prod(mesh[m] for m in dims) for dims in by_dim)
+    assert sorted(numels) == list(range(shards))
+    starts = list(itertools.accumulate((-(-numels[k] // 4) * 4 for k in range(shards)), initial=0))
+    return {coord: (starts[shard_index(coord)], starts[shards]) for coord in _coords(mesh)}
 
 
 def _torch_shard_numels(config: Config) -> set[int]:
@@ -351,6 +388,57 @@ def test_strided_shard_follows_the_fsdp2_plus_tp_right_to_left_row_order() -> No
     check_disjoint((2, 2), placements, (8, 8))
 
 
+# --------------------------------------------------------------------------- closed form against enumeration
+
+
+@pytest.mark.parametrize("config", _shardings() + EQUAL_SHARDINGS)
+def test_closed_form_equals_a_brute_force_enumeration_of_the_shards(config: Config) -> None:
+    mesh, placements, shape = config
+    expected = _reference_offsets(config)
+    assert {coord: rng_offsets(mesh, coord, placements, shape) for coord in _coords(mesh)} == expected
+
+
+def test_closed_form_equals_enumeration_on_a_seeded_sweep_of_uneven_and_even_shardings() -> None:
+    for config in _sweep(seed=13, count=80) + _even_sweep(seed=17, count=20):
+        mesh, placements, shape = config
+        expected = _reference_offsets(config)
+        assert {coord: rng_offsets(mesh, coord, placements, shape) for coord in _coords(mesh)} == expected, config
+
+
+@st.composite
+def _configs(draw: st.DrawFn) -> Config:
+    """Small meshes and shapes: replicas, partials, uneven and empty pieces, dims split twice, strided."""
+    mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    ndim = draw(st.integers(0, 3))
+    kinds = ["replicate", "partial"] + (["shard", "shard", "strided"] if ndim else [])
+    placements: list[Any] = []
+    for _ in mesh:
+        kind = draw(st.sampled_from(kinds))
+        if kind == "replicate":
+            placements.append(Replicate())
+        elif kind == "partial":
+            placements.append(Partial())
+        elif kind == "strided" and _StridedShard is not None:
+            placements.append(_strided(draw(st.integers(0, ndim - 1)), draw(st.integers(1, 4))))
+        else:
+            placements.append(Shard(draw(st.integers(-ndim, ndim - 1))))
+    shape = tuple(draw(st.lists(st.integers(0, 23), min_size=ndim, max_size=ndim)))
+    return mesh, tuple(placements), shape
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(_configs())
+def test_closed_form_and_local_pieces_equal_enumeration_for_any_small_sharding(config: Config) -> None:
+    mesh, placements, shape = config
+    expected = _reference_offsets(config)
+    for coord in _coords(mesh):
+        assert rng_offsets(mesh, coord, placements, shape) == expected[coord], coord
+        held = _torch_local_elements(mesh, coord, placements, shape)
+        assert torch.equal(_our_local_elements(mesh, coord, placements, shape), held), coord
+        assert local_shard(mesh, coord, placements, shape)[0] == tuple(held.shape), coord
+    check_disjoint(mesh, placements, shape)
+
+
 # --------------------------------------------------------------------------- where PyTorch breaks the contract
 
 
@@ -424,7 +512,7 @@ def test_check_disjoint_rejects_offsets_that_are_not_multiples_of_four() -> None
         check_disjoint((2,), (Shard(0),), (6,), offsets=unaligned)
 
 
-# --------------------------------------------------------------------------- scale and caching
+# --------------------------------------------------------------------------- scale
 
 
 def test_every_rank_of_8192_rank_3d_and_4d_meshes_passes_the_check() -> None:
@@ -441,63 +529,231 @@ def test_offsets_on_an_even_8192_rank_4d_mesh_equal_pytorch_on_sampled_ranks() -
         assert rng_offsets(mesh, coord, placements, shape) == _torch_offsets(mesh, coord, placements, shape)
 
 
-def test_repeated_lookups_reuse_one_table_per_mesh_placements_and_shape() -> None:
-    config = ((2, 6), (Shard(1), Shard(0)), (13, 17))
-    rng_offsets(config[0], (0, 0), *config[1:])
-    before = sharding._table.cache_info()
-    for coord in _coords(config[0]):
-        rng_offsets(config[0], coord, *config[1:])
-        local_shard(config[0], coord, list(config[1]), list(config[2]))
-    after = sharding._table.cache_info()
-    assert after.misses == before.misses and after.hits == before.hits + 24
+def test_a_2_62_rank_mesh_answers_with_the_values_derived_by_hand() -> None:
+    ranks = 2**62
+    # Shard(0) of 2**40 elements: ranks below 2**40 hold one element each (windows of 4),
+    # the others nothing; end is 4 * 2**40.
+    shape = (2**40,)
+    assert rng_offsets((ranks,), (0,), [Shard(0)], shape) == (0, 2**42)
+    assert rng_offsets((ranks,), (2**40 - 1,), [Shard(0)], shape) == (2**42 - 4, 2**42)
+    assert rng_offsets((ranks,), (2**61 + 3,), [Shard(0)], shape) == (2**42, 2**42)
+    assert rng_offsets((ranks,), (ranks - 1,), [Shard(0)], shape) == (2**42, 2**42)
+    assert local_index_ranges((ranks,), (12345,), [Shard(0)], shape) == ((range(12345, 12346),),)
+    assert local_index_ranges((ranks,), (ranks - 1,), [Shard(0)], shape) == ((),)
+    assert local_shard((ranks,), (ranks - 1,), [Shard(0)], shape) == ((0,), (2**40,))
+    # An evenly divisible split across a 2**31 x 2**31 mesh, replicated along the second dim:
+    # shards of 4 elements, one window of 4 per row of the mesh.
+    mesh, placements = (2**31, 2**31), [Shard(0), Replicate()]
+    assert rng_offsets(mesh, (2**31 - 1, 7), placements, (2**33,)) == (2**33 - 4, 2**33)
+    assert rng_offsets(mesh, (1000, 2**31 - 1), placements, (2**33,)) == (4000, 2**33)
+    # _StridedShard over 2**40 ranks: two chunks of 2**42 elements, four of each per rank.
+    if _StridedShard is not None:
+        assert rng_offsets((2**40,), (99,), [_strided(0, 2)], (2**43,)) == (8 * 99, 2**43)
+        assert local_index_ranges((2**40,), (99,), [_strided(0, 2)], (2**43,)) == (
+            (range(396, 400), range(2**42 + 396, 2**42 + 400)),
+        )
+    # Replicated, on the largest mesh there is.
+    assert rng_offsets((2**63,), (2**63 - 1,), [Replicate()], (5,)) == (0, 8)
+
+
+def test_a_2_20_rank_mesh_answers_with_the_values_derived_by_hand_and_equals_pytorch() -> None:
+    mesh, placements, shape = (2**20,), [Shard(0)], (2**23,)
+    for rank in (0, 1, 2**19 + 5, 2**20 - 1):
+        assert rng_offsets(mesh, (rank,), placements, shape) == (8 * rank, 2**23)
+    # 2**10 x 2**10 over a (2**12, 2**13) tensor: shards of 4 x 8 elements, numbered row-major.
+    mesh2, placements2, shape2 = (2**10, 2**10), [Shard(0), Shard(1)], (2**12, 2**13)
+    for i, j in ((0, 0), (3, 1000), (1023, 1023)):
+        assert rng_offsets(mesh2, (i, j), placements2, shape2) == (32 * (i * 1024 + j), 2**25)
+    assert rng_offsets(mesh2, (3, 1000), placements2, shape2) == _torch_offsets(mesh2, (3, 1000), placements2, shape2)
+    # Uneven: 10**6 + 3 rows over 2**20 ranks leave ranks past 10**6 + 2 empty.
+    assert rng_offsets(mesh, (999_999,), placements, (10**6 + 3, 3)) == (999_999 * 4, (10**6 + 3) * 4)
+    assert rng_offsets(mesh, (2**20 - 1,), placements, (10**6 + 3, 3)) == ((10**6 + 3) * 4, (10**6 + 3) * 4)
 
 
 def test_numpy_ints_and_torch_size_are_accepted_as_sizes() -> None:
     got = rng_offsets((np.int64(4),), torch.Size([np.int64(1)]), [Shard(0)], torch.Size([10]))
     assert got == rng_offsets((4,), (1,), [Shard(0)], (10,)) == (4, 16)
+    got = rng_offsets([np.int32(2), np.uint8(3)], (np.int16(1), np.int64(2)), (Shard(np.int64(1)), Shard(0)), (7, 5))
+    assert got == rng_offsets((2, 3), (1, 2), (Shard(1), Shard(0)), (7, 5))
+
+
+def test_every_call_validates_nothing_is_remembered_from_a_valid_call() -> None:
+    mesh, placements, shape = (2, 6), (Shard(1), Shard(0)), (13, 17)
+    for function in (rng_offsets, local_shard, local_index_ranges):
+        for _ in range(2):
+            function(mesh, (1, 5), placements, shape)
+            with pytest.raises(ShardingError, match="outside the mesh"):
+                function(mesh, (2, 5), placements, shape)
+            with pytest.raises(ArgumentTypeError, match=r"coordinate\[0\] must be an int, got float 1.0"):
+                function(mesh, (1.0, 5), placements, shape)
+            with pytest.raises(ArgumentTypeError, match=r"mesh_shape\[1\] must be an int, got float 6.0"):
+                function((2, 6.0), (1, 5), placements, shape)
 
 
 # --------------------------------------------------------------------------- bad input
 
+
+class _FloatDimShard(Shard):
+    """A Shard whose dim is not an integer, as a hand-written placement might have."""
+
+    @property
+    def dim(self) -> Any:  # type: ignore[override]
+        return 1.5
+
+
 BAD_INPUTS = [
-    pytest.param(((4,), (0, 1), [Shard(0)], (8,)), "has 2 entries but the mesh (4,) has 1 dims", id="coord-length"),
-    pytest.param(((4,), (4,), [Shard(0)], (8,)), "outside the mesh (4,): index 4", id="coord-too-large"),
-    pytest.param(((4,), (-1,), [Shard(0)], (8,)), "coordinate[0] is -1", id="coord-negative"),
-    pytest.param(((4,), (True,), [Shard(0)], (8,)), "coordinate[0] is the bool True", id="coord-bool"),
-    pytest.param(((4,), (0,), [Shard(0), Replicate()], (8,)), "got 2 placements for a 1-dim mesh", id="too-many"),
-    pytest.param(((2, 2), (0, 0), [Shard(0)], (8,)), "got 1 placements for a 2-dim mesh", id="too-few"),
-    pytest.param(((2,), (0,), [Shard(2)], (4, 4)), "has 2 dims; shard a dim in [-2, 2)", id="dim-too-large"),
-    pytest.param(((2,), (0,), [Shard(-3)], (4, 4)), "has 2 dims; shard a dim in [-2, 2)", id="dim-too-negative"),
-    pytest.param(((2,), (0,), [Shard(0)], ()), "0-dim and cannot be sharded", id="shard-a-scalar"),
-    pytest.param(((2,), (0,), [Shard(0)], (4, -1)), "global_shape[1] is -1", id="negative-size"),
-    pytest.param(((0,), (0,), [Shard(0)], (4,)), "mesh_shape[0] is 0", id="empty-mesh-dim"),
-    pytest.param(((2,), (0,), [Shard(0)], (2.5,)), "global_shape[0] is 2.5 of type float", id="float-size"),
-    pytest.param(((2,), (0,), [Shard(0)], (True,)), "global_shape[0] is the bool True", id="bool-size"),
-    pytest.param(("2", (0,), [Shard(0)], (4,)), "mesh_shape must be a sequence", id="string-mesh"),
-    pytest.param(((2,), (0,), ["Shard(0)"], (4,)), "not a placement this module knows", id="string-placement"),
-    pytest.param(((2,), (0,), [object()], (4,)), "of type object, not a placement", id="object-placement"),
+    pytest.param(
+        ((4,), (0, 1), [Shard(0)], (8,)), ShardingError, "has 2 entries but the mesh (4,) has 1 dims", id="coord-length"
+    ),
+    pytest.param(((4,), (4,), [Shard(0)], (8,)), ShardingError, "outside the mesh (4,): index 4", id="coord-too-large"),
+    pytest.param(((4,), (-1,), [Shard(0)], (8,)), ShardingError, "coordinate[0] is -1", id="coord-negative"),
+    pytest.param(
+        ((4,), (True,), [Shard(0)], (8,)),
+        ArgumentTypeError,
+        "coordinate[0] must be an int, got the bool",
+        id="coord-bool",
+    ),
+    pytest.param(
+        ((4,), (np.bool_(True),), [Shard(0)], (8,)),
+        ArgumentTypeError,
+        "coordinate[0] must be an int, got the bool",
+        id="coord-numpy-bool",
+    ),
+    pytest.param(
+        ((4,), (1.9,), [Shard(0)], (8,)),
+        ArgumentTypeError,
+        "coordinate[0] must be an int, got float 1.9",
+        id="coord-float",
+    ),
+    pytest.param(
+        ((4,), (np.float64(1.0),), [Shard(0)], (8,)),
+        ArgumentTypeError,
+        "coordinate[0] must be an int, got float64",
+        id="coord-numpy-float",
+    ),
+    pytest.param(((4,), 1, [Shard(0)], (8,)), ArgumentTypeError, "coordinate must be a sequence", id="coord-scalar"),
+    pytest.param(
+        ((4,), (0,), [Shard(0), Replicate()], (8,)), ShardingError, "got 2 placements for a 1-dim mesh", id="too-many"
+    ),
+    pytest.param(((2, 2), (0, 0), [Shard(0)], (8,)), ShardingError, "got 1 placements for a 2-dim mesh", id="too-few"),
+    pytest.param(
+        ((2,), (0,), [Shard(2)], (4, 4)), ShardingError, "has 2 dims; shard a dim in [-2, 2)", id="dim-too-large"
+    ),
+    pytest.param(
+        ((2,), (0,), [Shard(-3)], (4, 4)), ShardingError, "has 2 dims; shard a dim in [-2, 2)", id="dim-too-negative"
+    ),
+    pytest.param(((2,), (0,), [Shard(0)], ()), ShardingError, "0-dim and cannot be sharded", id="shard-a-scalar"),
+    pytest.param(((2,), (0,), [Shard(0)], (4, -1)), ShardingError, "global_shape[1] is -1", id="negative-size"),
+    pytest.param(((0,), (0,), [Shard(0)], (4,)), ShardingError, "mesh_shape[0] is 0", id="empty-mesh-dim"),
+    pytest.param(
+        ((2.7,), (0,), [Shard(0)], (4,)),
+        ArgumentTypeError,
+        "mesh_shape[0] must be an int, got float 2.7",
+        id="float-mesh",
+    ),
+    pytest.param(
+        ((np.float32(2),), (0,), [Shard(0)], (4,)),
+        ArgumentTypeError,
+        "mesh_shape[0] must be an int, got float32",
+        id="numpy-float-mesh",
+    ),
+    pytest.param(
+        ((2,), (0,), [Shard(0)], (2.5,)),
+        ArgumentTypeError,
+        "global_shape[0] must be an int, got float 2.5",
+        id="float-size",
+    ),
+    pytest.param(
+        ((2,), (0,), [Shard(0)], (True,)),
+        ArgumentTypeError,
+        "global_shape[0] must be an int, got the bool",
+        id="bool-size",
+    ),
+    pytest.param(("2", (0,), [Shard(0)], (4,)), ArgumentTypeError, "mesh_shape must be a sequence", id="string-mesh"),
+    pytest.param((4, (0,), [Shard(0)], (4,)), ArgumentTypeError, "mesh_shape must be a sequence", id="int-mesh"),
+    pytest.param(
+        ((2,), (0,), [Shard(0)], "4"), ArgumentTypeError, "global_shape must be a sequence", id="string-shape"
+    ),
+    pytest.param(((2,), (0,), Shard(0), (4,)), ArgumentTypeError, "placements must be a sequence", id="bare-placement"),
+    pytest.param(
+        ((2,), (0,), ["Shard(0)"], (4,)), ArgumentTypeError, "of type str, not a placement", id="string-placement"
+    ),
+    pytest.param(
+        ((2,), (0,), [object()], (4,)), ArgumentTypeError, "of type object, not a placement", id="object-placement"
+    ),
+    pytest.param(
+        ((2,), (0,), [None], (4,)), ArgumentTypeError, "placements[0] is None of type NoneType", id="none-placement"
+    ),
+    pytest.param(
+        ((2,), (0,), [_FloatDimShard(0)], (4, 4)),
+        ArgumentTypeError,
+        "placements[0].dim must be an int, got float 1.5",
+        id="float-dim",
+    ),
+    pytest.param(
+        ((2**32, 2**32), (0, 0), [Replicate(), Replicate()], (4,)),
+        ShardingError,
+        "has 18446744073709551616 ranks, more than 9223372036854775808 (2**63)",
+        id="mesh-past-2**63-ranks",
+    ),
+    pytest.param(
+        ((1,), (0,), [Replicate()], (2**32, 2**31)),
+        ShardingError,
+        "has 9223372036854775808 elements or a dim past 9223372036854775807",
+        id="numel-past-2**63-1",
+    ),
+    pytest.param(
+        ((1,), (0,), [Replicate()], (0, 2**63)),
+        ShardingError,
+        "or a dim past 9223372036854775807",
+        id="empty-shape-with-a-dim-past-2**63-1",
+    ),
 ]
 if _StridedShard is not None:
     BAD_INPUTS.append(
-        pytest.param(((2,), (0,), [_strided(0, 0)], (4,)), "split_factor 0; it must be at least 1", id="split-zero")
+        pytest.param(
+            ((2,), (0,), [_strided(0, 0)], (4,)),
+            ShardingError,
+            "split_factor 0; it must be at least 1",
+            id="split-zero",
+        )
     )
 
 
-@pytest.mark.parametrize(("args", "fragment"), BAD_INPUTS)
+@pytest.mark.parametrize(("args", "error", "fragment"), BAD_INPUTS)
 @pytest.mark.parametrize("function", [rng_offsets, local_shard, local_index_ranges])
-def test_bad_input_raises_sharding_error_naming_the_problem_and_caches_nothing(
-    function: Callable[..., object], args: tuple[Any, ...], fragment: str
+def test_bad_input_raises_a_typed_error_naming_the_argument(
+    function: Callable[..., object], args: tuple[Any, ...], error: type[Exception], fragment: str
 ) -> None:
-    before = sharding._table.cache_info().currsize
-    with pytest.raises(ShardingError) as info:
+    with pytest.raises(error) as info:
         function(*args)
     assert fragment in str(info.value)
-    assert isinstance(info.value, ValueError)
-    assert sharding._table.cache_info().currsize == before
+    assert isinstance(info.value, HyperRNGError)
+    if error is ArgumentTypeError:  # wrong type: a TypeError, never a ValueError
+        assert isinstance(info.value, TypeError) and not isinstance(info.value, ValueError)
+    else:  # wrong value
+        assert isinstance(info.value, ValueError) and not isinstance(info.value, TypeError)
 
 
-def test_check_disjoint_rejects_bad_input_with_sharding_error() -> None:
+def test_offsets_past_2_63_raise_sharding_error_not_overflow_error() -> None:
+    # 2**62 shards of one element each pad to 4: end would be 2**64.
+    mesh, placements, shape = (2**62,), [Shard(0)], (2**62,)
+    with pytest.raises(ShardingError, match="would end at 18446744073709551616, past 9223372036854775807"):
+        rng_offsets(mesh, (0,), placements, shape)
+    with pytest.raises(ShardingError, match="would end at"):
+        check_disjoint(mesh, placements, shape)
+    # The layout itself is fine: only the offsets do not fit a generator.
+    assert local_shard(mesh, (2**62 - 1,), placements, shape) == ((1,), (2**62 - 1,))
+    # Just inside: 2**61 - 1 one-element shards and an empty one end at 2**63 - 4.
+    assert rng_offsets((2**61,), (2**61 - 1,), [Shard(0)], (2**61 - 1,)) == (2**63 - 4, 2**63 - 4)
+
+
+def test_check_disjoint_rejects_bad_input_with_typed_errors() -> None:
     with pytest.raises(ShardingError, match="got 1 placements for a 2-dim mesh"):
         check_disjoint((2, 2), [Shard(0)], (8,))
     with pytest.raises(ShardingError, match="has 1 dims; shard a dim"):
         check_disjoint((2,), [Shard(1)], (8,))
+    with pytest.raises(ArgumentTypeError, match=r"mesh_shape\[0\] must be an int, got float 2.7"):
+        check_disjoint((2.7,), [Shard(0)], (8,))
+    with pytest.raises(ArgumentTypeError, match="not a placement"):
+        check_disjoint((2,), [object()], (8,))

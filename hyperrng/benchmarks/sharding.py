@@ -1,12 +1,17 @@
-"""Benchmarks of :mod:`hyperrng.sharding` on 8192-rank meshes.
+"""Benchmarks of :mod:`hyperrng.sharding` on 8192- and 1,048,576-rank meshes.
 
-Two questions, each answered against a baseline timed in the same run:
+Each question is answered against a baseline timed in the same run, in interleaved rounds
+(median and spread, see :mod:`._timing`):
 
-* ``check_all_ranks``: computing and checking the offsets of every rank
-  (:func:`~hyperrng.sharding.check_disjoint`, starting from an empty cache) against asking
-  :func:`~hyperrng.sharding.rng_offsets` once per rank with a warm cache.
-* ``rng_offsets_cached``: one rank's lookup once its mesh, placements and shape are cached,
-  against the same lookup that has to rebuild the table first.
+* ``rng_offsets_vs_pytorch``: one rank's :func:`~hyperrng.sharding.rng_offsets` call
+  against PyTorch's own per-call offset math, ``OffsetBasedRNGTracker._compute_rng_offsets``,
+  on a ``DTensorSpec`` over a ``DeviceMesh`` built for that rank without a process group
+  (target: at most 3x). ``rng_offsets`` keeps no per-mesh cache, so every call is cold:
+  it validates its arguments and computes the offsets in closed form (only the class of
+  each placement is classified once per process).
+* ``check_all_ranks``: computing and checking the offsets of every rank of an 8192-rank
+  mesh (:func:`~hyperrng.sharding.check_disjoint`) against asking
+  :func:`~hyperrng.sharding.rng_offsets` once per rank.
 * ``distribute_region``: enter+exit of a region on the current platform, offsets cached,
   against a bare ``tracker.fork()`` (target on the CPU: at most 1.5x), on a small mesh and
   on an 8192-rank one, to show the cost does not depend on mesh size; and the slowest
@@ -16,8 +21,10 @@ Two questions, each answered against a baseline timed in the same run:
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hyperrng import sharding
@@ -28,23 +35,93 @@ if TYPE_CHECKING:
 
 __all__ = ["benchmarks"]
 
+_Case = tuple[str, tuple[int, ...], tuple["Placement", ...], tuple[int, ...]]  # label, mesh, placements, shape
+
 
 def benchmarks(quick: bool) -> list[BenchResult]:
-    """Time the sharding offset math on an 8x16x64 and a 4x8x16x16 mesh (8192 ranks each)."""
+    """Time the sharding offset math on 8192- and 1,048,576-rank meshes."""
     from torch.distributed.tensor import Replicate, Shard
 
-    cases = (
+    checks: tuple[_Case, ...] = (
         # Every rank a distinct shard, uneven splits, tensor dim 0 split over two mesh dims.
         ("8x16x64", (8, 16, 64), (Shard(0), Shard(1), Shard(0)), (5000, 3001)),
         # 1024 distinct shards with 8 replicas each, three tensor dims sharded unevenly.
         ("4x8x16x16", (4, 8, 16, 16), (Shard(0), Replicate(), Shard(1), Shard(2)), (1024, 999, 77)),
     )
+    versus_pytorch: tuple[_Case, ...] = (
+        checks[0],
+        # 1,048,576 ranks: 16,384 distinct shards with 64 replicas each, dim 0 split twice, unevenly.
+        ("16x16x64x64", (16, 16, 64, 64), (Shard(0), Shard(1), Shard(0), Replicate()), (50_000, 3001)),
+    )
     repeat = 2 if quick else 5
     results: list[BenchResult] = []
-    for label, mesh, placements, shape in cases:
+    for label, mesh, placements, shape in versus_pytorch:
+        results.extend(_bench_one_rank(label, mesh, placements, shape, quick))
+    for label, mesh, placements, shape in checks:
         results.extend(_bench_case(label, mesh, placements, shape, repeat))
     results.extend(_bench_region(quick))
     return results
+
+
+_PYTORCH_TARGET = 3.0  # one rank's offsets may cost at most three times PyTorch's own per-call math
+
+
+def _pytorch_offsets(
+    mesh: tuple[int, ...], coord: tuple[int, ...], placements: Sequence[Placement], shape: tuple[int, ...]
+) -> Callable[[], tuple[int, int]] | None:
+    """PyTorch's ``_compute_rng_offsets`` for the rank at ``coord``, bound to its spec; None if unavailable.
+
+    The ``DeviceMesh`` is built for that rank without a process group, and the tracker
+    without its constructor, which demands a CUDA device; the offset math needs neither.
+    """
+    import torch
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._random import OffsetBasedRNGTracker
+    except ImportError:
+        return None
+    rank = sum(index * math.prod(mesh[dim + 1 :]) for dim, index in enumerate(coord))
+    try:
+        device_mesh = DeviceMesh("cpu", torch.arange(math.prod(mesh)).view(mesh), _init_backend=False, _rank=rank)
+    except TypeError:  # this torch cannot build a mesh without a process group
+        return None
+    strides = tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
+    meta = TensorMeta(torch.Size(shape), strides, torch.float32)
+    spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
+    tracker = object.__new__(OffsetBasedRNGTracker)
+    compute = getattr(tracker, "_compute_rng_offsets", None)
+    if compute is None:
+        return None
+    return functools.partial(compute, spec)
+
+
+def _bench_one_rank(
+    label: str, mesh: tuple[int, ...], placements: Sequence[Placement], shape: tuple[int, ...], quick: bool
+) -> list[BenchResult]:
+    coord = tuple(size // 2 for size in mesh)
+    ranks = math.prod(mesh)
+    theirs = _pytorch_offsets(mesh, coord, placements, shape)
+    if theirs is None:
+        return []
+
+    def ours() -> None:
+        sharding.rng_offsets(mesh, coord, placements, shape)
+
+    number, rounds = (500, 3) if quick else (5_000, 7)
+    timings = interleaved({"ours": ours, "theirs": theirs}, number=number, rounds=rounds)
+    return [
+        BenchResult(
+            name=f"sharding.rng_offsets_vs_pytorch[{label}]",
+            timing=timings["ours"],
+            baseline="torch _compute_rng_offsets",
+            baseline_timing=timings["theirs"],
+            target=_PYTORCH_TARGET,
+            note=f"one rank of {ranks:,}, every call cold (validation + closed form): "
+            f"{timings['ours'].median * 1e6:.1f} us; PyTorch {timings['theirs'].median * 1e6:.1f} us",
+        )
+    ]
 
 
 _REGION_TARGET = 1.5  # a region may cost at most one and a half bare forks once its offsets are cached
@@ -115,41 +192,23 @@ def _bench_case(
 ) -> list[BenchResult]:
     coords = list(itertools.product(*(range(size) for size in mesh)))
     ranks = len(coords)
-    middle = coords[ranks // 2]
 
-    def check_cold() -> None:
-        sharding._table.cache_clear()
+    def check() -> None:
         sharding.check_disjoint(mesh, placements, shape)
 
-    def every_rank_warm() -> None:
+    def every_rank() -> None:
         for coord in coords:
             sharding.rng_offsets(mesh, coord, placements, shape)
 
-    def one_rank_warm() -> None:
-        sharding.rng_offsets(mesh, middle, placements, shape)
-
-    def one_rank_cold() -> None:
-        sharding._table.cache_clear()
-        sharding.rng_offsets(mesh, middle, placements, shape)
-
-    pair = interleaved({"check": check_cold, "loop": every_rank_warm}, number=1, rounds=repeat)
-    check, loop = pair["check"], pair["loop"]
-    cold = time_rounds(one_rank_cold, number=1, rounds=repeat)
-    warm = time_rounds(one_rank_warm, number=100, rounds=repeat)
+    pair = interleaved({"check": check, "loop": every_rank}, number=1, rounds=repeat)
+    check_timing, loop = pair["check"], pair["loop"]
     return [
         BenchResult(
             name=f"sharding.check_all_ranks[{label}]",
-            timing=check,
-            baseline=f"{ranks} warm rng_offsets calls",
+            timing=check_timing,
+            baseline=f"{ranks} rng_offsets calls",
             baseline_timing=loop,
-            note=f"check_disjoint from a cold cache over {ranks} ranks: {check.median:.4f} s; "
+            note=f"check_disjoint over {ranks} ranks: {check_timing.median:.4f} s; "
             f"one rng_offsets call per rank: {loop.median:.4f} s",
-        ),
-        BenchResult(
-            name=f"sharding.rng_offsets_cached[{label}]",
-            timing=warm,
-            baseline="rng_offsets rebuilding its table",
-            baseline_timing=cold,
-            note=f"cached lookup {warm.median * 1e6:.1f} us; uncached (table for {ranks} ranks) {cold.median:.4f} s",
         ),
     ]
