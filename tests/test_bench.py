@@ -11,6 +11,7 @@ from hyperrng.cli import main
 from hyperrng.errors import UsageError
 
 
+@pytest.mark.slow
 def test_every_suite_runs_in_quick_mode_and_reports_ratios() -> None:
     results = run_benchmarks(quick=True)
     assert len(results) >= 2 * len(SUITES)

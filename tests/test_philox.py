@@ -240,6 +240,7 @@ def test_kernels_never_see_more_than_one_chunk_of_blocks(
     assert seen and max(seen) <= kernels.chunk_blocks() <= tiny_chunks * kernels.MAX_CHUNK_THREADS
 
 
+@pytest.mark.slow
 def test_eager_scratch_memory_is_bounded_by_the_chunk_not_the_tensor() -> None:
     # Six int64 rows of words and products plus six value rows per chunk: 6 MiB a thread, 24 MiB at most.
     assert kernels.scratch_bytes(1) == kernels.CHUNK_BLOCKS * 12 * 8 <= 6 * 2**20
