@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 import platforms
-from hyperrng.errors import LayoutError
+from hyperrng.errors import ArgumentTypeError, LayoutError
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 from platforms.mix import combine64
 from platforms.validate import MAX_SEED, check_instance, check_int, check_seed
@@ -118,11 +118,16 @@ class StreamLayout:
         if len(set(dim_list)) != len(dim_list):
             raise LayoutError(f"mesh dimensions {dim_list} repeat a name; each dimension needs its own name.")
         if not isinstance(streams, Mapping):
-            raise LayoutError(f"streams must map a stream name to its dimensions, got {type(streams).__name__}.")
+            raise ArgumentTypeError(
+                f"streams must map a stream name to its dimensions, such as {{'tp-rng': ('tp',)}}, "
+                f"got {type(streams).__name__}."
+            )
         table: dict[str, tuple[str, ...]] = {DEFAULT_STREAM: _stream_dims(DEFAULT_STREAM, default, dim_list)}
         for name, varies in streams.items():
-            if not isinstance(name, str) or not name:
-                raise LayoutError(f"a stream name must be a non-empty string, got {name!r}.")
+            if not isinstance(name, str):
+                raise ArgumentTypeError(f"a stream name must be a string, got {type(name).__name__} {name!r}.")
+            if not name:
+                raise LayoutError("a stream name must be a non-empty string, got ''.")
             if name == DEFAULT_STREAM:
                 raise LayoutError(
                     f"{DEFAULT_STREAM!r} is reserved for the default generator; declare its dimensions with default=."
@@ -245,7 +250,9 @@ class StreamLayout:
                 version or mixing domain (its seeds would not be reproduced).
         """
         if not isinstance(data, Mapping):
-            raise LayoutError(f"a layout dict is a mapping, got {type(data).__name__}.")
+            raise ArgumentTypeError(
+                f"a layout dict is a mapping (what StreamLayout.to_dict() returned), got {type(data).__name__}."
+            )
         missing = [key for key in ("version", "domain", "dims", "default", "streams") if key not in data]
         if missing:
             raise LayoutError(f"layout dict lacks {missing}; pass what StreamLayout.to_dict() returned.")
@@ -293,17 +300,21 @@ def mesh_coordinates(mesh: Mapping[str, int] | object) -> dict[str, int]:
     ``get_coordinate()``, like ``torch.distributed.DeviceMesh``.
 
     Raises:
+        ArgumentTypeError: ``mesh`` is neither a mapping nor a mesh, or a name or
+            coordinate has the wrong type.
         LayoutError: the mesh has no dimension names, this rank is not in it, or a
-            coordinate is negative or not an int.
+            coordinate is negative.
     """
     if isinstance(mesh, Mapping):
-        if not all(isinstance(k, str) and k for k in mesh):
+        if not all(isinstance(k, str) for k in mesh):
+            raise ArgumentTypeError(f"mesh dimension names must be strings, got {list(mesh)}.")
+        if not all(mesh):
             raise LayoutError(f"mesh dimension names must be non-empty strings, got {list(mesh)}.")
         return {name: _check_int(value, f"coordinate of {name!r}") for name, value in mesh.items()}
     names = getattr(mesh, "mesh_dim_names", None)
     get_coordinate = getattr(mesh, "get_coordinate", None)
     if not callable(get_coordinate):
-        raise LayoutError(
+        raise ArgumentTypeError(
             f"expected a mapping of dimension name to coordinate or a DeviceMesh, got {type(mesh).__name__}."
         )
     if not names:
@@ -335,10 +346,12 @@ def apply_layout(
 
 def _names(values: object, what: str) -> list[str]:
     if isinstance(values, str) or not isinstance(values, Sequence):
-        raise LayoutError(f"{what}s must be a sequence of names such as ('pp', 'tp'), got {values!r}.")
+        raise ArgumentTypeError(f"{what}s must be a sequence of names such as ('pp', 'tp'), got {values!r}.")
     for value in values:
-        if not isinstance(value, str) or not value:
-            raise LayoutError(f"a {what} name must be a non-empty string, got {value!r}.")
+        if not isinstance(value, str):
+            raise ArgumentTypeError(f"a {what} name must be a string, got {type(value).__name__} {value!r}.")
+        if not value:
+            raise LayoutError(f"a {what} name must be a non-empty string, got ''.")
     return list(values)
 
 

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 import platforms
 from hyperrng import philox
-from hyperrng.errors import InvalidOffsetError
+from hyperrng.errors import ArgumentTypeError, InvalidOffsetError
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
-from platforms.validate import MAX_OFFSET, round_up_offset
+from platforms.validate import MAX_OFFSET, check_int, round_up_offset
 
 __all__ = [
     "reserve",
@@ -48,6 +48,8 @@ __all__ = [
     "sharded_dropout",
 ]
 
+_T = TypeVar("_T")
+
 
 def reserve(numel: int, generator: torch.Generator | None = None) -> tuple[int, int]:
     """Return ``(key, offset)`` for ``numel`` Philox counters and advance the generator past them.
@@ -57,19 +59,32 @@ def reserve(numel: int, generator: torch.Generator | None = None) -> tuple[int, 
     (seed, offset + numel rounded up to 4).
 
     Raises:
+        ArgumentTypeError: ``numel`` is not an int (NumPy integers are accepted).
         InvalidOffsetError: ``numel`` is negative, or the generator's offset would pass 2**63 - 1.
+        InvalidStateError: ``generator`` belongs to another device type. Nothing moves on error.
     """
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise InvalidOffsetError(f"numel must be a non-negative int, got {numel!r}.")
+    return _reserved(numel, generator, lambda key, offset: (key, offset))
+
+
+def _reserved(numel: object, generator: torch.Generator | None, draw: Callable[[int, int], _T]) -> _T:
+    """Run ``draw(key, offset)`` at the generator's position, then advance it past ``numel`` counters.
+
+    The generator moves only once ``draw`` has returned: a draw that fails (a size limit,
+    an allocation failure) leaves it where it was.
+    """
+    count = check_int(numel, "numel")
+    if count < 0:
+        raise InvalidOffsetError(f"numel must be non-negative, got {count}; it is the number of values to draw.")
     p = platforms.current()
     seed, offset = p.get_seed_offset(generator=generator)
-    end = offset + round_up_offset(numel)
+    end = offset + round_up_offset(count)
     if end > MAX_OFFSET:
         raise InvalidOffsetError(
-            f"reserving {numel} counters at offset {offset} would pass 2**63 - 1; reseed the generator."
+            f"reserving {count} counters at offset {offset} would pass 2**63 - 1; reseed the generator."
         )
+    result = draw(seed, offset)
     p.set_seed_offset(seed, end, generator=generator)
-    return seed, offset
+    return result
 
 
 def _validate(fn: Callable[..., torch.Tensor], shape: Sequence[int], **kw: Any) -> tuple[int, ...]:
@@ -83,8 +98,7 @@ def _draw(
     fn: Callable[..., torch.Tensor], shape: Sequence[int], generator: torch.Generator | None, **kw: Any
 ) -> torch.Tensor:
     checked = _validate(fn, shape, **kw)
-    key, offset = reserve(math.prod(checked), generator)
-    return fn(checked, key=key, offset=offset, **kw)
+    return _reserved(math.prod(checked), generator, lambda key, offset: fn(checked, key=key, offset=offset, **kw))
 
 
 def uniform(
@@ -132,11 +146,18 @@ def dropout(
 
     Nothing is reserved when ``training`` is false.
     """
+    _check_input(x)
     philox.dropout(x.new_empty(0), p, key=0)  # validates x's dtype and p before the generator moves
     if not training:
         return x
-    key, offset = reserve(x.numel(), generator)
-    return philox.dropout(x, p, key=key, offset=offset, compiled=compiled)
+    return _reserved(
+        x.numel(), generator, lambda key, offset: philox.dropout(x, p, key=key, offset=offset, compiled=compiled)
+    )
+
+
+def _check_input(x: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}; wrap data with torch.as_tensor(x).")
 
 
 # -- sharded -------------------------------------------------------------------------------------
@@ -169,8 +190,11 @@ def _sharded(
 ) -> torch.Tensor:
     shape = _validate(fn, global_shape, **kw)
     per_dim = shard_slices(mesh, placements, shape)  # validates before the generator moves
-    key, offset = reserve(math.prod(shape), generator)
-    return _assemble(per_dim, lambda block: fn(shape, key=key, offset=offset, shard=block, **kw))
+    return _reserved(
+        math.prod(shape),
+        generator,
+        lambda key, offset: _assemble(per_dim, lambda block: fn(shape, key=key, offset=offset, shard=block, **kw)),
+    )
 
 
 def sharded_uniform(
@@ -243,21 +267,25 @@ def sharded_dropout(
     Raises:
         InvalidShapeError: ``x`` does not have this rank's local shape (nothing moves).
     """
+    _check_input(x)
     philox.dropout(x.new_empty(0), p, key=0)  # validates x's dtype and p
     shape = philox._check_shape(global_shape)
     per_dim = shard_slices(mesh, placements, shape)
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
         raise philox.InvalidShapeError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
-    key, offset = reserve(math.prod(shape), generator)
-    if p == 0.0:
-        return x
-    if p == 1.0:
-        return torch.zeros_like(x)
-    dropped = _assemble(
-        per_dim,
-        lambda block: philox.bernoulli(
-            shape, p, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
-        ),  # fmt: skip
-    )
-    return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p)))
+
+    def draw(key: int, offset: int) -> torch.Tensor:
+        if p == 0.0:
+            return x
+        if p == 1.0:
+            return torch.zeros_like(x)
+        dropped = _assemble(
+            per_dim,
+            lambda block: philox.bernoulli(
+                shape, p, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
+            ),  # fmt: skip
+        )
+        return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p)))
+
+    return _reserved(math.prod(shape), generator, draw)

@@ -100,6 +100,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_GLOBAL_NUMEL",
+    "MAX_INDEX_RUNS",
     "MAX_MESH_SIZE",
     "PHILOX_OFFSET_ALIGNMENT",
     "OffsetFunction",
@@ -118,6 +119,11 @@ MAX_MESH_SIZE: Final = 2**63
 MAX_GLOBAL_NUMEL: Final = 2**63 - 1
 """Largest element count of a global shape, and largest size of one of its dims (int64, as
 ``torch.Size`` stores them)."""
+
+MAX_INDEX_RUNS: Final = 2**20
+"""Most separate index runs :func:`local_index_ranges` lists for one tensor dim. Only
+``_StridedShard`` splits a dim into several runs, about ``split_factor`` of them per level;
+a larger product is refused at once instead of being enumerated."""
 
 OffsetFunction = Callable[[Sequence[int], Sequence[int], Sequence["Placement"], Sequence[int]], tuple[int, int]]
 """The signature of :func:`rng_offsets`: ``(mesh_shape, coordinate, placements, global_shape)``."""
@@ -582,6 +588,13 @@ def _sharded_dims(splits: tuple[_Split | None, ...], ndim: int) -> list[bool]:
 
 def _rank_runs(length: int, levels: list[_Level], coord: Sequence[int]) -> tuple[range, ...]:
     """The global index runs the rank at ``coord`` holds along one tensor dim."""
+    bound = math.prod(split_factor for _, _, split_factor in levels)
+    if bound > MAX_INDEX_RUNS:
+        raise ShardingError(
+            f"the _StridedShard split factors {[f for _, _, f in levels if f > 1]} give a rank up to {bound} "
+            f"separate index runs along one dim, more than MAX_INDEX_RUNS = 2**20 that are listed; "
+            f"use a smaller split_factor."
+        )
     runs = [range(length)] if length else []
     for mesh_dim, parts, split_factor in levels:
         if not runs:

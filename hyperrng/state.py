@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import platforms
-from hyperrng.errors import CheckpointError, HyperRNGError
+from hyperrng.errors import ArgumentTypeError, CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 from platforms.validate import MAX_SEED, check_instance, check_seed
@@ -159,6 +159,10 @@ def load_rng_state_dict(
             a malformed field, a topology or platform mismatch, or a missing stream.
             Nothing has changed when it is raised.
     """
+    if not isinstance(on_mismatch, str):
+        raise ArgumentTypeError(
+            f"on_mismatch must be one of the strings {ON_MISMATCH}, got {type(on_mismatch).__name__} {on_mismatch!r}."
+        )
     if on_mismatch not in ON_MISMATCH:
         raise CheckpointError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     tracker = resolve_tracker(tracker)
@@ -188,7 +192,12 @@ def load_rng_state_dict(
 
 
 def _check_envelope(state: Mapping[str, Any]) -> None:
-    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+    if not isinstance(state, Mapping):
+        raise ArgumentTypeError(
+            f"an RNG state is the dict rng_state_dict() returned, got {type(state).__name__}; "
+            f"load a saved one with hyperrng.load_rng_state(path)."
+        )
+    if state.get("format") != FORMAT:
         raise CheckpointError(
             f"not a hyperrng RNG state (expected format {FORMAT!r}); pass the dict rng_state_dict() returned."
         )

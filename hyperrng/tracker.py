@@ -470,6 +470,7 @@ class RNGStatesTracker:
         sequential forks would.
 
         Raises:
+            ArgumentTypeError: ``name`` is not a string.
             UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
             TrackerStateError: the streams belong to another platform than the current one;
                 on entry, a fork of this tracker is open on another thread.
@@ -479,6 +480,7 @@ class RNGStatesTracker:
         except TypeError:  # an unhashable name
             known = False
         if not known:
+            _check_name(name)
             raise UnknownStreamError(self._unknown(name))
         platform = platforms.current()
         if platform is not self._platform:

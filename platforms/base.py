@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
-from platforms.errors import InvalidStateError
+from platforms.errors import ArgumentTypeError, InvalidStateError
 from platforms.validate import check_index, check_offset, check_seed, check_state
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
@@ -223,7 +223,12 @@ class Platform:
 
     def _check_generator(self, generator: torch.Generator) -> torch.Generator:
         device = getattr(generator, "device", None)
-        if not isinstance(device, torch.device) or device.type != self.device_type:
+        if not isinstance(device, torch.device):
+            raise ArgumentTypeError(
+                f"generator must be a torch.Generator (or a device module's generator), got "
+                f"{type(generator).__name__} {generator!r}; pass None for the default generator."
+            )
+        if device.type != self.device_type:
             raise InvalidStateError(
                 f"generator on {device} does not belong to platform {self.name!r} (device type "
                 f"{self.device_type!r}); pass a generator created on that device, or None for the default."

@@ -218,17 +218,18 @@ def test_a_layout_round_trips_through_a_plain_json_dict() -> None:
 
 
 @pytest.mark.parametrize(
-    ("data", "fragment"),
+    ("data", "error", "fragment"),
     [
-        ([], "mapping"),
-        ({"dims": ["pp"]}, "lacks"),
-        ({**megatron_like_layout().to_dict(), "version": 99}, "version"),
-        ({**megatron_like_layout().to_dict(), "domain": 1}, "domain"),
-        ({**megatron_like_layout().to_dict(), "streams": {"s": ["zz"]}}, "not a mesh dimension"),
+        ([], ArgumentTypeError, "mapping"),
+        ({"dims": ["pp"]}, LayoutError, "lacks"),
+        ({**megatron_like_layout().to_dict(), "version": 99}, LayoutError, "version"),
+        ({**megatron_like_layout().to_dict(), "domain": 1}, LayoutError, "domain"),
+        ({**megatron_like_layout().to_dict(), "streams": {"s": ["zz"]}}, LayoutError, "not a mesh dimension"),
+        ({**megatron_like_layout().to_dict(), "streams": {"s": [5]}}, ArgumentTypeError, "must be a string"),
     ],
 )
-def test_from_dict_refuses_what_to_dict_did_not_write(data: Any, fragment: str) -> None:
-    with pytest.raises(LayoutError, match=fragment):
+def test_from_dict_refuses_what_to_dict_did_not_write(data: Any, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error, match=fragment):
         StreamLayout.from_dict(data)
 
 
@@ -242,15 +243,28 @@ def test_from_dict_refuses_what_to_dict_did_not_write(data: Any, fragment: str) 
         (lambda: StreamLayout(dims=("pp", "pp"), default=(), streams={}), "repeat a name"),
         (lambda: StreamLayout(dims=("pp",), default=(), streams={DEFAULT_STREAM: ("pp",)}), "reserved"),
         (lambda: StreamLayout(dims=("pp",), default=(), streams={"": ("pp",)}), "non-empty string"),
-        (lambda: StreamLayout(dims=("pp", 3), default=(), streams={}), "non-empty string"),  # type: ignore[list-item]
-        (lambda: StreamLayout(dims="pp", default=(), streams={}), "sequence of names"),
-        (lambda: StreamLayout(dims=("pp",), default=(), streams=[("s", ("pp",))]), "map a stream name"),  # type: ignore[arg-type]
     ],
 )
 def test_an_inconsistent_layout_is_refused(build: Callable[[], object], fragment: str) -> None:
     with pytest.raises(LayoutError, match=fragment) as info:
         build()
     assert isinstance(info.value, HyperRNGError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: StreamLayout(dims=("pp", 3), default=(), streams={}), "must be a string"),  # type: ignore[list-item]
+        (lambda: StreamLayout(dims="pp", default=(), streams={}), "sequence of names"),
+        (lambda: StreamLayout(dims=5, default=(), streams={}), "sequence of names"),  # type: ignore[arg-type]
+        (lambda: StreamLayout(dims=("pp",), default=(), streams=[("s", ("pp",))]), "map a stream name"),  # type: ignore[arg-type]
+        (lambda: StreamLayout(dims=("pp",), default=(), streams={5: ("pp",)}), "must be a string"),  # type: ignore[dict-item]
+    ],
+)
+def test_a_layout_of_wrong_types_is_a_type_error(build: Callable[[], object], fragment: str) -> None:
+    with pytest.raises(ArgumentTypeError, match=fragment) as info:
+        build()
+    assert isinstance(info.value, HyperRNGError) and isinstance(info.value, TypeError)
 
 
 GOOD = {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
@@ -266,7 +280,7 @@ GOOD = {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
         ({**GOOD, "tp": True}, ArgumentTypeError, "bool"),
         ({**GOOD, "tp": 1.0}, ArgumentTypeError, "must be an int"),
         ({**GOOD, "tp": "1"}, ArgumentTypeError, "must be an int"),
-        (object(), LayoutError, "DeviceMesh"),
+        (object(), ArgumentTypeError, "DeviceMesh"),
     ],
 )
 def test_apply_layout_refuses_bad_coordinates_and_changes_nothing(

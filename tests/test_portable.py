@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import platforms
 from hyperrng import philox, portable
-from hyperrng.errors import InvalidOffsetError, ShardingError
+from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, ShardingError
 from hyperrng.sharded import MeshInfo
 from hyperrng.tracker import RNGStatesTracker
 from tests._dist import run_ranks
@@ -154,6 +154,19 @@ def test_a_passed_generator_is_used_and_advanced() -> None:
             "this rank's shard has shape (2,)",
         ),  # fmt: skip
         (lambda: portable.reserve(-1), InvalidOffsetError, "non-negative"),
+        (lambda: portable.reserve("4"), ArgumentTypeError, "numel must be an int"),
+        (lambda: portable.reserve(4.0), ArgumentTypeError, "numel must be an int"),
+        (lambda: portable.uniform((4,), generator="x"), ArgumentTypeError, "generator must be a torch.Generator"),
+        (lambda: portable.dropout([1.0], 0.5), ArgumentTypeError, "x must be a torch.Tensor"),
+        (
+            lambda: portable.sharded_dropout([1.0], 0.5, MeshInfo((2,), (0,)), [Shard(0)], (2,)),
+            ArgumentTypeError,
+            "x must be a torch.Tensor",
+        ),
+        # Past the per-call size limit: refused before a single counter is taken.
+        (lambda: portable.uniform((2**40,)), ValueError, "MAX_NUMEL"),
+        (lambda: portable.normal((2**40,)), ValueError, "MAX_NUMEL"),
+        (lambda: portable.sharded_uniform(MeshInfo((2,), (0,)), [Replicate()], (2**37,)), ValueError, "MAX_NUMEL"),
     ],
 )
 def test_bad_input_raises_before_the_generator_moves(
@@ -164,6 +177,45 @@ def test_bad_input_raises_before_the_generator_moves(
     with pytest.raises(error) as info:
         call()
     assert fragment in str(info.value)
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_a_draw_that_fails_midway_leaves_the_generator_where_it_was(
+    platform: platforms.Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An allocation failure inside the draw (simulated: the engine raises) takes no counters."""
+
+    def failing(engine: Any) -> Any:
+        def draw(shape: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if philox._check_shape(shape) == (0,):  # the zero-size validation calls must still pass
+                return engine(shape, *args, **kwargs)
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+        return draw
+
+    platform.manual_seed(SEED)
+    before = platform.get_rng_state()
+    for name in ("uniform", "normal", "bernoulli"):
+        monkeypatch.setattr(philox, name, failing(getattr(philox, name)))
+    draws = [
+        lambda: portable.uniform((8,)),
+        lambda: portable.normal((8,)),
+        lambda: portable.sharded_uniform(MeshInfo((2,), (1,)), [Shard(0)], (8,)),
+        lambda: portable.sharded_dropout(torch.ones(4), 0.5, MeshInfo((2,), (1,)), [Shard(0)], (8,)),
+    ]
+    for draw in draws:
+        with pytest.raises(RuntimeError, match="not enough memory"):
+            draw()
+        assert torch.equal(platform.get_rng_state(), before)
+
+
+@pytest.mark.skipif(_StridedShard is None, reason="this torch has no _StridedShard")
+def test_a_strided_split_with_too_many_runs_is_refused_at_once(platform: platforms.Platform) -> None:
+    platform.manual_seed(SEED)
+    before = platform.get_rng_state()
+    placements = [_StridedShard(0, split_factor=2**40)]
+    with pytest.raises(ShardingError, match="MAX_INDEX_RUNS"):
+        portable.sharded_uniform(MeshInfo((2,), (0,)), placements, (2**41,))
     assert torch.equal(platform.get_rng_state(), before)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import platforms
-from hyperrng.errors import CheckpointError
+from hyperrng.errors import ArgumentTypeError, CheckpointError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import seed_host
 from hyperrng.state import (
@@ -467,9 +467,17 @@ def test_loading_inside_a_fork_is_refused_and_changes_nothing(saved: tuple[dict[
         expect_refusal(state, tracker, f"inside a fork of stream {MP!r}")
 
 
-@pytest.mark.parametrize("state", [None, [1, 2], "hyperrng.rng_state", {"version": 1}], ids=repr)
-def test_something_that_is_not_a_state_dict_is_refused(state: object) -> None:
-    expect_refusal(state, seeded_tracker(), "not a hyperrng RNG state")
+def test_a_dict_of_another_format_is_refused() -> None:
+    expect_refusal({"version": 1}, seeded_tracker(), "not a hyperrng RNG state")
+
+
+@pytest.mark.parametrize("state", [None, [1, 2], "hyperrng.rng_state", 5], ids=repr)
+def test_something_that_is_not_a_dict_is_refused_as_a_type_error(state: object) -> None:
+    tracker = seeded_tracker()
+    before = snapshot(tracker)
+    with pytest.raises(ArgumentTypeError, match=re.escape("the dict rng_state_dict() returned")):
+        load_rng_state_dict(state, tracker=tracker, layout=LAYOUT, coords=COORDS)  # type: ignore[arg-type]
+    assert snapshot(tracker) == before, "a refused load changed RNG state"
 
 
 def test_an_unknown_on_mismatch_is_refused_before_anything_is_read(

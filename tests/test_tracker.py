@@ -456,7 +456,7 @@ def test_a_bad_stream_name_is_refused(
     expect_refusal(platform, tracker, lambda: tracker.add(name, 1), error, "non-empty string")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["missing", ["unhashable"]])
+@pytest.mark.parametrize("name", ["missing", "Model-Parallel-RNG"])
 def test_forking_an_unknown_stream_is_refused_with_a_hint(
     setup: tuple[platforms.Platform, RNGStatesTracker], name: object
 ) -> None:
@@ -471,6 +471,20 @@ def test_forking_an_unknown_stream_is_refused_with_a_hint(
         platform, tracker, enter, UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"
     )
     assert issubclass(UnknownStreamError, KeyError)
+
+
+@pytest.mark.parametrize("name", [5, ["unhashable"], None])
+def test_forking_a_name_that_is_not_a_string_is_a_type_error(
+    setup: tuple[platforms.Platform, RNGStatesTracker], name: object
+) -> None:
+    platform, tracker = setup
+    tracker.add("s", 1)
+
+    def enter() -> None:
+        with tracker.fork(name):  # type: ignore[arg-type]
+            pass
+
+    expect_refusal(platform, tracker, enter, ArgumentTypeError, "must be a non-empty string")
 
 
 def test_forking_streams_of_another_platform_is_refused() -> None:
