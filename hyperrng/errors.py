@@ -39,6 +39,7 @@ __all__ = [
     "DuplicateStreamError",
     "LayoutError",
     "ShardingError",
+    "RankNotInMeshError",
     "RNGDesyncError",
     "CheckpointError",
     "DistributedNotInitializedError",
@@ -65,7 +66,9 @@ class TrackerStateError(StreamError, RuntimeError):
 
     Raised when a fork is active during :meth:`~hyperrng.RNGStatesTracker.reset`, when
     forks are exited out of order, when the streams belong to another platform than the
-    current one, or when graph-safe mode is required on a platform that lacks it.
+    current one, when graph-safe mode is required on a platform that lacks it, or when
+    one generator object would have to stand for every simulated rank of torch's
+    LocalTensor mode.
     """
 
 
@@ -86,6 +89,14 @@ class LayoutError(HyperRNGError, ValueError):
 
 class ShardingError(HyperRNGError, ValueError):
     """A mesh, coordinate, placement or shape that cannot describe a sharded tensor."""
+
+
+class RankNotInMeshError(ShardingError, RuntimeError):
+    """This rank is not part of the device mesh it was asked to seed or position.
+
+    A :class:`ShardingError` (a ``ValueError``) for hyperrng's callers and a
+    ``RuntimeError`` as PyTorch's DTensor ``manual_seed`` raises for the same case.
+    """
 
 
 class RNGDesyncError(HyperRNGError, RuntimeError):

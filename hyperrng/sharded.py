@@ -25,6 +25,12 @@ region's arguments), so no collective runs per op. What each platform guarantees
 :meth:`ShardedRNGTracker.install_dtensor` routes random ops on real
 ``torch.distributed.tensor`` DTensors through this tracker, on any platform, the CPU
 included (where PyTorch's own tracker refuses to run).
+
+**LocalTensor mode.** Under torch's single-process ``LocalTensorMode`` (how PyTorch's own
+DTensor tests run every rank in one process), torch keeps one RNG state per simulated rank.
+:meth:`~ShardedRNGTracker.distribute_region`, :meth:`~ShardedRNGTracker.manual_seed` and
+the DTensor adapter then position every simulated rank's generator, each at its own
+shard's window, exactly as the ranks of a real job would be (see :mod:`hyperrng._local_ranks`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from typing import Any
 import torch
 
 import platforms
-from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, ShardingError
+from hyperrng import _local_ranks
+from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, RankNotInMeshError, ShardingError, TrackerStateError
 from hyperrng.sharding import rng_offsets
 from platforms import Platform
 from platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
@@ -71,11 +78,27 @@ class MeshInfo:
         return self._hash  # type: ignore[attr-defined, no-any-return]
 
 
-def as_mesh_info(mesh: Any) -> MeshInfo:
+_NOT_IN_MESH = "this rank is not part of the device mesh; run sharded random ops only on ranks of the mesh."
+# Opens with DTensor's own words, so that code matching PyTorch's message keeps working.
+_SEED_NOT_IN_MESH = (
+    "manual_seed requires the current rank to be a part of the device mesh, and this rank is not part of the "
+    "device mesh given; seed each sub-mesh on its own ranks only."
+)
+
+
+def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
     """Accept a :class:`MeshInfo`, a ``(shape, coordinate)`` pair or a ``DeviceMesh``.
 
+    Args:
+        mesh: the mesh description.
+        rank: under torch's LocalTensor mode, the simulated rank whose coordinate a
+            ``DeviceMesh`` should give (its coordinate holds one value per simulated rank).
+
     Raises:
-        ShardingError: the rank is not part of the ``DeviceMesh``, or ``mesh`` is none of the above.
+        RankNotInMeshError: the rank is not part of the ``DeviceMesh`` (also a ``RuntimeError``,
+            as in PyTorch).
+        ShardingError: ``mesh`` is none of the above, or a ``DeviceMesh`` coordinate differs
+            across simulated ranks and no ``rank`` was given.
     """
     if isinstance(mesh, MeshInfo):
         return mesh
@@ -85,10 +108,17 @@ def as_mesh_info(mesh: Any) -> MeshInfo:
     if get_coordinate is not None:
         coordinate = get_coordinate()
         if coordinate is None:
-            raise ShardingError(
-                "this rank is not part of the device mesh; run the random op only on ranks of the mesh."
-            )
-        return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in coordinate))
+            raise RankNotInMeshError(_NOT_IN_MESH)
+        if rank is None:
+            if any(_local_ranks.per_rank(c) is not None for c in coordinate):
+                raise ShardingError(
+                    "this DeviceMesh coordinate differs across the simulated ranks of torch's LocalTensor mode; "
+                    "use distribute_region (which positions every simulated rank) or pass rank=."
+                )
+            values = [_local_ranks.value_on(c, 0) for c in coordinate]
+        else:
+            values = [_local_ranks.value_on(c, rank) for c in coordinate]
+        return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in values))  # type: ignore[call-overload]
     raise ShardingError(f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}.")
 
 
@@ -119,6 +149,57 @@ class _Region:
         self._platform.set_seed_offset(self._seed, self._base + self._end, None, self._generator)
 
 
+class _LocalRegion:
+    """A region under torch's LocalTensor mode: every simulated rank's generator at its own shard's start.
+
+    The base position is read from ``source`` (a user generator the op's draws are charged
+    to) or else from the first simulated rank, as all ranks of an SPMD region start from
+    one position. On exit every rank moves to ``base + end``; with a ``source``, the
+    source takes the advance instead and every rank gets back the state it had.
+    """
+
+    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved")
+
+    def __init__(
+        self, platform: Platform, mode: Any, starts: dict[int, int], end: int, source: torch.Generator | None
+    ) -> None:
+        self._platform = platform
+        self._mode = mode
+        self._starts = starts
+        self._end = end
+        self._source = source
+        self._seed = 0
+        self._base = 0
+        self._saved: tuple[dict[int, Any], torch.Tensor] | None = None
+
+    def __enter__(self) -> None:
+        p, mode, starts = self._platform, self._mode, self._starts
+        if self._source is not None:
+            seed, base = p.get_seed_offset(generator=self._source)  # refuses a foreign generator first
+        else:
+            _local_ranks.load_rank(mode, min(mode.ranks))
+            seed, base = p.get_seed_offset()
+        if base + self._end > MAX_OFFSET:
+            raise InvalidOffsetError(
+                f"the generator offset {base} plus this op's {self._end} would pass 2**63 - 1; reseed the generator."
+            )
+        if self._source is not None:
+            self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
+        self._seed, self._base = seed, base
+        _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank]))
+
+    def __exit__(self, *exc: object) -> None:
+        p, seed, after = self._platform, self._seed, self._base + self._end
+        if self._saved is None:
+            _local_ranks.each_rank(self._mode, lambda rank: p.set_seed_offset(seed, after))
+            return
+        p.set_seed_offset(seed, after, generator=self._source)
+        states, host = self._saved
+        _local_ranks.restore(self._mode, states)
+        p.set_rng_state(host)
+        self._saved = None
+
+
 class ShardedRNGTracker:
     """Positions a generator for this rank's shard of a sharded random op.
 
@@ -143,12 +224,26 @@ class ShardedRNGTracker:
     def manual_seed(self, seed: int, mesh: Any | None = None) -> None:
         """Put the device generator at (seed, 0); call it with the same seed on every rank.
 
-        ``mesh``, when given, must include this rank (as DTensor requires).
+        ``mesh``, when given, must include this rank (as DTensor requires). Under torch's
+        LocalTensor mode every simulated rank's generator is seeded, each with its own
+        value when ``seed`` is a per-rank ``SymInt``.
+
+        Raises (before anything changes):
+            ArgumentTypeError: ``seed`` is not an int.
+            InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
+            RankNotInMeshError: this rank is not part of ``mesh`` (a ``RuntimeError``, as in PyTorch).
         """
-        value = check_seed(seed)
-        if mesh is not None:
-            as_mesh_info(mesh)
-        self.platform.set_seed_offset(value, 0)
+        p = self.platform
+        mode = _local_ranks.active_mode()
+        if mode is None:
+            value = check_seed(seed)
+            _check_member(mesh, None)
+            p.set_seed_offset(value, 0)
+            return
+        seeds = {rank: check_seed(_local_ranks.value_on(seed, rank)) for rank in sorted(mode.ranks)}
+        for rank in seeds:
+            _check_member(mesh, rank)
+        _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seeds[rank], 0))
 
     def sync_from_rank0(self, group: object | None = None) -> bool:
         """Copy rank 0's device generator position to every rank of ``group``.
@@ -181,7 +276,18 @@ class ShardedRNGTracker:
         ``MeshInfo`` is validated when it is made; a ``DeviceMesh`` is one rank's view of a
         mesh, so it stands for its coordinate): an argument that equals a cached one only
         by ``==`` (``True`` for ``1``, ``8.0`` for ``8``) is validated like a new one.
+
+        Under torch's LocalTensor mode a ``DeviceMesh`` names one coordinate per simulated
+        rank: ``start`` is then a ``SymInt`` holding each rank's value (as in PyTorch's
+        ``_compute_rng_offsets``) unless they agree.
         """
+        mode = _local_ranks.active_mode()
+        if mode is not None and not isinstance(mesh, (MeshInfo, tuple)):
+            starts, end = self._rank_offsets(mode, mesh, placements, global_shape)
+            return _local_ranks.combine(starts), end  # type: ignore[return-value]
+        return self._offsets_of(mesh, placements, global_shape)
+
+    def _offsets_of(self, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[int, int]:
         key = _cache_key(mesh, placements, global_shape)
         try:
             return self._offsets[key]  # type: ignore[index]
@@ -196,6 +302,27 @@ class ShardedRNGTracker:
                 pass
         return result
 
+    def _rank_offsets(
+        self, mode: Any, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]
+    ) -> tuple[dict[int, int], int]:
+        """``({simulated rank: start}, end)`` under LocalTensor mode; validates everything first."""
+        starts: dict[int, int] = {}
+        end = 0
+        for rank in sorted(mode.ranks):
+            starts[rank], end = self._offsets_of(as_mesh_info(mesh, rank), placements, global_shape)
+        return starts, end
+
+    def _local_region(
+        self,
+        mode: Any,
+        mesh: Any,
+        placements: Sequence[Any],
+        global_shape: Sequence[int],
+        source: torch.Generator | None,
+    ) -> _LocalRegion:
+        starts, end = self._rank_offsets(mode, mesh, placements, global_shape)
+        return _LocalRegion(self._platform or platforms.current(), mode, starts, end, source)
+
     def distribute_region(
         self,
         mesh: Any,
@@ -209,12 +336,27 @@ class ShardedRNGTracker:
         on exit, also on exception, every rank moves to ``base + end``. A passed generator
         is positioned the same way and keeps its advance.
 
+        Under torch's LocalTensor mode every simulated rank's generator is positioned at
+        its own shard's start, and every rank leaves at ``base + end``.
+
         Raises (before anything changes):
             ShardingError: bad mesh, coordinate, placements or shape.
+            RankNotInMeshError: this rank is not part of the ``DeviceMesh``.
             InvalidStateError: ``generator`` belongs to another device type.
             InvalidOffsetError: the op would push the offset past 2**63 - 1.
+            TrackerStateError: a ``generator`` is passed under LocalTensor mode, where one
+                generator object cannot stand for every simulated rank.
         """
-        start, end = self.offsets(mesh, placements, global_shape)
+        mode = _local_ranks.active_mode()
+        if mode is not None:
+            if generator is not None:
+                raise TrackerStateError(
+                    "under torch's LocalTensor mode a region positions each simulated rank's device generator; "
+                    "one generator object cannot stand for every rank. Draw from the device generator inside "
+                    "the region (DTensor ops charge a user generator's advance to it for you)."
+                )
+            return self._local_region(mode, mesh, placements, global_shape, None)  # type: ignore[return-value]
+        start, end = self._offsets_of(mesh, placements, global_shape)
         # A foreign generator is refused by the first read in __enter__, before any write.
         return _Region(self._platform or platforms.current(), generator, start, end)
 
@@ -237,6 +379,16 @@ class ShardedRNGTracker:
     def uninstall_dtensor(previous: Any = None) -> None:
         """Put back the DTensor RNG tracker that :meth:`install_dtensor` replaced."""
         _dtensor_random_module()._rng_tracker = previous
+
+
+def _check_member(mesh: Any, rank: int | None) -> None:
+    """Refuse a ``mesh`` passed to manual_seed that this rank is not part of, in DTensor's words."""
+    if mesh is None:
+        return
+    try:
+        as_mesh_info(mesh, rank)
+    except RankNotInMeshError:
+        raise RankNotInMeshError(_SEED_NOT_IN_MESH) from None
 
 
 def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
@@ -306,11 +458,17 @@ class _DTensorRegion:
         self._spec = spec
         self._user = generator
         self._saved: torch.Tensor | None = None
-        self._region: _Region | None = None
+        self._region: _Region | _LocalRegion | None = None
 
     def __enter__(self) -> None:
-        t, p = self._tracker, self._tracker.platform
-        region = t.distribute_region(self._spec.mesh, self._spec.placements, self._spec.shape)
+        t, p, spec = self._tracker, self._tracker.platform, self._spec
+        mode = _local_ranks.active_mode()
+        if mode is not None:  # every simulated rank's generator, with the user generator's advance charged to it
+            local = t._local_region(mode, spec.mesh, spec.placements, spec.shape, self._user)
+            local.__enter__()
+            self._region = local
+            return
+        region = t.distribute_region(spec.mesh, spec.placements, spec.shape)
         if self._user is not None:
             position = p.get_seed_offset(generator=self._user)  # refuses a foreign generator first
             self._saved = p.get_rng_state()
@@ -326,6 +484,8 @@ class _DTensorRegion:
     def __exit__(self, *exc: object) -> None:
         assert self._region is not None
         self._region.__exit__(*exc)
+        if isinstance(self._region, _LocalRegion):
+            return
         if self._user is not None and self._saved is not None:
             p = self._tracker.platform
             p.set_seed_offset(*p.get_seed_offset(), generator=self._user)

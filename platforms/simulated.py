@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
 from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
@@ -110,7 +111,10 @@ class SimulatedGenerator:
             or new_state.numel() != COUNTER_STATE_NBYTES
         ):
             raise InvalidStateError(f"simulated generator state must be {COUNTER_STATE_NBYTES} uint8 bytes")
-        self._counter.seed, self._counter.offset = unpack_counter_state(new_state)
+        # Torch restores device states from inside its own dispatch modes (LocalTensor mode does, while a
+        # FakeTensorMode propagates shardings); CUDA's generator reads the bytes below them, and so does this one.
+        with no_dispatch():
+            self._counter.seed, self._counter.offset = unpack_counter_state(new_state)
         return self
 
     def manual_seed(self, seed: int) -> SimulatedGenerator:
