@@ -66,7 +66,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hyperrng.demo import DemoConfig, main
 
     cfg = DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps, save_step=args.save_step, seed=args.seed)
-    return main(cfg=cfg)
+    return main(cfg)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
     )
-    demo.add_argument("--world-size", type=int, default=4, help="processes to start (default 4)")
+    demo.add_argument("--world-size", type=int, default=None, help="processes to start (default 4)")
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size; must divide the world size")
     demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
     demo.add_argument("--save-step", type=int, default=2, help="step after which the RNG checkpoint is saved")
