@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import platforms
-from hyperrng.errors import HyperRNGError, RankFailure, UsageError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, RankFailure, UsageError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
 from platforms.mix import combine64
@@ -94,7 +94,10 @@ class DemoConfig:
             UsageError: a mesh, step count or checkpoint step the demo cannot run.
             InvalidSeedError, ArgumentTypeError: a seed the library refuses.
         """
-        check_seed(self.seed)
+        try:
+            check_seed(self.seed)
+        except (InvalidSeedError, ArgumentTypeError) as exc:
+            raise type(exc)(f"--seed: {exc}") from None
         for name in ("world_size", "tp", "steps"):
             value = getattr(self, name)
             if name == "world_size" and value is None:
