@@ -7,6 +7,9 @@ resolution touches no device. :func:`current_platform` returns the result.
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
 import platforms as _platforms
 from hyperrng.errors import (
     AmbiguousPlatformError,
@@ -36,8 +39,31 @@ from platforms import Platform
 
 __version__ = "0.1.0"
 
+
+def _started_as_command() -> bool:
+    """Whether this import is the ``hyperrng`` command starting (``python -m hyperrng`` or the console script).
+
+    While ``python -m`` imports a package, ``sys.argv[0]`` reads ``"-m"`` (the module is
+    not located yet) and ``sys.orig_argv`` holds the module's name; the console script
+    runs with its own path, ending in ``hyperrng``, as ``sys.argv[0]``.
+    """
+    argv0 = _sys.argv[0] if _sys.argv else ""
+    if argv0 == "-m":
+        orig = list(getattr(_sys, "orig_argv", ()))
+        return any(a == "-mhyperrng" or (a == "-m" and orig[i + 1 : i + 2] == ["hyperrng"]) for i, a in enumerate(orig))
+    return _os.path.basename(argv0) in ("hyperrng", "hyperrng.exe")
+
+
 # Resolve the platform before anything below asks for it: HYPERRNG_PLATFORM, plug-ins, NPU, CUDA, CPU.
-_platforms.select()
+# A library import fails here, at once, when no platform can be selected. The command
+# line imports the package too, and reports that failure itself (``hyperrng info`` with
+# every probe, other commands in one line): every later call to ``platforms.current()``
+# raises the same error again.
+try:
+    _platforms.select()
+except PlatformError:
+    if not _started_as_command():
+        raise
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
 from hyperrng.random import fork_rng  # noqa: E402

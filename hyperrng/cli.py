@@ -1,13 +1,29 @@
-"""The ``hyperrng`` command line: ``demo``, ``info`` and ``bench``."""
+"""The ``hyperrng`` command line: ``demo``, ``info`` and ``bench``.
+
+A mistake (a bad flag, a seed out of range, a platform that cannot be selected, a rank
+that fails) is answered with one line on stderr and an exit status, never a traceback:
+2 for a command line or configuration that cannot run, 1 for a run that failed or a
+platform that cannot be selected.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
+from typing import NoReturn
 
-__all__ = ["main"]
+import platforms
+from hyperrng.errors import HyperRNGError, PlatformError
+
+__all__ = ["main", "info_lines"]
+
+_EXIT_FAILED = 1
+_EXIT_USAGE = 2
+_EXIT_INTERRUPTED = 130  # what shells report for a process ended by Ctrl-C (128 + SIGINT)
+_BUILTIN_PLATFORMS = ("cpu", "cuda", "npu", "sim")
 
 
 def _dist_version(name: str) -> str:
@@ -17,40 +33,82 @@ def _dist_version(name: str) -> str:
         return "not installed"
 
 
-def info_lines() -> list[str]:
-    """The report of ``hyperrng info``: which platform runs, why, and what every probe said."""
-    import os
-
+def _version() -> str:
     import torch
 
     import hyperrng
-    import platforms
 
-    sel = platforms.selection()
-    p = sel.platform
+    return f"hyperrng {hyperrng.__version__} (torch {torch.__version__}, python {sys.version.split()[0]})"
+
+
+def _known_platforms() -> list[tuple[str, str]]:
+    """Every platform that can be named: ``(name, source)`` for built-ins, registrations and entry points."""
+    names = [(name, "builtin" if name in _BUILTIN_PLATFORMS else "registered") for name in platforms.registered()]
+    taken = {name for name, _ in names}
+    for ep in sorted(entry_points(group=platforms.ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+        if ep.name not in taken:
+            names.append((ep.name, f"plugin {ep.value}"))
+            taken.add(ep.name)
+    return names
+
+
+def _availability(name: str) -> str:
+    """``available``, or ``unavailable - <why>``, for the platform ``name`` (built and probed, not selected)."""
+    try:
+        platforms.load(name)
+    except PlatformError as exc:
+        return f"unavailable - {str(exc).removeprefix(f'platform {name!r} is not available: ')}"
+    except Exception as exc:  # a plug-in's entry point that fails to import is a finding, not a crash
+        return f"unavailable - failed to load: {type(exc).__name__}: {exc}"
+    return "available"
+
+
+def info_lines() -> list[str]:
+    """The report of ``hyperrng info``: which platform runs and why, every probe, every known platform.
+
+    When no platform can be selected (a bad ``HYPERRNG_PLATFORM``, two plug-ins claiming
+    the machine) the report says why in place of the platform; it never raises for that.
+    """
+    import torch
+
+    import hyperrng
+
     lines = [
         f"hyperrng {hyperrng.__version__}  (python {sys.version.split()[0]})",
         f"torch {torch.__version__}; torch_npu {_dist_version('torch_npu')}",
         f"{platforms.ENV_VAR}={os.environ.get(platforms.ENV_VAR, '')!r}",
-        f"platform: {p.name}  (device type {p.device_type!r}, backend {p.dist_backend!r}, "
-        f"{'counter-based' if p.counter_based else 'modelled offsets'})",
-        f"chosen because: {sel.reason}",
     ]
     try:
-        lines.append(f"devices: {p.device_count()}")
-    except Exception as exc:
-        lines.append(f"devices: unknown ({type(exc).__name__}: {exc})")
-    lines.append("probes:")
-    for probe in sel.probes:
-        mark = "available" if probe.available else "unavailable"
-        detail = f" - {probe.reason}" if probe.reason else ""
-        lines.append(f"  {probe.name:<8} [{probe.source}] {mark}{detail}")
-    lines.append(f"registered platforms: {', '.join(platforms.registered())}")
+        sel = platforms.selection()
+    except PlatformError as exc:
+        lines += ["platform: none", f"error: {exc}"]
+    else:
+        p = sel.platform
+        lines += [
+            f"platform: {p.name}  (device type {p.device_type!r}, backend {p.dist_backend!r}, "
+            f"{'counter-based' if p.counter_based else 'modelled offsets'})",
+            f"chosen because: {sel.reason}",
+        ]
+        try:
+            lines.append(f"devices: {p.device_count()}")
+        except Exception as exc:
+            lines.append(f"devices: unknown ({type(exc).__name__}: {exc})")
+        lines.append("probes:")
+        for probe in sel.probes:
+            mark = "available" if probe.available else "unavailable"
+            detail = f" - {probe.reason}" if probe.reason else ""
+            lines.append(f"  {probe.name:<8} [{probe.source}] {mark}{detail}")
+    lines.append("known platforms (built-in, registered, plug-ins):")
+    lines += [f"  {name:<8} [{source}] {_availability(name)}" for name, source in _known_platforms()]
     return lines
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     print("\n".join(info_lines()))
+    try:
+        platforms.selection()
+    except PlatformError:
+        return _EXIT_FAILED
     return 0
 
 
@@ -63,25 +121,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from hyperrng.demo import DemoConfig, main
+    from hyperrng.demo import DemoConfig
+    from hyperrng.demo import main as demo_main
 
     cfg = DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps, save_step=args.save_step, seed=args.seed)
-    return main(cfg=cfg)
+    return demo_main(cfg)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose complaints are one line on stderr (argparse adds a usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(_EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyperrng", description=__doc__)
+    parser = _Parser(prog="hyperrng", description="Random-number state across devices and ranks for PyTorch.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
     )
-    demo.add_argument("--world-size", type=int, default=4, help="processes to start (default 4)")
+    demo.add_argument(
+        "--world-size", type=int, default=None, help="processes to start (default 4; under torchrun, the job's size)"
+    )
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size; must divide the world size")
     demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
     demo.add_argument("--save-step", type=int, default=2, help="step after which the RNG checkpoint is saved")
-    demo.add_argument("--seed", type=int, default=1234, help="base seed of the stream layout")
+    demo.add_argument("--seed", type=int, default=1234, help="base seed of the stream layout, in [0, 2**64 - 1]")
     demo.set_defaults(func=_cmd_demo)
-    info = sub.add_parser("info", help="which platform runs and why; every probe's result")
+    info = sub.add_parser("info", help="which platform runs and why; every probe's result; every known platform")
     info.set_defaults(func=_cmd_info)
     bench = sub.add_parser("bench", help="benchmarks, as ratios against baselines measured in the same run")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (for CI)")
@@ -91,17 +160,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hyperrng`` console script; returns the exit status."""
+    """Entry point of the ``hyperrng`` console script and ``python -m hyperrng``; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 on success; 1 when a run fails or no platform can be selected; 2 for a command
+        line or configuration that cannot run; 130 when interrupted. Bad flags make
+        argparse exit with 2 (``SystemExit``), after one line on stderr.
+    """
     args = _parser().parse_args(argv)
     try:
+        if args.command != "info":  # info reports a platform that cannot be selected itself
+            try:
+                platforms.selection()
+            except PlatformError as exc:
+                print(f"hyperrng: error: {exc}", file=sys.stderr)
+                return _EXIT_FAILED
         return int(args.func(args))
-    except Exception as exc:
-        from hyperrng.errors import HyperRNGError
-
-        if not isinstance(exc, HyperRNGError):
-            raise
-        print(f"hyperrng: error: {exc}", file=sys.stderr)
-        return 2
+    except HyperRNGError as exc:
+        print(f"hyperrng: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return _EXIT_USAGE
+    except KeyboardInterrupt:
+        print("hyperrng: interrupted", file=sys.stderr)
+        return _EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

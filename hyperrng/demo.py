@@ -1,8 +1,8 @@
-"""``hyperrng demo``: the properties users suffer for, proven with real processes on the CPU.
+"""``hyperrng demo``: the properties users suffer for, proven with real processes where the platform is.
 
-The demo starts ``world_size`` processes over gloo (or joins a ``torchrun`` job), arranges
-them as a data-parallel x tensor-parallel mesh, seeds them from one declarative layout,
-and trains a tiny tensor-parallel MLP for a few steps with dropout inside the TP region
+The demo starts ``world_size`` processes (or joins a ``torchrun`` job), arranges them as
+a data-parallel x tensor-parallel mesh, seeds them from one declarative layout, and
+trains a tiny tensor-parallel MLP for a few steps with dropout inside the TP region
 (drawn from the ``model-parallel-rng`` stream) and after it (the default generator). It
 runs one sharded random op, checks the streams across ranks, saves an RNG checkpoint at
 ``save_step``, and resumes from it in fresh processes. It prints a per-rank table and one
@@ -15,6 +15,12 @@ verdict per property, and succeeds only if every property holds:
 4. ``verify_rng_sync`` finds every stream shared exactly as the layout says;
 5. the run resumed from the checkpoint in new processes is bit-identical to the
    uninterrupted one.
+
+Everything runs where the current platform is: the model, the data, the masks and the
+sharded op live on ``platform.device(local_rank % device_count)``, which each rank makes
+its current device. The process group uses the platform's backend when every local rank
+has a device of its own, and gloo otherwise, with tensors staged through the host for
+each collective.
 """
 
 from __future__ import annotations
@@ -22,20 +28,23 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from hyperrng.errors import HyperRNGError, UsageError
+import platforms
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, RankFailure, UsageError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
+from platforms.mix import combine64
+from platforms.validate import check_seed
 
-__all__ = ["DemoConfig", "LAYOUT", "run_demo", "main"]
+__all__ = ["DemoConfig", "LAYOUT", "MAX_LOCAL_RANKS", "run_demo", "main"]
 
 LAYOUT = StreamLayout(
     dims=("dp", "tp"),
@@ -44,18 +53,34 @@ LAYOUT = StreamLayout(
 )
 """The demo's streams: the default generator varies over dp, the TP stream over tp."""
 
+MAX_LOCAL_RANKS = 64
+"""The most processes the demo starts on one machine (a larger job runs under torchrun)."""
+
+DEFAULT_WORLD_SIZE = 4
+"""Processes started when neither ``--world-size`` nor a torchrun job says otherwise."""
+
 _DROPOUT = 0.5
 _LEARNING_RATE = 0.01
 _BATCH, _IN, _HIDDEN_PER_TP, _OUT = 4, 8, 8, 4
 _SHARDED_SHAPE = (8, 6)
-_SHARDED_SEED_SALT = 0x5EED  # the sharded op's seed, derived from the base seed, same on every rank
+# Domains of the seeds derived from the base seed with ``combine64``: each use its own,
+# so that no two coincide, and every base seed in [0, 2**64) gives seeds in range.
+_SHARDED_SEED_DOMAIN = 0x5EED  # the sharded op's seed, the same on every rank
+_DATA_SEED_DOMAIN = 0xDA7A  # a step's data, per data-parallel group
+_SCRAMBLE_SEED_DOMAIN = 0x5C4A  # what resumed processes hold before the checkpoint is loaded
+_EXIT_HOOK_ENV = "_HYPERRNG_DEMO_EXIT"
+"""Test hook, not a feature: ``RANK:STEP:CODE`` makes that rank ``os._exit(CODE)`` at that training step."""
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What the demo runs: mesh, steps, checkpoint step, base seed and where files go."""
+    """What the demo runs: mesh, steps, checkpoint step, base seed and where files go.
 
-    world_size: int = 4
+    ``world_size=None`` means the torchrun job's size inside one, else
+    :data:`DEFAULT_WORLD_SIZE`; a world size given under torchrun must match the job's.
+    """
+
+    world_size: int | None = None
     tp: int = 2
     steps: int = 4
     save_step: int = 2
@@ -63,56 +88,159 @@ class DemoConfig:
     workdir: str = ""
 
     def validate(self) -> None:
-        """Raise :class:`UsageError` for a configuration the demo cannot run."""
+        """Raise for a configuration the demo cannot run; change nothing.
+
+        Raises:
+            UsageError: a mesh, step count or checkpoint step the demo cannot run.
+            InvalidSeedError, ArgumentTypeError: a seed the library refuses.
+        """
+        try:
+            check_seed(self.seed)
+        except (InvalidSeedError, ArgumentTypeError) as exc:
+            raise type(exc)(f"--seed: {exc}") from None
         for name in ("world_size", "tp", "steps"):
             value = getattr(self, name)
+            if name == "world_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-        if self.world_size % self.tp:
+        if self.world_size is not None and self.world_size % self.tp:
             raise UsageError(
                 f"a world size of {self.world_size} cannot be arranged as dp x tp with tp={self.tp}; "
                 f"choose a --tp that divides {self.world_size}."
             )
+        if isinstance(self.save_step, bool) or not isinstance(self.save_step, int):
+            raise UsageError(f"--save-step must be an integer, got {self.save_step!r}.")
         if self.steps < 2 or not 1 <= self.save_step < self.steps:
             raise UsageError(
                 f"--save-step must lie in [1, --steps - 1] so that a resume has steps to replay; "
                 f"got save_step={self.save_step}, steps={self.steps}."
             )
 
+    def resolved(self) -> DemoConfig:
+        """This configuration with its world size settled and every field validated.
+
+        Raises:
+            UsageError: see :meth:`validate`; or a world size that contradicts the
+                torchrun job, or above :data:`MAX_LOCAL_RANKS` for a local run.
+        """
+        self.validate()
+        job = _torchrun_world_size()
+        if job is not None:
+            if self.world_size is not None and self.world_size != job:
+                raise UsageError(
+                    f"--world-size {self.world_size} contradicts the torchrun job, which has WORLD_SIZE={job} "
+                    "ranks; leave --world-size out under torchrun (the job decides), or launch that many ranks."
+                )
+            cfg = replace(self, world_size=job)
+        else:
+            cfg = replace(self, world_size=DEFAULT_WORLD_SIZE if self.world_size is None else self.world_size)
+            if cfg.size > MAX_LOCAL_RANKS:
+                raise UsageError(
+                    f"--world-size {cfg.size} would start {cfg.size} processes on this machine; the demo starts "
+                    f"at most {MAX_LOCAL_RANKS} (run a larger job under torchrun)."
+                )
+        cfg.validate()
+        return cfg
+
+    @property
+    def size(self) -> int:
+        """The world size of a resolved configuration."""
+        if self.world_size is None:
+            raise UsageError("the world size is not settled yet; call DemoConfig.resolved() first.")
+        return self.world_size
+
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        """The data-parallel size of a resolved configuration."""
+        return self.size // self.tp
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the ranks run: the platform's devices, the backend, and whether collectives go through the host."""
+
+    device_type: str
+    devices: int  # devices of the platform visible to each process
+    local_ranks: int
+    backend: str
+    staged: bool  # tensors go to the host for each collective (gloo with device tensors)
+    is_host: bool
+
+    @classmethod
+    def plan(cls, platform: platforms.Platform, local_ranks: int) -> _Placement:
+        """The platform's backend where every local rank has a device of its own, else gloo."""
+        devices = platform.device_count()
+        backend = platform.dist_backend if platform.is_host or devices >= local_ranks else "gloo"
+        staged = backend == "gloo" and not platform.is_host
+        return cls(platform.device_type, devices, local_ranks, backend, staged, platform.is_host)
+
+    def index(self, local_rank: int) -> int:
+        """The device of a local rank: its own where there are enough, else shared round-robin."""
+        return local_rank % self.devices
+
+    def describe(self) -> str:
+        if self.is_host:
+            return f"over {self.backend} on the host"
+        if self.devices >= self.local_ranks:
+            where = f"one {self.device_type!r} device each"
+        else:
+            where = f"{self.local_ranks} ranks sharing {self.devices} {self.device_type!r} device(s)"
+        return f"over {self.backend}, {where}" + (", tensors staged through the host" if self.staged else "")
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """Sum the row-parallel partial outputs over the TP group; the gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
+    def forward(ctx: Any, partial: torch.Tensor, group: Any, staged: bool) -> torch.Tensor:
         out = partial.clone()
-        dist.all_reduce(out, group=group)
+        _all_reduce(out, group, staged)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def _all_reduce(tensor: torch.Tensor, group: Any, staged: bool) -> None:
+    """Sum ``tensor`` in place over ``group``, through a host copy where the backend needs one."""
+    import torch.distributed as dist
+
+    if not staged:
+        dist.all_reduce(tensor, group=group)
+        return
+    host = tensor.cpu()
+    dist.all_reduce(host, group=group)
+    tensor.copy_(host)
 
 
 def _fp(t: torch.Tensor) -> str:
     """A short fingerprint of a tensor's bytes (what the table shows)."""
-    return hashlib.blake2b(t.detach().contiguous().numpy().tobytes(), digest_size=4).hexdigest()
+    return hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=4).hexdigest()
+
+
+def _exit_hook(rank: int, step: int) -> None:
+    spec = os.environ.get(_EXIT_HOOK_ENV)
+    if spec:
+        at_rank, at_step, code = (int(part) for part in spec.split(":"))
+        if (rank, step) == (at_rank, at_step):
+            os._exit(code)
 
 
 class _Rank:
-    """One rank's view of the job: its coordinates, groups and model shard."""
+    """One rank's view of the job: its device, coordinates, groups and model shard."""
 
-    def __init__(self, cfg: DemoConfig, rank: int) -> None:
+    def __init__(self, cfg: DemoConfig, rank: int, placement: _Placement) -> None:
         import torch.distributed as dist
 
         self.cfg = cfg
         self.rank = rank
+        self.staged = placement.staged
+        platform = platforms.current()
+        index = placement.index(int(os.environ.get("LOCAL_RANK", rank)))
+        platform.set_device(index)  # forks, seeding and positions act on this rank's device
+        self.device = platform.device(index)
         self.coords = {"dp": rank // cfg.tp, "tp": rank % cfg.tp}
         # Every rank must create every group, in the same order.
         self.tp_group = self.dp_group = None
@@ -124,14 +252,14 @@ class _Rank:
             g = dist.new_group([d * cfg.tp + t for d in range(cfg.dp)])
             if t == self.coords["tp"]:
                 self.dp_group = g
-        # The same global weights on every rank (from a private generator), then this rank's shards.
+        # The same global weights on every rank (from a private host generator), then this rank's shards.
         init = torch.Generator().manual_seed(cfg.seed)
         hidden = _HIDDEN_PER_TP * cfg.tp
         w1 = torch.randn(hidden, _IN, generator=init) * 0.3
         w2 = torch.randn(_OUT, hidden, generator=init) * 0.3
         rows = slice(self.coords["tp"] * _HIDDEN_PER_TP, (self.coords["tp"] + 1) * _HIDDEN_PER_TP)
-        self.w1 = w1[rows].clone().requires_grad_()  # column-parallel
-        self.w2 = w2[:, rows].clone().requires_grad_()  # row-parallel
+        self.w1 = w1[rows].clone().to(self.device).requires_grad_()  # column-parallel
+        self.w2 = w2[:, rows].clone().to(self.device).requires_grad_()  # row-parallel
 
     def seed(self) -> dict[str, int]:
         from hyperrng.seeding import seed_host
@@ -142,16 +270,18 @@ class _Rank:
         return seeds
 
     def step(self, step: int) -> dict[str, Any]:
+        _exit_hook(self.rank, step)
         # Data differs per data-parallel group and is identical across its TP ranks; the
         # host generators (seeded per dp) add noise, so their resume is exercised too.
-        data = torch.Generator().manual_seed(self.cfg.seed * 1000 + step * 10 + self.coords["dp"])
-        x = torch.randn(_BATCH, _IN, generator=data) + float(np.random.rand()) + random.random()
-        target = torch.randn(_BATCH, _OUT, generator=data)
+        data = torch.Generator().manual_seed(combine64(_DATA_SEED_DOMAIN, self.cfg.seed, step, self.coords["dp"]))
+        noise = float(np.random.rand()) + random.random()
+        x = (torch.randn(_BATCH, _IN, generator=data) + noise).to(self.device)
+        target = torch.randn(_BATCH, _OUT, generator=data).to(self.device)
         h = x @ self.w1.T
         with get_rng_tracker().fork(MODEL_PARALLEL_STREAM):
             keep_in = torch.rand_like(h) >= _DROPOUT
         h = h * keep_in / (1 - _DROPOUT)
-        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group)
+        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group, self.staged)
         keep_out = torch.rand_like(y) >= _DROPOUT
         y = y * keep_out / (1 - _DROPOUT)
         loss = ((y - target) ** 2).mean()
@@ -160,9 +290,7 @@ class _Rank:
             for w in (self.w1, self.w2):
                 assert w.grad is not None
                 if self.cfg.dp > 1:
-                    import torch.distributed as dist
-
-                    dist.all_reduce(w.grad, group=self.dp_group)
+                    _all_reduce(w.grad, self.dp_group, self.staged)
                     w.grad /= self.cfg.dp
                 w -= _LEARNING_RATE * w.grad
                 w.grad = None
@@ -177,9 +305,9 @@ class _Rank:
         tracker = ShardedRNGTracker()
         mesh = MeshInfo((self.cfg.dp, self.cfg.tp), (self.coords["dp"], self.coords["tp"]))
         with fork_rng():  # leave the default stream where training left it
-            tracker.manual_seed(self.cfg.seed ^ _SHARDED_SEED_SALT)
+            tracker.manual_seed(combine64(_SHARDED_SEED_DOMAIN, self.cfg.seed))
             with tracker.distribute_region(mesh, [Replicate(), Shard(0)], _SHARDED_SHAPE):
-                local = torch.rand(_SHARDED_SHAPE[0] // self.cfg.tp, _SHARDED_SHAPE[1])
+                local = torch.rand(_SHARDED_SHAPE[0] // self.cfg.tp, _SHARDED_SHAPE[1], device=self.device)
             position = tracker.platform.get_seed_offset()
         return {"fp": _fp(local), "position": position}
 
@@ -187,13 +315,13 @@ class _Rank:
         return Path(self.cfg.workdir) / f"rank{self.rank}.pt"
 
 
-def _train(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
+def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) -> dict[str, Any]:
     """Phase 1: seed, run one sharded op, train, verify, checkpoint at save_step, go on to the end."""
     from hyperrng.errors import RNGDesyncError
     from hyperrng.state import rng_state_dict, save_rng_state
     from hyperrng.verify import verify_rng_sync
 
-    r = _Rank(cfg, rank)
+    r = _Rank(cfg, rank, placement)
     seeds = r.seed()
     sharded = r.sharded_op()
     steps, verify_error = [], ""
@@ -205,18 +333,20 @@ def _train(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
             except RNGDesyncError as exc:
                 verify_error = str(exc)
             state = rng_state_dict(layout=LAYOUT, coords=r.coords, base_seed=cfg.seed)
-            save_rng_state(r.checkpoint_path(), {"rng": state, "w1": r.w1.detach(), "w2": r.w2.detach()})
+            weights = {"w1": r.w1.detach().cpu(), "w2": r.w2.detach().cpu()}  # device tensors are not saved as such
+            save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
     return {"coords": r.coords, "seeds": seeds, "sharded": sharded, "steps": steps, "verify_error": verify_error}
 
 
-def _resume(rank: int, world_size: int, cfg: DemoConfig) -> list[dict[str, Any]]:
+def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) -> list[dict[str, Any]]:
     """Phase 2, in fresh processes: scramble every generator, load the checkpoint, finish the run."""
     from hyperrng.seeding import seed_host
     from hyperrng.state import load_rng_state, load_rng_state_dict
 
-    r = _Rank(cfg, rank)
-    seed_host(cfg.seed + 999)  # whatever the new processes start with must not matter
-    apply_layout(LAYOUT, cfg.seed + 999, r.coords)
+    r = _Rank(cfg, rank, placement)
+    scramble = combine64(_SCRAMBLE_SEED_DOMAIN, cfg.seed)
+    seed_host(scramble)  # whatever the new processes start with must not matter
+    apply_layout(LAYOUT, scramble, r.coords)
     saved = load_rng_state(r.checkpoint_path())
     load_rng_state_dict(saved["rng"], layout=LAYOUT, coords=r.coords)
     with torch.no_grad():
@@ -225,21 +355,31 @@ def _resume(rank: int, world_size: int, cfg: DemoConfig) -> list[dict[str, Any]]
     return [r.step(step) for step in range(cfg.save_step + 1, cfg.steps + 1)]
 
 
-def _in_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+def _torchrun_world_size() -> int | None:
+    """``WORLD_SIZE`` of the torchrun job this process belongs to, or ``None`` outside one."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except ValueError as exc:
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; is this a torchrun job?") from exc
 
 
-def _torchrun_job(cfg: DemoConfig) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
+def _torchrun_job(
+    cfg: DemoConfig, placement: _Placement
+) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
     """Run both phases inside an existing torchrun job; rank 0 gets everyone's results."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        platforms.current().set_device(placement.index(local_rank))  # before the group, as nccl/hccl expect
+        dist.init_process_group(placement.backend)
     rank = dist.get_rank()
-    trained = _train(rank, cfg.world_size, cfg)
+    trained = _train(rank, cfg.size, cfg, placement)
     get_rng_tracker().reset()  # a resume inside the same processes: start from a blank tracker
-    resumed = _resume(rank, cfg.world_size, cfg)
-    everyone: list[Any] = [None] * cfg.world_size
+    resumed = _resume(rank, cfg.size, cfg, placement)
+    everyone: list[Any] = [None] * cfg.size
     dist.all_gather_object(everyone, (trained, resumed))
     if rank != 0:
         return None
@@ -310,32 +450,39 @@ def _table(cfg: DemoConfig, trained: list[dict[str, Any]]) -> str:
 
 
 def run_demo(cfg: DemoConfig) -> tuple[bool, str]:
-    """Run the demo; return whether every property held and the report to print."""
+    """Run the demo; return whether every property held and the report to print.
+
+    Every flag is checked, and the platform resolved, before any process starts.
+    Inside a torchrun job every rank runs it, and ranks other than 0 get ``(True, "")``.
+
+    Raises:
+        UsageError, InvalidSeedError, ArgumentTypeError: see :meth:`DemoConfig.resolved`.
+        PlatformError: the platform cannot be selected, or cannot be rebuilt in the ranks.
+        RankFailure: a rank raised or died (the other ranks are stopped at once).
+    """
     from hyperrng._launch import run_ranks
 
-    cfg.validate()
+    cfg = cfg.resolved()
+    platform = platforms.current()
+    torchrun = _torchrun_world_size() is not None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.size)) if torchrun else cfg.size
+    placement = _Placement.plan(platform, local_ranks)
     with tempfile.TemporaryDirectory(prefix="hyperrng-demo-") as tmp:
-        cfg = DemoConfig(**{**cfg.__dict__, "workdir": cfg.workdir or tmp})
-        if _in_torchrun():
-            cfg = DemoConfig(**{**cfg.__dict__, "world_size": int(os.environ["WORLD_SIZE"])})
-            cfg.validate()
-            result = _torchrun_job(cfg)
+        cfg = replace(cfg, workdir=cfg.workdir or tmp)
+        if torchrun:
+            result = _torchrun_job(cfg, placement)
             if result is None:
                 return True, ""
             trained, resumed = result
-            how = f"joined a torchrun job of {cfg.world_size} ranks; resumed in the same processes"
-            fresh = False
+            how = f"joined a torchrun job of {cfg.size} ranks {placement.describe()}; resumed in the same processes"
         else:
-            trained = run_ranks(_train, cfg.world_size, cfg)
-            resumed = run_ranks(_resume, cfg.world_size, cfg)
-            how = f"{cfg.world_size} processes over gloo, then {cfg.world_size} fresh ones for the resume"
-            fresh = True
-    verdicts = _verdicts(cfg, trained, resumed, fresh)
+            trained = run_ranks(_train, cfg.size, cfg, placement, backend=placement.backend)
+            resumed = run_ranks(_resume, cfg.size, cfg, placement, backend=placement.backend)
+            how = f"{cfg.size} processes {placement.describe()}; then {cfg.size} fresh ones for the resume"
+    verdicts = _verdicts(cfg, trained, resumed, fresh=not torchrun)
     ok = all(v for _, v, _ in verdicts)
-    import platforms
-
     lines = [
-        f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platforms.current().name!r} ({how})",
+        f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r} ({how})",
         f"base seed {cfg.seed}; {cfg.steps} training steps; RNG checkpoint at step {cfg.save_step}",
         "",
         _table(cfg, trained),
@@ -346,12 +493,22 @@ def run_demo(cfg: DemoConfig) -> tuple[bool, str]:
     return ok, "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, cfg: DemoConfig | None = None) -> int:
-    """Run the demo with ``cfg`` (default: :class:`DemoConfig`), print the report, return 0 iff it passed."""
+def main(cfg: DemoConfig | None = None) -> int:
+    """Run the demo with ``cfg`` (default: :class:`DemoConfig`) and print the report.
+
+    A configuration the demo cannot run is one line on stderr, exit status 2, before any
+    process starts; a rank that fails is one line naming it, exit status 1.
+
+    Returns:
+        0 when every property holds, 1 when one fails or a rank fails, 2 for a bad configuration.
+    """
     try:
         ok, report = run_demo(cfg if cfg is not None else DemoConfig())
+    except RankFailure as exc:
+        print(f"hyperrng demo: error: {exc.summary}", file=sys.stderr)
+        return 1
     except HyperRNGError as exc:
-        print(f"hyperrng demo: error: {exc}")
+        print(f"hyperrng demo: error: {exc}", file=sys.stderr)
         return 2
     if report:
         print(report)

@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointError",
     "DistributedNotInitializedError",
     "UsageError",
+    "RankFailure",
     "ArgumentTypeError",
     "StreamNameError",
     "TrackerStateError",
@@ -126,3 +127,18 @@ class DistributedNotInitializedError(HyperRNGError, RuntimeError):
 
 class UsageError(HyperRNGError, ValueError):
     """A request that cannot be carried out as given (an unknown benchmark, a bad CLI option)."""
+
+
+class RankFailure(HyperRNGError, RuntimeError):
+    """A rank process of a local job raised, died, or never answered.
+
+    Attributes:
+        summary: one line naming the rank that failed first and how (its exception, or
+            the exit code it died with); what a command line prints.
+        details: every failing rank's report, with the tracebacks of those that raised.
+    """
+
+    def __init__(self, summary: str, details: str = "") -> None:
+        super().__init__(f"{summary}\n{details}" if details else summary)
+        self.summary = summary
+        self.details = details

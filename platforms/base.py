@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
-from platforms.errors import ArgumentTypeError, InvalidStateError
+from platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
 from platforms.validate import check_index, check_offset, check_seed, check_state
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
@@ -78,6 +78,24 @@ class Platform:
     def device(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` of device ``index`` (default: the current device)."""
         return torch.device(self.device_type, self._index(index))
+
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` the current device of this process.
+
+        Forks, seeding and positions without an explicit index then act on it. The
+        default serves platforms with one device; a platform with several overrides it.
+
+        Raises:
+            ArgumentTypeError: ``index`` is not an int.
+            DeviceIndexError: ``index`` names no device.
+            PlatformError: the platform cannot switch to ``index`` (it does not implement switching).
+        """
+        chosen = check_index(index, self.device_count(), self.name)
+        if chosen != self.current_device():
+            raise PlatformError(
+                f"platform {self.name!r} cannot make device {chosen} current: it does not implement "
+                "set_device(); override Platform.set_device for a platform with several devices."
+            )
 
     def default_generator(self, index: int | None = None) -> torch.Generator | None:
         """The generator object that random ops on device ``index`` draw from, if exposed."""

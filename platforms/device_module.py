@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from platforms.base import COUNTER_STATE_NBYTES, Platform
+from platforms.validate import check_index
 
 __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
 
@@ -73,6 +74,9 @@ class DeviceModulePlatform(Platform):
 
     def current_device(self) -> int:
         return int(self.module.current_device())
+
+    def set_device(self, index: int) -> None:
+        self.module.set_device(check_index(index, self.device_count(), self.name))
 
     def default_generator(self, index: int | None = None) -> torch.Generator:
         return self._generator(self._index(index))

@@ -1,4 +1,4 @@
-"""The main job: `hyperrng demo` proves every property with real processes, and says so."""
+"""The main job: `hyperrng demo` proves every property with real processes where the platform is, and says so."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from hyperrng.demo import DemoConfig, _verdicts, main, run_demo
-from hyperrng.errors import UsageError
+import platforms
+from hyperrng.demo import _EXIT_HOOK_ENV, MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdicts, main, run_demo
+from hyperrng.errors import ArgumentTypeError, InvalidSeedError, UsageError
 from tests._dist import free_port
+from tests._platforms import cuda_on_sim
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,11 +23,68 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_default_demo_passes_every_property(capsys: pytest.CaptureFixture[str]) -> None:
     assert main() == 0
     out = capsys.readouterr().out
-    assert "mesh dp=2 x tp=2 on platform 'cpu'" in out
+    assert "mesh dp=2 x tp=2 on platform 'cpu' (4 processes over gloo on the host;" in out
     assert out.count("[PASS]") == 5 and "[FAIL]" not in out
     assert "every property holds" in out
     for rank in range(4):
         assert f"\n   {rank}   {rank // 2}   {rank % 2}  0x" in out  # one table row per rank
+
+
+def _demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), env.pop("PYTHONPATH", "")]), **env}
+    return subprocess.run([sys.executable, "-m", "hyperrng", "demo", *args], capture_output=True, text=True,
+                          env=full_env, timeout=600, cwd=REPO)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_on_the_simulated_accelerator_four_ranks_share_two_devices_and_every_property_holds() -> None:
+    out = _demo(HYPERRNG_PLATFORM="sim")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (
+        "on platform 'sim' (4 processes over gloo, 4 ranks sharing 2 'sim' device(s), tensors staged through the host;"
+        in out.stdout
+    )
+    assert out.stdout.count("[PASS]") == 5 and "every property holds" in out.stdout
+
+
+PLUGIN = """
+import platforms
+
+
+class SimPlug(platforms.SimulatedPlatform):
+    name = "simplug"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_installed_plugin_on_the_simulated_device_is_chosen_and_every_rank_runs_on_it(tmp_path: Path) -> None:
+    (tmp_path / "simplug.py").write_text(PLUGIN)
+    info = tmp_path / "simplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: simplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nsimplug = simplug:SimPlug\n")
+    out = _demo("--world-size", "2", "--steps", "2", "--save-step", "1", PYTHONPATH=str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "on platform 'simplug' (2 processes over gloo, one 'sim' device each, tensors staged" in out.stdout
+    assert out.stdout.count("[PASS]") == 5
+
+
+class ProgrammaticPlug(platforms.SimulatedPlatform):
+    """A plug-in chosen with ``platforms.use``: the rank processes rebuild it from its class."""
+
+    name = "progplug"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_platform_chosen_programmatically_reaches_the_rank_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    with platforms.use(ProgrammaticPlug()):
+        assert main(DemoConfig(world_size=2, steps=2, save_step=1)) == 0
+    out = capsys.readouterr().out
+    assert "on platform 'progplug' (2 processes over gloo, one 'sim' device each" in out
+    assert out.count("[PASS]") == 5
 
 
 @pytest.mark.multiproc
@@ -35,31 +94,107 @@ def test_the_demo_joins_a_torchrun_job() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "joined a torchrun job of 2 ranks" in out.stdout
+    assert "joined a torchrun job of 2 ranks over gloo on the host" in out.stdout
     assert out.stdout.count("[PASS]") == 5
 
 
+@pytest.mark.multiproc
+def test_under_torchrun_a_world_size_that_contradicts_the_job_is_an_error() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "hyperrng", "demo", "--world-size", "4"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert out.returncode != 0
+    assert "hyperrng demo: error: --world-size 4 contradicts the torchrun job, which has WORLD_SIZE=2" in out.stderr
+    assert "[PASS]" not in out.stdout
+
+
 @pytest.mark.parametrize(
-    ("cfg", "fragment"),
+    ("cfg", "error", "fragment"),
     [
-        (DemoConfig(world_size=4, tp=3), "cannot be arranged as dp x tp with tp=3"),
-        (DemoConfig(world_size=0), "--world-size must be a positive integer"),
-        (DemoConfig(tp=True), "--tp must be a positive integer"),
-        (DemoConfig(steps=3, save_step=3), "--save-step must lie in [1, --steps - 1]"),
-        (DemoConfig(steps=1, save_step=0), "--save-step must lie"),
+        (DemoConfig(world_size=4, tp=3), UsageError, "cannot be arranged as dp x tp with tp=3"),
+        (DemoConfig(world_size=0), UsageError, "--world-size must be a positive integer"),
+        (DemoConfig(world_size=MAX_LOCAL_RANKS + 2), UsageError, f"the demo starts at most {MAX_LOCAL_RANKS}"),
+        (DemoConfig(tp=True), UsageError, "--tp must be a positive integer"),
+        (DemoConfig(steps=3, save_step=3), UsageError, "--save-step must lie in [1, --steps - 1]"),
+        (DemoConfig(steps=1, save_step=0), UsageError, "--save-step must lie"),
+        (DemoConfig(seed=-1), InvalidSeedError, "--seed: seed must be in [0, 2**64 - 1], got -1"),
+        (DemoConfig(seed=2**64), InvalidSeedError, "got 18446744073709551616"),
+        (DemoConfig(seed="7"), ArgumentTypeError, "--seed: seed must be an int"),  # type: ignore[arg-type]
     ],
 )
-def test_configurations_the_mesh_cannot_run_are_refused_before_any_process_starts(
-    cfg: DemoConfig, fragment: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_configurations_the_demo_cannot_run_are_refused_before_any_process_starts(
+    cfg: DemoConfig,
+    error: type[Exception],
+    fragment: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import hyperrng._launch as launch
 
-    monkeypatch.setattr(launch, "run_ranks", lambda *a: pytest.fail("no process may start"))
-    with pytest.raises(UsageError) as info:
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("no process may start"))
+    with pytest.raises(error) as info:
         run_demo(cfg)
-    assert fragment in str(info.value) and isinstance(info.value, ValueError)
-    assert main(cfg=cfg) == 2
-    assert fragment in capsys.readouterr().out
+    assert fragment in str(info.value)
+    assert main(cfg) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"hyperrng demo: error: {info.value}\n"
+
+
+def test_outside_torchrun_the_world_size_defaults_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert DemoConfig().resolved().world_size == 4
+    assert DemoConfig(world_size=6, tp=3).resolved().dp == 2
+
+
+def test_inside_torchrun_the_job_decides_the_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert DemoConfig().resolved().world_size == 8
+    assert DemoConfig(world_size=8).resolved().world_size == 8
+    with pytest.raises(UsageError, match="--world-size 2 contradicts the torchrun job, which has WORLD_SIZE=8"):
+        DemoConfig(world_size=2).resolved()
+
+
+# -- where the ranks run ----------------------------------------------------------------------
+
+
+def test_on_the_cpu_every_rank_runs_on_the_host_over_gloo_without_staging() -> None:
+    plan = _Placement.plan(platforms.CPUPlatform(), local_ranks=4)
+    assert (plan.backend, plan.staged, plan.index(3)) == ("gloo", False, 0)
+    assert plan.describe() == "over gloo on the host"
+
+
+def test_an_accelerator_with_a_device_per_rank_uses_its_own_backend() -> None:
+    plan = _Placement.plan(cuda_on_sim(), local_ranks=2)  # two devices, backend nccl
+    assert (plan.backend, plan.staged, [plan.index(r) for r in range(2)]) == ("nccl", False, [0, 1])
+    assert plan.describe() == "over nccl, one 'cuda' device each"
+
+
+def test_ranks_that_must_share_devices_fall_back_to_gloo_staged_through_the_host() -> None:
+    plan = _Placement.plan(cuda_on_sim(), local_ranks=4)
+    assert (plan.backend, plan.staged, [plan.index(r) for r in range(4)]) == ("gloo", True, [0, 1, 0, 1])
+    assert plan.describe() == "over gloo, 4 ranks sharing 2 'cuda' device(s), tensors staged through the host"
+
+
+def test_the_simulated_device_stages_through_the_host_even_with_a_device_per_rank() -> None:
+    plan = _Placement.plan(platforms.SimulatedPlatform(), local_ranks=2)  # its backend is gloo
+    assert (plan.backend, plan.staged) == ("gloo", True)
+
+
+# -- a rank that dies -----------------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_dies_ends_the_demo_with_one_line_naming_it_and_its_exit_code() -> None:
+    out = _demo("--world-size", "2", "--steps", "3", **{_EXIT_HOOK_ENV: "1:2:7"})
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == ["hyperrng demo: error: rank 1 died with exit code 7 without answering"]
+    assert "Traceback" not in out.stdout + out.stderr and "[PASS]" not in out.stdout
 
 
 def _row(dp: int, tp: int, mask_in: str, mask_out: str, shard: str) -> dict:  # type: ignore[type-arg]
@@ -76,7 +211,7 @@ def _healthy() -> tuple[list[dict], list[list[dict]]]:  # type: ignore[type-arg]
 
 def test_verdicts_pass_a_healthy_run() -> None:
     trained, resumed = _healthy()
-    assert all(ok for _, ok, _ in _verdicts(DemoConfig(), trained, resumed))
+    assert all(ok for _, ok, _ in _verdicts(DemoConfig(world_size=4), trained, resumed))
 
 
 @pytest.mark.parametrize(
@@ -93,5 +228,5 @@ def test_verdicts_pass_a_healthy_run() -> None:
 def test_verdicts_fail_exactly_the_broken_property(damage, failing: int) -> None:  # type: ignore[no-untyped-def]
     trained, resumed = copy.deepcopy(_healthy())
     damage(trained, resumed)
-    verdicts = _verdicts(DemoConfig(), trained, resumed)
+    verdicts = _verdicts(DemoConfig(world_size=4), trained, resumed)
     assert [i for i, (_, ok, _) in enumerate(verdicts) if not ok] == [failing]

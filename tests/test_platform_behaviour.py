@@ -218,3 +218,27 @@ def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None
     with pytest.raises(InvalidStateError, match="not a valid MT19937 state"):
         cpu.set_rng_state(torch.zeros(platforms.CPU_STATE_NBYTES, dtype=torch.uint8))
     assert torch.equal(cpu.get_rng_state(), before)
+
+
+def test_set_device_makes_a_simulated_device_current_and_refuses_a_missing_one() -> None:
+    from platforms.errors import DeviceIndexError
+
+    p = SimulatedPlatform()
+    p.set_device(1)
+    assert p.current_device() == 1 and p.default_generator() is p.default_generator(1)
+    with pytest.raises(DeviceIndexError, match="device index 2 is out of range for platform 'sim'"):
+        p.set_device(2)
+    assert p.current_device() == 1
+    p.set_device(0)
+
+
+def test_set_device_on_a_one_device_platform_accepts_only_that_device() -> None:
+    from platforms.errors import ArgumentTypeError, DeviceIndexError
+
+    p = CPUPlatform()
+    p.set_device(0)
+    assert p.current_device() == 0
+    with pytest.raises(DeviceIndexError, match="has 1 device"):
+        p.set_device(1)
+    with pytest.raises(ArgumentTypeError):
+        p.set_device("0")  # type: ignore[arg-type]

@@ -1,0 +1,197 @@
+"""The command line answers every mistake with one line and an exit status, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hyperrng
+import platforms
+import platforms.registry as registry
+from hyperrng import cli
+from hyperrng._launch import run_ranks
+from hyperrng.errors import HyperRNGError, PlatformError, RankFailure
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _hyperrng(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != platforms.ENV_VAR}
+    full_env = {**base, "PYTHONPATH": os.pathsep.join([str(REPO), env.pop("PYTHONPATH", "")]), **env}
+    return subprocess.run([sys.executable, "-m", "hyperrng", *args], capture_output=True, text=True,
+                          env=full_env, timeout=600, cwd=REPO)  # fmt: skip
+
+
+def _one_error_line(out: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in out.stdout + out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+def test_version_names_hyperrng_and_torch() -> None:
+    out = _hyperrng("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"hyperrng {hyperrng.__version__} (torch ")
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("bogus", "error: unknown platform 'bogus'; known platforms: cpu, cuda, npu, sim"),
+        ("no_such_module_xyz:Factory", "module 'no_such_module_xyz' failed to import"),
+        ("npu", "error: platform 'npu' is not available: torch_npu is not installed"),
+    ],
+)
+def test_info_with_a_platform_that_cannot_be_selected_prints_the_error_and_every_platform(
+    value: str, fragment: str
+) -> None:
+    out = _hyperrng("info", HYPERRNG_PLATFORM=value)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stdout + out.stderr
+    assert f"HYPERRNG_PLATFORM={value!r}" in out.stdout and "platform: none" in out.stdout
+    assert fragment in out.stdout
+    assert "  cpu      [builtin] available" in out.stdout
+    assert "  npu      [builtin] unavailable - torch_npu is not installed" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
+def test_other_commands_with_a_bad_platform_fail_in_one_line(command: list[str]) -> None:
+    out = _hyperrng(*command, HYPERRNG_PLATFORM="bogus")
+    assert out.returncode == 1
+    assert _one_error_line(out).startswith("hyperrng: error: unknown platform 'bogus'")
+    assert out.stdout == ""
+
+
+def test_a_library_import_still_fails_at_once_on_a_bad_platform() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), platforms.ENV_VAR: "bogus"}
+    out = subprocess.run([sys.executable, "-c", "import hyperrng"], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "UnknownPlatformError: unknown platform 'bogus'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "orig", "expected"),
+    [
+        (["-m", "info"], ["python", "-m", "hyperrng", "info"], True),
+        (["-m", "info"], ["python", "-u", "-mhyperrng", "info"], True),
+        (["-m"], ["python", "-m", "other_tool"], False),
+        (["/venv/bin/hyperrng", "info"], ["python", "/venv/bin/hyperrng", "info"], True),
+        (["train.py"], ["python", "train.py"], False),
+        (["-c"], ["python", "-c", "import hyperrng"], False),
+    ],
+)
+def test_only_the_hyperrng_command_defers_a_platform_error(
+    argv: list[str], orig: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig)
+    assert hyperrng._started_as_command() is expected
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--seed", "-1"], "--seed: seed must be in [0, 2**64 - 1], got -1"),
+        (["--seed", str(2**64)], "got 18446744073709551616"),
+        (["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+        (["--world-size", "3"], "a world size of 3 cannot be arranged as dp x tp with tp=2"),
+        (["--world-size", "1000"], "the demo starts at most 64"),
+        (["--tp", "0"], "--tp must be a positive integer, got 0"),
+        (["--steps", "2", "--save-step", "2"], "--save-step must lie in [1, --steps - 1]"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_every_demo_flag_is_checked_before_a_process_starts(args: list[str], fragment: str) -> None:
+    out = _hyperrng("demo", *args)
+    assert out.returncode == 2
+    assert fragment in _one_error_line(out)
+    assert out.stdout == ""
+
+
+def test_a_missing_command_is_one_line() -> None:
+    out = _hyperrng()
+    assert out.returncode == 2
+    assert "the following arguments are required: command" in _one_error_line(out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_demo_accepts_the_largest_seed_the_library_accepts() -> None:
+    out = _hyperrng("demo", "--seed", str(2**64 - 1), "--world-size", "2", "--steps", "2", "--save-step", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"base seed {2**64 - 1};" in out.stdout and out.stdout.count("[PASS]") == 5
+
+
+# -- info lists every platform that can be named ---------------------------------------------
+
+
+def test_info_lists_registered_and_entry_point_platforms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = "import platforms\nclass Listed(platforms.SimulatedPlatform):\n    name = 'listed'\n"
+    (tmp_path / "plug_listed.py").write_text(source + "    def probe(self):\n        return 'no board'\n")
+    info = tmp_path / "plug_listed-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plug_listed\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nlisted = plug_listed:Listed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("mysim", platforms.SimulatedPlatform)
+    lines = cli.info_lines()
+    assert "  mysim    [registered] available" in lines
+    assert "  listed   [plugin plug_listed:Listed] unavailable - no board" in lines
+
+
+def test_info_reports_an_entry_point_that_fails_to_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = tmp_path / "plug_broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plug_broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nbroken = no_such_module_abc:Make\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = next(line for line in cli.info_lines() if line.startswith("  broken"))
+    assert "unavailable - failed to load: ModuleNotFoundError" in line
+
+
+# -- the launcher's failures -------------------------------------------------------------------
+
+
+def _exit_on_rank_one(rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()  # blocks on the dead peer until the launcher stops this rank
+    return rank
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("bad shard on purpose")
+    return rank
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_exit_on_rank_one, 2)
+    assert info.value.summary == "rank 1 died with exit code 7 without answering"
+    assert isinstance(info.value, HyperRNGError) and isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_raises_is_named_with_its_exception_and_its_traceback_kept() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_one, 2)
+    assert info.value.summary == "rank 1 failed: ValueError: bad shard on purpose"
+    assert "Traceback" in info.value.details and "_raise_on_rank_one" in info.value.details
+
+
+def test_a_programmatic_platform_that_cannot_be_rebuilt_in_a_rank_is_refused_before_any_start() -> None:
+    class Local(platforms.SimulatedPlatform):  # defined in a function: a child cannot import it
+        name = "local"
+
+    with platforms.use(Local()):
+        with pytest.raises(PlatformError, match="'local' set programmatically cannot be rebuilt in the rank"):
+            run_ranks(_raise_on_rank_one, 2)
