@@ -52,9 +52,9 @@ from torch.utils._pytree import tree_map
 
 from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from platforms.device_module import DeviceModulePlatform
-from platforms.errors import InvalidStateError, PlatformUnavailableError
+from platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
 from platforms.mix import combine64
-from platforms.validate import check_index, check_offset, check_seed, round_up_offset
+from platforms.validate import MAX_OFFSET, check_index, check_offset, check_seed, round_up_offset
 
 __all__ = [
     "SIM_DEVICE_TYPE",
@@ -70,6 +70,7 @@ SIM_DEVICE_TYPE = "sim"
 _DRAW_DOMAIN = 0x53494D30  # "SIM0": separates draw seeds from other uses of the mixer
 _DEFAULT_SEED = 67280421310721  # torch's default CUDA seed, so a fresh device looks familiar
 _DEFAULT_DEVICE_COUNT = 2
+_MAX_DRAW_ADVANCE = 2**40  # more elements than one op on a simulated device can produce in memory
 _BUILTIN_DEVICE_TYPES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla", "lazy"})
 
 
@@ -384,6 +385,24 @@ _COPY_OPS = frozenset(
 )
 
 
+_CROSS_DEVICE_COPIES = frozenset(
+    {
+        torch.ops.aten.copy_.default,
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten._copy_from.default,
+        torch.ops.aten._copy_from_and_resize.default,
+    }
+)
+
+
+def _copy_target(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.device:
+    """The device a copy writes to: ``_to_copy``'s ``device=``, ``copy_``'s self, ``_copy_from``'s dst."""
+    if func is torch.ops.aten._to_copy.default:
+        return torch.device(kwargs["device"])
+    dst = args[0] if func is torch.ops.aten.copy_.default else args[1]
+    return dst.device  # type: ignore[no-any-return]
+
+
 def _factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _run(op, args, kwargs)
 
@@ -408,6 +427,8 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         return x
 
     raw_args, raw_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+    if func in _CROSS_DEVICE_COPIES and len(devices) > 1:  # a copy between devices, as CUDA allows
+        devices = {_copy_target(func, args, kwargs)}
     if len(devices) > 1 or (host_arrays and devices and func not in _COPY_OPS):
         found = sorted(str(d) for d in devices) + (["cpu"] if host_arrays else [])
         raise RuntimeError(
@@ -442,6 +463,12 @@ def _draw(func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) ->
     module = _Backend.module
     assert module is not None and _Backend.scratch is not None
     counter = module._gen(device.index)._counter
+    if counter.offset > MAX_OFFSET - _MAX_DRAW_ADVANCE:
+        # Refused before drawing, so the generator stays where it was.
+        raise InvalidOffsetError(
+            f"{func}: the generator of {device} is at offset {counter.offset}, too close to 2**63 - 1 for a "
+            f"draw to advance it; reseed it (torch.manual_seed, or a tracker stream) first."
+        )
     draw_seed = combine64(_DRAW_DOMAIN, counter.seed, counter.offset)
     if any(a.name == "generator" for a in func._schema.arguments):
         out = func(*args, **{**kwargs, "generator": _Backend.scratch.manual_seed(draw_seed)})

@@ -115,6 +115,26 @@ def test_mixing_devices_fails_as_it_does_on_a_gpu(sim: platforms.Platform) -> No
         on_device.numpy()
 
 
+def test_copies_move_tensors_between_devices_as_on_a_gpu(sim: platforms.Platform) -> None:
+    source = torch.arange(6.0, device="sim:0")
+    moved = source.to("sim:1")
+    assert moved.device == torch.device("sim:1") and moved.cpu().tolist() == list(range(6))
+    target = torch.zeros(6, device="sim:1")
+    target.copy_(source)
+    assert target.device == torch.device("sim:1") and target.cpu().tolist() == list(range(6))
+    back = target.to("sim:0")
+    assert back.device == torch.device("sim:0") and torch.equal(back.cpu(), source.cpu())
+
+
+def test_a_draw_that_would_pass_the_last_offset_is_refused_and_changes_nothing(sim: platforms.Platform) -> None:
+    from platforms.errors import InvalidOffsetError
+
+    sim.set_seed_offset(1, 2**63 - 4, index=0)
+    with pytest.raises(InvalidOffsetError, match="too close to 2\\*\\*63 - 1"):
+        torch.rand(8, device="sim:0")
+    assert sim.get_seed_offset(0) == (1, 2**63 - 4)
+
+
 def test_an_explicit_generator_is_refused_and_changes_nothing(sim: platforms.Platform) -> None:
     before = sim.get_rng_state(0)
     with pytest.raises(RuntimeError, match="generator= is not supported"):
