@@ -325,7 +325,7 @@ def test_seeds_below_2_to_the_32_reach_numpy_unchanged() -> None:
         ({"pp": True}, "bool", ArgumentTypeError),
         (FakeDeviceMesh(("pp",), None), "not part of the mesh", LayoutError),
         (FakeDeviceMesh(None, [0]), "no mesh_dim_names", LayoutError),
-        (object(), "DeviceMesh", LayoutError),
+        (object(), "DeviceMesh", ArgumentTypeError),
     ],
 )
 def test_d9d_refuses_a_bad_mesh_and_seeds_nothing(
