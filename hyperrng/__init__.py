@@ -29,6 +29,7 @@ from hyperrng.errors import (
     StreamError,
     UnknownPlatformError,
     UnknownStreamError,
+    UnsupportedPortableOpError,
     UsageError,
 )
 from platforms import Platform
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 _platforms.select()
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
+from hyperrng.portable_mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
 from hyperrng.random import fork_rng  # noqa: E402
 from hyperrng.recompute import checkpoint  # noqa: E402
 from hyperrng.seeding import (  # noqa: E402
@@ -127,6 +129,10 @@ __all__ = [
     "RNGStateful",
     "RNGResumeWarning",
     "checkpoint",
+    # portable mode
+    "portable_random",
+    "set_portable_random",
+    "is_portable_random_enabled",
     # errors
     "HyperRNGError",
     "PlatformError",
@@ -151,4 +157,5 @@ __all__ = [
     "ArgumentTypeError",
     "StreamNameError",
     "TrackerStateError",
+    "UnsupportedPortableOpError",
 ]

@@ -430,13 +430,15 @@ class Kernel:
         self.compiled = compiled
         self.value_dtype = value_dtype
         self.scalars = tuple(params)
-        self.params = tuple(torch.tensor(v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
+        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
+        # backend when called from inside one of its kernels (a torch.library override).
+        self.params = tuple(torch.full((), v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
         self.k0, self.k1 = key & _MASK32, key >> _HALF_SHIFT
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
             self._fn = _compiled(transform.blockwise, device.type)
-            self._keys = (torch.tensor(self.k0, device=device), torch.tensor(self.k1, device=device))
+            self._keys = tuple(torch.full((), k, dtype=torch.int64, device=device) for k in (self.k0, self.k1))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
         """Values of the blocks ``blocks`` (1-D ``int64``), shape ``(m, 4)``, in ``value_dtype``."""
@@ -456,7 +458,7 @@ class Kernel:
     def run(self, first: int, m: int) -> torch.Tensor:
         """Values of blocks ``first, ..., first + m - 1`` as a new ``(m, 4)`` tensor of ``value_dtype``."""
         if self.compiled:
-            start = torch.tensor(first, dtype=torch.int64, device=self.device)
+            start = torch.full((), first, dtype=torch.int64, device=self.device)
             return self._fn(start, max(m, _MIN_COMPILED_BLOCKS), None, *self._keys, *self.params)[:m]
         out = torch.empty((m, WORDS_PER_BLOCK), dtype=self.value_dtype, device=self.device)
         self.fill(out, first)
@@ -574,7 +576,7 @@ def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
         kernel.fill(out[head : head + whole * WORDS_PER_BLOCK].view(whole, WORDS_PER_BLOCK), first)
     ends = ([start // WORDS_PER_BLOCK] if head else []) + ([first + whole] if tail else [])
     if ends:
-        values = kernel.values(torch.tensor(ends, dtype=torch.int64, device=out.device))
+        values = kernel.values(torch.tensor(ends, dtype=torch.int64).to(out.device))
         if head:
             lane = start % WORDS_PER_BLOCK
             out[:head].copy_(values[0, lane : lane + head])

@@ -49,6 +49,7 @@ __all__ = [
     "InvalidParameterError",
     "InvalidShapeError",
     "UnsupportedDTypeError",
+    "UnsupportedPortableOpError",
 ]
 
 
@@ -115,3 +116,12 @@ class DistributedNotInitializedError(HyperRNGError, RuntimeError):
 
 class UsageError(HyperRNGError, ValueError):
     """A request that cannot be carried out as given (an unknown benchmark, a bad CLI option)."""
+
+
+class UnsupportedPortableOpError(HyperRNGError, NotImplementedError):
+    """A random op called in portable mode that has no portable implementation.
+
+    Portable mode never lets such an op draw from a device's own generator (its numbers
+    would depend on the device and the sharding); run it outside the mode. A
+    ``NotImplementedError``, hence a ``RuntimeError``.
+    """
