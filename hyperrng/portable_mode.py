@@ -51,6 +51,7 @@ word each, ``low + word % range``), positions within the generator's offset rang
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -78,9 +79,13 @@ from platforms.validate import MAX_OFFSET, check_seed, round_up_offset
 
 __all__ = [
     "PORTABLE_OPS",
+    "PORTABLE_STATE_FORMAT",
     "is_portable_random_enabled",
+    "load_portable_state_dict",
     "portable_random",
+    "portable_state_dict",
     "set_portable_random",
+    "tp_invariance_report",
     "unsupported_ops",
 ]
 
@@ -271,8 +276,11 @@ _DROPOUT_ARGS = ("dropout_p", "dropout")
 _TRAINING_ARGS = ("train", "training")
 
 
-def _random_aten_ops() -> list[Any]:
-    """Every aten op that draws random numbers in a kernel of its own (no composite decomposition)."""
+@functools.cache
+def _random_aten_ops() -> tuple[Any, ...]:
+    """Every aten op that draws random numbers in a kernel of its own (no composite decomposition).
+
+    Found once per process (walking aten's ops takes ~20 ms; entering the mode must not)."""
     found = []
     for name in dir(torch.ops.aten):
         packet = getattr(torch.ops.aten, name, None)
@@ -286,7 +294,7 @@ def _random_aten_ops() -> list[Any]:
                 torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in _COMPOSITE_KEYS
             ):
                 found.append(op)
-    return found
+    return tuple(found)
 
 
 def _op_label(op: Any) -> str:
@@ -320,6 +328,7 @@ def _argument_reader(op: Any, names: Sequence[str]) -> _ArgumentReader | None:
     return None
 
 
+@functools.cache
 def _refusal(op: Any, key: str) -> Callable[..., Any]:
     """A kernel for ``op`` that raises, or runs torch's kernel when the arguments make the op deterministic."""
     label = _op_label(op)
@@ -510,3 +519,146 @@ def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: boo
 def is_portable_random_enabled() -> bool:
     """Whether torch's random ops draw portable numbers now (a context is entered or the switch is on)."""
     return _STATE.library is not None
+
+
+# -- elastic resume ----------------------------------------------------------------------------
+PORTABLE_STATE_FORMAT = "hyperrng.portable/1"
+"""The ``format`` entry of :func:`portable_state_dict`'s result."""
+
+
+def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dict[str, Any]:
+    """The positions portable draws continue from: the device generator's and every tracker stream's.
+
+    In portable mode every rank holds the same positions (each op moves every rank by
+    its global count), so this dict does not depend on the rank or the world size: save
+    it from any rank and give it to :func:`load_portable_state_dict` on every rank of a
+    run with another world size, and the next portable draws are the global tensors the
+    uninterrupted run would have drawn.
+
+    Args:
+        tracker: the :class:`~hyperrng.RNGStatesTracker` whose streams to include
+            (default: the global one).
+        check_ranks: when ``torch.distributed`` is initialised, gather every rank's
+            positions (a collective: call it on every rank) and refuse if they differ.
+
+    Returns:
+        ``{"format": PORTABLE_STATE_FORMAT, "position": [seed, offset],
+        "streams": {name: [seed, offset]}}``, plain ints (JSON- and torch.save-safe).
+
+    Raises:
+        ArgumentTypeError: ``check_ranks`` is not a bool, ``tracker`` not a tracker.
+        TrackerStateError: a fork is active (a stream's position is in the generator).
+        RNGDesyncError: ``check_ranks`` and the ranks hold different positions.
+    """
+    from hyperrng.errors import RNGDesyncError
+    from hyperrng.tracker import resolve_tracker
+
+    check = _check_bool(check_ranks, "check_ranks")
+    t = resolve_tracker(tracker)
+    t._idle("portable_state_dict")
+    p = platforms.current()
+    streams = {}
+    for name in sorted(t.get_states()):
+        with t.fork(name):
+            streams[name] = list(p.get_seed_offset())
+    state = {"format": PORTABLE_STATE_FORMAT, "position": list(p.get_seed_offset()), "streams": streams}
+    dist = torch.distributed
+    if check and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, state)
+        differ = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
+        if differ:
+            raise RNGDesyncError(
+                f"ranks {differ} hold other portable positions than rank 0 ({gathered[differ[0]]} vs {gathered[0]}); "
+                f"draw only portable ops on every rank alike, or seed every rank with portable_random(seed)."
+            )
+    return state
+
+
+def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
+    """Put the device generator and the tracker's streams at the positions of :func:`portable_state_dict`.
+
+    Works at any world size (see :func:`portable_state_dict`). Everything is checked
+    before anything is set.
+
+    Raises:
+        ArgumentTypeError: ``state`` is not a dict of the documented shape, or a value not an int.
+        CheckpointError: an unknown ``format``, or a stream of the state that the tracker lacks
+            (add the streams, with any seed, before loading).
+        InvalidSeedError / InvalidOffsetError: a seed or offset out of range or misaligned.
+        TrackerStateError: a fork is active.
+    """
+    from hyperrng.errors import CheckpointError
+    from hyperrng.tracker import resolve_tracker
+    from platforms.validate import check_offset
+
+    if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
+        raise ArgumentTypeError(
+            f"state must be the dict portable_state_dict() returns, got {type(state).__name__}; load it unchanged."
+        )
+    if state.get("format") != PORTABLE_STATE_FORMAT:
+        raise CheckpointError(f"state has format {state.get('format')!r}, not {PORTABLE_STATE_FORMAT!r}.")
+    t = resolve_tracker(tracker)
+
+    def position(value: object, what: str) -> tuple[int, int]:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ArgumentTypeError(f"{what} must be a [seed, offset] pair, got {value!r}.")
+        return check_seed(value[0]), check_offset(value[1])
+
+    main = position(state.get("position"), "state['position']")
+    streams = {name: position(value, f"stream {name!r}") for name, value in state["streams"].items()}
+    missing = sorted(set(streams) - set(t.get_states()))
+    if missing:
+        raise CheckpointError(
+            f"the state has streams {missing} that the tracker lacks; add them (tracker.add(name, seed)) first."
+        )
+    t._idle("load_portable_state_dict")
+    p = platforms.current()
+    for name, (seed, offset) in streams.items():
+        with t.fork(name):
+            p.set_seed_offset(seed, offset)
+    p.set_seed_offset(*main)
+
+
+def tp_invariance_report(
+    tp_sizes: Sequence[int] = (1, 2, 4), world_size: int = 4, steps: int = 2, seed: int = 1234
+) -> dict[str, Any]:
+    """Train a tiny tensor-parallel MLP with dropout under portable mode at each TP size, on real ranks.
+
+    Spawns ``world_size`` gloo processes on the CPU; for each TP size the ranks form a
+    ``(world_size // tp, tp)`` mesh, parallelise the model over its ``tp`` dimension
+    (``torch.distributed.tensor.parallel``), initialise it inside ``portable_random(seed)``
+    and train ``steps`` SGD steps with dropout.
+
+    Returns:
+        ``{"tp_sizes", "params_identical", "masks_identical", "max_loss_difference",
+        "losses": {tp: [...]}}``: whether every TP size gave bit-identical initial
+        parameters and dropout masks (on every rank), and how far the losses drift
+        (float reductions differ with the sharding).
+
+    Raises:
+        ArgumentTypeError / InvalidParameterError: a size that is not a positive int dividing ``world_size``.
+    """
+    from hyperrng._launch import run_ranks
+    from hyperrng._portable_tp import tp_rank
+    from platforms.validate import check_int
+
+    world = check_int(world_size, "world_size")
+    sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)
+    check_int(steps, "steps")
+    check_seed(seed)
+    if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
+        raise InvalidParameterError(f"every TP size must divide world_size={world}; got {sizes}.")
+    per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
+    reference = per_rank[0][sizes[0]]
+    params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality
+    masks = all(r[tp]["masks"] == reference["masks"] for r in per_rank for tp in sizes)
+    losses = {tp: per_rank[0][tp]["losses"] for tp in sizes}
+    drift = max(abs(a - b) for tp in sizes for a, b in zip(losses[tp], losses[sizes[0]]))
+    return {
+        "tp_sizes": sizes,
+        "params_identical": params,
+        "masks_identical": masks,
+        "max_loss_difference": drift,
+        "losses": losses,
+    }
