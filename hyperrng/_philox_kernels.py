@@ -397,6 +397,28 @@ def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
+def _write_into_template(
+    dst: torch.Tensor, first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor
+) -> None:
+    dst.copy_(_TARGET(first, m, blocks, *args))  # type: ignore[name-defined]  # noqa: F821 - bound per distribution
+
+
+@functools.cache
+def _compiled_into(blockwise: Blockwise, device_type: str = "cpu") -> Callable[..., None]:
+    """``blockwise`` compiled to write its values into a given ``(m, 4)`` tensor, in the same loop.
+
+    The result tensor of a random op exists already (torch allocated it): writing into it
+    saves allocating a second one and copying, which costs as much as the Philox rounds.
+    Its own code object per distribution and device type, as :func:`_compiled`.
+    """
+    name = f"{blockwise.__name__}_into_{device_type}"
+    code = _write_into_template.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):
+        code = code.replace(co_qualname=name)
+    fn = types.FunctionType(code, {**_write_into_template.__globals__, "_TARGET": blockwise}, name)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+
+
 @functools.lru_cache(maxsize=16)
 def _block_offsets(device: torch.device, count: int) -> torch.Tensor:
     """``arange(count)`` on ``device``, shared by every eager chunk: blocks are ``offsets + first``."""
@@ -467,12 +489,26 @@ class Kernel:
     def fill(self, dst: torch.Tensor, first: int) -> None:
         """Write the values of blocks ``first, first + 1, ...`` into the rows of ``dst`` ``(m, 4)``."""
         if self.compiled:
-            dst.copy_(self.run(first, dst.shape[0]))
+            m = dst.shape[0]
+            # Into the result where it is the whole of an aligned tensor in the compute dtype (what
+            # a random op's own result is); other destinations would each compile a variant.
+            if (
+                m >= _MIN_COMPILED_BLOCKS
+                and dst.is_contiguous()
+                and dst.storage_offset() == 0
+                and dst.dtype == self.value_dtype
+            ):
+                start = torch.full((), first, dtype=torch.int64, device=self.device)
+                _compiled_into(self.transform.blockwise, self.device.type)(
+                    dst, start, m, None, *self._keys, *self.params
+                )
+            else:
+                dst.copy_(self.run(first, m))
             return
         chunk = chunk_blocks()
         offsets = _block_offsets(self.device, chunk)
-        for start in range(0, dst.shape[0], chunk):
-            self._fill_chunk(dst[start : start + chunk], first + start, offsets)
+        for step in range(0, dst.shape[0], chunk):
+            self._fill_chunk(dst[step : step + chunk], first + step, offsets)
 
     def _fill_chunk(self, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
         m = dst.shape[0]

@@ -52,6 +52,8 @@ word each, ``low + word % range``), positions within the generator's offset rang
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 import threading
 import warnings
@@ -176,18 +178,27 @@ def _check_floating(target: torch.Tensor, what: str) -> None:
         raise UnsupportedDTypeError(f"portable {what} fills {names} tensors; got a {target.dtype} tensor.")
 
 
+def _fill(what: str, fn: Callable[..., torch.Tensor], self: torch.Tensor, generator: Any, **kw: Any) -> torch.Tensor:
+    """Draw ``fn``'s values into ``self``: in place where it is one contiguous block of the draw,
+    which saves a second tensor and a copy (as much work as the rounds), else through a copy."""
+    if self.is_contiguous() and active_region() is None:
+        _draw(what, fn, self, generator, out=self, **kw)
+        return self
+    return self.copy_(_draw(what, fn, self, generator, **kw))
+
+
 def _uniform_(
     self: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     _check_floating(self, "uniform_")
-    return self.copy_(_draw("uniform_", philox.uniform, self, generator, dtype=self.dtype, low=low, high=high))
+    return _fill("uniform_", philox.uniform, self, generator, dtype=self.dtype, low=low, high=high)
 
 
 def _normal_(
     self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     _check_floating(self, "normal_")
-    return self.copy_(_draw("normal_", philox.normal, self, generator, dtype=self.dtype, mean=mean, std=std))
+    return _fill("normal_", philox.normal, self, generator, dtype=self.dtype, mean=mean, std=std)
 
 
 def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -563,14 +574,15 @@ def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dic
             streams[name] = list(p.get_seed_offset())
     state = {"format": PORTABLE_STATE_FORMAT, "position": list(p.get_seed_offset()), "streams": streams}
     dist = torch.distributed
-    if check and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, state)
-        differ = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
-        if differ:
+    if check and dist.is_available() and dist.is_initialized() and p.world_size() > 1:
+        text = json.dumps(state, sort_keys=True).encode()
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+        digests = [int(t) for t in p.all_gather(torch.tensor([digest], dtype=torch.int64))]
+        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        if differ:  # every rank sees the same digests, so every rank raises alike
             raise RNGDesyncError(
-                f"ranks {differ} hold other portable positions than rank 0 ({gathered[differ[0]]} vs {gathered[0]}); "
-                f"draw only portable ops on every rank alike, or seed every rank with portable_random(seed)."
+                f"ranks {differ} hold other portable positions than rank 0 (this rank: {state}); draw only "
+                f"portable ops on every rank alike, or seed every rank with portable_random(seed)."
             )
     return state
 

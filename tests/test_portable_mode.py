@@ -429,3 +429,32 @@ def test_the_refused_ops_are_listed_and_the_portable_ones_are_not() -> None:
     refused = unsupported_ops()
     assert {"randperm.generator_out", "multinomial", "exponential_", "poisson"} <= set(refused)
     assert not set(refused) & set(PORTABLE_OPS)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_philox_writes_into_a_given_tensor_the_values_it_would_return(compiled: bool) -> None:
+    for dtype in (torch.float32, torch.float16):
+        out = torch.empty(3, 50, dtype=dtype)
+        assert philox.uniform((3, 50), SEED, 6, dtype, out=out, compiled=compiled) is out
+        assert torch.equal(out, philox.uniform((3, 50), SEED, 6, dtype))
+    bits = torch.empty(9, dtype=torch.int64)
+    assert torch.equal(philox.random_bits(9, SEED, out=bits, compiled=compiled), philox.random_bits(9, SEED))
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "message"),
+    [
+        ([0.0] * 4, ArgumentTypeError, "out must be a torch.Tensor"),
+        (torch.empty(4, dtype=torch.float64), UnsupportedDTypeError, "out has dtype torch.float64"),
+        (torch.empty(5), InvalidShapeError, "shape"),
+        (torch.empty(8)[::2], InvalidShapeError, "not contiguous"),
+    ],
+)
+def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
+    out: Any, error: type[Exception], message: str
+) -> None:
+    before = out.clone() if isinstance(out, torch.Tensor) else None
+    with pytest.raises(error, match=message):
+        philox.uniform(4, SEED, out=out)
+    if before is not None:
+        assert torch.equal(out, before) or torch.isnan(before).any()

@@ -221,3 +221,20 @@ def test_a_bad_portable_state_is_refused_before_anything_is_set(
         load_portable_state_dict(change(good), tracker)
     assert cpu.get_seed_offset() == before
     assert all(torch.equal(streams[k], v) for k, v in tracker.get_states().items())
+
+
+def _desync_rank(rank: int, world_size: int) -> str:
+    from hyperrng.errors import RNGDesyncError
+
+    platforms.current().set_seed_offset(SEED, 4 * rank)  # rank 1 drew something rank 0 did not
+    try:
+        portable_state_dict(RNGStatesTracker())
+    except RNGDesyncError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_saving_positions_that_differ_between_ranks_raises_on_every_rank() -> None:
+    messages = run_ranks(_desync_rank, 2)
+    assert all("ranks [1] hold other portable positions than rank 0" in m for m in messages), messages
