@@ -37,6 +37,7 @@ from hyperrng.errors import (
     UnknownPlatformError,
     UnknownStreamError,
     UnsupportedDTypeError,
+    UnsupportedPortableOpError,
     UsageError,
 )
 from platforms import Platform
@@ -70,6 +71,7 @@ except PlatformError:
         raise
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
+from hyperrng.portable_mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
 from hyperrng.random import fork_rng  # noqa: E402
 from hyperrng.recompute import checkpoint  # noqa: E402
 from hyperrng.seeding import (  # noqa: E402
@@ -158,6 +160,10 @@ __all__ = [
     "RNGStateful",
     "RNGResumeWarning",
     "checkpoint",
+    # portable mode
+    "portable_random",
+    "set_portable_random",
+    "is_portable_random_enabled",
     # errors
     "HyperRNGError",
     "PlatformError",
@@ -187,4 +193,5 @@ __all__ = [
     "InvalidShapeError",
     "UnsupportedDTypeError",
     "RankFailure",
+    "UnsupportedPortableOpError",
 ]

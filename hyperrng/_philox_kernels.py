@@ -397,6 +397,28 @@ def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
+def _write_into_template(
+    dst: torch.Tensor, first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor
+) -> None:
+    dst.copy_(_TARGET(first, m, blocks, *args))  # type: ignore[name-defined]  # noqa: F821 - bound per distribution
+
+
+@functools.cache
+def _compiled_into(blockwise: Blockwise, device_type: str = "cpu") -> Callable[..., None]:
+    """``blockwise`` compiled to write its values into a given ``(m, 4)`` tensor, in the same loop.
+
+    The result tensor of a random op exists already (torch allocated it): writing into it
+    saves allocating a second one and copying, which costs as much as the Philox rounds.
+    Its own code object per distribution and device type, as :func:`_compiled`.
+    """
+    name = f"{blockwise.__name__}_into_{device_type}"
+    code = _write_into_template.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):
+        code = code.replace(co_qualname=name)
+    fn = types.FunctionType(code, {**_write_into_template.__globals__, "_TARGET": blockwise}, name)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+
+
 @functools.lru_cache(maxsize=16)
 def _block_offsets(device: torch.device, count: int) -> torch.Tensor:
     """``arange(count)`` on ``device``, shared by every eager chunk: blocks are ``offsets + first``."""
@@ -430,13 +452,15 @@ class Kernel:
         self.compiled = compiled
         self.value_dtype = value_dtype
         self.scalars = tuple(params)
-        self.params = tuple(torch.tensor(v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
+        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
+        # backend when called from inside one of its kernels (a torch.library override).
+        self.params = tuple(torch.full((), v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
         self.k0, self.k1 = key & _MASK32, key >> _HALF_SHIFT
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
             self._fn = _compiled(transform.blockwise, device.type)
-            self._keys = (torch.tensor(self.k0, device=device), torch.tensor(self.k1, device=device))
+            self._keys = tuple(torch.full((), k, dtype=torch.int64, device=device) for k in (self.k0, self.k1))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
         """Values of the blocks ``blocks`` (1-D ``int64``), shape ``(m, 4)``, in ``value_dtype``."""
@@ -456,7 +480,7 @@ class Kernel:
     def run(self, first: int, m: int) -> torch.Tensor:
         """Values of blocks ``first, ..., first + m - 1`` as a new ``(m, 4)`` tensor of ``value_dtype``."""
         if self.compiled:
-            start = torch.tensor(first, dtype=torch.int64, device=self.device)
+            start = torch.full((), first, dtype=torch.int64, device=self.device)
             return self._fn(start, max(m, _MIN_COMPILED_BLOCKS), None, *self._keys, *self.params)[:m]
         out = torch.empty((m, WORDS_PER_BLOCK), dtype=self.value_dtype, device=self.device)
         self.fill(out, first)
@@ -465,12 +489,26 @@ class Kernel:
     def fill(self, dst: torch.Tensor, first: int) -> None:
         """Write the values of blocks ``first, first + 1, ...`` into the rows of ``dst`` ``(m, 4)``."""
         if self.compiled:
-            dst.copy_(self.run(first, dst.shape[0]))
+            m = dst.shape[0]
+            # Into the result where it is the whole of an aligned tensor in the compute dtype (what
+            # a random op's own result is); other destinations would each compile a variant.
+            if (
+                m >= _MIN_COMPILED_BLOCKS
+                and dst.is_contiguous()
+                and dst.storage_offset() == 0
+                and dst.dtype == self.value_dtype
+            ):
+                start = torch.full((), first, dtype=torch.int64, device=self.device)
+                _compiled_into(self.transform.blockwise, self.device.type)(
+                    dst, start, m, None, *self._keys, *self.params
+                )
+            else:
+                dst.copy_(self.run(first, m))
             return
         chunk = chunk_blocks()
         offsets = _block_offsets(self.device, chunk)
-        for start in range(0, dst.shape[0], chunk):
-            self._fill_chunk(dst[start : start + chunk], first + start, offsets)
+        for step in range(0, dst.shape[0], chunk):
+            self._fill_chunk(dst[step : step + chunk], first + step, offsets)
 
     def _fill_chunk(self, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
         m = dst.shape[0]
@@ -574,7 +612,7 @@ def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
         kernel.fill(out[head : head + whole * WORDS_PER_BLOCK].view(whole, WORDS_PER_BLOCK), first)
     ends = ([start // WORDS_PER_BLOCK] if head else []) + ([first + whole] if tail else [])
     if ends:
-        values = kernel.values(torch.tensor(ends, dtype=torch.int64, device=out.device))
+        values = kernel.values(torch.tensor(ends, dtype=torch.int64).to(out.device))
         if head:
             lane = start % WORDS_PER_BLOCK
             out[:head].copy_(values[0, lane : lane + head])

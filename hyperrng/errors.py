@@ -51,6 +51,7 @@ __all__ = [
     "InvalidParameterError",
     "InvalidShapeError",
     "UnsupportedDTypeError",
+    "UnsupportedPortableOpError",
 ]
 
 
@@ -142,3 +143,12 @@ class RankFailure(HyperRNGError, RuntimeError):
         super().__init__(f"{summary}\n{details}" if details else summary)
         self.summary = summary
         self.details = details
+
+
+class UnsupportedPortableOpError(HyperRNGError, NotImplementedError):
+    """A random op called in portable mode that has no portable implementation.
+
+    Portable mode never lets such an op draw from a device's own generator (its numbers
+    would depend on the device and the sharding); run it outside the mode. A
+    ``NotImplementedError``, hence a ``RuntimeError``.
+    """

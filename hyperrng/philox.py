@@ -304,6 +304,7 @@ def _generate(
     params: Sequence[float | int],
     param_dtypes: Sequence[torch.dtype],
     value_dtype: torch.dtype,
+    out: object = None,
 ) -> torch.Tensor:
     global_shape = _check_shape(shape)
     key_value = _check_key(key)
@@ -312,8 +313,25 @@ def _generate(
     _check_draw_size(geometry.local_shape, "the shard" if shard is not None else "shape")
     use_compiled = _check_bool(compiled, "compiled")
     target = _check_device(device)
+    result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
     kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
-    return _k.fill(geometry, offset_value, kernel, dtype)
+    return _k.fill(geometry, offset_value, kernel, dtype, out=result)
+
+
+def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``out`` if it can hold the result as it is: a contiguous tensor of its shape, dtype and device."""
+    if not isinstance(out, torch.Tensor):
+        raise ArgumentTypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}.")
+    if out.dtype != dtype:
+        raise UnsupportedDTypeError(f"out has dtype {out.dtype} but the result is {dtype}.")
+    if tuple(out.shape) != shape or not out.is_contiguous():
+        raise InvalidShapeError(
+            f"out must be a contiguous tensor of the result's shape {shape}, got shape {tuple(out.shape)}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}."
+        )
+    if out.device != device:
+        raise InvalidParameterError(f"out is on {out.device} but the result is drawn on {device}.")
+    return out
 
 
 def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -374,6 +392,7 @@ def random_bits(
     shard: Sequence[slice] | None = None,
     device: DeviceLike = None,
     compiled: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return raw 32-bit Philox words as an int64 tensor of ``shape`` (values in ``[0, 2**32)``).
 
@@ -381,6 +400,8 @@ def random_bits(
     ``(offset + i) // 4`` under ``key``. With ``shard`` (slices of the global ``shape``,
     step 1, trailing dimensions may be omitted) only that block of the global tensor is
     computed: the result equals ``random_bits(shape, key, offset)[shard]`` bit for bit.
+    ``out`` (this and every distribution below) is a contiguous tensor of the result's
+    shape, dtype and device to write the values into and return, instead of a new one.
 
     Raises:
         ArgumentTypeError: an argument of the wrong type: ``key``, ``offset`` or a shape
@@ -394,9 +415,12 @@ def random_bits(
             more, or the result (the shard, with ``shard=``) more than :data:`MAX_NUMEL`.
         ShardingError: ``shard`` has more slices than ``shape`` has dimensions, or a step
             other than 1.
-        InvalidParameterError: ``device`` names no device, or one this process lacks.
+        InvalidParameterError: ``device`` names no device, or one this process lacks, or
+            ``out`` is on another device.
+        UnsupportedDTypeError / InvalidShapeError: ``out`` has another dtype, or another
+            shape or is not contiguous (an ``out`` that is no tensor: ArgumentTypeError).
     """
-    return _generate(shape, key, offset, shard, device, compiled, torch.int64, _k.BITS, (), (), torch.int64)
+    return _generate(shape, key, offset, shard, device, compiled, torch.int64, _k.BITS, (), (), torch.int64, out)
 
 
 def uniform(
@@ -410,6 +434,7 @@ def uniform(
     shard: Sequence[slice] | None = None,
     device: DeviceLike = None,
     compiled: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return uniform floats of ``shape``; element ``i`` depends only on ``(key, offset + i)``.
 
@@ -454,7 +479,7 @@ def uniform(
     keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
     params = (keep, _WORD_UNIT, span, low_value)
     dtypes = (torch.int64, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.UNIFORM, params, dtypes, compute)
+    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.UNIFORM, params, dtypes, compute, out)
 
 
 def bernoulli(
@@ -466,6 +491,7 @@ def bernoulli(
     shard: Sequence[slice] | None = None,
     device: DeviceLike = None,
     compiled: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return a bool tensor of ``shape`` whose elements are True with probability ``p``.
 
@@ -483,7 +509,18 @@ def bernoulli(
     """
     threshold = _threshold(_check_probability(p))
     return _generate(
-        shape, key, offset, shard, device, compiled, torch.bool, _k.BERNOULLI, (threshold,), (torch.int64,), torch.bool
+        shape,
+        key,
+        offset,
+        shard,
+        device,
+        compiled,
+        torch.bool,
+        _k.BERNOULLI,
+        (threshold,),
+        (torch.int64,),
+        torch.bool,
+        out,
     )
 
 
@@ -558,6 +595,7 @@ def normal(
     shard: Sequence[slice] | None = None,
     device: DeviceLike = None,
     compiled: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return normal samples of ``shape``; element ``i`` depends only on ``(key, offset + i)``.
 
@@ -598,4 +636,4 @@ def normal(
     compute = _compute_dtype(dtype)
     params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
     dtypes = (torch.int64, compute, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.NORMAL, params, dtypes, compute)
+    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.NORMAL, params, dtypes, compute, out)

@@ -36,6 +36,7 @@ shard's window, exactly as the ranks of a real job would be (see :mod:`hyperrng.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ from hyperrng.sharding import rng_offsets
 from platforms import Platform
 from platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
 
-__all__ = ["MeshInfo", "ShardedRNGTracker", "as_mesh_info"]
+__all__ = ["MeshInfo", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
 
@@ -122,18 +123,84 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
     raise ShardingError(f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}.")
 
 
+class _ActiveRegions(threading.local):
+    """The regions this thread is inside, innermost last (portable mode reads the innermost)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Region] = []
+
+
+_ACTIVE = _ActiveRegions()
+
+
 class _Region:
-    """The context manager of one distribute_region call (a class: cheaper than @contextmanager)."""
+    """The context manager of one distribute_region call (a class: cheaper than @contextmanager).
 
-    __slots__ = ("_platform", "_generator", "_start", "_end", "_seed", "_base")
+    While entered it is :func:`active_region`: the mesh, placements and global shape of the
+    op, and the (seed, base) position the op starts from before this rank's shift.
+    """
 
-    def __init__(self, platform: Platform, generator: torch.Generator | None, start: int, end: int) -> None:
+    __slots__ = (
+        "_platform",
+        "_generator",
+        "_start",
+        "_end",
+        "_seed",
+        "_base",
+        "_consumed",
+        "_cancelled",
+        "mesh",
+        "placements",
+        "global_shape",
+    )
+
+    def __init__(
+        self,
+        platform: Platform,
+        generator: torch.Generator | None,
+        start: int,
+        end: int,
+        mesh: Any = None,
+        placements: Sequence[Any] = (),
+        global_shape: Sequence[int] = (),
+    ) -> None:
         self._platform = platform
         self._generator = generator
         self._start = start
         self._end = end
         self._seed = 0
         self._base = 0
+        self._consumed = 0
+        self._cancelled = False
+        self.mesh = mesh
+        self.placements = placements
+        self.global_shape = global_shape
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """The (seed, offset) where the next draw of the global tensor starts, the same on every rank:
+        the generator's position on entry, moved past what :meth:`consume` recorded."""
+        return self._seed, self._base + self._consumed
+
+    def consume(self, count: int) -> None:
+        """Record that every rank drew ``count`` counters (a multiple of 4) of the global tensor at
+        :attr:`position`: the next draw starts after them, and on exit every rank moves to the
+        entry position plus all that was consumed instead of the shard layout's end.
+
+        Raises:
+            InvalidOffsetError: the position would pass 2**63 - 1 (nothing recorded).
+        """
+        if self._base + self._consumed + count > MAX_OFFSET:
+            raise InvalidOffsetError(
+                f"drawing {count} counters at offset {self._base + self._consumed} would pass 2**63 - 1; "
+                "reseed the generator."
+            )
+        self._consumed += count
+
+    def cancel(self) -> None:
+        """Record that an op refused to draw: on exit every rank moves only past what :meth:`consume`
+        recorded (back to the entry position if nothing), not to the shard layout's end."""
+        self._cancelled = True
 
     def __enter__(self) -> None:
         p, gen = self._platform, self._generator
@@ -144,9 +211,20 @@ class _Region:
             )
         self._seed, self._base = seed, base
         p.set_seed_offset(seed, base + self._start, None, gen)
+        _ACTIVE.stack.append(self)
 
     def __exit__(self, *exc: object) -> None:
-        self._platform.set_seed_offset(self._seed, self._base + self._end, None, self._generator)
+        stack = _ACTIVE.stack
+        if stack and stack[-1] is self:
+            stack.pop()
+        end = self._consumed if self._consumed or self._cancelled else self._end
+        self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
+
+
+def active_region() -> _Region | None:
+    """The innermost sharded region (``distribute_region``, or a DTensor random op) this thread is in, if any."""
+    stack = _ACTIVE.stack
+    return stack[-1] if stack else None
 
 
 class _LocalRegion:
@@ -358,7 +436,7 @@ class ShardedRNGTracker:
             return self._local_region(mode, mesh, placements, global_shape, None)  # type: ignore[return-value]
         start, end = self._offsets_of(mesh, placements, global_shape)
         # A foreign generator is refused by the first read in __enter__, before any write.
-        return _Region(self._platform or platforms.current(), generator, start, end)
+        return _Region(self._platform or platforms.current(), generator, start, end, mesh, placements, global_shape)
 
     # -- DTensor interop ----------------------------------------------------------------------
     def install_dtensor(self) -> Any:

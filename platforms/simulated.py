@@ -13,6 +13,9 @@ and ``"sim:1"`` then behave like tensors of an accelerator:
   rounded up to a multiple of 4, as CUDA's and Ascend's Philox generators do: positioning
   a generator at a pair reproduces exactly what was drawn there, whatever ran before.
   ``torch.manual_seed`` seeds it too, ``torch.random.fork_rng(device_type="sim")`` forks it.
+  As on a compiled backend, a kernel registered for the device's key (``PrivateUse1``)
+  with ``torch.library`` replaces the backend's own for that op, and a random op with a
+  composite kernel in torch runs it (``rand_like`` as ``empty_like`` then ``uniform_``).
 * **Everything else a small model needs works**: creation, ``.to("sim")``/``.cpu()``,
   elementwise ops, matmul, reductions, views, in-place ops and autograd. Each op runs on
   CPU memory behind the device tensor.
@@ -43,6 +46,7 @@ It is also the worked example of plugging in a device: see the README.
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -403,12 +407,56 @@ def _copy_target(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.device:
     return dst.device  # type: ignore[no-any-return]
 
 
+_UNTAGGED_RANDOM_OPS = frozenset(
+    {torch.ops.aten.random_.default, getattr(torch.ops.aten.random_, "from"), torch.ops.aten.random_.to}
+)
+"""Random ops that torch does not tag ``nondeterministic_seeded`` but that draw all the same."""
+
+_PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+_HAS_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key
+
+
+class _Dispatching(threading.local):
+    """The random ops this thread is running through the dispatch table right now."""
+
+    def __init__(self) -> None:
+        self.ops: set[Any] = set()
+
+
+_DISPATCHING = _Dispatching()
+
+
+def _is_random(func: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags or func in _UNTAGGED_RANDOM_OPS
+
+
+def _table_entry(func: Any) -> bool:
+    """Whether torch's dispatch table has a PrivateUse1 entry for ``func`` besides this backend's fallback:
+    a kernel registered for the key (``torch.library`` overrides included) or torch's composite kernel."""
+    name = func.name()
+    return _HAS_KERNEL(name, "PrivateUse1") or _HAS_KERNEL(name, "CompositeExplicitAutograd")
+
+
 def _factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _run(op, args, kwargs)
 
 
 def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` on the CPU memory behind the device tensors and wrap what it makes."""
+    """Run ``func`` on the CPU memory behind the device tensors and wrap what it makes.
+
+    A random op runs the way a compiled backend would run it: through the kernel that
+    torch's dispatch table holds for the device's key, when it holds one (a kernel
+    registered with ``torch.library`` for ``PrivateUse1``, or torch's composite kernel,
+    which calls simpler ops that come back here), else by drawing from the device
+    generator. A kernel that defers to the backend (calls the kernel that was there
+    before it, i.e. this fallback) gets the device generator's draw.
+    """
+    if _is_random(func) and func not in _DISPATCHING.ops and _table_entry(func):
+        _DISPATCHING.ops.add(func)
+        try:
+            return func.redispatch(_PRIVATEUSE1, *args, **kwargs)
+        finally:
+            _DISPATCHING.ops.discard(func)
     devices: set[torch.device] = set()
     host_arrays = False
     wrappers: dict[int, _DeviceTensor] = {}
@@ -436,7 +484,7 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             f"{found[1]}! (in {func})"
         )
     device = next(iter(devices)) if devices else torch.device(_Backend.module.device_type, 0)  # type: ignore[union-attr]
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    if _is_random(func):
         out = _draw(func, raw_args, raw_kwargs, device)
     else:
         out = func(*raw_args, **raw_kwargs)

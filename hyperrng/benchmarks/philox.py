@@ -9,6 +9,12 @@ Mersenne Twister stream on one thread whatever the setting), then the default th
 count of the process when that is more than one (where the portable ops, which are
 elementwise, also use the other threads).
 
+The ``portable mode`` lines time torch's own ``torch.rand`` and ``F.dropout`` inside
+:class:`~hyperrng.portable_mode.portable_random` (so they include the mode's dispatch
+and position bookkeeping, the copy into torch's result tensor, and entering and leaving
+the mode, which registers and removes its kernels, on every call) against the same calls
+outside it.
+
 Targets (higher is better, portable throughput over native throughput): eager uniform
 0.5, compiled uniform 1.5, eager dropout 0.5. Eager Philox runs about a hundred
 elementwise integer operations per chunk, ten rounds of which the two 64-bit multiplies
@@ -25,6 +31,7 @@ import torch
 
 from hyperrng.benchmarks._timing import BenchResult, interleaved
 from hyperrng.philox import dropout, uniform
+from hyperrng.portable_mode import portable_random
 
 __all__ = ["benchmarks"]
 
@@ -120,4 +127,46 @@ def benchmarks(quick: bool) -> list[BenchResult]:
                     note,
                 ),
             ]
+            results += _mode_lines(n, x, repeat, label, note)
     return results
+
+
+def _in_mode(fn: Callable[[], object], compiled: bool) -> Callable[[], object]:
+    def run() -> object:
+        with portable_random(_KEY, compiled=compiled):
+            return fn()
+
+    return run
+
+
+def _mode_lines(n: int, x: torch.Tensor, repeat: int, label: str, note: str) -> list[BenchResult]:
+    """torch.rand and F.dropout inside portable mode against the same calls outside it."""
+    return [
+        _versus(
+            f"portable mode torch.rand eager, {label}",
+            _in_mode(lambda: torch.rand(n), compiled=False),
+            "torch.rand",
+            lambda: torch.rand(n),
+            repeat,
+            _EAGER_TARGET,
+            note,
+        ),
+        _versus(
+            f"portable mode torch.rand compiled, {label}",
+            _in_mode(lambda: torch.rand(n), compiled=True),
+            "torch.rand",
+            lambda: torch.rand(n),
+            repeat,
+            _COMPILED_TARGET,
+            note,
+        ),
+        _versus(
+            f"portable mode F.dropout eager, {label}",
+            _in_mode(lambda: torch.nn.functional.dropout(x, _DROPOUT_P, training=True), compiled=False),
+            f"F.dropout(p={_DROPOUT_P}, training=True)",
+            lambda: torch.nn.functional.dropout(x, _DROPOUT_P, training=True),
+            repeat,
+            _DROPOUT_TARGET,
+            note,
+        ),
+    ]

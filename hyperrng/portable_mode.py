@@ -1,0 +1,676 @@
+"""Portable mode: torch's own random ops draw Philox4x32-10, the same numbers everywhere.
+
+Inside ``with hyperrng.portable_random(seed):`` (or after
+``hyperrng.set_portable_random(True, seed)``) ``torch.rand``, ``torch.randn``,
+``rand_like``, ``randn_like``, ``torch.randint``, ``Tensor.uniform_``/``normal_``/
+``bernoulli_``/``random_``, ``F.dropout`` (and ``native_dropout``, its fused form on
+accelerators) and every ``torch.nn.init`` function built on them draw from
+:mod:`hyperrng.philox`:
+
+* **One global sequence.** Each op takes the (key, offset) position of the current
+  generator, computes element ``i`` of its result from global index ``offset + i``, and
+  moves the position by its element count rounded up to a multiple of 4 (whole Philox
+  blocks), as CUDA's generator does. The numbers depend on the position and the shape
+  only: the same on the CPU, CUDA, an NPU or the simulated device (uniform, bernoulli,
+  dropout masks, randint bit for bit; normal within a few ulp, see
+  :func:`hyperrng.philox.normal`).
+* **Positions.** With a ``seed`` the context starts at (seed, 0) and gives the generator
+  its previous state back on exit. Without one it continues from where the generator
+  is and leaves it advanced: the current device generator of the platform, which is
+  the stream inside ``tracker.fork(name)``, or the generator passed as ``generator=``.
+  The position is the platform's, whatever device a tensor is on. An explicit
+  ``generator=`` is honoured where it is one of the platform's counter-based
+  generators (CUDA, NPU); elsewhere (a CPU ``torch.Generator``, which has no position
+  that survives torch's dispatcher) it is refused with :class:`UnsupportedPortableOpError`.
+* **Sharded tensors.** Inside a sharded region (a random op on a DTensor with the
+  adapter of :meth:`hyperrng.ShardedRNGTracker.install_dtensor`, or
+  :meth:`~hyperrng.ShardedRNGTracker.distribute_region`) an op fills this rank's shard
+  from the *global* indices of its elements at the region's base position, and the
+  region moves every rank to base + the global count rounded up to 4 (the advance of
+  the unsharded op, not the padded shard layout of non-portable sharded draws): no
+  collective, replicas equal, the shards put together are the tensor an unsharded
+  process draws, and the next op starts where it would in an unsharded process.
+* **No silent fallback.** A random op with no portable kernel (``randperm``,
+  ``multinomial``, ``exponential_``, ``poisson``, ... see :func:`unsupported_ops`)
+  raises :class:`UnsupportedPortableOpError` naming it. Ops that are random only for
+  some arguments (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu``
+  with ``training``) run torch's kernel when those make them deterministic.
+
+The mode changes torch's dispatch table, so it is **process-wide while active**: random
+ops on other threads are portable too. Kernels are registered when the outermost context
+is entered (or the switch turned on) and removed on the outermost exit, which gives
+torch's own kernels back exactly; non-random ops never pass through Python. Kernels are
+registered for the CPU, for the platform's device (``CUDA``, or ``PrivateUse1`` for NPUs
+and plug-ins) and for a registered ``PrivateUse1`` backend such as the simulated device.
+
+Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
+carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
+word each, ``low + word % range``), positions within the generator's offset range
+(``2**63 - 1``); errors are typed and raised before any position moves.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+import platforms
+from hyperrng import philox
+from hyperrng.errors import (
+    ArgumentTypeError,
+    HyperRNGError,
+    InvalidOffsetError,
+    InvalidParameterError,
+    InvalidShapeError,
+    ShardingError,
+    UnsupportedDTypeError,
+    UnsupportedPortableOpError,
+)
+from hyperrng.portable import shard_slices
+from hyperrng.sharded import active_region
+from platforms.validate import MAX_OFFSET, check_seed, round_up_offset
+
+__all__ = [
+    "PORTABLE_OPS",
+    "PORTABLE_STATE_FORMAT",
+    "is_portable_random_enabled",
+    "load_portable_state_dict",
+    "portable_random",
+    "portable_state_dict",
+    "set_portable_random",
+    "tp_invariance_report",
+    "unsupported_ops",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_MAX_RANGE = 2**32  # random_/randint draw one 32-bit word per element
+_COMPILED_DEVICE_TYPES = frozenset({"cpu", "cuda"})  # where torch.compile runs the Philox loop
+
+
+# -- positions ---------------------------------------------------------------------------------
+def _draw(
+    what: str,
+    fn: Callable[..., torch.Tensor],
+    target: torch.Tensor,
+    generator: torch.Generator | None,
+    **kw: Any,
+) -> torch.Tensor:
+    """Values of ``fn`` for ``target``'s elements at the current position; advance it past them.
+
+    Inside a sharded region the values are this rank's block of the region's global
+    tensor at the region's base position, and the region advances every rank on exit.
+    ``fn`` runs before any position moves, so its validation leaves everything as it was.
+    """
+    device = target.device
+    kw.update(device=device, compiled=_STATE.compiled() and device.type in _COMPILED_DEVICE_TYPES)
+    region = active_region()
+    if region is not None:
+        try:
+            global_shape, blocks = _shard_of(region, target, what)
+            key, offset = region.position
+            values = _assemble(blocks, lambda block: fn(global_shape, key=key, offset=offset, shard=block, **kw))
+            region.consume(round_up_offset(math.prod(global_shape)))
+        except HyperRNGError:
+            region.cancel()  # refused before drawing: every rank stays where it was
+            raise
+        return values
+    p = platforms.current()
+    if generator is not None and not (p.counter_based and generator.device.type == p.device_type):
+        raise UnsupportedPortableOpError(
+            f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
+            f"from counter-based generators of the platform, and {p.name!r} has "
+            f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
+            f"or portable_random(seed) instead."
+        )
+    seed, offset = p.get_seed_offset(generator=generator)
+    end = offset + round_up_offset(target.numel())
+    if end > MAX_OFFSET:
+        raise InvalidOffsetError(
+            f"{what} of {target.numel()} elements at offset {offset} would move the generator past 2**63 - 1; "
+            f"reseed it (e.g. portable_random(seed)) before drawing."
+        )
+    values = fn(tuple(target.shape), key=seed, offset=offset, **kw)
+    p.set_seed_offset(seed, end, generator=generator)
+    return values
+
+
+def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, ...], list[slice] | list[list[slice]]]:
+    """The global shape of the region's op and, per dim, the slices of it that ``target`` holds."""
+    for placement in region.placements:
+        if getattr(placement, "is_partial", lambda: False)():
+            raise ShardingError(
+                f"{what} on a tensor with placement {placement}: a partial tensor holds summands, not elements, "
+                f"so portable mode cannot fill it; redistribute it to Replicate() or Shard() first."
+            )
+    global_shape = philox._check_shape(region.global_shape)
+    per_dim = shard_slices(region.mesh, region.placements, global_shape)
+    local = tuple(sum(s.stop - s.start for s in slices) for slices in per_dim)
+    if local != tuple(target.shape):
+        raise ShardingError(
+            f"{what} on a tensor of shape {tuple(target.shape)} inside a sharded region whose shard has shape "
+            f"{local} (global {global_shape}); run ops on other tensors outside the region."
+        )
+    return global_shape, per_dim
+
+
+def _assemble(per_dim: Any, draw: Callable[[list[slice]], torch.Tensor]) -> torch.Tensor:
+    """Draw each block of the cartesian product of per-dim slices and put them together."""
+    for d, slices in enumerate(per_dim):
+        if len(slices) > 1:
+            parts = [_assemble(per_dim[:d] + [[s]] + per_dim[d + 1 :], draw) for s in slices]
+            return torch.cat(parts, dim=d)
+    return draw([s[0] for s in per_dim])
+
+
+# -- the portable kernels ----------------------------------------------------------------------
+def _check_floating(target: torch.Tensor, what: str) -> None:
+    if target.dtype not in _FLOAT_DTYPES:
+        names = ", ".join(str(d) for d in _FLOAT_DTYPES)
+        raise UnsupportedDTypeError(f"portable {what} fills {names} tensors; got a {target.dtype} tensor.")
+
+
+def _fill(what: str, fn: Callable[..., torch.Tensor], self: torch.Tensor, generator: Any, **kw: Any) -> torch.Tensor:
+    """Draw ``fn``'s values into ``self``: in place where it is one contiguous block of the draw,
+    which saves a second tensor and a copy (as much work as the rounds), else through a copy."""
+    if self.is_contiguous() and active_region() is None:
+        _draw(what, fn, self, generator, out=self, **kw)
+        return self
+    return self.copy_(_draw(what, fn, self, generator, **kw))
+
+
+def _uniform_(
+    self: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    _check_floating(self, "uniform_")
+    return _fill("uniform_", philox.uniform, self, generator, dtype=self.dtype, low=low, high=high)
+
+
+def _normal_(
+    self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    _check_floating(self, "normal_")
+    return _fill("normal_", philox.normal, self, generator, dtype=self.dtype, mean=mean, std=std)
+
+
+def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    return self.copy_(_draw("bernoulli_", philox.bernoulli, self, generator, p=p))
+
+
+def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    if not p.is_floating_point():
+        raise UnsupportedDTypeError(f"bernoulli_ takes floating-point probabilities, got a {p.dtype} tensor.")
+    try:
+        probabilities = p.expand(self.shape)
+    except RuntimeError:
+        raise InvalidShapeError(
+            f"bernoulli_: probabilities of shape {tuple(p.shape)} do not broadcast to the tensor's shape "
+            f"{tuple(self.shape)}."
+        ) from None
+    if p.numel() and not bool(((p >= 0) & (p <= 1)).all()):  # NaN fails both comparisons
+        raise InvalidParameterError("bernoulli_: every probability must be in [0, 1] (NaN is not).")
+    # A word is below round(p * 2**32) with probability p: the scalar path's integer compare,
+    # with p * 2**32 exact in float64 for every float32/float16/bfloat16/float64 p.
+    threshold = torch.round(probabilities.to(torch.float64) * float(_MAX_RANGE)).to(torch.int64)
+    return self.copy_(_draw("bernoulli_", philox.random_bits, self, generator) < threshold)
+
+
+def _random_from(
+    self: torch.Tensor, low: int, high: int | None = None, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    if high is None:
+        raise InvalidParameterError(
+            f"random_({low}, None) draws the whole range of {self.dtype}; portable mode draws ranges of at most "
+            f"2**32 values: pass an upper bound."
+        )
+    span = high - low
+    if not 1 <= span <= _MAX_RANGE:
+        raise InvalidParameterError(
+            f"random_/randint: the range [{low}, {high}) holds {span} values; portable mode needs 1 to 2**32."
+        )
+    if self.dtype == torch.bool:
+        limits: tuple[float, float] = (0, 1)
+    elif self.is_floating_point():
+        limits = (-torch.finfo(self.dtype).max, torch.finfo(self.dtype).max)
+    else:
+        limits = (torch.iinfo(self.dtype).min, torch.iinfo(self.dtype).max)
+    if low < limits[0] or high - 1 > limits[1]:
+        raise InvalidParameterError(f"random_/randint: the range [{low}, {high}) does not fit {self.dtype}.")
+    bits = _draw("random_", philox.random_bits, self, generator)
+    return self.copy_(bits.remainder_(span).add_(low))
+
+
+def _random_to(self: torch.Tensor, high: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    return _random_from(self, 0, high, generator=generator)
+
+
+def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if train is False:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    if not x.is_floating_point():
+        raise UnsupportedDTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
+    keep_p = 1.0 - philox._check_probability(p)
+    keep = _draw("native_dropout", philox.bernoulli, x, None, p=keep_p)
+    if keep_p == 0.0:
+        return torch.zeros_like(x), keep
+    # The same ops as torch's unfused dropout on the CPU (a 0/1 mask divided by 1 - p, then
+    # a product), so fused and unfused dropout give the same bits.
+    return x * keep.to(x.dtype).div_(keep_p), keep
+
+
+PORTABLE_OPS: dict[str, Callable[..., Any]] = {
+    "uniform_": _uniform_,
+    "normal_": _normal_,
+    "bernoulli_.float": _bernoulli_float,
+    "bernoulli_.Tensor": _bernoulli_tensor,
+    "random_.from": _random_from,
+    "random_.to": _random_to,
+    "native_dropout": _native_dropout,
+}
+"""The aten ops portable mode implements, by ``name.overload``; torch's ``rand``, ``randn``,
+``rand_like``, ``randn_like``, ``randint``, ``randint_like``, ``bernoulli``, ``normal``
+with float arguments, ``dropout`` and ``nn.init`` reach them through torch's own
+decompositions."""
+
+
+# -- refusals ----------------------------------------------------------------------------------
+_COMPOSITE_KEYS = ("CompositeImplicitAutograd", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+_DROPOUT_ARGS = ("dropout_p", "dropout")
+_TRAINING_ARGS = ("train", "training")
+
+
+@functools.cache
+def _random_aten_ops() -> tuple[Any, ...]:
+    """Every aten op that draws random numbers in a kernel of its own (no composite decomposition).
+
+    Found once per process (walking aten's ops takes ~20 ms; entering the mode must not)."""
+    found = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        overloads = getattr(packet, "overloads", None)
+        if overloads is None:
+            continue
+        for overload in overloads():
+            op = getattr(packet, overload)
+            random = torch.Tag.nondeterministic_seeded in op.tags or name == "random_"
+            if random and not any(
+                torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in _COMPOSITE_KEYS
+            ):
+                found.append(op)
+    return tuple(found)
+
+
+def _op_label(op: Any) -> str:
+    name = op._schema.name.removeprefix("aten::")
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
+def unsupported_ops() -> list[str]:
+    """Names (``name.overload``) of the aten random ops that portable mode refuses with
+    :class:`UnsupportedPortableOpError` (some only for arguments that make them random)."""
+    return sorted(label for label in map(_op_label, _random_aten_ops()) if label not in PORTABLE_OPS)
+
+
+class _ArgumentReader:
+    """Reads one argument of an op's call, as the dispatcher passes it to a Python kernel."""
+
+    def __init__(self, index: int, argument: Any) -> None:
+        self.index, self.name = index, argument.name
+        self.default, self.kwarg_only = argument.default_value, argument.kwarg_only
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.kwarg_only and self.index < len(args):
+            return args[self.index]
+        return kwargs.get(self.name, self.default)
+
+
+def _argument_reader(op: Any, names: Sequence[str]) -> _ArgumentReader | None:
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name in names:
+            return _ArgumentReader(index, argument)
+    return None
+
+
+@functools.cache
+def _refusal(op: Any, key: str) -> Callable[..., Any]:
+    """A kernel for ``op`` that raises, or runs torch's kernel when the arguments make the op deterministic."""
+    label = _op_label(op)
+    dropout = _argument_reader(op, _DROPOUT_ARGS)
+    training = _argument_reader(op, _TRAINING_ARGS)
+    original = torch.library.get_kernel(op, key) if dropout or training else None
+    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        deterministic = (dropout is not None and not dropout(args, kwargs)) or (
+            training is not None and not training(args, kwargs)
+        )
+        if deterministic and original is not None:
+            return original.call_boxed(keys, *args, **kwargs)
+        raise UnsupportedPortableOpError(
+            f"{label} has no portable implementation, and portable mode never falls back to a device's own "
+            f"generator; call it outside portable_random(), or use a portable op ({', '.join(PORTABLE_OPS)})."
+        )
+
+    return kernel
+
+
+# -- registration ------------------------------------------------------------------------------
+def _dispatch_keys() -> list[str]:
+    """The dispatch keys whose kernels the mode replaces: the CPU's, the platform device's, PrivateUse1's."""
+    keys = ["CPU"]
+    device_type = platforms.current().device_type
+    if device_type == "cuda":
+        keys.append("CUDA")
+    privateuse1 = torch._C._get_privateuse1_backend_name()
+    if privateuse1 != "privateuseone" or device_type not in ("cpu", "cuda"):
+        keys.append("PrivateUse1")
+    return keys
+
+
+def _has_kernel(op: Any, key: str) -> bool:
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+        return True
+    # A PrivateUse1 backend written as a fallback (the simulated device) has no kernel per op.
+    return key == "PrivateUse1" and torch._C._get_privateuse1_backend_name() != "privateuseone"
+
+
+def _register() -> Any:
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # torch warns once that an override replaces its kernel: that is the point here.
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for key in _dispatch_keys():
+                for name, fn in PORTABLE_OPS.items():
+                    library.impl(name, fn, key)
+                for op in _random_aten_ops():
+                    if _op_label(op) not in PORTABLE_OPS and _has_kernel(op, key):
+                        library.impl(_op_label(op), _refusal(op, key), key)
+    except BaseException:
+        library._destroy()
+        raise
+    return library
+
+
+class _ModeState:
+    """Who holds the mode: entered contexts and the switch. The kernels live while anyone does."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.library: Any = None
+        self.holders: list[object] = []  # context entries, innermost last
+        self.compiled_of: dict[int, bool] = {}
+        self.switch = False
+        self.switch_compiled = False
+
+    def acquire(self, holder: object, compiled: bool) -> None:
+        with self.lock:
+            if self.library is None:
+                self.library = _register()
+            self.holders.append(holder)
+            self.compiled_of[id(holder)] = compiled
+
+    def release(self, holder: object) -> None:
+        with self.lock:
+            for i in range(len(self.holders) - 1, -1, -1):
+                if self.holders[i] is holder:
+                    del self.holders[i]
+                    break
+            if not any(h is holder for h in self.holders):
+                self.compiled_of.pop(id(holder), None)
+            if not self.holders and self.library is not None:
+                self.library._destroy()
+                self.library = None
+
+    def compiled(self) -> bool:
+        holders = self.holders
+        return self.compiled_of.get(id(holders[-1]), False) if holders else False
+
+
+_STATE = _ModeState()
+_SWITCH = object()  # the holder that stands for set_portable_random(True)
+
+
+def _check_bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{what} must be a bool (True or False), got {type(value).__name__} {value!r}.")
+    return value
+
+
+def _check_optional_seed(seed: object) -> int | None:
+    return None if seed is None else check_seed(seed)
+
+
+class portable_random:  # noqa: N801 - a context manager named like a function, as torch.random.fork_rng
+    """Context manager: torch's random ops draw portable Philox numbers inside (see the module docstring).
+
+    Args:
+        seed: ``None`` continues from the current generator position (the device
+            generator, the active ``tracker.fork`` stream, or a sharded region) and leaves
+            it advanced; an int in ``[0, 2**64 - 1]`` starts at (seed, 0) and gives the
+            current device generator its previous state back on exit.
+        compiled: run the Philox loop through ``torch.compile`` on CPU and CUDA tensors
+            (the first call per distribution compiles); bitwise equal to eager except
+            :func:`~hyperrng.philox.normal`, within a few ulp.
+
+    It may be nested and re-entered; the mode ends with the outermost exit unless the
+    switch (:func:`set_portable_random`) holds it.
+
+    Raises:
+        ArgumentTypeError: ``seed`` is not an int or ``compiled`` not a bool.
+        InvalidSeedError: ``seed`` is outside ``[0, 2**64 - 1]``.
+    """
+
+    def __init__(self, seed: int | None = None, *, compiled: bool = False) -> None:
+        self._seed = _check_optional_seed(seed)
+        self._compiled = _check_bool(compiled, "compiled")
+        self._saved: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> None:
+        p = platforms.current()
+        saved = p.get_rng_state() if self._seed is not None else None
+        _STATE.acquire(self, self._compiled)
+        if self._seed is not None:
+            p.set_seed_offset(self._seed, 0)
+        self._saved.append(saved)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        saved = self._saved.pop()
+        _STATE.release(self)
+        if saved is not None:
+            platforms.current().set_rng_state(saved)
+
+
+def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: bool = False) -> None:
+    """Turn portable mode on or off for the process, outside any ``with`` block.
+
+    Args:
+        enabled: ``True`` turns it on (again: only ``seed`` and ``compiled`` apply),
+            ``False`` off; contexts entered meanwhile keep it on until they exit.
+        seed: with ``enabled``, put the current device generator at (seed, 0) (it is not
+            restored when the mode is turned off); ``None`` continues from where it is.
+        compiled: as for :class:`portable_random`.
+
+    Raises:
+        ArgumentTypeError: ``enabled`` or ``compiled`` is not a bool, ``seed`` not an int.
+        InvalidSeedError: ``seed`` is outside ``[0, 2**64 - 1]``.
+        InvalidParameterError: a ``seed`` with ``enabled=False``.
+    """
+    on = _check_bool(enabled, "enabled")
+    value = _check_optional_seed(seed)
+    use_compiled = _check_bool(compiled, "compiled")
+    if not on and value is not None:
+        raise InvalidParameterError("a seed positions the generator for portable draws; pass it with enabled=True.")
+    with _STATE.lock:
+        if on:
+            if not _STATE.switch:
+                _STATE.acquire(_SWITCH, use_compiled)
+                # The switch is the outermost holder: contexts entered before it keep their settings.
+                _STATE.holders.remove(_SWITCH)
+                _STATE.holders.insert(0, _SWITCH)
+                _STATE.switch = True
+            _STATE.compiled_of[id(_SWITCH)] = use_compiled
+            if value is not None:
+                platforms.current().set_seed_offset(value, 0)
+        elif _STATE.switch:
+            _STATE.switch = False
+            _STATE.release(_SWITCH)
+
+
+def is_portable_random_enabled() -> bool:
+    """Whether torch's random ops draw portable numbers now (a context is entered or the switch is on)."""
+    return _STATE.library is not None
+
+
+# -- elastic resume ----------------------------------------------------------------------------
+PORTABLE_STATE_FORMAT = "hyperrng.portable/1"
+"""The ``format`` entry of :func:`portable_state_dict`'s result."""
+
+
+def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dict[str, Any]:
+    """The positions portable draws continue from: the device generator's and every tracker stream's.
+
+    In portable mode every rank holds the same positions (each op moves every rank by
+    its global count), so this dict does not depend on the rank or the world size: save
+    it from any rank and give it to :func:`load_portable_state_dict` on every rank of a
+    run with another world size, and the next portable draws are the global tensors the
+    uninterrupted run would have drawn.
+
+    Args:
+        tracker: the :class:`~hyperrng.RNGStatesTracker` whose streams to include
+            (default: the global one).
+        check_ranks: when ``torch.distributed`` is initialised, gather every rank's
+            positions (a collective: call it on every rank) and refuse if they differ.
+
+    Returns:
+        ``{"format": PORTABLE_STATE_FORMAT, "position": [seed, offset],
+        "streams": {name: [seed, offset]}}``, plain ints (JSON- and torch.save-safe).
+
+    Raises:
+        ArgumentTypeError: ``check_ranks`` is not a bool, ``tracker`` not a tracker.
+        TrackerStateError: a fork is active (a stream's position is in the generator).
+        RNGDesyncError: ``check_ranks`` and the ranks hold different positions.
+    """
+    from hyperrng.errors import RNGDesyncError
+    from hyperrng.tracker import resolve_tracker
+
+    check = _check_bool(check_ranks, "check_ranks")
+    t = resolve_tracker(tracker)
+    t._idle("portable_state_dict")
+    p = platforms.current()
+    streams = {}
+    for name in sorted(t.get_states()):
+        with t.fork(name):
+            streams[name] = list(p.get_seed_offset())
+    state = {"format": PORTABLE_STATE_FORMAT, "position": list(p.get_seed_offset()), "streams": streams}
+    dist = torch.distributed
+    if check and dist.is_available() and dist.is_initialized() and p.world_size() > 1:
+        text = json.dumps(state, sort_keys=True).encode()
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+        digests = [int(t) for t in p.all_gather(torch.tensor([digest], dtype=torch.int64))]
+        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        if differ:  # every rank sees the same digests, so every rank raises alike
+            raise RNGDesyncError(
+                f"ranks {differ} hold other portable positions than rank 0 (this rank: {state}); draw only "
+                f"portable ops on every rank alike, or seed every rank with portable_random(seed)."
+            )
+    return state
+
+
+def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
+    """Put the device generator and the tracker's streams at the positions of :func:`portable_state_dict`.
+
+    Works at any world size (see :func:`portable_state_dict`). Everything is checked
+    before anything is set.
+
+    Raises:
+        ArgumentTypeError: ``state`` is not a dict of the documented shape, or a value not an int.
+        CheckpointError: an unknown ``format``, or a stream of the state that the tracker lacks
+            (add the streams, with any seed, before loading).
+        InvalidSeedError / InvalidOffsetError: a seed or offset out of range or misaligned.
+        TrackerStateError: a fork is active.
+    """
+    from hyperrng.errors import CheckpointError
+    from hyperrng.tracker import resolve_tracker
+    from platforms.validate import check_offset
+
+    if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
+        raise ArgumentTypeError(
+            f"state must be the dict portable_state_dict() returns, got {type(state).__name__}; load it unchanged."
+        )
+    if state.get("format") != PORTABLE_STATE_FORMAT:
+        raise CheckpointError(f"state has format {state.get('format')!r}, not {PORTABLE_STATE_FORMAT!r}.")
+    t = resolve_tracker(tracker)
+
+    def position(value: object, what: str) -> tuple[int, int]:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ArgumentTypeError(f"{what} must be a [seed, offset] pair, got {value!r}.")
+        return check_seed(value[0]), check_offset(value[1])
+
+    main = position(state.get("position"), "state['position']")
+    streams = {name: position(value, f"stream {name!r}") for name, value in state["streams"].items()}
+    missing = sorted(set(streams) - set(t.get_states()))
+    if missing:
+        raise CheckpointError(
+            f"the state has streams {missing} that the tracker lacks; add them (tracker.add(name, seed)) first."
+        )
+    t._idle("load_portable_state_dict")
+    p = platforms.current()
+    for name, (seed, offset) in streams.items():
+        with t.fork(name):
+            p.set_seed_offset(seed, offset)
+    p.set_seed_offset(*main)
+
+
+def tp_invariance_report(
+    tp_sizes: Sequence[int] = (1, 2, 4), world_size: int = 4, steps: int = 2, seed: int = 1234
+) -> dict[str, Any]:
+    """Train a tiny tensor-parallel MLP with dropout under portable mode at each TP size, on real ranks.
+
+    Spawns ``world_size`` gloo processes on the CPU; for each TP size the ranks form a
+    ``(world_size // tp, tp)`` mesh, parallelise the model over its ``tp`` dimension
+    (``torch.distributed.tensor.parallel``), initialise it inside ``portable_random(seed)``
+    and train ``steps`` SGD steps with dropout.
+
+    Returns:
+        ``{"tp_sizes", "params_identical", "masks_identical", "max_loss_difference",
+        "losses": {tp: [...]}}``: whether every TP size gave bit-identical initial
+        parameters and dropout masks (on every rank), and how far the losses drift
+        (float reductions differ with the sharding).
+
+    Raises:
+        ArgumentTypeError / InvalidParameterError: a size that is not a positive int dividing ``world_size``.
+    """
+    from hyperrng._launch import run_ranks
+    from hyperrng._portable_tp import tp_rank
+    from platforms.validate import check_int
+
+    world = check_int(world_size, "world_size")
+    sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)
+    check_int(steps, "steps")
+    check_seed(seed)
+    if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
+        raise InvalidParameterError(f"every TP size must divide world_size={world}; got {sizes}.")
+    per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
+    reference = per_rank[0][sizes[0]]
+    params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality
+    masks = all(r[tp]["masks"] == reference["masks"] for r in per_rank for tp in sizes)
+    losses = {tp: per_rank[0][tp]["losses"] for tp in sizes}
+    drift = max(abs(a - b) for tp in sizes for a, b in zip(losses[tp], losses[sizes[0]]))
+    return {
+        "tp_sizes": sizes,
+        "params_identical": params,
+        "masks_identical": masks,
+        "max_loss_difference": drift,
+        "losses": losses,
+    }

@@ -1,0 +1,460 @@
+"""Portable mode: torch's own random ops draw Philox from the generator's position, on every device."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import platforms
+from hyperrng import philox, portable
+from hyperrng.errors import (
+    ArgumentTypeError,
+    InvalidOffsetError,
+    InvalidParameterError,
+    InvalidSeedError,
+    InvalidShapeError,
+    ShardingError,
+    UnsupportedDTypeError,
+    UnsupportedPortableOpError,
+)
+from hyperrng.portable_mode import (
+    PORTABLE_OPS,
+    is_portable_random_enabled,
+    portable_random,
+    set_portable_random,
+    unsupported_ops,
+)
+from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+from hyperrng.tracker import RNGStatesTracker
+from platforms.validate import MAX_OFFSET
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # older torch
+    _StridedShard = None
+
+SEED = 4321
+
+
+@pytest.fixture(autouse=True)
+def cpu_platform() -> Iterator[platforms.Platform]:
+    with platforms.use(platforms.CPUPlatform()) as p:
+        yield p
+    assert not is_portable_random_enabled(), "a test left portable mode on"
+
+
+@pytest.fixture
+def sim() -> Iterator[platforms.Platform]:
+    with platforms.use(platforms.SimulatedPlatform()) as p:
+        p.device(0)  # registers the device type
+        yield p
+
+
+def _position() -> tuple[int, int]:
+    return platforms.current().get_seed_offset()
+
+
+# -- what each op draws --------------------------------------------------------------------------
+# (name, op on a device, what philox gives at (key, offset) for it, elements it draws)
+OPS: list[tuple[str, Callable[[str], torch.Tensor], Callable[[int, int], torch.Tensor], int]] = [
+    ("rand", lambda d: torch.rand(3, 5, device=d), lambda k, o: philox.uniform((3, 5), k, o), 15),
+    ("rand_like", lambda d: torch.rand_like(torch.ones(7, device=d)), lambda k, o: philox.uniform(7, k, o), 7),
+    ("randn", lambda d: torch.randn(6, device=d), lambda k, o: philox.normal(6, k, o), 6),
+    ("randn_like", lambda d: torch.randn_like(torch.ones(2, 3, device=d)), lambda k, o: philox.normal((2, 3), k, o), 6),
+    (
+        "randint",
+        lambda d: torch.randint(-3, 9, (11,), device=d),
+        lambda k, o: philox.random_bits(11, k, o) % 12 - 3,
+        11,
+    ),
+    (
+        "uniform_",
+        lambda d: torch.empty(9, dtype=torch.float64, device=d).uniform_(-2.0, 3.0),
+        lambda k, o: philox.uniform(9, k, o, torch.float64, -2.0, 3.0),
+        9,
+    ),
+    (
+        "normal_",
+        lambda d: torch.empty(4, 2, device=d).normal_(1.5, 0.25),
+        lambda k, o: philox.normal((4, 2), k, o, mean=1.5, std=0.25),
+        8,
+    ),
+    (
+        "bernoulli_ with a float p",
+        lambda d: torch.empty(10, device=d).bernoulli_(0.3),
+        lambda k, o: philox.bernoulli(10, 0.3, k, o).float(),
+        10,
+    ),
+    (
+        "bernoulli_ with tensor p",
+        lambda d: torch.empty(2, 5, device=d).bernoulli_(torch.linspace(0, 1, 5, device=d)),
+        lambda k, o: (philox.random_bits((2, 5), k, o) < torch.round(torch.linspace(0, 1, 5).double() * 2**32)).float(),
+        10,
+    ),
+    (
+        "bernoulli",
+        lambda d: torch.bernoulli(torch.full((6,), 0.5, device=d)),
+        lambda k, o: philox.bernoulli(6, 0.5, k, o).float(),
+        6,
+    ),
+    (
+        "F.dropout",
+        lambda d: F.dropout(torch.full((13,), 2.0, device=d), 0.4),
+        lambda k, o: philox.bernoulli(13, 0.6, k, o).float().div_(0.6) * 2.0,
+        13,
+    ),
+    (
+        "native_dropout",
+        lambda d: torch.ops.aten.native_dropout(torch.full((5,), 2.0, device=d), 0.25, True)[0],
+        lambda k, o: philox.bernoulli(5, 0.75, k, o).float().div_(0.75) * 2.0,
+        5,
+    ),
+]
+OP_IDS = [name for name, *_ in OPS]
+
+
+@pytest.mark.parametrize(("name", "op", "expected", "numel"), OPS, ids=OP_IDS)
+def test_with_a_seed_each_op_draws_philox_from_seed_0_and_advances_by_its_rounded_count(
+    name: str, op: Callable[[str], torch.Tensor], expected: Callable[[int, int], torch.Tensor], numel: int
+) -> None:
+    with portable_random(SEED):
+        first = op("cpu")
+        assert _position() == (SEED, -(-numel // 4) * 4)
+        second = op("cpu")
+    assert torch.equal(first, expected(SEED, 0))
+    assert torch.equal(second, expected(SEED, -(-numel // 4) * 4))
+
+
+@pytest.mark.parametrize(("name", "op", "expected", "numel"), OPS, ids=OP_IDS)
+def test_torch_ops_on_the_simulated_device_give_the_cpu_bits(
+    sim: platforms.Platform,
+    name: str,
+    op: Callable[[str], torch.Tensor],
+    expected: Callable[[int, int], torch.Tensor],
+    numel: int,
+) -> None:
+    with portable_random(SEED):
+        on_device = op("sim:0")
+        assert sim.get_seed_offset(0) == (SEED, -(-numel // 4) * 4)
+    assert on_device.device.type == "sim"
+    assert torch.equal(on_device.cpu(), expected(SEED, 0))
+
+
+INIT_FUNCTIONS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+    ("uniform_", torch.nn.init.uniform_),
+    ("normal_", torch.nn.init.normal_),
+    ("trunc_normal_", torch.nn.init.trunc_normal_),
+    ("kaiming_uniform_", torch.nn.init.kaiming_uniform_),
+    ("kaiming_normal_", torch.nn.init.kaiming_normal_),
+    ("xavier_uniform_", torch.nn.init.xavier_uniform_),
+    ("xavier_normal_", torch.nn.init.xavier_normal_),
+]
+
+
+@pytest.mark.parametrize(("name", "init"), INIT_FUNCTIONS, ids=[n for n, _ in INIT_FUNCTIONS])
+def test_nn_init_is_portable_on_the_cpu_and_the_simulated_device(
+    sim: platforms.Platform, name: str, init: Callable[[torch.Tensor], Any]
+) -> None:
+    results = []
+    for device in ("cpu", "sim:0", "cpu"):
+        with portable_random(SEED):
+            weight = torch.empty(6, 4, device=device)
+            init(weight)
+        results.append(weight.cpu())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    with portable_random(SEED + 1):
+        other = init(torch.empty(6, 4))
+    assert not torch.equal(results[0], other)
+
+
+def test_dropout_passes_gradients_through_the_kept_elements_on_both_devices(sim: platforms.Platform) -> None:
+    grads = []
+    for device in ("cpu", "sim:0"):
+        x = torch.full((32,), 3.0, device=device, requires_grad=True)
+        with portable_random(SEED):
+            y = F.dropout(x, 0.5)
+        y.sum().backward()
+        assert x.grad is not None
+        kept = philox.bernoulli(32, 0.5, SEED, 0)
+        assert torch.equal(x.grad.cpu(), kept.float() * 2.0)
+        grads.append(x.grad.cpu())
+    assert torch.equal(grads[0], grads[1])
+
+
+# -- positions -----------------------------------------------------------------------------------
+def test_without_a_seed_it_continues_from_the_device_generator_and_writes_the_advance_back() -> None:
+    p = platforms.current()
+    p.set_seed_offset(77, 40)
+    with portable_random():
+        a = torch.rand(10)
+    assert torch.equal(a, philox.uniform(10, 77, 40))
+    assert _position() == (77, 52)
+    with portable_random():
+        b = torch.rand(3)
+    assert torch.equal(b, philox.uniform(3, 77, 52))
+
+
+def test_with_a_seed_the_generator_gets_its_state_back_on_exit() -> None:
+    p = platforms.current()
+    p.set_seed_offset(5, 8)
+    before = p.get_rng_state()
+    with portable_random(SEED):
+        torch.rand(100)
+    assert torch.equal(p.get_rng_state(), before)
+
+
+def test_a_tracker_stream_is_the_position_inside_its_fork_and_keeps_the_advance() -> None:
+    p = platforms.current()
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 99)
+    p.set_seed_offset(5, 0)
+    with portable_random():
+        with tracker.fork("model-parallel-rng"):
+            a = torch.rand(6)
+        outside = torch.rand(2)
+        with tracker.fork("model-parallel-rng"):
+            b = torch.rand(6)
+    assert torch.equal(a, philox.uniform(6, 99, 0))
+    assert torch.equal(b, philox.uniform(6, 99, 8)), "the stream kept its advance between forks"
+    assert torch.equal(outside, philox.uniform(2, 5, 0)), "the default generator was not touched by the forks"
+    assert _position() == (5, 4)
+
+
+def test_an_explicit_cpu_generator_is_refused_because_it_carries_no_position() -> None:
+    gen = torch.Generator().manual_seed(3)
+    before, gen_state = _position(), gen.get_state()
+    with portable_random(), pytest.raises(UnsupportedPortableOpError, match="generator=.*tracker stream"):
+        torch.rand(5, generator=gen)
+    assert _position() == before
+    assert torch.equal(gen.get_state(), gen_state)
+
+
+def test_contexts_nest_and_reenter_and_the_outermost_exit_gives_torch_its_kernels_back() -> None:
+    mode = portable_random(SEED)
+    with mode:
+        with portable_random(7):
+            inner = torch.rand(4)
+        with mode:
+            again = torch.rand(4)
+        after_inner = torch.rand(4)
+        assert is_portable_random_enabled()
+    assert not is_portable_random_enabled()
+    assert torch.equal(inner, philox.uniform(4, 7, 0))
+    assert torch.equal(again, philox.uniform(4, SEED, 0))
+    assert torch.equal(after_inner, philox.uniform(4, SEED, 0)), "the inner seeded context restored the state"
+    torch.manual_seed(3)
+    native = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(4), native)
+    assert not torch.equal(native, philox.uniform(4, 3, 0))
+
+
+def test_the_switch_turns_the_mode_on_for_the_process_until_turned_off() -> None:
+    set_portable_random(True, seed=SEED)
+    try:
+        assert is_portable_random_enabled()
+        a = torch.rand(5)
+        with portable_random():
+            b = torch.rand(3)
+        assert is_portable_random_enabled(), "a context exit does not end the switch"
+        set_portable_random(True)  # again: no effect on the position
+        c = torch.rand(2)
+    finally:
+        set_portable_random(False)
+    assert not is_portable_random_enabled()
+    assert torch.equal(a, philox.uniform(5, SEED, 0))
+    assert torch.equal(b, philox.uniform(3, SEED, 8))
+    assert torch.equal(c, philox.uniform(2, SEED, 12))
+
+
+def test_non_random_ops_keep_torchs_own_kernels_inside_the_mode() -> None:
+    ops = ["aten::add.Tensor", "aten::mm", "aten::empty.memory_format", "aten::copy_"]
+    before = [repr(torch.library.get_kernel(op, "CPU")) for op in ops]
+    with portable_random(SEED):
+        inside = [repr(torch.library.get_kernel(op, "CPU")) for op in ops]
+        random_kernel = repr(torch.library.get_kernel("aten::uniform_", "CPU"))
+    assert inside == before
+    assert "portable_mode" in random_kernel
+
+
+def test_compiled_draws_equal_eager_draws() -> None:
+    with portable_random(SEED, compiled=True):
+        compiled = torch.rand(4096)
+        mask = F.dropout(torch.ones(1024), 0.5)
+    with portable_random(SEED):
+        eager = torch.rand(4096)
+        eager_mask = F.dropout(torch.ones(1024), 0.5)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(mask, eager_mask)
+
+
+# -- sharded regions -----------------------------------------------------------------------------
+SHARDINGS: list[tuple[tuple[int, ...], list[Any], tuple[int, ...]]] = [
+    ((4,), [Shard(0)], (10, 6)),  # uneven
+    ((2, 2), [Shard(0), Replicate()], (8, 6)),
+    ((2, 3), [Shard(1), Shard(0)], (7, 5)),
+    ((2, 2), [Shard(0), Shard(0)], (9, 3)),  # one dim sharded twice
+]
+if _StridedShard is not None:
+    SHARDINGS.append(((2, 2), [_StridedShard(0, split_factor=2), Shard(0)], (8, 2)))
+
+
+@pytest.mark.parametrize(("mesh_shape", "placements", "shape"), SHARDINGS)
+def test_in_a_sharded_region_each_shard_is_its_block_of_the_unsharded_tensor(
+    mesh_shape: tuple[int, ...], placements: list[Any], shape: tuple[int, ...]
+) -> None:
+    tracker = ShardedRNGTracker()
+    full = philox.uniform(shape, SEED, 0)
+    expected_end = None
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        mesh = MeshInfo(mesh_shape, coord)
+        slices = portable.shard_slices(mesh, placements, shape)
+        index = [list(itertools.chain(*(range(s.start, s.stop) for s in sl))) for sl in slices]
+        local = torch.empty([len(i) for i in index])
+        with portable_random(SEED):
+            with tracker.distribute_region(mesh, placements, shape):
+                local.uniform_()
+            end = _position()
+        grid = torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in index], indexing="ij")
+        assert torch.equal(local, full[grid]), f"rank at {coord}"
+        assert expected_end in (None, end), "every rank leaves at the same position"
+        expected_end = end
+    assert expected_end == (SEED, -(-full.numel() // 4) * 4), "ranks move by the global count"
+
+
+def test_a_partial_placement_or_a_foreign_shape_in_a_region_is_refused() -> None:
+    tracker = ShardedRNGTracker()
+    mesh = MeshInfo((2,), (0,))
+    with portable_random(SEED):
+        with pytest.raises(ShardingError, match="partial tensor"), tracker.distribute_region(mesh, [Partial()], (4,)):
+            torch.empty(4).uniform_()
+        assert _position() == (SEED, 0)
+        with pytest.raises(ShardingError, match=r"shape \(3,\).*shard has shape \(2,\)"):
+            with tracker.distribute_region(mesh, [Shard(0)], (4,)):
+                torch.empty(3).uniform_()
+        assert _position() == (SEED, 0)
+
+
+# -- bad input: typed errors, nothing changed ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: portable_random("1"), ArgumentTypeError, "seed must be an int"),
+        (lambda: portable_random(1.0), ArgumentTypeError, "seed must be an int"),
+        (lambda: portable_random(-1), InvalidSeedError, "seed"),
+        (lambda: portable_random(2**64), InvalidSeedError, "seed"),
+        (lambda: portable_random(1, compiled=1), ArgumentTypeError, "compiled must be a bool"),
+        (lambda: set_portable_random(1), ArgumentTypeError, "enabled must be a bool"),
+        (lambda: set_portable_random(False, seed=3), InvalidParameterError, "pass it with enabled=True"),
+        (lambda: set_portable_random(True, seed=2**64), InvalidSeedError, "seed"),
+    ],
+)
+def test_bad_arguments_of_the_mode_raise_typed_errors_and_change_nothing(
+    call: Callable[[], Any], error: type[Exception], message: str
+) -> None:
+    before = _position()
+    with pytest.raises(error, match=message):
+        call()
+    assert not is_portable_random_enabled()
+    assert _position() == before
+
+
+BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    ("randperm", lambda: torch.randperm(5), UnsupportedPortableOpError, "randperm.*no portable implementation"),
+    ("multinomial", lambda: torch.multinomial(torch.ones(4), 2), UnsupportedPortableOpError, "multinomial"),
+    ("exponential_", lambda: torch.empty(3).exponential_(), UnsupportedPortableOpError, "exponential_"),
+    ("poisson", lambda: torch.poisson(torch.ones(3)), UnsupportedPortableOpError, "poisson"),
+    ("normal(tensor)", lambda: torch.normal(torch.zeros(3), 1.0), UnsupportedPortableOpError, "normal.Tensor_float"),
+    ("rrelu training", lambda: F.rrelu(torch.ones(3), training=True), UnsupportedPortableOpError, "rrelu"),
+    ("random_()", lambda: torch.empty(3, dtype=torch.int64).random_(), UnsupportedPortableOpError, "random_ has"),
+    ("int uniform_", lambda: torch.empty(3, dtype=torch.int32).uniform_(), UnsupportedDTypeError, "int32"),
+    ("uniform_ low > high", lambda: torch.empty(3).uniform_(2.0, 1.0), InvalidParameterError, "low must be <= high"),
+    ("normal_ std < 0", lambda: torch.empty(3).normal_(0.0, -1.0), InvalidParameterError, "std must be >= 0"),
+    ("bernoulli_ p > 1", lambda: torch.empty(3).bernoulli_(1.5), InvalidParameterError, "probability"),
+    (
+        "bernoulli_ tensor p",
+        lambda: torch.empty(3).bernoulli_(torch.tensor([0.1, float("nan"), 0.2])),
+        InvalidParameterError,
+        r"\[0, 1\]",
+    ),
+    (
+        "bernoulli_ int p",
+        lambda: torch.empty(3).bernoulli_(torch.ones(3, dtype=torch.int64)),
+        UnsupportedDTypeError,
+        "floating-point probabilities",
+    ),
+    ("bernoulli_ shape", lambda: torch.empty(3).bernoulli_(torch.ones(4) / 2), InvalidShapeError, "broadcast"),
+    ("randint range", lambda: torch.randint(0, 2**33, (3,)), InvalidParameterError, "1 to 2\\*\\*32"),
+    ("randint dtype", lambda: torch.randint(0, 300, (3,), dtype=torch.uint8), InvalidParameterError, "fit"),
+    ("dropout p", lambda: torch.ops.aten.native_dropout(torch.ones(3), 1.5, True), InvalidParameterError, "p must"),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "error", "message"), BAD_OPS, ids=[b[0] for b in BAD_OPS])
+def test_bad_ops_in_the_mode_raise_typed_errors_and_leave_the_position(
+    name: str, call: Callable[[], Any], error: type[Exception], message: str
+) -> None:
+    platforms.current().set_seed_offset(8, 16)
+    with portable_random():
+        with pytest.raises(error, match=message):
+            call()
+        assert _position() == (8, 16)
+
+
+def test_a_draw_that_would_pass_the_offset_range_is_refused_before_it_moves() -> None:
+    platforms.current().set_seed_offset(8, MAX_OFFSET - 3 - (MAX_OFFSET - 3) % 4)
+    before = _position()
+    with portable_random(), pytest.raises(InvalidOffsetError, match="past 2\\*\\*63 - 1"):
+        torch.rand(16)
+    assert _position() == before
+
+
+def test_ops_random_only_for_some_arguments_run_torchs_kernel_when_deterministic() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    expected = F.scaled_dot_product_attention(q, q, q)
+    leaky = F.rrelu(torch.tensor([-1.0, 2.0]), training=False)
+    with portable_random(SEED):
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q), expected)
+        assert torch.equal(F.rrelu(torch.tensor([-1.0, 2.0]), training=False), leaky)
+        assert _position() == (SEED, 0)
+
+
+def test_the_refused_ops_are_listed_and_the_portable_ones_are_not() -> None:
+    refused = unsupported_ops()
+    assert {"randperm.generator_out", "multinomial", "exponential_", "poisson"} <= set(refused)
+    assert not set(refused) & set(PORTABLE_OPS)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_philox_writes_into_a_given_tensor_the_values_it_would_return(compiled: bool) -> None:
+    for dtype in (torch.float32, torch.float16):
+        out = torch.empty(3, 50, dtype=dtype)
+        assert philox.uniform((3, 50), SEED, 6, dtype, out=out, compiled=compiled) is out
+        assert torch.equal(out, philox.uniform((3, 50), SEED, 6, dtype))
+    bits = torch.empty(9, dtype=torch.int64)
+    assert torch.equal(philox.random_bits(9, SEED, out=bits, compiled=compiled), philox.random_bits(9, SEED))
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "message"),
+    [
+        ([0.0] * 4, ArgumentTypeError, "out must be a torch.Tensor"),
+        (torch.empty(4, dtype=torch.float64), UnsupportedDTypeError, "out has dtype torch.float64"),
+        (torch.empty(5), InvalidShapeError, "shape"),
+        (torch.empty(8)[::2], InvalidShapeError, "not contiguous"),
+    ],
+)
+def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
+    out: Any, error: type[Exception], message: str
+) -> None:
+    before = out.clone() if isinstance(out, torch.Tensor) else None
+    with pytest.raises(error, match=message):
+        philox.uniform(4, SEED, out=out)
+    if before is not None:
+        assert torch.equal(out, before) or torch.isnan(before).any()
