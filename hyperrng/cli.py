@@ -124,7 +124,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hyperrng.demo import DemoConfig
     from hyperrng.demo import main as demo_main
 
-    cfg = DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps, save_step=args.save_step, seed=args.seed)
+    cfg = DemoConfig(
+        world_size=args.world_size,
+        tp=args.tp,
+        steps=args.steps,
+        save_step=args.save_step,
+        seed=args.seed,
+        portable=args.portable,
+    )
     return demo_main(cfg)
 
 
@@ -149,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
     demo.add_argument("--save-step", type=int, default=2, help="step after which the RNG checkpoint is saved")
     demo.add_argument("--seed", type=int, default=1234, help="base seed of the stream layout, in [0, 2**64 - 1]")
+    demo.add_argument(
+        "--portable",
+        action="store_true",
+        help="also train under portable mode at every TP size dividing the world size and check that "
+        "initial parameters and dropout masks are bit-identical",
+    )
     demo.set_defaults(func=_cmd_demo)
     info = sub.add_parser("info", help="which platform runs and why; every probe's result; every known platform")
     info.set_defaults(func=_cmd_info)

@@ -72,6 +72,10 @@ _EXIT_HOOK_ENV = "_HYPERRNG_DEMO_EXIT"
 """Test hook, not a feature: ``RANK:STEP:CODE`` makes that rank ``os._exit(CODE)`` at that training step."""
 
 
+_PORTABLE_MAX_RANKS = 8  # --portable runs one job per TP size that divides the world size
+_PORTABLE_STEPS = 2
+_PORTABLE_LOSS_TOLERANCE = 1e-5  # float reductions differ with the sharding; the random numbers do not
+
 @dataclass(frozen=True)
 class DemoConfig:
     """What the demo runs: mesh, steps, checkpoint step, base seed and where files go.
@@ -86,6 +90,7 @@ class DemoConfig:
     save_step: int = 2
     seed: int = 1234
     workdir: str = ""
+    portable: bool = False
 
     def validate(self) -> None:
         """Raise for a configuration the demo cannot run; change nothing.
@@ -109,6 +114,13 @@ class DemoConfig:
                 f"a world size of {self.world_size} cannot be arranged as dp x tp with tp={self.tp}; "
                 f"choose a --tp that divides {self.world_size}."
             )
+        if not isinstance(self.portable, bool):
+            raise ArgumentTypeError(f"portable must be True or False, got {self.portable!r}.")
+        if self.portable and self.world_size is not None and self.world_size > _PORTABLE_MAX_RANKS:
+            raise UsageError(
+                f"--portable trains at every TP size dividing the world size on up to {_PORTABLE_MAX_RANKS} "
+                f"processes; got --world-size {self.world_size}."
+            )
         if isinstance(self.save_step, bool) or not isinstance(self.save_step, int):
             raise UsageError(f"--save-step must be an integer, got {self.save_step!r}.")
         if self.steps < 2 or not 1 <= self.save_step < self.steps:
@@ -127,6 +139,10 @@ class DemoConfig:
         self.validate()
         job = _torchrun_world_size()
         if job is not None:
+            if self.portable:
+                raise UsageError(
+                    "--portable starts processes of its own at several TP sizes; run it outside torchrun."
+                )
             if self.world_size is not None and self.world_size != job:
                 raise UsageError(
                     f"--world-size {self.world_size} contradicts the torchrun job, which has WORLD_SIZE={job} "
@@ -480,6 +496,8 @@ def run_demo(cfg: DemoConfig) -> tuple[bool, str]:
             resumed = run_ranks(_resume, cfg.size, cfg, placement, backend=placement.backend)
             how = f"{cfg.size} processes {placement.describe()}; then {cfg.size} fresh ones for the resume"
     verdicts = _verdicts(cfg, trained, resumed, fresh=not torchrun)
+    if cfg.portable:
+        verdicts.append(_portable_verdict(cfg))
     ok = all(v for _, v, _ in verdicts)
     lines = [
         f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r} ({how})",
@@ -491,6 +509,23 @@ def run_demo(cfg: DemoConfig) -> tuple[bool, str]:
     lines += [f"  [{'PASS' if v else 'FAIL'}] {name}  ({detail})" for name, v, detail in verdicts]
     lines += ["", "every property holds" if ok else "SOME PROPERTIES FAILED"]
     return ok, "\n".join(lines)
+
+
+def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
+    """Train the same model under portable mode at every TP size dividing the world size (CPU, gloo)."""
+    from hyperrng.portable_mode import tp_invariance_report
+
+    world = cfg.size
+    sizes = tuple(tp for tp in range(1, world + 1) if world % tp == 0)
+    report = tp_invariance_report(sizes, world_size=world, steps=_PORTABLE_STEPS, seed=cfg.seed)
+    same = report["params_identical"] and report["masks_identical"]
+    drift = report["max_loss_difference"]
+    holds = same and drift <= _PORTABLE_LOSS_TOLERANCE
+    detail = (
+        f"TP={', '.join(map(str, sizes))} on {world} CPU processes: initial parameters and dropout masks "
+        f"{'bit-identical' if same else 'DIFFER'}, losses within {drift:.1e}"
+    )
+    return "portable mode: the same numbers at every TP size", holds, detail
 
 
 def main(cfg: DemoConfig | None = None) -> int:

@@ -121,6 +121,8 @@ def test_under_torchrun_a_world_size_that_contradicts_the_job_is_an_error() -> N
         (DemoConfig(seed=-1), InvalidSeedError, "--seed: seed must be in [0, 2**64 - 1], got -1"),
         (DemoConfig(seed=2**64), InvalidSeedError, "got 18446744073709551616"),
         (DemoConfig(seed="7"), ArgumentTypeError, "--seed: seed must be an int"),  # type: ignore[arg-type]
+        (DemoConfig(world_size=16, tp=4, portable=True), UsageError, "--portable trains at every TP size"),
+        (DemoConfig(portable=1), ArgumentTypeError, "portable must be True or False"),  # type: ignore[arg-type]
     ],
 )
 def test_configurations_the_demo_cannot_run_are_refused_before_any_process_starts(
@@ -158,6 +160,18 @@ def test_inside_torchrun_the_job_decides_the_world_size(monkeypatch: pytest.Monk
     assert DemoConfig(world_size=8).resolved().world_size == 8
     with pytest.raises(UsageError, match="--world-size 2 contradicts the torchrun job, which has WORLD_SIZE=8"):
         DemoConfig(world_size=2).resolved()
+    with pytest.raises(UsageError, match="run it outside torchrun"):
+        DemoConfig(portable=True).resolved()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_with_portable_the_demo_trains_every_tp_size_to_the_same_numbers_on_the_simulated_device() -> None:
+    out = _demo("--portable", HYPERRNG_PLATFORM="sim")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[PASS] portable mode: the same numbers at every TP size  (TP=1, 2, 4 on 4 CPU processes" in out.stdout
+    assert "initial parameters and dropout masks bit-identical" in out.stdout
+    assert out.stdout.count("[PASS]") == 6 and "every property holds" in out.stdout
 
 
 # -- where the ranks run ----------------------------------------------------------------------
