@@ -206,3 +206,113 @@ def test_a_tampered_checkpoint_is_refused_as_malformed_and_changes_nothing(
 
 def test_the_property_suite_refuses_with_the_documented_classes() -> None:
     assert issubclass(ArgumentTypeError, TypeError) and issubclass(CheckpointError, ValueError)
+
+
+# -- portable draws, sharded offsets, layouts: the remaining public entry points ------------------
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@SETTINGS
+@given(numel=st.one_of(not_ints, st.integers(max_value=-1)))
+def test_a_bad_reservation_size_is_refused_by_type_or_value(platform: platforms.Platform, numel: Any) -> None:
+    from hyperrng import portable
+
+    refused(platform, lambda: portable.reserve(numel), ValueError if _is_int(numel) else TypeError)
+
+
+@SETTINGS
+@given(
+    dim=st.one_of(
+        not_ints.filter(lambda v: not isinstance(v, list)),  # a list of ints would be a valid shape
+        st.integers(max_value=-1),
+        st.integers(min_value=2**40, max_value=2**61),
+    )
+)
+def test_a_bad_shape_for_a_portable_draw_is_refused_by_type_or_value(platform: platforms.Platform, dim: Any) -> None:
+    from hyperrng import portable
+
+    builtin = ValueError if _is_int(dim) else TypeError
+    for draw in (portable.uniform, portable.normal):
+        refused(platform, lambda: draw((2, dim)), builtin)  # noqa: B023
+    refused(platform, lambda: portable.bernoulli((dim,), 0.5), builtin)
+
+
+@SETTINGS
+@given(p=st.one_of(st.text(max_size=3), st.none(), st.booleans(), st.floats().filter(lambda f: not 0 <= f <= 1)))
+def test_a_bad_probability_is_refused_by_type_or_value(platform: platforms.Platform, p: Any) -> None:
+    from hyperrng import portable
+
+    builtin = ValueError if isinstance(p, float) else TypeError
+    refused(platform, lambda: portable.bernoulli((4,), p), builtin)
+    refused(platform, lambda: portable.dropout(torch.ones(4), p), builtin)
+
+
+mesh_sizes = st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=3)
+
+
+@SETTINGS
+@given(
+    sizes=mesh_sizes,
+    bad=st.one_of(not_ints.filter(lambda v: not isinstance(v, list)), st.integers(max_value=-1)),
+    where=st.sampled_from(["mesh", "coordinate", "shape"]),
+)
+def test_a_bad_mesh_coordinate_or_shape_is_refused_by_type_or_value(
+    platform: platforms.Platform, sizes: list[int], bad: Any, where: str
+) -> None:
+    from torch.distributed.tensor import Shard
+
+    from hyperrng.sharded import MeshInfo
+
+    mesh, coordinate, shape = list(sizes), [0] * len(sizes), [8, 8]
+    {"mesh": mesh, "coordinate": coordinate, "shape": shape}[where][0] = bad
+    placements = [Shard(0)] * len(sizes)
+    builtin = ValueError if _is_int(bad) else TypeError
+    refused(platform, lambda: hyperrng.rng_offsets(tuple(mesh), tuple(coordinate), placements, tuple(shape)), builtin)
+
+    def region() -> None:
+        with hyperrng.ShardedRNGTracker().distribute_region(
+            MeshInfo(tuple(mesh), tuple(coordinate)), placements, shape
+        ):
+            pytest.fail("a bad region must not be entered")
+
+    refused(platform, region, builtin)
+
+
+@SETTINGS
+@given(
+    sizes=mesh_sizes,
+    coordinate=st.lists(st.integers(min_value=0, max_value=8), min_size=1, max_size=3),
+)
+def test_a_coordinate_outside_the_mesh_is_a_value_error(
+    platform: platforms.Platform, sizes: list[int], coordinate: list[int]
+) -> None:
+    from torch.distributed.tensor import Shard
+
+    assume(len(coordinate) != len(sizes) or any(c >= s for c, s in zip(coordinate, sizes)))
+    placements = [Shard(0)] * len(sizes)
+    refused(platform, lambda: hyperrng.rng_offsets(tuple(sizes), tuple(coordinate), placements, (8, 8)), ValueError)
+
+
+@SETTINGS
+@given(
+    dims=st.one_of(
+        st.lists(st.one_of(st.integers(), st.none(), st.binary(max_size=2)), min_size=1, max_size=3),
+        st.integers(),
+        st.none(),
+    )
+)
+def test_a_layout_of_wrong_types_is_a_type_error(platform: platforms.Platform, dims: Any) -> None:
+    refused(platform, lambda: StreamLayout(dims=dims, default=(), streams={}), TypeError)
+    refused(platform, lambda: StreamLayout(dims=("dp",), default=dims, streams={}), TypeError)
+
+
+@SETTINGS
+@given(seed=st.one_of(not_ints.filter(lambda v: v is not None), out_of_range))
+def test_a_bad_portable_mode_seed_is_refused_by_type_or_value(platform: platforms.Platform, seed: Any) -> None:
+    def enter() -> None:
+        with hyperrng.portable_random(seed):
+            pytest.fail("a bad seed must not enter portable mode")
+
+    refused(platform, enter, ValueError if _is_int(seed) else TypeError)
+    assert not hyperrng.is_portable_random_enabled()
