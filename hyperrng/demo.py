@@ -76,6 +76,7 @@ _PORTABLE_MAX_RANKS = 8  # --portable runs one job per TP size that divides the 
 _PORTABLE_STEPS = 2
 _PORTABLE_LOSS_TOLERANCE = 1e-5  # float reductions differ with the sharding; the random numbers do not
 
+
 @dataclass(frozen=True)
 class DemoConfig:
     """What the demo runs: mesh, steps, checkpoint step, base seed and where files go.
@@ -140,9 +141,7 @@ class DemoConfig:
         job = _torchrun_world_size()
         if job is not None:
             if self.portable:
-                raise UsageError(
-                    "--portable starts processes of its own at several TP sizes; run it outside torchrun."
-                )
+                raise UsageError("--portable starts processes of its own at several TP sizes; run it outside torchrun.")
             if self.world_size is not None and self.world_size != job:
                 raise UsageError(
                     f"--world-size {self.world_size} contradicts the torchrun job, which has WORLD_SIZE={job} "
