@@ -36,6 +36,7 @@ shard's window, exactly as the ranks of a real job would be (see :mod:`hyperrng.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -291,6 +292,9 @@ class ShardedRNGTracker:
             check_instance(platform, Platform, "platform")
         self._platform = platform
         self._offsets: dict[tuple[Any, ...], tuple[int, int]] = {}
+        # The previous call's argument objects and result: an op repeated with the very same
+        # (immutable) objects, as a training loop does, skips hashing and comparing them.
+        self._last: tuple[Any, Any, Any, tuple[int, int]] | None = None
         self.distribute_region_enabled = True
 
     @property
@@ -366,19 +370,27 @@ class ShardedRNGTracker:
         return self._offsets_of(mesh, placements, global_shape)
 
     def _offsets_of(self, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[int, int]:
+        last = self._last
+        if last is not None and mesh is last[0] and placements is last[1] and global_shape is last[2]:
+            return last[3]  # the same objects (kept alive by _last, so no other object has their ids)
         key = _cache_key(mesh, placements, global_shape)
         try:
-            return self._offsets[key]  # type: ignore[index]
+            result = self._offsets[key]  # type: ignore[index]
         except (KeyError, TypeError):  # not cached yet, or unhashable: correct, just not cached
-            pass
-        info = as_mesh_info(mesh)
-        result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
-        if key is not None:
-            try:
-                self._offsets[key] = result
-            except TypeError:
-                pass
+            info = as_mesh_info(mesh)
+            result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
+            if key is not None:
+                try:
+                    self._offsets[key] = result
+                except TypeError:
+                    pass
+        self._remember(mesh, placements, global_shape, result)
         return result
+
+    def _remember(self, mesh: Any, placements: Any, global_shape: Any, result: tuple[int, int]) -> None:
+        """Keep the arguments for the identity fast path when none of them can change in place."""
+        if type(placements) is tuple and isinstance(global_shape, tuple) and _fixed_mesh(mesh):
+            self._last = (mesh, placements, global_shape, result)
 
     def _rank_offsets(
         self, mode: Any, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]
@@ -467,6 +479,15 @@ def _check_member(mesh: Any, rank: int | None) -> None:
         as_mesh_info(mesh, rank)
     except RankNotInMeshError:
         raise RankNotInMeshError(_SEED_NOT_IN_MESH) from None
+
+
+def _fixed_mesh(mesh: object) -> bool:
+    """Whether this rank's view of ``mesh`` cannot change: a ``MeshInfo``, or a ``DeviceMesh``
+    (only ever constructed once torch's device-mesh module is loaded, so it is not imported here)."""
+    if type(mesh) is MeshInfo:
+        return True
+    module = sys.modules.get("torch.distributed.device_mesh")
+    return module is not None and isinstance(mesh, module.DeviceMesh)
 
 
 def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:

@@ -324,3 +324,16 @@ def test_on_the_cpu_a_plain_generator_reads_as_its_seed_and_a_cursor_generator_k
         assert cpu.get_seed_offset(generator=kept) == (42, 8)
         torch.rand(3, generator=kept)
         assert cpu.get_seed_offset(generator=kept) == (42, 12), "a drawn block is not handed out again"
+
+
+def test_offsets_follow_a_placements_list_changed_in_place_between_ops() -> None:
+    """Repeated ops reuse the previous answer only for the very same immutable objects."""
+    tracker = ShardedRNGTracker()
+    mesh = MeshInfo((2, 2), (1, 0))
+    placements = [Shard(0), Replicate()]
+    first = tracker.offsets(mesh, placements, (8, 6))
+    placements[0], placements[1] = Replicate(), Shard(0)  # same list object, other sharding
+    assert tracker.offsets(mesh, placements, (8, 6)) == rng_offsets((2, 2), (1, 0), placements, (8, 6))
+    assert tracker.offsets(mesh, placements, (8, 6)) != first
+    fixed = (Shard(0), Replicate())
+    assert tracker.offsets(mesh, fixed, (8, 6)) == tracker.offsets(mesh, fixed, (8, 6)) == first
