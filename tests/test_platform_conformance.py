@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +79,31 @@ def test_check_platform_names_the_failing_check() -> None:
 
     with pytest.raises(AssertionError, match="conformance check 'refuses_bad_seeds' failed.*manual_seed\\(-1\\)"):
         check_platform(LaxPlatform())
+
+
+# -- the kit catches platforms that get the device index wrong ----------------------------------
+class _DeviceZeroOnly(platforms.CUDAPlatform):
+    """A broken plug-in: every hook that takes a device index uses device 0 instead."""
+
+    def __init__(self, broken: set[str]) -> None:
+        super().__init__(module=platforms.SimulatedDeviceModule(device_count=3, device_type="cuda"))
+        self._broken = broken
+
+    def _read_state(self, index: int) -> Any:
+        return super()._read_state(0 if "read" in self._broken else index)
+
+    def _write_state(self, state: Any, index: int) -> None:
+        super()._write_state(state, 0 if "write" in self._broken else index)
+
+    def _seed(self, seed: int, index: int) -> None:
+        super()._seed(seed, 0 if "seed" in self._broken else index)
+
+
+@pytest.mark.parametrize("broken", [{"read"}, {"write"}, {"seed"}, {"read", "write"}, {"read", "write", "seed"}])
+def test_the_kit_catches_a_platform_that_ignores_the_device_index(broken: set[str]) -> None:
+    with pytest.raises(AssertionError, match="conformance check"):
+        check_platform(_DeviceZeroOnly(broken))
+
+
+def test_the_kit_passes_the_same_platform_when_it_honours_the_index() -> None:
+    check_platform(_DeviceZeroOnly(set()))
