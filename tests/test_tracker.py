@@ -456,9 +456,18 @@ def test_a_bad_stream_name_is_refused(
     expect_refusal(platform, tracker, lambda: tracker.add(name, 1), error, "non-empty string")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["missing", "Model-Parallel-RNG"])
-def test_forking_an_unknown_stream_is_refused_with_a_hint(
-    setup: tuple[platforms.Platform, RNGStatesTracker], name: object
+@pytest.mark.parametrize(
+    ("name", "error", "fragment"),
+    [
+        ("missing", UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"),
+        ("Model-Parallel-RNG", UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"),
+        (5, ArgumentTypeError, "must be a non-empty string"),
+        (["unhashable"], ArgumentTypeError, "must be a non-empty string"),
+        (None, ArgumentTypeError, "must be a non-empty string"),
+    ],
+)
+def test_forking_a_name_that_is_no_stream_is_refused_unknown_names_with_a_hint(
+    setup: tuple[platforms.Platform, RNGStatesTracker], name: object, error: type[Exception], fragment: str
 ) -> None:
     platform, tracker = setup
     tracker.add("s", 1)
@@ -467,24 +476,8 @@ def test_forking_an_unknown_stream_is_refused_with_a_hint(
         with tracker.fork(name):  # type: ignore[arg-type]
             pass
 
-    expect_refusal(
-        platform, tracker, enter, UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"
-    )
-    assert issubclass(UnknownStreamError, KeyError)
-
-
-@pytest.mark.parametrize("name", [5, ["unhashable"], None])
-def test_forking_a_name_that_is_not_a_string_is_a_type_error(
-    setup: tuple[platforms.Platform, RNGStatesTracker], name: object
-) -> None:
-    platform, tracker = setup
-    tracker.add("s", 1)
-
-    def enter() -> None:
-        with tracker.fork(name):  # type: ignore[arg-type]
-            pass
-
-    expect_refusal(platform, tracker, enter, ArgumentTypeError, "must be a non-empty string")
+    expect_refusal(platform, tracker, enter, error, fragment)
+    assert issubclass(UnknownStreamError, KeyError) and issubclass(ArgumentTypeError, TypeError)
 
 
 def test_forking_streams_of_another_platform_is_refused() -> None:
