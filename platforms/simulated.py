@@ -160,6 +160,22 @@ class SimulatedGenerator:
         return f"<SimulatedGenerator {self.device_type}:{self.index} seed={c.seed} offset={c.offset}>"
 
 
+class _DeviceContext:
+    """``with module.device(i):`` runs the block with device ``i`` current, then restores the previous one."""
+
+    def __init__(self, module: SimulatedDeviceModule, device: int | str | torch.device) -> None:
+        self._module = module
+        self._target = device
+        self._previous = 0
+
+    def __enter__(self) -> None:
+        self._previous = self._module.current_device()
+        self._module.set_device(self._target)
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.set_device(self._previous)
+
+
 class SimulatedDeviceModule:
     """A device module in the shape of ``torch.cuda`` / ``torch.npu``, for simulated devices.
 
@@ -189,6 +205,15 @@ class SimulatedDeviceModule:
 
     def is_initialized(self) -> bool:
         return bool(self._generators)
+
+    @property
+    def _initialized(self) -> bool:
+        # What torch.utils.checkpoint reads (as for torch.cuda) to decide whether to save device states.
+        return self.is_initialized()
+
+    def device(self, device: int | str | torch.device) -> _DeviceContext:
+        """Context manager that makes ``device`` current inside the block, as ``torch.cuda.device`` does."""
+        return _DeviceContext(self, device)
 
     def _is_in_bad_fork(self) -> bool:
         return False

@@ -135,6 +135,21 @@ def test_a_draw_that_would_pass_the_last_offset_is_refused_and_changes_nothing(s
     assert sim.get_seed_offset(0) == (1, 2**63 - 4)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_torch_checkpoint_replays_device_dropout_in_backward_as_on_a_gpu(
+    sim: platforms.Platform, reentrant: bool
+) -> None:
+    import torch.utils.checkpoint as checkpoint
+
+    x = torch.ones(64, device=DEV, requires_grad=True)
+    y = x
+    for _ in range(3):  # the recompute must draw the forward's masks again, layer by layer
+        y = checkpoint.checkpoint(lambda t: F.dropout(t * 1.0, 0.5), y, use_reentrant=reentrant)
+    y.sum().backward()
+    assert x.grad is not None
+    assert torch.equal((x.grad != 0).cpu(), (y != 0).cpu())
+
+
 def test_an_explicit_generator_is_refused_and_changes_nothing(sim: platforms.Platform) -> None:
     before = sim.get_rng_state(0)
     with pytest.raises(RuntimeError, match="generator= is not supported"):
