@@ -113,15 +113,11 @@ def _draw(
     device = target.device
     kw.update(device=device, compiled=_STATE.compiled() and device.type in _COMPILED_DEVICE_TYPES)
     region = active_region()
-    if region is not None:
-        try:
-            global_shape, blocks = _shard_of(region, target, what)
-            key, offset = region.position
-            values = _assemble(blocks, lambda block: fn(global_shape, key=key, offset=offset, shard=block, **kw))
-            region.consume(round_up_offset(math.prod(global_shape)))
-        except HyperRNGError:
-            region.cancel()  # refused before drawing: every rank stays where it was
-            raise
+    if region is not None:  # a refusal here cancels the region (see _cancelling): every rank stays put
+        global_shape, blocks = _shard_of(region, target, what)
+        key, offset = region.position
+        values = _assemble(blocks, lambda block: fn(global_shape, key=key, offset=offset, shard=block, **kw))
+        region.consume(round_up_offset(math.prod(global_shape)))
         return values
     p = platforms.current()
     if generator is not None and not (p.counter_based and generator.device.type == p.device_type):
@@ -382,6 +378,24 @@ def _has_kernel(op: Any, key: str) -> bool:
     return key == "PrivateUse1" and torch._C._get_privateuse1_backend_name() != "privateuseone"
 
 
+@functools.cache
+def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel``, cancelling the active sharded region when it refuses an op (a bad dtype, an
+    unsupported op): every rank then stays where it was instead of moving past the op."""
+
+    @functools.wraps(kernel)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return kernel(*args, **kwargs)
+        except HyperRNGError:
+            region = active_region()
+            if region is not None:
+                region.cancel()
+            raise
+
+    return run
+
+
 def _register() -> Any:
     library = torch.library.Library("aten", "IMPL")
     try:
@@ -390,10 +404,10 @@ def _register() -> Any:
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             for key in _dispatch_keys():
                 for name, fn in PORTABLE_OPS.items():
-                    library.impl(name, fn, key)
+                    library.impl(name, _cancelling(fn), key)
                 for op in _random_aten_ops():
                     if _op_label(op) not in PORTABLE_OPS and _has_kernel(op, key):
-                        library.impl(_op_label(op), _refusal(op, key), key)
+                        library.impl(_op_label(op), _cancelling(_refusal(op, key)), key)
     except BaseException:
         library._destroy()
         raise

@@ -341,6 +341,23 @@ def test_a_partial_placement_or_a_foreign_shape_in_a_region_is_refused() -> None
         assert _position() == (SEED, 0)
 
 
+@pytest.mark.parametrize(
+    ("op", "error"),
+    [
+        (lambda: torch.zeros(2, dtype=torch.int32).uniform_(), UnsupportedDTypeError),
+        (lambda: torch.zeros(2, dtype=torch.int64).normal_(), UnsupportedDTypeError),
+        (lambda: torch.empty(2).exponential_(), UnsupportedPortableOpError),
+        (lambda: torch.empty(2).random_(0, 2**40), InvalidParameterError),
+    ],
+)
+def test_an_op_refused_inside_a_region_leaves_every_rank_where_it_was(op: Callable[[], object], error: type) -> None:
+    tracker = ShardedRNGTracker()
+    with portable_random(SEED):
+        with pytest.raises(error), tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
+            op()
+        assert _position() == (SEED, 0)
+
+
 # -- bad input: typed errors, nothing changed ----------------------------------------------------
 @pytest.mark.parametrize(
     ("call", "error", "message"),
