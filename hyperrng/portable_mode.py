@@ -93,6 +93,7 @@ __all__ = [
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_RANGE = 2**32  # random_/randint draw one 32-bit word per element
+_COMPILED_SEED_RANGE = (-(2**63), 2**63 - 1)  # how torch.compile'd code draws the seeds of its random ops
 _COMPILED_DEVICE_TYPES = frozenset({"cpu", "cuda"})  # where torch.compile runs the Philox loop
 
 
@@ -228,6 +229,13 @@ def _random_from(
             f"2**32 values: pass an upper bound."
         )
     span = high - low
+    if (low, high) == _COMPILED_SEED_RANGE:
+        raise UnsupportedPortableOpError(
+            "a torch.compile'd function draws its random numbers from seeds it takes with randint over the "
+            "whole int64 range, and compiled random ops are not portable. Set "
+            "torch._inductor.config.fallback_random = True (compiled code then calls torch's random ops, "
+            "which are portable here), or call the compiled function outside portable_random()."
+        )
     if not 1 <= span <= _MAX_RANGE:
         raise InvalidParameterError(
             f"random_/randint: the range [{low}, {high}) holds {span} values; portable mode needs 1 to 2**32."

@@ -475,3 +475,23 @@ def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
         philox.uniform(4, SEED, out=out)
     if before is not None:
         assert torch.equal(out, before) or torch.isnan(before).any()
+
+
+@pytest.mark.slow
+def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_random(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    torch._dynamo.reset()
+    draw = torch.compile(lambda: torch.rand(8) + 0)
+    with portable_random(SEED):
+        with pytest.raises(UnsupportedPortableOpError, match="fallback_random = True"):
+            draw()
+        assert _position() == (SEED, 0)
+    monkeypatch.setattr(inductor, "fallback_random", True)
+    torch._dynamo.reset()
+    draw = torch.compile(lambda: torch.rand(8) + 0)
+    with portable_random(SEED):
+        assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=0))
