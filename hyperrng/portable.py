@@ -80,7 +80,8 @@ def _reserved(numel: object, generator: torch.Generator | None, draw: Callable[[
     end = offset + round_up_offset(count)
     if end > MAX_OFFSET:
         raise InvalidOffsetError(
-            f"reserving {count} counters at offset {offset} would pass 2**63 - 1; reseed the generator."
+            f"reserving {count} counters at offset {offset} would pass 2**63 - 1; no generator moves past "
+            f"2**63 - 1: reseed it (e.g. with portable_random(seed)) before drawing."
         )
     result = draw(seed, offset)
     p.set_seed_offset(seed, end, generator=generator)

@@ -68,16 +68,15 @@ from hyperrng import philox
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
-    InvalidOffsetError,
     InvalidParameterError,
     InvalidShapeError,
     ShardingError,
     UnsupportedDTypeError,
     UnsupportedPortableOpError,
 )
-from hyperrng.portable import shard_slices
+from hyperrng.portable import _assemble, _reserved, shard_slices
 from hyperrng.sharded import active_region
-from platforms.validate import MAX_OFFSET, check_seed, round_up_offset
+from platforms.validate import check_seed, round_up_offset
 
 __all__ = [
     "PORTABLE_OPS",
@@ -128,19 +127,11 @@ def _draw(
             f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
             f"or portable_random(seed) instead."
         )
-    seed, offset = p.get_seed_offset(generator=generator)
-    end = offset + round_up_offset(target.numel())
-    if end > MAX_OFFSET:
-        raise InvalidOffsetError(
-            f"{what} of {target.numel()} elements at offset {offset} would move the generator past 2**63 - 1; "
-            f"reseed it (e.g. portable_random(seed)) before drawing."
-        )
-    values = fn(tuple(target.shape), key=seed, offset=offset, **kw)
-    p.set_seed_offset(seed, end, generator=generator)
-    return values
+    shape = tuple(target.shape)
+    return _reserved(target.numel(), generator, lambda key, offset: fn(shape, key=key, offset=offset, **kw))
 
 
-def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, ...], list[slice] | list[list[slice]]]:
+def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, ...], list[list[slice]]]:
     """The global shape of the region's op and, per dim, the slices of it that ``target`` holds."""
     for placement in region.placements:
         if getattr(placement, "is_partial", lambda: False)():
@@ -157,15 +148,6 @@ def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, 
             f"{local} (global {global_shape}); run ops on other tensors outside the region."
         )
     return global_shape, per_dim
-
-
-def _assemble(per_dim: Any, draw: Callable[[list[slice]], torch.Tensor]) -> torch.Tensor:
-    """Draw each block of the cartesian product of per-dim slices and put them together."""
-    for d, slices in enumerate(per_dim):
-        if len(slices) > 1:
-            parts = [_assemble(per_dim[:d] + [[s]] + per_dim[d + 1 :], draw) for s in slices]
-            return torch.cat(parts, dim=d)
-    return draw([s[0] for s in per_dim])
 
 
 # -- the portable kernels ----------------------------------------------------------------------

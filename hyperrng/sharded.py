@@ -206,10 +206,7 @@ class _Region:
     def __enter__(self) -> None:
         p, gen = self._platform, self._generator
         seed, base = p.get_seed_offset(None, gen)
-        if base + self._end > MAX_OFFSET:
-            raise InvalidOffsetError(
-                f"the generator offset {base} plus this op's {self._end} would pass 2**63 - 1; reseed the generator."
-            )
+        _check_room(base, self._end)
         self._seed, self._base = seed, base
         p.set_seed_offset(seed, base + self._start, None, gen)
         _ACTIVE.stack.append(self)
@@ -220,6 +217,14 @@ class _Region:
             stack.pop()
         end = self._consumed if self._consumed or self._cancelled else self._end
         self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
+
+
+def _check_room(base: int, end: int) -> None:
+    """Refuse a region whose op would carry the generator offset past 2**63 - 1 (before anything moves)."""
+    if base + end > MAX_OFFSET:
+        raise InvalidOffsetError(
+            f"the generator offset {base} plus this op's {end} would pass 2**63 - 1; reseed the generator."
+        )
 
 
 def active_region() -> _Region | None:
@@ -258,10 +263,7 @@ class _LocalRegion:
         else:
             _local_ranks.load_rank(mode, min(mode.ranks))
             seed, base = p.get_seed_offset()
-        if base + self._end > MAX_OFFSET:
-            raise InvalidOffsetError(
-                f"the generator offset {base} plus this op's {self._end} would pass 2**63 - 1; reseed the generator."
-            )
+        _check_room(base, self._end)
         if self._source is not None:
             self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
         self._seed, self._base = seed, base
