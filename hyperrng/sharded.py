@@ -206,7 +206,8 @@ class _Region:
     def __enter__(self) -> None:
         p, gen = self._platform, self._generator
         seed, base = p.get_seed_offset(None, gen)
-        _check_room(base, self._end)
+        if base + self._end > MAX_OFFSET:
+            _check_room(base, self._end)
         self._seed, self._base = seed, base
         p.set_seed_offset(seed, base + self._start, None, gen)
         _ACTIVE.stack.append(self)
@@ -373,8 +374,17 @@ class ShardedRNGTracker:
 
     def _offsets_of(self, mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[int, int]:
         last = self._last
-        if last is not None and mesh is last[0] and placements is last[1] and global_shape is last[2]:
-            return last[3]  # the same objects (kept alive by _last, so no other object has their ids)
+        if (
+            last is not None
+            and mesh is last[0]
+            and (placements is last[1] if type(placements) is tuple else placements == last[1])
+            and (global_shape is last[2] or (type(global_shape) is torch.Size and global_shape == last[2]))
+        ):
+            # The same mesh object, the same placements (a list compared with a copy of the last
+            # one, as a list may change in place) and the same shape (a torch.Size holds exact
+            # ints, so equality is exact). The objects are kept alive by _last, so no other
+            # object has their ids.
+            return last[3]
         key = _cache_key(mesh, placements, global_shape)
         try:
             result = self._offsets[key]  # type: ignore[index]
@@ -390,8 +400,13 @@ class ShardedRNGTracker:
         return result
 
     def _remember(self, mesh: Any, placements: Any, global_shape: Any, result: tuple[int, int]) -> None:
-        """Keep the arguments for the identity fast path when none of them can change in place."""
-        if type(placements) is tuple and isinstance(global_shape, tuple) and _fixed_mesh(mesh):
+        """Keep the arguments for the fast path of a repeated op: the mesh and shape when they cannot
+        change in place, and the placements themselves (a tuple) or a copy of them (a list)."""
+        if type(placements) is list:
+            placements = list(placements)
+        elif type(placements) is not tuple:
+            return
+        if isinstance(global_shape, tuple) and _fixed_mesh(mesh):
             self._last = (mesh, placements, global_shape, result)
 
     def _rank_offsets(

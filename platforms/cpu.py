@@ -27,7 +27,12 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   of, so the cursor models them: once the generator has drawn from the stream of
   (seed, offset) — torch's own draw counters in the state say whether it has — the
   position reads ``(seed, offset + 4)``, the next block, so that nothing positioned
-  afterwards replays what was drawn.
+  afterwards replays what was drawn. Sharded regions ask on every op, so for
+  ``torch.default_generator`` the two counters are read where the generator keeps them
+  rather than from a 5 KB copy of its state; that place is found once, on a scratch
+  generator, and confirmed against the default generator's own ``get_state()`` before it
+  is trusted (:func:`live_counters_in_use` says whether it was; otherwise the copy is
+  read, with the same answers).
 * A generator reseeded or replaced behind the platform's back (``torch.manual_seed``,
   ``torch.set_rng_state``) no longer carries the MT19937 seed its cursor models; the
   position then reads ``(initial_seed, 0)``, which is what ``torch.manual_seed`` means.
@@ -49,6 +54,7 @@ import functools
 import numpy as np
 import torch
 
+from platforms._mt_counters import DrawCounters, locate
 from platforms.base import Platform, StateIO
 from platforms.errors import InvalidStateError
 from platforms.mix import mix64
@@ -79,7 +85,7 @@ _MASK32 = (1 << 32) - 1  # torch's MT19937 seeding reads only these bits
 class _Header(ctypes.Structure):
     """The head of that state; ``left`` and ``next`` are what seeding sets (1 and 0) and every draw moves.
 
-    Read in place (``from_address``) because sharded regions ask on every op.
+    Read in place (``from_address``) in the copy, for generators whose counters are not read live.
     """
 
     _fields_ = [
@@ -133,6 +139,34 @@ def seed_generator(gen: torch.Generator, seed: int) -> None:
     words &= _MASK32
     raw[:8] = np.frombuffer(seed.to_bytes(8, "little"), dtype=np.uint8)  # what initial_seed() reports
     gen.set_state(state)
+
+
+_UNLOCATED = object()
+_default_counters: DrawCounters | None | object = _UNLOCATED  # found on first use; None: read a copy
+
+
+def live_counters_in_use() -> bool:
+    """Whether position reads of ``torch.default_generator`` find its draw counters in place
+    (see :mod:`platforms._mt_counters`) rather than in a copy of its state; the answers are the same."""
+    return _locate_default_counters() is not None
+
+
+def _locate_default_counters() -> DrawCounters | None:
+    global _default_counters
+    if _default_counters is _UNLOCATED:
+        _default_counters = locate(torch.default_generator)
+    return _default_counters  # type: ignore[return-value]
+
+
+def _has_drawn(gen: torch.Generator) -> bool:
+    """Whether ``gen``'s MT19937 engine has drawn since it was last seeded."""
+    if gen is torch.default_generator:
+        counters = _default_counters if _default_counters is not _UNLOCATED else _locate_default_counters()
+        if counters is not None:
+            return counters.drawn()  # type: ignore[union-attr, attr-defined]
+    state = gen.get_state()  # held while its header is read in place
+    header = _Header.from_address(state.data_ptr())
+    return header.left != 1 or header.next != 0
 
 
 class _Cursor:
@@ -204,11 +238,8 @@ class CPUPlatform(Platform):
             seed, offset = cursor.seed, cursor.offset
         else:  # no cursor, or reseeded behind the platform's back: the stream of a plain manual_seed
             seed, offset = current, 0
-        if offset < _LAST_BLOCK:
-            state = gen.get_state()  # held while its header is read in place
-            header = _Header.from_address(state.data_ptr())
-            if header.left != 1 or header.next != 0:  # the generator has drawn from this position's stream
-                offset += OFFSET_ALIGN
+        if offset < _LAST_BLOCK and _has_drawn(gen):  # the generator has drawn from this position's stream
+            offset += OFFSET_ALIGN
         return seed, offset
 
     def set_seed_offset(

@@ -337,3 +337,19 @@ def test_offsets_follow_a_placements_list_changed_in_place_between_ops() -> None
     assert tracker.offsets(mesh, placements, (8, 6)) != first
     fixed = (Shard(0), Replicate())
     assert tracker.offsets(mesh, fixed, (8, 6)) == tracker.offsets(mesh, fixed, (8, 6)) == first
+
+
+def test_a_repeated_op_with_a_rebuilt_list_and_shape_reuses_the_answer_and_a_changed_one_does_not() -> None:
+    """The fast path for a repeated op compares a list of placements and a torch.Size by value."""
+    tracker = ShardedRNGTracker()
+    mesh = MeshInfo((4, 2), (3, 1))
+    first = tracker.offsets(mesh, [Shard(0), Replicate()], torch.Size((10, 6)))
+    assert tracker.offsets(mesh, [Shard(0), Replicate()], torch.Size((10, 6))) == first
+    assert tracker.offsets(mesh, [Shard(1), Replicate()], torch.Size((10, 6))) == rng_offsets(
+        (4, 2), (3, 1), [Shard(1), Replicate()], (10, 6)
+    )
+    assert tracker.offsets(mesh, [Shard(1), Replicate()], torch.Size((1, 7))) == rng_offsets(
+        (4, 2), (3, 1), [Shard(1), Replicate()], (1, 7)
+    )
+    with pytest.raises(ArgumentTypeError):  # equal to the last shape by ==, but a bool: validated, not reused
+        tracker.offsets(mesh, [Shard(1), Replicate()], (True, 7))

@@ -14,7 +14,8 @@ Each question is answered against a baseline timed in the same run, in interleav
   :func:`~hyperrng.sharding.rng_offsets` once per rank.
 * ``distribute_region``: enter+exit of a region on the current platform, offsets cached,
   against a bare ``tracker.fork()`` (target on the CPU: at most 1.5x), on a small mesh and
-  on an 8192-rank one, to show the cost does not depend on mesh size; and the slowest
+  on an 8192-rank one, to show the cost does not depend on mesh size, and with the
+  arguments a layer passes (a list made at the call, the tensor's ``torch.Size``); and the slowest
   round of 10,000 regions over 200,000 in one process against the fastest (target 1.5x),
   to show that nothing builds up over a run.
 """
@@ -129,6 +130,7 @@ _FLAT_TARGET = 1.5  # over a long run, the slowest round of regions within this 
 
 
 def _bench_region(quick: bool) -> list[BenchResult]:
+    import torch
     from torch.distributed.tensor import Replicate, Shard
 
     import platforms
@@ -142,6 +144,8 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     sharded = ShardedRNGTracker()
     small = (MeshInfo((2, 2), (1, 0)), [Shard(0), Replicate()], (64, 64))
     large = (MeshInfo((8, 16, 64), (7, 15, 63)), [Shard(0), Shard(1), Shard(0)], (5000, 3001))
+    x = torch.empty(64, 64)
+    shard, replicate = small[1]
 
     def fork() -> None:
         with tracker.fork("bench-region"):
@@ -151,8 +155,14 @@ def _bench_region(quick: bool) -> list[BenchResult]:
         with sharded.distribute_region(*args):
             pass
 
+    def rebuilt() -> None:  # as a layer writes it: a list made at the call and the tensor's shape
+        with sharded.distribute_region(small[0], [shard, replicate], x.shape):
+            pass
+
     best = interleaved(
-        {"fork": fork, "small": lambda: region(small), "large": lambda: region(large)}, number=number, rounds=rounds
+        {"fork": fork, "small": lambda: region(small), "large": lambda: region(large), "rebuilt": rebuilt},
+        number=number,
+        rounds=rounds,
     )
     # Build-up shows only in a long run: 200,000 regions in rounds of 10,000, each at a new
     # position as in training (every region moves the generator on).
@@ -166,6 +176,14 @@ def _bench_region(quick: bool) -> list[BenchResult]:
             "tracker.fork() enter+exit",
             best["fork"],
             target=target,
+        ),
+        BenchResult(
+            f"{platform.name}: distribute_region, 2x2 mesh, arguments rebuilt every op",
+            best["rebuilt"],
+            "tracker.fork() enter+exit",
+            best["fork"],
+            target=target,
+            note="a new placements list and the tensor's torch.Size at each call",
         ),
         BenchResult(
             f"{platform.name}: distribute_region, 8192-rank mesh",

@@ -1,0 +1,126 @@
+"""Whether torch's CPU generator has drawn since it was seeded, without copying its state.
+
+A freshly seeded MT19937 engine has ``left == 1`` and ``next == 0``; the first draw
+changes both, and they never return to that pair until the engine is seeded again. The
+CPU platform asks this on every position read, and a sharded region reads a position on
+every op. ``get_state()`` answers it with a 5 KB copy and a tensor allocation (about
+0.7 us); this module finds where the generator keeps the two counters and reads them in
+place (about 0.05 us).
+
+The place is found, not assumed:
+
+1. The Python ``Generator`` object must hold exactly one pointer after its object header
+   (its C++ generator), or nothing is read.
+2. On a scratch ``torch.Generator()`` (the same C++ class as the default generator),
+   seeding with a distinctive 64-bit value shows where the engine's seed word sits; the
+   counters follow it. The scratch generator is then drawn from in sizes that move the
+   counters through a whole MT19937 block, and the in-place counters must equal what
+   ``get_state()`` reports after each draw.
+3. For the generator actually read (``torch.default_generator``), the seed word at that
+   place must equal ``initial_seed()`` and the counters what its ``get_state()`` reports.
+   Nothing of that generator is changed by the check.
+
+Any mismatch or error leaves :func:`locate` returning ``None``, and the caller reads a
+copy of the state as before. Reads stay within the first few hundred bytes of the C++
+generator, whose MT19937 words alone take 2.5 KB, so a layout unlike the one expected
+fails a check instead of reading outside the object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+__all__ = ["DrawCounters", "locate"]
+
+_PROBE_SEED = 0x5EED_C0DE_7A6E_0F15  # distinctive in all 64 bits, so it cannot be mistaken for other data
+_SEARCH_BYTES = 256  # where the engine's seed word may sit in the C++ generator
+_ALIGN = 8
+# Offsets from the engine's seed word, as torch's mt19937 data lays it out: uint64 seed,
+# int32 left, bool seeded (padded), uint32 next.
+_LEFT_AT, _NEXT_AT = 8, 16
+# The same counters in get_state()'s header: uint64 initial seed, int32 left, int32 seeded, uint64 next.
+_STATE_LEFT, _STATE_NEXT = slice(8, 12), slice(16, 24)
+_PROBE_DRAWS = (1, 3, 700, 1)  # past 624 words: the engine regenerates its block and resets the counters
+
+
+class DrawCounters:
+    """MT19937's ``left`` and ``next`` counters of one generator, read where the generator keeps them."""
+
+    __slots__ = ("_left", "_next", "_seed")
+
+    def __init__(self, address: int) -> None:
+        self._seed = ctypes.c_uint64.from_address(address)
+        self._left = ctypes.c_int32.from_address(address + _LEFT_AT)
+        self._next = ctypes.c_uint32.from_address(address + _NEXT_AT)
+
+    def drawn(self) -> bool:
+        """Whether the engine has drawn since it was last seeded."""
+        return self._left.value != 1 or self._next.value != 0
+
+    def agrees_with(self, gen: torch.Generator) -> bool:
+        """Whether these counters and seed word are ``gen``'s, as its ``get_state()`` reports them."""
+        raw = gen.get_state().numpy().tobytes()
+        return (
+            self._seed.value == gen.initial_seed()
+            and self._left.value == int.from_bytes(raw[_STATE_LEFT], "little", signed=True)
+            and self._next.value == int.from_bytes(raw[_STATE_NEXT], "little")
+        )
+
+
+def _engine_address(gen: torch.Generator) -> int | None:
+    """The address of the C++ generator behind ``gen``, if the Python object holds just that pointer
+    after its header (besides the slots Python itself keeps for weak references and a ``__dict__``)."""
+    kind, word, head = type(gen), ctypes.sizeof(ctypes.c_void_p), object.__basicsize__
+    python_slots = [at for at in (kind.__weakrefoffset__, kind.__dictoffset__) if at > 0]
+    own_fields = kind.__basicsize__ - head - len(python_slots) * word
+    if sys.byteorder != "little" or head in python_slots or own_fields != word:
+        return None
+    return ctypes.c_void_p.from_address(id(gen) + head).value
+
+
+def _seed_word_offset() -> int | None:
+    """Where the engine's seed word sits in a CPU generator, checked by drawing on a scratch generator."""
+    scratch = torch.Generator()
+    base = _engine_address(scratch)
+    if not base:
+        return None
+    scratch.manual_seed(_PROBE_SEED)
+    raw = ctypes.string_at(base, _SEARCH_BYTES)
+    wanted = _PROBE_SEED.to_bytes(8, "little")
+    for offset in range(0, _SEARCH_BYTES - _NEXT_AT - 4 + 1, _ALIGN):
+        if raw[offset : offset + 8] != wanted:
+            continue
+        counters = DrawCounters(base + offset)
+        if counters.drawn() or not counters.agrees_with(scratch):
+            continue
+        if all(_draw_and_agree(scratch, counters, n) for n in _PROBE_DRAWS):
+            return offset
+        scratch.manual_seed(_PROBE_SEED)
+    return None
+
+
+def _draw_and_agree(gen: torch.Generator, counters: DrawCounters, n: int) -> bool:
+    torch.empty(n, dtype=torch.float64).uniform_(generator=gen)
+    return counters.drawn() and counters.agrees_with(gen)
+
+
+def locate(gen: torch.Generator) -> DrawCounters | None:
+    """The in-place draw counters of CPU generator ``gen``, or ``None`` where they cannot be found and confirmed.
+
+    ``gen`` is only read. Call it once per generator and keep the result: the generator's
+    C++ object does not move while ``gen`` lives.
+    """
+    try:
+        if gen.device.type != "cpu":
+            return None
+        offset = _seed_word_offset()
+        base = _engine_address(gen)
+        if offset is None or not base:
+            return None
+        counters = DrawCounters(base + offset)
+        return counters if counters.agrees_with(gen) else None
+    except Exception:  # any surprise in the layout: fall back to reading a copy of the state
+        return None
