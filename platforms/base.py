@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 
 from platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
-from platforms.validate import check_index, check_offset, check_seed, check_state
+from platforms.validate import OFFSET_ALIGN, check_index, check_offset, check_seed, check_state
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 
@@ -144,11 +144,22 @@ class Platform:
     def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
         """Return ``state`` if :meth:`set_rng_state` would accept it; change nothing.
 
+        A counter-based state in the 16-byte (seed, offset) form must hold an offset that
+        a device can have: non-negative and a multiple of 4 (Philox draws whole blocks).
+
         Raises:
-            InvalidStateError: wrong type, dtype, length or device, or (where the platform
-                can tell) contents its generator refuses.
+            InvalidStateError: wrong type, dtype, length or device, an impossible offset,
+                or (where the platform can tell) contents its generator refuses.
         """
-        return check_state(state, self.state_nbytes, self.name)
+        checked = check_state(state, self.state_nbytes, self.name)
+        if self.counter_based and self.state_nbytes == COUNTER_STATE_NBYTES:
+            seed, offset = unpack_counter_state(checked)
+            if offset < 0 or offset % OFFSET_ALIGN:
+                raise InvalidStateError(
+                    f"RNG state for platform {self.name!r} has offset {offset} (seed {seed}); offsets are "
+                    f"non-negative multiples of {OFFSET_ALIGN}. Pass a state returned by get_rng_state(), unmodified."
+                )
+        return checked
 
     def manual_seed(self, seed: int, index: int | None = None) -> None:
         """Seed device ``index`` (offset 0 on counter-based platforms).

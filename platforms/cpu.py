@@ -22,7 +22,9 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   0, so it is exactly ``manual_seed(seed)``; otherwise ``(M(seed) + offset / 4) mod 2**32``
   with ``M`` a stable 64-bit mix: equal pairs give equal streams on every rank, two
   positive offsets of one seed below 2**34 never share a stream, any other two positions
-  share one with probability about ``2**-32``) and sets the cursor to the pair.
+  share one with probability about ``2**-32``) and sets the cursor to the pair. The
+  generator's 64-bit ``initial_seed`` then carries that stream's seed in its low word and
+  a tag in its high word (see :func:`position_seed`), which MT19937 ignores.
 * ``get_seed_offset()`` reads the cursor. Draws cannot move an offset they know nothing
   of, so the cursor models them: once the generator has drawn from the stream of
   (seed, offset) — torch's own draw counters in the state say whether it has — the
@@ -34,8 +36,10 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   is trusted (:func:`live_counters_in_use` says whether it was; otherwise the copy is
   read, with the same answers).
 * A generator reseeded or replaced behind the platform's back (``torch.manual_seed``,
-  ``torch.set_rng_state``) no longer carries the MT19937 seed its cursor models; the
+  ``torch.set_rng_state``) no longer carries the initial seed its cursor models; the
   position then reads ``(initial_seed, 0)``, which is what ``torch.manual_seed`` means.
+  A positioned generator's initial seed is tagged (at least 2**63), so no
+  ``torch.manual_seed(s)`` with ``s`` below 2**63 can pass for it.
 * Other generators keep their cursor on themselves: a :class:`CursorGenerator` (a
   ``torch.Generator`` that torch's ops accept like any other) is positioned exactly. A
   plain ``torch.Generator`` has nowhere to keep one: positioning it reseeds it, and its
@@ -78,6 +82,7 @@ CPU_STATE_NBYTES = MT19937_STATE_NBYTES + _CURSOR_NBYTES
 
 _CPU_POSITION_DOMAIN = 0x43505530  # "CPU0": keeps modelled seeds apart from other mixes
 _MASK32 = (1 << 32) - 1  # torch's MT19937 seeding reads only these bits
+_POSITION_TAG_BIT = 1 << 31  # set in the high word of every positioned seed (offset > 0)
 
 
 # Layout of torch's CPU state (CPUGeneratorImplState): uint64 initial seed, int32 left,
@@ -105,21 +110,33 @@ _SCRATCH = torch.Generator()  # validates states by trying them; its own numbers
 
 
 @functools.lru_cache(maxsize=64)
-def _mixed(seed: int) -> int:
-    """The pure mix positions of ``seed`` count up from (memoised: a run positions few seeds, twice a region)."""
-    return mix64(seed ^ _CPU_POSITION_DOMAIN)
+def _mixed(seed: int) -> tuple[int, int]:
+    """What the positions of ``seed`` are built from: the low word they count up from, and the
+    high word that tags them (memoised: a run positions few seeds, twice a region)."""
+    mixed = mix64(seed ^ _CPU_POSITION_DOMAIN)
+    return mixed & _MASK32, ((mixed >> 32) | _POSITION_TAG_BIT) << 32
 
 
 def position_seed(seed: int, offset: int) -> int:
-    """The MT19937 seed that models position (seed, offset): ``seed`` itself at offset 0.
+    """The 64-bit seed given to MT19937 for position (seed, offset): ``seed`` itself at offset 0.
 
-    Other offsets count up from a mix of the seed, one per block of 4, in torch's 32-bit
-    seed space: injective in positive offsets below 2**34, so the shards of one op never
-    share a stream.
+    torch seeds MT19937 from the low word alone and reports all 64 bits as the generator's
+    ``initial_seed``. At other offsets the low word (the stream) counts up from a mix of the
+    seed, one per block of 4: injective in positive offsets below 2**34, so the shards of
+    one op never share a stream. The high word tags the position: its top bit is set, so a
+    seed below 2**63 given to ``torch.manual_seed`` is never mistaken for a position, and
+    the rest comes from the seed, so states saved at positions of two seeds that happen to
+    share a stream still carry different initial seeds.
     """
     if offset == 0:
         return seed
-    return (_mixed(seed) + offset // OFFSET_ALIGN) & _MASK32
+    low, tag = _mixed(seed)
+    return tag | ((low + offset // OFFSET_ALIGN) & _MASK32)
+
+
+def _legacy_position_seed(seed: int, offset: int) -> int:
+    """What :func:`position_seed` was before positions were tagged: its low word (states saved then still load)."""
+    return position_seed(seed, offset) & _MASK32 if offset else seed
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
@@ -254,11 +271,16 @@ class CPUPlatform(Platform):
             else check_offset(offset)
         )
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        mt_seed = s if o == 0 else (_mixed(s) + o // OFFSET_ALIGN) & _MASK32  # position_seed, inlined
-        if mt_seed <= _MASK32:
+        if o:  # position_seed, inlined: torch seeds from the low word and keeps the tag as initial_seed
+            low, tag = _mixed(s)
+            mt_seed = tag | ((low + o // OFFSET_ALIGN) & _MASK32)
             gen.manual_seed(mt_seed)
+        elif s <= _MASK32:
+            mt_seed = s
+            gen.manual_seed(s)
         else:
-            seed_generator(gen, mt_seed)
+            mt_seed = s
+            seed_generator(gen, s)
         cursor = _DEFAULT_CURSOR if gen is torch.default_generator else _cursor_of(gen)
         if cursor is not None:  # seeding made mt_seed the generator's initial seed
             cursor.seed, cursor.offset, cursor.mt_seed = s, o, mt_seed
@@ -284,7 +306,7 @@ class CPUPlatform(Platform):
                 f"RNG state for platform {self.name!r} has a cursor offset of {offset}; offsets are "
                 f"non-negative multiples of {OFFSET_ALIGN}. Pass a state returned by get_rng_state()."
             )
-        if position_seed(seed, offset) != _SCRATCH.initial_seed():
+        if _SCRATCH.initial_seed() not in (position_seed(seed, offset), _legacy_position_seed(seed, offset)):
             raise InvalidStateError(
                 f"RNG state for platform {self.name!r} has a cursor ({seed}, {offset}) that does not belong "
                 "to its MT19937 bytes (they were seeded for another position); pass a state returned by "

@@ -58,7 +58,7 @@ from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_coun
 from platforms.device_module import DeviceModulePlatform
 from platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
 from platforms.mix import combine64
-from platforms.validate import MAX_OFFSET, check_index, check_offset, check_seed, round_up_offset
+from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_index, check_offset, check_seed, round_up_offset
 
 __all__ = [
     "SIM_DEVICE_TYPE",
@@ -119,7 +119,13 @@ class SimulatedGenerator:
         # Torch restores device states from inside its own dispatch modes (LocalTensor mode does, while a
         # FakeTensorMode propagates shardings); CUDA's generator reads the bytes below them, and so does this one.
         with no_dispatch():
-            self._counter.seed, self._counter.offset = unpack_counter_state(new_state)
+            seed, offset = unpack_counter_state(new_state)
+        if offset < 0 or offset % OFFSET_ALIGN:  # CUDA's generator refuses these too
+            raise InvalidStateError(
+                f"simulated generator state has offset {offset}; offsets are non-negative multiples of "
+                f"{OFFSET_ALIGN}. Pass a state returned by get_state()."
+            )
+        self._counter.seed, self._counter.offset = seed, offset
         return self
 
     def manual_seed(self, seed: int) -> SimulatedGenerator:

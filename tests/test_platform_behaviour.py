@@ -45,6 +45,44 @@ def test_cpu_position_moves_one_block_once_drawn_from_and_follows_a_reseed() -> 
     assert cpu.get_seed_offset() == (77, 0)
 
 
+def test_cpu_torch_manual_seed_with_a_positions_own_stream_seed_still_reads_as_that_seed() -> None:
+    from platforms.cpu import position_seed
+
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(5, 8)
+    stream_seed = position_seed(5, 8) & (2**32 - 1)  # the 32 bits MT19937 was seeded from
+    assert torch.equal(torch.rand(4), (torch.manual_seed(stream_seed), torch.rand(4))[1])  # the same stream
+    cpu.set_seed_offset(5, 8)
+    torch.manual_seed(stream_seed)
+    assert cpu.get_seed_offset() == (stream_seed, 0)
+    cpu.set_seed_offset(5, 8)
+    torch.set_rng_state(torch.Generator().manual_seed(stream_seed).get_state())
+    assert cpu.get_seed_offset() == (stream_seed, 0)
+
+
+def test_cpu_position_seeds_are_tagged_above_every_seed_below_2_to_the_63() -> None:
+    from platforms.cpu import position_seed
+
+    for seed in [0, 5, 2**32 + 1, 2**64 - 1]:
+        assert position_seed(seed, 0) == seed
+        assert all(position_seed(seed, 4 * k) >= 2**63 for k in range(1, 1000))
+
+
+def test_cpu_state_saved_before_positions_were_tagged_still_loads_with_its_position() -> None:
+    from platforms.cpu import position_seed
+
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(1234, 8)
+    expected = torch.rand(6)
+    untagged = torch.Generator().manual_seed(position_seed(1234, 8) & (2**32 - 1)).get_state()
+    old_format = torch.cat((untagged, platforms.pack_counter_state(1234, 8)))
+    cpu.manual_seed(1)
+    cpu.set_rng_state(old_format)
+    assert cpu.get_seed_offset() == (1234, 8)
+    assert torch.equal(torch.rand(6), expected)
+    assert cpu.get_seed_offset() == (1234, 12)
+
+
 def test_cpu_state_is_the_mt19937_bytes_followed_by_the_cursor() -> None:
     cpu = CPUPlatform()
     cpu.set_seed_offset(2**40 + 9, 64)

@@ -813,3 +813,35 @@ def test_capturing_inside_a_fork_is_refused() -> None:
     with tracker.fork(MODEL_PARALLEL_STREAM):
         with pytest.raises(CheckpointError, match="inside a fork of stream 'model-parallel-rng'"):
             rng_state_dict()
+
+
+@pytest.mark.parametrize("where", ["devices", "streams"])
+@pytest.mark.parametrize("offset", [-4, 6, 2**63 - 1])
+def test_a_counter_based_state_with_an_impossible_offset_is_refused_and_changes_nothing(
+    where: str, offset: int
+) -> None:
+    with platforms.use(platforms.SimulatedPlatform()):
+        tracker = seeded_tracker()
+        state = rng_state_dict(tracker=tracker, layout=LAYOUT, coords=COORDS, base_seed=SEED)
+        draw_everything(tracker)
+
+        def forge(s: dict[str, Any]) -> None:
+            forged = platforms.pack_counter_state(5, offset)
+            if where == "devices":
+                s["devices"][1] = forged
+            else:
+                s["streams"][MODEL_PARALLEL_STREAM] = forged
+
+        error = expect_refusal(resealed(state, forge), tracker, f"offset {offset}")
+        assert "multiples of 4" in str(error)
+
+
+@pytest.mark.parametrize("offset", [-4, 6, 2**63 - 1])
+def test_a_simulated_generator_refuses_a_state_no_device_can_have(offset: int) -> None:
+    sim = platforms.SimulatedPlatform()
+    sim.set_seed_offset(5, 8, 0)
+    with pytest.raises(platforms.InvalidStateError, match="non-negative multiples of 4"):
+        sim.set_rng_state(platforms.pack_counter_state(5, offset), 0)
+    with pytest.raises(platforms.InvalidStateError, match="non-negative multiples of 4"):
+        sim.default_generator(0).set_state(platforms.pack_counter_state(5, offset))
+    assert sim.get_seed_offset(0) == (5, 8)

@@ -178,7 +178,7 @@ def _bench_region(quick: bool) -> list[BenchResult]:
             target=target,
         ),
         BenchResult(
-            f"{platform.name}: distribute_region, 2x2 mesh, arguments rebuilt every op",
+            f"{platform.name}: distribute_region, 2x2, args rebuilt",
             best["rebuilt"],
             "tracker.fork() enter+exit",
             best["fork"],
