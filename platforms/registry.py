@@ -41,6 +41,8 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AUTO_ORDER",
     "PlatformFactory",
+    "REQUIRED_METHODS",
+    "unimplemented_methods",
     "ProbeResult",
     "Selection",
     "register",
@@ -59,6 +61,15 @@ AUTO_ORDER = ("npu", "cuda", "cpu")
 """Built-ins tried, in order, when neither the environment nor a plug-in decides."""
 
 PlatformFactory = Callable[[], Platform]
+
+REQUIRED_METHODS: Mapping[str, str] = {
+    "device_count": "device_count()",
+    "_read_state": "_read_state(index)",
+    "_write_state": "_write_state(state, index)",
+    "_seed": "_seed(seed, index)",
+}
+"""The methods every :class:`Platform` subclass must implement (the base class only raises
+``NotImplementedError``), by attribute name, with the signature to write."""
 
 _FACTORIES: dict[str, PlatformFactory] = {
     "cpu": CPUPlatform,
@@ -91,17 +102,56 @@ class Selection:
 _selection: Selection | None = None
 
 
+def unimplemented_methods(platform: Platform | type[Platform]) -> tuple[str, ...]:
+    """The required methods (see :data:`REQUIRED_METHODS`) that ``platform`` leaves to the base class.
+
+    Args:
+        platform: a :class:`Platform` instance, or a :class:`Platform` subclass.
+
+    Returns:
+        The signatures of the methods it does not override (``"device_count()"``, ...),
+        in the order of :data:`REQUIRED_METHODS`; empty when it implements them all.
+        Inspects attributes only: calls nothing on the platform and touches no device.
+    """
+    missing = []
+    for attr, signature in REQUIRED_METHODS.items():
+        found = getattr(platform, attr, None)
+        if getattr(found, "__func__", found) is getattr(Platform, attr):
+            missing.append(signature)
+    return tuple(missing)
+
+
+def _require_methods(platform: Platform | type[Platform], label: str) -> None:
+    """Raise :class:`InvalidPlatformError` when ``platform`` (instance or class) lacks a required method."""
+    missing = unimplemented_methods(platform)
+    if missing:
+        cls = platform if isinstance(platform, type) else type(platform)
+        raise InvalidPlatformError(
+            f"{label} ({cls.__module__}.{cls.__qualname__}) does not implement {', '.join(missing)}, which "
+            "every platforms.Platform subclass must provide (the base class only raises NotImplementedError); "
+            "implement them in the subclass, or subclass platforms.DeviceModulePlatform when the device has a "
+            "torch device module (see the README, 'Plugging in a device')."
+        )
+
+
 def register(name: str, factory: PlatformFactory, *, replace: bool = False) -> None:
     """Register ``factory`` (a callable returning a :class:`Platform`) under ``name``.
 
+    A factory that is a :class:`Platform` subclass is checked here for the methods every
+    platform must implement (:data:`REQUIRED_METHODS`); any other factory is checked when
+    it is first called (by :func:`load`, :func:`select`). Nothing is registered on error.
+
     Raises:
         PlatformNameError: ``name`` is empty or contains ``:``, or is taken and ``replace`` is false.
-        InvalidPlatformError: ``factory`` is not callable.
+        InvalidPlatformError: ``factory`` is not callable, or is a :class:`Platform`
+            subclass that does not implement a required method (the message names them).
     """
     if not isinstance(name, str) or not name or ":" in name:
         raise PlatformNameError(f"platform name must be a non-empty string without ':', got {name!r}.")
     if not callable(factory):
         raise InvalidPlatformError(f"factory for platform {name!r} must be callable, got {type(factory).__name__}.")
+    if isinstance(factory, type) and issubclass(factory, Platform):
+        _require_methods(factory, f"cannot register platform {name!r}: its class")
     if name in _FACTORIES and not replace:
         raise PlatformNameError(
             f"platform {name!r} is already registered; pass replace=True to override it deliberately."
@@ -115,12 +165,20 @@ def registered() -> tuple[str, ...]:
 
 
 def _build(factory: Callable[[], object], label: str) -> Platform:
+    """Call ``factory`` and return the platform it made.
+
+    Raises:
+        InvalidPlatformError: the result is not a :class:`Platform`, or does not implement
+            a required method (see :func:`unimplemented_methods`).
+        Exception: whatever ``factory`` itself raises, unchanged (callers report it).
+    """
     platform = factory()
     if not isinstance(platform, Platform):
         raise InvalidPlatformError(
             f"{label} returned {type(platform).__name__}, not a platforms.Platform; "
             "make the factory return an instance of a Platform subclass."
         )
+    _require_methods(platform, f"{label} returned a platform whose class")
     return platform
 
 
@@ -162,7 +220,8 @@ def load(spec: str) -> Platform:
 
     Raises:
         UnknownPlatformError: no such name, or the module/attribute does not load.
-        InvalidPlatformError: the factory does not return a :class:`Platform`.
+        InvalidPlatformError: the factory does not return a :class:`Platform`, or returns
+            one that does not implement a required method (see :data:`REQUIRED_METHODS`).
         PlatformUnavailableError: the platform's probe says it cannot run here.
     """
     spec = spec.strip()
@@ -265,11 +324,22 @@ def current() -> Platform:
 
 
 def set_current(platform: Platform | str) -> Platform:
-    """Make ``platform`` (an instance, or a name/``module:Factory`` for :func:`load`) current."""
+    """Make ``platform`` (an instance, or a name/``module:Factory`` for :func:`load`) current.
+
+    Returns:
+        The platform now current.
+
+    Raises:
+        InvalidPlatformError: ``platform`` is neither a :class:`Platform` nor a string, or
+            is a platform that does not implement a required method. The selection is
+            unchanged on error.
+        UnknownPlatformError, PlatformUnavailableError: see :func:`load`.
+    """
     global _selection
     if isinstance(platform, str):
         resolved = load(platform)
     elif isinstance(platform, Platform):
+        _require_methods(platform, "cannot select the platform: its class")
         resolved = platform
     else:
         raise InvalidPlatformError(f"expected a Platform or a platform name, got {type(platform).__name__}.")

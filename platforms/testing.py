@@ -11,19 +11,23 @@ A platform author runs it against their implementation, with pytest::
             return MyPlatform()
 
 or without pytest: ``platforms.testing.check_platform(MyPlatform())`` raises
-``AssertionError`` naming the first check that fails. Every check leaves the RNG state of
-every device as it found it. Our CPU, CUDA, NPU and simulated platforms pass it.
+``AssertionError`` naming the first check that fails. A platform that does not implement
+the methods every platform must (``device_count``, ``_read_state``, ``_write_state``,
+``_seed``) fails every check with an ``AssertionError`` that names them. Every check
+leaves the RNG state of every device, and the current device, as it found them. Our CPU,
+CUDA, NPU and simulated platforms pass it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from platforms.base import Platform
+from platforms.base import Platform, StateIO
 from platforms.errors import (
     ArgumentTypeError,
     DeviceIndexError,
@@ -32,6 +36,7 @@ from platforms.errors import (
     InvalidSeedError,
     InvalidStateError,
 )
+from platforms.registry import unimplemented_methods
 
 __all__ = ["CHECKS", "check_platform"]
 
@@ -64,6 +69,18 @@ def _assert_refused(p: Platform, call: Callable[[], object], error: type[Excepti
     else:
         raise AssertionError(f"{what} was accepted; expected {error.__name__}")
     _assert_unchanged(p, before, what)
+
+
+@_check
+def implements_the_required_methods(p: Platform) -> None:
+    # Runs first: every other check calls them, and would otherwise stop at the base
+    # class's NotImplementedError instead of saying what is missing.
+    missing = unimplemented_methods(p)
+    assert not missing, (
+        f"{type(p).__qualname__} does not implement {', '.join(missing)}; every platforms.Platform subclass "
+        "must (the base class only raises NotImplementedError): implement them, or subclass "
+        "platforms.DeviceModulePlatform when the device has a torch device module."
+    )
 
 
 @_check
@@ -269,26 +286,127 @@ def exposes_the_generator_in_use(p: Platform) -> None:
     assert not torch.equal(p.get_rng_state(), before), "seeding default_generator() did not reach the platform"
 
 
-def _restoring(p: Platform) -> Iterator[None]:
+def _holder(p: Platform, packed: torch.Tensor) -> str:
+    """Which device holds the state ``packed`` (for messages): ``"device j"`` or ``"no device"``."""
+    holders = [f"device {j}" for j, state in enumerate(_states(p)) if torch.equal(state, packed)]
+    return " and ".join(holders) or "no device"
+
+
+def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
+    """Check that ``io`` (from ``state_io(i)``) reads, writes, packs and unpacks device ``i`` only."""
+    n = p.device_count()
+    for j in range(n):  # a different state on every device, so a read of the wrong one shows
+        p.manual_seed(4000 + j, j)
+    expected = _states(p)
+    snapshot = io.read()
+    packed = io.pack(snapshot)
+    assert torch.equal(packed, expected[i]), (
+        f"{what}: read() returned the state of {_holder(p, packed)}, not device {i}'s; state_io(index) must act "
+        "on device index whatever device is current, when it is called and when its functions are"
+    )
+    p.manual_seed(5000 + i, i)  # move device i on, then put the snapshot back
+    assert torch.equal(io.pack(snapshot), expected[i]), (
+        f"{what}: the snapshot read() returned changed when device {i} was reseeded; read() must return a copy"
+    )
+    moved = _states(p)
+    io.write(snapshot)
+    after = _states(p)
+    assert torch.equal(after[i], expected[i]), (
+        f"{what}: write(read()) did not restore device {i}'s state ({_holder(p, expected[i])} holds it now)"
+    )
+    for j in range(n):
+        assert j == i or torch.equal(after[j], moved[j]), f"{what}: write() changed device {j}, not only device {i}"
+
+    p.manual_seed(6000 + i, i)
+    state = p.get_rng_state(i)
+    original = state.clone()
+    unpacked = io.unpack(state)
+    state.zero_()  # unpack keeps no reference to the tensor it is given
+    packed = io.pack(unpacked)
+    assert torch.equal(packed, original), f"{what}: pack(unpack(state)) is not state"
+    packed.zero_()  # pack returns a tensor the caller may keep and modify
+    assert torch.equal(io.pack(unpacked), original), f"{what}: pack() returned the snapshot's own bytes, not a copy"
+    before = _states(p)
+    io.write(io.unpack(expected[i]))
+    after = _states(p)
+    assert torch.equal(after[i], expected[i]), f"{what}: write(unpack(state)) did not set device {i} to state"
+    for j in range(n):
+        assert j == i or torch.equal(after[j], before[j]), f"{what}: write() changed device {j}, not only device {i}"
+
+
+@_check
+def state_io_addresses_each_device(p: Platform) -> None:
+    # The fast path of tracker forks: state_io(i) must read and write device i, and only
+    # device i, whichever device was current when it was called and whichever is current
+    # when its functions run (the tracker keeps the accessors per index). A platform that
+    # always touches one device, or the current one, fails here.
+    n = p.device_count()
+    home = p.current_device()
+    currents = list(range(n)) if n > 1 else [home]  # set_device only where there is a choice
     saved = _states(p)
+    try:
+        for made_on in currents:
+            if n > 1:
+                p.set_device(made_on)
+            ios = [p.state_io(i) for i in range(n)]
+            current_io = p.state_io()
+            packed = current_io.pack(current_io.read())
+            assert torch.equal(packed, p.get_rng_state(made_on)), (
+                f"state_io() with device {made_on} current read the state of {_holder(p, packed)}; without an "
+                "index it must act on the current device"
+            )
+            for used_on in currents:
+                if n > 1:
+                    p.set_device(used_on)
+                for i, io in enumerate(ios):
+                    what = f"state_io({i}), made with device {made_on} current and used with device {used_on} current"
+                    _exercise_state_io(p, io, i, what)
+    finally:
+        if p.current_device() != home:
+            p.set_device(home)
+        for i, state in enumerate(saved):
+            p.set_rng_state(state, i)
+    assert p.current_device() == home, f"set_device({home}) did not make device {home} current again"
+
+
+@contextlib.contextmanager
+def _restored(p: Platform) -> Iterator[None]:
+    """Run the block, then put back every device's RNG state and the current device.
+
+    A platform without the required methods has no state to save; the block then runs
+    as is (its first check says what is missing).
+    """
+    if unimplemented_methods(p):
+        yield
+        return
+    saved = _states(p)
+    home = p.current_device()
     try:
         yield
     finally:
+        if p.current_device() != home:
+            p.set_device(home)
         for i, s in enumerate(saved):
             p.set_rng_state(s, i)
 
 
 def check_platform(platform: Platform) -> None:
-    """Run every conformance check on ``platform``; raise ``AssertionError`` on the first failure."""
+    """Run every conformance check in :data:`CHECKS` on ``platform``, in order.
+
+    Args:
+        platform: the platform to check; it must be available on this machine.
+
+    Raises:
+        AssertionError: on the first check that fails, naming the check, the platform and
+            what was wrong (a platform missing a required method fails the first check,
+            ``implements_the_required_methods``, which names the methods to implement).
+    """
     for name, check in CHECKS.items():
-        gen = _restoring(platform)
-        next(gen)
-        try:
-            check(platform)
-        except AssertionError as exc:
-            raise AssertionError(f"conformance check {name!r} failed for {platform!r}: {exc}") from exc
-        finally:
-            next(gen, None)
+        with _restored(platform):
+            try:
+                check(platform)
+            except AssertionError as exc:
+                raise AssertionError(f"conformance check {name!r} failed for {platform!r}: {exc}") from exc
 
 
 try:
@@ -302,10 +420,12 @@ else:
 
         @pytest.fixture(autouse=True)
         def _restore_states(self, platform: Platform) -> Iterator[None]:
-            yield from _restoring(platform)
+            with _restored(platform):
+                yield
 
         @pytest.mark.parametrize("check", list(CHECKS))
         def test_conformance(self, platform: Platform, check: str) -> None:
+            implements_the_required_methods(platform)  # else every check stops at a NotImplementedError
             CHECKS[check](platform)
 
     __all__.append("PlatformConformance")

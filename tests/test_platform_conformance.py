@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import platforms
-from platforms.testing import PlatformConformance, check_platform
+from platforms.testing import CHECKS, PlatformConformance, check_platform
 
 
 class TestCPUPlatform(PlatformConformance):
@@ -83,7 +85,11 @@ def test_check_platform_names_the_failing_check() -> None:
 
 # -- the kit catches platforms that get the device index wrong ----------------------------------
 class _DeviceZeroOnly(platforms.CUDAPlatform):
-    """A broken plug-in: every hook that takes a device index uses device 0 instead."""
+    """A broken plug-in: the hooks named in ``broken`` ignore the device index they are given.
+
+    ``"read"``, ``"write"``, ``"seed"``: the hook uses device 0; ``"state_io"``: ``state_io(i)``
+    returns device 0's accessors; ``"state_io-current"``: it returns the current device's.
+    """
 
     def __init__(self, broken: set[str]) -> None:
         super().__init__(module=platforms.SimulatedDeviceModule(device_count=3, device_type="cuda"))
@@ -98,12 +104,153 @@ class _DeviceZeroOnly(platforms.CUDAPlatform):
     def _seed(self, seed: int, index: int) -> None:
         super()._seed(seed, 0 if "seed" in self._broken else index)
 
+    def state_io(self, index: int | None = None) -> platforms.StateIO:
+        if "state_io" in self._broken:
+            return super().state_io(0)
+        if "state_io-current" in self._broken:
+            return super().state_io(None)
+        return super().state_io(index)
 
-@pytest.mark.parametrize("broken", [{"read"}, {"write"}, {"seed"}, {"read", "write"}, {"read", "write", "seed"}])
-def test_the_kit_catches_a_platform_that_ignores_the_device_index(broken: set[str]) -> None:
-    with pytest.raises(AssertionError, match="conformance check"):
+
+_INDEX = "conformance check 'each_device_is_addressed_by_its_index' failed"
+_INDEPENDENT = "conformance check 'devices_are_independent' failed.*seeding device 1 changed device 0"
+_STATE_IO = "conformance check 'state_io_addresses_each_device' failed.*state_io\\(1\\).*not device 1's"
+
+
+_MUTANTS = [
+    ({"read"}, _INDEX + ".*report one state"),
+    ({"write"}, _INDEX + ".*does not hold the state set on it"),
+    ({"seed"}, _INDEPENDENT),
+    ({"read", "write"}, _INDEX),
+    ({"read", "write", "seed"}, _INDEPENDENT),
+    ({"state_io"}, _STATE_IO),
+    ({"state_io-current"}, _STATE_IO),
+]
+
+
+@pytest.mark.parametrize(("broken", "message"), [pytest.param(b, m, id="+".join(sorted(b))) for b, m in _MUTANTS])
+def test_the_kit_catches_a_platform_that_ignores_the_device_index(broken: set[str], message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
         check_platform(_DeviceZeroOnly(broken))
 
 
 def test_the_kit_passes_the_same_platform_when_it_honours_the_index() -> None:
     check_platform(_DeviceZeroOnly(set()))
+
+
+class _StateIOOnDeviceZero(platforms.SimulatedPlatform):
+    """The audit's case: every other operation honours the index, ``state_io`` acts on device 0."""
+
+    def state_io(self, index: int | None = None) -> platforms.StateIO:
+        return super().state_io(0)
+
+
+def test_the_kit_catches_a_simulated_platform_whose_state_io_acts_on_device_0() -> None:
+    with pytest.raises(AssertionError, match=_STATE_IO):
+        check_platform(_StateIOOnDeviceZero())
+
+
+class _StateIOWritesDeviceZero(platforms.SimulatedPlatform):
+    """Reads the right device, writes device 0."""
+
+    def state_io(self, index: int | None = None) -> platforms.StateIO:
+        right, zero = super().state_io(index), super().state_io(0)
+        return right._replace(write=zero.write)
+
+
+def test_the_kit_catches_a_state_io_whose_write_lands_on_another_device() -> None:
+    with pytest.raises(AssertionError, match="state_io\\(1\\).*did not restore device 1's state \\(device 0 holds"):
+        check_platform(_StateIOWritesDeviceZero())
+
+
+class _StateIOFollowsTheDeviceCurrentWhenUsed(platforms.SimulatedPlatform):
+    """Accessors that look the device up when they run, as a fork's cached accessors must not."""
+
+    def state_io(self, index: int | None = None) -> platforms.StateIO:
+        return platforms.StateIO(self.get_rng_state, self.set_rng_state, torch.Tensor.clone, torch.Tensor.clone)
+
+
+def test_the_kit_catches_state_io_accessors_that_follow_the_current_device() -> None:
+    with pytest.raises(AssertionError, match=_STATE_IO):
+        check_platform(_StateIOFollowsTheDeviceCurrentWhenUsed())
+
+
+def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_found_them() -> None:
+    sim = platforms.SimulatedPlatform()
+    saved = [sim.get_rng_state(i) for i in range(sim.device_count())]
+    home = sim.current_device()
+    sim.set_device(1)
+    try:
+        sim.set_seed_offset(77, 12, 1)
+        before = [sim.get_rng_state(i) for i in range(sim.device_count())]
+        CHECKS["state_io_addresses_each_device"](sim)  # alone: no restoring wrapper around it
+        assert sim.current_device() == 1
+        assert all(torch.equal(sim.get_rng_state(i), s) for i, s in enumerate(before))
+    finally:
+        sim.set_device(home)
+        for i, s in enumerate(saved):
+            sim.set_rng_state(s, i)
+
+
+# -- the kit names the methods a platform does not implement -----------------------------------
+class _Bare(platforms.Platform):
+    """A plug-in that implements none of the required methods."""
+
+    name = "bare"
+
+
+class _Half(platforms.Platform):
+    """A plug-in that implements device_count and _seed, but not _read_state and _write_state."""
+
+    name = "half"
+
+    def device_count(self) -> int:
+        return 1
+
+    def _seed(self, seed: int, index: int) -> None:
+        pass
+
+
+_ALL_FOUR = "device_count\\(\\), _read_state\\(index\\), _write_state\\(state, index\\), _seed\\(seed, index\\)"
+
+
+def test_check_platform_names_every_method_a_platform_does_not_implement() -> None:
+    with pytest.raises(AssertionError, match="'implements_the_required_methods' failed.*" + _ALL_FOUR) as info:
+        check_platform(_Bare())
+    assert "implement them" in str(info.value)
+    assert not isinstance(info.value.__cause__, NotImplementedError)
+
+
+def test_check_platform_names_only_the_methods_that_are_missing() -> None:
+    with pytest.raises(AssertionError, match="_Half does not implement _read_state\\(index\\), _write_state") as info:
+        check_platform(_Half())
+    assert "device_count" not in str(info.value) and "_seed" not in str(info.value)
+
+
+_BARE_SUITE = """
+import pytest
+import platforms
+from platforms.testing import PlatformConformance
+
+
+class Bare(platforms.Platform):
+    name = "bare"
+
+
+class TestBare(PlatformConformance):
+    @pytest.fixture
+    def platform(self):
+        return Bare()
+"""
+
+
+def test_the_pytest_class_fails_every_check_naming_the_missing_methods(tmp_path: Path) -> None:
+    (tmp_path / "test_bare.py").write_text(textwrap.dedent(_BARE_SUITE))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "test_bare.py"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = out.stdout.strip().splitlines()[-1]
+    assert summary.startswith(f"{len(CHECKS)} failed") and "error" not in summary, summary
+    assert out.stdout.count("AssertionError: Bare does not implement device_count()") == len(CHECKS)
+    assert "NotImplementedError:" not in out.stdout  # no check stopped at the base class's raise

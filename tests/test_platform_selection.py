@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import platforms
 import platforms.registry as registry
@@ -264,6 +266,125 @@ def test_an_unavailable_registered_platform_cannot_be_loaded(monkeypatch: pytest
     platforms.register("nodev", _Unavailable)
     with pytest.raises(PlatformUnavailableError, match="no such device on this machine"):
         platforms.load("nodev")
+
+
+# -- platforms that do not implement the required methods ------------------------------------
+
+
+class _Bare(platforms.Platform):
+    """Implements none of device_count, _read_state, _write_state, _seed."""
+
+    name = "bare"
+
+
+class _Half(platforms.Platform):
+    """Implements device_count and _read_state only."""
+
+    name = "half"
+
+    def device_count(self) -> int:
+        return 1
+
+    def _read_state(self, index: int) -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8)
+
+
+_ALL_FOUR = "device_count(), _read_state(index), _write_state(state, index), _seed(seed, index)"
+
+
+def _assert_names_the_methods(exc: BaseException, missing: str, present: tuple[str, ...] = ()) -> None:
+    assert isinstance(exc, InvalidPlatformError) and isinstance(exc, TypeError)
+    assert isinstance(exc, platforms.PlatformError)
+    message = str(exc)
+    assert f"does not implement {missing}, which every platforms.Platform subclass must provide" in message
+    assert "implement them in the subclass" in message
+    assert not any(name in message for name in present), message
+
+
+@pytest.mark.parametrize(
+    ("cls", "missing", "present"),
+    [
+        (_Bare, _ALL_FOUR, ()),
+        (_Half, "_write_state(state, index), _seed(seed, index)", ("device_count", "_read_state")),
+    ],
+)
+def test_register_refuses_a_platform_class_that_does_not_implement_the_required_methods(
+    cls: type[platforms.Platform], missing: str, present: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    before = dict(registry._FACTORIES)
+    with pytest.raises(InvalidPlatformError) as info:
+        platforms.register("incomplete", cls)
+    _assert_names_the_methods(info.value, missing, present)
+    assert "cannot register platform 'incomplete'" in str(info.value)
+    assert registry._FACTORIES == before
+
+
+def test_register_with_replace_keeps_the_old_factory_when_the_new_class_is_incomplete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    with pytest.raises(InvalidPlatformError, match="does not implement device_count()"):
+        platforms.register("sim", _Bare, replace=True)
+    assert registry._FACTORIES["sim"] is platforms.SimulatedPlatform
+
+
+def test_unimplemented_methods_lists_what_a_platform_leaves_to_the_base_class() -> None:
+    assert registry.unimplemented_methods(_Bare) == tuple(registry.REQUIRED_METHODS.values())
+    assert registry.unimplemented_methods(_Half()) == ("_write_state(state, index)", "_seed(seed, index)")
+    for complete in (platforms.CPUPlatform, platforms.SimulatedPlatform, platforms.CUDAPlatform, platforms.NPUPlatform):
+        assert registry.unimplemented_methods(complete) == ()
+
+
+def test_a_factory_function_returning_an_incomplete_platform_fails_when_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("bare", lambda: _Bare())  # a function cannot be checked before it is called
+    before = registry._selection
+    with pytest.raises(InvalidPlatformError) as info:
+        platforms.select({platforms.ENV_VAR: "bare"})
+    _assert_names_the_methods(info.value, _ALL_FOUR)
+    assert "the factory of platform 'bare' returned a platform whose class" in str(info.value)
+    assert registry._selection is before
+
+
+def test_env_var_naming_an_incomplete_platform_class_fails_naming_the_methods(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "bareaccel.py").write_text("import platforms\nclass Bare(platforms.Platform):\n    name = 'bare'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = registry._selection
+    with pytest.raises(InvalidPlatformError) as info:
+        platforms.select({platforms.ENV_VAR: "bareaccel:Bare"})
+    _assert_names_the_methods(info.value, _ALL_FOUR)
+    assert "(bareaccel.Bare)" in str(info.value)
+    assert registry._selection is before
+
+
+def test_an_incomplete_plugin_is_recorded_and_skipped(plugin_env) -> None:  # type: ignore[no-untyped-def]
+    source = "import platforms\n\nclass Bare(platforms.Platform):\n    name = 'bareplug'\n"
+    plugin_env("plug_bare", {"bareplug": "plug_bare:Bare"}, source)
+    sel = platforms.select({})
+    assert sel.platform.name == "cpu"
+    assert "failed to load: InvalidPlatformError" in sel.probes[0].reason
+    assert f"does not implement {_ALL_FOUR}" in sel.probes[0].reason
+
+
+def _enter_use(platform: platforms.Platform) -> None:
+    with platforms.use(platform):
+        pass
+
+
+@pytest.mark.parametrize("select_it", [platforms.set_current, _enter_use], ids=["set_current", "use"])
+def test_selecting_an_incomplete_platform_instance_is_refused(
+    select_it: Callable[[platforms.Platform], object],
+) -> None:
+    outer = platforms.current()
+    with pytest.raises(InvalidPlatformError) as info:
+        select_it(_Half())
+    _assert_names_the_methods(info.value, "_write_state(state, index), _seed(seed, index)", ("device_count",))
+    assert platforms.current() is outer
 
 
 # -- import behaviour, in fresh interpreters ------------------------------------------------
