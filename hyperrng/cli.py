@@ -142,32 +142,75 @@ class _Parser(argparse.ArgumentParser):
         self.exit(_EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _CommandParser(_Parser):
+    """The parser of one subcommand: it refuses the arguments it does not know itself, so the
+    complaint names the subcommand (``hyperrng demo: error: ...``), not ``hyperrng``."""
+
+    def parse_known_args(  # type: ignore[override]  # argparse's stub overloads it
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def _parser() -> argparse.ArgumentParser:
+    from hyperrng.benchmarks import SUITES
+    from hyperrng.demo import DEFAULT_WORLD_SIZE, MAX_LOCAL_RANKS, PORTABLE_MAX_RANKS, DemoConfig
+
     parser = _Parser(prog="hyperrng", description="Random-number state across devices and ranks for PyTorch.")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     demo = sub.add_parser(
         "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
     )
     demo.add_argument(
-        "--world-size", type=int, default=None, help="processes to start (default 4; under torchrun, the job's size)"
+        "--world-size",
+        type=int,
+        default=None,
+        help=f"processes to start (default {DEFAULT_WORLD_SIZE}, at most {MAX_LOCAL_RANKS}); under torchrun, "
+        "the job's size (run a larger job there)",
     )
-    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size; must divide the world size")
-    demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
-    demo.add_argument("--save-step", type=int, default=2, help="step after which the RNG checkpoint is saved")
-    demo.add_argument("--seed", type=int, default=1234, help="base seed of the stream layout, in [0, 2**64 - 1]")
+    demo.add_argument(
+        "--tp",
+        type=int,
+        default=DemoConfig.tp,
+        help="tensor-parallel size; must divide the world size (default %(default)s)",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=DemoConfig.steps, help="training steps; at least 2 (default %(default)s)"
+    )
+    demo.add_argument(
+        "--save-step",
+        type=int,
+        default=DemoConfig.save_step,
+        help="step after which the RNG checkpoint is saved; in [1, --steps - 1] (default %(default)s)",
+    )
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=DemoConfig.seed,
+        help="base seed of the stream layout, in [0, 2**64 - 1] (default %(default)s)",
+    )
     demo.add_argument(
         "--portable",
         action="store_true",
         help="also train under portable mode at every TP size dividing the world size and check that "
-        "initial parameters and dropout masks are bit-identical",
+        f"initial parameters and dropout masks are bit-identical (off by default; a world size of at most "
+        f"{PORTABLE_MAX_RANKS}, outside torchrun)",
     )
     demo.set_defaults(func=_cmd_demo)
     info = sub.add_parser("info", help="which platform runs and why; every probe's result; every known platform")
     info.set_defaults(func=_cmd_info)
     bench = sub.add_parser("bench", help="benchmarks, as ratios against baselines measured in the same run")
-    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (for CI)")
-    bench.add_argument("--suite", action="append", help="run only this suite (repeatable)")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats, for CI (off by default)")
+    bench.add_argument(
+        "--suite",
+        action="append",
+        metavar="NAME",
+        help=f"run only this suite, one of: {', '.join(SUITES)} (repeatable; default: every suite)",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 
@@ -184,20 +227,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         argparse exit with 2 (``SystemExit``), after one line on stderr.
     """
     args = _parser().parse_args(argv)
+    prog = f"hyperrng {args.command}"  # every complaint after parsing names the subcommand
     try:
         if args.command != "info":  # info reports a platform that cannot be selected itself
             try:
                 platforms.selection()
             except PlatformError as exc:
-                print(f"hyperrng: error: {exc}", file=sys.stderr)
+                print(f"{prog}: error: {_first_line(exc)}", file=sys.stderr)
                 return _EXIT_FAILED
         return int(args.func(args))
     except HyperRNGError as exc:
-        print(f"hyperrng: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        print(f"{prog}: error: {_first_line(exc)}", file=sys.stderr)
         return _EXIT_USAGE
     except KeyboardInterrupt:
-        print("hyperrng: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return _EXIT_INTERRUPTED
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error's message as one line (its first non-blank one), or its class name when it has none."""
+    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 if __name__ == "__main__":

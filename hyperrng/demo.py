@@ -44,7 +44,7 @@ from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
 from platforms.mix import combine64
 from platforms.validate import check_seed
 
-__all__ = ["DemoConfig", "LAYOUT", "MAX_LOCAL_RANKS", "run_demo", "main"]
+__all__ = ["DemoConfig", "DEFAULT_WORLD_SIZE", "LAYOUT", "MAX_LOCAL_RANKS", "PORTABLE_MAX_RANKS", "run_demo", "main"]
 
 LAYOUT = StreamLayout(
     dims=("dp", "tp"),
@@ -72,7 +72,8 @@ _EXIT_HOOK_ENV = "_HYPERRNG_DEMO_EXIT"
 """Test hook, not a feature: ``RANK:STEP:CODE`` makes that rank ``os._exit(CODE)`` at that training step."""
 
 
-_PORTABLE_MAX_RANKS = 8  # --portable runs one job per TP size that divides the world size
+PORTABLE_MAX_RANKS = 8
+"""The most processes --portable runs: it trains once per TP size that divides the world size."""
 _PORTABLE_STEPS = 2
 _PORTABLE_LOSS_TOLERANCE = 1e-5  # float reductions differ with the sharding; the random numbers do not
 
@@ -117,9 +118,9 @@ class DemoConfig:
             )
         if not isinstance(self.portable, bool):
             raise ArgumentTypeError(f"portable must be True or False, got {self.portable!r}.")
-        if self.portable and self.world_size is not None and self.world_size > _PORTABLE_MAX_RANKS:
+        if self.portable and self.world_size is not None and self.world_size > PORTABLE_MAX_RANKS:
             raise UsageError(
-                f"--portable trains at every TP size dividing the world size on up to {_PORTABLE_MAX_RANKS} "
+                f"--portable trains at every TP size dividing the world size on up to {PORTABLE_MAX_RANKS} "
                 f"processes; got --world-size {self.world_size}."
             )
         if isinstance(self.save_step, bool) or not isinstance(self.save_step, int):

@@ -602,9 +602,10 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
         CheckpointError: an unknown ``format``, or a stream of the state that the tracker lacks
             (add the streams, with any seed, before loading).
         InvalidSeedError / InvalidOffsetError: a seed or offset out of range or misaligned.
+            Errors about a position name its entry: the stream, or ``state['position']``.
         TrackerStateError: a fork is active.
     """
-    from hyperrng.errors import CheckpointError
+    from hyperrng.errors import CheckpointError, InvalidOffsetError, InvalidSeedError
     from hyperrng.tracker import resolve_tracker
     from platforms.validate import check_offset
 
@@ -616,13 +617,24 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
         raise CheckpointError(f"state has format {state.get('format')!r}, not {PORTABLE_STATE_FORMAT!r}.")
     t = resolve_tracker(tracker)
 
-    def position(value: object, what: str) -> tuple[int, int]:
+    def position(value: object, entry: str) -> tuple[int, int]:
+        """``value`` checked as the ``[seed, offset]`` pair of ``entry``; an error names the entry and the fix."""
+        fix = (
+            "portable_state_dict() never saves such a value: load the dict it returned unchanged "
+            "(was the checkpoint edited or damaged?), or save a fresh one."
+        )
         if not isinstance(value, (list, tuple)) or len(value) != 2:
-            raise ArgumentTypeError(f"{what} must be a [seed, offset] pair, got {value!r}.")
-        return check_seed(value[0]), check_offset(value[1])
+            raise ArgumentTypeError(f"{entry}: expected a [seed, offset] pair, got {value!r}. {fix}")
+        try:
+            return check_seed(value[0], "seed"), check_offset(value[1], "offset")
+        except (ArgumentTypeError, InvalidSeedError, InvalidOffsetError) as exc:  # same class, entry named
+            raise type(exc)(f"{entry}: {exc} {fix}") from None
 
-    main = position(state.get("position"), "state['position']")
-    streams = {name: position(value, f"stream {name!r}") for name, value in state["streams"].items()}
+    main = position(state.get("position"), "the generator position (state['position'])")
+    streams = {
+        name: position(value, f"stream {name!r} (state['streams'][{name!r}])")
+        for name, value in state["streams"].items()
+    }
     missing = sorted(set(streams) - set(t.get_states()))
     if missing:
         raise CheckpointError(

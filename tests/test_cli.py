@@ -63,7 +63,7 @@ def test_info_with_a_platform_that_cannot_be_selected_prints_the_error_and_every
 def test_other_commands_with_a_bad_platform_fail_in_one_line(command: list[str]) -> None:
     out = _hyperrng(*command, HYPERRNG_PLATFORM="bogus")
     assert out.returncode == 1
-    assert _one_error_line(out).startswith("hyperrng: error: unknown platform 'bogus'")
+    assert _one_error_line(out).startswith(f"hyperrng {command[0]}: error: unknown platform 'bogus'")
     assert out.stdout == ""
 
 
@@ -116,6 +116,89 @@ def test_a_missing_command_is_one_line() -> None:
     out = _hyperrng()
     assert out.returncode == 2
     assert "the following arguments are required: command" in _one_error_line(out)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["demo", "--nope"], "unrecognized arguments: --nope (see hyperrng demo --help)"),
+        (["demo", "--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+        (["demo", "--world-size", "1000"], "the demo starts at most 64"),
+        (["bench", "--nope"], "unrecognized arguments: --nope (see hyperrng bench --help)"),
+        (["bench", "--suite"], "argument --suite: expected one argument"),
+        (["bench", "--quick", "--suite", "nonexistent"], "unknown benchmark suite(s) ['nonexistent']; choose from"),
+        (["info", "--nope"], "unrecognized arguments: --nope (see hyperrng info --help)"),
+    ],
+)
+def test_a_subcommand_error_is_one_line_naming_the_subcommand(args: list[str], fragment: str) -> None:
+    out = _hyperrng(*args)
+    assert out.returncode == 2
+    line = _one_error_line(out)
+    assert line.startswith(f"hyperrng {args[0]}: error: ") and fragment in line
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--nope", "demo"], "unrecognized arguments: --nope (see hyperrng --help)"),
+        (["demoo"], "invalid choice: 'demoo'"),
+    ],
+)
+def test_an_error_before_the_subcommand_names_hyperrng(args: list[str], fragment: str) -> None:
+    out = _hyperrng(*args)
+    assert out.returncode == 2
+    line = _one_error_line(out)
+    assert line.startswith("hyperrng: error: ") and fragment in line
+
+
+def test_every_subcommand_error_is_prefixed_with_the_subcommand_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--quick", "--suite", "nonexistent"]) == 2
+    assert capsys.readouterr().err.startswith("hyperrng bench: error: unknown benchmark suite(s) ['nonexistent']")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--nope"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyperrng demo: error: unrecognized arguments: --nope") and err.count("\n") == 1
+
+
+def test_bench_help_lists_every_suite_name() -> None:
+    from hyperrng.benchmarks import SUITES
+
+    out = _hyperrng("bench", "--help")
+    assert out.returncode == 0 and out.stderr == ""
+    text = " ".join(out.stdout.split())  # argparse wraps the help
+    assert "--suite NAME" in text
+    assert f"one of: {', '.join(SUITES)}" in text
+
+
+def test_demo_help_gives_every_default_and_the_process_limit() -> None:
+    from hyperrng.demo import DEFAULT_WORLD_SIZE, MAX_LOCAL_RANKS, PORTABLE_MAX_RANKS, DemoConfig
+
+    out = _hyperrng("demo", "--help")
+    assert out.returncode == 0 and out.stderr == ""
+    text = " ".join(out.stdout.split())
+    assert f"(default {DEFAULT_WORLD_SIZE}, at most {MAX_LOCAL_RANKS})" in text
+    assert f"must divide the world size (default {DemoConfig.tp})" in text
+    assert f"training steps; at least 2 (default {DemoConfig.steps})" in text
+    assert f"in [1, --steps - 1] (default {DemoConfig.save_step})" in text
+    assert f"in [0, 2**64 - 1] (default {DemoConfig.seed})" in text
+    assert f"off by default; a world size of at most {PORTABLE_MAX_RANKS}" in text
+
+
+def test_the_demo_defaults_are_the_config_defaults() -> None:
+    from hyperrng.demo import DemoConfig
+
+    args = cli._parser().parse_args(["demo"])
+    defaults = DemoConfig()
+    assert (args.world_size, args.tp, args.steps, args.save_step, args.seed, args.portable) == (
+        defaults.world_size,
+        defaults.tp,
+        defaults.steps,
+        defaults.save_step,
+        defaults.seed,
+        defaults.portable,
+    )
 
 
 @pytest.mark.slow

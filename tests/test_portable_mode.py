@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import platforms
 from hyperrng import philox, portable
 from hyperrng.errors import (
     ArgumentTypeError,
+    HyperRNGError,
     InvalidOffsetError,
     InvalidParameterError,
     InvalidSeedError,
@@ -26,7 +28,9 @@ from hyperrng.errors import (
 from hyperrng.portable_mode import (
     PORTABLE_OPS,
     is_portable_random_enabled,
+    load_portable_state_dict,
     portable_random,
+    portable_state_dict,
     set_portable_random,
     unsupported_ops,
 )
@@ -430,6 +434,67 @@ def test_a_draw_that_would_pass_the_offset_range_is_refused_before_it_moves() ->
     with portable_random(), pytest.raises(InvalidOffsetError, match="past 2\\*\\*63 - 1"):
         torch.rand(16)
     assert _position() == before
+
+
+_STREAM = "model-parallel-rng"
+_ENTRY = re.escape(f"stream '{_STREAM}' (state['streams']['{_STREAM}'])")
+_POSITION = re.escape("the generator position (state['position'])")
+_FIX = re.escape("portable_state_dict() never saves such a value: load the dict it returned unchanged")
+BAD_ENTRIES: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type[Exception], str]] = [
+    (
+        "stream offset < 0",
+        lambda s: {**s, "streams": {_STREAM: [1, -4]}},
+        InvalidOffsetError,
+        _ENTRY + r": offset must be in \[0, 2\*\*63 - 1\], got -4\. " + _FIX,
+    ),
+    (
+        "stream offset > max",
+        lambda s: {**s, "streams": {_STREAM: [1, MAX_OFFSET + 1]}},
+        InvalidOffsetError,
+        _ENTRY + ": offset must be in .*" + _FIX,
+    ),
+    (
+        "stream offset misaligned",
+        lambda s: {**s, "streams": {_STREAM: [1, 6]}},
+        InvalidOffsetError,
+        _ENTRY + ": offset must be a multiple of 4.*" + _FIX,
+    ),
+    ("stream seed < 0", lambda s: {**s, "streams": {_STREAM: [-1, 0]}}, InvalidSeedError, _ENTRY + ": seed must be"),
+    ("stream seed float", lambda s: {**s, "streams": {_STREAM: [1.0, 0]}}, ArgumentTypeError, _ENTRY + ": seed must"),
+    ("stream offset bool", lambda s: {**s, "streams": {_STREAM: [1, True]}}, ArgumentTypeError, _ENTRY + ": offset"),
+    (
+        "stream not a pair",
+        lambda s: {**s, "streams": {_STREAM: [1]}},
+        ArgumentTypeError,
+        _ENTRY + r": .*\[seed, offset\]",
+    ),
+    (
+        "position offset < 0",
+        lambda s: {**s, "position": [1, -4]},
+        InvalidOffsetError,
+        _POSITION + ": offset must be in",
+    ),
+    ("position seed >= 2**64", lambda s: {**s, "position": [2**64, 0]}, InvalidSeedError, _POSITION + ": seed must"),
+    ("position not a pair", lambda s: {**s, "position": None}, ArgumentTypeError, _POSITION + r": .*\[seed, offset\]"),
+]
+
+
+@pytest.mark.parametrize(("name", "change", "error", "message"), BAD_ENTRIES, ids=[b[0] for b in BAD_ENTRIES])
+def test_a_bad_entry_of_a_portable_state_is_named_and_nothing_changes(
+    name: str, change: Callable[[dict[str, Any]], dict[str, Any]], error: type[Exception], message: str
+) -> None:
+    tracker = RNGStatesTracker()
+    tracker.add(_STREAM, 31)
+    good = portable_state_dict(tracker)
+    platforms.current().set_seed_offset(11, 40)
+    before, streams = _position(), tracker.get_states()
+    with pytest.raises(error, match=message) as info:
+        load_portable_state_dict(change(good), tracker)
+    assert isinstance(info.value, HyperRNGError) and isinstance(info.value, (ValueError, TypeError))
+    assert "\n" not in str(info.value)
+    assert _position() == before
+    assert tracker.get_states().keys() == streams.keys()
+    assert all(torch.equal(streams[k], v) for k, v in tracker.get_states().items())
 
 
 def test_ops_random_only_for_some_arguments_run_torchs_kernel_when_deterministic() -> None:
