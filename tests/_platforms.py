@@ -13,6 +13,7 @@ from platforms.mix import combine64
 from platforms.validate import round_up_offset
 
 __all__ = [
+    "BarePlatform",
     "NoGeneratorPlatform",
     "cuda_on_sim",
     "draw",
@@ -23,6 +24,12 @@ __all__ = [
 ]
 
 _EMULATED_DRAW = 0x54455354  # "TEST": the stand-in's draws, apart from every other use of the mixer
+
+
+class BarePlatform(platforms.Platform):
+    """A plug-in that implements none of the required methods (device_count, _read_state, _write_state, _seed)."""
+
+    name = "bare"
 
 
 class NoGeneratorPlatform(platforms.SimulatedPlatform):

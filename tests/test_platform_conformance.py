@@ -14,6 +14,7 @@ import torch
 
 import platforms
 from platforms.testing import CHECKS, PlatformConformance, check_platform
+from tests._platforms import BarePlatform
 
 
 class TestCPUPlatform(PlatformConformance):
@@ -193,12 +194,6 @@ def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_foun
 
 
 # -- the kit names the methods a platform does not implement -----------------------------------
-class _Bare(platforms.Platform):
-    """A plug-in that implements none of the required methods."""
-
-    name = "bare"
-
-
 class _Half(platforms.Platform):
     """A plug-in that implements device_count and _seed, but not _read_state and _write_state."""
 
@@ -216,7 +211,7 @@ _ALL_FOUR = "device_count\\(\\), _read_state\\(index\\), _write_state\\(state, i
 
 def test_check_platform_names_every_method_a_platform_does_not_implement() -> None:
     with pytest.raises(AssertionError, match="'implements_the_required_methods' failed.*" + _ALL_FOUR) as info:
-        check_platform(_Bare())
+        check_platform(BarePlatform())
     assert "implement them" in str(info.value)
     assert not isinstance(info.value.__cause__, NotImplementedError)
 

@@ -21,6 +21,7 @@ from platforms import (
     PlatformUnavailableError,
     UnknownPlatformError,
 )
+from tests._platforms import BarePlatform
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -271,12 +272,6 @@ def test_an_unavailable_registered_platform_cannot_be_loaded(monkeypatch: pytest
 # -- platforms that do not implement the required methods ------------------------------------
 
 
-class _Bare(platforms.Platform):
-    """Implements none of device_count, _read_state, _write_state, _seed."""
-
-    name = "bare"
-
-
 class _Half(platforms.Platform):
     """Implements device_count and _read_state only."""
 
@@ -304,7 +299,7 @@ def _assert_names_the_methods(exc: BaseException, missing: str, present: tuple[s
 @pytest.mark.parametrize(
     ("cls", "missing", "present"),
     [
-        (_Bare, _ALL_FOUR, ()),
+        (BarePlatform, _ALL_FOUR, ()),
         (_Half, "_write_state(state, index), _seed(seed, index)", ("device_count", "_read_state")),
     ],
 )
@@ -325,12 +320,12 @@ def test_register_with_replace_keeps_the_old_factory_when_the_new_class_is_incom
 ) -> None:
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
     with pytest.raises(InvalidPlatformError, match="does not implement device_count()"):
-        platforms.register("sim", _Bare, replace=True)
+        platforms.register("sim", BarePlatform, replace=True)
     assert registry._FACTORIES["sim"] is platforms.SimulatedPlatform
 
 
 def test_unimplemented_methods_lists_what_a_platform_leaves_to_the_base_class() -> None:
-    assert registry.unimplemented_methods(_Bare) == tuple(registry.REQUIRED_METHODS.values())
+    assert registry.unimplemented_methods(BarePlatform) == tuple(registry.REQUIRED_METHODS.values())
     assert registry.unimplemented_methods(_Half()) == ("_write_state(state, index)", "_seed(seed, index)")
     for complete in (platforms.CPUPlatform, platforms.SimulatedPlatform, platforms.CUDAPlatform, platforms.NPUPlatform):
         assert registry.unimplemented_methods(complete) == ()
@@ -340,7 +335,7 @@ def test_a_factory_function_returning_an_incomplete_platform_fails_when_loaded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
-    platforms.register("bare", lambda: _Bare())  # a function cannot be checked before it is called
+    platforms.register("bare", lambda: BarePlatform())  # a function cannot be checked before it is called
     before = registry._selection
     with pytest.raises(InvalidPlatformError) as info:
         platforms.select({platforms.ENV_VAR: "bare"})
