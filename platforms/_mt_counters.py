@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-__all__ = ["DrawCounters", "locate"]
+__all__ = ["DrawCounters", "engine_address", "locate"]
 
 _PROBE_SEED = 0x5EED_C0DE_7A6E_0F15  # distinctive in all 64 bits, so it cannot be mistaken for other data
 _SEARCH_BYTES = 256  # where the engine's seed word may sit in the C++ generator
@@ -70,7 +70,7 @@ class DrawCounters:
         )
 
 
-def _engine_address(gen: torch.Generator) -> int | None:
+def engine_address(gen: torch.Generator) -> int | None:
     """The address of the C++ generator behind ``gen``, if the Python object holds just that pointer
     after its header (besides the slots Python itself keeps for weak references and a ``__dict__``)."""
     kind, word, head = type(gen), ctypes.sizeof(ctypes.c_void_p), object.__basicsize__
@@ -84,7 +84,7 @@ def _engine_address(gen: torch.Generator) -> int | None:
 def _seed_word_offset() -> int | None:
     """Where the engine's seed word sits in a CPU generator, checked by drawing on a scratch generator."""
     scratch = torch.Generator()
-    base = _engine_address(scratch)
+    base = engine_address(scratch)
     if not base:
         return None
     scratch.manual_seed(_PROBE_SEED)
@@ -117,7 +117,7 @@ def locate(gen: torch.Generator) -> DrawCounters | None:
         if gen.device.type != "cpu":
             return None
         offset = _seed_word_offset()
-        base = _engine_address(gen)
+        base = engine_address(gen)
         if offset is None or not base:
             return None
         counters = DrawCounters(base + offset)

@@ -54,11 +54,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import numpy as np
 import torch
 
-from platforms._mt_counters import DrawCounters, locate
+from platforms._mt_counters import DrawCounters, engine_address, locate
 from platforms.base import Platform, StateIO
 from platforms.errors import InvalidStateError
 from platforms.mix import mix64
@@ -209,18 +210,31 @@ class CursorGenerator(torch.Generator):
     """A CPU ``torch.Generator`` that carries its own (seed, offset) cursor.
 
     Pass it wherever torch takes a generator; hyperrng positions it exactly (a plain
-    ``torch.Generator`` has nowhere to keep a position; see the module docstring).
+    ``torch.Generator`` has nowhere to keep a position; see the module docstring). Code
+    that receives it back from torch's dispatcher (DTensor's random ops do) gets a plain
+    ``torch.Generator`` wrapping the same C++ generator; the cursor is found from that too.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.cursor = _Cursor()
+        address = engine_address(self)
+        if address:
+            _CURSOR_GENERATORS[address] = self
+
+
+# Live CursorGenerators by the address of their C++ generator, which each of them keeps alive:
+# an entry goes with its generator, so an address here always names that generator.
+_CURSOR_GENERATORS: weakref.WeakValueDictionary[int, CursorGenerator] = weakref.WeakValueDictionary()
 
 
 def _cursor_of(gen: torch.Generator) -> _Cursor | None:
     if gen is torch.default_generator:
         return _DEFAULT_CURSOR
-    return getattr(gen, "cursor", None) if isinstance(gen, CursorGenerator) else None
+    if isinstance(gen, CursorGenerator):
+        return gen.cursor
+    owner = _CURSOR_GENERATORS.get(engine_address(gen)) if _CURSOR_GENERATORS else None  # type: ignore[arg-type]
+    return owner.cursor if owner is not None else None
 
 
 class CPUPlatform(Platform):

@@ -240,6 +240,29 @@ def test_a_user_generator_under_local_tensor_mode_takes_the_advance_of_a_dtensor
     assert user.initial_seed() == position_seed(42, end)
 
 
+def test_a_cursor_generator_keeps_its_position_through_dtensor_ops_that_hand_it_on_as_a_plain_generator(
+    installed: ShardedRNGTracker,
+) -> None:
+    """DTensor hands the tracker a plain torch.Generator wrapping the user's C++ generator; its cursor is found."""
+    mesh = DeviceMesh("cpu", torch.arange(WORLD))
+    user = platforms.CursorGenerator()
+    user.manual_seed(42)
+    with LocalTensorMode(WORLD), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        installed.manual_seed(42)
+        draws: dict[str, list[dict[int, torch.Tensor]]] = {"user": [], "device": []}
+        for _ in range(3):  # the second op starts where the first ended, on both
+            for source, generator in (("user", user), ("device", None)):
+                t = distribute_tensor(torch.zeros(8, 3), mesh, [Shard(0)])
+                torch.nn.init.uniform_(t, 0.0, 1.0, generator)
+                draws[source].append({r: x.clone() for r, x in t.to_local()._local_tensors.items()})
+    _, end = rng_offsets((WORLD,), (0,), [Shard(0)], (8, 3))
+    assert platforms.current().get_seed_offset(generator=user) == (42, 3 * end)
+    for from_user, from_device in zip(draws["user"], draws["device"]):
+        assert all(torch.equal(from_user[r], from_device[r]) for r in range(WORLD))
+    assert not torch.equal(draws["user"][0][0], draws["user"][1][0])
+
+
 def test_distribute_region_under_local_tensor_mode_refuses_a_generator_and_changes_nothing(fake_world: None) -> None:
     mesh = DeviceMesh("cpu", torch.arange(WORLD))
     tracker = ShardedRNGTracker()
