@@ -36,8 +36,11 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   is trusted (:func:`live_counters_in_use` says whether it was; otherwise the copy is
   read, with the same answers).
 * A generator reseeded or replaced behind the platform's back (``torch.manual_seed``,
-  ``torch.set_rng_state``) no longer carries the initial seed its cursor models; the
-  position then reads ``(initial_seed, 0)``, which is what ``torch.manual_seed`` means.
+  ``torch.set_rng_state``) no longer carries the initial seed its cursor models. Bytes of
+  another position of the cursor's seed — saved and restored by torch's own tools,
+  ``torch.get_rng_state``, ``torch.random.fork_rng``, ``torch.utils.checkpoint`` — say
+  which in their initial seed, and read as that position (see :func:`_recognise`);
+  anything else reads ``(initial_seed, 0)``, which is what ``torch.manual_seed`` means.
   A positioned generator's initial seed is tagged (at least 2**63), so no
   ``torch.manual_seed(s)`` with ``s`` below 2**63 can pass for it.
 * Other generators keep their cursor on themselves: a :class:`CursorGenerator` (a
@@ -133,6 +136,32 @@ def position_seed(seed: int, offset: int) -> int:
         return seed
     low, tag = _mixed(seed)
     return tag | ((low + offset // OFFSET_ALIGN) & _MASK32)
+
+
+def _recognise(seed: int, offset: int, initial_seed: int) -> tuple[int, int]:
+    """The position of MT19937 bytes whose initial seed is ``initial_seed``, for a cursor at (seed, offset)
+    that does not describe them (they were set behind the platform's back, or it was repositioned since).
+
+    Bytes of another position of the cursor's seed carry that position's block of 4 in their
+    low word (mod 2**32) and the seed's tag in their high word (:func:`position_seed`): they
+    read as that position, the one nearest the cursor's offset with that low word (torch's
+    own save and restore, ``torch.utils.checkpoint`` and ``fork_rng``, go back a few ops,
+    never 2**33 counters). The seed itself at offset 0 reads as such. Anything else reads
+    as ``(initial_seed, 0)``, the stream of ``torch.manual_seed(initial_seed)``.
+    """
+    if initial_seed == seed:
+        return seed, 0
+    low, tag = _mixed(seed)
+    if initial_seed & ~_MASK32 != tag:
+        return initial_seed, 0
+    near = offset // OFFSET_ALIGN
+    step = (initial_seed - low - near) & _MASK32
+    block = near + (step - (1 << 32) if step >= 1 << 31 else step)
+    if block <= 0:  # offset 0 is never tagged: the nearest positive block with that low word
+        block += 1 << 32
+    if block * OFFSET_ALIGN > MAX_OFFSET:
+        return initial_seed, 0
+    return seed, block * OFFSET_ALIGN
 
 
 def _legacy_position_seed(seed: int, offset: int) -> int:
@@ -267,7 +296,9 @@ class CPUPlatform(Platform):
         current = gen.initial_seed()
         if cursor is not None and cursor.mt_seed == current:
             seed, offset = cursor.seed, cursor.offset
-        else:  # no cursor, or reseeded behind the platform's back: the stream of a plain manual_seed
+        elif cursor is not None:  # bytes set behind the platform's back
+            seed, offset = _recognise(cursor.seed, cursor.offset, current)
+        else:
             seed, offset = current, 0
         if offset < _LAST_BLOCK and _has_drawn(gen):  # the generator has drawn from this position's stream
             offset += OFFSET_ALIGN
@@ -371,8 +402,9 @@ def _write(snapshot: _Snapshot) -> None:
 def _pack(snapshot: _Snapshot) -> torch.Tensor:
     mt, seed, offset, mt_seed = snapshot
     raw = mt.numpy()
-    if int(raw[:8].view("<u8")[0]) != mt_seed:  # the cursor no longer describes these bytes
-        seed, offset = int(raw[:8].view("<u8")[0]), 0
+    initial_seed = int(raw[:8].view("<u8")[0])
+    if initial_seed != mt_seed:  # the cursor no longer describes these bytes
+        seed, offset = _recognise(seed, offset, initial_seed)
     cursor = np.array([(seed, offset)], dtype=_CURSOR).view(np.uint8)
     return torch.from_numpy(np.concatenate((raw, cursor)))
 

@@ -60,6 +60,48 @@ def test_cpu_torch_manual_seed_with_a_positions_own_stream_seed_still_reads_as_t
     assert cpu.get_seed_offset() == (stream_seed, 0)
 
 
+def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_saved_at() -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(7, 8)
+    saved = torch.get_rng_state()  # the bytes alone, as fork_rng and torch.utils.checkpoint keep them
+    expected = torch.rand(5)
+    cpu.set_seed_offset(7, 400)
+    torch.set_rng_state(saved)
+    assert cpu.get_seed_offset() == (7, 8)
+    assert platforms.unpack_counter_state(cpu.get_rng_state()[platforms.MT19937_STATE_NBYTES :]) == (7, 8)
+    assert torch.equal(torch.rand(5), expected)
+    assert cpu.get_seed_offset() == (7, 12)
+
+
+@pytest.mark.parametrize(
+    ("saved_at", "cursor_at"),
+    [
+        (2**34 - 8, 2**34 + 8),  # the low word wrapped between them: the nearest position is meant
+        (2**34 - 4, 4),  # a position below the cursor's whose block would be negative counts up instead
+        (2**40 + 16, 2**40 + 2**20),
+    ],
+)
+def test_cpu_restored_bytes_read_as_the_position_nearest_the_cursor(saved_at: int, cursor_at: int) -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(2**63 + 5, saved_at)
+    saved = torch.get_rng_state()
+    cpu.set_seed_offset(2**63 + 5, cursor_at)
+    torch.set_rng_state(saved)
+    assert cpu.get_seed_offset() == (2**63 + 5, saved_at)
+
+
+def test_cpu_restored_bytes_of_another_seed_read_as_their_initial_seed() -> None:
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(8, 40)
+    other = torch.get_rng_state()
+    cpu.set_seed_offset(7, 40)
+    torch.set_rng_state(other)
+    assert cpu.get_seed_offset() == (torch.initial_seed(), 0)
+    cpu.set_seed_offset(7, 40)
+    torch.manual_seed(7)  # the seed itself, at offset 0
+    assert cpu.get_seed_offset() == (7, 0)
+
+
 def test_cpu_position_seeds_are_tagged_above_every_seed_below_2_to_the_63() -> None:
     from platforms.cpu import position_seed
 

@@ -206,3 +206,32 @@ def test_parameters_inside_get_gradients_when_no_input_requires_grad() -> None:
     data = torch.randn(5, 6)  # raw input data never requires grad
     checkpoint(block, data).sum().backward()
     assert all(p.grad is not None for p in block.parameters())
+
+
+def test_torch_checkpoint_replays_a_sharded_regions_dropout_on_the_cpu() -> None:
+    """torch.utils.checkpoint restores torch's CPU bytes alone; the position is read back from them."""
+    from torch.distributed.tensor import Shard
+
+    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+
+    with platforms.use(platforms.CPUPlatform()):
+        sharded = ShardedRNGTracker()
+        mesh = MeshInfo((2,), (1,))
+
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            with sharded.distribute_region(mesh, [Shard(0)], (2 * x.shape[0], x.shape[1])):
+                return F.dropout(x, 0.5) * 3.0
+
+        def run(recompute: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+            sharded.manual_seed(11)
+            layer(torch.ones(16, 8))  # the checkpointed op starts past offset 0, at a tagged position
+            x = torch.ones(16, 8, requires_grad=True)
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+            y.sum().backward()
+            assert x.grad is not None
+            return y.detach(), x.grad, platforms.current().get_seed_offset()
+
+        plain, recomputed = run(False), run(True)
+    assert torch.equal(plain[0], recomputed[0])
+    assert torch.equal(plain[1], recomputed[1]), "the recompute must draw the forward's mask"
+    assert plain[2] == recomputed[2]
