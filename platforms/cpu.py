@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import weakref
 
 import numpy as np
@@ -108,7 +109,8 @@ class _Header(ctypes.Structure):
 _LAST_BLOCK = MAX_OFFSET - OFFSET_ALIGN
 _MT_WORDS_START = 24
 _MT_WORDS_END = _MT_WORDS_START + 624 * 8
-_CURSOR = np.dtype([("seed", "<u8"), ("offset", "<i8")])
+_CURSOR = struct.Struct("<Qq")  # the cursor after the MT19937 bytes: uint64 seed, int64 offset
+_INITIAL_SEED = struct.Struct("<Q")  # the first field of the MT19937 bytes
 
 _SCRATCH = torch.Generator()  # validates states by trying them; its own numbers are never used
 
@@ -381,8 +383,8 @@ class CPUPlatform(Platform):
 
 
 def _unpack_cursor(state: torch.Tensor) -> tuple[int, int]:
-    cursor = state[MT19937_STATE_NBYTES:].numpy().view(_CURSOR)[0]
-    return int(cursor["seed"]), int(cursor["offset"])
+    seed, offset = _CURSOR.unpack_from(state.numpy().data, MT19937_STATE_NBYTES)
+    return seed, offset
 
 
 _Snapshot = tuple[torch.Tensor, int, int, int]  # the MT19937 bytes, then the cursor's seed, offset and MT seed
@@ -402,18 +404,21 @@ def _write(snapshot: _Snapshot) -> None:
 def _pack(snapshot: _Snapshot) -> torch.Tensor:
     mt, seed, offset, mt_seed = snapshot
     raw = mt.numpy()
-    initial_seed = int(raw[:8].view("<u8")[0])
+    (initial_seed,) = _INITIAL_SEED.unpack_from(raw.data)
     if initial_seed != mt_seed:  # the cursor no longer describes these bytes
         seed, offset = _recognise(seed, offset, initial_seed)
-    cursor = np.array([(seed, offset)], dtype=_CURSOR).view(np.uint8)
-    return torch.from_numpy(np.concatenate((raw, cursor)))
+    packed = bytearray(CPU_STATE_NBYTES)
+    packed[:MT19937_STATE_NBYTES] = raw.data
+    _CURSOR.pack_into(packed, MT19937_STATE_NBYTES, seed, offset)
+    return torch.frombuffer(packed, dtype=torch.uint8)
 
 
 def _unpack(state: torch.Tensor) -> _Snapshot:
     """A state :meth:`CPUPlatform.check_rng_state` accepted, as a snapshot (its cursor belongs to its bytes)."""
-    mt = state[:MT19937_STATE_NBYTES].clone()
-    seed, offset = _unpack_cursor(state)
-    return mt, seed, offset, int(mt.numpy()[:8].view("<u8")[0])
+    raw = state.numpy()
+    seed, offset = _CURSOR.unpack_from(raw.data, MT19937_STATE_NBYTES)
+    (initial_seed,) = _INITIAL_SEED.unpack_from(raw.data)
+    return state[:MT19937_STATE_NBYTES].clone(), seed, offset, initial_seed
 
 
 _STATE_IO = StateIO(_read, _write, _pack, _unpack)
