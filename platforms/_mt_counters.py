@@ -32,6 +32,7 @@ import ctypes
 import sys
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 __all__ = ["DrawCounters", "engine_address", "locate"]
 
@@ -103,7 +104,7 @@ def _seed_word_offset() -> int | None:
 
 
 def _draw_and_agree(gen: torch.Generator, counters: DrawCounters, n: int) -> bool:
-    torch.empty(n, dtype=torch.float64).uniform_(generator=gen)
+    torch.empty(n, dtype=torch.float64, device="cpu").uniform_(generator=gen)  # not the default device's
     return counters.drawn() and counters.agrees_with(gen)
 
 
@@ -116,11 +117,14 @@ def locate(gen: torch.Generator) -> DrawCounters | None:
     try:
         if gen.device.type != "cpu":
             return None
-        offset = _seed_word_offset()
-        base = engine_address(gen)
-        if offset is None or not base:
-            return None
-        counters = DrawCounters(base + offset)
-        return counters if counters.agrees_with(gen) else None
+        # Real host tensors whatever the caller is inside: a dispatch mode (fake or local
+        # tensors) or a default-device context would turn the probe's draws and reads into none.
+        with no_dispatch():
+            offset = _seed_word_offset()
+            base = engine_address(gen)
+            if offset is None or not base:
+                return None
+            counters = DrawCounters(base + offset)
+            return counters if counters.agrees_with(gen) else None
     except Exception:  # any surprise in the layout: fall back to reading a copy of the state
         return None

@@ -47,6 +47,17 @@ def test_counters_are_found_for_a_generator_of_ones_own_too() -> None:
     assert counters.drawn() and counters.agrees_with(gen)
 
 
+@pytest.mark.parametrize("context", ["meta device", "fake tensors"])
+def test_the_counters_are_found_from_inside_a_default_device_or_a_dispatch_mode(context: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = torch.get_rng_state()
+    with torch.device("meta") if context == "meta device" else FakeTensorMode():
+        counters = locate(torch.default_generator)
+    assert counters is not None and counters.agrees_with(torch.default_generator)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_nothing_is_located_on_a_generator_of_another_device_type() -> None:
     class NotCPU:
         device = torch.device("meta")
