@@ -216,6 +216,8 @@ class _Region:
         stack = _ACTIVE.stack
         if stack and stack[-1] is self:
             stack.pop()
+        elif self in stack:  # regions left out of order: this one must not stay active
+            stack.remove(self)
         end = self._consumed if self._consumed or self._cancelled else self._end
         self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
 
@@ -275,10 +277,10 @@ class _LocalRegion:
         if self._saved is None:
             _local_ranks.each_rank(self._mode, lambda rank: p.set_seed_offset(seed, after))
             return
-        p.set_seed_offset(seed, after, generator=self._source)
         states, host = self._saved
         _local_ranks.restore(self._mode, states)
         p.set_rng_state(host)
+        p.set_seed_offset(seed, after, generator=self._source)  # last: the source may be the device's own
         self._saved = None
 
 
@@ -604,5 +606,8 @@ class _DTensorRegion:
             return
         if self._user is not None and self._saved is not None:
             p = self._tracker.platform
-            p.set_seed_offset(*p.get_seed_offset(), generator=self._user)
+            after = p.get_seed_offset()
             p.set_rng_state(self._saved)
+            # Last, so that a user generator that is the device's own (DTensor hands the
+            # tracker a new wrapper of it when passed explicitly) keeps the op's advance.
+            p.set_seed_offset(*after, generator=self._user)

@@ -260,12 +260,26 @@ _CURSOR_GENERATORS: weakref.WeakValueDictionary[int, CursorGenerator] = weakref.
 
 
 def _cursor_of(gen: torch.Generator) -> _Cursor | None:
+    """The cursor of ``gen``: the default generator's, a CursorGenerator's, or that of the one
+    ``gen`` wraps (torch's dispatcher hands code such as DTensor's a new plain wrapper of the
+    generator passed to an op); ``None`` for a generator that keeps none."""
     if gen is torch.default_generator:
         return _DEFAULT_CURSOR
     if isinstance(gen, CursorGenerator):
         return gen.cursor
-    owner = _CURSOR_GENERATORS.get(engine_address(gen)) if _CURSOR_GENERATORS else None  # type: ignore[arg-type]
+    address = engine_address(gen)
+    if address is None:
+        return None
+    if address == _default_address():
+        return _DEFAULT_CURSOR
+    owner = _CURSOR_GENERATORS.get(address)
     return owner.cursor if owner is not None else None
+
+
+@functools.cache
+def _default_address() -> int | None:
+    """The address of the default generator's C++ generator (it lives as long as the process)."""
+    return engine_address(torch.default_generator)
 
 
 class CPUPlatform(Platform):

@@ -364,3 +364,28 @@ def test_fullgraph_cannot_trace_a_fork_but_a_fullgraph_body_runs_inside_one() ->
     with tracker.fork():
         got = compiled(torch.ones(64))
     assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("platform_name", ["cpu", "sim"])
+def test_a_dtensor_op_given_the_devices_own_generator_keeps_its_advance(platform_name: str) -> None:
+    """DTensor hands the tracker a new wrapper of an explicitly passed default generator: the advance is kept."""
+    from types import SimpleNamespace
+
+    from hyperrng.sharded import _dtensor_adapter
+
+    spec = SimpleNamespace(mesh=MeshInfo((2,), (0,)), placements=[Shard(0)], shape=(16,))
+    with platforms.use(platform_name) as p:
+        tracker = ShardedRNGTracker()
+        adapter = _dtensor_adapter(tracker)
+        tracker.manual_seed(42)
+        with adapter._distribute_region(spec, None):
+            pass
+        implicit = p.get_seed_offset()
+        tracker.manual_seed(42)
+        explicit = []
+        for _ in range(3):
+            with adapter._distribute_region(spec, p.default_generator()):
+                pass
+            explicit.append(p.get_seed_offset())
+    assert explicit[0] == implicit
+    assert explicit == [(42, implicit[1] * k) for k in (1, 2, 3)]

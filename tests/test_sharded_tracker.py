@@ -286,6 +286,39 @@ def test_dtensor_random_ops_on_a_cpu_mesh_go_through_our_tracker() -> None:
     assert len({tuple(x["position"]) for x in r}) == 1, "every rank must leave at the same position"
 
 
+def _ops_with_an_explicit_default_generator(rank: int, world_size: int) -> dict[str, list[list[float]]]:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    tracker = ShardedRNGTracker()
+    previous = tracker.install_dtensor()
+    out: dict[str, list[list[float]]] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for label, generator in (("explicit", torch.default_generator), ("implicit", None)):
+                tracker.manual_seed(42)
+                out[label] = []
+                for _ in range(3):
+                    t = distribute_tensor(torch.zeros(8), mesh, [Shard(0)])
+                    t.uniform_(generator=generator)
+                    out[label].append(t.to_local().tolist())
+    finally:
+        tracker.uninstall_dtensor(previous)
+    return out
+
+
+@pytest.mark.multiproc
+def test_dtensor_ops_given_the_default_generator_explicitly_draw_what_implicit_ones_draw() -> None:
+    """DTensor hands the tracker a new wrapper of the default generator; each op must still move it on."""
+    for result in run_ranks(_ops_with_an_explicit_default_generator, 2):
+        assert result["explicit"] == result["implicit"]
+        assert result["explicit"][0] != result["explicit"][1] != result["explicit"][2]
+
+
 @pytest.mark.multiproc
 def test_without_our_tracker_pytorch_draws_identical_shards_on_a_cpu_mesh() -> None:
     r = run_ranks(_dtensor_random_ops, 4, False)
@@ -353,3 +386,18 @@ def test_a_repeated_op_with_a_rebuilt_list_and_shape_reuses_the_answer_and_a_cha
     )
     with pytest.raises(ArgumentTypeError):  # equal to the last shape by ==, but a bool: validated, not reused
         tracker.offsets(mesh, [Shard(1), Replicate()], (True, 7))
+
+
+def test_regions_left_out_of_order_leave_no_active_region_behind() -> None:
+    from hyperrng.sharded import active_region
+
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(3)
+    outer = tracker.distribute_region(MeshInfo((2,), (0,)), [Shard(0)], (5,))
+    inner = tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (9,))
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert active_region() is inner
+    inner.__exit__(None, None, None)
+    assert active_region() is None
