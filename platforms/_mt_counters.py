@@ -13,9 +13,11 @@ The place is found, not assumed:
    (its C++ generator), or nothing is read.
 2. On a scratch ``torch.Generator()`` (the same C++ class as the default generator),
    seeding with a distinctive 64-bit value shows where the engine's seed word sits; the
-   counters follow it. The scratch generator is then drawn from in sizes that move the
-   counters through a whole MT19937 block, and the in-place counters must equal what
-   ``get_state()`` reports after each draw.
+   counters follow it. The scratch generator is then given states (``set_state``) whose
+   counters take values that move each field on its own, and the in-place counters must
+   read exactly those values, and what ``get_state()`` reports, every time. No tensor op
+   runs, so the probe works the same inside any dispatch mode, default-device context or
+   kernel override the caller has installed (portable mode's, say).
 3. For the generator actually read (``torch.default_generator``), the seed word at that
    place must equal ``initial_seed()`` and the counters what its ``get_state()`` reports.
    Nothing of that generator is changed by the check.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
+import numpy as np
 import torch
 from torch.utils._mode_utils import no_dispatch
 
@@ -44,7 +47,9 @@ _ALIGN = 8
 _LEFT_AT, _NEXT_AT = 8, 16
 # The same counters in get_state()'s header: uint64 initial seed, int32 left, int32 seeded, uint64 next.
 _STATE_LEFT, _STATE_NEXT = slice(8, 12), slice(16, 24)
-_PROBE_DRAWS = (1, 3, 700, 1)  # past 624 words: the engine regenerates its block and resets the counters
+# Counter pairs the probe sets (torch accepts left in [1, 624] and next in [0, 624]), each
+# field moved on its own so that neither can be mistaken for the other.
+_PROBE_COUNTERS = ((624, 1), (1, 0), (300, 0), (1, 323), (17, 607), (1, 0))
 
 
 class DrawCounters:
@@ -56,6 +61,10 @@ class DrawCounters:
         self._seed = ctypes.c_uint64.from_address(address)
         self._left = ctypes.c_int32.from_address(address + _LEFT_AT)
         self._next = ctypes.c_uint32.from_address(address + _NEXT_AT)
+
+    def read(self) -> tuple[int, int]:
+        """``(left, next)`` as the engine holds them now."""
+        return self._left.value, self._next.value
 
     def drawn(self) -> bool:
         """Whether the engine has drawn since it was last seeded."""
@@ -83,7 +92,7 @@ def engine_address(gen: torch.Generator) -> int | None:
 
 
 def _seed_word_offset() -> int | None:
-    """Where the engine's seed word sits in a CPU generator, checked by drawing on a scratch generator."""
+    """Where the engine's seed word sits in a CPU generator, checked on a scratch generator."""
     scratch = torch.Generator()
     base = engine_address(scratch)
     if not base:
@@ -95,17 +104,27 @@ def _seed_word_offset() -> int | None:
         if raw[offset : offset + 8] != wanted:
             continue
         counters = DrawCounters(base + offset)
-        if counters.drawn() or not counters.agrees_with(scratch):
-            continue
-        if all(_draw_and_agree(scratch, counters, n) for n in _PROBE_DRAWS):
+        if not counters.drawn() and all(_set_and_agree(scratch, counters, *pair) for pair in _PROBE_COUNTERS):
             return offset
         scratch.manual_seed(_PROBE_SEED)
     return None
 
 
-def _draw_and_agree(gen: torch.Generator, counters: DrawCounters, n: int) -> bool:
-    torch.empty(n, dtype=torch.float64, device="cpu").uniform_(generator=gen)  # not the default device's
-    return counters.drawn() and counters.agrees_with(gen)
+def _set_and_agree(gen: torch.Generator, counters: DrawCounters, left: int, next_: int) -> bool:
+    """Give ``gen`` a state whose counters are (left, next) and check that the in-place ones read them.
+
+    Through ``set_state`` rather than draws: no tensor op runs, so nothing the caller has
+    installed (a dispatch mode, a default device, kernels registered for random ops) can
+    turn the probe into no change at all.
+    """
+    state = gen.get_state()
+    raw = state.numpy()
+    raw[_STATE_LEFT] = np.frombuffer(left.to_bytes(4, "little", signed=True), dtype=np.uint8)
+    raw[_STATE_NEXT] = np.frombuffer(next_.to_bytes(8, "little"), dtype=np.uint8)
+    gen.set_state(state)
+    return (
+        counters.read() == (left, next_) and counters.drawn() == ((left, next_) != (1, 0)) and counters.agrees_with(gen)
+    )
 
 
 def locate(gen: torch.Generator) -> DrawCounters | None:

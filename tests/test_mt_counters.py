@@ -47,12 +47,21 @@ def test_counters_are_found_for_a_generator_of_ones_own_too() -> None:
     assert counters.drawn() and counters.agrees_with(gen)
 
 
-@pytest.mark.parametrize("context", ["meta device", "fake tensors"])
-def test_the_counters_are_found_from_inside_a_default_device_or_a_dispatch_mode(context: str) -> None:
+@pytest.mark.parametrize("context", ["meta device", "fake tensors", "portable mode"])
+def test_the_counters_are_found_from_inside_a_default_device_a_dispatch_mode_or_portable_mode(context: str) -> None:
+    import contextlib
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    import hyperrng
+
+    contexts: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {
+        "meta device": lambda: torch.device("meta"),
+        "fake tensors": FakeTensorMode,
+        "portable mode": lambda: hyperrng.portable_random(5),  # refuses random ops it has no kernel for
+    }
     before = torch.get_rng_state()
-    with torch.device("meta") if context == "meta device" else FakeTensorMode():
+    with contexts[context]():
         counters = locate(torch.default_generator)
     assert counters is not None and counters.agrees_with(torch.default_generator)
     assert torch.equal(torch.get_rng_state(), before)
