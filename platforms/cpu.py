@@ -65,7 +65,7 @@ import torch
 
 from platforms._mt_counters import DrawCounters, engine_address, locate
 from platforms.base import Platform, StateIO
-from platforms.errors import InvalidStateError
+from platforms.errors import ArgumentTypeError, InvalidStateError
 from platforms.mix import mix64
 from platforms.validate import MAX_OFFSET, MAX_SEED, OFFSET_ALIGN, check_offset, check_seed, check_state
 
@@ -246,12 +246,41 @@ class CursorGenerator(torch.Generator):
     ``torch.Generator`` wrapping the same C++ generator; the cursor is found from that too.
     """
 
-    def __init__(self) -> None:
+    def __new__(cls, device: str | torch.device = "cpu") -> CursorGenerator:
+        return super().__new__(cls)  # always a CPU generator: the device is checked in __init__
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        """Raises:
+        ArgumentTypeError: ``device`` is not a string or ``torch.device``.
+        InvalidStateError: ``device`` is not the CPU.
+        """
+        if not isinstance(device, (str, torch.device)):
+            raise ArgumentTypeError(f"device must be a string or torch.device, got {type(device).__name__}.")
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            kind = str(device)
+        if kind != "cpu":
+            raise InvalidStateError(
+                f"a CursorGenerator is a CPU generator, got device {device!r}; generators of counter-based "
+                "devices keep their position in their own state, so use the device's generator there."
+            )
         super().__init__()
         self.cursor = _Cursor()
         address = engine_address(self)
         if address:
             _CURSOR_GENERATORS[address] = self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Copies and pickles are CursorGenerators with the same bytes and cursor (torch's own
+        ``Generator.__reduce__`` would rebuild a plain generator and drop the cursor)."""
+        c = self.cursor
+        return (CursorGenerator, (), (self.get_state(), c.seed, c.offset, c.mt_seed))
+
+    def __setstate__(self, state: tuple[torch.Tensor, int, int, int]) -> None:
+        mt, seed, offset, mt_seed = state
+        self.set_state(mt)
+        self.cursor.set(seed, offset, mt_seed)
 
 
 # Live CursorGenerators by the address of their C++ generator, which each of them keeps alive:

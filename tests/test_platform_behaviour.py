@@ -322,3 +322,29 @@ def test_set_device_on_a_one_device_platform_accepts_only_that_device() -> None:
         p.set_device(1)
     with pytest.raises(ArgumentTypeError):
         p.set_device("0")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_cpu_a_copied_or_pickled_cursor_generator_keeps_its_position(how: str) -> None:
+    import copy
+    import pickle
+
+    cpu = CPUPlatform()
+    gen = platforms.CursorGenerator()
+    cpu.set_seed_offset(99, 40, generator=gen)
+    copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda g: pickle.loads(pickle.dumps(g))}[how](gen)
+    assert isinstance(copied, platforms.CursorGenerator) and copied is not gen
+    assert cpu.get_seed_offset(generator=copied) == (99, 40)
+    assert torch.equal(torch.rand(4, generator=copied), torch.rand(4, generator=gen))
+    torch.rand(1, generator=copied)
+    assert cpu.get_seed_offset(generator=copied) == cpu.get_seed_offset(generator=gen) == (99, 44)
+
+
+@pytest.mark.parametrize(
+    ("device", "error"),
+    [("cuda", platforms.InvalidStateError), ("meta", platforms.InvalidStateError), (5, platforms.ArgumentTypeError)],
+)
+def test_cpu_a_cursor_generator_is_made_for_the_cpu_alone(device: object, error: type[Exception]) -> None:
+    assert platforms.CursorGenerator("cpu").device == platforms.CursorGenerator(torch.device("cpu")).device
+    with pytest.raises(error, match="device"):
+        platforms.CursorGenerator(device)  # type: ignore[arg-type]
