@@ -271,13 +271,13 @@ class CursorGenerator(torch.Generator):
         if address:
             _CURSOR_GENERATORS[address] = self
 
-    def __reduce__(self) -> tuple[object, ...]:
+    def __reduce__(self) -> tuple[object, ...]:  # type: ignore[override]  # our state, not torch's
         """Copies and pickles are CursorGenerators with the same bytes and cursor (torch's own
         ``Generator.__reduce__`` would rebuild a plain generator and drop the cursor)."""
         c = self.cursor
         return (CursorGenerator, (), (self.get_state(), c.seed, c.offset, c.mt_seed))
 
-    def __setstate__(self, state: tuple[torch.Tensor, int, int, int]) -> None:
+    def __setstate__(self, state: tuple[torch.Tensor, int, int, int]) -> None:  # type: ignore[override]
         mt, seed, offset, mt_seed = state
         self.set_state(mt)
         self.cursor.set(seed, offset, mt_seed)
