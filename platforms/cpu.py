@@ -17,14 +17,16 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   followed by the cursor (uint64 seed, int64 offset): :data:`CPU_STATE_NBYTES` bytes.
   Whatever saves and restores a state through the platform — tracker streams, checkpoints,
   recompute, :func:`hyperrng.fork_rng` — carries the cursor with the bytes. Nothing is
-  ever looked up elsewhere.
+  ever looked up in a table elsewhere.
 * ``set_seed_offset(seed, offset)`` seeds MT19937 from the pair (``seed`` itself at offset
-  0, so it is exactly ``manual_seed(seed)``; otherwise ``(M(seed) + offset / 4) mod 2**32``
-  with ``M`` a stable 64-bit mix: equal pairs give equal streams on every rank, two
-  positive offsets of one seed below 2**34 never share a stream, any other two positions
-  share one with probability about ``2**-32``) and sets the cursor to the pair. The
-  generator's 64-bit ``initial_seed`` then carries that stream's seed in its low word and
-  a tag in its high word (see :func:`position_seed`), which MT19937 ignores.
+  0, so it is exactly ``manual_seed(seed)``; otherwise a 32-bit stream seed that counts up
+  from a stable 64-bit mix of the seed, one per block of 4, moved by a mix of the window
+  for offsets past 2**34: equal pairs give equal streams on every rank, two positive
+  offsets of one seed less than 2**34 apart never share a stream, any other two positions
+  share one only by chance, about ``2**-32``, as torch's MT19937 has 2**32 seeds) and sets
+  the cursor to the pair. The generator's 64-bit ``initial_seed`` then carries that stream
+  seed in its low word and a tag in its high word (see :func:`position_seed`), which
+  MT19937 ignores.
 * ``get_seed_offset()`` reads the cursor. Draws cannot move an offset they know nothing
   of, so the cursor models them: once the generator has drawn from the stream of
   (seed, offset) — torch's own draw counters in the state say whether it has — the
@@ -39,10 +41,13 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   ``torch.set_rng_state``) no longer carries the initial seed its cursor models. Bytes of
   another position of the cursor's seed — saved and restored by torch's own tools,
   ``torch.get_rng_state``, ``torch.random.fork_rng``, ``torch.utils.checkpoint`` — say
-  which in their initial seed, and read as that position (see :func:`_recognise`);
-  anything else reads ``(initial_seed, 0)``, which is what ``torch.manual_seed`` means.
-  A positioned generator's initial seed is tagged (at least 2**63), so no
-  ``torch.manual_seed(s)`` with ``s`` below 2**63 can pass for it.
+  which in their initial seed, and read as that position (see :func:`_recognise`: exact
+  within 2**45 counters of the cursor's offset, and from offset 0 in a fresh process);
+  anything else reads ``(initial_seed, 0)``. A positioned generator's initial seed is
+  tagged (at least 2**63), so no ``torch.manual_seed(s)`` with ``s`` below 2**63 can pass
+  for it. For ``s`` below 2**32, ``(s, 0)`` is exactly the stream torch seeded; for a
+  larger ``s`` torch seeded from its low 32 bits only, which is not this platform's
+  ``(s, 0)`` (see :func:`seed_generator`): reseed through the platform to use 64-bit seeds.
 * Other generators keep their cursor on themselves: a :class:`CursorGenerator` (a
   ``torch.Generator`` that torch's ops accept like any other) is positioned exactly. A
   plain ``torch.Generator`` has nowhere to keep one: positioning it reseeds it, and its
@@ -88,6 +93,9 @@ CPU_STATE_NBYTES = MT19937_STATE_NBYTES + _CURSOR_NBYTES
 _CPU_POSITION_DOMAIN = 0x43505530  # "CPU0": keeps modelled seeds apart from other mixes
 _MASK32 = (1 << 32) - 1  # torch's MT19937 seeding reads only these bits
 _POSITION_TAG_BIT = 1 << 31  # set in the high word of every positioned seed (offset > 0)
+_CHECK_BITS, _WINDOW_BITS = 19, 12  # the rest of that high word: bits of the seed, then of the block window
+_WINDOW_MASK = (1 << _WINDOW_BITS) - 1
+_CPU_WINDOW_DOMAIN = 0x57494E44  # "WIND": keeps window shifts apart from other mixes
 
 
 # Layout of torch's CPU state (CPUGeneratorImplState): uint64 initial seed, int32 left,
@@ -120,55 +128,82 @@ def _mixed(seed: int) -> tuple[int, int]:
     """What the positions of ``seed`` are built from: the low word they count up from, and the
     high word that tags them (memoised: a run positions few seeds, twice a region)."""
     mixed = mix64(seed ^ _CPU_POSITION_DOMAIN)
-    return mixed & _MASK32, ((mixed >> 32) | _POSITION_TAG_BIT) << 32
+    check = (mixed >> (64 - _CHECK_BITS)) << _WINDOW_BITS
+    return mixed & _MASK32, (_POSITION_TAG_BIT | check) << 32
+
+
+def _window_shift(window: int) -> int:
+    """How far the stream seeds of block window ``window`` (blocks ``window * 2**32`` on) are moved:
+    nothing for the first, a mix of the window for the others, so that positions 2**34 counters
+    apart (or any multiple) do not seed the same stream."""
+    if window == 0:
+        return 0
+    shift = mix64(window ^ _CPU_WINDOW_DOMAIN) & _MASK32
+    if len(_WINDOW_SHIFTS) >= _WINDOW_SHIFTS_KEPT:  # a run moves through few windows: start afresh
+        _WINDOW_SHIFTS.clear()
+    _WINDOW_SHIFTS[window] = shift
+    return shift
+
+
+_WINDOW_SHIFTS: dict[int, int] = {}  # memo of the pure function above (positions are set twice a region)
+_WINDOW_SHIFTS_KEPT = 64
 
 
 def position_seed(seed: int, offset: int) -> int:
     """The 64-bit seed given to MT19937 for position (seed, offset): ``seed`` itself at offset 0.
 
-    torch seeds MT19937 from the low word alone and reports all 64 bits as the generator's
-    ``initial_seed``. At other offsets the low word (the stream) counts up from a mix of the
-    seed, one per block of 4: injective in positive offsets below 2**34, so the shards of
-    one op never share a stream. The high word tags the position: its top bit is set, so a
-    seed below 2**63 given to ``torch.manual_seed`` is never mistaken for a position, and
-    the rest comes from the seed, so states saved at positions of two seeds that happen to
-    share a stream still carry different initial seeds.
+    torch seeds MT19937 from the low word alone (the stream) and reports all 64 bits as the
+    generator's ``initial_seed``. At other offsets, with ``b = offset / 4`` the block:
+
+    * the low word counts up from a mix of the seed, one per block, within each window of
+      2**32 blocks (2**34 counters), so positions of one seed less than 2**34 counters apart
+      never share a stream; each further window is moved by a mix of its number, so
+      positions farther apart share one only by chance (about 2**-32), never periodically;
+    * the high word tags the position: its top bit is set (so no seed below 2**63 given to
+      ``torch.manual_seed`` passes for a position), then 19 bits from the seed, then the
+      window number's low 12 bits, so that bytes saved at a position say which one
+      (:func:`_recognise`).
     """
     if offset == 0:
         return seed
     low, tag = _mixed(seed)
-    return tag | ((low + offset // OFFSET_ALIGN) & _MASK32)
+    block = offset // OFFSET_ALIGN
+    window = block >> 32
+    return tag | ((window & _WINDOW_MASK) << 32) | ((low + block + _window_shift(window)) & _MASK32)
 
 
 def _recognise(seed: int, offset: int, initial_seed: int) -> tuple[int, int]:
     """The position of MT19937 bytes whose initial seed is ``initial_seed``, for a cursor at (seed, offset)
     that does not describe them (they were set behind the platform's back, or it was repositioned since).
 
-    Bytes of another position of the cursor's seed carry that position's block of 4 in their
-    low word (mod 2**32) and the seed's tag in their high word (:func:`position_seed`): they
-    read as that position, the one nearest the cursor's offset with that low word (torch's
-    own save and restore, ``torch.utils.checkpoint`` and ``fork_rng``, go back a few ops,
-    never 2**33 counters). The seed itself at offset 0 reads as such. Anything else reads
-    as ``(initial_seed, 0)``, the stream of ``torch.manual_seed(initial_seed)``.
+    Bytes of another position of the cursor's seed say so in their initial seed
+    (:func:`position_seed`): its tag carries 19 bits of the seed and the window number's low
+    12 bits, its low word the block within the window. They read as that position, taking
+    the window nearest the cursor's (exact within 2**11 windows, 2**45 counters, of the
+    cursor, and in a fresh process for any offset below that). The seed itself reads as
+    offset 0. Anything else reads as ``(initial_seed, 0)``, the stream of
+    ``torch.manual_seed(initial_seed)``.
     """
     if initial_seed == seed:
         return seed, 0
     low, tag = _mixed(seed)
-    if initial_seed & ~_MASK32 != tag:
+    high = initial_seed >> 32
+    if high & ~_WINDOW_MASK != tag >> 32:
         return initial_seed, 0
-    near = offset // OFFSET_ALIGN
-    step = (initial_seed - low - near) & _MASK32
-    block = near + (step - (1 << 32) if step >= 1 << 31 else step)
-    if block <= 0:  # offset 0 is never tagged: the nearest positive block with that low word
-        block += 1 << 32
-    if block * OFFSET_ALIGN > MAX_OFFSET:
+    near = (offset // OFFSET_ALIGN) >> 32
+    step = (high - near) & _WINDOW_MASK
+    window = near + (step - (_WINDOW_MASK + 1) if step > _WINDOW_MASK // 2 else step)
+    if window < 0:
+        window += _WINDOW_MASK + 1
+    block = (window << 32) | ((initial_seed - low - _window_shift(window)) & _MASK32)
+    if block == 0 or block * OFFSET_ALIGN > MAX_OFFSET:  # offset 0 is never tagged
         return initial_seed, 0
     return seed, block * OFFSET_ALIGN
 
 
 def _legacy_position_seed(seed: int, offset: int) -> int:
-    """What :func:`position_seed` was before positions were tagged: its low word (states saved then still load)."""
-    return position_seed(seed, offset) & _MASK32 if offset else seed
+    """The 32-bit seed positions were given before they were tagged (states saved then still load)."""
+    return (_mixed(seed)[0] + offset // OFFSET_ALIGN) & _MASK32 if offset else seed
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
@@ -361,9 +396,14 @@ class CPUPlatform(Platform):
             else check_offset(offset)
         )
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        if o:  # position_seed, inlined: torch seeds from the low word and keeps the tag as initial_seed
+        if o:  # torch seeds from the low word and keeps the tag as initial_seed
             low, tag = _mixed(s)
-            mt_seed = tag | ((low + o // OFFSET_ALIGN) & _MASK32)
+            block = o // OFFSET_ALIGN
+            window = block >> 32
+            if window:  # position_seed, inlined
+                low += _WINDOW_SHIFTS.get(window) or _window_shift(window)
+                tag |= (window & _WINDOW_MASK) << 32
+            mt_seed = tag | ((low + block) & _MASK32)
             gen.manual_seed(mt_seed)
         elif s <= _MASK32:
             mt_seed = s

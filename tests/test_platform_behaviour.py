@@ -76,9 +76,13 @@ def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_s
 @pytest.mark.parametrize(
     ("saved_at", "cursor_at"),
     [
-        (2**34 - 8, 2**34 + 8),  # the low word wrapped between them: the nearest position is meant
-        (2**34 - 4, 4),  # a position below the cursor's whose block would be negative counts up instead
+        (2**34 - 8, 2**34 + 8),  # on either side of a window's end
+        (2**34 - 4, 4),
         (2**40 + 16, 2**40 + 2**20),
+        (2**34 + 24, 0),  # a fresh process: the cursor at offset 0
+        (2**44 + 2**30, 0),
+        (2**50 + 4, 2**50 - 2**40),
+        (2**62, 2**62 + 2**44),
     ],
 )
 def test_cpu_restored_bytes_read_as_the_position_nearest_the_cursor(saved_at: int, cursor_at: int) -> None:
@@ -280,6 +284,15 @@ def test_cpu_64_bit_seeds_are_reproducible_and_restorable() -> None:
     assert torch.equal(torch.rand(8), a)
     cpu.set_rng_state(saved)
     assert torch.equal(torch.rand(8), a)
+
+
+def test_cpu_positions_a_power_of_two_apart_do_not_repeat_streams_past_2_to_the_34() -> None:
+    from platforms.cpu import position_seed
+
+    # One op of 2**24 elements per step: the positions of 4096 steps span four windows of 2**34.
+    for step in [2**24, 2**30, 2**34]:
+        streams = {position_seed(2024, step * k) & (2**32 - 1) for k in range(1, 4097)}
+        assert len(streams) == 4096, f"positions {step} counters apart share MT19937 streams"
 
 
 def test_cpu_positions_of_one_seed_never_share_a_stream() -> None:
