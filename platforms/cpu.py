@@ -21,9 +21,9 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
 * ``set_seed_offset(seed, offset)`` seeds MT19937 from the pair (``seed`` itself at offset
   0, so it is exactly ``manual_seed(seed)``; otherwise a 32-bit stream seed that counts up
   from a stable 64-bit mix of the seed, one per block of 4, moved by a mix of the window
-  for offsets past 2**34: equal pairs give equal streams on every rank, two positive
-  offsets of one seed less than 2**34 apart never share a stream, any other two positions
-  share one only by chance, about ``2**-32``, as torch's MT19937 has 2**32 seeds) and sets
+  of 2**34 counters: equal pairs give equal streams on every rank, two positive offsets of
+  one seed in one window never share a stream, any other two positions share one only by
+  chance, about ``2**-32``, as torch's MT19937 has 2**32 seeds) and sets
   the cursor to the pair. The generator's 64-bit ``initial_seed`` then carries that stream
   seed in its low word and a tag in its high word (see :func:`position_seed`), which
   MT19937 ignores.
@@ -42,7 +42,8 @@ and their draws advance the offset. MT19937 has no such pair, so this platform k
   another position of the cursor's seed — saved and restored by torch's own tools,
   ``torch.get_rng_state``, ``torch.random.fork_rng``, ``torch.utils.checkpoint`` — say
   which in their initial seed, and read as that position (see :func:`_recognise`: exact
-  within 2**45 counters of the cursor's offset, and from offset 0 in a fresh process);
+  within 2**41 counters of the cursor's offset, and so in a fresh process positioned at
+  the seed);
   anything else reads ``(initial_seed, 0)``. A positioned generator's initial seed is
   tagged (at least 2**63), so no ``torch.manual_seed(s)`` with ``s`` below 2**63 can pass
   for it. For ``s`` below 2**32, ``(s, 0)`` is exactly the stream torch seeded; for a
@@ -93,7 +94,7 @@ CPU_STATE_NBYTES = MT19937_STATE_NBYTES + _CURSOR_NBYTES
 _CPU_POSITION_DOMAIN = 0x43505530  # "CPU0": keeps modelled seeds apart from other mixes
 _MASK32 = (1 << 32) - 1  # torch's MT19937 seeding reads only these bits
 _POSITION_TAG_BIT = 1 << 31  # set in the high word of every positioned seed (offset > 0)
-_CHECK_BITS, _WINDOW_BITS = 19, 12  # the rest of that high word: bits of the seed, then of the block window
+_CHECK_BITS, _WINDOW_BITS = 23, 8  # the rest of that high word: bits of the seed, then of the block window
 _WINDOW_MASK = (1 << _WINDOW_BITS) - 1
 _CPU_WINDOW_DOMAIN = 0x57494E44  # "WIND": keeps window shifts apart from other mixes
 
@@ -156,12 +157,13 @@ def position_seed(seed: int, offset: int) -> int:
     generator's ``initial_seed``. At other offsets, with ``b = offset / 4`` the block:
 
     * the low word counts up from a mix of the seed, one per block, within each window of
-      2**32 blocks (2**34 counters), so positions of one seed less than 2**34 counters apart
-      never share a stream; each further window is moved by a mix of its number, so
-      positions farther apart share one only by chance (about 2**-32), never periodically;
+      2**32 blocks (offsets ``[k * 2**34, (k + 1) * 2**34)``), so positions of one seed in
+      one window never share a stream; each window is moved by a mix of its number, so
+      positions in different windows share one only by chance (about 2**-32), never
+      periodically (MT19937 has 2**32 seeds: no map can give both for every pair);
     * the high word tags the position: its top bit is set (so no seed below 2**63 given to
-      ``torch.manual_seed`` passes for a position), then 19 bits from the seed, then the
-      window number's low 12 bits, so that bytes saved at a position say which one
+      ``torch.manual_seed`` passes for a position), then 23 bits from the seed, then the
+      window number's low 8 bits, so that bytes saved at a position say which one
       (:func:`_recognise`).
     """
     if offset == 0:
@@ -177,12 +179,13 @@ def _recognise(seed: int, offset: int, initial_seed: int) -> tuple[int, int]:
     that does not describe them (they were set behind the platform's back, or it was repositioned since).
 
     Bytes of another position of the cursor's seed say so in their initial seed
-    (:func:`position_seed`): its tag carries 19 bits of the seed and the window number's low
-    12 bits, its low word the block within the window. They read as that position, taking
-    the window nearest the cursor's (exact within 2**11 windows, 2**45 counters, of the
-    cursor, and in a fresh process for any offset below that). The seed itself reads as
-    offset 0. Anything else reads as ``(initial_seed, 0)``, the stream of
-    ``torch.manual_seed(initial_seed)``.
+    (:func:`position_seed`): its tag carries 23 bits of the seed and the window number's low
+    8 bits, its low word the block within the window. They read as that position, taking
+    the block nearest the cursor's of those the tag allows: exact within 2**7 windows
+    (2**41 counters) of the cursor, and so in a fresh process positioned at the seed for any
+    offset below that. Bytes of another seed whose 23 bits agree (about one pair of seeds in
+    8 million) would be misread. The seed itself reads as offset 0. Anything else reads as
+    ``(initial_seed, 0)``, the stream of ``torch.manual_seed(initial_seed)``.
     """
     if initial_seed == seed:
         return seed, 0
@@ -190,15 +193,17 @@ def _recognise(seed: int, offset: int, initial_seed: int) -> tuple[int, int]:
     high = initial_seed >> 32
     if high & ~_WINDOW_MASK != tag >> 32:
         return initial_seed, 0
-    near = (offset // OFFSET_ALIGN) >> 32
-    step = (high - near) & _WINDOW_MASK
-    window = near + (step - (_WINDOW_MASK + 1) if step > _WINDOW_MASK // 2 else step)
-    if window < 0:
-        window += _WINDOW_MASK + 1
-    block = (window << 32) | ((initial_seed - low - _window_shift(window)) & _MASK32)
-    if block == 0 or block * OFFSET_ALIGN > MAX_OFFSET:  # offset 0 is never tagged
-        return initial_seed, 0
-    return seed, block * OFFSET_ALIGN
+    cursor_block = offset // OFFSET_ALIGN
+    near = cursor_block >> 32
+    above = near + ((high - near) & _WINDOW_MASK)  # the two windows nearest the cursor's with these low bits
+    best: int | None = None
+    for window in (above, above - _WINDOW_MASK - 1):
+        block = (window << 32) | ((initial_seed - low - _window_shift(window)) & _MASK32)
+        # offset 0 is never tagged; of the two, the block nearer the cursor's is meant
+        if window >= 0 and 0 < block * OFFSET_ALIGN <= MAX_OFFSET:
+            if best is None or abs(block - cursor_block) < abs(best - cursor_block):
+                best = block
+    return (initial_seed, 0) if best is None else (seed, best * OFFSET_ALIGN)
 
 
 def _legacy_position_seed(seed: int, offset: int) -> int:

@@ -80,9 +80,11 @@ def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_s
         (2**34 - 4, 4),
         (2**40 + 16, 2**40 + 2**20),
         (2**34 + 24, 0),  # a fresh process: the cursor at offset 0
-        (2**44 + 2**30, 0),
+        (2**40 + 2**30, 0),
         (2**50 + 4, 2**50 - 2**40),
-        (2**62, 2**62 + 2**44),
+        (2**62, 2**62 + 2**40),
+        (2**50 + 127 * 2**34, 2**50),  # 127 windows ahead: the two windows its bits allow, the nearer taken
+        (2**50 - 127 * 2**34 + 8, 2**50),
     ],
 )
 def test_cpu_restored_bytes_read_as_the_position_nearest_the_cursor(saved_at: int, cursor_at: int) -> None:
