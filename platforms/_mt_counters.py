@@ -53,30 +53,34 @@ _PROBE_COUNTERS = ((624, 1), (1, 0), (300, 0), (1, 323), (17, 607), (1, 0))
 
 
 class DrawCounters:
-    """MT19937's ``left`` and ``next`` counters of one generator, read where the generator keeps them."""
+    """MT19937's ``left`` and ``next`` counters of one generator, read where the generator keeps them.
 
-    __slots__ = ("_left", "_next", "_seed")
+    ``left``, ``next`` and ``seed`` are ctypes views of the engine's fields: ``.value`` reads
+    them now (callers on a hot path read them directly; :meth:`drawn` says the same).
+    """
+
+    __slots__ = ("left", "next", "seed")
 
     def __init__(self, address: int) -> None:
-        self._seed = ctypes.c_uint64.from_address(address)
-        self._left = ctypes.c_int32.from_address(address + _LEFT_AT)
-        self._next = ctypes.c_uint32.from_address(address + _NEXT_AT)
+        self.seed = ctypes.c_uint64.from_address(address)
+        self.left = ctypes.c_int32.from_address(address + _LEFT_AT)
+        self.next = ctypes.c_uint32.from_address(address + _NEXT_AT)
 
     def read(self) -> tuple[int, int]:
         """``(left, next)`` as the engine holds them now."""
-        return self._left.value, self._next.value
+        return self.left.value, self.next.value
 
     def drawn(self) -> bool:
         """Whether the engine has drawn since it was last seeded."""
-        return self._left.value != 1 or self._next.value != 0
+        return self.left.value != 1 or self.next.value != 0
 
     def agrees_with(self, gen: torch.Generator) -> bool:
         """Whether these counters and seed word are ``gen``'s, as its ``get_state()`` reports them."""
         raw = gen.get_state().numpy().tobytes()
         return (
-            self._seed.value == gen.initial_seed()
-            and self._left.value == int.from_bytes(raw[_STATE_LEFT], "little", signed=True)
-            and self._next.value == int.from_bytes(raw[_STATE_NEXT], "little")
+            self.seed.value == gen.initial_seed()
+            and self.left.value == int.from_bytes(raw[_STATE_LEFT], "little", signed=True)
+            and self.next.value == int.from_bytes(raw[_STATE_NEXT], "little")
         )
 
 

@@ -385,8 +385,14 @@ class CPUPlatform(Platform):
             seed, offset = _recognise(cursor.seed, cursor.offset, current)
         else:
             seed, offset = current, 0
-        if offset < _LAST_BLOCK and _has_drawn(gen):  # the generator has drawn from this position's stream
-            offset += OFFSET_ALIGN
+        if offset < _LAST_BLOCK:
+            counters = _default_counters if gen is torch.default_generator else None
+            if type(counters) is DrawCounters:  # (the check _has_drawn makes, inlined for regions)
+                drawn = counters.left.value != 1 or counters.next.value != 0
+            else:
+                drawn = _has_drawn(gen)
+            if drawn:  # the generator has drawn from this position's stream
+                offset += OFFSET_ALIGN
         return seed, offset
 
     def set_seed_offset(
