@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 
 from platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
-from platforms.validate import OFFSET_ALIGN, check_index, check_offset, check_seed, check_state
+from platforms.validate import check_index, check_offset, check_seed, check_state, check_state_offset
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 
@@ -153,12 +153,7 @@ class Platform:
         """
         checked = check_state(state, self.state_nbytes, self.name)
         if self.counter_based and self.state_nbytes == COUNTER_STATE_NBYTES:
-            seed, offset = unpack_counter_state(checked)
-            if offset < 0 or offset % OFFSET_ALIGN:
-                raise InvalidStateError(
-                    f"RNG state for platform {self.name!r} has offset {offset} (seed {seed}); offsets are "
-                    f"non-negative multiples of {OFFSET_ALIGN}. Pass a state returned by get_rng_state(), unmodified."
-                )
+            check_state_offset(unpack_counter_state(checked)[1], f"RNG state for platform {self.name!r} has offset")
         return checked
 
     def manual_seed(self, seed: int, index: int | None = None) -> None:

@@ -58,7 +58,7 @@ from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_coun
 from platforms.device_module import DeviceModulePlatform
 from platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
 from platforms.mix import combine64
-from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_index, check_offset, check_seed, round_up_offset
+from platforms.validate import MAX_OFFSET, check_index, check_offset, check_seed, check_state_offset, round_up_offset
 
 __all__ = [
     "SIM_DEVICE_TYPE",
@@ -120,11 +120,8 @@ class SimulatedGenerator:
         # FakeTensorMode propagates shardings); CUDA's generator reads the bytes below them, and so does this one.
         with no_dispatch():
             seed, offset = unpack_counter_state(new_state)
-        if offset < 0 or offset % OFFSET_ALIGN:  # CUDA's generator refuses these too
-            raise InvalidStateError(
-                f"simulated generator state has offset {offset}; offsets are non-negative multiples of "
-                f"{OFFSET_ALIGN}. Pass a state returned by get_state()."
-            )
+        # CUDA's generator refuses these too
+        check_state_offset(offset, "simulated generator state has offset", source="get_state()")
         self._counter.seed, self._counter.offset = seed, offset
         return self
 

@@ -26,6 +26,7 @@ __all__ = [
     "check_seed",
     "check_offset",
     "check_state",
+    "check_state_offset",
     "check_index",
 ]
 
@@ -117,6 +118,20 @@ def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
             f"{tuple(state.shape)} on {state.device}."
         )
     return state.contiguous()
+
+
+def check_state_offset(offset: int, what: str, source: str = "get_rng_state()") -> int:
+    """Return the offset read from a state if a generator can hold it, else raise :class:`InvalidStateError`.
+
+    ``what`` opens the message and is followed by the offset ("RNG state for platform
+    'sim' has offset"); ``source`` names what returns valid states.
+    """
+    if offset < 0 or offset % OFFSET_ALIGN:
+        raise InvalidStateError(
+            f"{what} {offset}; offsets are non-negative multiples of {OFFSET_ALIGN}. "
+            f"Pass a state returned by {source}, unmodified."
+        )
+    return offset
 
 
 def check_index(index: object, count: int, platform: str) -> int:
