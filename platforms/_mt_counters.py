@@ -33,11 +33,10 @@ from __future__ import annotations
 import ctypes
 import sys
 
-import numpy as np
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["DrawCounters", "engine_address", "locate"]
+__all__ = ["DrawCounters", "drawn_in_copy", "engine_address", "locate"]
 
 _PROBE_SEED = 0x5EED_C0DE_7A6E_0F15  # distinctive in all 64 bits, so it cannot be mistaken for other data
 _SEARCH_BYTES = 256  # where the engine's seed word may sit in the C++ generator
@@ -45,11 +44,33 @@ _ALIGN = 8
 # Offsets from the engine's seed word, as torch's mt19937 data lays it out: uint64 seed,
 # int32 left, bool seeded (padded), uint32 next.
 _LEFT_AT, _NEXT_AT = 8, 16
-# The same counters in get_state()'s header: uint64 initial seed, int32 left, int32 seeded, uint64 next.
-_STATE_LEFT, _STATE_NEXT = slice(8, 12), slice(16, 24)
 # Counter pairs the probe sets (torch accepts left in [1, 624] and next in [0, 624]), each
 # field moved on its own so that neither can be mistaken for the other.
 _PROBE_COUNTERS = ((624, 1), (1, 0), (300, 0), (1, 323), (17, 607), (1, 0))
+
+
+class _Header(ctypes.Structure):
+    """The head of a ``get_state()`` tensor (torch's CPUGeneratorImplState), read in place:
+    the same counters as the engine's, with ``left`` and ``next`` what seeding sets to 1 and 0."""
+
+    _fields_ = [
+        ("initial_seed", ctypes.c_uint64),
+        ("left", ctypes.c_int32),
+        ("seeded", ctypes.c_int32),
+        ("next", ctypes.c_uint64),
+    ]
+
+
+def _header(state: torch.Tensor) -> _Header:
+    """The header of ``state``, a view into it: keep ``state`` alive while it is read or written."""
+    return _Header.from_address(state.data_ptr())
+
+
+def drawn_in_copy(gen: torch.Generator) -> bool:
+    """Whether ``gen`` has drawn since it was last seeded, read from a copy of its state (any generator)."""
+    state = gen.get_state()
+    header = _header(state)
+    return header.left != 1 or header.next != 0
 
 
 class DrawCounters:
@@ -76,12 +97,9 @@ class DrawCounters:
 
     def agrees_with(self, gen: torch.Generator) -> bool:
         """Whether these counters and seed word are ``gen``'s, as its ``get_state()`` reports them."""
-        raw = gen.get_state().numpy().tobytes()
-        return (
-            self.seed.value == gen.initial_seed()
-            and self.left.value == int.from_bytes(raw[_STATE_LEFT], "little", signed=True)
-            and self.next.value == int.from_bytes(raw[_STATE_NEXT], "little")
-        )
+        state = gen.get_state()
+        header = _header(state)
+        return (self.seed.value, self.left.value, self.next.value) == (header.initial_seed, header.left, header.next)
 
 
 def engine_address(gen: torch.Generator) -> int | None:
@@ -122,9 +140,8 @@ def _set_and_agree(gen: torch.Generator, counters: DrawCounters, left: int, next
     turn the probe into no change at all.
     """
     state = gen.get_state()
-    raw = state.numpy()
-    raw[_STATE_LEFT] = np.frombuffer(left.to_bytes(4, "little", signed=True), dtype=np.uint8)
-    raw[_STATE_NEXT] = np.frombuffer(next_.to_bytes(8, "little"), dtype=np.uint8)
+    header = _header(state)
+    header.left, header.next = left, next_
     gen.set_state(state)
     return (
         counters.read() == (left, next_) and counters.drawn() == ((left, next_) != (1, 0)) and counters.agrees_with(gen)
@@ -140,8 +157,8 @@ def locate(gen: torch.Generator) -> DrawCounters | None:
     try:
         if gen.device.type != "cpu":
             return None
-        # Real host tensors whatever the caller is inside: a dispatch mode (fake or local
-        # tensors) or a default-device context would turn the probe's draws and reads into none.
+        # Real host tensors from get_state() whatever the caller is inside (a dispatch mode
+        # of fake or local tensors would hand back tensors without data).
         with no_dispatch():
             offset = _seed_word_offset()
             base = engine_address(gen)

@@ -61,7 +61,6 @@ are identical across devices should use the portable Philox generator instead.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import struct
 import weakref
@@ -69,11 +68,19 @@ import weakref
 import numpy as np
 import torch
 
-from platforms._mt_counters import DrawCounters, engine_address, locate
+from platforms._mt_counters import DrawCounters, drawn_in_copy, engine_address, locate
 from platforms.base import Platform, StateIO
 from platforms.errors import ArgumentTypeError, InvalidStateError
 from platforms.mix import mix64
-from platforms.validate import MAX_OFFSET, MAX_SEED, OFFSET_ALIGN, check_offset, check_seed, check_state
+from platforms.validate import (
+    MAX_OFFSET,
+    MAX_SEED,
+    OFFSET_ALIGN,
+    check_offset,
+    check_seed,
+    check_state,
+    check_state_offset,
+)
 
 __all__ = [
     "CPUPlatform",
@@ -99,22 +106,6 @@ _WINDOW_MASK = (1 << _WINDOW_BITS) - 1
 _CPU_WINDOW_DOMAIN = 0x57494E44  # "WIND": keeps window shifts apart from other mixes
 
 
-# Layout of torch's CPU state (CPUGeneratorImplState): uint64 initial seed, int32 left,
-# int32 seeded, uint64 next, then the 624 MT19937 words, each widened to uint64.
-class _Header(ctypes.Structure):
-    """The head of that state; ``left`` and ``next`` are what seeding sets (1 and 0) and every draw moves.
-
-    Read in place (``from_address``) in the copy, for generators whose counters are not read live.
-    """
-
-    _fields_ = [
-        ("initial_seed", ctypes.c_uint64),
-        ("left", ctypes.c_int32),
-        ("seeded", ctypes.c_int32),
-        ("next", ctypes.c_uint64),
-    ]
-
-
 _LAST_BLOCK = MAX_OFFSET - OFFSET_ALIGN
 _MT_WORDS_START = 24
 _MT_WORDS_END = _MT_WORDS_START + 624 * 8
@@ -133,21 +124,12 @@ def _mixed(seed: int) -> tuple[int, int]:
     return mixed & _MASK32, (_POSITION_TAG_BIT | check) << 32
 
 
+@functools.lru_cache(maxsize=64)
 def _window_shift(window: int) -> int:
     """How far the stream seeds of block window ``window`` (blocks ``window * 2**32`` on) are moved:
     nothing for the first, a mix of the window for the others, so that positions 2**34 counters
-    apart (or any multiple) do not seed the same stream."""
-    if window == 0:
-        return 0
-    shift = mix64(window ^ _CPU_WINDOW_DOMAIN) & _MASK32
-    if len(_WINDOW_SHIFTS) >= _WINDOW_SHIFTS_KEPT:  # a run moves through few windows: start afresh
-        _WINDOW_SHIFTS.clear()
-    _WINDOW_SHIFTS[window] = shift
-    return shift
-
-
-_WINDOW_SHIFTS: dict[int, int] = {}  # memo of the pure function above (positions are set twice a region)
-_WINDOW_SHIFTS_KEPT = 64
+    apart (or any multiple) do not seed the same stream (memoised: a run moves through few windows)."""
+    return 0 if window == 0 else mix64(window ^ _CPU_WINDOW_DOMAIN) & _MASK32
 
 
 def position_seed(seed: int, offset: int) -> int:
@@ -245,17 +227,6 @@ def _locate_default_counters() -> DrawCounters | None:
     if _default_counters is _UNLOCATED:
         _default_counters = locate(torch.default_generator)
     return _default_counters  # type: ignore[return-value]
-
-
-def _has_drawn(gen: torch.Generator) -> bool:
-    """Whether ``gen``'s MT19937 engine has drawn since it was last seeded."""
-    if gen is torch.default_generator:
-        counters = _default_counters if _default_counters is not _UNLOCATED else _locate_default_counters()
-        if counters is not None:
-            return counters.drawn()  # type: ignore[union-attr, attr-defined]
-    state = gen.get_state()  # held while its header is read in place
-    header = _Header.from_address(state.data_ptr())
-    return header.left != 1 or header.next != 0
 
 
 class _Cursor:
@@ -387,10 +358,12 @@ class CPUPlatform(Platform):
             seed, offset = current, 0
         if offset < _LAST_BLOCK:
             counters = _default_counters if gen is torch.default_generator else None
-            if type(counters) is DrawCounters:  # (the check _has_drawn makes, inlined for regions)
+            if counters is _UNLOCATED:
+                counters = _locate_default_counters()
+            if type(counters) is DrawCounters:  # DrawCounters.drawn(), inlined: regions ask on every op
                 drawn = counters.left.value != 1 or counters.next.value != 0
             else:
-                drawn = _has_drawn(gen)
+                drawn = drawn_in_copy(gen)
             if drawn:  # the generator has drawn from this position's stream
                 offset += OFFSET_ALIGN
         return seed, offset
@@ -412,7 +385,7 @@ class CPUPlatform(Platform):
             block = o // OFFSET_ALIGN
             window = block >> 32
             if window:  # position_seed, inlined
-                low += _WINDOW_SHIFTS.get(window) or _window_shift(window)
+                low += _window_shift(window)
                 tag |= (window & _WINDOW_MASK) << 32
             mt_seed = tag | ((low + block) & _MASK32)
             gen.manual_seed(mt_seed)
@@ -442,11 +415,7 @@ class CPUPlatform(Platform):
                 "pass a state returned by get_rng_state()."
             ) from None
         seed, offset = _unpack_cursor(checked)
-        if offset < 0 or offset % OFFSET_ALIGN:
-            raise InvalidStateError(
-                f"RNG state for platform {self.name!r} has a cursor offset of {offset}; offsets are "
-                f"non-negative multiples of {OFFSET_ALIGN}. Pass a state returned by get_rng_state()."
-            )
+        check_state_offset(offset, f"RNG state for platform {self.name!r} has a cursor offset of")
         if _SCRATCH.initial_seed() not in (position_seed(seed, offset), _legacy_position_seed(seed, offset)):
             raise InvalidStateError(
                 f"RNG state for platform {self.name!r} has a cursor ({seed}, {offset}) that does not belong "
