@@ -308,14 +308,8 @@ def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
     assert torch.equal(io.pack(snapshot), expected[i]), (
         f"{what}: the snapshot read() returned changed when device {i} was reseeded; read() must return a copy"
     )
-    moved = _states(p)
-    io.write(snapshot)
-    after = _states(p)
-    assert torch.equal(after[i], expected[i]), (
-        f"{what}: write(read()) did not restore device {i}'s state ({_holder(p, expected[i])} holds it now)"
-    )
-    for j in range(n):
-        assert j == i or torch.equal(after[j], moved[j]), f"{what}: write() changed device {j}, not only device {i}"
+    restore_missed = f"{what}: write(read()) did not restore device {i}'s state ({{holder}} holds it now)"
+    _assert_writes_only(p, i, lambda: io.write(snapshot), expected[i], what, restore_missed)
 
     p.manual_seed(6000 + i, i)
     state = p.get_rng_state(i)
@@ -326,11 +320,20 @@ def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
     assert torch.equal(packed, original), f"{what}: pack(unpack(state)) is not state"
     packed.zero_()  # pack returns a tensor the caller may keep and modify
     assert torch.equal(io.pack(unpacked), original), f"{what}: pack() returned the snapshot's own bytes, not a copy"
+    set_missed = f"{what}: write(unpack(state)) did not set device {i} to state"
+    _assert_writes_only(p, i, lambda: io.write(io.unpack(expected[i])), expected[i], what, set_missed)
+
+
+def _assert_writes_only(
+    p: Platform, i: int, write: Callable[[], object], state: torch.Tensor, what: str, missed: str
+) -> None:
+    """``write()`` must leave device ``i`` holding ``state`` (else ``missed``, where ``{holder}`` names
+    the device that holds it) and every other device as it was."""
     before = _states(p)
-    io.write(io.unpack(expected[i]))
+    write()
     after = _states(p)
-    assert torch.equal(after[i], expected[i]), f"{what}: write(unpack(state)) did not set device {i} to state"
-    for j in range(n):
+    assert torch.equal(after[i], state), missed.format(holder=_holder(p, state))
+    for j in range(len(after)):
         assert j == i or torch.equal(after[j], before[j]), f"{what}: write() changed device {j}, not only device {i}"
 
 
@@ -343,8 +346,7 @@ def state_io_addresses_each_device(p: Platform) -> None:
     n = p.device_count()
     home = p.current_device()
     currents = list(range(n)) if n > 1 else [home]  # set_device only where there is a choice
-    saved = _states(p)
-    try:
+    with _restored(p):  # also when the check runs on its own, outside check_platform
         for made_on in currents:
             if n > 1:
                 p.set_device(made_on)
@@ -361,11 +363,6 @@ def state_io_addresses_each_device(p: Platform) -> None:
                 for i, io in enumerate(ios):
                     what = f"state_io({i}), made with device {made_on} current and used with device {used_on} current"
                     _exercise_state_io(p, io, i, what)
-    finally:
-        if p.current_device() != home:
-            p.set_device(home)
-        for i, state in enumerate(saved):
-            p.set_rng_state(state, i)
     assert p.current_device() == home, f"set_device({home}) did not make device {home} current again"
 
 
