@@ -44,9 +44,9 @@ def _isolate_rng() -> Iterator[None]:
     """
     import numpy as np
 
-    import platforms.registry as registry
-    from platforms.cpu import CPUPlatform
-    from platforms.simulated import _Backend
+    import hyperrng.platforms.registry as registry
+    from hyperrng.platforms.cpu import CPUPlatform
+    from hyperrng.platforms.simulated import _Backend
 
     host = CPUPlatform()
     py_state, np_state, host_state = random.getstate(), np.random.get_state(), host.get_rng_state()

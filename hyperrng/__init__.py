@@ -1,6 +1,6 @@
 """hyperrng: random-number state across devices and ranks for PyTorch training.
 
-Importing hyperrng resolves the hardware platform once (see :mod:`platforms.registry`):
+Importing hyperrng resolves the hardware platform once (see :mod:`hyperrng.platforms.registry`):
 ``HYPERRNG_PLATFORM`` if set, else an available plug-in, else NPU, CUDA, CPU. The
 resolution touches no device. :func:`current_platform` returns the result.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
-import platforms as _platforms
+import hyperrng.platforms as _platforms
 from hyperrng.errors import (
     AmbiguousPlatformError,
     ArgumentTypeError,
@@ -40,7 +40,7 @@ from hyperrng.errors import (
     UnsupportedPortableOpError,
     UsageError,
 )
-from platforms import Platform
+from hyperrng.platforms import Platform
 
 __version__ = "0.1.0"
 
@@ -62,10 +62,10 @@ def _started_as_command() -> bool:
 # Resolve the platform before anything below asks for it: HYPERRNG_PLATFORM, plug-ins, NPU, CUDA, CPU.
 # A library import fails here, at once, when no platform can be selected. The command
 # line imports the package too, and reports that failure itself (``hyperrng info`` with
-# every probe, other commands in one line): every later call to ``platforms.current()``
+# every probe, other commands in one line): every later call to ``hyperrng.platforms.current()``
 # raises the same error again.
 try:
-    _platforms.select()
+    _platforms.registry.select_at_import()
 except PlatformError:
     if not _started_as_command():
         raise
@@ -113,7 +113,7 @@ from hyperrng.verify import verify_rng_sync  # noqa: E402
 
 
 def current_platform() -> Platform:
-    """The platform hyperrng uses now (resolved at import; see ``platforms.use`` to override)."""
+    """The platform hyperrng uses now (resolved at import; see ``hyperrng.platforms.use`` to override)."""
     return _platforms.current()
 
 

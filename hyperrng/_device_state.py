@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from platforms import Platform
+from hyperrng.platforms import Platform
 
 __all__ = ["ReadWrite", "host_and_devices"]
 

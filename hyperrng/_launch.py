@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Collection
 from typing import Any
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import PlatformError, RankFailure
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import NoReturn
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import HyperRNGError, PlatformError
 
 __all__ = ["main", "info_lines"]

@@ -37,12 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, RankFailure, UsageError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
-from platforms.mix import combine64
-from platforms.validate import check_seed
+from hyperrng.platforms.mix import combine64
+from hyperrng.platforms.validate import check_seed
 
 __all__ = ["DemoConfig", "DEFAULT_WORLD_SIZE", "LAYOUT", "MAX_LOCAL_RANKS", "PORTABLE_MAX_RANKS", "run_demo", "main"]
 

@@ -7,7 +7,7 @@ what was wrong and what to do next.
 
 from __future__ import annotations
 
-from platforms.errors import (
+from hyperrng.platforms.errors import (
     AmbiguousPlatformError,
     ArgumentTypeError,
     DeviceIndexError,

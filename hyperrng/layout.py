@@ -23,7 +23,7 @@ replaces them::
     combine64(LAYOUT_DOMAIN, base_seed, name_hash(name),
               dim_hash(d1), c1, ..., dim_hash(dk), ck)
 
-where ``combine64`` is :func:`platforms.mix.combine64` (SplitMix64 steps) and the hashes
+where ``combine64`` is :func:`hyperrng.platforms.mix.combine64` (SplitMix64 steps) and the hashes
 are the first 8 bytes, little-endian, of BLAKE2b over the UTF-8 name with a personalisation
 string (``hyperrng.stream`` / ``hyperrng.dim``) — stable across processes, machines and
 Python versions, unlike ``hash()``. The default generator's seed is the same formula with
@@ -53,11 +53,11 @@ from typing import Any
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, LayoutError
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
-from platforms.mix import combine64
-from platforms.validate import MAX_SEED, check_instance, check_int, check_seed
+from hyperrng.platforms.mix import combine64
+from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
 
 __all__ = [
     "DEFAULT_STREAM",

@@ -63,7 +63,7 @@ from hyperrng.errors import (
     ShardingError,
     UnsupportedDTypeError,
 )
-from platforms.validate import check_int
+from hyperrng.platforms.validate import check_int
 
 __all__ = [
     "COUNTER_SPACE",

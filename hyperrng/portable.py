@@ -16,7 +16,7 @@ same code draws numbers that do not depend on the device or on how a tensor is s
   the global element count, so the shards put together equal the unsharded tensor bit
   for bit and every rank leaves at the same position.
 
-On the CPU platform positions are modelled (see :mod:`platforms.cpu`), and the numbers
+On the CPU platform positions are modelled (see :mod:`hyperrng.platforms.cpu`), and the numbers
 are still exactly Philox's: the same on CPU, CUDA and NPU for the same (key, offset).
 """
 
@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
-from platforms.validate import MAX_OFFSET, check_int, round_up_offset
+from hyperrng.platforms.validate import MAX_OFFSET, check_int, round_up_offset
 
 __all__ = [
     "reserve",

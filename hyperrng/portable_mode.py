@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import (
     ArgumentTypeError,
@@ -76,7 +76,7 @@ from hyperrng.errors import (
 )
 from hyperrng.portable import _assemble, _reserved, shard_slices
 from hyperrng.sharded import active_region
-from platforms.validate import check_seed, round_up_offset
+from hyperrng.platforms.validate import check_seed, round_up_offset
 
 __all__ = [
     "PORTABLE_OPS",
@@ -607,7 +607,7 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
     """
     from hyperrng.errors import CheckpointError, InvalidOffsetError, InvalidSeedError
     from hyperrng.tracker import resolve_tracker
-    from platforms.validate import check_offset
+    from hyperrng.platforms.validate import check_offset
 
     if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
         raise ArgumentTypeError(
@@ -669,7 +669,7 @@ def tp_invariance_report(
     """
     from hyperrng._launch import run_ranks
     from hyperrng._portable_tp import tp_rank
-    from platforms.validate import check_int
+    from hyperrng.platforms.validate import check_int
 
     world = check_int(world_size, "world_size")
     sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)

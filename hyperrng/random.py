@@ -3,7 +3,7 @@
 ``torch.random.fork_rng`` forks the CPU and the devices of *one* device type, which
 defaults to CUDA (or whatever torch guesses), so on an NPU or a plug-in accelerator it
 silently forks the wrong backend. :func:`fork_rng` forks the CPU state and the chosen
-devices of the *current platform* (``platforms.current()``), and it is cheap: states are
+devices of the *current platform* (``hyperrng.platforms.current()``), and it is cheap: states are
 copied straight from and into the generators where they are the whole state, with no
 clones and no validation of states it read itself. On the CPU platform the device is the
 host, and its state (with its position cursor) is forked once.
@@ -11,7 +11,7 @@ host, and its state (with its position cursor) is forked once.
 A ``device_type`` that is not the current platform's is an error rather than a lookup in
 the platform registry: forking a backend that hyperrng does not drive would protect
 nothing that hyperrng's streams use, and loading it could initialise a second device
-runtime. Select the platform with ``platforms.use(...)`` instead.
+runtime. Select the platform with ``hyperrng.platforms.use(...)`` instead.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng._device_state import ReadWrite, host_and_devices
 from hyperrng.errors import ArgumentTypeError, UsageError
-from platforms.validate import check_index
+from hyperrng.platforms.validate import check_index
 
 __all__ = ["fork_rng"]
 
@@ -82,7 +82,7 @@ def fork_rng(
 
     Raises:
         UsageError: ``device_type`` is not the current platform's (select it with
-            ``platforms.use(...)``; see the module docstring).
+            ``hyperrng.platforms.use(...)``; see the module docstring).
         DeviceIndexError: a device index is not an int in ``[0, device_count())``.
 
     Nothing is read or changed until the ``with`` block is entered; a bad argument

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng._device_state import host_and_devices
 from hyperrng.errors import ArgumentTypeError
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.tracker import (
@@ -36,7 +36,7 @@ from hyperrng.tracker import (
     TrackerStateError,
     resolve_tracker,
 )
-from platforms.validate import MAX_SEED, check_int, check_seed
+from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
 
 __all__ = [
     "SLAPO_DEFAULT_SEED",

@@ -17,7 +17,7 @@ region's arguments), so no collective runs per op. What each platform guarantees
   after the region's base offset; windows of distinct shards are disjoint, replicas draw
   identical numbers, and every rank leaves at ``base + end``.
 * the CPU platform keeps each position as an explicit cursor and seeds MT19937 from a
-  stable mix of the pair (see :mod:`platforms.cpu`): replicas draw identical numbers,
+  stable mix of the pair (see :mod:`hyperrng.platforms.cpu`): replicas draw identical numbers,
   distinct shards draw from distinct seeds (independent streams, not disjoint windows of
   one stream), and every rank leaves at ``base + end``. The region reads and writes
   positions through the platform only, so it needs nothing CPU-specific.
@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import _local_ranks
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, RankNotInMeshError, ShardingError, TrackerStateError
 from hyperrng.sharding import rng_offsets
-from platforms import Platform
-from platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
+from hyperrng.platforms import Platform
+from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
 
 __all__ = ["MeshInfo", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
@@ -289,7 +289,7 @@ class ShardedRNGTracker:
 
     Args:
         platform: the platform whose generator is positioned (default: the current one,
-            looked up at each call so ``platforms.use`` applies).
+            looked up at each call so ``hyperrng.platforms.use`` applies).
     """
 
     def __init__(self, platform: Platform | None = None) -> None:

@@ -93,7 +93,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from hyperrng.errors import ArgumentTypeError, RNGDesyncError, ShardingError
-from platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_int
+from hyperrng.platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_int
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement

@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
-from platforms.validate import MAX_SEED, check_instance, check_seed
+from hyperrng.platforms.validate import MAX_SEED, check_instance, check_seed
 
 __all__ = [
     "FORMAT",

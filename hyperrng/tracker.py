@@ -8,7 +8,7 @@ A *stream* is an RNG state that a region of code borrows::
         y = dropout(x)          # draws from the stream, which then remembers its advance
 
 Streams live on the **current device's default generator** of the current platform
-(``platforms.current()``, resolved at every call so ``platforms.use(...)`` works). On an
+(``hyperrng.platforms.current()``, resolved at every call so ``hyperrng.platforms.use(...)`` works). On an
 accelerator platform a fork swaps only the device generator, as Megatron-core's and
 TransformerEngine's trackers do: random ops on CPU tensors inside a fork keep drawing from
 (and advancing) torch's CPU generator, exactly as outside. That keeps forks cheap; wrap the
@@ -51,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng._device_state import ReadWrite
 from hyperrng.errors import (
     ArgumentTypeError,
@@ -61,8 +61,8 @@ from hyperrng.errors import (
     TrackerStateError,
     UnknownStreamError,
 )
-from platforms import Platform, StateIO
-from platforms.validate import check_instance, check_seed
+from hyperrng.platforms import Platform, StateIO
+from hyperrng.platforms.validate import check_instance, check_seed
 
 __all__ = [
     "DATA_PARALLEL_STREAM",

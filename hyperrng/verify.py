@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import DistributedNotInitializedError, LayoutError, RNGDesyncError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.tracker import RNGStatesTracker, TrackerStateError, resolve_tracker
-from platforms.validate import check_instance
+from hyperrng.platforms.validate import check_instance
 
 __all__ = ["StreamVerdict", "fingerprint", "verify_rng_sync"]
 

@@ -1,16 +1,16 @@
 """hyperrng's hardware layer: one small :class:`Platform` interface, one implementation per device kind.
 
 Importing this package has no side effects: it resolves nothing and touches no device,
-so a plug-in can ``from platforms import Platform`` without an import cycle. The
+so a plug-in can ``from hyperrng.platforms import Platform`` without an import cycle. The
 platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`current`).
 """
 
 from __future__ import annotations
 
-from platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, pack_counter_state, unpack_counter_state
-from platforms.cpu import CPU_STATE_NBYTES, MT19937_STATE_NBYTES, CPUPlatform, CursorGenerator, seed_generator
-from platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
-from platforms.errors import (
+from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, pack_counter_state, unpack_counter_state
+from hyperrng.platforms.cpu import CPU_STATE_NBYTES, MT19937_STATE_NBYTES, CPUPlatform, CursorGenerator, seed_generator
+from hyperrng.platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
+from hyperrng.platforms.errors import (
     AmbiguousPlatformError,
     ArgumentTypeError,
     DeviceIndexError,
@@ -24,7 +24,7 @@ from platforms.errors import (
     PlatformUnavailableError,
     UnknownPlatformError,
 )
-from platforms.registry import (
+from hyperrng.platforms.registry import (
     AUTO_ORDER,
     ENTRY_POINT_GROUP,
     ENV_VAR,
@@ -39,7 +39,7 @@ from platforms.registry import (
     set_current,
     use,
 )
-from platforms.simulated import (
+from hyperrng.platforms.simulated import (
     SIM_DEVICE_TYPE,
     SimulatedDeviceModule,
     SimulatedGenerator,

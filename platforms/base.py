@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
-from platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
-from platforms.validate import check_index, check_offset, check_seed, check_state, check_state_offset
+from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
+from hyperrng.platforms.validate import check_index, check_offset, check_seed, check_state, check_state_offset
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 
@@ -39,7 +39,7 @@ class Platform:
         counter_based: ``True`` when the generator state is a (seed, offset) pair that
             can be positioned exactly and that draws advance (Philox on CUDA and NPU);
             ``False`` when the platform keeps positions as an explicit cursor beside its
-            generator's bytes (the CPU's MT19937; see :mod:`platforms.cpu`).
+            generator's bytes (the CPU's MT19937; see :mod:`hyperrng.platforms.cpu`).
         is_host: ``True`` when this platform's device is the host CPU, i.e. its device
             generator is torch's CPU generator (the CPU platform). Callers use it to
             avoid forking or seeding the host twice; they never compare generators.

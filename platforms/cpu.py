@@ -68,11 +68,11 @@ import weakref
 import numpy as np
 import torch
 
-from platforms._mt_counters import DrawCounters, drawn_in_copy, engine_address, locate
-from platforms.base import Platform, StateIO
-from platforms.errors import ArgumentTypeError, InvalidStateError
-from platforms.mix import mix64
-from platforms.validate import (
+from hyperrng.platforms._mt_counters import DrawCounters, drawn_in_copy, engine_address, locate
+from hyperrng.platforms.base import Platform, StateIO
+from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError
+from hyperrng.platforms.mix import mix64
+from hyperrng.platforms.validate import (
     MAX_OFFSET,
     MAX_SEED,
     OFFSET_ALIGN,

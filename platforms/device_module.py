@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from platforms.base import COUNTER_STATE_NBYTES, Platform
-from platforms.validate import check_index
+from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform
+from hyperrng.platforms.validate import check_index
 
 __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
 

@@ -71,7 +71,7 @@ class AmbiguousPlatformError(PlatformError):
 
 class InvalidPlatformError(PlatformError, TypeError):
     """A factory or plug-in that does not produce a :class:`platforms.Platform`, or produces one whose class
-    leaves a required method (see ``platforms.registry.REQUIRED_METHODS``) to the base class."""
+    leaves a required method (see ``hyperrng.platforms.registry.REQUIRED_METHODS``) to the base class."""
 
 
 class PlatformNameError(PlatformError, ValueError):

@@ -20,21 +20,22 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
-from platforms.base import Platform
-from platforms.cpu import CPUPlatform
-from platforms.device_module import CUDAPlatform, NPUPlatform
-from platforms.errors import (
+from hyperrng.platforms.base import Platform
+from hyperrng.platforms.cpu import CPUPlatform
+from hyperrng.platforms.device_module import CUDAPlatform, NPUPlatform
+from hyperrng.platforms.errors import (
     AmbiguousPlatformError,
     InvalidPlatformError,
     PlatformNameError,
     PlatformUnavailableError,
     UnknownPlatformError,
 )
-from platforms.simulated import SimulatedPlatform
+from hyperrng.platforms.simulated import SimulatedPlatform
 
 __all__ = [
     "ENV_VAR",
@@ -186,6 +187,7 @@ def _import_factory(spec: str) -> Callable[[], object]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UnknownPlatformError(f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.")
+    was_imported = module_name in sys.modules
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
@@ -197,10 +199,27 @@ def _import_factory(spec: str) -> Callable[[], object]:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError as exc:
+        if was_imported:
+            raise _StillImporting(module_name) from exc
         raise UnknownPlatformError(f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}.") from exc
     if not callable(obj):
         raise InvalidPlatformError(f"{ENV_VAR}={spec!r} names a {type(obj).__name__}, not a callable factory.")
     return obj  # type: ignore[return-value]
+
+
+class _StillImporting(Exception):
+    """A plug-in's module was imported before hyperrng and lacks its factory: it is most likely still
+    running its body (it imported hyperrng, which asked for the plug-in back)."""
+
+
+def _load_entry_point(ep: EntryPoint) -> object:
+    was_imported = ep.module in sys.modules
+    try:
+        return ep.load()
+    except AttributeError as exc:
+        if was_imported:
+            raise _StillImporting(ep.module) from exc
+        raise
 
 
 def _plugin_entry_points() -> list[EntryPoint]:
@@ -236,7 +255,7 @@ def load(spec: str) -> Platform:
     else:
         factory = _FACTORIES.get(spec)
         if factory is None:
-            factory = next((ep.load() for ep in _plugin_entry_points() if ep.name == spec), None)
+            factory = next((_load_entry_point(ep) for ep in _plugin_entry_points() if ep.name == spec), None)
         if factory is None:
             known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
             raise UnknownPlatformError(
@@ -279,7 +298,9 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
     claimed: list[Platform] = []
     for ep in _plugin_entry_points():
         try:
-            plugin = _build(ep.load(), f"entry point {ep.name!r} ({ep.value})")
+            plugin = _build(_load_entry_point(ep), f"entry point {ep.name!r} ({ep.value})")
+        except _StillImporting:
+            raise
         except Exception as exc:
             probes.append(ProbeResult(ep.name, "plugin", False, f"failed to load: {type(exc).__name__}: {exc}"))
             continue
@@ -311,6 +332,15 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
     raise PlatformUnavailableError(
         "no platform is available, not even the CPU: " + "; ".join(f"{p.name}: {p.reason}" for p in probes)
     )
+
+
+def select_at_import() -> None:
+    """What ``import hyperrng`` runs: :func:`select`, unless a plug-in it would load is still being
+    imported (the plug-in imported hyperrng first); then the platform is resolved at first use."""
+    try:
+        select()
+    except _StillImporting:
+        pass
 
 
 def selection() -> Selection:

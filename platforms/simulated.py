@@ -1,6 +1,6 @@
 """A simulated accelerator: a torch device of its own, with a counter-based generator.
 
-``HYPERRNG_PLATFORM=sim`` (or ``platforms.use("sim")``) selects it. It registers, once per
+``HYPERRNG_PLATFORM=sim`` (or ``hyperrng.platforms.use("sim")``) selects it. It registers, once per
 process and on first use, torch's ``PrivateUse1`` backend under the name ``"sim"``, with
 the device module :class:`SimulatedDeviceModule` as ``torch.sim``. Tensors on ``"sim:0"``
 and ``"sim:1"`` then behave like tensors of an accelerator:
@@ -54,11 +54,11 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
-from platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
-from platforms.device_module import DeviceModulePlatform
-from platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
-from platforms.mix import combine64
-from platforms.validate import MAX_OFFSET, check_index, check_offset, check_seed, check_state_offset, round_up_offset
+from hyperrng.platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
+from hyperrng.platforms.device_module import DeviceModulePlatform
+from hyperrng.platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
+from hyperrng.platforms.mix import combine64
+from hyperrng.platforms.validate import MAX_OFFSET, check_index, check_offset, check_seed, check_state_offset, round_up_offset
 
 __all__ = [
     "SIM_DEVICE_TYPE",

@@ -3,14 +3,14 @@
 A platform author runs it against their implementation, with pytest::
 
     import pytest
-    from platforms.testing import PlatformConformance
+    from hyperrng.platforms.testing import PlatformConformance
 
     class TestMyPlatform(PlatformConformance):
         @pytest.fixture
         def platform(self):
             return MyPlatform()
 
-or without pytest: ``platforms.testing.check_platform(MyPlatform())`` raises
+or without pytest: ``hyperrng.platforms.testing.check_platform(MyPlatform())`` raises
 ``AssertionError`` naming the first check that fails. A platform that does not implement
 the methods every platform must (``device_count``, ``_read_state``, ``_write_state``,
 ``_seed``) fails every check with an ``AssertionError`` that names them. Every check
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from platforms.base import Platform, StateIO
-from platforms.errors import (
+from hyperrng.platforms.base import Platform, StateIO
+from hyperrng.platforms.errors import (
     ArgumentTypeError,
     DeviceIndexError,
     HyperRNGError,
@@ -36,7 +36,7 @@ from platforms.errors import (
     InvalidSeedError,
     InvalidStateError,
 )
-from platforms.registry import unimplemented_methods
+from hyperrng.platforms.registry import unimplemented_methods
 
 __all__ = ["CHECKS", "check_platform"]
 

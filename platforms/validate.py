@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from platforms.errors import (
+from hyperrng.platforms.errors import (
     ArgumentTypeError,
     DeviceIndexError,
     InvalidOffsetError,

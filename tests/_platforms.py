@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-import platforms
-from platforms.mix import combine64
-from platforms.validate import round_up_offset
+import hyperrng.platforms as platforms
+from hyperrng.platforms.mix import combine64
+from hyperrng.platforms.validate import round_up_offset
 
 __all__ = [
     "BarePlatform",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hyperrng
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import ArgumentTypeError, HyperRNGError, StreamLayout
 
 LAYOUT = StreamLayout(dims=("dp",), default=(), streams={"s": ("dp",)})

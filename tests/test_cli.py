@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import hyperrng
-import platforms
-import platforms.registry as registry
+import hyperrng.platforms as platforms
+import hyperrng.platforms.registry as registry
 from hyperrng import cli
 from hyperrng._launch import run_ranks
 from hyperrng.errors import HyperRNGError, PlatformError, RankFailure
@@ -213,7 +213,7 @@ def test_the_demo_accepts_the_largest_seed_the_library_accepts() -> None:
 
 
 def test_info_lists_registered_and_entry_point_platforms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = "import platforms\nclass Listed(platforms.SimulatedPlatform):\n    name = 'listed'\n"
+    source = "from hyperrng import platforms\nclass Listed(platforms.SimulatedPlatform):\n    name = 'listed'\n"
     (tmp_path / "plug_listed.py").write_text(source + "    def probe(self):\n        return 'no board'\n")
     info = tmp_path / "plug_listed-0.1.dist-info"
     info.mkdir()

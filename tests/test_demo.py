@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.demo import _EXIT_HOOK_ENV, MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdicts, main, run_demo
 from hyperrng.errors import ArgumentTypeError, InvalidSeedError, UsageError
 from tests._dist import free_port
@@ -49,7 +49,7 @@ def test_on_the_simulated_accelerator_four_ranks_share_two_devices_and_every_pro
 
 
 PLUGIN = """
-import platforms
+import hyperrng.platforms as platforms
 
 
 class SimPlug(platforms.SimulatedPlatform):
@@ -72,7 +72,7 @@ def test_an_installed_plugin_on_the_simulated_device_is_chosen_and_every_rank_ru
 
 
 class ProgrammaticPlug(platforms.SimulatedPlatform):
-    """A plug-in chosen with ``platforms.use``: the rank processes rebuild it from its class."""
+    """A plug-in chosen with ``hyperrng.platforms.use``: the rank processes rebuild it from its class."""
 
     name = "progplug"
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, DeviceIndexError, HyperRNGError, UsageError
 from hyperrng.random import fork_rng
 from tests._platforms import WITH_PLUGIN, use_each

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, LayoutError
 from hyperrng.layout import (
     DEFAULT_STREAM,
@@ -30,7 +30,7 @@ from hyperrng.tracker import (
     TrackerStateError,
     get_rng_tracker,
 )
-from platforms.mix import combine64
+from hyperrng.platforms.mix import combine64
 
 DIMS = ("pp", "dp", "cp", "tp", "ep")
 STREAMS = {

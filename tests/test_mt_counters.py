@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-import platforms.cpu as cpu
-from platforms import CPUPlatform, CursorGenerator
-from platforms._mt_counters import DrawCounters, locate
+import hyperrng.platforms.cpu as cpu
+from hyperrng.platforms import CPUPlatform, CursorGenerator
+from hyperrng.platforms._mt_counters import DrawCounters, locate
 
 
 @pytest.fixture

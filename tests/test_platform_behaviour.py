@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import platforms
-from platforms import CPUPlatform, SimulatedDeviceModule, SimulatedPlatform
+import hyperrng.platforms as platforms
+from hyperrng.platforms import CPUPlatform, SimulatedDeviceModule, SimulatedPlatform
 from tests._dist import run_ranks
 
 # -- the CPU's modelled (seed, offset) positions --------------------------------------------
@@ -46,7 +46,7 @@ def test_cpu_position_moves_one_block_once_drawn_from_and_follows_a_reseed() -> 
 
 
 def test_cpu_torch_manual_seed_with_a_positions_own_stream_seed_still_reads_as_that_seed() -> None:
-    from platforms.cpu import position_seed
+    from hyperrng.platforms.cpu import position_seed
 
     cpu = CPUPlatform()
     cpu.set_seed_offset(5, 8)
@@ -109,7 +109,7 @@ def test_cpu_restored_bytes_of_another_seed_read_as_their_initial_seed() -> None
 
 
 def test_cpu_position_seeds_are_tagged_above_every_seed_below_2_to_the_63() -> None:
-    from platforms.cpu import position_seed
+    from hyperrng.platforms.cpu import position_seed
 
     for seed in [0, 5, 2**32 + 1, 2**64 - 1]:
         assert position_seed(seed, 0) == seed
@@ -117,7 +117,7 @@ def test_cpu_position_seeds_are_tagged_above_every_seed_below_2_to_the_63() -> N
 
 
 def test_cpu_state_saved_before_positions_were_tagged_still_loads_with_its_position() -> None:
-    from platforms.cpu import position_seed
+    from hyperrng.platforms.cpu import position_seed
 
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
@@ -156,7 +156,7 @@ def test_cpu_positions_are_kept_beside_the_bytes_not_looked_up() -> None:
     [((1234, -4), "non-negative multiples"), ((1234, 6), "non-negative multiples"), ((1235, 8), "does not belong")],
 )
 def test_cpu_refuses_a_cursor_that_does_not_fit_its_bytes(cursor: tuple[int, int], fragment: str) -> None:
-    from platforms import InvalidStateError
+    from hyperrng.platforms import InvalidStateError
 
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
@@ -289,7 +289,7 @@ def test_cpu_64_bit_seeds_are_reproducible_and_restorable() -> None:
 
 
 def test_cpu_positions_a_power_of_two_apart_do_not_repeat_streams_past_2_to_the_34() -> None:
-    from platforms.cpu import position_seed
+    from hyperrng.platforms.cpu import position_seed
 
     # One op of 2**24 elements per step: the positions of 4096 steps span four windows of 2**34.
     for step in [2**24, 2**30, 2**34]:
@@ -298,7 +298,7 @@ def test_cpu_positions_a_power_of_two_apart_do_not_repeat_streams_past_2_to_the_
 
 
 def test_cpu_positions_of_one_seed_never_share_a_stream() -> None:
-    from platforms.cpu import position_seed
+    from hyperrng.platforms.cpu import position_seed
 
     for seed in [0, 7, 2**63 + 11]:
         mt_seeds = {position_seed(seed, 4 * k) & (2**32 - 1) for k in range(1, 100_001)}
@@ -306,7 +306,7 @@ def test_cpu_positions_of_one_seed_never_share_a_stream() -> None:
 
 
 def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None:
-    from platforms import InvalidStateError
+    from hyperrng.platforms import InvalidStateError
 
     cpu = CPUPlatform()
     before = cpu.get_rng_state()
@@ -316,7 +316,7 @@ def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None
 
 
 def test_set_device_makes_a_simulated_device_current_and_refuses_a_missing_one() -> None:
-    from platforms.errors import DeviceIndexError
+    from hyperrng.platforms.errors import DeviceIndexError
 
     p = SimulatedPlatform()
     p.set_device(1)
@@ -328,7 +328,7 @@ def test_set_device_makes_a_simulated_device_current_and_refuses_a_missing_one()
 
 
 def test_set_device_on_a_one_device_platform_accepts_only_that_device() -> None:
-    from platforms.errors import ArgumentTypeError, DeviceIndexError
+    from hyperrng.platforms.errors import ArgumentTypeError, DeviceIndexError
 
     p = CPUPlatform()
     p.set_device(0)

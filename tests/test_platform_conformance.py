@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-import platforms
-from platforms.testing import CHECKS, PlatformConformance, check_platform
+import hyperrng.platforms as platforms
+from hyperrng.platforms.testing import CHECKS, PlatformConformance, check_platform
 from tests._platforms import BarePlatform
 
 
@@ -37,7 +37,7 @@ class TestCUDACodePathOnSimulatedModule(PlatformConformance):
 
 _NPU_ON_SIM = """
 import torch, platforms
-from platforms.testing import check_platform
+from hyperrng.platforms.testing import check_platform
 module = platforms.SimulatedDeviceModule(device_count=2, device_type="npu")
 npu = platforms.NPUPlatform(module=module)  # registers the module as torch.npu, as importing torch_npu does
 check_platform(npu)
@@ -224,8 +224,8 @@ def test_check_platform_names_only_the_methods_that_are_missing() -> None:
 
 _BARE_SUITE = """
 import pytest
-import platforms
-from platforms.testing import PlatformConformance
+import hyperrng.platforms as platforms
+from hyperrng.platforms.testing import PlatformConformance
 
 
 class Bare(platforms.Platform):

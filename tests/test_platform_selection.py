@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import platforms
-import platforms.registry as registry
-from platforms import (
+import hyperrng.platforms as platforms
+import hyperrng.platforms.registry as registry
+from hyperrng.platforms import (
     AmbiguousPlatformError,
     InvalidPlatformError,
     PlatformNameError,
@@ -60,7 +60,7 @@ def plugin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore
 
 
 PLUGIN_SOURCE = """
-    import platforms
+    import hyperrng.platforms as platforms
 
     class Plug(platforms.SimulatedPlatform):
         name = "{name}"
@@ -85,7 +85,7 @@ def test_env_var_selects_a_registered_platform_by_name() -> None:
 
 def test_env_var_imports_a_module_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "myaccel.py").write_text(
-        "import platforms\nclass Accel(platforms.SimulatedPlatform):\n    name = 'myaccel'\n"
+        "from hyperrng import platforms\nclass Accel(platforms.SimulatedPlatform):\n    name = 'myaccel'\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     sel = platforms.select({platforms.ENV_VAR: "myaccel:Accel"})
@@ -347,7 +347,7 @@ def test_a_factory_function_returning_an_incomplete_platform_fails_when_loaded(
 def test_env_var_naming_an_incomplete_platform_class_fails_naming_the_methods(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "bareaccel.py").write_text("import platforms\nclass Bare(platforms.Platform):\n    name = 'bare'\n")
+    (tmp_path / "bareaccel.py").write_text("from hyperrng import platforms\nclass Bare(platforms.Platform):\n    name = 'bare'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     before = registry._selection
     with pytest.raises(InvalidPlatformError) as info:
@@ -358,7 +358,7 @@ def test_env_var_naming_an_incomplete_platform_class_fails_naming_the_methods(
 
 
 def test_an_incomplete_plugin_is_recorded_and_skipped(plugin_env) -> None:  # type: ignore[no-untyped-def]
-    source = "import platforms\n\nclass Bare(platforms.Platform):\n    name = 'bareplug'\n"
+    source = "from hyperrng import platforms\n\nclass Bare(platforms.Platform):\n    name = 'bareplug'\n"
     plugin_env("plug_bare", {"bareplug": "plug_bare:Bare"}, source)
     sel = platforms.select({})
     assert sel.platform.name == "cpu"
@@ -390,15 +390,35 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
 
 
-def test_importing_platforms_alone_selects_nothing() -> None:
-    out = _python("import platforms.registry as r; print(r._selection is None)")
+def test_a_plugin_that_imports_hyperrng_before_defining_its_factory_is_still_selected(tmp_path: Path) -> None:
+    # The plug-in module is imported first; its own import of hyperrng.platforms runs hyperrng's
+    # platform resolution, which asks for the plug-in's factory before the module has defined it.
+    (tmp_path / "earlyaccel.py").write_text(
+        "from hyperrng import platforms\n"
+        "class Early(platforms.SimulatedPlatform):\n    name = 'early'\n"
+        "def make():\n    return Early()\n"
+    )
+    code = "import earlyaccel, hyperrng\nprint(hyperrng.current_platform().name)"
+    out = _python(code, HYPERRNG_PLATFORM="earlyaccel:make", PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "True"
+    assert out.stdout.strip() == "early"
+
+
+def test_a_user_package_named_platforms_does_not_disturb_hyperrng(tmp_path: Path) -> None:
+    (tmp_path / "platforms").mkdir()
+    (tmp_path / "platforms" / "__init__.py").write_text("OWNER = 'the user'\n")
+    code = "import platforms, hyperrng\nprint(platforms.OWNER, hyperrng.current_platform().name)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["the", "user", "cpu"]
 
 
 def test_import_hyperrng_initialises_no_device_and_loads_no_npu_runtime(tmp_path: Path) -> None:
     (tmp_path / "countingaccel.py").write_text(
-        "import platforms\nMODULE = platforms.SimulatedDeviceModule()\n"
+        "from hyperrng import platforms\nMODULE = platforms.SimulatedDeviceModule()\n"
         "def make():\n    return platforms.CUDAPlatform(module=MODULE)\n"
     )
     code = (

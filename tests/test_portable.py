@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import philox, portable
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, ShardingError
 from hyperrng.sharded import MeshInfo

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import philox, portable
 from hyperrng.errors import (
     ArgumentTypeError,
@@ -36,7 +36,7 @@ from hyperrng.portable_mode import (
 )
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 from hyperrng.tracker import RNGStatesTracker
-from platforms.validate import MAX_OFFSET
+from hyperrng.platforms.validate import MAX_OFFSET
 
 try:
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, CheckpointError, InvalidOffsetError, InvalidSeedError
 from hyperrng.portable_mode import (

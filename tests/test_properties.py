@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import hyperrng
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng import (
     ArgumentTypeError,
     CheckpointError,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, HyperRNGError, InvalidSeedError, LayoutError
 from hyperrng.seeding import (
     SLAPO_DEFAULT_SEED,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, InvalidStateError, ShardingError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
 from hyperrng.sharding import rng_offsets

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import platforms
-from platforms.validate import round_up_offset
+import hyperrng.platforms as platforms
+from hyperrng.platforms.validate import round_up_offset
 from tests._dist import run_ranks
 
 
@@ -127,7 +127,7 @@ def test_copies_move_tensors_between_devices_as_on_a_gpu(sim: platforms.Platform
 
 
 def test_a_draw_that_would_pass_the_last_offset_is_refused_and_changes_nothing(sim: platforms.Platform) -> None:
-    from platforms.errors import InvalidOffsetError
+    from hyperrng.platforms.errors import InvalidOffsetError
 
     sim.set_seed_offset(1, 2**63 - 4, index=0)
     with pytest.raises(InvalidOffsetError, match="too close to 2\\*\\*63 - 1"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, CheckpointError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import seed_host

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import (
     ArgumentTypeError,
     DuplicateStreamError,

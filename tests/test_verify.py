@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.errors import DistributedNotInitializedError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker

@@ -133,7 +133,7 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    import platforms
+    import hyperrng.platforms as platforms
     from hyperrng.sharded import MeshInfo, ShardedRNGTracker
     from hyperrng.tracker import RNGStatesTracker
 

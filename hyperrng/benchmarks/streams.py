@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-import platforms
+import hyperrng.platforms as platforms
 from hyperrng.benchmarks._timing import BenchResult, interleaved
 from hyperrng.random import fork_rng
 from hyperrng.tracker import RNGStatesTracker
