@@ -42,9 +42,8 @@ def _isolate_rng() -> Iterator[None]:
     That covers the CPU platform's cursor and, once a test has registered it, every
     generator of the simulated device (``torch.manual_seed`` seeds those too).
     """
-    import numpy as np
-
     import hyperrng.platforms.registry as registry
+    import numpy as np
     from hyperrng.platforms.cpu import CPUPlatform
     from hyperrng.platforms.simulated import _Backend
 

@@ -40,9 +40,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, RankFailure, UsageError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
-from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_seed
+from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
 
 __all__ = ["DemoConfig", "DEFAULT_WORLD_SIZE", "LAYOUT", "MAX_LOCAL_RANKS", "PORTABLE_MAX_RANKS", "run_demo", "main"]
 

@@ -55,9 +55,9 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, LayoutError
-from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = [
     "DEFAULT_STREAM",

@@ -31,9 +31,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError
+from hyperrng.platforms.validate import MAX_OFFSET, check_int, round_up_offset
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
-from hyperrng.platforms.validate import MAX_OFFSET, check_int, round_up_offset
 
 __all__ = [
     "reserve",

@@ -74,9 +74,9 @@ from hyperrng.errors import (
     UnsupportedDTypeError,
     UnsupportedPortableOpError,
 )
+from hyperrng.platforms.validate import check_seed, round_up_offset
 from hyperrng.portable import _assemble, _reserved, shard_slices
 from hyperrng.sharded import active_region
-from hyperrng.platforms.validate import check_seed, round_up_offset
 
 __all__ = [
     "PORTABLE_OPS",
@@ -606,8 +606,8 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
         TrackerStateError: a fork is active.
     """
     from hyperrng.errors import CheckpointError, InvalidOffsetError, InvalidSeedError
-    from hyperrng.tracker import resolve_tracker
     from hyperrng.platforms.validate import check_offset
+    from hyperrng.tracker import resolve_tracker
 
     if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
         raise ArgumentTypeError(

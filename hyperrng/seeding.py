@@ -28,6 +28,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
 from hyperrng.layout import mesh_coordinates
+from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
 from hyperrng.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
@@ -36,7 +37,6 @@ from hyperrng.tracker import (
     TrackerStateError,
     resolve_tracker,
 )
-from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
 
 __all__ = [
     "SLAPO_DEFAULT_SEED",

@@ -47,9 +47,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _local_ranks
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, RankNotInMeshError, ShardingError, TrackerStateError
-from hyperrng.sharding import rng_offsets
 from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
+from hyperrng.sharding import rng_offsets
 
 __all__ = ["MeshInfo", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 

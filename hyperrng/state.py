@@ -40,8 +40,8 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, CheckpointError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
-from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_seed
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = [
     "FORMAT",

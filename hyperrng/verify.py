@@ -24,8 +24,8 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import DistributedNotInitializedError, LayoutError, RNGDesyncError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
-from hyperrng.tracker import RNGStatesTracker, TrackerStateError, resolve_tracker
 from hyperrng.platforms.validate import check_instance
+from hyperrng.tracker import RNGStatesTracker, TrackerStateError, resolve_tracker
 
 __all__ = ["StreamVerdict", "fingerprint", "verify_rng_sync"]
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
-
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
 from hyperrng.platforms.validate import check_index, check_offset, check_seed, check_state, check_state_offset
 

@@ -67,7 +67,6 @@ import weakref
 
 import numpy as np
 import torch
-
 from hyperrng.platforms._mt_counters import DrawCounters, drawn_in_copy, engine_address, locate
 from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError

@@ -20,7 +20,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform
 from hyperrng.platforms.validate import check_index
 

@@ -51,14 +51,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._mode_utils import no_dispatch
-from torch.utils._pytree import tree_map
-
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from hyperrng.platforms.device_module import DeviceModulePlatform
 from hyperrng.platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
 from hyperrng.platforms.mix import combine64
-from hyperrng.platforms.validate import MAX_OFFSET, check_index, check_offset, check_seed, check_state_offset, round_up_offset
+from hyperrng.platforms.validate import (
+    MAX_OFFSET,
+    check_index,
+    check_offset,
+    check_seed,
+    check_state_offset,
+    round_up_offset,
+)
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_map
 
 __all__ = [
     "SIM_DEVICE_TYPE",

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-
 from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import (
     ArgumentTypeError,

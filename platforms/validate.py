@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from hyperrng.platforms.errors import (
     ArgumentTypeError,
     DeviceIndexError,

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
-
-import hyperrng.platforms as platforms
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import round_up_offset
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 
 import hyperrng
-import hyperrng.platforms as platforms
 from hyperrng import ArgumentTypeError, HyperRNGError, StreamLayout
 
 LAYOUT = StreamLayout(dims=("dp",), default=(), streams={"s": ("dp",)})

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hyperrng.platforms as platforms
+import hyperrng.platforms.registry as registry
 import pytest
 
 import hyperrng
-import hyperrng.platforms as platforms
-import hyperrng.platforms.registry as registry
 from hyperrng import cli
 from hyperrng._launch import run_ranks
 from hyperrng.errors import HyperRNGError, PlatformError, RankFailure

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hyperrng.platforms as platforms
 import pytest
 
-import hyperrng.platforms as platforms
 from hyperrng.demo import _EXIT_HOOK_ENV, MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdicts, main, run_demo
 from hyperrng.errors import ArgumentTypeError, InvalidSeedError, UsageError
 from tests._dist import free_port

@@ -12,20 +12,20 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.distributed as dist
+from hyperrng.platforms.cpu import position_seed
 from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import hyperrng.platforms as platforms
 from hyperrng import _local_ranks
 from hyperrng.errors import InvalidSeedError, RankNotInMeshError, ShardingError, TrackerStateError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 from hyperrng.sharding import rng_offsets
 from hyperrng.tracker import CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
-from hyperrng.platforms.cpu import position_seed
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each  # noqa: F401 (autouse fixture)
 
 platform = use_each(PLATFORMS)

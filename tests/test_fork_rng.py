@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, DeviceIndexError, HyperRNGError, UsageError
 from hyperrng.random import fork_rng
 from tests._platforms import WITH_PLUGIN, use_each

@@ -9,10 +9,11 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
+from hyperrng.platforms.mix import combine64
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, LayoutError
 from hyperrng.layout import (
     DEFAULT_STREAM,
@@ -30,7 +31,6 @@ from hyperrng.tracker import (
     TrackerStateError,
     get_rng_tracker,
 )
-from hyperrng.platforms.mix import combine64
 
 DIMS = ("pp", "dp", "cp", "tp", "ep")
 STREAMS = {

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import hyperrng.platforms.cpu as cpu
 import pytest
 import torch
-
-import hyperrng.platforms.cpu as cpu
 from hyperrng.platforms import CPUPlatform, CursorGenerator
 from hyperrng.platforms._mt_counters import DrawCounters, locate
 

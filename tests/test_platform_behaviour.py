@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
-
-import hyperrng.platforms as platforms
 from hyperrng.platforms import CPUPlatform, SimulatedDeviceModule, SimulatedPlatform
+
 from tests._dist import run_ranks
 
 # -- the CPU's modelled (seed, offset) positions --------------------------------------------

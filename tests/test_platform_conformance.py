@@ -9,11 +9,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
-
-import hyperrng.platforms as platforms
 from hyperrng.platforms.testing import CHECKS, PlatformConformance, check_platform
+
 from tests._platforms import BarePlatform
 
 

@@ -9,11 +9,10 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-import torch
-
 import hyperrng.platforms as platforms
 import hyperrng.platforms.registry as registry
+import pytest
+import torch
 from hyperrng.platforms import (
     AmbiguousPlatformError,
     InvalidPlatformError,
@@ -21,6 +20,7 @@ from hyperrng.platforms import (
     PlatformUnavailableError,
     UnknownPlatformError,
 )
+
 from tests._platforms import BarePlatform
 
 REPO = Path(__file__).resolve().parents[1]
@@ -347,7 +347,9 @@ def test_a_factory_function_returning_an_incomplete_platform_fails_when_loaded(
 def test_env_var_naming_an_incomplete_platform_class_fails_naming_the_methods(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "bareaccel.py").write_text("from hyperrng import platforms\nclass Bare(platforms.Platform):\n    name = 'bare'\n")
+    (tmp_path / "bareaccel.py").write_text(
+        "from hyperrng import platforms\nclass Bare(platforms.Platform):\n    name = 'bare'\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     before = registry._selection
     with pytest.raises(InvalidPlatformError) as info:
@@ -409,7 +411,11 @@ def test_a_user_package_named_platforms_does_not_disturb_hyperrng(tmp_path: Path
     (tmp_path / "platforms" / "__init__.py").write_text("OWNER = 'the user'\n")
     code = "import platforms, hyperrng\nprint(platforms.OWNER, hyperrng.current_platform().name)"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     assert out.returncode == 0, out.stderr

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-import hyperrng.platforms as platforms
 from hyperrng import philox, portable
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, ShardingError
 from hyperrng.sharded import MeshInfo

@@ -7,12 +7,13 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.nn.functional as F
+from hyperrng.platforms.validate import MAX_OFFSET
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import hyperrng.platforms as platforms
 from hyperrng import philox, portable
 from hyperrng.errors import (
     ArgumentTypeError,
@@ -36,7 +37,6 @@ from hyperrng.portable_mode import (
 )
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 from hyperrng.tracker import RNGStatesTracker
-from hyperrng.platforms.validate import MAX_OFFSET
 
 try:
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -6,11 +6,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.nn.functional as F
 
-import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, CheckpointError, InvalidOffsetError, InvalidSeedError
 from hyperrng.portable_mode import (

@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import hyperrng
-import hyperrng.platforms as platforms
 from hyperrng import (
     ArgumentTypeError,
     CheckpointError,

@@ -7,11 +7,11 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import numpy as np
 import pytest
 import torch
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, HyperRNGError, InvalidSeedError, LayoutError
 from hyperrng.seeding import (
     SLAPO_DEFAULT_SEED,

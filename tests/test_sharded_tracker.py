@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, InvalidStateError, ShardingError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
 from hyperrng.sharding import rng_offsets

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.nn.functional as F
-
-import hyperrng.platforms as platforms
 from hyperrng.platforms.validate import round_up_offset
+
 from tests._dist import run_ranks
 
 

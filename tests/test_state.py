@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hyperrng.platforms as platforms
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, CheckpointError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import seed_host

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import (
     ArgumentTypeError,
     DuplicateStreamError,

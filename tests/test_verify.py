@@ -6,10 +6,10 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 
-import hyperrng.platforms as platforms
 from hyperrng.errors import DistributedNotInitializedError, HyperRNGError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
