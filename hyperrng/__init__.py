@@ -18,6 +18,7 @@ from hyperrng.errors import (
     DeviceIndexError,
     DistributedNotInitializedError,
     DuplicateStreamError,
+    GeneratorBusyError,
     HyperRNGError,
     InvalidOffsetError,
     InvalidParameterError,
@@ -166,6 +167,7 @@ __all__ = [
     "is_portable_random_enabled",
     # errors
     "HyperRNGError",
+    "GeneratorBusyError",
     "PlatformError",
     "UnknownPlatformError",
     "PlatformUnavailableError",

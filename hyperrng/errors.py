@@ -24,6 +24,7 @@ from hyperrng.platforms.errors import (
 
 __all__ = [
     "HyperRNGError",
+    "GeneratorBusyError",
     "InvalidSeedError",
     "InvalidOffsetError",
     "InvalidStateError",
@@ -99,6 +100,11 @@ class RankNotInMeshError(ShardingError, RuntimeError):
     A :class:`ShardingError` (a ``ValueError``) for hyperrng's callers and a
     ``RuntimeError`` as PyTorch's DTensor ``manual_seed`` raises for the same case.
     """
+
+
+class GeneratorBusyError(HyperRNGError, RuntimeError):
+    """Another thread holds this device's generator (in a fork, a sharded region, ``fork_rng``,
+    a recompute or portable mode); nothing was changed. See :mod:`hyperrng._exclusive`."""
 
 
 class RNGDesyncError(HyperRNGError, RuntimeError):
