@@ -7,12 +7,21 @@ prefer :mod:`hyperrng.layout`, whose seeds cannot collide the way these additive
 (Megatron-core's model-parallel stream of ``tp_rank`` 6 and expert stream of ``ep_rank``
 17, ``etp_rank`` 0 are both ``seed + 2724``).
 
-What "seed torch" means here: torch's CPU generator and the default generator of every
-device of the current platform (what ``torch.manual_seed`` does for CUDA). Python's
-``random`` takes any int. NumPy's legacy ``np.random.seed`` accepts only seeds below
-2**32: smaller seeds are passed as they are (the stream the original recipes give), larger
-ones as the array ``[low 32 bits, high 32 bits]`` of ``uint32``, which NumPy's legacy
-seeding accepts and which keeps all 64 bits (distinct seeds give distinct states).
+What "seed the host" means here (:func:`seed_host`): torch's CPU generator and the default
+generator of every device of the current platform get the seed itself (all 64 bits; what
+``torch.manual_seed`` does for CUDA). Python's ``random`` and NumPy's legacy global state:
+
+* a seed below 2**32 reaches them unchanged, ``random.seed(seed)`` and
+  ``np.random.seed(seed)``, the streams the original recipes give. These two already
+  differ (CPython seeds MT19937 from the key array ``[seed]``, NumPy from the integer);
+* a seed of 2**32 or more would not: CPython keys MT19937 by the seed's 32-bit words and
+  NumPy, which refuses such an int, could only take the same words as an array, so both
+  libraries would draw one stream. Each library instead gets its own *library seed*
+  (:func:`library_seed`): ``combine64(domain, seed)`` with
+  :data:`PYTHON_RANDOM_DOMAIN` for ``random`` and :data:`NUMPY_DOMAIN` for NumPy (passed
+  as the ``uint32`` array ``[low word, high word]``). For a fixed seed, two domains
+  always give two different library seeds (the last mixing step is a bijection), and
+  distinct seeds keep distinct library seeds with probability 1 - 2**-64.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
 from hyperrng.layout import mesh_coordinates
+from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
 from hyperrng.tracker import (
     DATA_PARALLEL_STREAM,
@@ -39,9 +49,12 @@ from hyperrng.tracker import (
 )
 
 __all__ = [
+    "NUMPY_DOMAIN",
+    "PYTHON_RANDOM_DOMAIN",
     "SLAPO_DEFAULT_SEED",
     "MegatronSeeds",
     "is_random_seed_set",
+    "library_seed",
     "megatron_model_parallel_manual_seed",
     "megatron_seeds",
     "megatron_set_random_seed",
@@ -61,6 +74,11 @@ _MEGATRON_TP_OFFSET = 2718  # model-parallel seed = seed + 2718 + tp_rank ("any 
 _MEGATRON_EXPERT_OFFSET = 1024  # expert seed = seed + 1024 + 100 * ep_rank + etp_rank
 _MEGATRON_EP_STRIDE = 100
 _NUMPY_LEGACY_SEED_LIMIT = 2**32  # np.random.seed(int) refuses larger seeds
+_LIBRARY_SEED_LIMIT = 2**32  # below it Python and NumPy get the seed as it is (distinct streams already)
+PYTHON_RANDOM_DOMAIN = 0x505952414E444F4D  # "PYRANDOM"
+"""Domain mixed into Python's ``random`` seed for host seeds of 2**32 and more (:func:`library_seed`)."""
+NUMPY_DOMAIN = 0x4E554D5059524E47  # "NUMPYRNG"
+"""Domain mixed into NumPy's seed for host seeds of 2**32 and more (:func:`library_seed`)."""
 _WORD_BITS = 32
 _WORD_MASK = (1 << _WORD_BITS) - 1
 _PYTHONHASHSEED_MODULUS = 2**32  # PYTHONHASHSEED must lie in [0, 2**32 - 1]
@@ -71,21 +89,34 @@ _D9D_SEED_MODULUS = 2**64
 def seed_host(seed: int) -> None:
     """Seed Python's ``random``, NumPy's legacy global state, and torch on the CPU and every device.
 
-    Seeds of 2**32 and above reach NumPy as two 32-bit words (see the module docstring).
+    Below 2**32, ``random`` and NumPy get ``seed`` as it is; from 2**32 on, each gets its
+    own :func:`library_seed`, so the two never share a stream (see the module docstring).
 
     Raises:
         InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1]; nothing is seeded.
     """
     value = check_seed(seed)
-    random.seed(value)
-    _seed_numpy(value)
+    random.seed(library_seed(value, PYTHON_RANDOM_DOMAIN))
+    _seed_numpy(library_seed(value, NUMPY_DOMAIN))
     _seed_torch(value)
+
+
+def library_seed(seed: int, domain: int) -> int:
+    """The seed :func:`seed_host` gives one host library (``domain``: :data:`PYTHON_RANDOM_DOMAIN`
+    or :data:`NUMPY_DOMAIN`) for a validated host ``seed``.
+
+    ``seed`` itself below 2**32 (compatibility with ``random.seed(seed)`` and
+    ``np.random.seed(seed)``), otherwise ``combine64(domain, seed)``
+    (:func:`hyperrng.platforms.mix.combine64`): for one seed, distinct domains give
+    distinct library seeds, so Python and NumPy draw distinct streams.
+    """
+    return seed if seed < _LIBRARY_SEED_LIMIT else combine64(domain, seed)
 
 
 def _seed_numpy(seed: int) -> None:
     if seed < _NUMPY_LEGACY_SEED_LIMIT:
         np.random.seed(seed)
-    else:
+    else:  # NumPy's legacy seeding takes all 64 bits as two uint32 words
         np.random.seed(np.array([seed & _WORD_MASK, seed >> _WORD_BITS], dtype=np.uint32))
 
 

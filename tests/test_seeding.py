@@ -11,12 +11,16 @@ import hyperrng.platforms as platforms
 import numpy as np
 import pytest
 import torch
+from hyperrng.platforms.mix import combine64
 
 from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, HyperRNGError, InvalidSeedError, LayoutError
 from hyperrng.seeding import (
+    NUMPY_DOMAIN,
+    PYTHON_RANDOM_DOMAIN,
     SLAPO_DEFAULT_SEED,
     MegatronSeeds,
     is_random_seed_set,
+    library_seed,
     megatron_model_parallel_manual_seed,
     megatron_seeds,
     megatron_set_random_seed,
@@ -298,23 +302,77 @@ def test_d9d_sets_pythonhashseed_modulo_2_to_the_32(platform: platforms.Platform
     assert os.environ["PYTHONHASHSEED"] == "5"
 
 
-def test_64_bit_seeds_keep_every_bit_in_numpy() -> None:
+HOST_SEEDS = (0, 5, SLAPO_DEFAULT_SEED, 2**32 - 1, 2**32, 2**32 + 5, 2**33 + 5, 2**40 + 7, 2**63 + 5, 2**64 - 1)
+
+
+def host_draws() -> tuple[list[float], list[float]]:
+    """The next four draws of Python's ``random`` and of NumPy's legacy global state."""
+    return [random.random() for _ in range(4)], np.random.random_sample(4).tolist()
+
+
+@pytest.mark.parametrize("seed", HOST_SEEDS)
+def test_python_random_and_numpy_draw_distinct_streams_for_every_host_seed(seed: int) -> None:
     with platforms.use(platforms.CPUPlatform()):
-        draws = {}
-        for seed in (5, 2**32 + 5, 2**33 + 5, 2**63 + 5, 2**64 - 1):
+        seed_host(seed)
+        python, numpy = host_draws()
+        assert set(python).isdisjoint(numpy), f"seed {seed}: random and NumPy drew the same numbers"
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        lambda s: seed_host(s),
+        lambda s: set_random_seed(s),
+        lambda s: set_random_seed(s, tp_rank=0),
+        lambda s: set_seeds(s),
+        lambda s: megatron_set_random_seed(s),
+    ],
+    ids=["seed_host", "set_random_seed", "set_random_seed-tp", "set_seeds", "megatron_set_random_seed"],
+)
+def test_every_recipe_gives_python_and_numpy_distinct_streams_for_a_seed_above_2_to_the_32(
+    platform: platforms.Platform, recipe: Callable[[int], object]
+) -> None:
+    recipe(2**40 + 7)
+    python, numpy = host_draws()
+    assert set(python).isdisjoint(numpy)
+
+
+@pytest.mark.parametrize("seed", [s for s in HOST_SEEDS if s < 2**32])
+def test_seeds_below_2_to_the_32_seed_python_and_numpy_exactly_as_their_own_seed_functions(seed: int) -> None:
+    with platforms.use(platforms.CPUPlatform()):
+        seed_host(seed)
+        got = everything(platforms.current())
+        expected = host_seeded_with(seed)
+        assert (got["python"], got["numpy"]) == (expected["python"], expected["numpy"])
+
+
+@pytest.mark.parametrize("seed", [s for s in HOST_SEEDS if s >= 2**32])
+def test_seeds_from_2_to_the_32_reach_each_library_through_its_own_domain(seed: int) -> None:
+    with platforms.use(platforms.CPUPlatform()):
+        seed_host(seed)
+        got = host_draws()
+        python_seed, numpy_seed = combine64(PYTHON_RANDOM_DOMAIN, seed), combine64(NUMPY_DOMAIN, seed)
+        assert (library_seed(seed, PYTHON_RANDOM_DOMAIN), library_seed(seed, NUMPY_DOMAIN)) == (
+            python_seed,
+            numpy_seed,
+        )
+        random.seed(python_seed)
+        np.random.seed(np.array([numpy_seed & 0xFFFFFFFF, numpy_seed >> 32], dtype=np.uint32))
+        assert host_draws() == got
+
+
+def test_distinct_64_bit_host_seeds_give_numpy_distinct_states() -> None:
+    with platforms.use(platforms.CPUPlatform()):
+        draws = set()
+        for seed in HOST_SEEDS:
             seed_host(seed)
-            draws[seed] = np.random.random_sample(4).tolist()
-        assert len({tuple(d) for d in draws.values()}) == len(draws)
-        np.random.seed(np.array([5, 2], dtype=np.uint32))
-        assert np.random.random_sample(4).tolist() == draws[2**33 + 5]
+            draws.add(tuple(np.random.random_sample(4).tolist()))
+        assert len(draws) == len(HOST_SEEDS)
 
 
-def test_seeds_below_2_to_the_32_reach_numpy_unchanged() -> None:
-    with platforms.use(platforms.CPUPlatform()):
-        seed_host(2**32 - 1)
-        got = np.random.random_sample(4)
-        np.random.seed(2**32 - 1)
-        assert np.random.random_sample(4).tolist() == got.tolist()
+def test_the_library_domains_are_distinct_named_constants() -> None:
+    assert PYTHON_RANDOM_DOMAIN != NUMPY_DOMAIN
+    assert PYTHON_RANDOM_DOMAIN.to_bytes(8, "big") == b"PYRANDOM" and NUMPY_DOMAIN.to_bytes(8, "big") == b"NUMPYRNG"
 
 
 @pytest.mark.parametrize(
