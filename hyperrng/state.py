@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
+import secrets
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,6 +69,7 @@ _MT_WORDS = 624
 _PY_STATE_WORDS = _MT_WORDS + 1  # CPython's MT19937: 624 words plus the position
 _PY_STATE_VERSION = 3
 _DIGEST_BYTES = 16
+_TEMP_NAME_BYTES = 8  # random hex in a temporary file's name: concurrent saves never share one
 
 
 class RNGResumeWarning(UserWarning):
@@ -411,19 +415,83 @@ def _reseed(
 
 
 # -- files --------------------------------------------------------------------------------------
-def save_rng_state(path: str | Path, state: Mapping[str, Any]) -> None:
-    """Write a state from :func:`rng_state_dict` to ``path`` with ``torch.save``."""
-    torch.save(dict(state), path)
+def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
+    """Write a state from :func:`rng_state_dict` to ``path``, atomically.
+
+    The state goes to a hidden temporary file in ``path``'s folder, which is flushed and
+    fsynced, then renamed over ``path`` (``os.replace``), and the folder is fsynced so the
+    rename itself survives a crash. A process killed at any point therefore leaves
+    ``path`` holding either the previous complete checkpoint or the new one, never a
+    partial file. On success or on an exception nothing else is left in the folder; a
+    process killed mid-save may leave a hidden ``.<name>.<random>.tmp`` file, which is
+    never read. An existing file's permission bits are kept.
+
+    Raises:
+        ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
+            ``state`` is not a mapping.
+        CheckpointError: ``state`` is not an intact hyperrng RNG state (its format,
+            version or digest), ``path`` is a folder, or its folder does not exist.
+            Nothing is written when it is raised.
+        OSError: the file system refused the write (full disk, no permission); the
+            temporary file is removed and ``path`` is as it was.
+    """
+    target = _file_path(path)
+    _check_envelope(state)  # never replace a good checkpoint by a damaged state
+    if target.is_dir():
+        raise CheckpointError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
+    folder = target.parent
+    if not folder.is_dir():
+        raise CheckpointError(f"the folder of {str(target)!r} does not exist; create it before saving.")
+    try:
+        mode: int | None = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = None
+    temporary = folder / f".{target.name}.{secrets.token_hex(_TEMP_NAME_BYTES)}.tmp"
+    # O_EXCL: never write through a file (or link) someone else put there; 0o666 lets the umask decide.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(dict(state), file)
+            file.flush()
+            os.fsync(file.fileno())
+        if mode is not None:
+            os.chmod(temporary, mode)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_folder(folder)
 
 
-def load_rng_state(path: str | Path) -> dict[str, Any]:
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable; Windows cannot open a folder, and needs no such step."""
+    if os.name == "nt":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_path(path: object) -> Path:
+    if isinstance(path, str) or (isinstance(path, os.PathLike) and isinstance(os.fspath(path), str)):
+        return Path(path)
+    raise ArgumentTypeError(
+        f"path must be a str or an os.PathLike such as pathlib.Path, got {type(path).__name__} {path!r:.80}."
+    )
+
+
+def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a state written by :func:`save_rng_state`, with ``weights_only=True``.
 
     Raises:
+        ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
         CheckpointError: the file is missing, truncated, or not a torch file of plain data.
     """
+    target = _file_path(path)
     try:
-        loaded = torch.load(path, weights_only=True)
+        loaded = torch.load(target, weights_only=True)
     except FileNotFoundError as exc:
         raise CheckpointError(f"no RNG state at {str(path)!r}.") from exc
     except Exception as exc:

@@ -538,6 +538,155 @@ def test_one_changed_byte_in_a_file_is_caught_by_the_digest(
     expect_refusal(load_rng_state(path), tracker, "digest does not match its content")
 
 
+# -- atomic saves: a kill at any point leaves the previous or the new checkpoint ------------------
+
+_KILL_POINTS = [("write", k) for k in range(0, 25)] + [("fsync", 0), ("replace", 0), ("folder-fsync", 0)]
+"""Where the saving child kills itself: after writing a share k/24 of the file's bytes (24/24: all
+of them, before the fsync), at the fsync of the file, at the rename, at the fsync of the folder."""
+
+
+def _save_and_die(path: str, state: dict[str, Any], point: str, share: int) -> None:
+    """In a forked child: save ``state`` to ``path`` and SIGKILL this process at ``point``."""
+    import signal
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_save, real_fsync = torch.save, os.fsync
+
+    def save_part(obj: object, file: Any) -> None:
+        """torch.save's bytes, cut at the share ``share``/24 of the file, then the kill."""
+        import io
+
+        if isinstance(file, (str, os.PathLike)):  # a save that writes over the path in place
+            file = open(file, "wb")  # noqa: SIM115 (the process dies holding it)
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        data = buffer.getvalue()
+        file.write(data[: len(data) * share // 24])
+        file.flush()
+        die()
+
+    fsyncs = []
+
+    def fsync(fd: int) -> None:
+        fsyncs.append(fd)
+        if (point == "fsync" and len(fsyncs) == 1) or (point == "folder-fsync" and len(fsyncs) == 2):
+            die()
+        real_fsync(fd)
+
+    if point == "write":
+        torch.save = save_part  # type: ignore[assignment]
+    os.fsync = fsync
+    if point == "replace":
+        os.replace = lambda *args: die()  # type: ignore[assignment]
+    save_rng_state(path, state)
+    os._exit(3)  # a save that was meant to be killed returned
+
+
+def test_a_save_killed_at_any_point_leaves_the_previous_or_the_new_checkpoint_and_it_loads(tmp_path: Path) -> None:
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")  # the child needs no second import of torch
+    path = tmp_path / "rng.pt"
+    outcomes = []
+    for trial, (point, share) in enumerate(_KILL_POINTS):
+        seed_host(trial)
+        previous = rng_state_dict(base_seed=trial)
+        save_rng_state(path, previous)
+        seed_host(1000 + trial)
+        new = rng_state_dict(base_seed=1000 + trial)
+        child = fork.Process(target=_save_and_die, args=(str(path), new, point, share))
+        child.start()
+        child.join()
+        assert child.exitcode == -9, f"{point} {share}: the child was to die of SIGKILL, exit code {child.exitcode}"
+        loaded = load_rng_state(path)
+        load_rng_state_dict(loaded)  # intact: the digest and every field check out
+        assert loaded["digest"] in (previous["digest"], new["digest"])
+        if point != "folder-fsync":  # until the rename, the previous checkpoint stands
+            assert loaded["digest"] == previous["digest"], f"{point} {share}"
+        outcomes.append(loaded["digest"] == new["digest"])
+        for leftover in tmp_path.glob(".rng.pt.*.tmp"):  # a killed save cannot clean up after itself
+            leftover.unlink()
+    assert len(outcomes) >= 25 and outcomes[-1], "the kill after the rename keeps the new checkpoint"
+
+
+def test_a_successful_save_leaves_only_the_checkpoint_in_its_folder(tmp_path: Path) -> None:
+    path = tmp_path / "rng.pt"
+    for seed in (1, 2):
+        seed_host(seed)
+        save_rng_state(path, rng_state_dict(base_seed=seed))
+        assert [p.name for p in tmp_path.iterdir()] == ["rng.pt"]
+        assert load_rng_state(path)["base_seed"] == seed
+
+
+def test_an_error_while_serialising_removes_the_temporary_file_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rng.pt"
+    previous = rng_state_dict(base_seed=1)
+    save_rng_state(path, previous)
+
+    def fail_halfway(obj: object, file: Any) -> None:
+        file.write(b"half a checkpoint")
+        raise RuntimeError("serialisation failed")
+
+    monkeypatch.setattr(torch, "save", fail_halfway)
+    with pytest.raises(RuntimeError, match="serialisation failed"):
+        save_rng_state(path, rng_state_dict(base_seed=2))
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["rng.pt"]
+    assert load_rng_state(path)["digest"] == previous["digest"]
+
+
+def test_a_save_keeps_the_permission_bits_of_the_file_it_replaces(tmp_path: Path) -> None:
+    path = tmp_path / "rng.pt"
+    save_rng_state(path, rng_state_dict())
+    path.chmod(0o640)
+    save_rng_state(path, rng_state_dict())
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_save_accepts_a_str_path_and_load_reads_it(tmp_path: Path) -> None:
+    state = rng_state_dict(base_seed=5)
+    save_rng_state(str(tmp_path / "rng.pt"), state)
+    assert load_rng_state(str(tmp_path / "rng.pt"))["digest"] == state["digest"]
+
+
+@pytest.mark.parametrize(
+    ("make_path", "make_state", "error", "fragment"),
+    [
+        (lambda d: 7, lambda: rng_state_dict(), ArgumentTypeError, "path must be a str or an os.PathLike"),
+        (lambda d: b"rng.pt", lambda: rng_state_dict(), ArgumentTypeError, "got bytes"),
+        (lambda d: None, lambda: rng_state_dict(), ArgumentTypeError, "got NoneType"),
+        (lambda d: d, lambda: rng_state_dict(), CheckpointError, "is a folder"),
+        (lambda d: d / "missing" / "rng.pt", lambda: rng_state_dict(), CheckpointError, "does not exist"),
+        (lambda d: d / "rng.pt", lambda: [1, 2], ArgumentTypeError, "got list"),
+        (lambda d: d / "rng.pt", lambda: {"format": "other"}, CheckpointError, "not a hyperrng RNG state"),
+        (lambda d: d / "rng.pt", lambda: {**rng_state_dict(), "rank": 5}, CheckpointError, "digest does not match"),
+    ],
+    ids=["int-path", "bytes-path", "none-path", "folder", "no-folder", "not-a-dict", "other-format", "damaged"],
+)
+def test_save_refuses_bad_input_and_leaves_the_folder_and_the_previous_checkpoint_as_they_were(
+    tmp_path: Path, make_path: Callable[[Path], Any], make_state: Callable[[], Any], error: type, fragment: str
+) -> None:
+    previous = rng_state_dict(base_seed=3)
+    save_rng_state(tmp_path / "rng.pt", previous)
+    rng_before = (random.getstate(), torch.get_rng_state().tolist())
+    state = make_state()
+    with pytest.raises(error, match=fragment):
+        save_rng_state(make_path(tmp_path), state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rng.pt"]
+    assert load_rng_state(tmp_path / "rng.pt")["digest"] == previous["digest"]
+    assert (random.getstate(), torch.get_rng_state().tolist()) == rng_before
+
+
+@pytest.mark.parametrize("path", [7, b"rng.pt", None], ids=["int", "bytes", "none"])
+def test_load_refuses_a_path_of_the_wrong_type(path: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match="path must be a str or an os.PathLike"):
+        load_rng_state(path)
+
+
 # -- on_mismatch="reseed" -----------------------------------------------------------------------
 
 
@@ -760,7 +909,8 @@ def test_a_run_resumed_in_new_processes_is_bit_identical_to_an_uninterrupted_one
 
 
 _FRESH_PROCESS_RESUME = """
-import sys, torch, platforms
+import sys, torch
+import hyperrng.platforms as platforms
 from hyperrng import portable
 from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
 from hyperrng.tracker import MODEL_PARALLEL_STREAM as MP, get_rng_tracker
