@@ -9,27 +9,52 @@ violation, raises the same :class:`RNGDesyncError`:
 * ranks with equal coordinates on a stream's dimensions must hold identical states;
 * ranks with different coordinates on them must hold different states;
 * every rank must hold every stream of the layout.
+
+**Timeout.** Each rank waits at most ``timeout`` (default :data:`DEFAULT_TIMEOUT`, five
+minutes, far below a process group's usual 30) for the others to take part. A rank that
+waits longer raises :class:`~hyperrng.errors.RankFailure`: another rank has stopped, died,
+or does not call the check at this point. The collectives are asynchronous and waited on
+with ``Work.wait(timeout)``, so this holds on any backend. After that error the process
+group still holds the unfinished collective and cannot be trusted for another one: end the
+job (or destroy the group) and restart it.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import math
+import numbers
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng.errors import DistributedNotInitializedError, LayoutError, RNGDesyncError
+from hyperrng.errors import (
+    ArgumentTypeError,
+    DistributedNotInitializedError,
+    LayoutError,
+    RankFailure,
+    RNGDesyncError,
+    UsageError,
+)
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import check_instance
 from hyperrng.tracker import RNGStatesTracker, TrackerStateError, resolve_tracker
 
-__all__ = ["StreamVerdict", "fingerprint", "verify_rng_sync"]
+__all__ = ["DEFAULT_TIMEOUT", "StreamVerdict", "fingerprint", "verify_rng_sync"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long :func:`verify_rng_sync` waits for the other ranks unless told otherwise: ample for
+ranks that arrive at different moments, far below a process group's 30-minute default."""
 
 _MAX_REPORTED = 8  # violations listed in one error message; the rest are counted
+_MAX_TIMEOUT = datetime.timedelta(days=365)  # longer is no bound at all: pass None for that
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,7 @@ def verify_rng_sync(
     *,
     tracker: RNGStatesTracker | None = None,
     group: object | None = None,
+    timeout: datetime.timedelta | float | None = DEFAULT_TIMEOUT,
 ) -> list[StreamVerdict]:
     """Check across the ranks of ``group`` that every stream is shared exactly as ``layout`` says.
 
@@ -88,18 +114,28 @@ def verify_rng_sync(
         tracker: the tracker whose streams are checked (default: the process-wide one).
             The default stream is the current device generator of the platform.
         group: the process group (default: the world).
+        timeout: how long this rank waits for the others in total, a
+            ``datetime.timedelta`` or a number of seconds, positive and at most a year
+            (default :data:`DEFAULT_TIMEOUT`); ``None`` waits as long as the process
+            group's own timeout allows.
 
     Returns:
         One :class:`StreamVerdict` per stream when everything holds.
 
     Raises:
+        ArgumentTypeError: ``timeout`` is neither a ``timedelta``, a number nor ``None``.
+        UsageError: ``timeout`` is not positive, not finite, or longer than a year.
         DistributedNotInitializedError: ``torch.distributed`` has no process group yet.
         RNGDesyncError: on every rank, naming each stream that is shared wrongly or
             missing, and the ranks on each side.
+        RankFailure: the other ranks did not all take part within ``timeout``, or a
+            collective failed because a rank died; the process group should not be used
+            again (see the module docstring). Nothing is changed by any of these errors.
     """
     import torch.distributed as dist
 
     check_instance(layout, StreamLayout, "layout")
+    seconds = _timeout_seconds(timeout)
     tracker = resolve_tracker(tracker)
     if tracker.active_stream is not None:
         # Checked before any collective, so every rank raises alike only if every rank forks alike;
@@ -116,8 +152,9 @@ def verify_rng_sync(
     if missing_dims:
         raise LayoutError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
     p = platforms.current()
+    deadline = None if seconds is None else time.monotonic() + seconds
     # The layouts must agree before the vectors are gathered: their length depends on it.
-    digests = [int(t) for t in p.all_gather(torch.tensor([_layout_digest(layout)]), group=group)]
+    digests = [int(t) for t in _gather(p, torch.tensor([_layout_digest(layout)]), group, deadline, seconds)]
     if len(set(digests)) > 1:
         by_digest: dict[int, list[int]] = defaultdict(list)
         for rank, digest in enumerate(digests):
@@ -128,8 +165,60 @@ def verify_rng_sync(
             + "; build the same StreamLayout on every rank."
         )
     local = torch.tensor(_local_vector(layout, point, tracker), dtype=torch.int64)
-    rows = [t.tolist() for t in p.all_gather(local, group=group)]
+    rows = [t.tolist() for t in _gather(p, local, group, deadline, seconds)]
     return _judge(layout, rows)
+
+
+def _timeout_seconds(timeout: object) -> float | None:
+    """``timeout`` in seconds, checked: ``None``, or a positive finite span of at most a year."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ArgumentTypeError(
+            f"timeout must be a datetime.timedelta, a number of seconds or None, got {type(timeout).__name__} "
+            f"{timeout!r:.80}."
+        )
+    if not (math.isfinite(seconds) and 0 < seconds <= _MAX_TIMEOUT.total_seconds()):
+        raise UsageError(
+            f"timeout must be positive and at most {_MAX_TIMEOUT.days} days, got {timeout!r:.80}; "
+            "pass None to wait as long as the process group allows."
+        )
+    return seconds
+
+
+def _gather(
+    p: platforms.Platform, tensor: torch.Tensor, group: Any, deadline: float | None, seconds: float | None
+) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` in rank order, waiting until ``deadline`` at most (``time.monotonic()``)."""
+    import torch.distributed as dist
+
+    # The tensor travels where the backend needs it, as in Platform.all_gather: the CPU for gloo.
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else p.device()
+    buf = tensor.to(device, copy=True)
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(out, buf, group=group, async_op=True)
+    try:
+        if deadline is None:
+            work.wait()
+        else:  # what is left of the whole check's budget; torch rounds a wait to whole milliseconds
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except RuntimeError as exc:
+        rank = dist.get_rank(group)
+        if not work.is_completed():  # a failed collective (a peer died) has completed, with its error
+            raise RankFailure(
+                f"verify_rng_sync: rank {rank} waited {seconds:g} s and the other ranks of the group did not all "
+                "take part; a rank has stopped, or does not call verify_rng_sync at this point. The process group "
+                "still holds the unfinished collective: end the job (or destroy the group) and restart it."
+            ) from exc
+        raise RankFailure(
+            f"verify_rng_sync: the collective failed on rank {rank} ({type(exc).__name__}: {exc}); a rank has "
+            "most likely died. End the job (or destroy the group) and restart it."
+        ) from exc
+    return [t.to(tensor.device) for t in out]
 
 
 def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import re
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import hyperrng.platforms as platforms
 import pytest
 import torch
 
-from hyperrng.errors import DistributedNotInitializedError, HyperRNGError
+from hyperrng.errors import ArgumentTypeError, DistributedNotInitializedError, HyperRNGError, RankFailure, UsageError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
-from hyperrng.verify import StreamVerdict, fingerprint, verify_rng_sync
+from hyperrng.verify import DEFAULT_TIMEOUT, StreamVerdict, fingerprint, verify_rng_sync
 from tests._dist import run_ranks
 from tests._platforms import draw
 
@@ -134,6 +138,10 @@ def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
             out[f"clean/{name}"] = _outcome(layout, mesh_of(rank), tracker=tracker)
 
         layout = megatron_layout()
+        for timeout in (datetime.timedelta(minutes=2), 120.0, None):
+            tracker = RNGStatesTracker()
+            apply_layout(layout, SEED, mesh_of(rank), tracker=tracker)
+            out[f"clean/timeout={timeout}"] = _outcome(layout, mesh_of(rank), tracker=tracker, timeout=timeout)
         apply_layout(layout, SEED, mesh_of(rank))  # the process-wide tracker, the default argument
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         out["clean/device-mesh-and-global-tracker"] = _outcome(layout, mesh)
@@ -189,6 +197,14 @@ def test_a_correctly_seeded_layout_passes_and_reports_each_streams_sharing(
 @pytest.mark.multiproc
 def test_a_device_mesh_and_the_process_wide_tracker_are_accepted(outcomes: list[dict[str, Any]]) -> None:
     assert [o["clean/device-mesh-and-global-tracker"] for o in outcomes] == [CLEAN_VERDICTS["megatron"]] * WORLD
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("timeout", ["0:02:00", "120.0", "None"])
+def test_ranks_that_all_take_part_in_time_pass_with_any_form_of_timeout(
+    outcomes: list[dict[str, Any]], timeout: str
+) -> None:
+    assert [o[f"clean/timeout={timeout}"] for o in outcomes] == [CLEAN_VERDICTS["megatron"]] * WORLD
 
 
 @pytest.mark.multiproc
@@ -288,7 +304,98 @@ def test_layouts_with_different_numbers_of_streams_are_refused_on_every_rank(mon
     assert str(messages[0]).startswith("RNGDesyncError: ranks use different stream layouts: [0] vs [1]")
 
 
+def _one_rank_never_checks(rank: int, world_size: int, folder: str) -> list[tuple[str, bool, str]]:
+    """Rank 0 checks, with a timeout as a timedelta and then in seconds; rank 1 never calls the check.
+
+    Rank 1 stays alive (its process group open) until rank 0 is done, so rank 0 can only
+    end by its timeout, not by noticing a dead peer.
+    """
+    done = Path(folder) / "rank0-done"
+    if rank == 1:
+        while not done.exists():
+            time.sleep(0.05)
+        return []
+    layout, coords, tracker = megatron_layout(), {"dp": 0, "tp": rank}, RNGStatesTracker()
+    apply_layout(layout, SEED, coords, tracker=tracker)
+    seen = []
+    try:
+        for timeout in (datetime.timedelta(seconds=1), 0.5):
+            try:
+                verify_rng_sync(layout, coords, tracker=tracker, timeout=timeout)
+            except HyperRNGError as exc:
+                seen.append((type(exc).__name__, isinstance(exc, RuntimeError), str(exc)))
+    finally:
+        done.touch()
+    return seen
+
+
+@pytest.mark.multiproc
+def test_a_rank_waiting_for_one_that_never_checks_raises_rank_failure_at_its_timeout(tmp_path: Path) -> None:
+    seen, _ = run_ranks(_one_rank_never_checks, 2, str(tmp_path))
+    assert [(name, runtime) for name, runtime, _ in seen] == [("RankFailure", True)] * 2
+    for (_, _, message), waited in zip(seen, ("1", "0.5")):
+        assert message.startswith(
+            f"verify_rng_sync: rank 0 waited {waited} s and the other ranks of the group did not all take part; "
+            "a rank has stopped, or does not call verify_rng_sync at this point."
+        ), message
+        assert "end the job (or destroy the group) and restart it" in message
+
+
+def _one_rank_leaves(rank: int, world_size: int) -> str:
+    """Rank 1 leaves the job (its process group torn down) without checking; rank 0 checks."""
+    if rank == 1:
+        return ""
+    layout, coords, tracker = megatron_layout(), {"dp": 0, "tp": rank}, RNGStatesTracker()
+    apply_layout(layout, SEED, coords, tracker=tracker)
+    try:
+        verify_rng_sync(layout, coords, tracker=tracker, timeout=None)
+    except HyperRNGError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "passed"
+
+
+@pytest.mark.multiproc
+def test_a_rank_whose_peer_left_raises_rank_failure_rather_than_the_backends_error() -> None:
+    message, _ = run_ranks(_one_rank_leaves, 2)
+    assert message.startswith("RankFailure: verify_rng_sync: the collective failed on rank 0 ("), message
+    assert message.endswith("a rank has most likely died. End the job (or destroy the group) and restart it.")
+
+
 # -- single process ----------------------------------------------------------------------------
+
+
+def test_the_default_timeout_is_five_minutes() -> None:
+    assert DEFAULT_TIMEOUT == datetime.timedelta(minutes=5)
+    assert issubclass(RankFailure, RuntimeError) and issubclass(RankFailure, HyperRNGError)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "fragment"),
+    [
+        ("60", ArgumentTypeError, "timeout must be a datetime.timedelta, a number of seconds or None, got str"),
+        (True, ArgumentTypeError, "got bool True"),
+        ([1], ArgumentTypeError, "got list"),
+        (0, UsageError, "timeout must be positive and at most 365 days, got 0"),
+        (-1.5, UsageError, "got -1.5"),
+        (datetime.timedelta(seconds=-1), UsageError, "got datetime.timedelta"),
+        (datetime.timedelta(0), UsageError, "must be positive"),
+        (float("nan"), UsageError, "got nan"),
+        (float("inf"), UsageError, "got inf"),
+        (datetime.timedelta(days=366), UsageError, "at most 365 days"),
+    ],
+    ids=["str", "bool", "list", "zero", "negative", "negative-timedelta", "zero-timedelta", "nan", "inf", "too-long"],
+)
+def test_a_bad_timeout_is_refused_before_anything_else_and_changes_nothing(
+    timeout: Any, error: type[Exception], fragment: str
+) -> None:
+    tracker = RNGStatesTracker()
+    apply_layout(megatron_layout(), SEED, mesh_of(0), tracker=tracker)
+    before = (torch.get_rng_state(), tracker.get_states())
+    with pytest.raises(error, match=re.escape(fragment)):
+        verify_rng_sync(megatron_layout(), mesh_of(0), tracker=tracker, timeout=timeout)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    after = tracker.get_states()
+    assert after.keys() == before[1].keys() and all(torch.equal(after[k], before[1][k]) for k in after)
 
 
 def test_without_a_process_group_the_check_refuses_and_changes_nothing() -> None:
