@@ -42,13 +42,21 @@ Consequences:
 
 A layout is plain data: :meth:`StreamLayout.to_dict` / :meth:`StreamLayout.from_dict`
 round-trip it through JSON-compatible values (checkpoints store it).
+
+**Derivations are remembered.** Seeding a tracker from a layout (:func:`apply_layout`)
+records the :class:`Derivation` (layout, base seed, coordinates) beside that tracker;
+:func:`recorded_derivation` returns it for as long as the tracker still holds the streams
+it created. :func:`hyperrng.rng_state_dict` stores it in every checkpoint, so a resume at
+another world size can re-derive the streams without the user having planned for it.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,10 +71,12 @@ __all__ = [
     "DEFAULT_STREAM",
     "LAYOUT_DOMAIN",
     "LAYOUT_FORMAT_VERSION",
+    "Derivation",
     "StreamLayout",
     "apply_layout",
     "mesh_coordinates",
     "name_hash",
+    "recorded_derivation",
 ]
 
 DEFAULT_STREAM = "default"
@@ -228,6 +238,7 @@ class StreamLayout:
         platform.manual_seed(default_seed)
         if not platform.is_host:  # the host too; all 64 bits, unlike torch.manual_seed
             platforms.seed_generator(torch.default_generator, default_seed)
+        _record(tracker, Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords)))
         return seeds
 
     # -- serialisation --------------------------------------------------------------------
@@ -291,6 +302,48 @@ class StreamLayout:
         if missing:
             raise LayoutError(f"{what}s lack dimension(s) {missing}; give one for every dimension {list(self._dims)}.")
         return {d: _check_int(point[d], f"{what} of {d!r}", minimum) for d in self._dims}
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """How a tracker's streams were derived: ``layout.seeds(base_seed, coords)``."""
+
+    layout: StreamLayout
+    base_seed: int
+    coords: dict[str, int] = field(hash=False)
+
+
+# Beside each tracker (never keeping one alive): its derivation, and the seeds its streams had
+# then. A recipe, reseed, add or reset changes those seeds, which retires the record.
+_RECORDS: weakref.WeakKeyDictionary[RNGStatesTracker, tuple[Derivation, dict[str, int]]] = weakref.WeakKeyDictionary()
+
+
+def _record(tracker: RNGStatesTracker, derivation: Derivation | None) -> None:
+    """Remember that ``tracker``'s current streams come from ``derivation``, or forget (``None``)
+    what was remembered (see :func:`recorded_derivation`)."""
+    if derivation is None:
+        _RECORDS.pop(tracker, None)
+    else:
+        _RECORDS[tracker] = (derivation, tracker.seeds())
+
+
+def recorded_derivation(tracker: RNGStatesTracker | None = None) -> Derivation | None:
+    """The derivation of ``tracker``'s streams (default: the process-wide tracker), or ``None``.
+
+    ``None`` unless :func:`apply_layout` (or loading a checkpoint that carried one) seeded
+    the streams it holds now: once anything else reseeds, adds or resets its streams,
+    the record no longer describes them and is dropped. Restoring states with
+    ``set_states`` keeps it (the same streams, at other positions).
+    """
+    chosen = resolve_tracker(tracker)
+    record = _RECORDS.get(chosen)
+    if record is None:
+        return None
+    derivation, seeds = record
+    if chosen.seeds() != seeds:
+        del _RECORDS[chosen]
+        return None
+    return derivation
 
 
 def mesh_coordinates(mesh: Mapping[str, int] | object) -> dict[str, int]:

@@ -3,7 +3,10 @@
 :func:`rng_state_dict` captures Python's ``random``, NumPy's legacy global state, torch's
 CPU generator, every device of the current platform, the tracker's streams, and metadata
 (format version, platform, base seed, layout, this rank's coordinates, rank and world
-size). It holds only tensors, numbers, strings, ``None``, lists and dicts, so
+size). Where :func:`hyperrng.apply_layout` seeded the streams, the base seed, layout and
+coordinates are recorded without being asked for
+(:func:`hyperrng.layout.recorded_derivation`), so any such checkpoint can be resumed at
+another world size. It holds only tensors, numbers, strings, ``None``, lists and dicts, so
 ``torch.load(path, weights_only=True)`` reads it (that loader runs no code), and it carries
 a BLAKE2b digest of its content so that a damaged state (a truncated or corrupted file) is
 refused instead of silently resumed.
@@ -17,8 +20,9 @@ a trust boundary.
 :func:`load_rng_state_dict` validates everything before applying anything. A state saved
 under another platform, world size, rank, layout or mesh position is refused by default;
 ``on_mismatch="reseed"`` instead re-derives every stream from the base seed and the
-*current* layout and coordinates, seeds the host generators from the default stream, and
-warns that the run continues reproducibly but not bit-identically.
+*current* layout and coordinates (those given, else those :func:`hyperrng.apply_layout`
+last gave the tracker, else the saved layout), seeds the host generators from the default
+stream, and warns that the run continues reproducibly but not bit-identically.
 
 :class:`RNGStateful` wraps both for ``torch.distributed.checkpoint``: it keys the state by
 rank, so DCP never deduplicates one rank's state onto another.
@@ -42,7 +46,14 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, CheckpointError, HyperRNGError
-from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
+from hyperrng.layout import (
+    DEFAULT_STREAM,
+    Derivation,
+    StreamLayout,
+    _record,
+    mesh_coordinates,
+    recorded_derivation,
+)
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_seed
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
@@ -91,7 +102,9 @@ def rng_state_dict(
         tracker: whose streams to save (default: the process-wide tracker).
         layout, coords, base_seed: the stream layout, this rank's coordinates and the base
             seed the streams came from; stored so a resume can be checked (and, on
-            request, re-derived). Optional, but ``on_mismatch="reseed"`` needs all three.
+            request, re-derived). Where :func:`hyperrng.apply_layout` seeded the
+            tracker, those not given are taken from that derivation (when the given ones
+            agree with it), so they need not be passed.
         group: the process group whose rank and size are recorded (default: the world).
     """
     p = platforms.current()
@@ -100,6 +113,12 @@ def rng_state_dict(
         check_instance(layout, StreamLayout, "layout")
     if base_seed is not None:
         base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
+    point = dict(mesh_coordinates(coords)) if coords is not None else None
+    recorded = recorded_derivation(tracker)
+    if recorded is not None and _agrees(recorded, layout, point, base_seed):
+        layout = recorded.layout if layout is None else layout
+        point = dict(recorded.coords) if point is None else point
+        base_seed = recorded.base_seed if base_seed is None else base_seed
     if tracker.active_stream is not None:
         # The device generator holds the stream now, not the default state a resume needs.
         raise CheckpointError(
@@ -117,7 +136,7 @@ def rng_state_dict(
         "world_size": p.world_size(group),
         "base_seed": base_seed,
         "layout": layout.to_dict() if layout is not None else None,
-        "coords": dict(mesh_coordinates(coords)) if coords is not None else None,
+        "coords": point,
         "python": {"version": py_version, "state": torch.tensor(py_words, dtype=torch.int64), "gauss": py_gauss},
         "numpy": {
             "kind": np_kind,
@@ -133,6 +152,15 @@ def rng_state_dict(
     }
     body["digest"] = _digest(body)
     return body
+
+
+def _agrees(recorded: Derivation, layout: StreamLayout | None, point: dict[str, int] | None, base: int | None) -> bool:
+    """Whether the values given explicitly (``None``: not given) match the recorded derivation."""
+    return (
+        (layout is None or layout == recorded.layout)
+        and (base is None or base == recorded.base_seed)
+        and (point is None or all(point.get(d) == c for d, c in recorded.coords.items()))
+    )
 
 
 # -- restore --------------------------------------------------------------------------------
@@ -155,7 +183,9 @@ def load_rng_state_dict(
         on_mismatch: ``"error"`` (default) refuses a state saved under another platform,
             world size, rank, layout or coordinates; ``"reseed"`` re-derives the streams
             from the saved base seed with ``layout`` and ``coords`` and warns
-            (:class:`RNGResumeWarning`).
+            (:class:`RNGResumeWarning`). Not given, they are those
+            :func:`hyperrng.apply_layout` last gave ``tracker`` in this process (the
+            layout falls back to the saved one).
         group: the process group whose rank and size are checked (default: the world).
 
     Raises:
@@ -192,7 +222,9 @@ def load_rng_state_dict(
         _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = _decode(state, p, tracker)
+    derivation = _saved_derivation(state)
     _apply(applied, p, tracker)
+    _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
 
 
 def _check_envelope(state: Mapping[str, Any]) -> None:
@@ -314,6 +346,28 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
     return {"python": py_state, "numpy": np_state, "cpu": cpu, "devices": devices, "streams": streams}
 
 
+def _saved_layout(state: Mapping[str, Any]) -> StreamLayout | None:
+    if state["layout"] is None:
+        return None
+    try:
+        return StreamLayout.from_dict(state["layout"])
+    except HyperRNGError as exc:
+        raise CheckpointError(f"the RNG state is malformed: its layout cannot be read ({exc})") from None
+
+
+def _saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
+    """The derivation the state records, checked; ``None`` when it lacks one of its three parts."""
+    layout = _saved_layout(state)
+    if layout is None or state["coords"] is None or state["base_seed"] is None:
+        return None
+    try:
+        coords = mesh_coordinates(state["coords"])
+        layout.seeds(state["base_seed"], coords)  # the coordinates fit the layout
+    except HyperRNGError as exc:
+        raise CheckpointError(f"the RNG state is malformed: its coordinates do not fit its layout ({exc})") from None
+    return Derivation(layout, state["base_seed"], {d: coords[d] for d in layout.dims})
+
+
 def _malformed(what: str, expected: str, got: object) -> CheckpointError:
     return CheckpointError(f"the RNG state is malformed: {what} must be {expected}, got {got!r:.80}.")
 
@@ -397,11 +451,17 @@ def _reseed(
     from hyperrng.seeding import seed_host
 
     base_seed = state.get("base_seed")
+    recorded = recorded_derivation(tracker)  # what apply_layout gave this tracker for the current setup
+    if layout is None:
+        layout = recorded.layout if recorded is not None else _saved_layout(state)
+    if coords is None and recorded is not None and recorded.layout == layout:
+        coords = recorded.coords
     if layout is None or coords is None or base_seed is None:
         raise CheckpointError(
             "on_mismatch='reseed' needs the saved base seed and the current layout and coords; "
             f"the state has base_seed={base_seed!r}, and layout/coords were "
-            f"{'given' if layout is not None and coords is not None else 'not given'}."
+            f"{'given' if layout is not None and coords is not None else 'not given'}. Seed this run with "
+            "apply_layout(layout, base_seed, coords) before loading, or pass layout= and coords=."
         )
     seeds = layout.seeds(base_seed, coords)  # validates before anything changes
     layout.seed_tracker(tracker, base_seed, coords)

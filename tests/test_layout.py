@@ -19,9 +19,11 @@ from hyperrng.layout import (
     DEFAULT_STREAM,
     LAYOUT_DOMAIN,
     LAYOUT_FORMAT_VERSION,
+    Derivation,
     StreamLayout,
     apply_layout,
     name_hash,
+    recorded_derivation,
 )
 from hyperrng.seeding import megatron_seeds
 from hyperrng.tracker import (
@@ -337,3 +339,47 @@ def expect_refusal(
         call()
     assert isinstance(info.value, HyperRNGError)
     assert snapshot(platform) == before, "a refused call changed state"
+
+
+# -- the derivation is remembered beside the tracker ---------------------------------------------
+
+
+def test_apply_layout_records_the_derivation_beside_the_tracker() -> None:
+    tracker = RNGStatesTracker()
+    assert recorded_derivation(tracker) is None
+    apply_layout(megatron_like_layout(), 7, {**GOOD, "tp": 3}, tracker=tracker)
+    assert recorded_derivation(tracker) == Derivation(megatron_like_layout(), 7, {**GOOD, "tp": 3})
+    assert recorded_derivation() is None, "the process-wide tracker was not seeded"
+
+
+def test_restoring_states_keeps_the_derivation_and_replacing_streams_drops_it() -> None:
+    tracker = RNGStatesTracker()
+    apply_layout(megatron_like_layout(), 7, GOOD, tracker=tracker)
+    saved = tracker.get_states()
+    with tracker.fork(MODEL_PARALLEL_STREAM):
+        torch.rand(3)
+    tracker.set_states(saved)  # the same streams, at another position
+    assert recorded_derivation(tracker) is not None
+    tracker.reseed({MODEL_PARALLEL_STREAM: 1})
+    assert recorded_derivation(tracker) is None
+    tracker.reseed(dict(zip(saved, range(100, 100 + len(saved)))))
+    assert recorded_derivation(tracker) is None, "a dropped record does not come back"
+
+
+def test_a_refused_apply_layout_records_nothing() -> None:
+    tracker = RNGStatesTracker()
+    with pytest.raises(LayoutError):
+        apply_layout(megatron_like_layout(), 7, {"tp": 0}, tracker=tracker)
+    assert recorded_derivation(tracker) is None
+
+
+def test_the_record_does_not_keep_a_tracker_alive() -> None:
+    import gc
+    import weakref
+
+    tracker = RNGStatesTracker()
+    apply_layout(megatron_like_layout(), 7, GOOD, tracker=tracker)
+    ref = weakref.ref(tracker)
+    del tracker
+    gc.collect()
+    assert ref() is None

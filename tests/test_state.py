@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hyperrng.errors import ArgumentTypeError, CheckpointError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
-from hyperrng.seeding import seed_host
+from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
 from hyperrng.state import (
     FORMAT,
     FORMAT_VERSION,
@@ -185,8 +185,15 @@ def test_the_state_records_its_setup_and_holds_only_plain_data(platform: platfor
     assert plain(state)
 
 
+def hand_seeded_tracker() -> RNGStatesTracker:
+    """A tracker whose streams were seeded by hand: hyperrng knows no derivation for them."""
+    tracker = RNGStatesTracker()
+    tracker.reseed({MP: 5, DP: 6})
+    return tracker
+
+
 def test_a_state_without_setup_metadata_still_resumes_exactly() -> None:
-    tracker = seeded_tracker()
+    tracker = hand_seeded_tracker()
     state = rng_state_dict(tracker=tracker)
     assert (state["layout"], state["coords"], state["base_seed"]) == (None, None, None)
     expected = draw_everything(tracker)
@@ -727,23 +734,144 @@ def test_reseed_is_a_plain_exact_resume_when_nothing_differs(saved: tuple[dict[s
 
 
 @pytest.mark.parametrize(
-    ("base_seed", "load", "fragment"),
+    ("saved_layout", "base_seed", "load", "fragment"),
     [
-        (SEED, {"layout": None}, "layout/coords were not given"),
-        (SEED, {"coords": None}, "layout/coords were not given"),
-        (None, {}, "the state has base_seed=None"),
+        (None, SEED, {"layout": None}, "layout/coords were not given"),
+        (LAYOUT, SEED, {"coords": None}, "layout/coords were not given"),
+        (LAYOUT, None, {}, "the state has base_seed=None"),
     ],
-    ids=["without-layout", "without-coords", "state-without-base-seed"],
+    ids=["without-layout-given-or-saved", "without-coords", "state-without-base-seed"],
 )
 def test_reseed_without_what_it_needs_is_refused_and_changes_nothing(
-    base_seed: int | None, load: dict[str, Any], fragment: str
+    saved_layout: StreamLayout | None, base_seed: int | None, load: dict[str, Any], fragment: str
 ) -> None:
-    tracker = seeded_tracker()
-    state = rng_state_dict(tracker=tracker, layout=LAYOUT, coords=COORDS, base_seed=base_seed)
+    tracker = hand_seeded_tracker()  # no derivation to fall back on
+    state = rng_state_dict(tracker=tracker, layout=saved_layout, coords=COORDS, base_seed=base_seed)
     from_two_ranks = resealed(state, _set("world_size", lambda _: 2))
     draw_everything(tracker)
     error = expect_refusal(from_two_ranks, tracker, fragment, on_mismatch="reseed", **load)
     assert "on_mismatch='reseed' needs the saved base seed and the current layout and coords" in str(error)
+
+
+# -- elastic resume without planning: the derivation travels in the checkpoint ----------------------
+
+
+def test_a_tracker_seeded_from_a_layout_is_saved_with_its_derivation_unasked() -> None:
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=tracker)
+    state = rng_state_dict(tracker=tracker)
+    assert (state["layout"], state["coords"], state["base_seed"]) == (LAYOUT.to_dict(), COORDS, SEED)
+
+
+def test_the_process_wide_tracker_is_saved_with_its_derivation_unasked() -> None:
+    apply_layout(LAYOUT, SEED, {"dp": 3, "tp": 1})
+    state = rng_state_dict()
+    assert (state["layout"], state["coords"], state["base_seed"]) == (LAYOUT.to_dict(), {"dp": 3, "tp": 1}, SEED)
+
+
+@pytest.mark.parametrize(
+    "replace",
+    [
+        lambda t: t.reseed({MP: 1, DP: 2}),
+        lambda t: t.add("extra-rng", 99),
+        lambda t: t.reset(),
+        lambda t: megatron_model_parallel_manual_seed(SEED, tracker=t),
+        lambda t: model_parallel_manual_seed(SEED, 0, tracker=t),
+    ],
+    ids=["reseed", "add", "reset", "megatron-recipe", "slapo-recipe"],
+)
+def test_streams_replaced_after_apply_layout_are_saved_without_a_stale_derivation(
+    replace: Callable[[RNGStatesTracker], object],
+) -> None:
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=tracker)
+    replace(tracker)
+    state = rng_state_dict(tracker=tracker)
+    assert (state["layout"], state["coords"], state["base_seed"]) == (None, None, None)
+
+
+def test_given_metadata_that_agrees_is_completed_from_the_derivation_and_disagreeing_metadata_is_kept_alone() -> None:
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=tracker)
+    agreeing = rng_state_dict(tracker=tracker, base_seed=SEED)
+    assert (agreeing["layout"], agreeing["coords"]) == (LAYOUT.to_dict(), COORDS)
+    other = rng_state_dict(tracker=tracker, base_seed=SEED + 1)
+    assert (other["layout"], other["coords"], other["base_seed"]) == (None, None, SEED + 1)
+
+
+def test_loading_a_state_carries_its_derivation_on_to_the_next_checkpoint() -> None:
+    source = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=source)
+    state = rng_state_dict(tracker=source)
+    fresh = RNGStatesTracker()
+    load_rng_state_dict(state, tracker=fresh)
+    again = rng_state_dict(tracker=fresh)
+    assert (again["layout"], again["coords"], again["base_seed"]) == (LAYOUT.to_dict(), COORDS, SEED)
+
+
+def test_loading_a_state_without_a_derivation_forgets_the_one_the_tracker_had() -> None:
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=tracker)
+    hand = rng_state_dict(tracker=hand_seeded_tracker())
+    load_rng_state_dict(hand, tracker=tracker)  # the same stream names, seeded otherwise
+    state = rng_state_dict(tracker=tracker)
+    assert (state["layout"], state["coords"], state["base_seed"]) == (None, None, None)
+
+
+def test_reseed_needs_no_layout_or_coords_after_apply_layout_for_the_new_setup() -> None:
+    old_run = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=old_run)
+    from_two_ranks = resealed(rng_state_dict(tracker=old_run), _set("world_size", lambda _: 2))
+    new_coords = {"dp": 0, "tp": 1}
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, new_coords, tracker=tracker)  # what the restarted job does at launch
+    draw_everything(tracker)
+    with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
+        load_rng_state_dict(from_two_ranks, tracker=tracker, on_mismatch="reseed")
+    expected = RNGStatesTracker()
+    seeds = apply_layout(LAYOUT, SEED, new_coords, tracker=expected)
+    seed_host(seeds[DEFAULT_STREAM])
+    assert snapshot(tracker) == snapshot(expected)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (_set("layout", lambda _: {"dims": ["dp"]}), "its layout cannot be read"),
+        (_set("layout", lambda layout: {**layout, "domain": 1}), "its layout cannot be read"),
+        (_set("coords", lambda _: {"dp": 0}), "its coordinates do not fit its layout"),
+        (_set("coords", lambda _: {"dp": -1, "tp": 0}), "its coordinates do not fit its layout"),
+    ],
+    ids=["layout-without-fields", "layout-of-another-domain", "coords-lacking-a-dim", "negative-coord"],
+)
+def test_a_state_whose_derivation_is_malformed_is_refused_and_changes_nothing(
+    edit: Callable[[dict[str, Any]], None], fragment: str
+) -> None:
+    tracker = seeded_tracker()
+    state = resealed(rng_state_dict(tracker=tracker), edit)
+    draw_everything(tracker)
+    expect_refusal(state, tracker, f"the RNG state is malformed: {fragment}", layout=None, coords=None)
+
+
+def _save_without_planning(rank: int, world_size: int, directory: str) -> None:
+    """A job that seeds from a layout and saves, never thinking of a resume at another world size."""
+    with platforms.use(platforms.CPUPlatform()):
+        apply_layout(LAYOUT, SEED, {"dp": rank, "tp": 0})
+        save_rng_state(f"{directory}/rng-{rank}.pt", rng_state_dict())
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_two_ranks_resumes_on_one_without_any_planning(tmp_path: Path) -> None:
+    run_ranks(_save_without_planning, 2, str(tmp_path))
+    coords = {"dp": 0, "tp": 0}
+    tracker = get_rng_tracker()
+    apply_layout(LAYOUT, SEED, coords)
+    draw_everything(tracker)
+    with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
+        load_rng_state_dict(load_rng_state(tmp_path / "rng-1.pt"), on_mismatch="reseed")
+    expected = RNGStatesTracker()
+    seed_host(apply_layout(LAYOUT, SEED, coords, tracker=expected)[DEFAULT_STREAM])
+    assert snapshot(tracker) == snapshot(expected)
 
 
 # -- the DCP Stateful, in one process -------------------------------------------------------------
