@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng.errors import DuplicateStreamError, InvalidSeedError, LayoutError
+from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, InvalidSeedError, LayoutError, UsageError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
@@ -182,10 +182,6 @@ def model_parallel_manual_seed(
     return tp_seed
 
 
-model_parallel_cuda_manual_seed = model_parallel_manual_seed
-"""slapo's name for :func:`model_parallel_manual_seed` (which works on every platform)."""
-
-
 def set_random_seed(
     seed: int = SLAPO_DEFAULT_SEED,
     dp_rank: int | None = None,
@@ -309,6 +305,74 @@ def megatron_model_parallel_manual_seed(
     _idle(tracker).reseed(seeds.as_streams())
     platforms.current().manual_seed(seeds.data_parallel)
     return seeds
+
+
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    force_reset_rng: bool = False,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> MegatronSeeds:
+    """Megatron-core's ``model_parallel_cuda_manual_seed``: its signature and its three streams.
+
+    Creates ``data-parallel-rng``, ``model-parallel-rng`` and ``expert-parallel-rng`` with
+    Megatron-core's formulas (:func:`megatron_model_parallel_manual_seed`, on every
+    platform). hyperrng does not read Megatron-core's parallel state, so a rank left
+    ``None`` is 0 only where the process is alone (no process group, or a world of one);
+    otherwise pass it. ``force_reset_rng`` is accepted either way: the streams are always
+    replaced. slapo's function of the same name, ``(seed, tp_rank, always_enable_tp_seed)``,
+    is :func:`model_parallel_manual_seed`; a slapo-style call here is refused.
+
+    Returns:
+        The three seeds.
+
+    Raises:
+        ArgumentTypeError: a flag is not a bool (a slapo-style call passes ``tp_rank`` where
+            Megatron-core's signature has ``te_rng_tracker``).
+        UsageError: ``te_rng_tracker``, ``inference_rng_tracker`` or
+            ``use_cudagraphable_rng`` is ``True``: they choose Megatron-core's tracker
+            classes, which hyperrng's tracker replaces.
+        LayoutError: a rank is ``None`` in a world of more than one process, or negative.
+        InvalidSeedError, DuplicateStreamError, TrackerStateError: see
+            :func:`megatron_model_parallel_manual_seed`. Nothing changes on error.
+    """
+    flags = {
+        "te_rng_tracker": te_rng_tracker,
+        "inference_rng_tracker": inference_rng_tracker,
+        "use_cudagraphable_rng": use_cudagraphable_rng,
+        "force_reset_rng": force_reset_rng,
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ArgumentTypeError(
+                f"{name} must be True or False, got {type(value).__name__} {value!r:.40}. This is Megatron-core's "
+                "model_parallel_cuda_manual_seed(seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, "
+                "tp_rank, ep_rank, etp_rank); for slapo's (seed, tp_rank, always_enable_tp_seed) call "
+                "hyperrng.model_parallel_manual_seed."
+            )
+    chosen = [name for name in ("te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng") if flags[name]]
+    if chosen:
+        raise UsageError(
+            f"{', '.join(chosen)}=True selects one of Megatron-core's tracker classes, which hyperrng's tracker "
+            "replaces (for graph-safe streams, set_rng_tracker(RNGStatesTracker(graph_safe=True)) first). Drop "
+            "the flag, or call hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank)."
+        )
+    ranks = {"tp_rank": tp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank}
+    unknown = [name for name, value in ranks.items() if value is None]
+    if unknown and platforms.current().world_size() > 1:
+        raise LayoutError(
+            f"{', '.join(unknown)} not given: hyperrng does not read Megatron-core's parallel state, and this "
+            "process is one of several. Pass tp_rank=, ep_rank= and etp_rank= (0 for a dimension the job does not "
+            "use), or call hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank)."
+        )
+    tp, ep, etp = (0 if value is None else value for value in ranks.values())
+    return megatron_model_parallel_manual_seed(seed, tp, ep, etp, tracker=tracker)
 
 
 def megatron_set_random_seed(

@@ -88,7 +88,11 @@ DATA_PARALLEL_STREAM = "data-parallel-rng"
 EXPERT_PARALLEL_STREAM = "expert-parallel-rng"
 """Megatron-core's stream for mixture-of-experts layers."""
 
-_SEED_HINT = "did you call set_random_seed / model_parallel_manual_seed (or apply_layout), or tracker.add(name, seed)?"
+_SEED_HINT = (
+    "seed the streams first: hyperrng.apply_layout(layout, seed, coords) for a layout's streams, "
+    "hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank) for Megatron-core's "
+    "data-, model- and expert-parallel-rng, or tracker.add(name, seed) for one stream."
+)
 _GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
 _OWNER = "thread"
 

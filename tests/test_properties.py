@@ -90,6 +90,7 @@ SEEDED_CALLS: dict[str, Callable[[Any], object]] = {
     "set_random_seed(tp_rank)": lambda s: hyperrng.set_random_seed(s, tp_rank=1),
     "model_parallel_manual_seed": lambda s: hyperrng.model_parallel_manual_seed(s, 0),
     "megatron_model_parallel_manual_seed": lambda s: hyperrng.megatron_model_parallel_manual_seed(s),
+    "model_parallel_cuda_manual_seed": lambda s: hyperrng.model_parallel_cuda_manual_seed(s, tp_rank=1),
     "set_seeds": lambda s: hyperrng.set_seeds(s),
     "apply_layout": lambda s: hyperrng.apply_layout(LAYOUT, s, {"dp": 0, "tp": 1}),
     "seed_host": lambda s: hyperrng.seed_host(s),

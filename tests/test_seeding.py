@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,7 +14,14 @@ import pytest
 import torch
 from hyperrng.platforms.mix import combine64
 
-from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, HyperRNGError, InvalidSeedError, LayoutError
+from hyperrng.errors import (
+    ArgumentTypeError,
+    DuplicateStreamError,
+    HyperRNGError,
+    InvalidSeedError,
+    LayoutError,
+    UsageError,
+)
 from hyperrng.seeding import (
     NUMPY_DOMAIN,
     PYTHON_RANDOM_DOMAIN,
@@ -127,11 +135,115 @@ def test_slapo_tp_rank_adds_the_model_parallel_stream_on_every_platform(platform
     assert is_random_seed_set()
 
 
-def test_slapo_model_parallel_seed_and_its_alias(platform: platforms.Platform) -> None:
-    assert model_parallel_cuda_manual_seed is model_parallel_manual_seed
+def test_slapo_model_parallel_seed_creates_the_one_model_parallel_stream(platform: platforms.Platform) -> None:
     assert model_parallel_manual_seed(50, tp_rank=2) == 50 + 2718 + 2
     assert get_rng_tracker().seeds() == {MODEL_PARALLEL_STREAM: 2770}
     assert platform.get_rng_state().tolist() == device_state_for(platform, 50)
+
+
+# -- model_parallel_cuda_manual_seed: Megatron-core's name, signature and streams ----------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: model_parallel_cuda_manual_seed(50, tp_rank=2, ep_rank=3, etp_rank=1),
+        lambda: model_parallel_cuda_manual_seed(50, False, False, False, 2, 3, 1, True),
+        lambda: model_parallel_cuda_manual_seed(50, tp_rank=2, ep_rank=3, etp_rank=1, force_reset_rng=True),
+    ],
+    ids=["keywords", "positional", "force-reset"],
+)
+def test_a_megatron_style_call_creates_megatrons_three_streams_with_its_formulas(
+    platform: platforms.Platform, call: Callable[[], MegatronSeeds]
+) -> None:
+    get_rng_tracker().reseed({"left-over": 9})
+    seeds = call()
+    assert seeds == megatron_seeds(50, 2, 3, 1)
+    assert get_rng_tracker().seeds() == {
+        DATA_PARALLEL_STREAM: 50,
+        MODEL_PARALLEL_STREAM: 50 + 2718 + 2,
+        EXPERT_PARALLEL_STREAM: 50 + 1024 + 100 * 3 + 1,
+    }
+    assert platform.get_rng_state().tolist() == device_state_for(platform, 50)
+
+
+def test_a_megatron_style_call_with_only_a_seed_uses_rank_0_in_a_process_alone(platform: platforms.Platform) -> None:
+    model_parallel_cuda_manual_seed(50)
+    assert get_rng_tracker().seeds() == megatron_seeds(50).as_streams()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        (lambda: model_parallel_cuda_manual_seed(50, 2), ArgumentTypeError, "te_rng_tracker must be True or False"),
+        (
+            lambda: model_parallel_cuda_manual_seed(50, 2, True),
+            ArgumentTypeError,
+            "call hyperrng.model_parallel_manual_seed",
+        ),
+        (lambda: model_parallel_cuda_manual_seed(50, force_reset_rng=1), ArgumentTypeError, "force_reset_rng must be"),
+        (lambda: model_parallel_cuda_manual_seed(50, te_rng_tracker=True), UsageError, "te_rng_tracker=True selects"),
+        (
+            lambda: model_parallel_cuda_manual_seed(50, inference_rng_tracker=True, use_cudagraphable_rng=True),
+            UsageError,
+            "inference_rng_tracker, use_cudagraphable_rng=True selects",
+        ),
+        (lambda: model_parallel_cuda_manual_seed(50, tp_rank=-1), LayoutError, "tp_rank must be a non-negative int"),
+        (lambda: model_parallel_cuda_manual_seed(-5, tp_rank=0), InvalidSeedError, "seed must be in"),
+        (lambda: model_parallel_cuda_manual_seed(50, tp_rank="0"), ArgumentTypeError, "tp_rank"),
+    ],
+    ids=[
+        "slapo-positional",
+        "slapo-always-enable",
+        "flag-not-bool",
+        "te",
+        "inference-and-graphs",
+        "rank",
+        "seed",
+        "rank-type",
+    ],
+)
+def test_a_call_megatron_core_would_not_make_or_hyperrng_cannot_honour_is_refused_and_changes_nothing(
+    platform: platforms.Platform, call: Callable[[], object], error: type[Exception], fragment: str
+) -> None:
+    expect_refusal(platform, call, error, re.escape(fragment))
+
+
+def test_a_tracker_flag_is_refused_with_a_pointer_to_megatron_model_parallel_manual_seed() -> None:
+    with pytest.raises(UsageError) as info:
+        model_parallel_cuda_manual_seed(50, te_rng_tracker=True)
+    assert str(info.value).endswith(
+        "Drop the flag, or call hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank)."
+    )
+
+
+def test_the_slapo_style_refusal_points_to_slapos_function() -> None:
+    with pytest.raises(ArgumentTypeError) as info:
+        model_parallel_cuda_manual_seed(50, 2, True)
+    assert "for slapo's (seed, tp_rank, always_enable_tp_seed) call hyperrng.model_parallel_manual_seed" in str(
+        info.value
+    )
+
+
+def _megatron_style_without_ranks(rank: int, world_size: int) -> str:
+    get_rng_tracker().reset()
+    try:
+        model_parallel_cuda_manual_seed(50)
+    except HyperRNGError as exc:
+        return f"{type(exc).__name__}: {exc} / streams {len(get_rng_tracker())}"
+    return "seeded"
+
+
+@pytest.mark.multiproc
+def test_a_megatron_style_call_without_ranks_is_refused_where_the_process_has_peers() -> None:
+    from tests._dist import run_ranks
+
+    messages = run_ranks(_megatron_style_without_ranks, 2)
+    assert len(set(messages)) == 1
+    assert messages[0].startswith(
+        "LayoutError: tp_rank, ep_rank, etp_rank not given: hyperrng does not read Megatron-core's parallel state"
+    )
+    assert messages[0].endswith("megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank). / streams 0")
 
 
 def test_slapo_always_enable_tp_seed_gives_the_default_generator_the_tp_seed(platform: platforms.Platform) -> None:

@@ -459,8 +459,8 @@ def test_a_bad_stream_name_is_refused(
 @pytest.mark.parametrize(
     ("name", "error", "fragment"),
     [
-        ("missing", UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"),
-        ("Model-Parallel-RNG", UnknownStreamError, "did you call set_random_seed / model_parallel_manual_seed"),
+        ("missing", UnknownStreamError, "seed the streams first: hyperrng.apply_layout"),
+        ("Model-Parallel-RNG", UnknownStreamError, "hyperrng.megatron_model_parallel_manual_seed"),
         (5, ArgumentTypeError, "must be a non-empty string"),
         (["unhashable"], ArgumentTypeError, "must be a non-empty string"),
         (None, ArgumentTypeError, "must be a non-empty string"),
