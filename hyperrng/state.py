@@ -476,7 +476,8 @@ def _reseed(
 
 # -- files --------------------------------------------------------------------------------------
 def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
-    """Write a state from :func:`rng_state_dict` to ``path``, atomically.
+    """Write a state from :func:`rng_state_dict` (or any dict of plain data, such as a training
+    checkpoint holding one) to ``path``, atomically.
 
     The state goes to a hidden temporary file in ``path``'s folder, which is flushed and
     fsynced, then renamed over ``path`` (``os.replace``), and the folder is fsynced so the
@@ -489,14 +490,16 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping.
-        CheckpointError: ``state`` is not an intact hyperrng RNG state (its format,
-            version or digest), ``path`` is a folder, or its folder does not exist.
-            Nothing is written when it is raised.
+        CheckpointError: ``path`` is a folder, or its folder does not exist. Nothing is
+            written when it is raised.
         OSError: the file system refused the write (full disk, no permission); the
             temporary file is removed and ``path`` is as it was.
     """
     target = _file_path(path)
-    _check_envelope(state)  # never replace a good checkpoint by a damaged state
+    if not isinstance(state, Mapping):
+        raise ArgumentTypeError(
+            f"save_rng_state writes the dict rng_state_dict() returned, got {type(state).__name__}."
+        )
     if target.is_dir():
         raise CheckpointError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
     folder = target.parent
