@@ -208,7 +208,7 @@ def _gather(
             work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     except RuntimeError as exc:
         rank = dist.get_rank(group)
-        if not work.is_completed():  # a failed collective (a peer died) has completed, with its error
+        if seconds is not None and not work.is_completed():  # a failed collective (a peer died) has completed
             raise RankFailure(
                 f"verify_rng_sync: rank {rank} waited {seconds:g} s and the other ranks of the group did not all "
                 "take part; a rank has stopped, or does not call verify_rng_sync at this point. The process group "
