@@ -142,7 +142,8 @@ class BenchResult:
     ``ratio`` is the median candidate time over the median baseline time for cost
     benchmarks (lower is better), or the inverse for throughput ones (higher is better);
     ``better`` says which, and ``target`` is the ratio the project aims for (``None`` if
-    none). ``ratio_range`` is the spread of the per-round ratios.
+    none). ``ratio_range`` is the spread of the per-round ratios. One made inside
+    :func:`reporting` is handed to its callback as soon as it exists.
     """
 
     name: str
