@@ -2,13 +2,14 @@
 
 Importing hyperrng resolves the hardware platform once (see :mod:`hyperrng.platforms.registry`):
 ``HYPERRNG_PLATFORM`` if set, else an available plug-in, else NPU, CUDA, CPU. The
-resolution touches no device. :func:`current_platform` returns the result.
+resolution touches no device. :func:`current_platform` returns the result, or raises the
+error that kept every platform from being selected (an unknown or unusable
+``HYPERRNG_PLATFORM``, two plug-ins claiming the machine); so does every call that needs it.
 """
 
 from __future__ import annotations
 
-import os as _os
-import sys as _sys
+import contextlib as _contextlib
 
 import hyperrng.platforms as _platforms
 from hyperrng.errors import (
@@ -46,30 +47,15 @@ from hyperrng.platforms import Platform
 __version__ = "0.1.0"
 
 
-def _started_as_command() -> bool:
-    """Whether this import is the ``hyperrng`` command starting (``python -m hyperrng`` or the console script).
-
-    While ``python -m`` imports a package, ``sys.argv[0]`` reads ``"-m"`` (the module is
-    not located yet) and ``sys.orig_argv`` holds the module's name; the console script
-    runs with its own path, ending in ``hyperrng``, as ``sys.argv[0]``.
-    """
-    argv0 = _sys.argv[0] if _sys.argv else ""
-    if argv0 == "-m":
-        orig = list(getattr(_sys, "orig_argv", ()))
-        return any(a == "-mhyperrng" or (a == "-m" and orig[i + 1 : i + 2] == ["hyperrng"]) for i, a in enumerate(orig))
-    return _os.path.basename(argv0) in ("hyperrng", "hyperrng.exe")
-
-
-# Resolve the platform before anything below asks for it: HYPERRNG_PLATFORM, plug-ins, NPU, CUDA, CPU.
-# A library import fails here, at once, when no platform can be selected. The command
-# line imports the package too, and reports that failure itself (``hyperrng info`` with
-# every probe, other commands in one line): every later call to ``hyperrng.platforms.current()``
-# raises the same error again.
-try:
+# Resolve the platform once, now: HYPERRNG_PLATFORM, plug-ins, NPU, CUDA, CPU. When none can
+# be selected (HYPERRNG_PLATFORM names an unknown or unusable platform, or two plug-ins claim
+# the machine) the import still succeeds, and every call that needs the platform, starting with
+# ``current_platform()``, raises that error. The import cannot tell a program from the
+# ``hyperrng`` command (``python -m hyperrng`` imports this package before its own code runs),
+# and the command must be able to report the error: ``hyperrng info`` with every probe, the
+# other commands in one line.
+with _contextlib.suppress(PlatformError):
     _platforms.registry.select_at_import()
-except PlatformError:
-    if not _started_as_command():
-        raise
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
 from hyperrng.portable_mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402

@@ -2,8 +2,10 @@
 
 A mistake (a bad flag, a seed out of range, a platform that cannot be selected, a rank
 that fails) is answered with one line on stderr and an exit status, never a traceback:
-2 for a command line or configuration that cannot run, 1 for a run that failed or a
-platform that cannot be selected.
+2 for a command line or configuration that cannot run (a ``HYPERRNG_PLATFORM`` that
+selects nothing included), 1 for a run that failed. Output is written line by line as
+the work proceeds; a reader that goes away (``hyperrng info | head -1``) ends the command
+quietly with status 141, as a closed pipe ends other command-line tools.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import NoReturn
@@ -23,6 +27,7 @@ __all__ = ["main", "info_lines"]
 _EXIT_FAILED = 1
 _EXIT_USAGE = 2
 _EXIT_INTERRUPTED = 130  # what shells report for a process ended by Ctrl-C (128 + SIGINT)
+_EXIT_CLOSED_PIPE = 141  # what shells report for a process ended by writing to a closed pipe (128 + SIGPIPE)
 _BUILTIN_PLATFORMS = ("cpu", "cuda", "npu", "sim")
 
 
@@ -103,8 +108,39 @@ def info_lines() -> list[str]:
     return lines
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
-    print("\n".join(info_lines()))
+class _Lines:
+    """Writes lines to a stream, each flushed at once, from any thread; a reader that went
+    away (a closed pipe) silences the rest instead of raising."""
+
+    def __init__(self, stream: str = "stdout") -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                print(line, file=getattr(sys, self._stream), flush=True)
+            except BrokenPipeError:
+                self.close()
+
+    def close(self) -> None:
+        """Stop writing, and point the stream at the null device so that nothing flushed at exit fails."""
+        self.closed = True
+        try:
+            fd = getattr(sys, self._stream).fileno()
+        except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+def _cmd_info(args: argparse.Namespace, out: _Lines) -> int:
+    for line in info_lines():
+        out(line)
     try:
         platforms.selection()
     except PlatformError:
@@ -112,15 +148,39 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from hyperrng.benchmarks import format_results, run_benchmarks
+def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
+    from hyperrng import benchmarks as b
 
-    results = run_benchmarks(quick=args.quick, suites=args.suite or None)
-    print(format_results(results))
+    suites = b.check_suites(args.suite)
+    # With --markdown, stdout carries the table alone (to paste or redirect); progress goes to stderr.
+    progress = _Lines("stderr") if args.markdown else out
+    header = b.header_lines(args.quick)
+    for line in header + [""] + b.column_titles():
+        progress(line)
+    count = 0
+
+    def on_result(result: b.BenchResult) -> None:
+        nonlocal count
+        count += 1
+        for line in b.format_row(count, result):
+            progress(line)
+
+    def on_suite(i: int, n: int, name: str) -> None:
+        for line in b.suite_lines(i, n, name):
+            progress(line)
+
+    start = time.monotonic()
+    results = b.run_benchmarks(quick=args.quick, suites=suites, on_suite=on_suite, on_result=on_result)
+    progress("")
+    for line in b.summary_lines(results, time.monotonic() - start):
+        progress(line)
+    if args.markdown:
+        for line in b.format_markdown(results, header[:2]).splitlines():
+            out(line)
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace, out: _Lines) -> int:
     from hyperrng.demo import DemoConfig
     from hyperrng.demo import main as demo_main
 
@@ -132,7 +192,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         portable=args.portable,
     )
-    return demo_main(cfg)
+    return demo_main(cfg, out=out)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,6 +271,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"run only this suite, one of: {', '.join(SUITES)} (repeatable; default: every suite)",
     )
+    bench.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the results as a Markdown table on stdout, and the progress on stderr (off by default)",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 
@@ -222,20 +287,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        0 on success; 1 when a run fails or no platform can be selected; 2 for a command
-        line or configuration that cannot run; 130 when interrupted. Bad flags make
-        argparse exit with 2 (``SystemExit``), after one line on stderr.
+        0 on success; 1 when a run fails, or ``info`` finds no platform can be selected;
+        2 for a command line or configuration that cannot run (a platform that cannot be
+        selected included); 130 when interrupted; 141 when stdout is a pipe whose reader
+        has gone. Bad flags make argparse exit with 2 (``SystemExit``), after one line on stderr.
     """
+    out = _Lines()
+    try:
+        status = _run(argv, out)
+    except BrokenPipeError:  # argparse's --help and --version print on their own
+        out.close()
+        return _EXIT_CLOSED_PIPE
+    return _EXIT_CLOSED_PIPE if out.closed else status
+
+
+def _run(argv: Sequence[str] | None, out: _Lines) -> int:
     args = _parser().parse_args(argv)
     prog = f"hyperrng {args.command}"  # every complaint after parsing names the subcommand
     try:
         if args.command != "info":  # info reports a platform that cannot be selected itself
-            try:
-                platforms.selection()
-            except PlatformError as exc:
-                print(f"{prog}: error: {_first_line(exc)}", file=sys.stderr)
-                return _EXIT_FAILED
-        return int(args.func(args))
+            platforms.selection()
+        return int(args.func(args, out))
     except HyperRNGError as exc:
         print(f"{prog}: error: {_first_line(exc)}", file=sys.stderr)
         return _EXIT_USAGE

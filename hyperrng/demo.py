@@ -5,8 +5,10 @@ a data-parallel x tensor-parallel mesh, seeds them from one declarative layout, 
 trains a tiny tensor-parallel MLP for a few steps with dropout inside the TP region
 (drawn from the ``model-parallel-rng`` stream) and after it (the default generator). It
 runs one sharded random op, checks the streams across ranks, saves an RNG checkpoint at
-``save_step``, and resumes from it in fresh processes. It prints a per-rank table and one
-verdict per property, and succeeds only if every property holds:
+``save_step``, and resumes from it in fresh processes. It says what it will check before
+any process starts, a line per phase as the ranks reach it (start, each step, the
+checkpoint, the resume), then a per-rank table and one verdict per property, and
+succeeds only if every property holds:
 
 1. dropout inside the TP region differs across the TP ranks of a data-parallel group;
 2. dropout after the TP region agrees across them (and so do their losses);
@@ -21,15 +23,24 @@ sharded op live on ``platform.device(local_rank % device_count)``, which each ra
 its current device. The process group uses the platform's backend when every local rank
 has a device of its own, and gloo otherwise, with tensors staged through the host for
 each collective.
+
+The ranks report each phase on a queue; the parent prints a phase's line once every rank
+has reported it (inside a torchrun job, rank 0 prints its own).
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
+import queue as queue_module
 import random
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,8 +79,8 @@ _SHARDED_SHAPE = (8, 6)
 _SHARDED_SEED_DOMAIN = 0x5EED  # the sharded op's seed, the same on every rank
 _DATA_SEED_DOMAIN = 0xDA7A  # a step's data, per data-parallel group
 _SCRAMBLE_SEED_DOMAIN = 0x5C4A  # what resumed processes hold before the checkpoint is loaded
-_EXIT_HOOK_ENV = "_HYPERRNG_DEMO_EXIT"
-"""Test hook, not a feature: ``RANK:STEP:CODE`` makes that rank ``os._exit(CODE)`` at that training step."""
+_QUIET_S = 15.0  # a phase that takes longer than this (starting many processes) gets a line that says so
+_POLL_S = 0.5
 
 
 PORTABLE_MAX_RANKS = 8
@@ -236,12 +247,95 @@ def _fp(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=4).hexdigest()
 
 
-def _exit_hook(rank: int, step: int) -> None:
-    spec = os.environ.get(_EXIT_HOOK_ENV)
-    if spec:
-        at_rank, at_step, code = (int(part) for part in spec.split(":"))
-        if (rank, step) == (at_rank, at_step):
-            os._exit(code)
+class _Report:
+    """How a rank reports a phase: onto the parent's queue, or (inside a torchrun job, where
+    there is no parent) straight to rank 0's own :class:`_Phases`. Picklable with a queue."""
+
+    def __init__(self, events: Any = None, phases: _Phases | None = None) -> None:
+        self._events = events
+        self._phases = phases
+
+    def __call__(self, rank: int, key: str, text: str) -> None:
+        if self._events is not None:
+            self._events.put((rank, key, text))
+        elif self._phases is not None and rank == 0:
+            self._phases.record(rank, key, text)
+
+
+class _Phases:
+    """The parent's view of the ranks' progress: a phase's line (rank 0's text) is printed
+    once ``expected`` ranks have reported it, in the order the phases complete."""
+
+    def __init__(self, emit: Callable[[str], None], expected: int) -> None:
+        self._emit = emit
+        self._expected = expected
+        self._lock = threading.Lock()
+        self._seen: dict[str, int] = {}
+        self._text: dict[str, str] = {}
+        self._stage = ""
+        self._started = self._last = time.monotonic()
+
+    def start(self, stage: str, text: str) -> None:
+        """A new stage (``train``, ``resume``): its first line, and the clock its phases are timed on."""
+        with self._lock:
+            self._stage, self._seen, self._text = stage, {}, {}
+            self._started = time.monotonic()
+            self._say(text)
+
+    def record(self, rank: int, key: str, text: str) -> None:
+        with self._lock:
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if rank == 0:
+                self._text[key] = text
+            if self._seen[key] == self._expected:
+                self._say(self._text[key])
+
+    def quiet_for(self) -> float:
+        """Seconds since the last line."""
+        return time.monotonic() - self._last
+
+    def still_waiting(self) -> None:
+        with self._lock:
+            self._say("... still running" if self._seen else "... still starting")
+
+    def say(self, text: str) -> None:
+        """A line of the current stage that no rank reports (the parent's own)."""
+        with self._lock:
+            self._say(text)
+
+    def _say(self, text: str) -> None:
+        self._last = time.monotonic()
+        self._emit(f"{self._stage:>8} {self._last - self._started:6.1f}s  {text}")
+
+
+@contextmanager
+def _relayed(phases: _Phases) -> Iterator[_Report]:
+    """A report whose queue a thread of this process reads into ``phases`` while the block runs.
+
+    Every rank that answered has exited by the end of the block, so what it reported is in
+    the queue by then; the thread reads it to the end before it stops.
+    """
+    events = multiprocessing.get_context("spawn").Queue()
+    done = threading.Event()
+
+    def relay() -> None:
+        while True:
+            try:
+                phases.record(*events.get(timeout=_POLL_S))
+            except queue_module.Empty:
+                if done.is_set():
+                    return
+                if phases.quiet_for() > _QUIET_S:
+                    phases.still_waiting()
+
+    thread = threading.Thread(target=relay, name="hyperrng-demo-progress", daemon=True)
+    thread.start()
+    try:
+        yield _Report(events)
+    finally:
+        done.set()
+        thread.join()
+        events.close()
 
 
 class _Rank:
@@ -286,7 +380,6 @@ class _Rank:
         return seeds
 
     def step(self, step: int) -> dict[str, Any]:
-        _exit_hook(self.rank, step)
         # Data differs per data-parallel group and is identical across its TP ranks; the
         # host generators (seeded per dp) add noise, so their resume is exercised too.
         data = torch.Generator().manual_seed(combine64(_DATA_SEED_DOMAIN, self.cfg.seed, step, self.coords["dp"]))
@@ -331,7 +424,11 @@ class _Rank:
         return Path(self.cfg.workdir) / f"rank{self.rank}.pt"
 
 
-def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) -> dict[str, Any]:
+def _step_line(step: int, cfg: DemoConfig, row: dict[str, Any]) -> str:
+    return f"step {step}/{cfg.steps} done: loss {row['loss']:.5f} on rank 0"
+
+
+def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement, report: _Report) -> dict[str, Any]:
     """Phase 1: seed, run one sharded op, train, verify, checkpoint at save_step, go on to the end."""
     from hyperrng.errors import RNGDesyncError
     from hyperrng.state import rng_state_dict, save_rng_state
@@ -339,10 +436,13 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) -
 
     r = _Rank(cfg, rank, placement)
     seeds = r.seed()
+    report(rank, "up", f"{world_size} ranks up; every stream seeded from base seed {cfg.seed}")
     sharded = r.sharded_op()
+    report(rank, "sharded", f"sharded random op drawn on the {cfg.dp} x {cfg.tp} mesh")
     steps, verify_error = [], ""
     for step in range(1, cfg.steps + 1):
         steps.append(r.step(step))
+        report(rank, f"step {step}", _step_line(step, cfg, steps[-1]))
         if step == cfg.save_step:
             try:
                 verify_rng_sync(LAYOUT, r.coords)
@@ -351,10 +451,13 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) -
             state = rng_state_dict(layout=LAYOUT, coords=r.coords, base_seed=cfg.seed)
             weights = {"w1": r.w1.detach().cpu(), "w2": r.w2.detach().cpu()}  # device tensors are not saved as such
             save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
+            report(rank, "checkpoint", f"after step {step}: streams checked across ranks, RNG checkpoint saved")
     return {"coords": r.coords, "seeds": seeds, "sharded": sharded, "steps": steps, "verify_error": verify_error}
 
 
-def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) -> list[dict[str, Any]]:
+def _resume(
+    rank: int, world_size: int, cfg: DemoConfig, placement: _Placement, report: _Report
+) -> list[dict[str, Any]]:
     """Phase 2, in fresh processes: scramble every generator, load the checkpoint, finish the run."""
     from hyperrng.seeding import seed_host
     from hyperrng.state import load_rng_state, load_rng_state_dict
@@ -368,7 +471,16 @@ def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement) 
     with torch.no_grad():
         r.w1.copy_(saved["w1"])
         r.w2.copy_(saved["w2"])
-    return [r.step(step) for step in range(cfg.save_step + 1, cfg.steps + 1)]
+    report(
+        rank,
+        "up",
+        f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded",
+    )
+    steps = []
+    for step in range(cfg.save_step + 1, cfg.steps + 1):
+        steps.append(r.step(step))
+        report(rank, f"step {step}", _step_line(step, cfg, steps[-1]))
+    return steps
 
 
 def _torchrun_world_size() -> int | None:
@@ -382,9 +494,9 @@ def _torchrun_world_size() -> int | None:
 
 
 def _torchrun_job(
-    cfg: DemoConfig, placement: _Placement
+    cfg: DemoConfig, placement: _Placement, phases: _Phases
 ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
-    """Run both phases inside an existing torchrun job; rank 0 gets everyone's results."""
+    """Run both phases inside an existing torchrun job; rank 0 reports its progress and gets everyone's results."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -392,9 +504,12 @@ def _torchrun_job(
         platforms.current().set_device(placement.index(local_rank))  # before the group, as nccl/hccl expect
         dist.init_process_group(placement.backend)
     rank = dist.get_rank()
-    trained = _train(rank, cfg.size, cfg, placement)
+    report = _Report(phases=phases)
+    phases.start("train", f"{cfg.size} ranks of the torchrun job joined")
+    trained = _train(rank, cfg.size, cfg, placement, report)
     get_rng_tracker().reset()  # a resume inside the same processes: start from a blank tracker
-    resumed = _resume(rank, cfg.size, cfg, placement)
+    phases.start("resume", "the same processes start over from a blank tracker")
+    resumed = _resume(rank, cfg.size, cfg, placement, report)
     everyone: list[Any] = [None] * cfg.size
     dist.all_gather_object(everyone, (trained, resumed))
     if rank != 0:
@@ -465,11 +580,45 @@ def _table(cfg: DemoConfig, trained: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(cfg: DemoConfig) -> tuple[bool, str]:
+_CHECKS = (
+    "dropout inside the TP region differs across TP ranks, and agrees after it",
+    "a sharded op gives replicas equal numbers, shards distinct ones, every rank one position",
+    "verify_rng_sync finds every stream shared as the layout says",
+    "the resume from the checkpoint is bit-identical",
+)
+
+
+def _header(cfg: DemoConfig, platform: platforms.Platform, placement: _Placement, torchrun: bool) -> list[str]:
+    """What the demo will run and check, printed before any process starts."""
+    if torchrun:
+        how = f"joined a torchrun job of {cfg.size} ranks {placement.describe()}; resumed in the same processes"
+    else:
+        how = f"{cfg.size} processes {placement.describe()}; then {cfg.size} fresh ones for the resume"
+    checks = [*_CHECKS, "portable mode gives the same numbers at every TP size"] if cfg.portable else _CHECKS
+    return [
+        f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r} ({how})",
+        f"base seed {cfg.seed}; {cfg.steps} training steps; RNG checkpoint at step {cfg.save_step}",
+        "checks:",
+        *(f"  - {check}" for check in checks),
+        "",
+    ]
+
+
+def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> tuple[bool, str]:
     """Run the demo; return whether every property held and the report to print.
 
     Every flag is checked, and the platform resolved, before any process starts.
     Inside a torchrun job every rank runs it, and ranks other than 0 get ``(True, "")``.
+
+    Args:
+        cfg: what to run.
+        progress: called with each line of progress as it happens: what will run and be
+            checked (before any process starts), then one line per phase that every rank
+            has completed. Called from another thread while the ranks run; ``None``: silent.
+
+    Returns:
+        Whether every property held, and the report: a per-rank table and one verdict
+        per property.
 
     Raises:
         UsageError, InvalidSeedError, ArgumentTypeError: see :meth:`DemoConfig.resolved`.
@@ -483,32 +632,40 @@ def run_demo(cfg: DemoConfig) -> tuple[bool, str]:
     torchrun = _torchrun_world_size() is not None
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.size)) if torchrun else cfg.size
     placement = _Placement.plan(platform, local_ranks)
+    speaks = progress is not None and (not torchrun or os.environ.get("RANK") == "0")
+    emit = progress if progress is not None and speaks else _silent
+    for line in _header(cfg, platform, placement, torchrun):
+        emit(line)
+    phases = _Phases(emit, expected=1 if torchrun else cfg.size)  # inside torchrun, rank 0 reports for itself
     with tempfile.TemporaryDirectory(prefix="hyperrng-demo-") as tmp:
         cfg = replace(cfg, workdir=cfg.workdir or tmp)
         if torchrun:
-            result = _torchrun_job(cfg, placement)
+            result = _torchrun_job(cfg, placement, phases)
             if result is None:
                 return True, ""
             trained, resumed = result
-            how = f"joined a torchrun job of {cfg.size} ranks {placement.describe()}; resumed in the same processes"
         else:
-            trained = run_ranks(_train, cfg.size, cfg, placement, backend=placement.backend)
-            resumed = run_ranks(_resume, cfg.size, cfg, placement, backend=placement.backend)
-            how = f"{cfg.size} processes {placement.describe()}; then {cfg.size} fresh ones for the resume"
+            phases.start("train", f"starting {cfg.size} processes (each imports torch, then joins the group)")
+            with _relayed(phases) as report:
+                trained = run_ranks(_train, cfg.size, cfg, placement, report, backend=placement.backend)
+            phases.say(f"{cfg.size} processes finished")
+            phases.start("resume", f"starting {cfg.size} fresh processes")
+            with _relayed(phases) as report:
+                resumed = run_ranks(_resume, cfg.size, cfg, placement, report, backend=placement.backend)
+            phases.say(f"{cfg.size} processes finished")
     verdicts = _verdicts(cfg, trained, resumed, fresh=not torchrun)
     if cfg.portable:
+        phases.start("portable", "training under portable mode at every TP size dividing the world size")
         verdicts.append(_portable_verdict(cfg))
     ok = all(v for _, v, _ in verdicts)
-    lines = [
-        f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r} ({how})",
-        f"base seed {cfg.seed}; {cfg.steps} training steps; RNG checkpoint at step {cfg.save_step}",
-        "",
-        _table(cfg, trained),
-        "",
-    ]
+    lines = ["", _table(cfg, trained), ""]
     lines += [f"  [{'PASS' if v else 'FAIL'}] {name}  ({detail})" for name, v, detail in verdicts]
     lines += ["", "every property holds" if ok else "SOME PROPERTIES FAILED"]
     return ok, "\n".join(lines)
+
+
+def _silent(line: str) -> None:
+    """Progress nobody asked for."""
 
 
 def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
@@ -528,23 +685,32 @@ def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
     return "portable mode: the same numbers at every TP size", holds, detail
 
 
-def main(cfg: DemoConfig | None = None) -> int:
-    """Run the demo with ``cfg`` (default: :class:`DemoConfig`) and print the report.
+def main(cfg: DemoConfig | None = None, out: Callable[[str], None] | None = None) -> int:
+    """Run the demo with ``cfg`` (default: :class:`DemoConfig`), printing its progress and report.
 
     A configuration the demo cannot run is one line on stderr, exit status 2, before any
     process starts; a rank that fails is one line naming it, exit status 1.
 
+    Args:
+        cfg: what to run.
+        out: where each line goes, as it happens (default: ``print`` with a flush).
+
     Returns:
         0 when every property holds, 1 when one fails or a rank fails, 2 for a bad configuration.
     """
+    emit = out if out is not None else _print
     try:
-        ok, report = run_demo(cfg if cfg is not None else DemoConfig())
+        ok, report = run_demo(cfg if cfg is not None else DemoConfig(), progress=emit)
     except RankFailure as exc:
         print(f"hyperrng demo: error: {exc.summary}", file=sys.stderr)
         return 1
     except HyperRNGError as exc:
         print(f"hyperrng demo: error: {exc}", file=sys.stderr)
         return 2
-    if report:
-        print(report)
+    for line in report.splitlines():
+        emit(line)
     return 0 if ok else 1
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)

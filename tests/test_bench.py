@@ -49,4 +49,4 @@ def test_rounds_that_slow_down_over_a_run_are_reported_as_drift() -> None:
     building = BenchResult("built", Timing((1.0, 1.0, 3.0, 6.0, 12.0, 20.0)), "b", Timing((1.0,) * 6))
     assert not flat.drifted and building.drifted
     table = format_results([flat, building])
-    assert table.count("DRIFT") == 1 and "16.00x slower" in table
+    assert table.count("build-up") == 1 and "late/early rounds 16.00x: build-up" in table

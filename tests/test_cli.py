@@ -60,36 +60,27 @@ def test_info_with_a_platform_that_cannot_be_selected_prints_the_error_and_every
 
 
 @pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
-def test_other_commands_with_a_bad_platform_fail_in_one_line(command: list[str]) -> None:
+def test_other_commands_with_a_bad_platform_fail_in_one_line_with_status_2(command: list[str]) -> None:
     out = _hyperrng(*command, HYPERRNG_PLATFORM="bogus")
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert _one_error_line(out).startswith(f"hyperrng {command[0]}: error: unknown platform 'bogus'")
     assert out.stdout == ""
 
 
-def test_a_library_import_still_fails_at_once_on_a_bad_platform() -> None:
+@pytest.mark.parametrize("argv0", ["train.py", "/venv/bin/hyperrng", "-m"])
+def test_a_library_import_with_a_bad_platform_succeeds_and_its_first_call_raises_the_error(argv0: str) -> None:
+    # The same import serves a program and `python -m hyperrng`, and nothing but the command
+    # line tells them apart before the package runs; so the import never fails, whatever the
+    # command line says, and the first call that needs the platform raises the error.
+    code = (
+        f"import sys\nsys.argv = [{argv0!r}]\nimport hyperrng\n"
+        "try:\n    hyperrng.set_random_seed(1)\n"
+        "except hyperrng.UnknownPlatformError as exc:\n    print('raised:', exc)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), platforms.ENV_VAR: "bogus"}
-    out = subprocess.run([sys.executable, "-c", "import hyperrng"], capture_output=True, text=True, env=env)
-    assert out.returncode != 0 and "UnknownPlatformError: unknown platform 'bogus'" in out.stderr
-
-
-@pytest.mark.parametrize(
-    ("argv", "orig", "expected"),
-    [
-        (["-m", "info"], ["python", "-m", "hyperrng", "info"], True),
-        (["-m", "info"], ["python", "-u", "-mhyperrng", "info"], True),
-        (["-m"], ["python", "-m", "other_tool"], False),
-        (["/venv/bin/hyperrng", "info"], ["python", "/venv/bin/hyperrng", "info"], True),
-        (["train.py"], ["python", "train.py"], False),
-        (["-c"], ["python", "-c", "import hyperrng"], False),
-    ],
-)
-def test_only_the_hyperrng_command_defers_a_platform_error(
-    argv: list[str], orig: list[str], expected: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.setattr(sys, "orig_argv", orig)
-    assert hyperrng._started_as_command() is expected
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("raised: unknown platform 'bogus'; known platforms: cpu, cuda, npu, sim")
 
 
 @pytest.mark.parametrize(
@@ -278,3 +269,98 @@ def test_a_programmatic_platform_that_cannot_be_rebuilt_in_a_rank_is_refused_bef
     with platforms.use(Local()):
         with pytest.raises(PlatformError, match="'local' set programmatically cannot be rebuilt in the rank"):
             run_ranks(_raise_on_rank_one, 2)
+
+
+# -- output a person can follow --------------------------------------------------------------------
+
+
+def _env(**env: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k != platforms.ENV_VAR}
+    return {**base, "PYTHONPATH": str(REPO), **env}
+
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    # argparse prints help and version itself, and takes a failed write as done: status 0
+    [(["info"], 141), (["--version"], 0), (["--help"], 0), (["demo", "--help"], 0)],
+)
+def test_output_into_a_pipe_whose_reader_has_gone_ends_quietly(args: list[str], status: int) -> None:
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes anything: every write fails
+    try:
+        out = subprocess.run([sys.executable, "-m", "hyperrng", *args], stdout=write, stderr=subprocess.PIPE,
+                             text=True, env=_env(), cwd=REPO, timeout=600)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (status, "")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["bench", "--quick", "--suite", "streams"], id="bench"),
+        pytest.param(
+            ["demo", "--world-size", "2", "--steps", "2", "--save-step", "1"],
+            id="demo",
+            marks=[pytest.mark.slow, pytest.mark.multiproc],
+        ),  # fmt: skip
+    ],
+)
+def test_a_reader_that_leaves_after_the_first_line_ends_the_command_quietly(args: list[str]) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "hyperrng", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does: every line after the first goes to a closed pipe
+    err = proc.stderr.read()
+    assert first.startswith(f"hyperrng {args[0]}")
+    assert (proc.wait(), err) == (141, "")
+
+
+def _cpu_model() -> str:
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+@pytest.mark.slow
+def test_bench_says_where_it_runs_then_prints_each_suite_and_row_as_measured_within_100_columns() -> None:
+    import datetime
+
+    import torch
+
+    days = {f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"}
+    proc = subprocess.Popen([sys.executable, "-m", "hyperrng", "bench", "--quick", "--suite", "platform",
+                             "--suite", "streams"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=REPO)  # fmt: skip
+    out, err = proc.communicate()
+    days.add(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}")  # the run may cross midnight
+    assert (proc.returncode, err) == (0, "")
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    head = " ".join(lines[:2])
+    assert _cpu_model() in head and f"{torch.get_num_threads()} torch threads" in head
+    assert f"torch {torch.__version__}" in head and any(day in head for day in days)
+    platform_at = next(i for i, line in enumerate(lines) if line.startswith("[1/2] platform"))
+    streams_at = next(i for i, line in enumerate(lines) if line.startswith("[2/2] streams"))
+    rows = [i for i, line in enumerate(lines) if line[:3].strip().isdigit()]
+    assert platform_at < rows[0] < streams_at < rows[-1]  # each suite's rows follow its progress line
+    assert [int(lines[i][:3]) for i in rows] == list(range(1, len(rows) + 1))
+    assert "import torch + hyperrng" in lines[rows[0]] and "late/early rounds" in out
+    assert lines[-1].startswith(f"{len(rows)} rows in ")
+
+
+@pytest.mark.slow
+def test_bench_markdown_puts_the_table_alone_on_stdout_and_the_progress_on_stderr() -> None:
+    out = _hyperrng("bench", "--quick", "--suite", "streams", "--markdown")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("hyperrng bench --quick: ") and max(map(len, lines)) <= 100
+    table = [line for line in lines if line.startswith("|")]
+    assert table[0] == "|#|benchmark|vs|ratio (range)|target|" and len(table) >= 5
+    assert "[1/1] streams" in out.stderr and "[1/1]" not in out.stdout

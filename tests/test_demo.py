@@ -11,12 +11,46 @@ from pathlib import Path
 import hyperrng.platforms as platforms
 import pytest
 
-from hyperrng.demo import _EXIT_HOOK_ENV, MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdicts, main, run_demo
+from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdicts, main, run_demo
 from hyperrng.errors import ArgumentTypeError, InvalidSeedError, UsageError
+from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
 from tests._platforms import cuda_on_sim
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _positions(lines: list[str], fragments: list[str]) -> list[int]:
+    """The index of the first line containing each fragment, in turn (each searched after the previous one)."""
+    found, start = [], 0
+    for fragment in fragments:
+        index = next((i for i in range(start, len(lines)) if fragment in lines[i]), None)
+        assert index is not None, f"{fragment!r} not found after line {start} of:\n" + "\n".join(lines)
+        found.append(index)
+        start = index + 1
+    return found
+
+
+# What the demo prints, in this order: what it will do and check, each phase, then the results.
+_PHASES = [
+    "hyperrng demo: mesh dp=",
+    "checks:",
+    "train ",
+    "ranks up; every stream seeded from base seed",
+    "sharded random op drawn",
+    "step 1/4 done: loss ",
+    "step 2/4 done",
+    "after step 2: streams checked across ranks, RNG checkpoint saved",
+    "step 3/4 done",
+    "step 4/4 done",
+    "4 processes finished",
+    "resume ",
+    "ranks up; generators scrambled, then the checkpoint of step 2 loaded",
+    "step 3/4 done",
+    "step 4/4 done",
+    "[PASS] dropout inside the TP region",
+    "every property holds",
+]
 
 
 @pytest.mark.multiproc
@@ -25,9 +59,45 @@ def test_the_default_demo_passes_every_property(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "mesh dp=2 x tp=2 on platform 'cpu' (4 processes over gloo on the host;" in out
     assert out.count("[PASS]") == 5 and "[FAIL]" not in out
-    assert "every property holds" in out
+    _positions(out.splitlines(), _PHASES)
     for rank in range(4):
         assert f"\n   {rank}   {rank // 2}   {rank % 2}  0x" in out  # one table row per rank
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_demo_prints_its_plan_and_each_phase_while_the_ranks_run(tmp_path: Path) -> None:
+    # The ranks wait at a gate (a file) as they start: a line the test reads before opening it
+    # was printed while no rank had done any work. The gate closes again once every train rank
+    # is past it, so the resume's fresh ranks wait too while the test reads the train's lines.
+    gate = tmp_path / "gate"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HYPERRNG_PLATFORM": "tests._demo_platforms:gated",
+           GATE_ENV: str(gate)}  # fmt: skip
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "hyperrng", "demo"], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env, cwd=REPO)  # fmt: skip
+        assert proc.stdout is not None
+        lines: list[str] = []
+
+        def read_through(fragment: str) -> None:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                lines.append(line.rstrip("\n"))
+                if fragment in line:
+                    return
+            pytest.fail(f"the demo ended before printing {fragment!r}:\n" + "\n".join(lines))
+
+        read_through("starting 4 processes")
+        assert lines[0].startswith("hyperrng demo: mesh dp=2 x tp=2 on platform 'gated'") and "checks:" in lines
+        gate.touch()
+        read_through("step 1/4 done")
+        gate.unlink()
+        read_through("starting 4 fresh processes")
+        assert not any("checkpoint of step 2 loaded" in line for line in lines)  # no resume rank has started work
+        gate.touch()
+        lines += proc.stdout.read().splitlines()
+        assert proc.wait() == 0
+    assert (tmp_path / "stderr").read_text() == ""
+    _positions(lines, _PHASES)
 
 
 def _demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -205,10 +275,12 @@ def test_the_simulated_device_stages_through_the_host_even_with_a_device_per_ran
 
 @pytest.mark.multiproc
 def test_a_rank_that_dies_ends_the_demo_with_one_line_naming_it_and_its_exit_code() -> None:
-    out = _demo("--world-size", "2", "--steps", "3", **{_EXIT_HOOK_ENV: "1:2:7"})
+    out = _demo("--world-size", "2", "--steps", "3", HYPERRNG_PLATFORM="tests._demo_platforms:dying",
+                **{DIE_ENV: "1:7"})  # fmt: skip
     assert out.returncode == 1
     assert out.stderr.splitlines() == ["hyperrng demo: error: rank 1 died with exit code 7 without answering"]
     assert "Traceback" not in out.stdout + out.stderr and "[PASS]" not in out.stdout
+    assert "starting 2 processes" in out.stdout and "ranks up" not in out.stdout  # the progress up to the death
 
 
 def _row(dp: int, tp: int, mask_in: str, mask_out: str, shard: str) -> dict:  # type: ignore[type-arg]

@@ -5,21 +5,32 @@ limits: machines are shared and noisy. Candidate and baseline are timed in inter
 rounds (a noisy neighbour slows both alike), and every figure is the **median over
 rounds**, shown with its spread. The best round is never reported on its own: it hides
 costs that build up over a run (a cache or a map filling), which only the later rounds
-show. :attr:`Timing.drift` compares the last rounds with the first, and a result says
-so when they drift apart.
+show. :attr:`Timing.drift` compares the last rounds with the first, and :attr:`Timing.trend`
+says what that comparison can honestly be taken for: flat, a build-up, a warm-up, or a
+noisy machine whose rounds scatter too widely to tell.
+
+A :class:`BenchResult` is reported as soon as it is made (see :func:`reporting`): every
+suite makes a row right after timing it, so a runner can print rows as they are measured.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["BenchResult", "Timing", "DRIFT_LIMIT", "time_rounds", "interleaved"]
+__all__ = ["BenchResult", "Timing", "DRIFT_LIMIT", "TRENDS", "time_rounds", "interleaved", "reporting"]
 
 DRIFT_LIMIT = 1.25
-"""Late rounds slower than early ones by more than this factor are reported as drift."""
+"""Late rounds slower (or faster) than early ones by more than this factor are a trend worth a word."""
+
+TRENDS = ("flat", "build-up", "warm-up", "noisy", "few rounds", "one round")
+"""What :attr:`Timing.trend` can say, from a level run to too little data to say anything."""
+
+_MIN_PER_THIRD = 2  # a build-up is only claimed when each third has this many rounds to compare
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,47 @@ class Timing:
         third = max(1, len(self.rounds) // 3)
         return statistics.median(self.rounds[-third:]) / statistics.median(self.rounds[:third])
 
+    @property
+    def trend(self) -> str:
+        """What the last third of the rounds says against the first third, one of :data:`TRENDS`.
+
+        ``"flat"``: their medians lie within :data:`DRIFT_LIMIT` of each other.
+        ``"build-up"`` (``"warm-up"``): the late rounds are slower (faster) by more than
+        that, and every late round is slower (faster) than every early one, with at least
+        two rounds a third. ``"noisy"``: the medians differ by more than that, but the
+        rounds overlap, so the machine's noise is as wide as the difference.
+        ``"few rounds"``: they differ, with too few rounds to tell noise from a trend.
+        ``"one round"``: fewer than three rounds, nothing to compare.
+        """
+        if len(self.rounds) < 3:
+            return "one round"
+        drift = self.drift
+        if 1 / DRIFT_LIMIT <= drift <= DRIFT_LIMIT:
+            return "flat"
+        third = len(self.rounds) // 3
+        if third < _MIN_PER_THIRD:
+            return "few rounds"
+        early, late = self.rounds[:third], self.rounds[-third:]
+        if drift > 1 and min(late) > max(early):
+            return "build-up"
+        if drift < 1 and max(late) < min(early):
+            return "warm-up"
+        return "noisy"
+
+    def describe_trend(self) -> str:
+        """The trend in words, with the late/early ratio: ``"late/early rounds 1.02x: flat"``; empty for one round."""
+        trend = self.trend
+        if trend == "one round":
+            return ""
+        words = {
+            "flat": "flat",
+            "build-up": "build-up (every late round slower than every early one)",
+            "warm-up": "warm-up (every early round slower than every late one)",
+            "noisy": "noisy machine: spread too wide to tell",
+            "few rounds": f"{len(self.rounds)} rounds, too few to tell a build-up from noise",
+        }[trend]
+        return f"late/early rounds {self.drift:.2f}x: {words}"
+
 
 def time_rounds(fn: Callable[[], object], *, number: int, rounds: int) -> Timing:
     """Time ``rounds`` rounds of ``number`` calls of ``fn`` (after one warm-up call)."""
@@ -66,6 +118,23 @@ def interleaved(fns: Mapping[str, Callable[[], object]], *, number: int, rounds:
     return {name: Timing(tuple(values)) for name, values in per_round.items()}
 
 
+_ON_RESULT: ContextVar[Callable[[BenchResult], None] | None] = ContextVar("hyperrng_bench_on_result", default=None)
+
+
+@contextmanager
+def reporting(on_result: Callable[[BenchResult], None]) -> Iterator[None]:
+    """Call ``on_result(result)`` for every :class:`BenchResult` made inside the block, as it is made.
+
+    Suites make each row right after timing it and return their rows at the end; this is
+    how a runner prints rows while a suite is still measuring the next ones.
+    """
+    token = _ON_RESULT.set(on_result)
+    try:
+        yield
+    finally:
+        _ON_RESULT.reset(token)
+
+
 @dataclass(frozen=True)
 class BenchResult:
     """One benchmark line: a measured operation against its baseline, both over rounds.
@@ -73,7 +142,8 @@ class BenchResult:
     ``ratio`` is the median candidate time over the median baseline time for cost
     benchmarks (lower is better), or the inverse for throughput ones (higher is better);
     ``better`` says which, and ``target`` is the ratio the project aims for (``None`` if
-    none). ``ratio_range`` is the spread of the per-round ratios.
+    none). ``ratio_range`` is the spread of the per-round ratios. One made inside
+    :func:`reporting` is handed to its callback as soon as it exists.
     """
 
     name: str
@@ -83,6 +153,11 @@ class BenchResult:
     better: str = "lower"  # "lower": a cost ratio; "higher": a throughput ratio
     target: float | None = None
     note: str = ""
+
+    def __post_init__(self) -> None:
+        on_result = _ON_RESULT.get()
+        if on_result is not None:
+            on_result(self)
 
     @property
     def seconds(self) -> float:
@@ -108,8 +183,8 @@ class BenchResult:
 
     @property
     def drifted(self) -> bool:
-        """Whether the candidate's late rounds ran slower than its early ones by more than :data:`DRIFT_LIMIT`."""
-        return self.timing.drift > DRIFT_LIMIT
+        """Whether the candidate's rounds show a build-up (see :attr:`Timing.trend`), not merely noise."""
+        return self.timing.trend == "build-up"
 
     @property
     def meets_target(self) -> bool | None:
