@@ -54,7 +54,7 @@ from typing import TypeVar
 
 from hyperrng.errors import GeneratorBusyError
 
-__all__ = ["depth", "hold", "holder", "redo", "release"]
+__all__ = ["depth", "hold", "hold_key", "holder", "redo", "release", "release_key"]
 
 _T = TypeVar("_T")
 
@@ -79,8 +79,28 @@ def hold(device_type: str, index: int, what: str) -> int:
     One interrupt cannot leave a hold half taken: it either raises with nothing changed
     or returns with the hold made (nothing that can be interrupted follows the change).
     """
-    key = (device_type, index)
-    me = get_ident()
+    return hold_key((device_type, index), get_ident(), what)
+
+
+def release(device_type: str, index: int, down_to: int | None = None) -> None:
+    """Leave one hold of the calling thread on device ``index`` (the last one frees the device).
+
+    With ``down_to``, leave instead every hold above that level (what :func:`hold`
+    returned): calling it again, or after a :func:`hold` that never happened, changes
+    nothing, which is what an undo after an interrupt needs. A thread that does not hold
+    the device leaves nothing (an exit after a refused enter).
+    """
+    key, me = (device_type, index), get_ident()
+    if down_to is None:
+        entry = _HOLDS.get(key)
+        if entry is None or entry[0] != me:
+            return
+        down_to = entry[1] - 1
+    release_key(key, me, down_to)
+
+
+def hold_key(key: tuple[str, int], me: int, what: str) -> int:
+    """:func:`hold` for callers on a hot path that keep the key and know their thread's ident ``me``."""
     mine = (me, 1)
     try:
         entry = _HOLDS.setdefault(key, mine)
@@ -95,30 +115,21 @@ def hold(device_type: str, index: int, what: str) -> int:
         _HOLDS[key] = (me, below + 1)
         return below
     raise GeneratorBusyError(
-        f"{what} on {device_type}:{index} was refused: thread {entry[0]} holds that device's generator (in a fork, "
+        f"{what} on {key[0]}:{key[1]} was refused: thread {entry[0]} holds that device's generator (in a fork, "
         f"a sharded region, fork_rng, a recompute or portable mode) and this is thread {me}. The generator is one "
         "per process; use it from one thread at a time, or give each thread its own torch.Generator."
     )
 
 
-def release(device_type: str, index: int, down_to: int | None = None) -> None:
-    """Leave one hold of the calling thread on device ``index`` (the last one frees the device).
-
-    With ``down_to``, leave instead every hold above that level (the :func:`depth` read
-    before holding): calling it again, or after a :func:`hold` that never happened, changes
-    nothing, which is what an undo after an interrupt needs. A thread that does not hold
-    the device leaves nothing (an exit after a refused enter).
-    """
-    key = (device_type, index)
-    me = get_ident()
+def release_key(key: tuple[str, int], me: int, down_to: int) -> None:
+    """:func:`release` down to a level, for callers on a hot path that keep the key and know ``me``."""
     entry = _HOLDS.get(key)
     if entry is None or entry[0] != me:
         return
-    level = entry[1] - 1 if down_to is None else down_to
-    if level <= 0:
+    if down_to <= 0:
         del _HOLDS[key]
-    elif level < entry[1]:
-        _HOLDS[key] = (me, level)
+    elif down_to < entry[1]:
+        _HOLDS[key] = (me, down_to)
 
 
 def depth(device_type: str, index: int) -> int:

@@ -119,9 +119,9 @@ def _supports_graph_safe(gen: object) -> bool:
     return True
 
 
-# A stream's accessors on one device and that device's (device type, index), the key that
+# A stream's accessors on one device, and that device's (device type, index): the key that
 # hyperrng._exclusive holds it by.
-_Bound = tuple[Callable[[], Any], Callable[[Any], Any], str, int]
+_Bound = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
 
 
 class _Swap:
@@ -133,6 +133,7 @@ class _Swap:
     """
 
     in_place = False
+    one_device = True  # every fork swaps one and the same device's generator
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
@@ -147,7 +148,7 @@ class _Swap:
             GeneratorBusyError: another thread holds the device (seeding it for a moment
                 would change that thread's stream).
         """
-        read, write, device_type, index = self.bind()
+        read, write, (device_type, index) = self.bind()
         below = saved = None
         try:
             below = _exclusive.hold(device_type, index, "creating a stream")
@@ -174,6 +175,7 @@ class _StateBytes(_Swap):
 
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
+        self.one_device = platform.device_count() <= 1
         # Per device index (the platform's accessors do not change): the state I/O, and what bind() returns.
         self._io: dict[int, StateIO] = {}
         self._bound: dict[int, _Bound] = {}
@@ -190,7 +192,7 @@ class _StateBytes(_Swap):
         bound = self._bound.get(index)
         if bound is None:
             io = self.io()
-            bound = self._bound[index] = (io.read, io.write, self.platform.device_type, index)
+            bound = self._bound[index] = (io.read, io.write, (self.platform.device_type, index))
         return bound
 
     def coerce(self, name: str, value: object) -> Any:
@@ -208,7 +210,7 @@ class _GeneratorObjects(_Swap):
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
         self.home: Any = platform.default_generator()
-        self.index = platform.current_device()
+        self.key = (platform.device_type, platform.current_device())
 
     def bind(self) -> _Bound:
         gen = self.platform.default_generator()
@@ -218,7 +220,7 @@ class _GeneratorObjects(_Swap):
                 f"{self.platform.current_device()}; fork them on their own device, or use graph_safe=False "
                 "for streams that follow the current device."
             )
-        return gen.graphsafe_get_state, gen.graphsafe_set_state, self.platform.device_type, self.index  # type: ignore[union-attr]
+        return gen.graphsafe_get_state, gen.graphsafe_set_state, self.key  # type: ignore[union-attr]
 
     def new_state(self, seed: int) -> Any:
         self.bind()  # clones the generator's state: the device itself is never touched
@@ -276,17 +278,14 @@ class _Fork:
     it (see :mod:`hyperrng._exclusive`).
     """
 
-    __slots__ = ("_tracker", "below", "device_type", "entered", "index", "name", "outer", "read", "saved", "write")
+    # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to
+    # give back outside any fork), thread (its ident), and held: the device's key and the hold
+    # depth before this fork.
+    __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "saved", "thread", "write")
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self.name = name
-        self.read: Any = None
-        self.write: Any = None
-        self.saved: Any = None
-        self.device_type = ""
-        self.index = self.below = 0  # the device held, and the thread's hold depth on it before this fork
-        self.outer: _Fork | None = None
         self.entered = False
 
     def __enter__(self) -> None:
@@ -298,14 +297,15 @@ class _Fork:
         if state is None:  # the tracker was reset between fork() and entering it
             raise UnknownStreamError(tracker._unknown(self.name))
         swap = tracker._swap
-        read, write, device_type, index = swap.bind()  # type: ignore[union-attr]
+        read, write, key = swap.bind()  # type: ignore[union-attr]
         me = get_ident()
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
-            below = _exclusive.hold(device_type, index, "tracker.fork")
-            # A tracker's open forks form one chain, so they stay on one thread even when
-            # they swap different devices' generators (dict.setdefault is atomic).
-            if tracker._claim.setdefault(_OWNER, me) != me:
+            below = _exclusive.hold_key(key, me, "tracker.fork")
+            # A tracker's open forks form one chain, so they stay on one thread. Holding the device
+            # ensures that where all of them swap one device's generator; where they may swap
+            # several, the tracker is claimed too (dict.setdefault is atomic).
+            if not swap.one_device and tracker._claim.setdefault(_OWNER, me) != me:  # type: ignore[union-attr]
                 raise TrackerStateError(
                     f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
                     f"stream {tracker.active_stream!r} open: a tracker's forks form one chain. Fork on one "
@@ -320,8 +320,8 @@ class _Fork:
                 back = read()
                 if outer is not None:
                     states[outer.name] = back
-            self.read, self.write, self.outer = read, write, outer
-            self.device_type, self.index, self.below = device_type, index, below
+            self.read, self.write, self.outer, self.thread = read, write, outer, me
+            self.held = (key, below)
             self.saved = back if outer is None else None
             write(state)
             self.entered = True
@@ -335,7 +335,7 @@ class _Fork:
             if tracker._active is None and tracker._claim.get(_OWNER) == me:
                 del tracker._claim[_OWNER]
             if below is not None:
-                _exclusive.release(device_type, index, below)
+                _exclusive.release_key(key, me, below)
             raise
 
     def __exit__(
@@ -373,11 +373,11 @@ class _Fork:
             self.entered = False
             tracker._active = outer
         self.saved = None
-        if outer is None:  # the tracker's outermost fork: drop this thread's claim on it
-            claim = tracker._claim
-            if claim.get(_OWNER) == get_ident():
-                del claim[_OWNER]
-        _exclusive.release(self.device_type, self.index, self.below)
+        me, claim = self.thread, tracker._claim
+        if outer is None and claim and claim.get(_OWNER) == me:  # the outermost fork: drop the claim
+            del claim[_OWNER]
+        key, below = self.held
+        _exclusive.release_key(key, me, below)
 
     def current_state(self) -> Any:
         """The active stream's state as it stands now, inside the fork."""
@@ -413,7 +413,9 @@ class RNGStatesTracker:
         self._swap: _Swap | None = None
         self._initialized = False
         self._active: _Fork | None = None
-        self._claim: dict[str, int] = {}  # while a fork is open: the thread that holds it
+        # While a fork is open on a tracker whose forks may swap several devices' generators:
+        # the thread that has it open (see _Fork.__enter__).
+        self._claim: dict[str, int] = {}
 
     # -- introspection --------------------------------------------------------------------
     def is_initialized(self) -> bool:
@@ -660,7 +662,8 @@ class RNGStatesTracker:
             )
 
     def _not_elsewhere(self, what: str) -> None:
-        if self._claim.get(_OWNER, get_ident()) != get_ident():
+        active = self._active
+        if active is not None and active.thread != get_ident():
             raise TrackerStateError(
                 f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open."
             )
