@@ -12,6 +12,11 @@ the generator the first one left, so its numbers would depend on scheduling. Pla
 (``torch.rand`` on another thread) are not intercepted: they draw from whatever state the
 generator has, as they would inside ``torch.random.fork_rng``. A thread that needs numbers
 of its own while another borrows the device's generator passes its own ``torch.Generator``.
+Two more rules follow from the same idea: a tracker's open forks form one chain, so they
+stay on one thread even where they swap different devices' generators (another thread gets
+:class:`~hyperrng.errors.TrackerStateError`); and a recompute's rerun holds the generators
+on the thread autograd runs it on, which for accelerator tensors is autograd's device
+thread, so a ``backward()`` called inside a fork is refused there.
 
 **Order.** Entering a context validates its arguments, then holds, then saves what it will
 change, then applies; if anything raises between the hold and the end of the apply, it
@@ -27,12 +32,16 @@ as before the context or as after it:
 
 * an enter that is interrupted undoes what it did and re-raises (a sharded region instead
   completes to the position its exit would leave, which is its "after" state);
-* an exit that is interrupted runs its restoring steps once more, all of them idempotent,
-  and re-raises;
-* holds are released *down to a level* (:func:`release` with ``down_to``, the level read
-  by :func:`depth` before holding), so an undo releases exactly what its enter took even
-  when the interrupt came between the claim and the code after it, and releasing twice
-  releases once.
+* an exit that is interrupted runs its restoring steps once more, all of them idempotent
+  (:func:`redo`), and re-raises;
+* a hold is one atomic dict operation that nothing interruptible follows, and
+  :func:`hold` returns the depth before it; contexts release *down to* that depth, so an
+  undo releases exactly what its enter took, and releasing twice releases once.
+
+The profile-hook test in ``tests/test_threads.py`` raises at every one of those points in
+turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each.
+The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
+is refused across threads like any other but makes no claim about interrupts.
 
 What pure Python cannot close, and so is not guaranteed:
 

@@ -475,6 +475,8 @@ class RNGStatesTracker:
             DuplicateStreamError: the tracker already holds ``name``, or a stream with ``seed``.
             TrackerStateError: the streams belong to another platform, a fork is open on
                 another thread, or graph-safe mode was required and the platform lacks it.
+            GeneratorBusyError: another thread holds the device's generator, which making a
+                byte-copy stream's state seeds for a moment (see :mod:`hyperrng._exclusive`).
         """
         _check_name(name)
         value = check_seed(seed)
@@ -507,6 +509,7 @@ class RNGStatesTracker:
             ArgumentTypeError, StreamNameError, InvalidSeedError, DuplicateStreamError: as for :meth:`add`.
             TrackerStateError: a fork is active, or graph-safe mode was required and the
                 current platform lacks it.
+            GeneratorBusyError: as for :meth:`add`; the old streams are kept.
         """
         self._idle("reseed the tracker")
         if not isinstance(seeds, Mapping):
@@ -536,11 +539,19 @@ class RNGStatesTracker:
         state it had before. Forks nest: ``s1 -> s2 -> s1`` draws exactly what three
         sequential forks would.
 
+        On a second thread: while the fork is open, this thread holds the device's
+        generator (see :mod:`hyperrng._exclusive`), so a fork of any tracker, a sharded
+        region, ``fork_rng`` or a recompute on another thread that needs that generator is
+        refused with :class:`~hyperrng.errors.GeneratorBusyError`, and entering this fork
+        while another thread holds it is refused the same way; nothing changes on refusal.
+        Forks nest freely on one thread. Plain draws on other threads are not stopped.
+
         Raises:
             ArgumentTypeError: ``name`` is not a string.
             UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
             TrackerStateError: the streams belong to another platform than the current one;
                 on entry, a fork of this tracker is open on another thread.
+            GeneratorBusyError: on entry, another thread holds the device's generator.
         """
         try:
             known = name in self._states

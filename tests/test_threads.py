@@ -179,16 +179,34 @@ def test_adding_a_stream_on_another_thread_is_refused_while_a_fork_is_open() -> 
     assert "x" in t2
 
 
-def test_a_fork_of_one_tracker_stays_on_one_thread_even_on_another_device() -> None:
+def test_setting_a_trackers_states_is_refused_while_another_thread_has_one_of_its_forks_open() -> None:
     tracker = _tracker(s=1)
     with _OnAnotherThread(lambda: tracker.fork("s")):
-        # The device is held, so the device refuses first; the tracker's own chain is the
-        # second line (a fork on another device, which this CPU machine does not have).
+        streams = tracker.get_states()
+        with pytest.raises(TrackerStateError, match="another thread has a fork of stream 's' open"):
+            tracker.set_states(streams)
         with pytest.raises(GeneratorBusyError):
             with tracker.fork("s"):
                 pass
-        with pytest.raises(TrackerStateError, match="another thread has a fork of stream 's' open"):
-            tracker.set_states(tracker.get_states())
+
+
+def test_a_fork_of_one_tracker_on_another_thread_and_another_device_is_refused() -> None:
+    sim = platforms.SimulatedPlatform()
+    if not sim.is_available() or sim.device_count() < 2:
+        pytest.skip("needs the simulated accelerator with two devices")
+    with platforms.use(sim):
+        tracker = _tracker(s=1)
+        with _OnAnotherThread(lambda: tracker.fork("s")):  # on device 0
+            sim.set_device(1)
+            try:
+                device = sim.get_rng_state(1)
+                with pytest.raises(TrackerStateError, match="a tracker's forks form one chain"):
+                    with tracker.fork("s"):
+                        pass
+                assert torch.equal(sim.get_rng_state(1), device) and _exclusive.holder(sim.device_type, 1) is None
+            finally:
+                sim.set_device(0)
+        assert tracker.active_stream is None and not tracker._claim
 
 
 # -- regions, fork_rng and recompute against forks ------------------------------------------------
