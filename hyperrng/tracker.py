@@ -128,8 +128,9 @@ class _Swap:
     """How forks put a stream into the device generator: one strategy, chosen when the tracker binds.
 
     ``bind()`` returns the (read, write) pair for the current device and the device's
-    (device type, index) for :func:`hyperrng._exclusive.hold`; ``in_place`` says whether the stream's own object
-    advances while swapped in (generator objects), so that nothing needs reading back on exit.
+    (device type, index) for :mod:`hyperrng._exclusive`; ``in_place`` says whether the
+    stream's own object advances while swapped in (generator objects), so that nothing
+    needs reading back on exit.
     """
 
     in_place = False
