@@ -241,9 +241,12 @@ def test_a_fork_is_refused_while_another_thread_is_inside_a_sharded_region() -> 
 def test_a_region_on_a_user_generator_does_not_hold_the_device() -> None:
     t1, sharded = _tracker(s=1), ShardedRNGTracker()
     own = platforms.CursorGenerator()
+    before = own.get_state()
     with _OnAnotherThread(lambda: t1.fork("s")):
         with sharded.distribute_region(*_REGION_ARGS, generator=own):
+            assert _exclusive.depth("cpu", 0) == 0  # held by the other thread, not by this region
             torch.rand(4, generator=own)
+    assert not torch.equal(own.get_state(), before), "the region did not position the user generator"
 
 
 def test_fork_rng_is_refused_while_another_thread_has_a_fork_open_and_a_fork_while_fork_rng_is_open() -> None:
