@@ -9,6 +9,7 @@ generator it covers as :mod:`hyperrng._exclusive` holds it: torch's CPU generato
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ from hyperrng.platforms import Platform
 
 __all__ = ["HOST", "Target", "hold_all", "host_and_devices", "release_all"]
 
-Target = tuple[Callable[[], Any], Callable[[Any], Any], str, int]
-"""(read, write, device type, device index) for one generator's state."""
+Target = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
+"""(read, write, (device type, device index)) for one generator's state."""
 
 HOST = ("cpu", 0)
 """How :mod:`hyperrng._exclusive` names torch's CPU generator."""
@@ -33,11 +34,11 @@ def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -
     """
     if platform.is_host:
         io = platform.state_io(0)
-        return [(io.read, io.write, platform.device_type, 0)]
+        return [(io.read, io.write, (platform.device_type, 0))]
     host = torch.default_generator
     chosen = range(platform.device_count()) if indices is None else indices
-    devices = [(*platform.state_io(i)[:2], platform.device_type, i) for i in chosen]
-    return [(host.get_state, host.set_state, *HOST), *devices]  # type: ignore[list-item]
+    devices = [(*platform.state_io(i)[:2], (platform.device_type, i)) for i in chosen]
+    return [(host.get_state, host.set_state, HOST), *devices]  # type: ignore[list-item]
 
 
 def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
@@ -50,11 +51,13 @@ def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
         GeneratorBusyError: another thread holds one of them (the holds taken stay in
             ``belows``: release them).
     """
-    for _, _, device_type, index in targets:
-        belows.append(_exclusive.hold(device_type, index, what))
+    me = get_ident()
+    for _, _, key in targets:
+        belows.append(_exclusive.hold_key(key, me, what))
 
 
 def release_all(targets: Sequence[Target], belows: Sequence[int]) -> None:
     """Undo the holds :func:`hold_all` recorded in ``belows`` (idempotent)."""
-    for (_, _, device_type, index), below in zip(targets, belows):
-        _exclusive.release(device_type, index, below)
+    me = get_ident()
+    for (_, _, key), below in zip(targets, belows):
+        _exclusive.release_key(key, me, below)

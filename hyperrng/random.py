@@ -48,7 +48,7 @@ class _ForkRNG:
         targets, belows, saved = self._targets, self._belows, self._saved
         try:
             hold_all(targets, "fork_rng", belows)
-            for read, _, _, _ in targets:
+            for read, _, _ in targets:
                 saved.append(read())
         except BaseException:
             release_all(targets, belows)
@@ -67,7 +67,7 @@ class _ForkRNG:
 
     def _leave(self) -> None:
         targets, belows, saved = self._targets, self._belows, self._saved
-        for (_, write, _, _), state in zip(targets, saved):
+        for (_, write, _), state in zip(targets, saved):
             write(state)
         saved.clear()
         release_all(targets, belows)

@@ -33,14 +33,14 @@ class _RNGSnapshot:
 
     def __init__(self, tracker: RNGStatesTracker, targets: list[Target]) -> None:
         self.targets = targets
-        self.states = [read() for read, _, _, _ in targets]
+        self.states = [read() for read, _, _ in targets]
         self.streams = tracker.get_states() if tracker.is_initialized() else None
 
     def restore(self, tracker: RNGStatesTracker) -> None:
         """Put the snapshot back (idempotent, so an interrupted restore can run again)."""
         if self.streams is not None:
             tracker.set_states(self.streams)
-        for (_, write, _, _), state in zip(self.targets, self.states):
+        for (_, write, _), state in zip(self.targets, self.states):
             write(state)
 
 
