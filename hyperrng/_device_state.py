@@ -1,33 +1,63 @@
 """Save and restore the host and device RNG states, as forks, ``fork_rng`` and recompute do.
 
 Each device's snapshot goes through :meth:`platforms.Platform.state_io`, the platform's
-fastest exact way (no validation of states it read itself).
+fastest exact way (no validation of states it read itself). Each target names the
+generator it covers as :mod:`hyperrng._exclusive` holds it: torch's CPU generator is
+``("cpu", 0)``, device ``i`` of the platform is ``(platform.device_type, i)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from threading import get_ident
 from typing import Any
 
 import torch
 
+from hyperrng import _exclusive
 from hyperrng.platforms import Platform
 
-__all__ = ["ReadWrite", "host_and_devices"]
+__all__ = ["HOST", "Target", "hold_all", "host_and_devices", "release_all"]
 
-ReadWrite = tuple[Callable[[], Any], Callable[[Any], Any]]
-"""A (read, write) pair for one generator's state."""
+Target = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
+"""(read, write, (device type, device index)) for one generator's state."""
+
+HOST = ("cpu", 0)
+"""How :mod:`hyperrng._exclusive` names torch's CPU generator."""
 
 
-def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -> list[ReadWrite]:
-    """(read, write) pairs for torch's CPU generator and devices ``indices`` (default: all).
+def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -> list[Target]:
+    """Targets for torch's CPU generator and devices ``indices`` (default: all).
 
     Where the platform's device is the host, its one state (position cursor included)
-    covers torch's CPU generator, so it is the only pair.
+    covers torch's CPU generator, so it is the only target.
     """
     if platform.is_host:
         io = platform.state_io(0)
-        return [(io.read, io.write)]
+        return [(io.read, io.write, (platform.device_type, 0))]
     host = torch.default_generator
     chosen = range(platform.device_count()) if indices is None else indices
-    return [(host.get_state, host.set_state)] + [platform.state_io(i)[:2] for i in chosen]
+    devices = [(*platform.state_io(i)[:2], (platform.device_type, i)) for i in chosen]
+    return [(host.get_state, host.set_state, HOST), *devices]  # type: ignore[list-item]
+
+
+def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
+    """Hold every target's device for the calling thread, appending each depth before to ``belows``.
+
+    ``belows`` is the caller's, so that after an interrupt or a refusal it names exactly
+    the holds taken, for :func:`release_all`.
+
+    Raises:
+        GeneratorBusyError: another thread holds one of them (the holds taken stay in
+            ``belows``: release them).
+    """
+    me = get_ident()
+    for _, _, key in targets:
+        belows.append(_exclusive.hold_key(key, me, what))
+
+
+def release_all(targets: Sequence[Target], belows: Sequence[int]) -> None:
+    """Undo the holds :func:`hold_all` recorded in ``belows`` (idempotent)."""
+    me = get_ident()
+    for (_, _, key), below in zip(targets, belows):
+        _exclusive.release_key(key, me, below)

@@ -1,64 +1,164 @@
 """The thread policy: one thread at a time borrows a device's generator.
 
-A device generator is one per process and shared by every thread. Everything in hyperrng
-that swaps or positions it for a while — a tracker's ``fork``, a sharded region, ``fork_rng``,
-a recompute, portable mode — first *holds* the device (:func:`hold`). The thread that holds
-it may nest holds freely; any other thread that tries is refused at once with
+**Policy.** A device generator is one per process and shared by every thread. Everything in
+hyperrng that swaps or positions it for a while — a fork of any tracker, a sharded region,
+``fork_rng``, a recompute, portable mode — first *holds* the device (:func:`hold`), keyed by
+``(platform.device_type, device index)``; torch's CPU generator, which ``fork_rng`` and a
+recompute also save and restore, is ``("cpu", 0)``. The thread that holds a device may nest
+holds freely; any other thread that tries is refused at once with
 :class:`~hyperrng.errors.GeneratorBusyError`, before anything changes, until the holder has
-left its outermost hold. Plain draws (``torch.rand`` on another thread) are not intercepted:
-they draw from whatever state the generator has, as they would inside
-``torch.random.fork_rng``.
+left its outermost hold. Refusal, not waiting: a second thread that waited would draw from
+the generator the first one left, so its numbers would depend on scheduling. Plain draws
+(``torch.rand`` on another thread) are not intercepted: they draw from whatever state the
+generator has, as they would inside ``torch.random.fork_rng``. A thread that needs numbers
+of its own while another borrows the device's generator passes its own ``torch.Generator``.
+Two more rules follow from the same idea: a tracker's open forks form one chain, so they
+stay on one thread even where they swap different devices' generators (another thread gets
+:class:`~hyperrng.errors.TrackerStateError`); and a recompute's rerun holds the generators
+on the thread autograd runs it on, which for accelerator tensors is autograd's device
+thread, so a ``backward()`` called inside a fork is refused there.
+
+**Order.** Entering a context validates its arguments, then holds, then saves what it will
+change, then applies; if anything raises between the hold and the end of the apply, it
+puts back what it saved, releases and re-raises. Leaving restores, then releases.
+
+**Interrupts.** CPython delivers an asynchronous exception (``KeyboardInterrupt`` from
+SIGINT, or whatever a signal handler raises) only at a few points: when a Python function
+starts, when a call into C returns, and at a loop's back edge. Each change to a generator
+is one C call (``set_state``, ``manual_seed``) or one store, and the contexts are written so
+that one such exception, wherever it lands in their enter or exit, leaves the generator
+(bytes and position cursor), the tracker's streams, the region stack and the holds exactly
+as before the context or as after it:
+
+* an enter that is interrupted undoes what it did and re-raises (a sharded region instead
+  completes to the position its exit would leave, which is its "after" state);
+* an exit that is interrupted runs its restoring steps once more, all of them idempotent
+  (:func:`redo`), and re-raises;
+* a hold is one atomic dict operation that nothing interruptible follows, and
+  :func:`hold` returns the depth before it; contexts release *down to* that depth, so an
+  undo releases exactly what its enter took, and releasing twice releases once.
+
+The profile-hook test in ``tests/test_threads.py`` raises at every one of those points in
+turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each.
+The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
+is refused across threads like any other but makes no claim about interrupts.
+
+What pure Python cannot close, and so is not guaranteed:
+
+* CPython checks for a pending signal when ``__exit__`` starts, before its first
+  instruction: a signal that arrives after the block's last check and before that one is
+  raised there, before ``__exit__`` has done anything, and the context stays entered (the
+  generator keeps the borrowed state and the thread keeps its hold, so other threads are
+  refused rather than corrupted). The window is the few instructions between a ``with``
+  block's end and ``__exit__``.
+* A second interrupt that arrives while the first one is being undone or redone can cut
+  that repair short.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
+from threading import get_ident
+from typing import TypeVar
 
 from hyperrng.errors import GeneratorBusyError
 
-__all__ = ["hold", "release", "holder"]
+__all__ = ["depth", "hold", "hold_key", "holder", "redo", "release", "release_key"]
 
-_LOCK = threading.Lock()
-# (device type, device index) -> [holding thread's ident, nesting depth]
-_HOLDS: dict[tuple[str, int], list[int]] = {}
+_T = TypeVar("_T")
+
+# (device type, device index) -> (holding thread's ident, nesting depth). Entries are
+# immutable tuples replaced whole, each change one dict operation: only the holder changes
+# its own entry, and a claim is one atomic ``setdefault``, so no lock is needed (with or
+# without the GIL) and an interrupt can never find an entry half-written.
+_HOLDS: dict[tuple[str, int], tuple[int, int]] = {}
 
 
-def hold(device_type: str, index: int, what: str) -> None:
+def hold(device_type: str, index: int, what: str) -> int:
     """Hold device ``index`` of ``device_type`` for the calling thread (nested holds count).
+
+    Returns:
+        The thread's depth on the device before this hold (0: this call took the device),
+        to pass to :func:`release` as ``down_to`` when undoing it.
 
     Raises:
         GeneratorBusyError: another thread holds it; nothing changed. ``what`` names the
             operation refused, for the message.
+
+    One interrupt cannot leave a hold half taken: it either raises with nothing changed
+    or returns with the hold made (nothing that can be interrupted follows the change).
     """
-    me = threading.get_ident()
-    with _LOCK:
-        entry = _HOLDS.get((device_type, index))
-        if entry is None:
-            _HOLDS[(device_type, index)] = [me, 1]
+    return hold_key((device_type, index), get_ident(), what)
+
+
+def release(device_type: str, index: int, down_to: int | None = None) -> None:
+    """Leave one hold of the calling thread on device ``index`` (the last one frees the device).
+
+    With ``down_to``, leave instead every hold above that level (what :func:`hold`
+    returned): calling it again, or after a :func:`hold` that never happened, changes
+    nothing, which is what an undo after an interrupt needs. A thread that does not hold
+    the device leaves nothing (an exit after a refused enter).
+    """
+    key, me = (device_type, index), get_ident()
+    if down_to is None:
+        entry = _HOLDS.get(key)
+        if entry is None or entry[0] != me:
             return
-        if entry[0] == me:
-            entry[1] += 1
-            return
-        owner = entry[0]
+        down_to = entry[1] - 1
+    release_key(key, me, down_to)
+
+
+def hold_key(key: tuple[str, int], me: int, what: str) -> int:
+    """:func:`hold` for callers on a hot path that keep the key and know their thread's ident ``me``."""
+    mine = (me, 1)
+    try:
+        entry = _HOLDS.setdefault(key, mine)
+    except BaseException:  # interrupted as the call returned: undo a claim it made
+        if _HOLDS.get(key) is mine:
+            del _HOLDS[key]
+        raise
+    if entry is mine:
+        return 0
+    below = entry[1]
+    if entry[0] == me:
+        _HOLDS[key] = (me, below + 1)
+        return below
     raise GeneratorBusyError(
-        f"{what} on {device_type}:{index} was refused: thread {owner} holds that device's generator (in a fork, "
+        f"{what} on {key[0]}:{key[1]} was refused: thread {entry[0]} holds that device's generator (in a fork, "
         f"a sharded region, fork_rng, a recompute or portable mode) and this is thread {me}. The generator is one "
         "per process; use it from one thread at a time, or give each thread its own torch.Generator."
     )
 
 
-def release(device_type: str, index: int) -> None:
-    """Leave one hold of the calling thread on device ``index`` (the last one frees the device)."""
-    with _LOCK:
-        entry = _HOLDS.get((device_type, index))
-        if entry is None or entry[0] != threading.get_ident():
-            return  # not held by this thread: nothing to leave (an exit after a refused enter)
-        entry[1] -= 1
-        if not entry[1]:
-            del _HOLDS[(device_type, index)]
+def release_key(key: tuple[str, int], me: int, down_to: int) -> None:
+    """:func:`release` down to a level, for callers on a hot path that keep the key and know ``me``."""
+    entry = _HOLDS.get(key)
+    if entry is None or entry[0] != me:
+        return
+    if down_to <= 0:
+        del _HOLDS[key]
+    elif down_to < entry[1]:
+        _HOLDS[key] = (me, down_to)
+
+
+def depth(device_type: str, index: int) -> int:
+    """How many holds the calling thread has on device ``index`` (0 if it holds none)."""
+    entry = _HOLDS.get((device_type, index))
+    return entry[1] if entry is not None and entry[0] == get_ident() else 0
 
 
 def holder(device_type: str, index: int) -> int | None:
     """The ident of the thread holding device ``index``, or ``None``."""
     entry = _HOLDS.get((device_type, index))
     return entry[0] if entry is not None else None
+
+
+def redo(step: Callable[[_T], object], arg: _T) -> None:
+    """Run ``step(arg)``, an idempotent restoring step; if an exception cuts it short, run it
+    once more and re-raise, so that one interrupt cannot leave it half done (the CPU
+    platform's write, for one, sets the generator's bytes and then its cursor)."""
+    try:
+        step(arg)
+    except BaseException:
+        step(arg)
+        raise

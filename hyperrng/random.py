@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 import hyperrng.platforms as platforms
-from hyperrng._device_state import ReadWrite, host_and_devices
+from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError, UsageError
 from hyperrng.platforms.validate import check_index
 
@@ -30,23 +30,48 @@ __all__ = ["fork_rng"]
 
 
 class _ForkRNG:
-    """Saves the host state and the chosen device states on entry, restores them on exit."""
+    """Holds the host and the chosen devices and saves their states on entry; restores, then releases, on exit.
 
-    __slots__ = ("_saved", "_targets")
+    Entering changes no state, only holds; leaving writes back what was read and is
+    idempotent, so one interrupt anywhere leaves the states as before and no hold behind
+    (see :mod:`hyperrng._exclusive`).
+    """
 
-    def __init__(self, targets: list[ReadWrite]) -> None:
+    __slots__ = ("_belows", "_saved", "_targets")
+
+    def __init__(self, targets: list[Target]) -> None:
         self._targets = targets
+        self._belows: list[int] = []
         self._saved: list[Any] = []
 
     def __enter__(self) -> None:
-        self._saved = [read() for read, _ in self._targets]
+        targets, belows, saved = self._targets, self._belows, self._saved
+        try:
+            hold_all(targets, "fork_rng", belows)
+            for read, _, _ in targets:
+                saved.append(read())
+        except BaseException:
+            release_all(targets, belows)
+            belows.clear()
+            saved.clear()
+            raise
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for (_, write), state in zip(self._targets, self._saved):
+        try:
+            self._leave()
+        except BaseException:
+            self._leave()  # idempotent: one more go finishes what an interrupt cut short
+            raise
+
+    def _leave(self) -> None:
+        targets, belows, saved = self._targets, self._belows, self._saved
+        for (_, write, _), state in zip(targets, saved):
             write(state)
-        self._saved = []
+        saved.clear()
+        release_all(targets, belows)
+        belows.clear()
 
 
 class _NoFork:
@@ -80,10 +105,18 @@ def fork_rng(
         A context manager; the states are read on entry and written back on exit, also
         when the block raises.
 
+    While the block runs, this thread holds torch's CPU generator and each forked device
+    (see :mod:`hyperrng._exclusive`): on another thread, a tracker fork, a sharded region,
+    a recompute or another ``fork_rng`` that needs one of them is refused with
+    :class:`~hyperrng.errors.GeneratorBusyError`, and entering this one while another
+    thread holds one of them is refused the same way, with nothing changed. Plain draws on
+    other threads are not stopped, and change the states this block then discards.
+
     Raises:
         UsageError: ``device_type`` is not the current platform's (select it with
             ``hyperrng.platforms.use(...)``; see the module docstring).
         DeviceIndexError: a device index is not an int in ``[0, device_count())``.
+        GeneratorBusyError: on entry, another thread holds one of the generators.
 
     Nothing is read or changed until the ``with`` block is entered; a bad argument
     raises before that.

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng._device_state import host_and_devices
+from hyperrng import _exclusive
+from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
@@ -25,18 +26,45 @@ __all__ = ["checkpoint"]
 
 
 class _RNGSnapshot:
-    """The host state, every device state of the platform, and the tracker's streams."""
+    """The host state, every device state of the platform, and the tracker's streams.
 
-    def __init__(self, tracker: RNGStatesTracker) -> None:
-        self.targets = host_and_devices(platforms.current())
-        self.states = [read() for read, _ in self.targets]
+    Taken by a thread that holds every target (see :class:`_Holding`).
+    """
+
+    def __init__(self, tracker: RNGStatesTracker, targets: list[Target]) -> None:
+        self.targets = targets
+        self.states = [read() for read, _, _ in targets]
         self.streams = tracker.get_states() if tracker.is_initialized() else None
 
     def restore(self, tracker: RNGStatesTracker) -> None:
+        """Put the snapshot back (idempotent, so an interrupted restore can run again)."""
         if self.streams is not None:
             tracker.set_states(self.streams)
-        for (_, write), state in zip(self.targets, self.states):
+        for (_, write, _), state in zip(self.targets, self.states):
             write(state)
+
+
+class _Holding:
+    """Holds torch's CPU generator and every device of the platform for the calling thread
+    (see :mod:`hyperrng._exclusive`); on another thread that holds one, entering raises
+    :class:`~hyperrng.errors.GeneratorBusyError` with nothing changed."""
+
+    __slots__ = ("belows", "targets")
+
+    def __init__(self) -> None:
+        self.targets = host_and_devices(platforms.current())
+        self.belows: list[int] = []
+
+    def __enter__(self) -> list[Target]:
+        try:
+            hold_all(self.targets, "a recompute (hyperrng.checkpoint)", self.belows)
+        except BaseException:
+            release_all(self.targets, self.belows)
+            raise
+        return self.targets
+
+    def __exit__(self, *exc: object) -> None:
+        release_all(self.targets, self.belows)
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -46,7 +74,8 @@ class _Checkpoint(torch.autograd.Function):
     ) -> Any:
         ctx.function = function
         ctx.tracker = tracker
-        ctx.snapshot = _RNGSnapshot(tracker)
+        with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
+            ctx.snapshot = _RNGSnapshot(tracker, targets)
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_idx = tensor_idx
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
@@ -63,13 +92,14 @@ class _Checkpoint(torch.autograd.Function):
             x.requires_grad_(t.requires_grad)
             args[i] = x
             inputs.append(x)
-        now = _RNGSnapshot(ctx.tracker)
-        ctx.snapshot.restore(ctx.tracker)
-        try:
-            with torch.enable_grad():
-                outputs = ctx.function(*args)
-        finally:
-            now.restore(ctx.tracker)
+        with _Holding() as targets:
+            now = _RNGSnapshot(ctx.tracker, targets)
+            try:
+                ctx.snapshot.restore(ctx.tracker)
+                with torch.enable_grad():
+                    outputs = ctx.function(*args)
+            finally:
+                _exclusive.redo(now.restore, ctx.tracker)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -93,6 +123,15 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
     Returns:
         What ``function`` returns. Gradients equal those of running ``function`` without
         checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
+
+    Raises:
+        ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker.
+        GeneratorBusyError: another thread holds torch's CPU generator or a device's (a
+            fork, region, ``fork_rng`` or recompute is open there): now, while the states
+            are recorded, or in the backward pass, while they are swapped for the rerun.
+            Nothing is changed. The rerun runs on the thread autograd runs the backward
+            on, which for accelerator tensors is autograd's own device thread: a thread
+            that calls ``backward()`` inside a fork or ``fork_rng`` gets this error.
     """
     if not callable(function):
         raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")

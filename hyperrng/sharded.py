@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng import _local_ranks
+from hyperrng import _exclusive, _local_ranks
 from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, RankNotInMeshError, ShardingError, TrackerStateError
 from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
@@ -153,6 +153,7 @@ class _Region:
         "mesh",
         "placements",
         "global_shape",
+        "_held",
     )
 
     def __init__(
@@ -176,6 +177,7 @@ class _Region:
         self.mesh = mesh
         self.placements = placements
         self.global_shape = global_shape
+        self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) while held
 
     @property
     def position(self) -> tuple[int, int]:
@@ -204,15 +206,36 @@ class _Region:
         self._cancelled = True
 
     def __enter__(self) -> None:
+        # Holds the device (hyperrng._exclusive) when it positions the device's generator. One
+        # interrupt anywhere leaves the generator before the region, or where its exit leaves it.
         p, gen = self._platform, self._generator
-        seed, base = p.get_seed_offset(None, gen)
-        if base + self._end > MAX_OFFSET:
-            _check_room(base, self._end)
-        self._seed, self._base = seed, base
-        p.set_seed_offset(seed, base + self._start, None, gen)
-        _ACTIVE.stack.append(self)
+        positioned = False
+        try:
+            if gen is None or gen is p.default_generator():
+                index = p.current_device()
+                self._held = (p.device_type, index, _exclusive.hold(p.device_type, index, "a sharded region"))
+            seed, base = p.get_seed_offset(None, gen)
+            if base + self._end > MAX_OFFSET:
+                _check_room(base, self._end)
+            self._seed, self._base = seed, base
+            positioned = True
+            p.set_seed_offset(seed, base + self._start, None, gen)
+            _ACTIVE.stack.append(self)
+        except BaseException:
+            if positioned:  # interrupted: complete to where the exit would leave the generator
+                self._leave()
+            else:
+                self._release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
+        try:
+            self._leave()
+        except BaseException:
+            self._leave()  # idempotent: one more go finishes what an interrupt cut short
+            raise
+
+    def _leave(self) -> None:
         stack = _ACTIVE.stack
         if stack and stack[-1] is self:
             stack.pop()
@@ -220,6 +243,12 @@ class _Region:
             stack.remove(self)
         end = self._consumed if self._consumed or self._cancelled else self._end
         self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
+        self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            device_type, index, below = self._held
+            _exclusive.release(device_type, index, below)
 
 
 def _check_room(base: int, end: int) -> None:
@@ -245,7 +274,7 @@ class _LocalRegion:
     source takes the advance instead and every rank gets back the state it had.
     """
 
-    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved")
+    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved", "_held")
 
     def __init__(
         self, platform: Platform, mode: Any, starts: dict[int, int], end: int, source: torch.Generator | None
@@ -258,30 +287,40 @@ class _LocalRegion:
         self._seed = 0
         self._base = 0
         self._saved: tuple[dict[int, Any], torch.Tensor] | None = None
+        self._held = ("", 0, 0)  # (device type, index, depth before) of the device held
 
     def __enter__(self) -> None:
         p, mode, starts = self._platform, self._mode, self._starts
-        if self._source is not None:
-            seed, base = p.get_seed_offset(generator=self._source)  # refuses a foreign generator first
-        else:
-            _local_ranks.load_rank(mode, min(mode.ranks))
-            seed, base = p.get_seed_offset()
-        _check_room(base, self._end)
-        if self._source is not None:
-            self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
-        self._seed, self._base = seed, base
-        _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank]))
+        index = p.current_device()  # every simulated rank's state passes through this device's generator
+        self._held = (p.device_type, index, _exclusive.hold(p.device_type, index, "a sharded region"))
+        try:
+            if self._source is not None:
+                seed, base = p.get_seed_offset(generator=self._source)  # refuses a foreign generator first
+            else:
+                _local_ranks.load_rank(mode, min(mode.ranks))
+                seed, base = p.get_seed_offset()
+            _check_room(base, self._end)
+            if self._source is not None:
+                self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
+            self._seed, self._base = seed, base
+            _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank]))
+        except BaseException:
+            _exclusive.release(*self._held)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         p, seed, after = self._platform, self._seed, self._base + self._end
-        if self._saved is None:
-            _local_ranks.each_rank(self._mode, lambda rank: p.set_seed_offset(seed, after))
-            return
-        states, host = self._saved
-        _local_ranks.restore(self._mode, states)
-        p.set_rng_state(host)
-        p.set_seed_offset(seed, after, generator=self._source)  # last: the source may be the device's own
-        self._saved = None
+        try:
+            if self._saved is None:
+                _local_ranks.each_rank(self._mode, lambda rank: p.set_seed_offset(seed, after))
+                return
+            states, host = self._saved
+            _local_ranks.restore(self._mode, states)
+            p.set_rng_state(host)
+            p.set_seed_offset(seed, after, generator=self._source)  # last: the source may be the device's own
+            self._saved = None
+        finally:
+            _exclusive.release(*self._held)
 
 
 class ShardedRNGTracker:
@@ -576,7 +615,9 @@ class _DTensorRegion:
         self._spec = spec
         self._user = generator
         self._saved: torch.Tensor | None = None
+        self._after: tuple[int, int] | None = None  # where the op left the device generator
         self._region: _Region | _LocalRegion | None = None
+        self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) of the device held
 
     def __enter__(self) -> None:
         t, p, spec = self._tracker, self._tracker.platform, self._spec
@@ -587,27 +628,45 @@ class _DTensorRegion:
             self._region = local
             return
         region = t.distribute_region(spec.mesh, spec.placements, spec.shape)
-        if self._user is not None:
-            position = p.get_seed_offset(generator=self._user)  # refuses a foreign generator first
-            self._saved = p.get_rng_state()
-            p.set_seed_offset(*position)
+        index = p.current_device()
         try:
+            # Held for the whole op: the user generator's position is moved into the device generator.
+            self._held = (p.device_type, index, _exclusive.hold(p.device_type, index, "a DTensor random op"))
+            if self._user is not None:
+                position = p.get_seed_offset(generator=self._user)  # refuses a foreign generator first
+                self._saved = p.get_rng_state()
+                p.set_seed_offset(*position)
             region.__enter__()
+            self._region = region
         except BaseException:
             if self._saved is not None:
-                p.set_rng_state(self._saved)
+                _exclusive.redo(p.set_rng_state, self._saved)
+                self._saved = None
+            if self._held is not None:
+                _exclusive.release(*self._held)
             raise
-        self._region = region
 
     def __exit__(self, *exc: object) -> None:
         assert self._region is not None
-        self._region.__exit__(*exc)
         if isinstance(self._region, _LocalRegion):
+            self._region.__exit__(*exc)
             return
-        if self._user is not None and self._saved is not None:
-            p = self._tracker.platform
-            after = p.get_seed_offset()
+        try:
+            self._leave()
+        except BaseException:
+            self._leave()  # idempotent: one more go finishes what an interrupt cut short
+            raise
+
+    def _leave(self) -> None:
+        p = self._tracker.platform
+        if self._after is None:
+            self._region.__exit__()  # type: ignore[union-attr]
+            if self._saved is not None:
+                self._after = p.get_seed_offset()
+        if self._saved is not None and self._after is not None:
             p.set_rng_state(self._saved)
             # Last, so that a user generator that is the device's own (DTensor hands the
             # tracker a new wrapper of it when passed explicitly) keeps the op's advance.
-            p.set_seed_offset(*after, generator=self._user)
+            p.set_seed_offset(*self._after, generator=self._user)
+        if self._held is not None:
+            _exclusive.release(*self._held)

@@ -33,9 +33,13 @@ How a fork swaps the stream in is decided once, when the tracker binds to a plat
 Whatever the swap, :meth:`RNGStatesTracker.get_states` of a default tracker returns
 byte tensors on every platform, as Megatron-core's default tracker does.
 
-One thread at a time: the device generator a fork swaps is shared by the whole process,
-so a fork entered on one thread while another thread has a fork of the same tracker open
-raises :class:`TrackerStateError` in the second thread and changes nothing.
+One thread at a time (see :mod:`hyperrng._exclusive`): the device generator a fork swaps is
+shared by the whole process, so a fork holds the device while it is open. A fork of *any*
+tracker, a sharded region, ``fork_rng`` or a recompute entered on another thread meanwhile
+raises :class:`~hyperrng.errors.GeneratorBusyError` there and changes nothing; so do
+:meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
+for a moment to make a stream's state. A fork of the same tracker on another thread and
+another device raises :class:`TrackerStateError` (a tracker's open forks form one chain).
 
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
@@ -44,15 +48,15 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from threading import get_ident
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng._device_state import ReadWrite
+from hyperrng import _exclusive
 from hyperrng.errors import (
     ArgumentTypeError,
     DuplicateStreamError,
@@ -119,31 +123,48 @@ def _supports_graph_safe(gen: object) -> bool:
     return True
 
 
+# A stream's accessors on one device, and that device's (device type, index): the key that
+# hyperrng._exclusive holds it by.
+_Bound = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
+
+
 class _Swap:
     """How forks put a stream into the device generator: one strategy, chosen when the tracker binds.
 
-    ``bind()`` returns the (read, write) pair for the current device; ``in_place`` says
-    whether the stream's own object advances while swapped in (generator objects), so
-    that nothing needs reading back on exit.
+    ``bind()`` returns the (read, write) pair for the current device and the device's
+    (device type, index) for :mod:`hyperrng._exclusive`; ``in_place`` says whether the
+    stream's own object advances while swapped in (generator objects), so that nothing
+    needs reading back on exit.
     """
 
     in_place = False
+    one_device = True  # every fork swaps one and the same device's generator
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
 
-    def bind(self) -> ReadWrite:
+    def bind(self) -> _Bound:
         raise NotImplementedError
 
     def new_state(self, seed: int) -> Any:
-        """The state of a fresh stream seeded with ``seed``; the device is left as it was."""
-        read, write = self.bind()
-        saved = read()
+        """The state of a fresh stream seeded with ``seed``; the device is left as it was.
+
+        Raises:
+            GeneratorBusyError: another thread holds the device (seeding it for a moment
+                would change that thread's stream).
+        """
+        read, write, (device_type, index) = self.bind()
+        below = saved = None
         try:
+            below = _exclusive.hold(device_type, index, "creating a stream")
+            saved = read()
             self.platform.manual_seed(seed)
             return read()
         finally:
-            write(saved)
+            if saved is not None:
+                _exclusive.redo(write, saved)
+            if below is not None:
+                _exclusive.release(device_type, index, below)
 
     def coerce(self, name: str, value: object) -> Any:
         """Validate one snapshot entry and return it in this strategy's own form (a private copy)."""
@@ -159,7 +180,10 @@ class _StateBytes(_Swap):
 
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
-        self._io: dict[int, StateIO] = {}  # per device index: the platform's accessors do not change
+        self.one_device = platform.device_count() <= 1
+        # Per device index (the platform's accessors do not change): the state I/O, and what bind() returns.
+        self._io: dict[int, StateIO] = {}
+        self._bound: dict[int, _Bound] = {}
 
     def io(self) -> StateIO:
         index = self.platform.current_device()
@@ -168,9 +192,13 @@ class _StateBytes(_Swap):
             io = self._io[index] = self.platform.state_io(index)
         return io
 
-    def bind(self) -> ReadWrite:
-        io = self.io()
-        return io.read, io.write
+    def bind(self) -> _Bound:
+        index = self.platform.current_device()
+        bound = self._bound.get(index)
+        if bound is None:
+            io = self.io()
+            bound = self._bound[index] = (io.read, io.write, (self.platform.device_type, index))
+        return bound
 
     def coerce(self, name: str, value: object) -> Any:
         return self.io().unpack(self.platform.check_rng_state(_as_state_tensor(name, value)))
@@ -187,8 +215,9 @@ class _GeneratorObjects(_Swap):
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
         self.home: Any = platform.default_generator()
+        self.key = (platform.device_type, platform.current_device())
 
-    def bind(self) -> ReadWrite:
+    def bind(self) -> _Bound:
         gen = self.platform.default_generator()
         if gen is not self.home:
             raise TrackerStateError(
@@ -196,10 +225,10 @@ class _GeneratorObjects(_Swap):
                 f"{self.platform.current_device()}; fork them on their own device, or use graph_safe=False "
                 "for streams that follow the current device."
             )
-        return gen.graphsafe_get_state, gen.graphsafe_set_state  # type: ignore[union-attr]
+        return gen.graphsafe_get_state, gen.graphsafe_set_state, self.key  # type: ignore[union-attr]
 
     def new_state(self, seed: int) -> Any:
-        self.bind()
+        self.bind()  # clones the generator's state: the device itself is never touched
         state = self.home.clone_state()
         state.manual_seed(seed)
         return state
@@ -246,58 +275,73 @@ def _choose_swap(platform: Platform, graph_safe: bool) -> _Swap:
 
 
 class _Fork:
-    """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager."""
+    """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager.
 
-    __slots__ = ("_tracker", "entered", "name", "outer", "read", "saved", "write")
+    Enter holds the device, claims the tracker, saves what the generator holds, then swaps
+    the stream in; exit reads the stream's advance back, restores, pops, releases. Both are
+    written so that one interrupt anywhere leaves everything as before the fork or as after
+    it (see :mod:`hyperrng._exclusive`).
+    """
+
+    # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to
+    # give back outside any fork), thread (its ident), and held: the device's key and the hold
+    # depth before this fork.
+    __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "saved", "thread", "write")
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self.name = name
-        self.read: Any = None
-        self.write: Any = None
-        self.saved: Any = None
-        self.outer: _Fork | None = None
         self.entered = False
 
     def __enter__(self) -> None:
         tracker = self._tracker
         if self.entered:
             raise TrackerStateError(f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.")
-        me = threading.get_ident()
-        # One thread at a time: the first fork claims the tracker (dict.setdefault is atomic).
-        owner = tracker._claim.setdefault(_OWNER, me)
-        if owner != me:
-            raise TrackerStateError(
-                f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
-                f"stream {tracker.active_stream!r} open: both would swap the one device generator. Fork on one "
-                "thread at a time, or give each thread its own device."
-            )
-        outer = tracker._active
+        states = tracker._states
+        state = states.get(self.name)
+        if state is None:  # the tracker was reset between fork() and entering it
+            raise UnknownStreamError(tracker._unknown(self.name))
+        swap = tracker._swap
+        read, write, key = swap.bind()  # type: ignore[union-attr]
+        me = get_ident()
+        below = back = None  # set once the device is held / once what the generator must get back is known
         try:
-            states = tracker._states
-            state = states.get(self.name)
-            if state is None:  # the tracker was reset between fork() and entering it
-                raise UnknownStreamError(tracker._unknown(self.name))
-            swap = tracker._swap
-            read, write = swap.bind()  # type: ignore[union-attr]
+            below = _exclusive.hold_key(key, me, "tracker.fork")
+            # A tracker's open forks form one chain, so they stay on one thread. Holding the device
+            # ensures that where all of them swap one device's generator; where they may swap
+            # several, the tracker is claimed too (dict.setdefault is atomic).
+            if not swap.one_device and tracker._claim.setdefault(_OWNER, me) != me:  # type: ignore[union-attr]
+                raise TrackerStateError(
+                    f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
+                    f"stream {tracker.active_stream!r} open: a tracker's forks form one chain. Fork on one "
+                    "thread at a time, or give each thread its own tracker."
+                )
+            outer = tracker._active
             if swap.in_place:  # type: ignore[union-attr]
                 # Outside any fork the generator holds the default state: keep a view of it.
                 # Inside a fork it holds the outer stream's own object, which needs no saving.
-                if outer is None:
-                    self.saved = read()
+                back = read() if outer is None else states[outer.name]
             else:
-                current = read()
-                if outer is None:
-                    self.saved = current
-                else:
-                    states[outer.name] = current
+                back = read()
+                if outer is not None:
+                    states[outer.name] = back
+            self.read, self.write, self.outer, self.thread = read, write, outer, me
+            self.held = (key, below)
+            self.saved = back if outer is None else None
             write(state)
+            self.entered = True
+            tracker._active = self
         except BaseException:
-            if outer is None:
+            if back is not None:
+                _exclusive.redo(write, back)
+            if tracker._active is self:
+                tracker._active = self.outer
+            self.entered = False
+            if tracker._active is None and tracker._claim.get(_OWNER) == me:
                 del tracker._claim[_OWNER]
+            if below is not None:
+                _exclusive.release_key(key, me, below)
             raise
-        self.read, self.write, self.outer, self.entered = read, write, outer, True
-        tracker._active = self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -307,16 +351,38 @@ class _Fork:
             raise TrackerStateError(
                 f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order."
             )
-        outer, states = self.outer, tracker._states
-        back = self.saved if outer is None else states[outer.name]
-        if not tracker._swap.in_place:  # type: ignore[union-attr]
-            states[self.name] = self.read()
-        self.write(back)
-        tracker._active = outer
-        self.saved = self.read = self.write = None
-        self.entered = False
-        if outer is None:
-            del tracker._claim[_OWNER]
+        copies = not tracker._swap.in_place  # type: ignore[union-attr]
+        advanced = None  # the stream's state as the block left it
+        try:
+            if copies:
+                advanced = self.read()
+            self._leave(advanced)
+        except BaseException:
+            if copies and advanced is None and tracker._active is self:  # cut short before the read: read it now
+                advanced = self.read()
+            self._leave(advanced)
+            raise
+
+    def _leave(self, advanced: Any) -> None:
+        """Keep the stream's advance, restore the generator, pop the fork, release.
+
+        Idempotent, so that an exit cut short by an interrupt can run it again: until the
+        fork is popped every step may repeat, and after it only the releases remain.
+        """
+        tracker = self._tracker
+        outer = self.outer
+        if tracker._active is self:
+            if advanced is not None:
+                tracker._states[self.name] = advanced
+            self.write(self.saved if outer is None else tracker._states[outer.name])
+            self.entered = False
+            tracker._active = outer
+        self.saved = None
+        me, claim = self.thread, tracker._claim
+        if outer is None and claim and claim.get(_OWNER) == me:  # the outermost fork: drop the claim
+            del claim[_OWNER]
+        key, below = self.held
+        _exclusive.release_key(key, me, below)
 
     def current_state(self) -> Any:
         """The active stream's state as it stands now, inside the fork."""
@@ -352,7 +418,9 @@ class RNGStatesTracker:
         self._swap: _Swap | None = None
         self._initialized = False
         self._active: _Fork | None = None
-        self._claim: dict[str, int] = {}  # while a fork is open: the thread that holds it
+        # While a fork is open on a tracker whose forks may swap several devices' generators:
+        # the thread that has it open (see _Fork.__enter__).
+        self._claim: dict[str, int] = {}
 
     # -- introspection --------------------------------------------------------------------
     def is_initialized(self) -> bool:
@@ -412,6 +480,8 @@ class RNGStatesTracker:
             DuplicateStreamError: the tracker already holds ``name``, or a stream with ``seed``.
             TrackerStateError: the streams belong to another platform, a fork is open on
                 another thread, or graph-safe mode was required and the platform lacks it.
+            GeneratorBusyError: another thread holds the device's generator, which making a
+                byte-copy stream's state seeds for a moment (see :mod:`hyperrng._exclusive`).
         """
         _check_name(name)
         value = check_seed(seed)
@@ -444,6 +514,7 @@ class RNGStatesTracker:
             ArgumentTypeError, StreamNameError, InvalidSeedError, DuplicateStreamError: as for :meth:`add`.
             TrackerStateError: a fork is active, or graph-safe mode was required and the
                 current platform lacks it.
+            GeneratorBusyError: as for :meth:`add`; the old streams are kept.
         """
         self._idle("reseed the tracker")
         if not isinstance(seeds, Mapping):
@@ -473,11 +544,19 @@ class RNGStatesTracker:
         state it had before. Forks nest: ``s1 -> s2 -> s1`` draws exactly what three
         sequential forks would.
 
+        On a second thread: while the fork is open, this thread holds the device's
+        generator (see :mod:`hyperrng._exclusive`), so a fork of any tracker, a sharded
+        region, ``fork_rng`` or a recompute on another thread that needs that generator is
+        refused with :class:`~hyperrng.errors.GeneratorBusyError`, and entering this fork
+        while another thread holds it is refused the same way; nothing changes on refusal.
+        Forks nest freely on one thread. Plain draws on other threads are not stopped.
+
         Raises:
             ArgumentTypeError: ``name`` is not a string.
             UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
             TrackerStateError: the streams belong to another platform than the current one;
                 on entry, a fork of this tracker is open on another thread.
+            GeneratorBusyError: on entry, another thread holds the device's generator.
         """
         try:
             known = name in self._states
@@ -599,7 +678,8 @@ class RNGStatesTracker:
             )
 
     def _not_elsewhere(self, what: str) -> None:
-        if self._claim.get(_OWNER, threading.get_ident()) != threading.get_ident():
+        active = self._active
+        if active is not None and active.thread != get_ident():
             raise TrackerStateError(
                 f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open."
             )

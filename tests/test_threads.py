@@ -1,0 +1,415 @@
+"""The thread policy (hyperrng._exclusive) and enter/exit under KeyboardInterrupt.
+
+One thread at a time holds a device's generator; the holder may nest; another thread is
+refused with GeneratorBusyError before anything changes. Interleavings are made
+deterministic with threading.Event: thread A enters and waits inside; the main thread
+(B) tries; A leaves only when told to.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from types import FrameType
+from typing import Any
+
+import hyperrng.platforms as platforms
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+from hyperrng import _exclusive
+from hyperrng.errors import GeneratorBusyError, TrackerStateError
+from hyperrng.random import fork_rng
+from hyperrng.recompute import checkpoint
+from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
+from hyperrng.tracker import RNGStatesTracker
+
+_DEADLOCK_GUARD = 60.0  # seconds: only so that a broken hold fails the test instead of hanging it
+
+_REGION_ARGS = (MeshInfo((2,), (1,)), [Shard(0)], (8,))
+
+
+def _tracker(**seeds: int) -> RNGStatesTracker:
+    tracker = RNGStatesTracker()
+    tracker.reseed(seeds)
+    return tracker
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _OnAnotherThread:
+    """Thread A: enters ``context``, runs ``inside`` there, then waits until the ``with`` block ends."""
+
+    def __init__(self, context: Callable[[], AbstractContextManager[Any]], inside: Callable[[], object] = lambda: None):
+        self._context, self._inside = context, inside
+        self._entered, self._leave = threading.Event(), threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run)
+        self.drawn: list[torch.Tensor] = []
+
+    def _run(self) -> None:
+        try:
+            with self._context():
+                self.drawn.append(torch.rand(4))
+                self._entered.set()
+                assert self._leave.wait(_DEADLOCK_GUARD)
+                self.drawn.append(torch.rand(4))
+        except BaseException as exc:  # handed to the main thread
+            self._error = exc
+            self._entered.set()
+
+    def __enter__(self) -> _OnAnotherThread:
+        self._thread.start()
+        assert self._entered.wait(_DEADLOCK_GUARD)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._leave.set()
+        self._thread.join(_DEADLOCK_GUARD)
+        assert not self._thread.is_alive()
+        if self._error is not None:
+            raise self._error
+
+
+def _no_holds() -> bool:
+    return _exclusive.holder("cpu", 0) is None
+
+
+@pytest.fixture(autouse=True)
+def _holds_left_clean() -> Iterator[None]:
+    yield
+    assert _no_holds(), "a hold was left behind"
+
+
+# -- the primitive --------------------------------------------------------------------------------
+def test_a_hold_returns_the_depth_before_it_and_nested_holds_count() -> None:
+    assert _exclusive.hold("dev", 7, "test") == 0
+    assert _exclusive.hold("dev", 7, "test") == 1
+    assert _exclusive.depth("dev", 7) == 2 and _exclusive.holder("dev", 7) == threading.get_ident()
+    _exclusive.release("dev", 7)
+    assert _exclusive.depth("dev", 7) == 1
+    _exclusive.release("dev", 7)
+    assert _exclusive.holder("dev", 7) is None
+
+
+def test_releasing_down_to_a_level_twice_releases_once() -> None:
+    _exclusive.hold("dev", 7, "test")
+    below = _exclusive.hold("dev", 7, "test")
+    _exclusive.release("dev", 7, below)
+    _exclusive.release("dev", 7, below)
+    assert _exclusive.depth("dev", 7) == 1
+    _exclusive.release("dev", 7, 0)
+    assert _exclusive.holder("dev", 7) is None
+
+
+def test_a_thread_is_refused_a_device_another_thread_holds_and_its_refusal_changes_nothing() -> None:
+    held, leave, seen = threading.Event(), threading.Event(), []
+
+    def holder() -> None:
+        _exclusive.hold("dev", 7, "test")
+        held.set()
+        leave.wait(_DEADLOCK_GUARD)
+        seen.append(_exclusive.depth("dev", 7))
+        _exclusive.release("dev", 7)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(_DEADLOCK_GUARD)
+    owner = _exclusive.holder("dev", 7)
+    with pytest.raises(GeneratorBusyError, match=r"positioning on dev:7 was refused: thread \d+ holds"):
+        _exclusive.hold("dev", 7, "positioning")
+    _exclusive.release("dev", 7)  # not ours: leaves the holder's hold alone
+    assert _exclusive.holder("dev", 7) == owner
+    assert _exclusive.hold("dev", 8, "test") == 0  # another device is free
+    _exclusive.release("dev", 8)
+    leave.set()
+    thread.join(_DEADLOCK_GUARD)
+    assert seen == [1] and _exclusive.holder("dev", 7) is None
+
+
+# -- forks of two trackers ------------------------------------------------------------------------
+def test_a_fork_of_another_tracker_is_refused_while_a_thread_has_a_fork_open_and_changes_nothing() -> None:
+    t1, t2 = _tracker(s=1), _tracker(s=2)
+    platform = platforms.current()
+    with _OnAnotherThread(lambda: t1.fork("s")):
+        streams, device = t2.get_states(), platform.get_rng_state()
+        with pytest.raises(GeneratorBusyError, match="tracker.fork on cpu:0 was refused"):
+            with t2.fork("s"):
+                pytest.fail("the block of a refused fork ran")
+        assert _same(t2.get_states(), streams) and t2.active_stream is None
+        assert torch.equal(platform.get_rng_state(), device), "the refused fork changed the holder's generator"
+    with t2.fork("s"):  # once A has left, B forks
+        drawn = torch.rand(4)
+    assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(2)))
+
+
+def test_the_holder_of_a_fork_draws_exactly_its_stream_while_another_thread_is_refused() -> None:
+    t1, t2 = _tracker(s=11), _tracker(s=12)
+    platform = platforms.current()
+    before = platform.get_rng_state()
+    with _OnAnotherThread(lambda: t1.fork("s")) as a:
+        for _ in range(3):
+            with pytest.raises(GeneratorBusyError):
+                t2.fork("s").__enter__()
+    gen = torch.Generator().manual_seed(11)
+    assert torch.equal(torch.cat(a.drawn), torch.cat([torch.rand(4, generator=gen), torch.rand(4, generator=gen)]))
+    assert torch.equal(platform.get_rng_state(), before)
+    ref = _tracker(s=11)
+    with ref.fork("s"):
+        torch.rand(4)
+        torch.rand(4)
+    assert _same(t1.get_states(), ref.get_states())
+
+
+def test_adding_a_stream_on_another_thread_is_refused_while_a_fork_is_open() -> None:
+    t1, t2 = _tracker(s=1), RNGStatesTracker()
+    with _OnAnotherThread(lambda: t1.fork("s")):
+        with pytest.raises(GeneratorBusyError, match="creating a stream on cpu:0 was refused"):
+            t2.add("x", 5)
+        assert "x" not in t2 and not t2.is_initialized()
+    t2.add("x", 5)
+    assert "x" in t2
+
+
+def test_setting_a_trackers_states_is_refused_while_another_thread_has_one_of_its_forks_open() -> None:
+    tracker = _tracker(s=1)
+    with _OnAnotherThread(lambda: tracker.fork("s")):
+        streams = tracker.get_states()
+        with pytest.raises(TrackerStateError, match="another thread has a fork of stream 's' open"):
+            tracker.set_states(streams)
+        with pytest.raises(GeneratorBusyError):
+            with tracker.fork("s"):
+                pass
+
+
+def test_a_fork_of_one_tracker_on_another_thread_and_another_device_is_refused() -> None:
+    sim = platforms.SimulatedPlatform()
+    if not sim.is_available() or sim.device_count() < 2:
+        pytest.skip("needs the simulated accelerator with two devices")
+    with platforms.use(sim):
+        tracker = _tracker(s=1)
+        with _OnAnotherThread(lambda: tracker.fork("s")):  # on device 0
+            sim.set_device(1)
+            try:
+                device = sim.get_rng_state(1)
+                with pytest.raises(TrackerStateError, match="a tracker's forks form one chain"):
+                    with tracker.fork("s"):
+                        pass
+                assert torch.equal(sim.get_rng_state(1), device) and _exclusive.holder(sim.device_type, 1) is None
+            finally:
+                sim.set_device(0)
+        assert tracker.active_stream is None and not tracker._claim
+
+
+# -- regions, fork_rng and recompute against forks ------------------------------------------------
+def test_a_sharded_region_is_refused_while_another_thread_has_a_fork_open() -> None:
+    t1, sharded = _tracker(s=1), ShardedRNGTracker()
+    sharded.manual_seed(7)
+    platform = platforms.current()
+    with _OnAnotherThread(lambda: t1.fork("s")):
+        device = platform.get_rng_state()
+        with pytest.raises(GeneratorBusyError, match="a sharded region on cpu:0 was refused"):
+            with sharded.distribute_region(*_REGION_ARGS):
+                pytest.fail("the block of a refused region ran")
+        assert torch.equal(platform.get_rng_state(), device) and active_region() is None
+
+
+def test_a_fork_is_refused_while_another_thread_is_inside_a_sharded_region() -> None:
+    tracker, sharded = _tracker(s=1), ShardedRNGTracker()
+    sharded.manual_seed(7)
+    with _OnAnotherThread(lambda: sharded.distribute_region(*_REGION_ARGS)) as a:
+        streams = tracker.get_states()
+        with pytest.raises(GeneratorBusyError, match="tracker.fork on cpu:0 was refused"):
+            with tracker.fork("s"):
+                pass
+        assert _same(tracker.get_states(), streams)
+    ref = ShardedRNGTracker()
+    ref.manual_seed(7)
+    with ref.distribute_region(*_REGION_ARGS):
+        expected = torch.cat([torch.rand(4), torch.rand(4)])
+    assert torch.equal(torch.cat(a.drawn), expected), "the region's draws were disturbed"
+
+
+def test_a_region_on_a_user_generator_does_not_hold_the_device() -> None:
+    t1, sharded = _tracker(s=1), ShardedRNGTracker()
+    own = platforms.CursorGenerator()
+    before = own.get_state()
+    with _OnAnotherThread(lambda: t1.fork("s")):
+        with sharded.distribute_region(*_REGION_ARGS, generator=own):
+            assert _exclusive.depth("cpu", 0) == 0  # held by the other thread, not by this region
+            torch.rand(4, generator=own)
+    assert not torch.equal(own.get_state(), before), "the region did not position the user generator"
+
+
+def test_fork_rng_is_refused_while_another_thread_has_a_fork_open_and_a_fork_while_fork_rng_is_open() -> None:
+    tracker = _tracker(s=1)
+    platform = platforms.current()
+    with _OnAnotherThread(lambda: tracker.fork("s")):
+        device = platform.get_rng_state()
+        with pytest.raises(GeneratorBusyError, match="fork_rng on cpu:0 was refused"):
+            with fork_rng(devices=[]):
+                pass
+        assert torch.equal(platform.get_rng_state(), device)
+    before = platform.get_rng_state()
+    with _OnAnotherThread(lambda: fork_rng(devices=[])):
+        with pytest.raises(GeneratorBusyError, match="tracker.fork on cpu:0 was refused"):
+            with tracker.fork("s"):
+                pass
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_fork_rng_holds_the_host_and_each_forked_device() -> None:
+    with platforms.use(platforms.SimulatedPlatform()) as sim:
+        if not sim.is_available():
+            pytest.skip(sim.probe() or "")
+        with _OnAnotherThread(lambda: fork_rng()):
+            assert _exclusive.holder("cpu", 0) is not None
+            assert _exclusive.holder(sim.device_type, 0) is not None
+            with pytest.raises(GeneratorBusyError):
+                _exclusive.hold(sim.device_type, 0, "test")
+        assert _exclusive.holder(sim.device_type, 0) is None
+
+
+def test_a_recompute_is_refused_while_another_thread_has_a_fork_open_and_changes_nothing() -> None:
+    tracker = _tracker(s=1)
+    platform = platforms.current()
+    x = torch.ones(6, requires_grad=True)
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("s"):
+            return torch.nn.functional.dropout(t, 0.5)
+
+    y = checkpoint(layer, x, tracker=tracker)
+    with _OnAnotherThread(lambda: tracker.fork("s")):
+        device = platform.get_rng_state()
+        with pytest.raises(GeneratorBusyError, match=r"a recompute \(hyperrng.checkpoint\) on cpu:0 was refused"):
+            checkpoint(layer, x, tracker=tracker)
+        with pytest.raises(GeneratorBusyError, match="recompute"):
+            y.sum().backward()
+        assert torch.equal(platform.get_rng_state(), device) and x.grad is None
+    y.sum().backward()  # once A has left
+    assert torch.equal(x.grad, (y != 0).float() * 2)  # type: ignore[arg-type]
+
+
+def test_one_thread_nests_forks_of_two_trackers_regions_fork_rng_and_recompute() -> None:
+    t1, t2, sharded = _tracker(s=1), _tracker(s=2), ShardedRNGTracker()
+    sharded.manual_seed(3)
+    platform = platforms.current()
+    before = platform.get_rng_state()
+    x = torch.ones(4, requires_grad=True)
+    with t1.fork("s"):
+        with fork_rng(devices=[]):
+            with sharded.distribute_region(*_REGION_ARGS):
+                with t2.fork("s"):
+                    y = checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5), x, tracker=t2)
+                    y.sum().backward()
+        assert _exclusive.depth("cpu", 0) == 1
+    assert torch.equal(platform.get_rng_state(), before) and _no_holds()
+
+
+# -- KeyboardInterrupt anywhere in enter/exit -----------------------------------------------------
+# CPython raises an asynchronous exception (KeyboardInterrupt from SIGINT) only where it checks
+# for pending signals: when a Python function starts, when a call into C returns, at a loop's
+# back edge. A profile hook sees exactly the first two ('call', 'c_return'), so raising from it
+# at the k-th such event puts the interrupt at every point a real one can land. The one point
+# left out is the entry of the __exit__ a with statement calls: _exclusive's docstring names it
+# as the window pure Python cannot close.
+class _Interrupt:
+    def __init__(self, at: int | None) -> None:
+        self.at, self.events = at, 0
+        self.scope: Any = None
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "c_return" or (event == "call" and not self._with_exit(frame)):
+            self.events += 1
+            if self.events == self.at:
+                raise KeyboardInterrupt
+
+    def _with_exit(self, frame: FrameType) -> bool:
+        return frame.f_code.co_name == "__exit__" and frame.f_back is not None and frame.f_back.f_code is self.scope
+
+
+def _run_interrupted(make: Callable[[], AbstractContextManager[Any]], at: int | None) -> tuple[bool, int]:
+    """Enter ``make()``, draw, leave, with one KeyboardInterrupt at event ``at``; (interrupted, events seen)."""
+    hook = _Interrupt(at)
+    hook.scope = _run_interrupted.__code__
+    interrupted = False
+    try:
+        sys.setprofile(hook)
+        with make():
+            torch.rand(4)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        sys.setprofile(None)
+    return interrupted, hook.events
+
+
+def _interrupt_points(make: Callable[[], AbstractContextManager[Any]], seed: int, limit: int = 300) -> list[int]:
+    """Every point an interrupt can land at in one enter/draw/exit, or a seeded sample of ``limit``."""
+    _, total = _run_interrupted(make, None)
+    assert total > 10, "the profile hook saw nothing"
+    points = list(range(1, total + 1))
+    return points if total <= limit else sorted(random.Random(seed).sample(points, limit))
+
+
+def test_an_interrupt_anywhere_in_a_fork_leaves_the_stream_before_or_after_and_the_generator_as_it_was() -> None:
+    platform = platforms.current()
+    tracker = _tracker(s=21, other=22)
+    start_device, start_streams = platform.get_rng_state(), tracker.get_states()
+    _run_interrupted(lambda: tracker.fork("s"), None)
+    after_streams = tracker.get_states()
+    assert not _same(after_streams, start_streams)
+    landed = 0
+    for at in _interrupt_points(lambda: tracker.fork("s"), seed=1):
+        platform.set_rng_state(start_device)
+        tracker.set_states(start_streams)
+        interrupted, _ = _run_interrupted(lambda: tracker.fork("s"), at)
+        landed += interrupted
+        streams = tracker.get_states()
+        assert torch.equal(platform.get_rng_state(), start_device), f"generator changed (interrupt at {at})"
+        assert _same(streams, start_streams) or _same(streams, after_streams), f"stream torn (interrupt at {at})"
+        assert tracker.active_stream is None and not tracker._claim and _no_holds(), f"left open (interrupt at {at})"
+    assert landed > 10
+    with tracker.fork("s"):  # the tracker still works
+        pass
+
+
+def test_an_interrupt_anywhere_in_fork_rng_leaves_the_generator_as_it_was_and_no_hold() -> None:
+    platform = platforms.current()
+    start = platform.get_rng_state()
+    landed = 0
+    for at in _interrupt_points(lambda: fork_rng(devices=[]), seed=2):
+        platform.set_rng_state(start)
+        interrupted, _ = _run_interrupted(lambda: fork_rng(devices=[]), at)
+        landed += interrupted
+        assert torch.equal(platform.get_rng_state(), start), f"generator changed (interrupt at {at})"
+        assert _no_holds(), f"hold left (interrupt at {at})"
+    assert landed > 10
+
+
+def test_an_interrupt_anywhere_in_a_sharded_region_leaves_the_position_before_or_after_it() -> None:
+    platform = platforms.current()
+    sharded = ShardedRNGTracker()
+    sharded.manual_seed(5)
+    start = platform.get_rng_state()
+    _run_interrupted(lambda: sharded.distribute_region(*_REGION_ARGS), None)
+    after = platform.get_rng_state()
+    assert not torch.equal(after, start)
+    landed = 0
+    for at in _interrupt_points(lambda: sharded.distribute_region(*_REGION_ARGS), seed=3):
+        platform.set_rng_state(start)
+        interrupted, _ = _run_interrupted(lambda: sharded.distribute_region(*_REGION_ARGS), at)
+        landed += interrupted
+        now = platform.get_rng_state()
+        assert torch.equal(now, start) or torch.equal(now, after), f"position torn (interrupt at {at})"
+        assert active_region() is None and _no_holds(), f"left open (interrupt at {at})"
+    assert landed > 10
