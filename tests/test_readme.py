@@ -5,6 +5,8 @@ directory, on the CPU platform. A block whose first line names ``torchrun
 --nproc-per-node N`` runs under ``python -m torch.distributed.run`` with N processes over
 gloo, as the README tells its reader to run it. A block may be skipped only by an
 explicit, visible reason: a ``<!-- not run: reason -->`` comment on the line before it.
+An example that uses the simulated device is skipped, with the probe's reason, on a torch
+that cannot host it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ CI_SCRIPT = REPO / ".ci" / "run"
 _FENCE = re.compile(r"^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>[^>]*?)\s*-->\s*$")
 _TORCHRUN = re.compile(r"^#.*\btorchrun\b.*--nproc-per-node[ =](?P<n>\d+)")
+_USES_SIM = re.compile(r"simulated_backend|device=\"sim")
 
 
 def _blocks(lang: str) -> list[tuple[int, str, str]]:
@@ -77,6 +80,12 @@ def test_exactly_one_example_is_the_end_to_end_job_under_torchrun() -> None:
     ],
 )
 def test_a_readme_python_example_runs_as_written(line: int, body: str, tmp_path: Path) -> None:
+    if _USES_SIM.search(body):
+        from hyperrng.platforms.simulated import backend_conflict
+
+        reason = backend_conflict()
+        if reason is not None:
+            pytest.skip(f"the example at line {line} uses the simulated device, which this torch cannot host: {reason}")
     script = tmp_path / "example.py"
     script.write_text(body, encoding="utf-8")
     launch = _TORCHRUN.match(body)
