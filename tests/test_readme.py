@@ -1,0 +1,124 @@
+"""The README's examples run as written, and its test command is the one CI runs.
+
+Every ```python block of README.md is run in a fresh interpreter, in a temporary
+directory, on the CPU platform. A block whose first line names ``torchrun
+--nproc-per-node N`` runs under ``python -m torch.distributed.run`` with N processes over
+gloo, as the README tells its reader to run it. A block may be skipped only by an
+explicit, visible reason: a ``<!-- not run: reason -->`` comment on the line before it.
+An example that uses the simulated device is skipped, with the probe's reason, on a torch
+that cannot host it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+CI_SCRIPT = REPO / ".ci" / "run"
+
+_FENCE = re.compile(r"^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>[^>]*?)\s*-->\s*$")
+_TORCHRUN = re.compile(r"^#.*\btorchrun\b.*--nproc-per-node[ =](?P<n>\d+)")
+_USES_SIM = re.compile(r"simulated_backend|device=\"sim")
+
+
+def _blocks(lang: str) -> list[tuple[int, str, str]]:
+    """``(line number, body, reason it is not run or "")`` of every README block fenced as ``lang``."""
+    text = README.read_text(encoding="utf-8")
+    found = []
+    for match in _FENCE.finditer(text):
+        if match["lang"].strip() != lang:
+            continue
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = _NOT_RUN.search(before)
+        line = text.count("\n", 0, match.start()) + 1
+        found.append((line, match["body"], skip["reason"] if skip else ""))
+    return found
+
+
+PYTHON_BLOCKS = _blocks("python")
+
+
+def _env() -> dict[str, str]:
+    """The environment a reader on a CPU machine has: the CPU platform, nothing forced on torch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERRNG_", "TORCHELASTIC_"))}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # a test run under torchrun must not make the examples join its job
+    env["HYPERRNG_PLATFORM"] = "cpu"
+    return env
+
+
+def test_the_readme_has_python_examples_and_runs_every_one() -> None:
+    assert len(PYTHON_BLOCKS) >= 3, "the README lost its examples (or this test no longer finds them)"
+    skipped = [(line, reason) for line, _, reason in PYTHON_BLOCKS if reason]
+    assert not skipped, f"README examples that are not run (line, reason): {skipped}; make them runnable"
+
+
+def test_exactly_one_example_is_the_end_to_end_job_under_torchrun() -> None:
+    launched = [line for line, body, _ in PYTHON_BLOCKS if _TORCHRUN.match(body)]
+    assert len(launched) == 1, f"expected one torchrun example, found them at lines {launched}"
+
+
+@pytest.mark.parametrize(
+    ("line", "body"),
+    [
+        pytest.param(
+            line,
+            body,
+            id=f"line{line}",
+            marks=[pytest.mark.multiproc, pytest.mark.slow] if _TORCHRUN.match(body) else [],
+        )
+        for line, body, reason in PYTHON_BLOCKS
+        if not reason
+    ],
+)
+def test_a_readme_python_example_runs_as_written(line: int, body: str, tmp_path: Path) -> None:
+    if _USES_SIM.search(body):
+        from hyperrng.platforms.simulated import backend_conflict
+
+        reason = backend_conflict()
+        if reason is not None:
+            pytest.skip(f"the example at line {line} uses the simulated device, which this torch cannot host: {reason}")
+    script = tmp_path / "example.py"
+    script.write_text(body, encoding="utf-8")
+    launch = _TORCHRUN.match(body)
+    if launch:
+        nproc = launch["n"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc]
+    else:
+        command = [sys.executable]
+    done = subprocess.run([*command, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, (
+        f"the README's example at line {line} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    )
+
+
+def _readme_test_command() -> str:
+    commands = [
+        line
+        for _, body, _ in _blocks("bash")
+        for line in body.splitlines()
+        if "pytest" in line and not line.lstrip().startswith("#")
+    ]
+    assert len(commands) == 1, f"the README should give one test command in its quick start, found {commands}"
+    return commands[0].strip()
+
+
+def test_the_readme_test_command_is_the_one_ci_runs() -> None:
+    ci_lines = [
+        line.strip()
+        for line in CI_SCRIPT.read_text(encoding="utf-8").splitlines()
+        if "pytest" in line and not line.lstrip().startswith("#")
+    ]
+    assert ci_lines == [_readme_test_command()]
+
+
+def test_the_readme_test_command_installs_the_test_extra_then_runs_pytest_quietly() -> None:
+    assert _readme_test_command() == 'python -m pip install -e ".[test]" && python -m pytest -q'
