@@ -36,12 +36,43 @@ accelerators) and every ``torch.nn.init`` function built on them draw from
   some arguments (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu``
   with ``training``) run torch's kernel when those make them deterministic.
 
-The mode changes torch's dispatch table, so it is **process-wide while active**: random
-ops on other threads are portable too. Kernels are registered when the outermost context
-is entered (or the switch turned on) and removed on the outermost exit, which gives
-torch's own kernels back exactly; non-random ops never pass through Python. Kernels are
-registered for the CPU, for the platform's device (``CUDA``, or ``PrivateUse1`` for NPUs
-and plug-ins) and for a registered ``PrivateUse1`` backend such as the simulated device.
+**Per thread.** Whether a random op draws portably is a flag of the calling thread: on
+while one of its contexts is entered or its switch (:func:`set_portable_random`) is on.
+Random ops on other threads keep torch's own kernels and numbers. Entering also holds
+the current device's generator for the thread (:mod:`hyperrng._exclusive`), so a second
+thread that enters portable mode, forks a stream or opens a region on that device
+meanwhile is refused with :class:`~hyperrng.errors.GeneratorBusyError`, nothing changed.
+Work that torch runs on its own threads does not inherit the flag: on accelerators
+autograd runs the backward pass on per-device threads, so a recompute in backward draws
+portably only where the recompute re-applies the forward thread's flag (``_thread_mode``
+and ``_mode_applied`` here are for that); ``torch.utils.checkpoint`` does not, on the
+CPU backward runs on the calling thread and needs nothing.
+
+**Kernels.** The kernels are registered with torch once per dispatch key (the CPU's, and
+``CUDA`` or ``PrivateUse1`` for the platform's device) when a thread first enters the
+mode, and stay: entering and leaving only set the flag, and never touch torch's dispatch
+table. Registration changes the table, so a program that starts threads which draw
+should enter the mode once before it starts them. Non-random ops never pass through
+Python. Outside the mode a random op of the CPU, CUDA or PrivateUse1 key pays one Python
+call that reads the flag and calls torch's own kernel, saved with
+``torch.library.get_kernel`` when it was overridden (a few microseconds per op, see
+``hyperrng bench --suite philox``): the same numbers as before registration. That
+function exists from torch 2.9 on; on older torch, and on a platform whose device type
+has no portable kernels (not ``cpu``, ``cuda`` or the PrivateUse1 backend), entering
+raises :class:`UnsupportedPortableOpError` and changes nothing.
+
+**DTensor.** While any thread is in the mode, DTensor's RNG tracker (one per process) is
+hyperrng's adapter (:meth:`hyperrng.ShardedRNGTracker.install_dtensor`), installed by the
+first entry unless it is there already and replaced by what was there at the last exit,
+so ``portable_random(seed)`` alone makes DTensor random ops sharding-invariant. It does
+so when DTensor is in use: ``torch.distributed.tensor`` imported or a process group
+initialised at entry. Not yet on CUDA meshes: there DTensor runs a random op without
+``generator=`` through a traceable path that asks the tracker for offsets only, with no
+region for the portable kernels to draw the shard's global indices from.
+
+**Ctrl-C.** Entering and leaving run with SIGINT deferred (on the main thread, the one
+that receives it): a KeyboardInterrupt finds the mode and the generator as before the
+entry or as after the exit, never in between.
 
 Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
 carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
