@@ -50,9 +50,7 @@ def tp_rank(rank: int, world_size: int, tp_sizes: tuple[int, ...], steps: int, s
         model = TinyMLP()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DTensor's notes about CPU meshes
-            parallelize_module(
-                model, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()}
-            )
+            parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
             model.masks = []
             optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
             losses = []

@@ -573,7 +573,7 @@ _DTENSOR = _DTensorRouting()
 class _Entry:
     """One entered context (or the switch) on a thread: what its exit undoes."""
 
-    __slots__ = ("owner", "compiled", "device", "saved", "dtensor")
+    __slots__ = ("owner", "compiled", "device", "saved", "dtensor", "ctrl_c")
 
     def __init__(self, owner: object, compiled: bool, device: tuple[str, int] | None) -> None:
         self.owner = owner
@@ -581,6 +581,7 @@ class _Entry:
         self.device = device  # the device whose generator this entry holds, if any
         self.saved: torch.Tensor | None = None  # the generator state its exit restores, if any
         self.dtensor = False  # whether it counts as a user of the DTensor routing
+        self.ctrl_c = False  # whether it counts as a user of the Ctrl-C handler
 
 
 class _ThreadMode(threading.local):
@@ -594,35 +595,58 @@ _THREAD = _ThreadMode()
 _SWITCH = object()  # the owner that stands for set_portable_random(True)
 
 
-class _CtrlCDeferred:
-    """Within the block, Ctrl-C (SIGINT) is recorded instead of raised; leaving the block raises it.
+class _CtrlC:
+    """Ctrl-C while the main thread is in portable mode: raised as usual, except while that thread
+    enters or leaves the mode, where it waits until the step is done.
 
-    Only the main thread receives it, and only a Python handler can be deferred; elsewhere
-    the block changes nothing. Entering and leaving portable mode run their steps inside
-    one, so an interrupt finds the mode and the generator as before or as after, never between.
+    Only the main thread receives SIGINT. Its first entry puts this handler in place of a
+    Python one (the default raises KeyboardInterrupt) and its last exit puts that back. The
+    handler looks at the frames it interrupts: inside entering or leaving (from their first
+    instruction on) it records the interrupt, which the step raises once done, so an
+    interrupt finds the mode and the generator as before the entry or as after the exit.
     """
 
-    __slots__ = ("previous", "frame", "fired")
+    def __init__(self) -> None:
+        self.previous: Any = None  # the handler replaced, while this one is in place
+        self.users = 0
+        self.pending: Any = None  # the frame a recorded interrupt arrived in
 
-    def __enter__(self) -> _CtrlCDeferred:
-        self.previous: Any = None
-        self.frame: Any = None
-        self.fired = False
-        if threading.current_thread() is threading.main_thread():
+    def install(self) -> bool:
+        """Count the main thread's entry in, putting the handler in place for the first; ``False`` elsewhere."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if not self.users:
             handler = signal.getsignal(signal.SIGINT)
-            if callable(handler):
-                signal.signal(signal.SIGINT, self._record)
-                self.previous = handler
-        return self
+            if not callable(handler):  # ignored, the C default, or a handler set outside Python
+                return False
+            signal.signal(signal.SIGINT, self._handle)
+            self.previous = handler
+        self.users += 1
+        return True
 
-    def _record(self, signum: int, frame: Any) -> None:
-        self.fired, self.frame = True, frame
+    def uninstall(self) -> None:
+        self.users -= 1
+        if not self.users:
+            previous, self.previous = self.previous, None
+            if signal.getsignal(signal.SIGINT) == self._handle:  # unless the program set its own meanwhile
+                signal.signal(signal.SIGINT, previous)
 
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-            if self.fired:
-                self.previous(signal.SIGINT, self.frame)  # the default handler raises KeyboardInterrupt
+    def _handle(self, signum: int, frame: Any) -> None:
+        f = frame
+        while f is not None:
+            if f.f_code in _STEPS:
+                self.pending = frame
+                return
+            f = f.f_back
+        (self.previous or signal.default_int_handler)(signum, frame)
+
+    def raise_pending(self) -> None:
+        """Raise the recorded interrupt (through the handler it would have reached)."""
+        frame, self.pending = self.pending, None
+        (self.previous or signal.default_int_handler)(signal.SIGINT, frame)
+
+
+_CTRL_C = _CtrlC()
 
 
 def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: bool, what: str) -> _Entry:
@@ -631,12 +655,13 @@ def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: boo
     Validates first; on any exception undoes what it did, so the thread, the generator and
     the DTensor tracker are as before.
     """
-    keys = _check_supported(p)
-    _KERNELS.ensure(keys)
-    device = (p.device_type, p.current_device())
-    _exclusive.hold(*device, what)
-    entry = _Entry(owner, compiled, device)
+    entry = _Entry(owner, compiled, None)
+    entry.ctrl_c = _CTRL_C.install()  # first: from here on an interrupt waits for the step
     try:
+        _KERNELS.ensure(_check_supported(p))
+        device = (p.device_type, p.current_device())
+        _exclusive.hold(*device, what)
+        entry.device = device
         if seed is not None:
             entry.saved = p.get_rng_state()
         entry.dtensor = _DTENSOR.acquire()
@@ -673,29 +698,25 @@ def _undo(entry: _Entry) -> None:
                 entry.dtensor = False
                 _DTENSOR.release()
         finally:
-            if entry.device is not None:
-                device, entry.device = entry.device, None
-                _exclusive.release(*device)
+            try:
+                if entry.device is not None:
+                    device, entry.device = entry.device, None
+                    _exclusive.release(*device)
+            finally:
+                if entry.ctrl_c:  # last: an interrupt after it finds every step done
+                    entry.ctrl_c = False
+                    _CTRL_C.uninstall()
 
 
-def _entered(what: str, enter: Callable[[], _Entry]) -> _Entry:
-    """``enter()`` with Ctrl-C deferred; an interrupt that arrives meanwhile undoes it and is then raised."""
-    entry = None
-    try:
-        with _CtrlCDeferred():
-            entry = enter()
-        return entry
-    except BaseException:
+def _step_done(entry: _Entry | None) -> None:
+    """End of entering (``entry``) or leaving (``None``): raise an interrupt that arrived meanwhile,
+    after undoing the entry, so the interrupt finds the state as before it."""
+    if _CTRL_C.pending is not None:
         if entry is not None:
-            with _CtrlCDeferred():
-                _leave(entry)
-        raise
-
-
-def _left(entry: _Entry) -> None:
-    """:func:`_leave` with Ctrl-C deferred: an interrupt that arrives meanwhile is raised once it is done."""
-    with _CtrlCDeferred():
-        _leave(entry)
+            _leave(entry)
+        _CTRL_C.raise_pending()
+    if entry is not None and entry.owner is _SWITCH:
+        entry.saved = None  # entered: turning the switch off leaves the generator where it is
 
 
 def _check_bool(value: object, what: str) -> bool:
@@ -743,16 +764,16 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
         self._compiled = _check_bool(compiled, "compiled")
 
     def __enter__(self) -> None:
-        p = platforms.current()
-        _entered("portable_random", lambda: _enter(self, p, self._seed, self._compiled, "portable_random"))
+        _step_done(_enter(self, platforms.current(), self._seed, self._compiled, "portable_random"))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         for entry in reversed(_THREAD.entries):
             if entry.owner is self:
-                _left(entry)
-                return
+                _leave(entry)
+                break
+        _step_done(None)
 
 
 def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: bool = False) -> None:
@@ -782,15 +803,20 @@ def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: boo
     switch = next((e for e in _THREAD.entries if e.owner is _SWITCH), None)
     if not on:
         if switch is not None:
-            _left(switch)
-        return
-    p = platforms.current()
-    if switch is None:
-        _entered("set_portable_random(True)", lambda: _enter(_SWITCH, p, value, use_compiled, "set_portable_random"))
-        return
-    switch.compiled = use_compiled
-    if value is not None:
-        p.set_seed_offset(value, 0)
+            _leave(switch)
+        _step_done(None)
+    elif switch is None:
+        _step_done(_enter(_SWITCH, platforms.current(), value, use_compiled, "set_portable_random"))
+    else:
+        switch.compiled = use_compiled
+        if value is not None:
+            platforms.current().set_seed_offset(value, 0)
+
+
+# The code of entering and leaving: the Ctrl-C handler defers an interrupt that arrives in it.
+_STEPS = frozenset(
+    {portable_random.__enter__.__code__, portable_random.__exit__.__code__, set_portable_random.__code__}
+)
 
 
 def is_portable_random_enabled() -> bool:
@@ -831,7 +857,6 @@ class _mode_applied:  # noqa: N801 - a context manager named like a function
         if self._entry is not None:
             entry, self._entry = self._entry, None
             _leave(entry)
-
 
 
 # -- elastic resume ----------------------------------------------------------------------------
