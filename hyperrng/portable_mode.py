@@ -365,12 +365,12 @@ def _refusal(op: Any) -> Callable[..., Any]:
     dropout = _argument_reader(op, _DROPOUT_ARGS)
     training = _argument_reader(op, _TRAINING_ARGS)
 
-    def refuse(original: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    def refuse(original: Callable[..., Any], keyset: Any, *args: Any, **kwargs: Any) -> Any:
         deterministic = (dropout is not None and not dropout(args, kwargs)) or (
             training is not None and not training(args, kwargs)
         )
         if deterministic:
-            return original.call_boxed(keyset, *args, **kwargs)
+            return original(keyset, *args, **kwargs)
         raise UnsupportedPortableOpError(
             f"{label} has no portable implementation, and portable mode never falls back to a device's own "
             f"generator; call it outside portable_random(), or use a portable op ({', '.join(PORTABLE_OPS)})."
@@ -420,26 +420,56 @@ def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _switched(portable: Callable[..., Any], original: Any) -> Callable[..., Any]:
+class _Original:
+    """Torch's kernel for one op and dispatch key, saved before portable mode overrode it; ``call``
+    takes the dispatch key set and the op's arguments."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, op: Any, key: str) -> None:
+        kernel = torch.library.get_kernel(op, key)
+        self.call: Callable[..., Any] = kernel.call_boxed
+        if key == "PrivateUse1" and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+            self.call = functools.partial(_fallback, op, kernel)
+
+
+def _fallback(op: Any, kernel: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    """A PrivateUse1 backend's fallback for ``op``, where it has no kernel of its own.
+
+    For tensor subclasses (the simulated device) torch reaches a Python fallback through the
+    Python kernel the key holds now, which is the portable one: call the backend's
+    ``__torch_dispatch__`` instead, which is what its fallback runs. Other backends' fallbacks
+    are called as saved.
+    """
+    for arg in args:
+        kind = type(arg)
+        if isinstance(arg, torch.Tensor) and kind is not torch.Tensor and hasattr(kind, "__torch_dispatch__"):
+            return kind.__torch_dispatch__(op, (kind,), args, kwargs)
+    return kernel.call_boxed(keyset, *args, **kwargs)
+
+
+def _switched(portable: Callable[..., Any], original: _Original) -> Callable[..., Any]:
     """The kernel registered for one op and key: ``portable`` on a thread in portable mode, else
     ``original`` (torch's kernel for that key, saved before it was overridden) with torch's key set."""
+    passthrough = original.call
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if _THREAD.entries:
             return portable(*args, **kwargs)
-        return original.call_boxed(keyset, *args, **kwargs)
+        return passthrough(keyset, *args, **kwargs)
 
     return kernel
 
 
-def _switched_refusal(refuse: Callable[..., Any], original: Any) -> Callable[..., Any]:
+def _switched_refusal(refuse: Callable[..., Any], original: _Original) -> Callable[..., Any]:
     """:func:`_switched` for an op without a portable kernel (:func:`_refusal`)."""
     refusing = _cancelling(refuse)
+    passthrough = original.call
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if _THREAD.entries:
-            return refusing(original, keyset, *args, **kwargs)
-        return original.call_boxed(keyset, *args, **kwargs)
+            return refusing(passthrough, keyset, *args, **kwargs)
+        return passthrough(keyset, *args, **kwargs)
 
     return kernel
 
@@ -477,12 +507,13 @@ class _Kernels:
         kernels: list[tuple[str, Callable[..., Any]]] = []
         for label, fn in PORTABLE_OPS.items():
             if (label, key) not in self.done:
-                original = torch.library.get_kernel(f"aten::{label}", key)
-                kernels.append((label, _switched(_cancelling(fn), original)))
+                name, _, overload = label.partition(".")
+                op = getattr(getattr(torch.ops.aten, name), overload or "default")
+                kernels.append((label, _switched(_cancelling(fn), _Original(op, key))))
         for op in _random_aten_ops():
             label = _op_label(op)
             if label not in PORTABLE_OPS and (label, key) not in self.done and _has_kernel(op, key):
-                kernels.append((label, _switched_refusal(_refusal(op), torch.library.get_kernel(op, key))))
+                kernels.append((label, _switched_refusal(_refusal(op), _Original(op, key))))
         for label, kernel in kernels:
             self.library.impl(label, kernel, key, with_keyset=True)
             self.done.add((label, key))

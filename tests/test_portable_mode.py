@@ -8,7 +8,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import hyperrng.platforms as platforms
@@ -550,9 +550,7 @@ def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
 
 
 @pytest.mark.slow
-def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_random(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_random() -> None:
     import torch._dynamo
     import torch._inductor.config as inductor
 
@@ -562,11 +560,12 @@ def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_ran
         with pytest.raises(UnsupportedPortableOpError, match="fallback_random = True"):
             draw()
         assert _position() == (SEED, 0)
-    monkeypatch.setattr(inductor, "fallback_random", True)
-    torch._dynamo.reset()
-    draw = torch.compile(lambda: torch.rand(8) + 0)
-    with portable_random(SEED):
-        assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=0))
+    # inductor's own patch: setting the attribute and deleting it afterwards would hide the option
+    with inductor.patch(fallback_random=True):
+        torch._dynamo.reset()
+        draw = torch.compile(lambda: torch.rand(8) + 0)
+        with portable_random(SEED):
+            assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=0))
 
 
 # -- threads, Ctrl-C, refusals on entry ----------------------------------------------------------
@@ -843,3 +842,90 @@ def test_ctrl_c_at_any_line_of_entering_or_leaving_finds_the_mode_and_generator_
         set_portable_random(False)
         assert not is_portable_random_enabled(), "set_portable_random(False) turns it off"
     assert min(outcomes.values()) > 50, outcomes
+
+
+# -- outside the mode: torch's own kernels, through the saved originals ---------------------------
+def _rrelu_args() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.linspace(-2.0, 2.0, 6), torch.empty(6)
+
+
+ORIGINALS: dict[str, Callable[[], Any]] = {
+    # every op portable mode overrides on the CPU, called as outside the mode (drawing from the default generator)
+    "_scaled_dot_product_flash_attention_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *[torch.linspace(-1, 1, 64).reshape(1, 2, 4, 8)] * 3, 0.0
+    ),
+    "_standard_gamma": lambda: torch._standard_gamma(torch.ones(6)),
+    "bernoulli.out": lambda: torch.bernoulli(torch.full((6,), 0.5), out=torch.empty(6)),
+    "bernoulli_.Tensor": lambda: torch.empty(6).bernoulli_(torch.full((6,), 0.3)),
+    "bernoulli_.float": lambda: torch.empty(6).bernoulli_(0.3),
+    "cauchy_": lambda: torch.empty(6).cauchy_(),
+    "exponential_": lambda: torch.empty(6).exponential_(),
+    "geometric_": lambda: torch.empty(6).geometric_(0.3),
+    "log_normal_": lambda: torch.empty(6).log_normal_(),
+    "multinomial": lambda: torch.multinomial(torch.ones(6), 3),
+    "multinomial.out": lambda: torch.multinomial(torch.ones(6), 3, out=torch.empty(3, dtype=torch.int64)),
+    "native_dropout": lambda: torch.ops.aten.native_dropout(torch.ones(8), 0.5, True),
+    "normal.Tensor_Tensor": lambda: torch.normal(torch.zeros(6), torch.ones(6)),
+    "normal.Tensor_Tensor_out": lambda: torch.normal(torch.zeros(6), torch.ones(6), out=torch.empty(6)),
+    "normal.Tensor_float": lambda: torch.normal(torch.zeros(6), 1.0),
+    "normal.Tensor_float_out": lambda: torch.normal(torch.zeros(6), 1.0, out=torch.empty(6)),
+    "normal.float_Tensor": lambda: torch.normal(0.0, torch.ones(6)),
+    "normal.float_Tensor_out": lambda: torch.normal(0.0, torch.ones(6), out=torch.empty(6)),
+    "normal_": lambda: torch.empty(6).normal_(),
+    "poisson": lambda: torch.poisson(torch.ones(6)),
+    "random_": lambda: torch.empty(6, dtype=torch.int64).random_(),
+    "random_.from": lambda: torch.empty(6).random_(0, 10),
+    "random_.to": lambda: torch.empty(6).random_(10),
+    "randperm.generator_out": lambda: torch.randperm(8),
+    "rrelu_with_noise": lambda: torch.ops.aten.rrelu_with_noise(*_rrelu_args(), 0.1, 0.3, True),
+    "rrelu_with_noise.out": lambda: torch.ops.aten.rrelu_with_noise.out(
+        *_rrelu_args(), 0.1, 0.3, True, out=torch.empty(6)
+    ),
+    "rrelu_with_noise_": lambda: torch.ops.aten.rrelu_with_noise_(*_rrelu_args(), 0.1, 0.3, True),
+    "uniform_": lambda: torch.empty(6).uniform_(),
+}
+SIM_ORIGINALS = ("uniform_", "normal_", "bernoulli_.float", "random_.from", "native_dropout", "exponential_")
+
+
+def _originals_outputs(device: str, labels: Sequence[str]) -> dict[str, list[list[Any]]]:
+    out = {}
+    for label in labels:
+        torch.manual_seed(7)
+        if device != "cpu":
+            with torch.device(device):
+                result = ORIGINALS[label]()
+        else:
+            result = ORIGINALS[label]()
+        tensors = result if isinstance(result, tuple) else (result,)
+        out[label] = [t.cpu().tolist() for t in tensors if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _originals_report() -> dict[str, Any]:
+    """In a fresh process: every overridden op's values outside the mode, before and after registration."""
+    from hyperrng.portable_mode import _KERNELS
+
+    sim = platforms.SimulatedPlatform()
+    sim.device(0)
+    before = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
+    for platform in (platforms.CPUPlatform(), sim):
+        with platforms.use(platform), portable_random():
+            pass
+    after = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
+    return {"registered": sorted(_KERNELS.done), "before": before, "after": after}
+
+
+@pytest.mark.slow
+def test_outside_the_mode_every_overridden_op_gives_torchs_numbers_through_its_saved_kernel() -> None:
+    import json
+    import subprocess
+
+    code = "import json, tests.test_portable_mode as t; print(json.dumps(t._originals_report()))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    report = json.loads(run.stdout.splitlines()[-1])
+    registered = {(label, key) for label, key in report["registered"]}
+    assert {label for label, key in registered if key == "CPU"} == set(ORIGINALS), "a sample call per CPU override"
+    assert {label for label, key in registered if key == "PrivateUse1"} >= set(SIM_ORIGINALS)
+    for device in ("cpu", "sim"):
+        for label, values in report["before"][device].items():
+            assert report["after"][device][label] == values, f"{label} on {device} drew other numbers once registered"
