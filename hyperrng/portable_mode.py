@@ -40,13 +40,16 @@ accelerators) and every ``torch.nn.init`` function built on them draw from
 while one of its contexts is entered or its switch (:func:`set_portable_random`) is on.
 Random ops on other threads keep torch's own kernels and numbers. Entering also holds
 the current device's generator for the thread (:mod:`hyperrng._exclusive`), so a second
-thread that enters portable mode, forks a stream or opens a region on that device
-meanwhile is refused with :class:`~hyperrng.errors.GeneratorBusyError`, nothing changed.
+thread that enters portable mode meanwhile, or anything that holds that generator by the
+same policy, is refused with :class:`~hyperrng.errors.GeneratorBusyError`, nothing changed.
+A plain draw on another thread is not intercepted: a draw from the same device generator
+(``torch.rand`` without ``generator=``) moves the position the portable thread draws from.
 Work that torch runs on its own threads does not inherit the flag: on accelerators
-autograd runs the backward pass on per-device threads, so a recompute in backward draws
-portably only where the recompute re-applies the forward thread's flag (``_thread_mode``
-and ``_mode_applied`` here are for that); ``torch.utils.checkpoint`` does not, on the
-CPU backward runs on the calling thread and needs nothing.
+autograd runs the backward pass on per-device threads. A recompute in backward (activation
+checkpointing) therefore draws portably only where it re-applies the flag its forward pass
+ran with (``_thread_mode`` and ``_mode_applied`` here are for that), which is also what it
+needs on the CPU when ``backward()`` runs after the context has exited;
+``torch.utils.checkpoint`` does not, so its recompute draws torch's own numbers then.
 
 **Kernels.** The kernels are registered with torch once per dispatch key (the CPU's, and
 ``CUDA`` or ``PrivateUse1`` for the platform's device) when a thread first enters the
