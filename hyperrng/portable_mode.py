@@ -745,7 +745,7 @@ def _undo(entry: _Entry) -> None:
 def _step_done(entry: _Entry | None) -> None:
     """End of entering (``entry``) or leaving (``None``): raise an interrupt that arrived meanwhile,
     after undoing the entry, so the interrupt finds the state as before it."""
-    if _CTRL_C.pending is not None:
+    if _CTRL_C.pending is not None and threading.current_thread() is threading.main_thread():
         if entry is not None:
             _leave(entry)
         _CTRL_C.raise_pending()
