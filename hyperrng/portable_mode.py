@@ -534,6 +534,9 @@ def _check_supported(p: platforms.Platform) -> list[str]:
         )
     keys = _portable_keys(p.device_type)
     if keys is None:
+        p.device()  # a backend that registers with torch on first use (the simulated device) does so now
+        keys = _portable_keys(p.device_type)
+    if keys is None:
         raise UnsupportedPortableOpError(
             f"portable mode has no kernels for device type {p.device_type!r} (platform {p.name!r}): it has them "
             f"for 'cpu', 'cuda' and torch's PrivateUse1 backend ({torch._C._get_privateuse1_backend_name()!r}); "

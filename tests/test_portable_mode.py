@@ -929,3 +929,16 @@ def test_outside_the_mode_every_overridden_op_gives_torchs_numbers_through_its_s
     for device in ("cpu", "sim"):
         for label, values in report["before"][device].items():
             assert report["after"][device][label] == values, f"{label} on {device} drew other numbers once registered"
+
+
+def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_in_a_fresh_process() -> None:
+    import subprocess
+
+    code = (
+        "import torch, hyperrng.platforms as p; from hyperrng import philox; "
+        "from hyperrng.portable_mode import portable_random\n"
+        "with p.use(p.SimulatedPlatform()), portable_random(5):\n"
+        "    x = torch.rand(6, device='sim:0')\n"
+        "assert torch.equal(x.cpu(), philox.uniform(6, 5, 0)), x"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
