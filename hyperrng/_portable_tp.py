@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperrng.portable_mode import portable_random
-from hyperrng.sharded import ShardedRNGTracker
 
 __all__ = ["TinyMLP", "tp_rank"]
 
@@ -44,34 +43,27 @@ def tp_rank(rank: int, world_size: int, tp_sizes: tuple[int, ...], steps: int, s
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    tracker = ShardedRNGTracker()
-    previous = tracker.install_dtensor()
     x = torch.linspace(-1.0, 1.0, _BATCH * _IN).reshape(_BATCH, _IN)  # the same batch on every rank
     results: dict[int, Any] = {}
-    try:
-        for tp in tp_sizes:
-            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-            model = TinyMLP()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # DTensor's notes about CPU meshes
-                parallelize_module(
-                    model, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()}
-                )
-                model.masks = []
-                optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
-                losses = []
-                with portable_random(seed):
-                    for layer in (model.up, model.down):
-                        layer.reset_parameters()  # kaiming_uniform_ and uniform_ on DTensor parameters
-                    params = torch.cat([_full(p.detach()).flatten() for p in model.parameters()])
-                    for _ in range(steps):
-                        loss = model(x).pow(2).mean()
-                        loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        losses.append(float(loss))
-            # Plain lists: tensors would travel back through shared memory that dies with the rank.
-            results[tp] = {"params": params.tolist(), "masks": torch.stack(model.masks).tolist(), "losses": losses}
-    finally:
-        tracker.uninstall_dtensor(previous)
+    for tp in tp_sizes:
+        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+        model = TinyMLP()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DTensor's notes about CPU meshes
+            parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+            model.masks = []
+            optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+            losses = []
+            with portable_random(seed):
+                for layer in (model.up, model.down):
+                    layer.reset_parameters()  # kaiming_uniform_ and uniform_ on DTensor parameters
+                params = torch.cat([_full(p.detach()).flatten() for p in model.parameters()])
+                for _ in range(steps):
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    losses.append(float(loss))
+        # Plain lists: tensors would travel back through shared memory that dies with the rank.
+        results[tp] = {"params": params.tolist(), "masks": torch.stack(model.masks).tolist(), "losses": losses}
     return results

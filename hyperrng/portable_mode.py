@@ -36,12 +36,46 @@ accelerators) and every ``torch.nn.init`` function built on them draw from
   some arguments (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu``
   with ``training``) run torch's kernel when those make them deterministic.
 
-The mode changes torch's dispatch table, so it is **process-wide while active**: random
-ops on other threads are portable too. Kernels are registered when the outermost context
-is entered (or the switch turned on) and removed on the outermost exit, which gives
-torch's own kernels back exactly; non-random ops never pass through Python. Kernels are
-registered for the CPU, for the platform's device (``CUDA``, or ``PrivateUse1`` for NPUs
-and plug-ins) and for a registered ``PrivateUse1`` backend such as the simulated device.
+**Per thread.** Whether a random op draws portably is a flag of the calling thread: on
+while one of its contexts is entered or its switch (:func:`set_portable_random`) is on.
+Random ops on other threads keep torch's own kernels and numbers. Entering also holds
+the current device's generator for the thread (:mod:`hyperrng._exclusive`), so a second
+thread that enters portable mode meanwhile, or anything that holds that generator by the
+same policy, is refused with :class:`~hyperrng.errors.GeneratorBusyError`, nothing changed.
+A plain draw on another thread is not intercepted: a draw from the same device generator
+(``torch.rand`` without ``generator=``) moves the position the portable thread draws from.
+Work that torch runs on its own threads does not inherit the flag: on accelerators
+autograd runs the backward pass on per-device threads. A recompute in backward (activation
+checkpointing) therefore draws portably only where it re-applies the flag its forward pass
+ran with (``_thread_mode`` and ``_mode_applied`` here are for that), which is also what it
+needs on the CPU when ``backward()`` runs after the context has exited;
+``torch.utils.checkpoint`` does not, so its recompute draws torch's own numbers then.
+
+**Kernels.** The kernels are registered with torch once per dispatch key (the CPU's, and
+``CUDA`` or ``PrivateUse1`` for the platform's device) when a thread first enters the
+mode, and stay: entering and leaving only set the flag, and never touch torch's dispatch
+table. Registration changes the table, so a program that starts threads which draw
+should enter the mode once before it starts them. Non-random ops never pass through
+Python. Outside the mode a random op of the CPU, CUDA or PrivateUse1 key pays one Python
+call that reads the flag and calls torch's own kernel, saved with
+``torch.library.get_kernel`` when it was overridden (a few microseconds per op, see
+``hyperrng bench --suite philox``): the same numbers as before registration. That
+function exists from torch 2.9 on; on older torch, and on a platform whose device type
+has no portable kernels (not ``cpu``, ``cuda`` or the PrivateUse1 backend), entering
+raises :class:`UnsupportedPortableOpError` and changes nothing.
+
+**DTensor.** While any thread is in the mode, DTensor's RNG tracker (one per process) is
+hyperrng's adapter (:meth:`hyperrng.ShardedRNGTracker.install_dtensor`), installed by the
+first entry unless it is there already and replaced by what was there at the last exit,
+so ``portable_random(seed)`` alone makes DTensor random ops sharding-invariant. It does
+so when DTensor is in use: ``torch.distributed.tensor`` imported or a process group
+initialised at entry. Not yet on CUDA meshes: there DTensor runs a random op without
+``generator=`` through a traceable path that asks the tracker for offsets only, with no
+region for the portable kernels to draw the shard's global indices from.
+
+**Ctrl-C.** Entering and leaving run with SIGINT deferred (on the main thread, the one
+that receives it): a KeyboardInterrupt finds the mode and the generator as before the
+entry or as after the exit, never in between.
 
 Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
 carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
@@ -55,6 +89,8 @@ import functools
 import hashlib
 import json
 import math
+import signal
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -64,7 +100,7 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng import philox
+from hyperrng import _exclusive, philox
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -76,7 +112,7 @@ from hyperrng.errors import (
 )
 from hyperrng.platforms.validate import check_seed, round_up_offset
 from hyperrng.portable import _assemble, _reserved, shard_slices
-from hyperrng.sharded import active_region
+from hyperrng.sharded import ShardedRNGTracker, active_region
 
 __all__ = [
     "PORTABLE_OPS",
@@ -111,7 +147,7 @@ def _draw(
     ``fn`` runs before any position moves, so its validation leaves everything as it was.
     """
     device = target.device
-    kw.update(device=device, compiled=_STATE.compiled() and device.type in _COMPILED_DEVICE_TYPES)
+    kw.update(device=device, compiled=_THREAD.entries[-1].compiled and device.type in _COMPILED_DEVICE_TYPES)
     region = active_region()
     if region is not None:  # a refusal here cancels the region (see _cancelling): every rank stays put
         global_shape, blocks = _shard_of(region, target, what)
@@ -325,40 +361,41 @@ def _argument_reader(op: Any, names: Sequence[str]) -> _ArgumentReader | None:
     return None
 
 
-@functools.cache
-def _refusal(op: Any, key: str) -> Callable[..., Any]:
-    """A kernel for ``op`` that raises, or runs torch's kernel when the arguments make the op deterministic."""
+def _refusal(op: Any) -> Callable[..., Any]:
+    """What portable mode does with ``op``, a random op without a portable kernel: raise, or run torch's
+    kernel (``original``, given the dispatch key set) when the arguments make the op deterministic."""
     label = _op_label(op)
     dropout = _argument_reader(op, _DROPOUT_ARGS)
     training = _argument_reader(op, _TRAINING_ARGS)
-    original = torch.library.get_kernel(op, key) if dropout or training else None
-    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def refuse(original: Callable[..., Any], keyset: Any, *args: Any, **kwargs: Any) -> Any:
         deterministic = (dropout is not None and not dropout(args, kwargs)) or (
             training is not None and not training(args, kwargs)
         )
-        if deterministic and original is not None:
-            return original.call_boxed(keys, *args, **kwargs)
+        if deterministic:
+            return original(keyset, *args, **kwargs)
         raise UnsupportedPortableOpError(
             f"{label} has no portable implementation, and portable mode never falls back to a device's own "
             f"generator; call it outside portable_random(), or use a portable op ({', '.join(PORTABLE_OPS)})."
         )
 
-    return kernel
+    return refuse
 
 
-# -- registration ------------------------------------------------------------------------------
-def _dispatch_keys() -> list[str]:
-    """The dispatch keys whose kernels the mode replaces: the CPU's, the platform device's, PrivateUse1's."""
-    keys = ["CPU"]
-    device_type = platforms.current().device_type
+# -- registration: once per dispatch key, for good ----------------------------------------------
+_NEEDS_TORCH = "2.9"  # the first torch with torch.library.get_kernel
+
+
+def _portable_keys(device_type: str) -> list[str] | None:
+    """The dispatch keys whose kernels make ``device_type``'s random ops portable (with the CPU's,
+    which host tensors need), or ``None`` when portable mode has no kernels for that device type."""
+    if device_type == "cpu":
+        return ["CPU"]
     if device_type == "cuda":
-        keys.append("CUDA")
-    privateuse1 = torch._C._get_privateuse1_backend_name()
-    if privateuse1 != "privateuseone" or device_type not in ("cpu", "cuda"):
-        keys.append("PrivateUse1")
-    return keys
+        return ["CPU", "CUDA"]
+    if device_type == torch._C._get_privateuse1_backend_name():  # an NPU, the simulated device, a plug-in
+        return ["CPU", "PrivateUse1"]
+    return None
 
 
 def _has_kernel(op: Any, key: str) -> bool:
@@ -386,61 +423,337 @@ def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _register() -> Any:
-    library = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():
-            # torch warns once that an override replaces its kernel: that is the point here.
-            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            for key in _dispatch_keys():
-                for name, fn in PORTABLE_OPS.items():
-                    library.impl(name, _cancelling(fn), key)
-                for op in _random_aten_ops():
-                    if _op_label(op) not in PORTABLE_OPS and _has_kernel(op, key):
-                        library.impl(_op_label(op), _cancelling(_refusal(op, key)), key)
-    except BaseException:
-        library._destroy()
-        raise
-    return library
+class _Original:
+    """Torch's kernel for one op and dispatch key, saved before portable mode overrode it; ``call``
+    takes the dispatch key set and the op's arguments."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, op: Any, key: str) -> None:
+        kernel = torch.library.get_kernel(op, key)
+        self.call: Callable[..., Any] = kernel.call_boxed
+        if key == "PrivateUse1" and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+            self.call = functools.partial(_fallback, op, kernel)
 
 
-class _ModeState:
-    """Who holds the mode: entered contexts and the switch. The kernels live while anyone does."""
+def _fallback(op: Any, kernel: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    """A PrivateUse1 backend's fallback for ``op``, where it has no kernel of its own.
+
+    For tensor subclasses (the simulated device) torch reaches a Python fallback through the
+    Python kernel the key holds now, which is the portable one: call the backend's
+    ``__torch_dispatch__`` instead, which is what its fallback runs. Other backends' fallbacks
+    are called as saved.
+    """
+    for arg in args:
+        kind = type(arg)
+        if isinstance(arg, torch.Tensor) and kind is not torch.Tensor and hasattr(kind, "__torch_dispatch__"):
+            return kind.__torch_dispatch__(op, (kind,), args, kwargs)
+    return kernel.call_boxed(keyset, *args, **kwargs)
+
+
+def _switched(portable: Callable[..., Any], original: _Original) -> Callable[..., Any]:
+    """The kernel registered for one op and key: ``portable`` on a thread in portable mode, else
+    ``original`` (torch's kernel for that key, saved before it was overridden) with torch's key set."""
+    passthrough = original.call
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if _THREAD.entries:
+            return portable(*args, **kwargs)
+        return passthrough(keyset, *args, **kwargs)
+
+    return kernel
+
+
+def _switched_refusal(refuse: Callable[..., Any], original: _Original) -> Callable[..., Any]:
+    """:func:`_switched` for an op without a portable kernel (:func:`_refusal`)."""
+    refusing = _cancelling(refuse)
+    passthrough = original.call
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if _THREAD.entries:
+            return refusing(passthrough, keyset, *args, **kwargs)
+        return passthrough(keyset, *args, **kwargs)
+
+    return kernel
+
+
+class _Kernels:
+    """The portable kernels, registered with torch once per dispatch key and never removed.
+
+    Registering changes torch's dispatch table, so it happens at most once per key in a
+    process: when a thread first enters portable mode with a platform that needs the key.
+    Each kernel looks at a per-thread flag (:data:`_THREAD`) and, outside the mode, calls
+    torch's own kernel, saved with ``torch.library.get_kernel`` just before overriding it.
+    """
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.library: Any = None
-        self.holders: list[object] = []  # context entries, innermost last
-        self.compiled_of: dict[int, bool] = {}
-        self.switch = False
-        self.switch_compiled = False
+        self.lock = threading.Lock()
+        self.library: Any = None  # kept for the life of the process: destroying it would rewrite the table
+        self.done: set[tuple[str, str]] = set()  # (op, key) pairs overridden
+        self.keys: set[str] = set()  # keys whose every op is overridden
 
-    def acquire(self, holder: object, compiled: bool) -> None:
-        with self.lock:
+    def ensure(self, keys: Sequence[str]) -> None:
+        if self.keys.issuperset(keys):
+            return
+        with self.lock, warnings.catch_warnings():
+            # torch warns once that an override replaces its kernel: that is the point here.
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             if self.library is None:
-                self.library = _register()
-            self.holders.append(holder)
-            self.compiled_of[id(holder)] = compiled
+                self.library = torch.library.Library("aten", "IMPL")
+            for key in keys:
+                if key not in self.keys:
+                    self._register(key)
+                    self.keys.add(key)
 
-    def release(self, holder: object) -> None:
+    def _register(self, key: str) -> None:
+        # Every original is read before anything is overridden, so each is torch's own kernel.
+        kernels: list[tuple[str, Callable[..., Any]]] = []
+        for label, fn in PORTABLE_OPS.items():
+            if (label, key) not in self.done:
+                name, _, overload = label.partition(".")
+                op = getattr(getattr(torch.ops.aten, name), overload or "default")
+                kernels.append((label, _switched(_cancelling(fn), _Original(op, key))))
+        for op in _random_aten_ops():
+            label = _op_label(op)
+            if label not in PORTABLE_OPS and (label, key) not in self.done and _has_kernel(op, key):
+                kernels.append((label, _switched_refusal(_refusal(op), _Original(op, key))))
+        for label, kernel in kernels:
+            self.library.impl(label, kernel, key, with_keyset=True)
+            self.done.add((label, key))
+
+
+_KERNELS = _Kernels()
+
+
+def _check_supported(p: platforms.Platform) -> list[str]:
+    """The dispatch keys portable mode needs on platform ``p``; refuse, changing nothing, where it cannot run."""
+    if not hasattr(torch.library, "get_kernel"):
+        raise UnsupportedPortableOpError(
+            f"portable mode needs torch {_NEEDS_TORCH} or newer (torch.library.get_kernel), and this is torch "
+            f"{torch.__version__}: upgrade torch, or draw with hyperrng.portable's functions, which need no mode."
+        )
+    keys = _portable_keys(p.device_type)
+    if keys is None:
+        p.device()  # a backend that registers with torch on first use (the simulated device) does so now
+        keys = _portable_keys(p.device_type)
+    if keys is None:
+        raise UnsupportedPortableOpError(
+            f"portable mode has no kernels for device type {p.device_type!r} (platform {p.name!r}): it has them "
+            f"for 'cpu', 'cuda' and torch's PrivateUse1 backend ({torch._C._get_privateuse1_backend_name()!r}); "
+            f"draw with hyperrng.portable's functions on that device instead."
+        )
+    return keys
+
+
+# -- DTensor routing -----------------------------------------------------------------------------
+class _DTensorRouting:
+    """DTensor's RNG tracker (one per process) is hyperrng's while any thread is in portable mode.
+
+    The first entry installs the adapter of :meth:`ShardedRNGTracker.install_dtensor` unless
+    hyperrng's is there already; the last exit puts back what was there.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.installed: Any = None  # the adapter this routing installed, if it did
+        self.previous: Any = None  # the tracker it replaced
+        self.tracker: ShardedRNGTracker | None = None
+
+    def acquire(self) -> bool:
+        """Count one user; install the adapter if it is the first. ``False``: DTensor is not in use."""
+        random_mod = _dtensor_random_module()
+        if random_mod is None:
+            return False
         with self.lock:
-            for i in range(len(self.holders) - 1, -1, -1):
-                if self.holders[i] is holder:
-                    del self.holders[i]
-                    break
-            if not any(h is holder for h in self.holders):
-                self.compiled_of.pop(id(holder), None)
-            if not self.holders and self.library is not None:
-                self.library._destroy()
-                self.library = None
+            if not self.users and not _is_hyperrng_adapter(random_mod._rng_tracker):
+                if self.tracker is None:
+                    self.tracker = ShardedRNGTracker()
+                previous = self.tracker.install_dtensor()
+                self.installed, self.previous = random_mod._rng_tracker, previous
+            self.users += 1
+        return True
 
-    def compiled(self) -> bool:
-        holders = self.holders
-        return self.compiled_of.get(id(holders[-1]), False) if holders else False
+    def release(self) -> None:
+        """Count one user out; the last puts back the tracker the first replaced (unless someone replaced ours)."""
+        with self.lock:
+            self.users -= 1
+            if self.users or self.installed is None:
+                return
+            random_mod = _dtensor_random_module()
+            if random_mod is not None and random_mod._rng_tracker is self.installed:
+                ShardedRNGTracker.uninstall_dtensor(self.previous)
+            self.installed = self.previous = None
 
 
-_STATE = _ModeState()
-_SWITCH = object()  # the holder that stands for set_portable_random(True)
+def _dtensor_random_module() -> Any:
+    """DTensor's RNG module when DTensor is in use (imported, or a process group is up), else ``None``."""
+    dist = torch.distributed
+    if "torch.distributed.tensor" not in sys.modules and not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        from torch.distributed.tensor import _random
+    except ImportError:  # a torch built without distributed tensors
+        return None
+    return _random if hasattr(_random, "_rng_tracker") else None
+
+
+def _is_hyperrng_adapter(tracker: object) -> bool:
+    kind = type(tracker)
+    return kind.__module__ == ShardedRNGTracker.__module__ and kind.__name__ == "HyperRNGDTensorTracker"
+
+
+_DTENSOR = _DTensorRouting()
+
+
+# -- the per-thread flag, and Ctrl-C -------------------------------------------------------------
+class _Entry:
+    """One entered context (or the switch) on a thread: what its exit undoes."""
+
+    __slots__ = ("owner", "compiled", "device", "saved", "dtensor", "ctrl_c")
+
+    def __init__(self, owner: object, compiled: bool, device: tuple[str, int] | None) -> None:
+        self.owner = owner
+        self.compiled = compiled
+        self.device = device  # the device whose generator this entry holds, if any
+        self.saved: torch.Tensor | None = None  # the generator state its exit restores, if any
+        self.dtensor = False  # whether it counts as a user of the DTensor routing
+        self.ctrl_c = False  # whether it counts as a user of the Ctrl-C handler
+
+
+class _ThreadMode(threading.local):
+    """This thread's entries, outermost first: the thread draws portably while there is one."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+
+
+_THREAD = _ThreadMode()
+_SWITCH = object()  # the owner that stands for set_portable_random(True)
+
+
+class _CtrlC:
+    """Ctrl-C while the main thread is in portable mode: raised as usual, except while that thread
+    enters or leaves the mode, where it waits until the step is done.
+
+    Only the main thread receives SIGINT. Its first entry puts this handler in place of a
+    Python one (the default raises KeyboardInterrupt) and its last exit puts that back. The
+    handler looks at the frames it interrupts: inside entering or leaving (from their first
+    instruction on) it records the interrupt, which the step raises once done, so an
+    interrupt finds the mode and the generator as before the entry or as after the exit.
+    """
+
+    def __init__(self) -> None:
+        self.previous: Any = None  # the handler replaced, while this one is in place
+        self.users = 0
+        self.pending: Any = None  # the frame a recorded interrupt arrived in
+
+    def install(self) -> bool:
+        """Count the main thread's entry in, putting the handler in place for the first; ``False`` elsewhere."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if not self.users:
+            handler = signal.getsignal(signal.SIGINT)
+            if not callable(handler):  # ignored, the C default, or a handler set outside Python
+                return False
+            signal.signal(signal.SIGINT, self._handle)
+            self.previous = handler
+        self.users += 1
+        return True
+
+    def uninstall(self) -> None:
+        self.users -= 1
+        if not self.users:
+            previous, self.previous = self.previous, None
+            if signal.getsignal(signal.SIGINT) == self._handle:  # unless the program set its own meanwhile
+                signal.signal(signal.SIGINT, previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        f = frame
+        while f is not None:
+            if f.f_code in _STEPS:
+                self.pending = frame
+                return
+            f = f.f_back
+        (self.previous or signal.default_int_handler)(signum, frame)
+
+    def raise_pending(self) -> None:
+        """Raise the recorded interrupt (through the handler it would have reached)."""
+        frame, self.pending = self.pending, None
+        (self.previous or signal.default_int_handler)(signal.SIGINT, frame)
+
+
+_CTRL_C = _CtrlC()
+
+
+def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: bool, what: str) -> _Entry:
+    """Put this thread in portable mode: hold the device, save, route DTensor, position; then the flag.
+
+    Validates first; on any exception undoes what it did, so the thread, the generator and
+    the DTensor tracker are as before.
+    """
+    entry = _Entry(owner, compiled, None)
+    entry.ctrl_c = _CTRL_C.install()  # first: from here on an interrupt waits for the step
+    try:
+        _KERNELS.ensure(_check_supported(p))
+        device = (p.device_type, p.current_device())
+        _exclusive.hold(*device, what)
+        entry.device = device
+        if seed is not None:
+            entry.saved = p.get_rng_state()
+        entry.dtensor = _DTENSOR.acquire()
+        if seed is not None:
+            p.set_seed_offset(seed, 0)
+    except BaseException:
+        _undo(entry)
+        raise
+    if owner is _SWITCH:  # the switch is the outermost entry: contexts entered before it keep their settings
+        _THREAD.entries.insert(0, entry)
+    else:
+        _THREAD.entries.append(entry)
+    return entry
+
+
+def _leave(entry: _Entry) -> None:
+    """Take ``entry`` out of this thread's mode, then undo what it did (every step, whatever raises)."""
+    entries = _THREAD.entries
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i] is entry:
+            del entries[i]
+            break
+    _undo(entry)
+
+
+def _undo(entry: _Entry) -> None:
+    try:
+        if entry.saved is not None:
+            platforms.current().set_rng_state(entry.saved)
+            entry.saved = None
+    finally:
+        try:
+            if entry.dtensor:
+                entry.dtensor = False
+                _DTENSOR.release()
+        finally:
+            try:
+                if entry.device is not None:
+                    device, entry.device = entry.device, None
+                    _exclusive.release(*device)
+            finally:
+                if entry.ctrl_c:  # last: an interrupt after it finds every step done
+                    entry.ctrl_c = False
+                    _CTRL_C.uninstall()
+
+
+def _step_done(entry: _Entry | None) -> None:
+    """End of entering (``entry``) or leaving (``None``): raise an interrupt that arrived meanwhile,
+    after undoing the entry, so the interrupt finds the state as before it."""
+    if _CTRL_C.pending is not None and threading.current_thread() is threading.main_thread():
+        if entry is not None:
+            _leave(entry)
+        _CTRL_C.raise_pending()
+    if entry is not None and entry.owner is _SWITCH:
+        entry.saved = None  # entered: turning the switch off leaves the generator where it is
 
 
 def _check_bool(value: object, what: str) -> bool:
@@ -454,7 +767,8 @@ def _check_optional_seed(seed: object) -> int | None:
 
 
 class portable_random:  # noqa: N801 - a context manager named like a function, as torch.random.fork_rng
-    """Context manager: torch's random ops draw portable Philox numbers inside (see the module docstring).
+    """Context manager: torch's random ops on this thread draw portable Philox numbers inside
+    (see the module docstring).
 
     Args:
         seed: ``None`` continues from the current generator position (the device
@@ -465,38 +779,42 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
             (the first call per distribution compiles); bitwise equal to eager except
             :func:`~hyperrng.philox.normal`, within a few ulp.
 
-    It may be nested and re-entered; the mode ends with the outermost exit unless the
-    switch (:func:`set_portable_random`) holds it.
+    Entering holds the current device's generator for this thread (see
+    :mod:`hyperrng._exclusive`) until the matching exit, routes DTensor random ops through
+    hyperrng's sharded path (see the module docstring) and, with a seed, positions the
+    generator. It may be nested and re-entered, also from several threads one after
+    another; the thread leaves the mode at its outermost exit unless its switch
+    (:func:`set_portable_random`) holds it. A Ctrl-C during entry or exit leaves the
+    mode and the generator as before the entry or as after the exit.
 
     Raises:
         ArgumentTypeError: ``seed`` is not an int or ``compiled`` not a bool.
         InvalidSeedError: ``seed`` is outside ``[0, 2**64 - 1]``.
+        UnsupportedPortableOpError (on entry): torch is older than 2.9, or the platform's
+            device type has no portable kernels. Nothing changed.
+        GeneratorBusyError (on entry): another thread holds the device's generator (in
+            portable mode, a fork, a region, ...). Nothing changed.
     """
 
     def __init__(self, seed: int | None = None, *, compiled: bool = False) -> None:
         self._seed = _check_optional_seed(seed)
         self._compiled = _check_bool(compiled, "compiled")
-        self._saved: list[torch.Tensor | None] = []
 
     def __enter__(self) -> None:
-        p = platforms.current()
-        saved = p.get_rng_state() if self._seed is not None else None
-        _STATE.acquire(self, self._compiled)
-        if self._seed is not None:
-            p.set_seed_offset(self._seed, 0)
-        self._saved.append(saved)
+        _step_done(_enter(self, platforms.current(), self._seed, self._compiled, "portable_random"))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        saved = self._saved.pop()
-        _STATE.release(self)
-        if saved is not None:
-            platforms.current().set_rng_state(saved)
+        for entry in reversed(_THREAD.entries):
+            if entry.owner is self:
+                _leave(entry)
+                break
+        _step_done(None)
 
 
 def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: bool = False) -> None:
-    """Turn portable mode on or off for the process, outside any ``with`` block.
+    """Turn portable mode on or off for the calling thread, outside any ``with`` block.
 
     Args:
         enabled: ``True`` turns it on (again: only ``seed`` and ``compiled`` apply),
@@ -505,35 +823,77 @@ def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: boo
             restored when the mode is turned off); ``None`` continues from where it is.
         compiled: as for :class:`portable_random`.
 
+    While on, the thread holds the device's generator, as a context does (until
+    ``set_portable_random(False)`` on the same thread).
+
     Raises:
         ArgumentTypeError: ``enabled`` or ``compiled`` is not a bool, ``seed`` not an int.
         InvalidSeedError: ``seed`` is outside ``[0, 2**64 - 1]``.
         InvalidParameterError: a ``seed`` with ``enabled=False``.
+        UnsupportedPortableOpError / GeneratorBusyError: as on entering :class:`portable_random`.
     """
     on = _check_bool(enabled, "enabled")
     value = _check_optional_seed(seed)
     use_compiled = _check_bool(compiled, "compiled")
     if not on and value is not None:
         raise InvalidParameterError("a seed positions the generator for portable draws; pass it with enabled=True.")
-    with _STATE.lock:
-        if on:
-            if not _STATE.switch:
-                _STATE.acquire(_SWITCH, use_compiled)
-                # The switch is the outermost holder: contexts entered before it keep their settings.
-                _STATE.holders.remove(_SWITCH)
-                _STATE.holders.insert(0, _SWITCH)
-                _STATE.switch = True
-            _STATE.compiled_of[id(_SWITCH)] = use_compiled
-            if value is not None:
-                platforms.current().set_seed_offset(value, 0)
-        elif _STATE.switch:
-            _STATE.switch = False
-            _STATE.release(_SWITCH)
+    switch = next((e for e in _THREAD.entries if e.owner is _SWITCH), None)
+    if not on:
+        if switch is not None:
+            _leave(switch)
+        _step_done(None)
+    elif switch is None:
+        _step_done(_enter(_SWITCH, platforms.current(), value, use_compiled, "set_portable_random"))
+    else:
+        switch.compiled = use_compiled
+        if value is not None:
+            platforms.current().set_seed_offset(value, 0)
+
+
+# The code of entering and leaving: the Ctrl-C handler defers an interrupt that arrives in it.
+_STEPS = frozenset(
+    {portable_random.__enter__.__code__, portable_random.__exit__.__code__, set_portable_random.__code__}
+)
 
 
 def is_portable_random_enabled() -> bool:
-    """Whether torch's random ops draw portable numbers now (a context is entered or the switch is on)."""
-    return _STATE.library is not None
+    """Whether torch's random ops on the calling thread draw portable numbers now (a context of this
+    thread is entered or its switch is on)."""
+    return bool(_THREAD.entries)
+
+
+def _thread_mode() -> bool | None:
+    """This thread's portable mode for :func:`_mode_applied` on another thread: ``None`` when off,
+    else whether its draws are compiled."""
+    entries = _THREAD.entries
+    return entries[-1].compiled if entries else None
+
+
+class _mode_applied:  # noqa: N801 - a context manager named like a function
+    """Draw portably on this thread as the thread that took ``mode`` (:func:`_thread_mode`) did.
+
+    For work that another thread runs on behalf of one in portable mode: autograd runs the
+    backward pass of accelerator tensors on its own device threads, so a recompute there
+    (``hyperrng.checkpoint``) must draw as the forward pass did. It holds nothing and moves
+    no generator: the thread that took ``mode`` holds the device and waits for the work.
+    ``None`` applies nothing.
+    """
+
+    __slots__ = ("_mode", "_entry")
+
+    def __init__(self, mode: bool | None) -> None:
+        self._mode = mode
+        self._entry: _Entry | None = None
+
+    def __enter__(self) -> None:
+        if self._mode is not None:
+            self._entry = _Entry(self, self._mode, None)
+            _THREAD.entries.append(self._entry)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._entry is not None:
+            entry, self._entry = self._entry, None
+            _leave(entry)
 
 
 # -- elastic resume ----------------------------------------------------------------------------

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 import re
-from collections.abc import Callable, Iterator
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import hyperrng.platforms as platforms
@@ -14,9 +18,10 @@ import torch.nn.functional as F
 from hyperrng.platforms.validate import MAX_OFFSET
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyperrng import philox, portable
+from hyperrng import _exclusive, philox, portable
 from hyperrng.errors import (
     ArgumentTypeError,
+    GeneratorBusyError,
     HyperRNGError,
     InvalidOffsetError,
     InvalidParameterError,
@@ -28,6 +33,8 @@ from hyperrng.errors import (
 )
 from hyperrng.portable_mode import (
     PORTABLE_OPS,
+    _mode_applied,
+    _thread_mode,
     is_portable_random_enabled,
     load_portable_state_dict,
     portable_random,
@@ -239,7 +246,7 @@ def test_an_explicit_cpu_generator_is_refused_because_it_carries_no_position() -
     assert torch.equal(gen.get_state(), gen_state)
 
 
-def test_contexts_nest_and_reenter_and_the_outermost_exit_gives_torch_its_kernels_back() -> None:
+def test_contexts_nest_and_reenter_and_the_outermost_exit_gives_torch_its_numbers_back() -> None:
     mode = portable_random(SEED)
     with mode:
         with portable_random(7):
@@ -543,9 +550,7 @@ def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
 
 
 @pytest.mark.slow
-def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_random(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_random() -> None:
     import torch._dynamo
     import torch._inductor.config as inductor
 
@@ -555,8 +560,385 @@ def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_ran
         with pytest.raises(UnsupportedPortableOpError, match="fallback_random = True"):
             draw()
         assert _position() == (SEED, 0)
-    monkeypatch.setattr(inductor, "fallback_random", True)
-    torch._dynamo.reset()
-    draw = torch.compile(lambda: torch.rand(8) + 0)
+    # inductor's own patch: setting the attribute and deleting it afterwards would hide the option
+    with inductor.patch(fallback_random=True):
+        torch._dynamo.reset()
+        draw = torch.compile(lambda: torch.rand(8) + 0)
+        with portable_random(SEED):
+            assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=0))
+
+
+# -- threads, Ctrl-C, refusals on entry ----------------------------------------------------------
+@pytest.mark.parametrize("others_share_the_default_generator", [True, False], ids=["issue-scenario", "own-generators"])
+def test_other_threads_draw_torchs_own_numbers_while_one_thread_loops_in_portable_mode(
+    others_share_the_default_generator: bool,
+) -> None:
+    """One thread enters and leaves portable_random in a loop while two others draw.
+
+    The other threads' draws from their own generators are exactly torch's; their draws
+    from the shared default generator (F.dropout, torch.rand without generator=) are
+    torch's kernels' values. Such draws move the generator the portable thread positions
+    (the thread policy does not intercept plain draws), so that thread's numbers are
+    checked exactly when the others draw from their own generators only.
+    """
+    rounds, problems, portable_draws = 150, [], []
+    done = threading.Event()
+
+    def portable_thread() -> None:
+        try:
+            for _ in range(rounds):
+                with portable_random(3):
+                    portable_draws.append(torch.rand(8))
+        except BaseException as exc:  # reported below: the thread must not die silently
+            problems.append(f"portable thread: {exc!r}")
+        finally:
+            done.set()
+
+    def other_thread(seed: int) -> None:
+        own, reference = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        ones = torch.ones(64)
+        try:
+            for _ in range(2000):
+                got = [
+                    torch.rand(64, generator=own),
+                    torch.empty(64).bernoulli_(0.5, generator=own),
+                    torch.empty(64).normal_(generator=own),
+                ]
+                want = [
+                    torch.rand(64, generator=reference),
+                    torch.empty(64).bernoulli_(0.5, generator=reference),
+                    torch.empty(64).normal_(generator=reference),
+                ]
+                if not all(torch.equal(g, w) for g, w in zip(got, want)):
+                    problems.append(f"thread {seed}: other numbers than its own generator's")
+                if others_share_the_default_generator:
+                    uniform, dropped = torch.rand(64), F.dropout(ones, 0.5)
+                    if not bool(((uniform >= 0) & (uniform < 1)).all()):
+                        problems.append(f"thread {seed}: torch.rand gave values outside [0, 1)")
+                    if not bool(((dropped == 0) | (dropped == 2)).all()):
+                        problems.append(f"thread {seed}: dropout gave {dropped.unique().tolist()}")
+                if done.is_set():
+                    break
+        except BaseException as exc:
+            problems.append(f"thread {seed}: {exc!r}")
+
+    threads = [threading.Thread(target=portable_thread)] + [
+        threading.Thread(target=other_thread, args=(s,)) for s in (11, 12)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+    assert len(portable_draws) == rounds
+    if not others_share_the_default_generator:
+        assert all(torch.equal(d, philox.uniform(8, 3, 0)) for d in portable_draws)
+
+
+def test_a_second_thread_entering_portable_mode_is_refused_and_changes_nothing() -> None:
+    entered, leave = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with portable_random(SEED):
+            entered.set()
+            leave.wait()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    entered.wait()
+    try:
+        before = platforms.current().get_rng_state()
+        for enter in (lambda: portable_random(7).__enter__(), lambda: set_portable_random(True, seed=7)):
+            with pytest.raises(GeneratorBusyError, match="portable_random|set_portable_random"):
+                enter()
+            assert not is_portable_random_enabled()
+        assert torch.equal(platforms.current().get_rng_state(), before), "the holder's position is untouched"
+    finally:
+        leave.set()
+        t.join()
+    with portable_random(7):  # free again once the holder left
+        assert torch.equal(torch.rand(2), philox.uniform(2, 7, 0))
+
+
+def test_the_switch_holds_the_generator_until_it_is_turned_off_on_its_thread() -> None:
+    set_portable_random(True, seed=SEED)
+    refused: list[BaseException] = []
+    try:
+        t = threading.Thread(target=lambda: _capture(refused, lambda: portable_random().__enter__()))
+        t.start()
+        t.join()
+        assert len(refused) == 1 and isinstance(refused[0], GeneratorBusyError)
+        set_portable_random(False)
+        assert _exclusive.holder("cpu", 0) is None
+    finally:
+        set_portable_random(False)
+
+
+def _capture(into: list[BaseException], call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        into.append(exc)
+
+
+def test_the_mode_applied_on_another_thread_draws_as_the_thread_that_took_it() -> None:
+    """What a recompute on autograd's device thread needs: the forward thread's flag, re-applied."""
     with portable_random(SEED):
-        assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=0))
+        mode = _thread_mode()
+        drawn: list[torch.Tensor] = []
+
+        def worker() -> None:
+            own = torch.Generator().manual_seed(1)
+            drawn.append(torch.rand(4, generator=own))  # the flag is per thread: torch's own kernel here
+            with _mode_applied(mode):
+                drawn.append(torch.rand(4))
+            drawn.append(torch.rand(4, generator=own))
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert _position() == (SEED, 4), "the applied mode drew from the device generator's position"
+    assert torch.equal(drawn[1], philox.uniform(4, SEED, 0))
+    assert torch.equal(torch.cat([drawn[0], drawn[2]]), torch.rand(8, generator=torch.Generator().manual_seed(1)))
+    assert _thread_mode() is None and not is_portable_random_enabled()
+
+
+def test_entering_puts_hyperrngs_dtensor_tracker_in_place_and_the_last_exit_puts_back_what_was_there() -> None:
+    from torch.distributed.tensor import _random
+
+    sentinel = object()
+    previous, _random._rng_tracker = _random._rng_tracker, sentinel
+    try:
+        with portable_random(SEED):
+            installed = _random._rng_tracker
+            assert type(installed).__name__ == "HyperRNGDTensorTracker"
+            with portable_random():
+                assert _random._rng_tracker is installed
+            assert _random._rng_tracker is installed
+        assert _random._rng_tracker is sentinel
+    finally:
+        _random._rng_tracker = previous
+
+
+class _XlaLikePlatform(platforms.CPUPlatform):
+    """A plug-in whose device type has no portable kernels."""
+
+    name = "xla-like"
+    device_type = "xla"
+
+
+def test_a_device_type_without_portable_kernels_is_refused_on_entry_and_nothing_changes() -> None:
+    before = _position()
+    with platforms.use(_XlaLikePlatform()):
+        for enter in (lambda: portable_random(SEED).__enter__(), lambda: set_portable_random(True, seed=SEED)):
+            with pytest.raises(UnsupportedPortableOpError, match="no kernels for device type 'xla'") as info:
+                enter()
+            assert "\n" not in str(info.value)
+            assert not is_portable_random_enabled()
+            assert _exclusive.holder("xla", 0) is None
+    assert _position() == before
+
+
+def test_a_torch_without_get_kernel_is_refused_on_entry_naming_the_version_and_nothing_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch.library, "get_kernel")
+    before = _position()
+    for enter in (lambda: portable_random(SEED).__enter__(), lambda: set_portable_random(True, seed=SEED)):
+        with pytest.raises(UnsupportedPortableOpError, match=r"needs torch 2\.9 or newer") as info:
+            enter()
+        assert "\n" not in str(info.value)
+        assert not is_portable_random_enabled()
+        assert _exclusive.holder("cpu", 0) is None
+    assert _position() == before
+
+
+# Ctrl-C: a real SIGINT raised at a chosen line of entering or leaving. The trace function counts the
+# lines hyperrng and torch run (not this file's, not the body's) and raises SIGINT at one of them;
+# Python runs the handler at its next check for signals, as for a real Ctrl-C.
+class _CtrlCAt:
+    def __init__(self, line: int | None) -> None:
+        self.countdown = line
+        self.lines = 0
+        self.paused = False
+        self.drawn: tuple[int, int] | None = None  # the position after the body's draw, once it ran
+
+    def trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not self.paused and frame.f_code.co_filename != __file__:
+            self.lines += 1
+            if self.countdown is not None:
+                self.countdown -= 1
+                if self.countdown == 0:
+                    signal.raise_signal(signal.SIGINT)
+        return self.trace
+
+    def __enter__(self) -> _CtrlCAt:
+        sys.settrace(self.trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+
+def _trial(kind: str, seed: int | None, ctrl_c: _CtrlCAt) -> None:
+    """Enter, draw 4 numbers (never interrupted: the body is not counted), leave."""
+    if kind == "switch":
+        set_portable_random(True, seed=seed)
+        ctrl_c.paused = True
+        torch.rand(4)
+        ctrl_c.drawn = _position()
+        ctrl_c.paused = False
+        set_portable_random(False)
+        return
+    with portable_random(seed):
+        ctrl_c.paused = True
+        torch.rand(4)
+        ctrl_c.drawn = _position()
+        ctrl_c.paused = False
+
+
+def test_ctrl_c_at_any_line_of_entering_or_leaving_finds_the_mode_and_generator_before_or_after() -> None:
+    from torch.distributed.tensor import _random
+
+    p = platforms.current()
+    kinds = [(kind, seed) for kind in ("context", "switch") for seed in (None, SEED)]
+    lines = {}
+    for kind, seed in kinds:  # how many lines entering and leaving run, to aim within them
+        p.set_seed_offset(5, 8)
+        with portable_random():  # entering within an entry: the handler is in place already
+            pass
+        with _CtrlCAt(None) as counted:
+            _trial(kind, seed, counted)
+        lines[kind, seed] = counted.lines
+    rng = random.Random(20240611)
+    outcomes = {"before": 0, "after": 0}
+    for _ in range(300):
+        kind, seed = rng.choice(kinds)
+        at = rng.randint(1, lines[kind, seed])
+        p.set_seed_offset(5, 8)
+        before, dtensor_tracker = p.get_rng_state(), _random._rng_tracker
+        try:
+            with _CtrlCAt(at) as ctrl_c:
+                _trial(kind, seed, ctrl_c)
+        except KeyboardInterrupt:
+            pass
+        else:  # the lines run vary a little from run to run: this one ended before line ``at``
+            assert ctrl_c.countdown, f"the interrupt at line {at} of {kind} (seed {seed}) was not raised"
+            continue
+        where = f"{kind}, seed {seed}, line {at}"
+        assert not is_portable_random_enabled(), f"the thread is out of the mode ({where})"
+        assert _exclusive.holder("cpu", 0) is None, f"the generator is not held ({where})"
+        assert _random._rng_tracker is dtensor_tracker, f"DTensor's tracker is back ({where})"
+        if ctrl_c.drawn is None:  # interrupted while entering: as before
+            assert torch.equal(p.get_rng_state(), before), f"an interrupted entry moved the generator ({where})"
+            outcomes["before"] += 1
+        else:  # interrupted while leaving: as after
+            if kind == "context" and seed is not None:
+                assert torch.equal(p.get_rng_state(), before), f"the seeded exit did not restore ({where})"
+            else:
+                assert _position() == ctrl_c.drawn, f"the exit lost the draw's advance ({where})"
+            outcomes["after"] += 1
+        set_portable_random(True)
+        set_portable_random(False)
+        assert not is_portable_random_enabled(), "set_portable_random(False) turns it off"
+    assert min(outcomes.values()) > 50, outcomes
+
+
+# -- outside the mode: torch's own kernels, through the saved originals ---------------------------
+def _rrelu_args() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.linspace(-2.0, 2.0, 6), torch.empty(6)
+
+
+ORIGINALS: dict[str, Callable[[], Any]] = {
+    # every op portable mode overrides on the CPU, called as outside the mode (drawing from the default generator)
+    "_scaled_dot_product_flash_attention_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *[torch.linspace(-1, 1, 64).reshape(1, 2, 4, 8)] * 3, 0.0
+    ),
+    "_standard_gamma": lambda: torch._standard_gamma(torch.ones(6)),
+    "bernoulli.out": lambda: torch.bernoulli(torch.full((6,), 0.5), out=torch.empty(6)),
+    "bernoulli_.Tensor": lambda: torch.empty(6).bernoulli_(torch.full((6,), 0.3)),
+    "bernoulli_.float": lambda: torch.empty(6).bernoulli_(0.3),
+    "cauchy_": lambda: torch.empty(6).cauchy_(),
+    "exponential_": lambda: torch.empty(6).exponential_(),
+    "geometric_": lambda: torch.empty(6).geometric_(0.3),
+    "log_normal_": lambda: torch.empty(6).log_normal_(),
+    "multinomial": lambda: torch.multinomial(torch.ones(6), 3),
+    "multinomial.out": lambda: torch.multinomial(torch.ones(6), 3, out=torch.empty(3, dtype=torch.int64)),
+    "native_dropout": lambda: torch.ops.aten.native_dropout(torch.ones(8), 0.5, True),
+    "normal.Tensor_Tensor": lambda: torch.normal(torch.zeros(6), torch.ones(6)),
+    "normal.Tensor_Tensor_out": lambda: torch.normal(torch.zeros(6), torch.ones(6), out=torch.empty(6)),
+    "normal.Tensor_float": lambda: torch.normal(torch.zeros(6), 1.0),
+    "normal.Tensor_float_out": lambda: torch.normal(torch.zeros(6), 1.0, out=torch.empty(6)),
+    "normal.float_Tensor": lambda: torch.normal(0.0, torch.ones(6)),
+    "normal.float_Tensor_out": lambda: torch.normal(0.0, torch.ones(6), out=torch.empty(6)),
+    "normal_": lambda: torch.empty(6).normal_(),
+    "poisson": lambda: torch.poisson(torch.ones(6)),
+    "random_": lambda: torch.empty(6, dtype=torch.int64).random_(),
+    "random_.from": lambda: torch.empty(6).random_(0, 10),
+    "random_.to": lambda: torch.empty(6).random_(10),
+    "randperm.generator_out": lambda: torch.randperm(8),
+    "rrelu_with_noise": lambda: torch.ops.aten.rrelu_with_noise(*_rrelu_args(), 0.1, 0.3, True),
+    "rrelu_with_noise.out": lambda: torch.ops.aten.rrelu_with_noise.out(
+        *_rrelu_args(), 0.1, 0.3, True, out=torch.empty(6)
+    ),
+    "rrelu_with_noise_": lambda: torch.ops.aten.rrelu_with_noise_(*_rrelu_args(), 0.1, 0.3, True),
+    "uniform_": lambda: torch.empty(6).uniform_(),
+}
+SIM_ORIGINALS = ("uniform_", "normal_", "bernoulli_.float", "random_.from", "native_dropout", "exponential_")
+
+
+def _originals_outputs(device: str, labels: Sequence[str]) -> dict[str, list[list[Any]]]:
+    out = {}
+    for label in labels:
+        torch.manual_seed(7)
+        if device != "cpu":
+            with torch.device(device):
+                result = ORIGINALS[label]()
+        else:
+            result = ORIGINALS[label]()
+        tensors = result if isinstance(result, tuple) else (result,)
+        out[label] = [t.cpu().tolist() for t in tensors if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _originals_report() -> dict[str, Any]:
+    """In a fresh process: every overridden op's values outside the mode, before and after registration."""
+    from hyperrng.portable_mode import _KERNELS
+
+    sim = platforms.SimulatedPlatform()
+    sim.device(0)
+    before = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
+    for platform in (platforms.CPUPlatform(), sim):
+        with platforms.use(platform), portable_random():
+            pass
+    after = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
+    return {"registered": sorted(_KERNELS.done), "before": before, "after": after}
+
+
+@pytest.mark.slow
+def test_outside_the_mode_every_overridden_op_gives_torchs_numbers_through_its_saved_kernel() -> None:
+    import json
+    import subprocess
+
+    code = "import json, tests.test_portable_mode as t; print(json.dumps(t._originals_report()))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    report = json.loads(run.stdout.splitlines()[-1])
+    registered = {(label, key) for label, key in report["registered"]}
+    assert {label for label, key in registered if key == "CPU"} == set(ORIGINALS), "a sample call per CPU override"
+    assert {label for label, key in registered if key == "PrivateUse1"} >= set(SIM_ORIGINALS)
+    for device in ("cpu", "sim"):
+        for label, values in report["before"][device].items():
+            assert report["after"][device][label] == values, f"{label} on {device} drew other numbers once registered"
+
+
+def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_in_a_fresh_process() -> None:
+    import subprocess
+
+    code = (
+        "import torch, hyperrng.platforms as p; from hyperrng import philox; "
+        "from hyperrng.portable_mode import portable_random\n"
+        "with p.use(p.SimulatedPlatform()), portable_random(5):\n"
+        "    x = torch.rand(6, device='sim:0')\n"
+        "assert torch.equal(x.cpu(), philox.uniform(6, 5, 0)), x"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -71,27 +71,38 @@ def _unsharded(layouts: list[Any]) -> list[torch.Tensor]:
     return out
 
 
-def _dtensor_rank(rank: int, world_size: int, mesh_shape: tuple[int, ...], layouts: list[Any]) -> dict[str, Any]:
+def _dtensor_rank(
+    rank: int, world_size: int, mesh_shape: tuple[int, ...], layouts: list[Any], install: bool
+) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import _random
 
     tracker = ShardedRNGTracker()
-    previous = tracker.install_dtensor()
+    previous = tracker.install_dtensor() if install else None
+    before = _random._rng_tracker
     try:
         mesh = init_device_mesh("cpu", mesh_shape)
         with warnings.catch_warnings(), portable_random(SEED):
             warnings.simplefilter("ignore")
             tensors = _draws(mesh, layouts)
             position = platforms.current().get_seed_offset()
+        restored = _random._rng_tracker is before
     finally:
-        tracker.uninstall_dtensor(previous)
-    return {"tensors": [t.tolist() for t in tensors], "position": list(position)}
+        if install:
+            tracker.uninstall_dtensor(previous)
+    return {"tensors": [t.tolist() for t in tensors], "position": list(position), "restored": restored}
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
-def test_dtensor_random_ops_give_every_rank_the_unsharded_tensors(mesh_shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("mesh_shape", "install"),
+    [((4,), False), ((2, 2), False), ((4,), True)],
+    ids=["1d-by-itself", "2d-by-itself", "1d-adapter-installed-by-the-user"],
+)
+def test_dtensor_random_ops_give_every_rank_the_unsharded_tensors(mesh_shape: tuple[int, ...], install: bool) -> None:
+    """portable_random(seed) alone routes DTensor ops through the sharded path, and puts DTensor's tracker back."""
     layouts = [layout for layout in LAYOUTS if len(layout[0]) == len(mesh_shape)]
-    results = run_ranks(_dtensor_rank, 4, mesh_shape, layouts)
+    results = run_ranks(_dtensor_rank, 4, mesh_shape, layouts, install)
     with platforms.use(platforms.CPUPlatform()), portable_random(SEED):
         expected = _unsharded(layouts)
         position = list(platforms.current().get_seed_offset())
@@ -99,6 +110,7 @@ def test_dtensor_random_ops_give_every_rank_the_unsharded_tensors(mesh_shape: tu
         for i, (got, want) in enumerate(zip(result["tensors"], expected)):
             assert torch.equal(torch.tensor(got), want), f"rank {rank}, draw {i}"
         assert result["position"] == position, f"rank {rank} left at another position than an unsharded process"
+        assert result["restored"], f"rank {rank}: the exit did not put DTensor's RNG tracker back"
 
 
 # -- elastic resume ----------------------------------------------------------------------------

@@ -12,8 +12,12 @@ elementwise, also use the other threads).
 The ``portable mode`` lines time torch's own ``torch.rand`` and ``F.dropout`` inside
 :class:`~hyperrng.portable_mode.portable_random` (so they include the mode's dispatch
 and position bookkeeping, the copy into torch's result tensor, and entering and leaving
-the mode, which registers and removes its kernels, on every call) against the same calls
-outside it.
+the mode on every call) against the same calls outside it. ``portable mode training
+step`` times one eager step of a small MLP with dropout (forward, backward, SGD), entering
+and leaving the mode around each step, against the same step without it (target 1.10).
+The ``outside portable mode`` lines time a small random op on a thread that is not in the
+mode, once the portable kernels are registered, against the same op before registration
+(in a fresh process: registration is once per process; the rounds cannot interleave).
 
 Targets (higher is better, portable throughput over native throughput): eager uniform
 0.5, compiled uniform 1.5, eager dropout 0.5. Eager Philox runs about a hundred
@@ -24,12 +28,17 @@ each call, so both pay the same page faults on it.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from hyperrng.benchmarks._timing import BenchResult, interleaved
+from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved
 from hyperrng.philox import dropout, uniform
 from hyperrng.portable_mode import portable_random
 
@@ -42,6 +51,8 @@ _DROPOUT_P = 0.1
 _EAGER_TARGET = 0.5
 _COMPILED_TARGET = 1.5
 _DROPOUT_TARGET = 0.5
+_STEP_TARGET = 1.10  # portable training step over a native one
+_MLP_WIDTH, _MLP_BATCH, _MLP_DROPOUT = 1024, 32, 0.1
 
 
 @contextmanager
@@ -128,7 +139,103 @@ def benchmarks(quick: bool) -> list[BenchResult]:
                 ),
             ]
             results += _mode_lines(n, x, repeat, label, note)
+    with _torch_threads(1):
+        results.append(_training_step(repeat))
+    results += _outside_the_mode(repeat)
     return results
+
+
+class _MLP(nn.Module):
+    """Three linear layers with dropout after the first two: a small model's step, dropout included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(_MLP_WIDTH, _MLP_WIDTH) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = F.dropout(torch.relu(layer(x)), _MLP_DROPOUT, self.training)
+        return self.layers[-1](x)
+
+
+def _training_step(repeat: int) -> BenchResult:
+    model = _MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(_MLP_BATCH, _MLP_WIDTH)
+
+    def step() -> None:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def portable_step() -> None:
+        with portable_random():
+            step()
+
+    t = interleaved({"base": step, "ours": portable_step}, number=5, rounds=max(repeat, 5))
+    return BenchResult(
+        name="portable mode training step, 1 thread",
+        timing=t["ours"],
+        baseline="the same step, native",
+        baseline_timing=t["base"],
+        target=_STEP_TARGET,
+        note=f"MLP {_MLP_WIDTH}x{_MLP_WIDTH}x3 with dropout {_MLP_DROPOUT}, batch {_MLP_BATCH}, eager, "
+        "forward+backward+SGD; portable_random() entered and left around every step",
+    )
+
+
+def _outside_rounds(rounds: int, number: int) -> dict[str, dict[str, list[float]]]:
+    """Per op: seconds per call before and after the portable kernels are registered (this process)."""
+    import time
+
+    from hyperrng.portable_mode import _KERNELS
+
+    if _KERNELS.done:
+        raise RuntimeError("the portable kernels are registered already: run this in a fresh process")
+    x = torch.ones(16)
+    calls: dict[str, Callable[[], object]] = {
+        "torch.rand(64)": lambda: torch.rand(64),
+        "F.dropout(16 elements)": lambda: F.dropout(x, 0.5),
+    }
+
+    def timed() -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {name: [] for name in calls}
+        for fn in calls.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                start = time.perf_counter()
+                for _ in range(number):
+                    fn()
+                out[name].append((time.perf_counter() - start) / number)
+        return out
+
+    before = timed()
+    with portable_random():
+        pass
+    after = timed()
+    return {name: {"before": before[name], "after": after[name]} for name in calls}
+
+
+def _outside_the_mode(repeat: int) -> list[BenchResult]:
+    code = (
+        "import json, torch; torch.set_num_threads(1); from hyperrng.benchmarks.philox import _outside_rounds; "
+        f"print(json.dumps(_outside_rounds({max(repeat, 5)}, 2000)))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    measured = json.loads(run.stdout.splitlines()[-1])
+    return [
+        BenchResult(
+            name=f"{name} outside portable mode",
+            timing=Timing(tuple(rounds["after"])),
+            baseline="the same before registration",
+            baseline_timing=Timing(tuple(rounds["before"])),
+            note="a thread not in the mode, once the portable kernels are registered (a Python call that reads "
+            "the flag and calls torch's kernel); fresh process, 1 thread, rounds before then after",
+        )
+        for name, rounds in measured.items()
+    ]
 
 
 def _in_mode(fn: Callable[[], object], compiled: bool) -> Callable[[], object]:
