@@ -235,3 +235,20 @@ def test_torch_checkpoint_replays_a_sharded_regions_dropout_on_the_cpu() -> None
     assert torch.equal(plain[0], recomputed[0])
     assert torch.equal(plain[1], recomputed[1]), "the recompute must draw the forward's mask"
     assert plain[2] == recomputed[2]
+
+
+def test_a_recompute_after_portable_mode_has_exited_draws_the_forwards_portable_numbers() -> None:
+    import hyperrng
+
+    x = torch.ones(64, requires_grad=True)
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        return F.dropout(t, p=0.5, training=True) * 3.0
+
+    with hyperrng.portable_random(11):
+        expected = layer(x.detach()).detach()  # the portable mask of the first op at (11, 0)
+    with hyperrng.portable_random(11):
+        out = checkpoint(layer, x)
+    assert torch.equal(out.detach(), expected)
+    out.sum().backward()  # the recompute runs here, after the context: it must draw portably again
+    assert torch.equal(x.grad, (expected != 0).float() * 2.0 * 3.0)
