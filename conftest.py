@@ -24,15 +24,41 @@ def _has_npu() -> bool:
         return False
 
 
+SIM_FIXTURES = frozenset({"sim"})
+"""Fixtures that hand a test the simulated device: a test that asks for one needs it."""
+
+SIM_PARAMETERS = frozenset({"sim", "plugin-without-generator"})
+"""Parameter values (the platform tables of ``tests/_platforms.py``, ``parametrize`` over platform
+names) that run a test on the simulated device, or on a plug-in built on it."""
+
+
+def _uses_sim(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on the simulated device: marked ``needs_sim`` (itself or its module), asks
+    for a fixture of :data:`SIM_FIXTURES`, or is the instance of a parametrised test that runs on it."""
+    if item.get_closest_marker("needs_sim") is not None:
+        return True
+    if SIM_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(isinstance(value, str) and value in SIM_PARAMETERS for value in params.values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from hyperrng.platforms import _features
+
     has_cuda = torch.cuda.is_available()
     need_npu = any("npu" in item.keywords for item in items)
     has_npu = _has_npu() if need_npu else False
+    sim, local_tensor = _features.feature("sim"), _features.feature("local-tensor")
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "npu" in item.keywords and not has_npu:
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
+        if not sim.available and _uses_sim(item):
+            item.add_marker(pytest.mark.skip(reason=sim.refusal()))
+        if not local_tensor.available and item.get_closest_marker("needs_local_tensor") is not None:
+            item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
 
 
 @pytest.fixture(autouse=True)

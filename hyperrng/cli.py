@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import HyperRNGError, PlatformError
+from hyperrng.platforms import _features
 
 __all__ = ["main", "info_lines"]
 
@@ -98,6 +99,7 @@ def info_lines() -> list[str]:
             mark = "available" if probe.available else "unavailable"
             detail = f" - {probe.reason}" if probe.reason else ""
             lines.append(f"  {probe.name:<8} [{probe.source}] {mark}{detail}")
+    lines += _features.report_lines()
     lines.append("known platforms (built-in, registered, plug-ins):")
     lines += [f"  {name:<8} [{source}] {_availability(name)}" for name, source in _known_platforms()]
     return lines
