@@ -43,8 +43,15 @@ def _uses_sim(item: pytest.Item) -> bool:
     return any(isinstance(value, str) and value in SIM_PARAMETERS for value in params.values())
 
 
+FAKE_PG_FIXTURES = frozenset({"fake_world"})
+"""Fixtures that start a process group on torch's built-in "fake" backend (torch >= 2.9)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch.distributed as dist
     from hyperrng.platforms import _features
+
+    has_fake_pg = "fake" in getattr(dist.Backend, "backend_list", ())
 
     has_cuda = torch.cuda.is_available()
     need_npu = any("npu" in item.keywords for item in items)
@@ -59,6 +66,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=sim.refusal()))
         if not local_tensor.available and item.get_closest_marker("needs_local_tensor") is not None:
             item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
+        if not has_fake_pg and FAKE_PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            reason = f"needs torch's built-in 'fake' process-group backend (torch >= 2.9); this is {torch.__version__}"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
