@@ -23,6 +23,7 @@ class TestCPUPlatform(PlatformConformance):
         return platforms.CPUPlatform()
 
 
+@pytest.mark.needs_sim
 class TestSimulatedPlatform(PlatformConformance):
     @pytest.fixture
     def platform(self) -> platforms.Platform:
@@ -71,6 +72,7 @@ class TestRealNPU(PlatformConformance):
         return platforms.NPUPlatform()
 
 
+@pytest.mark.needs_sim
 def test_check_platform_runs_without_pytest_fixtures() -> None:
     check_platform(platforms.SimulatedPlatform())
 
@@ -176,6 +178,7 @@ def test_the_kit_catches_state_io_accessors_that_follow_the_current_device() -> 
         check_platform(_StateIOFollowsTheDeviceCurrentWhenUsed())
 
 
+@pytest.mark.needs_sim
 def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_found_them() -> None:
     sim = platforms.SimulatedPlatform()
     saved = [sim.get_rng_state(i) for i in range(sim.device_count())]

@@ -76,6 +76,7 @@ PLUGIN_SOURCE = """
 # -- environment variable ---------------------------------------------------------------
 
 
+@pytest.mark.needs_sim
 def test_env_var_selects_a_registered_platform_by_name() -> None:
     sel = platforms.select({platforms.ENV_VAR: "sim"})
     assert isinstance(sel.platform, platforms.SimulatedPlatform)
@@ -221,6 +222,7 @@ def test_use_overrides_inside_the_block_and_restores_after() -> None:
     assert platforms.current() is outer
 
 
+@pytest.mark.needs_sim
 def test_use_restores_even_when_the_block_raises() -> None:
     outer = platforms.current()
     with pytest.raises(ZeroDivisionError):
@@ -452,6 +454,7 @@ def test_info_explains_the_choice_and_every_probe() -> None:
     assert "HYPERRNG_PLATFORM=''" in out.stdout
 
 
+@pytest.mark.needs_sim
 def test_info_shows_the_env_var_when_it_decides() -> None:
     out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))", HYPERRNG_PLATFORM="sim")
     assert out.returncode == 0, out.stderr
