@@ -29,7 +29,8 @@ SIM_FIXTURES = frozenset({"sim"})
 
 SIM_PARAMETERS = frozenset({"sim", "plugin-without-generator"})
 """Parameter values (the platform tables of ``tests/_platforms.py``, ``parametrize`` over platform
-names) that run a test on the simulated device, or on a plug-in built on it."""
+names, alone or first in a tuple of parameters) that run a test on the simulated device, or on a
+plug-in built on it."""
 
 
 def _uses_sim(item: pytest.Item) -> bool:
@@ -40,7 +41,8 @@ def _uses_sim(item: pytest.Item) -> bool:
     if SIM_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         return True
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return any(isinstance(value, str) and value in SIM_PARAMETERS for value in params.values())
+    values = [v for value in params.values() for v in (value if isinstance(value, tuple) else (value,))]
+    return any(isinstance(value, str) and value in SIM_PARAMETERS for value in values)
 
 
 FAKE_PG_FIXTURES = frozenset({"fake_world"})

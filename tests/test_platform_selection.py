@@ -84,6 +84,7 @@ def test_env_var_selects_a_registered_platform_by_name() -> None:
     assert platforms.current() is sel.platform
 
 
+@pytest.mark.needs_sim
 def test_env_var_imports_a_module_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "myaccel.py").write_text(
         "from hyperrng import platforms\nclass Accel(platforms.SimulatedPlatform):\n    name = 'myaccel'\n"
@@ -238,6 +239,7 @@ def test_set_current_refuses_what_is_not_a_platform() -> None:
     assert platforms.current() is outer
 
 
+@pytest.mark.needs_sim
 def test_register_adds_a_named_factory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
     platforms.register("mysim", platforms.SimulatedPlatform)
@@ -394,6 +396,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
 
 
+@pytest.mark.needs_sim
 def test_a_plugin_that_imports_hyperrng_before_defining_its_factory_is_still_selected(tmp_path: Path) -> None:
     # The plug-in module is imported first; its own import of hyperrng.platforms runs hyperrng's
     # platform resolution, which asks for the plug-in's factory before the module has defined it.
