@@ -58,7 +58,10 @@ def _availability(name: str) -> str:
     try:
         platforms.load(name)
     except PlatformError as exc:
-        return f"unavailable - {str(exc).removeprefix(f'platform {name!r} is not available: ')}"
+        reason = (
+            str(exc).removeprefix(f"platform {name!r} is not available: ").removeprefix(f"plug-in platform {name!r} ")
+        )
+        return f"unavailable - {reason}"
     except Exception as exc:  # a plug-in's entry point that fails to import is a finding, not a crash
         return f"unavailable - failed to load: {type(exc).__name__}: {exc}"
     return "available"

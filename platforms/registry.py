@@ -243,7 +243,7 @@ def _load_named_plugin(name: str) -> Callable[[], object] | None:
                 raise
             except Exception as exc:
                 raise UnknownPlatformError(
-                    f"plug-in platform {name!r} (entry point {ep.value!r}) failed to load ({_one_line(exc)}); "
+                    f"plug-in platform {name!r} failed to load: {_one_line(exc)} (entry point {ep.value!r}); "
                     "fix or uninstall the package that provides it, or choose another platform."
                 ) from exc
     return None
