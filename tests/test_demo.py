@@ -58,6 +58,7 @@ class SimPlug(platforms.SimulatedPlatform):
 """
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_an_installed_plugin_on_the_simulated_device_is_chosen_and_every_rank_runs_on_it(tmp_path: Path) -> None:
@@ -78,6 +79,7 @@ class ProgrammaticPlug(platforms.SimulatedPlatform):
     name = "progplug"
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_platform_chosen_programmatically_reaches_the_rank_processes(capsys: pytest.CaptureFixture[str]) -> None:
