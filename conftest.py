@@ -24,15 +24,53 @@ def _has_npu() -> bool:
         return False
 
 
+SIM_FIXTURES = frozenset({"sim"})
+"""Fixtures that hand a test the simulated device: a test that asks for one needs it."""
+
+SIM_PARAMETERS = frozenset({"sim", "plugin-without-generator"})
+"""Parameter values (the platform tables of ``tests/_platforms.py``, ``parametrize`` over platform
+names, alone or first in a tuple of parameters) that run a test on the simulated device, or on a
+plug-in built on it."""
+
+
+def _uses_sim(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on the simulated device: marked ``needs_sim`` (itself or its module), asks
+    for a fixture of :data:`SIM_FIXTURES`, or is the instance of a parametrised test that runs on it."""
+    if item.get_closest_marker("needs_sim") is not None:
+        return True
+    if SIM_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    values = [v for value in params.values() for v in (value if isinstance(value, tuple) else (value,))]
+    return any(isinstance(value, str) and value in SIM_PARAMETERS for value in values)
+
+
+FAKE_PG_FIXTURES = frozenset({"fake_world"})
+"""Fixtures that start a process group on torch's built-in "fake" backend (torch >= 2.9)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch.distributed as dist
+    from hyperrng.platforms import _features
+
+    has_fake_pg = "fake" in getattr(dist.Backend, "backend_list", ())
+
     has_cuda = torch.cuda.is_available()
     need_npu = any("npu" in item.keywords for item in items)
     has_npu = _has_npu() if need_npu else False
+    sim, local_tensor = _features.feature("sim"), _features.feature("local-tensor")
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "npu" in item.keywords and not has_npu:
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
+        if not sim.available and _uses_sim(item):
+            item.add_marker(pytest.mark.skip(reason=sim.refusal()))
+        if not local_tensor.available and item.get_closest_marker("needs_local_tensor") is not None:
+            item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
+        if not has_fake_pg and FAKE_PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            reason = f"needs torch's built-in 'fake' process-group backend (torch >= 2.9); this is {torch.__version__}"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

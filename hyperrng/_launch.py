@@ -8,6 +8,15 @@ platform current in the parent, even one chosen programmatically there.
 A rank that raises, dies or hangs fails the call with :class:`~hyperrng.errors.RankFailure`:
 a rank that dies is noticed within a second, and the ranks still running (typically
 blocked in a collective with it) are killed at once rather than waited for.
+
+Teardown cannot hang. Each rank sends its answer over a pipe of its own, written by the
+rank's main thread before anything else happens (a queue's background thread may never
+get to run: see below), then waits until the parent has every rank's answer: from then on
+no peer needs it. It then ends without tearing down its process group, since every
+collective it took part in has completed on every rank. Tearing it down can deadlock on
+torch 2.5: gloo's destructor holds the GIL while it waits for a worker thread that needs
+the GIL to free the tensors of the last collective; and the same destructor would run at
+interpreter exit, so a rank ends with ``os._exit`` once its output is flushed.
 """
 
 from __future__ import annotations
@@ -15,11 +24,12 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue as queue_module
 import socket
+import sys
 import time
 import traceback
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import hyperrng.platforms as platforms
@@ -31,7 +41,7 @@ _RESULT_TIMEOUT_S = 240  # a hung collective must fail the run, not block it
 _POLL_S = 0.5  # how often to look for ranks that died without answering
 _SETTLE_S = 2.0  # after a failure: time for peers' exit codes to become visible before the survivors are killed
 _COLLECTIVE_TIMEOUT_S = 120
-_JOIN_S = 30  # ranks that all answered only have to tear down their process group
+_JOIN_S = 30  # released ranks only have to flush their output and exit
 
 
 def free_port() -> int:
@@ -88,7 +98,7 @@ def _entry(
     platform: tuple[type[platforms.Platform], str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    queue: Any,
+    conn: Any,
 ) -> None:
     import torch.distributed as dist
 
@@ -105,12 +115,22 @@ def _entry(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S)
         )
-        try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
+        ok, answer = True, pickle.dumps((True, fn(rank, world_size, *args)))  # an unpicklable result is a failure
     except BaseException as exc:
-        queue.put((rank, False, (f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
+        ok, answer = False, pickle.dumps((False, (_first_line(exc), traceback.format_exc())))
+    try:
+        conn.send_bytes(answer)
+        if ok:
+            conn.recv_bytes()  # the parent's release: every rank has answered
+    except (EOFError, OSError):
+        pass  # the parent is gone; nobody waits for this rank any more
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)  # no process group teardown, no interpreter finalisation: see the module docstring
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
@@ -136,14 +156,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
     platform = _platform_for_ranks()
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = free_port()
+    pipes = [ctx.Pipe() for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, backend, platform, fn, args, queue), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, port, backend, platform, fn, args, pipes[r][1]), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
+    for _, child_end in pipes:
+        child_end.close()  # so that a rank that ends reads as the end of its pipe here
+    waiting = {parent_end: r for r, (parent_end, _) in enumerate(pipes)}
     results: dict[int, Any] = {}
     raised: dict[int, tuple[str, str]] = {}  # in the order the reports arrived
     dead: dict[int, int] = {}
@@ -152,42 +175,65 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         while len(results) < world_size and not raised:
             if _died(procs, results) or time.monotonic() > deadline:
                 break
-            _collect(queue, results, raised, _POLL_S)
+            _collect(waiting, results, raised, _POLL_S)
         if len(results) < world_size:
             # Let the first failure's consequences surface (peers notice a dead rank through
             # their sockets before its exit code is visible) before judging who failed first.
             settle = time.monotonic() + _SETTLE_S
-            while time.monotonic() < settle and len(results) + len(raised) < world_size:
-                _collect(queue, results, raised, min(_POLL_S, max(settle - time.monotonic(), 0.01)))
+            while time.monotonic() < settle and len(results) + len(raised) < world_size and waiting:
+                _collect(waiting, results, raised, min(_POLL_S, max(settle - time.monotonic(), 0.01)))
             dead = _died(procs, results.keys() | raised.keys())
+        else:
+            _release(parent_end for parent_end, _ in pipes)
     finally:
         _stop(procs, wait=len(results) == world_size)
+        for parent_end, _ in pipes:
+            parent_end.close()
     if len(results) == world_size:
         return [results[r] for r in range(world_size)]
     raise _failure(world_size, results, raised, dead)
 
 
-def _collect(queue: Any, results: dict[int, Any], raised: dict[int, tuple[str, str]], timeout: float) -> None:
-    try:
-        rank, ok, value = queue.get(timeout=timeout)
-    except queue_module.Empty:
-        return
-    if ok:
-        results[rank] = value
-    else:
-        raised[rank] = value
+def _collect(
+    waiting: dict[Any, int], results: dict[int, Any], raised: dict[int, tuple[str, str]], timeout: float
+) -> None:
+    """Read the answers that arrive within ``timeout``; a pipe that ends without one is dropped (see :func:`_died`)."""
+    ready: list[Any] = mp_connection.wait(list(waiting), timeout)
+    for conn in ready:
+        rank = waiting.pop(conn)
+        try:
+            ok, value = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            continue
+        if ok:
+            results[rank] = value
+        else:
+            raised[rank] = value
+
+
+def _release(conns: Iterable[Any]) -> None:
+    """Tell every rank that all have answered, so that each may end."""
+    for conn in conns:
+        try:
+            conn.send_bytes(b"")
+        except OSError:
+            pass  # that rank has ended already
 
 
 def _died(procs: list[Any], answered: Collection[int]) -> dict[int, int]:
-    """Exit codes of the ranks that ended without answering (a kill, an abort, ``os._exit``)."""
-    return {r: p.exitcode for r, p in enumerate(procs) if r not in answered and p.exitcode not in (None, 0)}
+    """Exit codes of the ranks that ended without answering (a kill, an abort, ``os._exit``).
+
+    A rank ends only after its answer is sent (and, when it succeeded, after the release),
+    so any exit code of a rank without an answer is a death, 0 included.
+    """
+    return {r: p.exitcode for r, p in enumerate(procs) if r not in answered and p.exitcode is not None}
 
 
 def _stop(procs: list[Any], wait: bool) -> None:
-    """Join ranks that all answered; kill at once the survivors of a failed run."""
+    """Give released ranks until ``_JOIN_S`` to end, together; kill at once the survivors of a failed run."""
+    end = time.monotonic() + (_JOIN_S if wait else 0.0)
     for p in procs:
-        if wait:
-            p.join(timeout=_JOIN_S)
+        p.join(timeout=max(end - time.monotonic(), 0.0))
         if p.is_alive():
             p.kill()
     for p in procs:

@@ -28,9 +28,11 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -373,6 +375,69 @@ _MIN_COMPILED_BLOCKS = 2
 """Compiled calls never see fewer blocks: sizes 0 and 1 would be specialised and compiled again."""
 
 
+_SUBNORMAL = 2.0**-1070
+"""A double below the smallest normal one (``2**-1022``): what a thread that flushes subnormals makes zero."""
+
+_FILL_GRAIN = 32768
+"""Elements per thread above which torch's CPU ops run in parallel (its ``GRAIN_SIZE``)."""
+
+
+class _ThreadMode(threading.local):
+    """How many OpenMP worker threads this thread has started, in its own floating-point mode."""
+
+    workers = 0
+
+
+_THREAD_MODE = _ThreadMode()
+
+
+def _flushes_subnormals() -> bool:
+    """Whether this thread flushes subnormal numbers to zero (the FTZ or DAZ bit of its FP unit)."""
+    tiny = _SUBNORMAL
+    return tiny * 1.0 == 0.0
+
+
+def _start_workers() -> None:
+    """Start this thread's OpenMP worker threads now, while its floating-point mode is its own.
+
+    Worker threads copy the mode of the thread that starts them, and torch's CPU ops and
+    the kernels inductor compiles share them. Started before compiled code is loaded, they
+    keep the caller's mode when that code changes it (see :func:`_keeping_float_mode`).
+    """
+    threads = torch.get_num_threads()
+    if threads > _THREAD_MODE.workers:
+        if threads > 1:
+            torch.empty(threads * _FILL_GRAIN, dtype=torch.uint8).fill_(0)  # one parallel region of every thread
+        _THREAD_MODE.workers = threads
+
+
+def _keeping_float_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (compiled code) made to leave the calling thread's handling of subnormal numbers as it was.
+
+    torch 2.5's inductor links the CPU code it compiles with ``-ffast-math``; with GCC
+    before 13 that adds a constructor which, when the library loads (at the first call
+    of each compiled variant), sets the loading thread to flush subnormal floats to zero,
+    and every thread started from it afterwards inherits that. Left alone, one compiled
+    call would change the arithmetic of the whole process. So: the worker threads are
+    started first (:func:`_start_workers`); if the call changed the mode, it is put back
+    (``torch.set_flush_denormal(False)``) and the call is made again, so that its values
+    too are those of the caller's mode. A torch that does not change the mode pays two
+    float multiplications per call.
+    """
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        _start_workers()
+        flushed = _flushes_subnormals()
+        out = fn(*args)
+        if not flushed and _flushes_subnormals():
+            torch.set_flush_denormal(False)
+            out = fn(*args)
+        return out
+
+    return call
+
+
 @functools.cache
 def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
     """``blockwise`` compiled for one device type.
@@ -394,7 +459,7 @@ def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=name)
     fn = types.FunctionType(code, blockwise.__globals__, name, blockwise.__defaults__, blockwise.__closure__)
-    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+    return _keeping_float_mode(torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}))
 
 
 def _write_into_template(
@@ -416,7 +481,7 @@ def _compiled_into(blockwise: Blockwise, device_type: str = "cpu") -> Callable[.
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=name)
     fn = types.FunctionType(code, {**_write_into_template.__globals__, "_TARGET": blockwise}, name)
-    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+    return _keeping_float_mode(torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}))
 
 
 @functools.lru_cache(maxsize=16)

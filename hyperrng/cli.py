@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import HyperRNGError, PlatformError
+from hyperrng.platforms import _features
 
 __all__ = ["main", "info_lines"]
 
@@ -62,7 +63,10 @@ def _availability(name: str) -> str:
     try:
         platforms.load(name)
     except PlatformError as exc:
-        return f"unavailable - {str(exc).removeprefix(f'platform {name!r} is not available: ')}"
+        reason = (
+            str(exc).removeprefix(f"platform {name!r} is not available: ").removeprefix(f"plug-in platform {name!r} ")
+        )
+        return f"unavailable - {reason}"
     except Exception as exc:  # a plug-in's entry point that fails to import is a finding, not a crash
         return f"unavailable - failed to load: {type(exc).__name__}: {exc}"
     return "available"
@@ -103,6 +107,7 @@ def info_lines() -> list[str]:
             mark = "available" if probe.available else "unavailable"
             detail = f" - {probe.reason}" if probe.reason else ""
             lines.append(f"  {probe.name:<8} [{probe.source}] {mark}{detail}")
+    lines += _features.report_lines()
     lines.append("known platforms (built-in, registered, plug-ins):")
     lines += [f"  {name:<8} [{source}] {_availability(name)}" for name, source in _known_platforms()]
     return lines

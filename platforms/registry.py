@@ -192,7 +192,7 @@ def _import_factory(spec: str) -> Callable[[], object]:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise UnknownPlatformError(
-            f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({type(exc).__name__}: {exc})."
+            f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)})."
         ) from exc
     try:
         obj: object = module
@@ -212,7 +212,13 @@ class _StillImporting(Exception):
     running its body (it imported hyperrng, which asked for the plug-in back)."""
 
 
-def _load_entry_point(ep: EntryPoint) -> object:
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (the message's first non-blank line), for errors that quote another."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _load_entry_point(ep: EntryPoint) -> Callable[[], object]:
     was_imported = ep.module in sys.modules
     try:
         return ep.load()
@@ -220,6 +226,27 @@ def _load_entry_point(ep: EntryPoint) -> object:
         if was_imported:
             raise _StillImporting(ep.module) from exc
         raise
+
+
+def _load_named_plugin(name: str) -> Callable[[], object] | None:
+    """The factory of the plug-in whose entry point is ``name``, or ``None`` when no plug-in has that name.
+
+    Raises:
+        UnknownPlatformError: the plug-in's module fails to import, or lacks the factory it names
+            (one line, as for a ``module:Factory`` that does not load).
+    """
+    for ep in _plugin_entry_points():
+        if ep.name == name:
+            try:
+                return _load_entry_point(ep)
+            except _StillImporting:
+                raise
+            except Exception as exc:
+                raise UnknownPlatformError(
+                    f"plug-in platform {name!r} failed to load: {_one_line(exc)} (entry point {ep.value!r}); "
+                    "fix or uninstall the package that provides it, or choose another platform."
+                ) from exc
+    return None
 
 
 def _plugin_entry_points() -> list[EntryPoint]:
@@ -253,9 +280,9 @@ def load(spec: str) -> Platform:
         except Exception as exc:
             raise PlatformUnavailableError(f"{spec} could not create a platform: {type(exc).__name__}: {exc}") from exc
     else:
-        factory = _FACTORIES.get(spec)
+        factory: Callable[[], object] | None = _FACTORIES.get(spec)
         if factory is None:
-            factory = next((_load_entry_point(ep) for ep in _plugin_entry_points() if ep.name == spec), None)
+            factory = _load_named_plugin(spec)
         if factory is None:
             known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
             raise UnknownPlatformError(
@@ -302,7 +329,7 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
         except _StillImporting:
             raise
         except Exception as exc:
-            probes.append(ProbeResult(ep.name, "plugin", False, f"failed to load: {type(exc).__name__}: {exc}"))
+            probes.append(ProbeResult(ep.name, "plugin", False, f"failed to load: {_one_line(exc)}"))
             continue
         reason = _probe(plugin)
         probes.append(ProbeResult(ep.name, "plugin", reason is None, reason or ""))

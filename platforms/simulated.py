@@ -37,6 +37,11 @@ e.g. through a tracker stream), DTensor/``DeviceMesh`` on the ``sim`` device typ
 same process (torch has one slot: with ``torch_npu`` or another such plug-in loaded, this
 platform reports itself unavailable).
 
+Registering a device backend written in Python needs torch's ``torch._C._acc`` hooks
+(torch >= 2.10, see :mod:`hyperrng.platforms._features`): on an older torch this module
+still imports, the platform's probe says which torch it needs, and selecting it raises
+that reason as a :class:`~hyperrng.platforms.errors.PlatformUnavailableError`.
+
 The same module also stands in for ``torch.cuda`` or ``torch.npu`` in tests:
 ``CUDAPlatform(module=SimulatedDeviceModule(device_type="cuda"))`` drives the CUDA
 implementation's generator paths without a GPU (no tensors: ``"cuda"`` stays torch's).
@@ -51,6 +56,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from hyperrng.platforms import _features
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from hyperrng.platforms.device_module import DeviceModulePlatform
 from hyperrng.platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
@@ -315,9 +321,9 @@ def backend_conflict(device_type: str = SIM_DEVICE_TYPE) -> str | None:
 
     Changes nothing: the probe of :class:`SimulatedPlatform` calls it at import time.
     """
-    acc = getattr(torch._C, "_acc", None)
-    if acc is None or not hasattr(acc, "register_python_privateuseone_hook"):
-        return f"torch {torch.__version__} cannot host a device backend written in Python (needs torch >= 2.9)"
+    needed = _features.feature("sim")
+    if not needed.available:
+        return needed.refusal()
     taken = torch._C._get_privateuse1_backend_name()
     if taken not in ("privateuseone", device_type):
         return f"torch's PrivateUse1 backend is already taken by {taken!r} (one per process)"
@@ -352,8 +358,9 @@ def _register(module: SimulatedDeviceModule) -> None:
     torch.utils.rename_privateuse1_backend(name)
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
     torch._register_device_module(name, module)
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
-    torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    hooks, guard = _hook_classes()
+    torch._C._acc.register_python_privateuseone_hook(hooks())
+    torch._C._acc.register_python_privateuseone_device_guard(guard())
     library = torch.library.Library("_", "IMPL")
     library.fallback(_factory_fallback, "PrivateUse1")  # ops with no device tensor input (factories)
     # torch's Python backend hooks report one device to the autograd engine, whose worker
@@ -363,20 +370,29 @@ def _register(module: SimulatedDeviceModule) -> None:
     _Backend.module, _Backend.library, _Backend.scratch = module, library, torch.Generator()
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc, name-defined]
-    def is_available(self) -> bool:
-        return _Backend.module is not None and _Backend.module.is_available()
+def _hook_classes() -> tuple[type, type]:
+    """The hook and device-guard classes torch calls back into, defined only when registering.
 
-    def has_primary_context(self, dev_id: int) -> bool:
-        return True
+    Their base classes exist only in a torch that can host a Python backend (see
+    ``hyperrng.platforms._features``): defining them at import would make this module,
+    and so ``import hyperrng``, fail on every older torch.
+    """
 
-    def is_built(self) -> bool:
-        return True
+    class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc, name-defined]
+        def is_available(self) -> bool:
+            return _Backend.module is not None and _Backend.module.is_available()
 
+        def has_primary_context(self, dev_id: int) -> bool:
+            return True
 
-class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc, name-defined]
-    def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
+        def is_built(self) -> bool:
+            return True
+
+    class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc, name-defined]
+        def type_(self) -> Any:
+            return torch._C._autograd.DeviceType.PrivateUse1
+
+    return _Hooks, _Guard
 
 
 class _DeviceTensor(torch.Tensor):

@@ -203,6 +203,7 @@ def test_the_demo_accepts_the_largest_seed_the_library_accepts() -> None:
 # -- info lists every platform that can be named ---------------------------------------------
 
 
+@pytest.mark.needs_sim
 def test_info_lists_registered_and_entry_point_platforms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = "from hyperrng import platforms\nclass Listed(platforms.SimulatedPlatform):\n    name = 'listed'\n"
     (tmp_path / "plug_listed.py").write_text(source + "    def probe(self):\n        return 'no board'\n")

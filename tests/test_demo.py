@@ -106,6 +106,7 @@ def _demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env=full_env, timeout=600, cwd=REPO)  # fmt: skip
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_on_the_simulated_accelerator_four_ranks_share_two_devices_and_every_property_holds() -> None:
@@ -127,6 +128,7 @@ class SimPlug(platforms.SimulatedPlatform):
 """
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_an_installed_plugin_on_the_simulated_device_is_chosen_and_every_rank_runs_on_it(tmp_path: Path) -> None:
@@ -147,6 +149,7 @@ class ProgrammaticPlug(platforms.SimulatedPlatform):
     name = "progplug"
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_platform_chosen_programmatically_reaches_the_rank_processes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,6 +237,7 @@ def test_inside_torchrun_the_job_decides_the_world_size(monkeypatch: pytest.Monk
         DemoConfig(portable=True).resolved()
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_with_portable_the_demo_trains_every_tp_size_to_the_same_numbers_on_the_simulated_device() -> None:
@@ -265,6 +269,7 @@ def test_ranks_that_must_share_devices_fall_back_to_gloo_staged_through_the_host
     assert plan.describe() == "over gloo, 4 ranks sharing 2 'cuda' device(s), tensors staged through the host"
 
 
+@pytest.mark.needs_sim
 def test_the_simulated_device_stages_through_the_host_even_with_a_device_per_rank() -> None:
     plan = _Placement.plan(platforms.SimulatedPlatform(), local_ranks=2)  # its backend is gloo
     assert (plan.backend, plan.staged) == ("gloo", True)

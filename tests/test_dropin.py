@@ -16,8 +16,8 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.distributed as dist
+from hyperrng.platforms._features import feature
 from hyperrng.platforms.cpu import position_seed
-from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -27,6 +27,9 @@ from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 from hyperrng.sharding import rng_offsets
 from hyperrng.tracker import CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each  # noqa: F401 (autouse fixture)
+
+if feature("local-tensor").available:  # its tests are marked needs_local_tensor and skip elsewhere
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode
 
 platform = use_each(PLATFORMS)
 
@@ -141,6 +144,7 @@ PLACEMENT_CASES = [
 ]
 
 
+@pytest.mark.needs_local_tensor
 @pytest.mark.parametrize(("placements", "shape"), PLACEMENT_CASES)
 def test_dtensor_random_ops_under_local_tensor_mode_draw_what_real_ranks_draw(
     installed: ShardedRNGTracker, placements: list[Any], shape: tuple[int, int]
@@ -160,6 +164,7 @@ def test_dtensor_random_ops_under_local_tensor_mode_draw_what_real_ranks_draw(
     assert set(positions.values()) == {position}, "every simulated rank must leave at the real ranks' position"
 
 
+@pytest.mark.needs_local_tensor
 def test_distribute_region_under_local_tensor_mode_positions_every_simulated_rank(fake_world: None) -> None:
     mesh = DeviceMesh("cpu", torch.arange(WORLD))
     tracker = ShardedRNGTracker()
@@ -177,6 +182,7 @@ def test_distribute_region_under_local_tensor_mode_positions_every_simulated_ran
     assert set(positions.values()) == {position}
 
 
+@pytest.mark.needs_local_tensor
 def test_the_traceable_offsets_under_local_tensor_mode_hold_each_simulated_rank_start(
     installed: ShardedRNGTracker,
 ) -> None:
@@ -193,6 +199,7 @@ def test_the_traceable_offsets_under_local_tensor_mode_hold_each_simulated_rank_
         assert (start.node._local_ints[rank], end) == want
 
 
+@pytest.mark.needs_local_tensor
 def test_manual_seed_under_local_tensor_mode_seeds_each_simulated_rank_with_its_own_value(fake_world: None) -> None:
     tracker = ShardedRNGTracker()
     with LocalTensorMode(WORLD) as mode:
@@ -204,6 +211,7 @@ def test_manual_seed_under_local_tensor_mode_seeds_each_simulated_rank_with_its_
     assert shared == dict.fromkeys(range(WORLD), (7, 0))
 
 
+@pytest.mark.needs_local_tensor
 def test_a_bad_per_rank_seed_under_local_tensor_mode_changes_no_rank(fake_world: None) -> None:
     tracker = ShardedRNGTracker()
     with LocalTensorMode(WORLD) as mode:
@@ -215,6 +223,7 @@ def test_a_bad_per_rank_seed_under_local_tensor_mode_changes_no_rank(fake_world:
         assert _positions(mode) == before
 
 
+@pytest.mark.needs_local_tensor
 def test_a_user_generator_under_local_tensor_mode_takes_the_advance_of_a_dtensor_op(
     installed: ShardedRNGTracker,
 ) -> None:
@@ -240,6 +249,7 @@ def test_a_user_generator_under_local_tensor_mode_takes_the_advance_of_a_dtensor
     assert user.initial_seed() == position_seed(42, end)
 
 
+@pytest.mark.needs_local_tensor
 def test_a_cursor_generator_keeps_its_position_through_dtensor_ops_that_hand_it_on_as_a_plain_generator(
     installed: ShardedRNGTracker,
 ) -> None:
@@ -263,6 +273,7 @@ def test_a_cursor_generator_keeps_its_position_through_dtensor_ops_that_hand_it_
     assert not torch.equal(draws["user"][0][0], draws["user"][1][0])
 
 
+@pytest.mark.needs_local_tensor
 def test_distribute_region_under_local_tensor_mode_refuses_a_generator_and_changes_nothing(fake_world: None) -> None:
     mesh = DeviceMesh("cpu", torch.arange(WORLD))
     tracker = ShardedRNGTracker()

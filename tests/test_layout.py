@@ -178,6 +178,7 @@ def test_apply_layout_adds_every_stream_and_seeds_the_default_generator(platform
     assert torch.equal(reference, platform.get_rng_state())
 
 
+@pytest.mark.needs_sim
 def test_on_an_accelerator_apply_layout_also_seeds_the_cpu_with_the_default_stream() -> None:
     with platforms.use(platforms.SimulatedPlatform()):
         layout = megatron_like_layout()

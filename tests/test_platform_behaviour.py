@@ -181,6 +181,7 @@ def test_cpu_position_is_restored_with_the_state() -> None:
 # -- the simulated accelerator behaves like a Philox device ---------------------------------
 
 
+@pytest.mark.needs_sim
 def test_simulated_draws_are_a_function_of_seed_and_offset() -> None:
     sim = SimulatedPlatform()
     device = sim.device(0)
@@ -193,6 +194,7 @@ def test_simulated_draws_are_a_function_of_seed_and_offset() -> None:
     assert torch.equal(torch.rand(5, device=device).cpu(), a.cpu())
 
 
+@pytest.mark.needs_sim
 def test_simulated_graph_safe_swap_shares_state_objects() -> None:
     sim = SimulatedPlatform()
     gen = sim.default_generator(0)
@@ -221,6 +223,7 @@ def test_unavailable_device_module_gives_a_reason() -> None:
     assert not p.is_available()
 
 
+@pytest.mark.needs_sim
 def test_simulated_device_is_a_device_type_of_its_own() -> None:
     sim = SimulatedPlatform()
     assert sim.device(1) == torch.device("sim", 1) and sim.device_type == "sim" and not sim.is_host
@@ -315,6 +318,7 @@ def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None
     assert torch.equal(cpu.get_rng_state(), before)
 
 
+@pytest.mark.needs_sim
 def test_set_device_makes_a_simulated_device_current_and_refuses_a_missing_one() -> None:
     from hyperrng.platforms.errors import DeviceIndexError
 

@@ -23,6 +23,7 @@ class TestCPUPlatform(PlatformConformance):
         return platforms.CPUPlatform()
 
 
+@pytest.mark.needs_sim
 class TestSimulatedPlatform(PlatformConformance):
     @pytest.fixture
     def platform(self) -> platforms.Platform:
@@ -48,6 +49,7 @@ print("conformant")
 """
 
 
+@pytest.mark.needs_sim
 def test_npu_code_path_on_a_simulated_module_is_conformant() -> None:
     # In a fresh interpreter: naming torch's privateuse1 backend "npu" cannot be undone,
     # and would make torch itself look for a torch.npu module in every later test.
@@ -71,10 +73,12 @@ class TestRealNPU(PlatformConformance):
         return platforms.NPUPlatform()
 
 
+@pytest.mark.needs_sim
 def test_check_platform_runs_without_pytest_fixtures() -> None:
     check_platform(platforms.SimulatedPlatform())
 
 
+@pytest.mark.needs_sim
 def test_check_platform_names_the_failing_check() -> None:
     class LaxPlatform(platforms.SimulatedPlatform):
         def manual_seed(self, seed, index=None):  # type: ignore[no-untyped-def]
@@ -146,6 +150,7 @@ class _StateIOOnDeviceZero(platforms.SimulatedPlatform):
         return super().state_io(0)
 
 
+@pytest.mark.needs_sim
 def test_the_kit_catches_a_simulated_platform_whose_state_io_acts_on_device_0() -> None:
     with pytest.raises(AssertionError, match=_STATE_IO):
         check_platform(_StateIOOnDeviceZero())
@@ -159,6 +164,7 @@ class _StateIOWritesDeviceZero(platforms.SimulatedPlatform):
         return right._replace(write=zero.write)
 
 
+@pytest.mark.needs_sim
 def test_the_kit_catches_a_state_io_whose_write_lands_on_another_device() -> None:
     with pytest.raises(AssertionError, match="state_io\\(1\\).*did not restore device 1's state \\(device 0 holds"):
         check_platform(_StateIOWritesDeviceZero())
@@ -171,11 +177,13 @@ class _StateIOFollowsTheDeviceCurrentWhenUsed(platforms.SimulatedPlatform):
         return platforms.StateIO(self.get_rng_state, self.set_rng_state, torch.Tensor.clone, torch.Tensor.clone)
 
 
+@pytest.mark.needs_sim
 def test_the_kit_catches_state_io_accessors_that_follow_the_current_device() -> None:
     with pytest.raises(AssertionError, match=_STATE_IO):
         check_platform(_StateIOFollowsTheDeviceCurrentWhenUsed())
 
 
+@pytest.mark.needs_sim
 def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_found_them() -> None:
     sim = platforms.SimulatedPlatform()
     saved = [sim.get_rng_state(i) for i in range(sim.device_count())]

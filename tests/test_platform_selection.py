@@ -76,6 +76,7 @@ PLUGIN_SOURCE = """
 # -- environment variable ---------------------------------------------------------------
 
 
+@pytest.mark.needs_sim
 def test_env_var_selects_a_registered_platform_by_name() -> None:
     sel = platforms.select({platforms.ENV_VAR: "sim"})
     assert isinstance(sel.platform, platforms.SimulatedPlatform)
@@ -83,6 +84,7 @@ def test_env_var_selects_a_registered_platform_by_name() -> None:
     assert platforms.current() is sel.platform
 
 
+@pytest.mark.needs_sim
 def test_env_var_imports_a_module_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "myaccel.py").write_text(
         "from hyperrng import platforms\nclass Accel(platforms.SimulatedPlatform):\n    name = 'myaccel'\n"
@@ -221,6 +223,7 @@ def test_use_overrides_inside_the_block_and_restores_after() -> None:
     assert platforms.current() is outer
 
 
+@pytest.mark.needs_sim
 def test_use_restores_even_when_the_block_raises() -> None:
     outer = platforms.current()
     with pytest.raises(ZeroDivisionError):
@@ -236,6 +239,7 @@ def test_set_current_refuses_what_is_not_a_platform() -> None:
     assert platforms.current() is outer
 
 
+@pytest.mark.needs_sim
 def test_register_adds_a_named_factory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
     platforms.register("mysim", platforms.SimulatedPlatform)
@@ -392,6 +396,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
 
 
+@pytest.mark.needs_sim
 def test_a_plugin_that_imports_hyperrng_before_defining_its_factory_is_still_selected(tmp_path: Path) -> None:
     # The plug-in module is imported first; its own import of hyperrng.platforms runs hyperrng's
     # platform resolution, which asks for the plug-in's factory before the module has defined it.
@@ -452,6 +457,7 @@ def test_info_explains_the_choice_and_every_probe() -> None:
     assert "HYPERRNG_PLATFORM=''" in out.stdout
 
 
+@pytest.mark.needs_sim
 def test_info_shows_the_env_var_when_it_decides() -> None:
     out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))", HYPERRNG_PLATFORM="sim")
     assert out.returncode == 0, out.stderr

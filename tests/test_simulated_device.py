@@ -12,6 +12,8 @@ from hyperrng.platforms.validate import round_up_offset
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.needs_sim
+
 
 @pytest.fixture
 def sim() -> Iterator[platforms.Platform]:

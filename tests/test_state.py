@@ -711,6 +711,7 @@ def test_reseed_rederives_the_streams_for_the_new_setup_and_warns(
     assert after == snapshot(expected)
 
 
+@pytest.mark.needs_sim
 def test_reseed_resumes_a_state_from_another_platform() -> None:
     with platforms.use(platforms.SimulatedPlatform()):
         state = rng_state_dict(tracker=seeded_tracker(), layout=LAYOUT, coords=COORDS, base_seed=SEED)
@@ -1091,6 +1092,7 @@ def test_capturing_inside_a_fork_is_refused() -> None:
             rng_state_dict()
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("where", ["devices", "streams"])
 @pytest.mark.parametrize("offset", [-4, 6, 2**63 - 1])
 def test_a_counter_based_state_with_an_impossible_offset_is_refused_and_changes_nothing(
@@ -1112,6 +1114,7 @@ def test_a_counter_based_state_with_an_impossible_offset_is_refused_and_changes_
         assert "multiples of 4" in str(error)
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("offset", [-4, 6, 2**63 - 1])
 def test_a_simulated_generator_refuses_a_state_no_device_can_have(offset: int) -> None:
     sim = platforms.SimulatedPlatform()

@@ -480,6 +480,7 @@ def test_forking_a_name_that_is_no_stream_is_refused_unknown_names_with_a_hint(
     assert issubclass(UnknownStreamError, KeyError) and issubclass(ArgumentTypeError, TypeError)
 
 
+@pytest.mark.needs_sim
 def test_forking_streams_of_another_platform_is_refused() -> None:
     tracker = RNGStatesTracker()
     with platforms.use(platforms.SimulatedPlatform()):

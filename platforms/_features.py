@@ -1,0 +1,132 @@
+"""The optional torch features hyperrng uses, whether this torch has each, and the version each needs.
+
+hyperrng supports torch 2.5 and newer. Its core (platforms, trackers, seeding, layouts,
+sharded regions, checkpoints, verification, the command line and the demo on the CPU)
+needs nothing newer. A few features are built on torch APIs that appeared later; each is
+detected here, by the presence of the API it uses (never by parsing ``torch.__version__``,
+which builds from source, vendors and nightlies spell in their own ways), so that one
+table answers ``hyperrng info``, the code that refuses a feature, and the test suite that
+skips what this torch cannot run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hyperrng.platforms.errors import HyperRNGError
+
+__all__ = ["Feature", "FEATURES", "feature", "features", "report_lines", "require"]
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One optional feature: its key, what it is, the torch release that brought its API, and a detector.
+
+    Attributes:
+        key: the name code and tests refer to it by (``"sim"``, ``"local-tensor"``, ...).
+        title: what a user knows it as, for messages.
+        needs: the oldest torch release that has the API (``"2.9"``).
+        api: the torch API it is built on, for ``hyperrng info``.
+    """
+
+    key: str
+    title: str
+    needs: str
+    api: str
+    _detect: Callable[[], bool]
+
+    @property
+    def available(self) -> bool:
+        """Whether the installed torch has the API (asked afresh: nothing is cached)."""
+        try:
+            return bool(self._detect())
+        except Exception:  # a half-present API (a vendor build) counts as absent, never as a crash
+            return False
+
+    def refusal(self) -> str:
+        """One line saying that this torch lacks the feature and what to install instead."""
+        return (
+            f"{self.title} needs torch >= {self.needs} ({self.api}); this is torch {torch.__version__}: "
+            f"upgrade torch (pip install 'torch>={self.needs}') or do without it"
+        )
+
+
+def _has_python_device_backend() -> bool:
+    acc = getattr(torch._C, "_acc", None)
+    return all(
+        hasattr(acc, name)
+        for name in (
+            "PrivateUse1Hooks",
+            "DeviceGuard",
+            "register_python_privateuseone_hook",
+            "register_python_privateuseone_device_guard",
+        )
+    )
+
+
+def _has_module(name: str) -> Callable[[], bool]:
+    return lambda: importlib.util.find_spec(name) is not None
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "sim",
+        "the simulated device (platform 'sim')",
+        "2.10",
+        "torch._C._acc: PrivateUse1 hooks written in Python",
+        _has_python_device_backend,
+    ),
+    Feature(
+        "portable-mode",
+        "portable mode (hyperrng.portable_random)",
+        "2.9",
+        "torch.library.get_kernel",
+        lambda: hasattr(torch.library, "get_kernel"),
+    ),
+    Feature(
+        "local-tensor",
+        "LocalTensor support (sharded regions under LocalTensorMode)",
+        "2.10",
+        "torch.distributed._local_tensor",
+        _has_module("torch.distributed._local_tensor"),
+    ),
+)
+"""Every optional feature, in the order ``hyperrng info`` lists them."""
+
+_BY_KEY = {f.key: f for f in FEATURES}
+
+
+def feature(key: str) -> Feature:
+    """The :class:`Feature` named ``key``.
+
+    Raises:
+        KeyError: no feature has that key (a programming error, not a user's).
+    """
+    return _BY_KEY[key]
+
+
+def features() -> tuple[Feature, ...]:
+    """Every optional feature (see :data:`FEATURES`)."""
+    return FEATURES
+
+
+def require(key: str, error: type[HyperRNGError]) -> None:
+    """Raise ``error`` with :meth:`Feature.refusal` as its one-line message when this torch lacks ``key``.
+
+    Call it before changing anything, so that a refusal leaves every state as it was.
+    """
+    found = feature(key)
+    if not found.available:
+        raise error(found.refusal())
+
+
+def report_lines() -> list[str]:
+    """The lines ``hyperrng info`` shows: one per feature, ``available`` or why not."""
+    lines = [f"torch features (hyperrng supports torch >= 2.5; this is {torch.__version__}):"]
+    for f in FEATURES:
+        state = "available" if f.available else f"unavailable - needs torch >= {f.needs}"
+        lines.append(f"  {f.key:<14} {state}  [{f.api}]")
+    return lines

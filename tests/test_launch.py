@@ -1,0 +1,44 @@
+"""The local launcher: every rank's answer arrives, and no rank's teardown can hold the run up."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyperrng._launch import run_ranks
+from hyperrng.errors import RankFailure
+
+pytestmark = pytest.mark.multiproc
+
+
+def _hang_holding_the_gil() -> None:
+    """What torch 2.5's gloo teardown can do: block forever without letting another thread run."""
+    sys.setswitchinterval(1e6)
+    while True:
+        pass
+
+
+def _sum_then_teardown_would_hang(rank: int, world_size: int) -> float:
+    dist.destroy_process_group = _hang_holding_the_gil  # this rank's process only
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def test_every_answer_arrives_even_where_tearing_down_the_process_group_would_hang() -> None:
+    assert run_ranks(_sum_then_teardown_would_hang, 2) == [1.0, 1.0]
+
+
+def _unpicklable(rank: int, world_size: int) -> Any:
+    return (lambda: rank) if rank == 1 else rank
+
+
+def test_a_result_that_cannot_be_sent_fails_the_run_naming_the_rank() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_unpicklable, 2)
+    assert info.value.summary.startswith("rank 1 failed: ")
+    assert "pickle" in info.value.summary.lower()
