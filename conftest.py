@@ -59,6 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     need_npu = any("npu" in item.keywords for item in items)
     has_npu = _has_npu() if need_npu else False
     sim, local_tensor = _features.feature("sim"), _features.feature("local-tensor")
+    portable_mode = _features.feature("portable-mode")
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
@@ -66,6 +67,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
         if not sim.available and _uses_sim(item):
             item.add_marker(pytest.mark.skip(reason=sim.refusal()))
+        if not portable_mode.available and (
+            item.get_closest_marker("needs_portable_mode") is not None
+            or item.path.name.startswith("test_portable_mode")
+        ):
+            item.add_marker(pytest.mark.skip(reason=portable_mode.refusal()))
         if not local_tensor.available and item.get_closest_marker("needs_local_tensor") is not None:
             item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
         if not has_fake_pg and FAKE_PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):

@@ -110,6 +110,7 @@ from hyperrng.errors import (
     UnsupportedDTypeError,
     UnsupportedPortableOpError,
 )
+from hyperrng.platforms import _features
 from hyperrng.platforms.validate import check_seed, round_up_offset
 from hyperrng.portable import _assemble, _reserved, shard_slices
 from hyperrng.sharded import ShardedRNGTracker, active_region
@@ -383,7 +384,6 @@ def _refusal(op: Any) -> Callable[..., Any]:
 
 
 # -- registration: once per dispatch key, for good ----------------------------------------------
-_NEEDS_TORCH = "2.9"  # the first torch with torch.library.get_kernel
 
 
 def _portable_keys(device_type: str) -> list[str] | None:
@@ -527,11 +527,7 @@ _KERNELS = _Kernels()
 
 def _check_supported(p: platforms.Platform) -> list[str]:
     """The dispatch keys portable mode needs on platform ``p``; refuse, changing nothing, where it cannot run."""
-    if not hasattr(torch.library, "get_kernel"):
-        raise UnsupportedPortableOpError(
-            f"portable mode needs torch {_NEEDS_TORCH} or newer (torch.library.get_kernel), and this is torch "
-            f"{torch.__version__}: upgrade torch, or draw with hyperrng.portable's functions, which need no mode."
-        )
+    _features.require("portable-mode", UnsupportedPortableOpError)
     keys = _portable_keys(p.device_type)
     if keys is None:
         p.device()  # a backend that registers with torch on first use (the simulated device) does so now

@@ -237,6 +237,7 @@ def test_torch_checkpoint_replays_a_sharded_regions_dropout_on_the_cpu() -> None
     assert plain[2] == recomputed[2]
 
 
+@pytest.mark.needs_portable_mode
 def test_a_recompute_after_portable_mode_has_exited_draws_the_forwards_portable_numbers() -> None:
     import hyperrng
 
