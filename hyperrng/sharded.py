@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
 from hyperrng.sharding import rng_offsets
 
-__all__ = ["MeshInfo", "ShardedRNGTracker", "active_region", "as_mesh_info"]
+__all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
 
@@ -209,7 +210,8 @@ class _Region:
         if base + self._end > MAX_OFFSET:
             _check_room(base, self._end)
         self._seed, self._base = seed, base
-        p.set_seed_offset(seed, base + self._start, None, gen)
+        if self._end:  # an op on an empty tensor draws nothing: the generator and its plain draws stay as they are
+            p.set_seed_offset(seed, base + self._start, None, gen, draw=True)
         _ACTIVE.stack.append(self)
 
     def __exit__(self, *exc: object) -> None:
@@ -219,7 +221,8 @@ class _Region:
         elif self in stack:  # regions left out of order: this one must not stay active
             stack.remove(self)
         end = self._consumed if self._consumed or self._cancelled else self._end
-        self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
+        if end or self._end:
+            self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
 
 
 def _check_room(base: int, end: int) -> None:
@@ -270,7 +273,7 @@ class _LocalRegion:
         if self._source is not None:
             self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
         self._seed, self._base = seed, base
-        _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank]))
+        _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank], draw=True))
 
     def __exit__(self, *exc: object) -> None:
         p, seed, after = self._platform, self._seed, self._base + self._end
@@ -296,7 +299,7 @@ class ShardedRNGTracker:
         if platform is not None:
             check_instance(platform, Platform, "platform")
         self._platform = platform
-        self._offsets: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self._offsets: OrderedDict[tuple[Any, ...], tuple[int, int]] = OrderedDict()  # least recently used first
         # The previous call's argument objects and result: an op repeated with the very same
         # (immutable) objects, as a training loop does, skips hashing and comparing them.
         self._last: tuple[Any, Any, Any, tuple[int, int]] | None = None
@@ -388,16 +391,20 @@ class ShardedRNGTracker:
             # object has their ids.
             return last[3]
         key = _cache_key(mesh, placements, global_shape)
+        offsets = self._offsets
         try:
-            result = self._offsets[key]  # type: ignore[index]
-        except (KeyError, TypeError):  # not cached yet, or unhashable: correct, just not cached
+            result = offsets[key]  # type: ignore[index]
+            offsets.move_to_end(key)  # type: ignore[arg-type]
+        except (KeyError, TypeError):  # not cached (or no key), or unhashable: correct, just not cached
             info = as_mesh_info(mesh)
             result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
             if key is not None:
                 try:
-                    self._offsets[key] = result
+                    offsets[key] = result
                 except TypeError:
                     pass
+                if len(offsets) > OFFSETS_KEPT:
+                    _forget_oldest(offsets)
         self._remember(mesh, placements, global_shape, result)
         return result
 
@@ -501,23 +508,57 @@ def _check_member(mesh: Any, rank: int | None) -> None:
 
 
 def _fixed_mesh(mesh: object) -> bool:
-    """Whether this rank's view of ``mesh`` cannot change: a ``MeshInfo``, or a ``DeviceMesh``
-    (only ever constructed once torch's device-mesh module is loaded, so it is not imported here)."""
+    """Whether this rank's view of ``mesh`` cannot change: a ``MeshInfo``, a ``(shape, coordinate)``
+    pair of tuples, or a ``DeviceMesh`` (only ever constructed once torch's device-mesh module is
+    loaded, so it is not imported here)."""
     if type(mesh) is MeshInfo:
         return True
+    if type(mesh) is tuple:
+        return len(mesh) == 2 and type(mesh[0]) is tuple and type(mesh[1]) is tuple
     module = sys.modules.get("torch.distributed.device_mesh")
     return module is not None and isinstance(mesh, module.DeviceMesh)
 
 
-def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
-    """A key under which these arguments' offsets may be cached, or ``None`` if they must be validated."""
-    if type(mesh) is tuple:  # a (shape, coordinate) pair: ``==`` would equate 1 and True
+def _exact_ints(values: object) -> tuple[int, ...] | None:
+    """``values`` as a tuple if it is a tuple or list of exact ints (``True`` is not ``1`` here), else ``None``."""
+    if type(values) is not tuple and type(values) is not list:
         return None
-    shape = global_shape if type(global_shape) is tuple else tuple(global_shape)
-    for d in shape:
-        if type(d) is not int:
+    for v in values:  # type: ignore[attr-defined]
+        if type(v) is not int:
             return None
+    return values if type(values) is tuple else tuple(values)  # type: ignore[return-value, arg-type]
+
+
+def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
+    """A key under which these arguments' offsets may be cached, or ``None`` if they must be validated.
+
+    Every entry must be exactly an int, since ``==`` equates ``1`` with ``True`` and ``8`` with
+    ``8.0``: a ``(shape, coordinate)`` pair is keyed by its ints, a ``MeshInfo`` (validated when
+    made) or a ``DeviceMesh`` (one rank's view of a mesh) by itself.
+    """
+    shape = _exact_ints(global_shape) if type(global_shape) is not torch.Size else tuple(global_shape)
+    if shape is None:
+        return None
+    if type(mesh) is tuple:
+        if len(mesh) != 2:
+            return None
+        mesh_shape, coordinate = _exact_ints(mesh[0]), _exact_ints(mesh[1])
+        if mesh_shape is None or coordinate is None:
+            return None
+        mesh = (mesh_shape, coordinate)
     return (mesh, placements if type(placements) is tuple else tuple(placements), shape)
+
+
+OFFSETS_KEPT = 4096
+"""How many distinct (mesh, placements, shape) answers a :class:`ShardedRNGTracker` keeps; the least
+recently used go first."""
+
+
+def _forget_oldest(offsets: OrderedDict[tuple[Any, ...], tuple[int, int]]) -> None:
+    try:
+        offsets.popitem(last=False)
+    except KeyError:  # another thread emptied it first
+        pass
 
 
 def _dtensor_random_module() -> Any:
