@@ -16,11 +16,17 @@ region's arguments), so no collective runs per op. What each platform guarantees
   Philox offsets. Shard ``k`` draws the counter window ``[start_k, start_k + numel_k)``
   after the region's base offset; windows of distinct shards are disjoint, replicas draw
   identical numbers, and every rank leaves at ``base + end``.
-* the CPU platform keeps each position as an explicit cursor and seeds MT19937 from a
-  stable mix of the pair (see :mod:`hyperrng.platforms.cpu`): replicas draw identical numbers,
-  distinct shards draw from distinct seeds (independent streams, not disjoint windows of
-  one stream), and every rank leaves at ``base + end``. The region reads and writes
-  positions through the platform only, so it needs nothing CPU-specific.
+* the CPU platform seeds MT19937 from a 64-bit handle of each position (see
+  :mod:`hyperrng.platforms.cpu`): the region positions the op in the *draw* domain
+  (``set_seed_offset(..., draw=True)``) and leaves in the *free* one, so replicas draw
+  identical numbers, distinct shards draw from distinct streams (independent streams,
+  not disjoint windows of one stream), no shard replays the plain draws made before the
+  region, and every rank leaves at ``base + end``. The region reads and writes positions
+  through the platform only, so it needs nothing CPU-specific.
+
+A region on an empty tensor draws nothing and leaves the generator as it is. The offsets
+of a (mesh, placements, shape) are cached per tracker, for the last :data:`OFFSETS_KEPT`
+distinct ones; a ``(shape, coordinate)`` pair is keyed by its ints.
 
 :meth:`ShardedRNGTracker.install_dtensor` routes random ops on real
 ``torch.distributed.tensor`` DTensors through this tracker, on any platform, the CPU
@@ -55,6 +61,10 @@ from hyperrng.sharding import rng_offsets
 __all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
+
+OFFSETS_KEPT = 4096
+"""How many distinct (mesh, placements, shape) answers a :class:`ShardedRNGTracker` keeps; the least
+recently used go first."""
 
 
 @dataclass(frozen=True)
@@ -547,11 +557,6 @@ def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]
             return None
         mesh = (mesh_shape, coordinate)
     return (mesh, placements if type(placements) is tuple else tuple(placements), shape)
-
-
-OFFSETS_KEPT = 4096
-"""How many distinct (mesh, placements, shape) answers a :class:`ShardedRNGTracker` keeps; the least
-recently used go first."""
 
 
 def _forget_oldest(offsets: OrderedDict[tuple[Any, ...], tuple[int, int]]) -> None:

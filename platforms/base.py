@@ -45,8 +45,8 @@ class Platform:
         dist_backend: the ``torch.distributed`` backend to start process groups with.
         counter_based: ``True`` when the generator state is a (seed, offset) pair that
             can be positioned exactly and that draws advance (Philox on CUDA and NPU);
-            ``False`` when the platform keeps positions as an explicit cursor beside its
-            generator's bytes (the CPU's MT19937; see :mod:`hyperrng.platforms.cpu`).
+            ``False`` when the platform models positions beside its generator's bytes
+            (the CPU's MT19937; see :mod:`hyperrng.platforms.cpu`).
         is_host: ``True`` when this platform's device is the host CPU, i.e. its device
             generator is torch's CPU generator (the CPU platform). Callers use it to
             avoid forking or seeding the host twice; they never compare generators.
@@ -121,7 +121,7 @@ class Platform:
         The default copies the default generator's bytes where those are the whole state
         (counter-based devices), and goes through :meth:`get_rng_state` /
         :meth:`set_rng_state` otherwise. A platform whose state has parts outside the
-        generator (the CPU's position cursor) overrides it.
+        generator (the CPU's position) overrides it.
         """
         gen = self.default_generator(index) if self.counter_based else None
         if gen is not None:

@@ -37,6 +37,7 @@ are identical across devices should use the portable Philox generator instead.
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 from collections import OrderedDict
 
@@ -78,6 +79,7 @@ _MASK32 = (1 << 32) - 1
 _HANDLE_DOMAIN = 0x43505531  # "CPU1": keeps handles apart from other uses of the mixer
 _WORD_DOMAIN = 0x57524453  # "WRDS": the multipliers of the 624 word hashes
 _MT_WORDS = 624
+_LOW = 0 if sys.byteorder == "little" else 1  # which uint32 of a uint64 holds its low half
 _WORDS_AT = 24  # torch's state: uint64 initial seed, int32 left, int32 seeded, uint64 next, then uint64 words
 _POSITION = struct.Struct("<Qq")  # after the MT19937 bytes: uint64 seed, int64 offset
 
@@ -143,9 +145,18 @@ _template: np.ndarray | None | object = _UNPROBED  # a freshly seeded state's by
 
 
 def _hash_words(handle: int, words: np.ndarray, scratch: np.ndarray) -> None:
-    """Word i = the high 32 bits of ``multiplier_i * handle`` mod 2**64 (multiply-shift hashing)."""
+    """Word i = the high 32 bits of ``multiplier_i * handle`` mod 2**64 (multiply-shift hashing).
+
+    ``words`` is the state's 624 uint64 word slots, ``scratch`` 624 uint64s; only the low
+    halves of the slots are written (their high halves stay 0, as torch writes them).
+    """
     np.multiply(_MULTIPLIERS, handle, out=scratch)
-    np.right_shift(scratch, 32, out=words)
+    np.copyto(_halves(words, _LOW), _halves(scratch, 1 - _LOW))
+
+
+def _halves(slots: np.ndarray, which: int) -> np.ndarray:
+    """The low (``which == _LOW``) or high 32-bit halves of uint64 ``slots``, as a view."""
+    return slots.view(np.uint32)[which::2]
 
 
 def _probe_template() -> np.ndarray | None:
@@ -160,15 +171,17 @@ def _probe_template() -> np.ndarray | None:
     raw = np.from_dlpack(scratch.get_state()).copy()
     if raw.dtype != np.uint8 or raw.shape != (MT19937_STATE_NBYTES,):
         return None
-    words = raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view("<u8")
+    words = raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
     expected = _PROBE_SEED
     for i in range(_MT_WORDS):
         if int(words[i]) != expected:
             return None
         expected = (1812433253 * (expected ^ (expected >> 30)) + i + 1) & _MASK32
     trial = raw.copy()
-    _hash_words(_PROBE_HANDLE, trial[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view("<u8"), np.empty_like(_MULTIPLIERS))
-    trial[:8].view("<u8")[0] = _PROBE_HANDLE
+    _hash_words(
+        _PROBE_HANDLE, trial[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64), np.empty_like(_MULTIPLIERS)
+    )
+    trial[:8].view(np.uint64)[0] = _PROBE_HANDLE
     scratch.set_state(torch.frombuffer(bytearray(trial.tobytes()), dtype=torch.uint8))
     if scratch.initial_seed() != _PROBE_HANDLE or not np.array_equal(np.from_dlpack(scratch.get_state()), trial):
         return None
@@ -201,9 +214,10 @@ class _Seating(threading.local):
         assert template is not None  # only built once the layout is known
         self.raw = template.copy()
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)  # shares memory; immune to dispatch modes
-        self.seed = self.raw[:8].view("<u8")
-        self.words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view("<u8")
+        self.seed = self.raw[:8].view(np.uint64)
         self.scratch = np.empty_like(_MULTIPLIERS)
+        self.low_words = _halves(self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64), _LOW)
+        self.high_products = _halves(self.scratch, 1 - _LOW)
 
 
 _SEATING: _Seating | None = None
@@ -216,13 +230,17 @@ def _seat(gen: torch.Generator, handle: int) -> None:
     torch's kernels draw from either.
     """
     global _SEATING
-    if handle <= _MASK32 or _checked_template() is None:
+    seating = _SEATING
+    if seating is None:
+        if handle <= _MASK32 or _checked_template() is None:
+            torch.Generator.manual_seed(gen, handle)
+            return
+        seating = _SEATING = _Seating()
+    elif handle <= _MASK32:
         torch.Generator.manual_seed(gen, handle)
         return
-    if _SEATING is None:
-        _SEATING = _Seating()
-    seating = _SEATING
-    _hash_words(handle, seating.words, seating.scratch)
+    np.multiply(_MULTIPLIERS, handle, out=seating.scratch)  # _hash_words, on views made once per thread
+    np.copyto(seating.low_words, seating.high_products)
     seating.seed[0] = handle
     torch.Generator.set_state(gen, seating.tensor)
 
@@ -307,7 +325,10 @@ class CPUPlatform(Platform):
                 f"RNG state for platform {self.name!r} holds the position ({seed}, {offset}); offsets are "
                 f"non-negative multiples of {OFFSET_ALIGN}. Pass a state returned by get_rng_state(), unmodified."
             )
-        if _initial_seed_of(checked, self.name) not in (position_handle(seed, offset), position_handle(seed, offset, True)):
+        if _initial_seed_of(checked, self.name) not in (
+            position_handle(seed, offset),
+            position_handle(seed, offset, True),
+        ):
             raise InvalidStateError(
                 f"RNG state for platform {self.name!r} holds the position ({seed}, {offset}), which does not belong "
                 "to its MT19937 bytes (they were seeded for another position, or saved by a release before "
