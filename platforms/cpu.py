@@ -40,6 +40,7 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from hyperrng.platforms.validate import (
     check_offset,
     check_seed,
     check_state,
+    check_state_offset,
 )
 
 __all__ = [
@@ -103,124 +105,88 @@ def _seed_mix(seed: int) -> int:
 _last_seed = (-1, 0)
 
 
-class _Table:
-    """The (seed, offset) of the last :data:`POSITIONS_KEPT` handles positioned, least recently entered first."""
-
-    def __init__(self, bound: int) -> None:
-        self.bound = bound
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[int, tuple[int, int]] = OrderedDict()
-
-    def get(self, handle: int) -> tuple[int, int] | None:
-        return self._entries.get(handle)  # one lookup: safe beside a writer holding the lock
-
-    def put(self, handle: int, position: tuple[int, int]) -> None:
-        with self._lock:
-            entries = self._entries
-            if handle in entries:  # a handle always names one position: only its recency changes
-                entries.move_to_end(handle)
-                return
-            entries[handle] = position
-            if len(entries) > self.bound:
-                entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
+_lock = threading.Lock()
+_table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
 
 
-_TABLE = _Table(POSITIONS_KEPT)
-
-
-def _position_of(handle: int) -> tuple[int, int]:
-    return _TABLE.get(handle) or (handle, 0)
+def _remember(handle: int, position: tuple[int, int]) -> None:
+    """Enter ``handle`` in the table (a handle names one position: an entry only moves to the newest end)."""
+    with _lock:
+        if handle in _table:
+            _table.move_to_end(handle)
+            return
+        _table[handle] = position
+        if len(_table) > POSITIONS_KEPT:
+            _table.popitem(last=False)
 
 
 # -- seeding MT19937 from 64 bits ------------------------------------------------------------
 
-_PROBE_SEED = 0x5EED1234
-_PROBE_HANDLE = 0xC0FFEE00_5EED1234
+_PROBE_SEED, _PROBE_HANDLE = 0x5EED1234, 0xC0FFEE005EED1234
 _MULTIPLIERS = np.array([mix64(i ^ _WORD_DOMAIN) | 1 for i in range(_MT_WORDS)], dtype=np.uint64)
 _UNPROBED = object()
-_template: np.ndarray | None | object = _UNPROBED  # a freshly seeded state's bytes, or None: 32-bit fallback
-
-
-def _hash_words(handle: int, words: np.ndarray, scratch: np.ndarray) -> None:
-    """Word i = the high 32 bits of ``multiplier_i * handle`` mod 2**64 (multiply-shift hashing).
-
-    ``words`` is the state's 624 uint64 word slots, ``scratch`` 624 uint64s; only the low
-    halves of the slots are written (their high halves stay 0, as torch writes them).
-    """
-    np.multiply(_MULTIPLIERS, handle, out=scratch)
-    np.copyto(_halves(words, _LOW), _halves(scratch, 1 - _LOW))
-
-
-def _halves(slots: np.ndarray, which: int) -> np.ndarray:
-    """The low (``which == _LOW``) or high 32-bit halves of uint64 ``slots``, as a view."""
-    return slots.view(np.uint32)[which::2]
-
-
-def _probe_template() -> np.ndarray | None:
-    """The bytes of a freshly seeded CPU generator, if torch keeps MT19937's words where this module writes them.
-
-    Public APIs only, on a scratch generator, no tensor op (so no dispatch mode can
-    intervene): after ``manual_seed(s)`` the words must follow MT19937's initialisation from
-    ``s``, and words written there must come back from ``get_state()`` as written.
-    """
-    scratch = torch.Generator()
-    scratch.manual_seed(_PROBE_SEED)
-    raw = np.from_dlpack(scratch.get_state()).copy()
-    if raw.dtype != np.uint8 or raw.shape != (MT19937_STATE_NBYTES,):
-        return None
-    words = raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
-    expected = _PROBE_SEED
-    for i in range(_MT_WORDS):
-        if int(words[i]) != expected:
-            return None
-        expected = (1812433253 * (expected ^ (expected >> 30)) + i + 1) & _MASK32
-    trial = raw.copy()
-    _hash_words(
-        _PROBE_HANDLE, trial[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64), np.empty_like(_MULTIPLIERS)
-    )
-    trial[:8].view(np.uint64)[0] = _PROBE_HANDLE
-    scratch.set_state(torch.frombuffer(bytearray(trial.tobytes()), dtype=torch.uint8))
-    if scratch.initial_seed() != _PROBE_HANDLE or not np.array_equal(np.from_dlpack(scratch.get_state()), trial):
-        return None
-    return raw
-
-
-def _checked_template() -> np.ndarray | None:
-    global _template
-    if _template is _UNPROBED:
-        _template = _probe_template()
-    return _template  # type: ignore[return-value]
-
-
-def seeds_all_64_bits() -> bool:
-    """Whether positions and seeds of 2**32 and above fill MT19937 from all 64 bits of their handle.
-
-    ``False`` only where the installed torch keeps its CPU generator state in a layout
-    this platform does not recognise: positions then seed MT19937 from the handle's low
-    32 bits (as ``torch.manual_seed`` does), and two positions share a stream with
-    probability ``2**-32`` per pair. ``hyperrng info`` reports it.
-    """
-    return _checked_template() is not None
+_template: Any = _UNPROBED  # a freshly seeded state's bytes, or None: 32-bit fallback
 
 
 class _Seating(threading.local):
-    """This thread's buffer for the state of one position (``set_state`` copies it at once)."""
+    """A thread's buffer for one position's state (``set_state`` copies it at once).
 
-    def __init__(self) -> None:
-        template = _checked_template()
-        assert template is not None  # only built once the layout is known
+    Word i of a handle's state is the high half of ``multiplier_i * handle`` mod 2**64
+    (multiply-shift hashing); the other bytes are those of a freshly seeded generator.
+    """
+
+    def __init__(self, template: np.ndarray) -> None:
         self.raw = template.copy()
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)  # shares memory; immune to dispatch modes
         self.seed = self.raw[:8].view(np.uint64)
-        self.scratch = np.empty_like(_MULTIPLIERS)
-        self.low_words = _halves(self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64), _LOW)
-        self.high_products = _halves(self.scratch, 1 - _LOW)
+        self.products = np.empty_like(_MULTIPLIERS)
+        self.low_words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint32)[_LOW::2]
+        self.high_products = self.products.view(np.uint32)[1 - _LOW :: 2]
+
+    def fill(self, handle: int) -> torch.Tensor:
+        np.multiply(_MULTIPLIERS, handle, out=self.products)
+        np.copyto(self.low_words, self.high_products)
+        self.seed[0] = handle
+        return self.tensor
 
 
-_SEATING: _Seating | None = None
+def _probe() -> np.ndarray | None:
+    """The bytes of a freshly seeded generator, if torch keeps MT19937's words where :class:`_Seating` writes them.
+
+    Public APIs, a scratch generator, no tensor op (no dispatch mode can intervene): after
+    ``manual_seed(s)`` the words follow MT19937's initialisation from ``s``, and words
+    written there come back from ``get_state()`` as written.
+    """
+    scratch = torch.Generator().manual_seed(_PROBE_SEED)
+    raw = np.from_dlpack(scratch.get_state()).copy()
+    if raw.dtype != np.uint8 or raw.shape != (MT19937_STATE_NBYTES,) or raw[:8].view(np.uint64)[0] != _PROBE_SEED:
+        return None
+    expected = _PROBE_SEED
+    for i, word in enumerate(raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64).tolist()):
+        if word != expected:
+            return None
+        expected = (1812433253 * (expected ^ (expected >> 30)) + i + 1) & _MASK32
+    trial = _Seating(raw)
+    scratch.set_state(trial.fill(_PROBE_HANDLE))
+    written = np.from_dlpack(scratch.get_state())
+    return raw if scratch.initial_seed() == _PROBE_HANDLE and np.array_equal(written, trial.raw) else None
+
+
+def seeds_all_64_bits() -> bool:
+    """Whether handles of 2**32 and above fill MT19937 from all 64 bits (``hyperrng info`` reports it).
+
+    ``False`` only where the installed torch keeps its CPU generator state in a layout
+    this platform does not recognise: handles then seed MT19937 from their low 32 bits
+    (as ``torch.manual_seed`` does), and two positions share a stream with probability
+    ``2**-32`` per pair.
+    """
+    global _template
+    if _template is _UNPROBED:
+        _template = _probe()
+    return _template is not None
+
+
+_seating: _Seating | None = None
 
 
 def _seat(gen: torch.Generator, handle: int) -> None:
@@ -229,20 +195,13 @@ def _seat(gen: torch.Generator, handle: int) -> None:
     Calls ``torch.Generator``'s own methods: a subclass's Python overrides are not what
     torch's kernels draw from either.
     """
-    global _SEATING
-    seating = _SEATING
-    if seating is None:
-        if handle <= _MASK32 or _checked_template() is None:
-            torch.Generator.manual_seed(gen, handle)
-            return
-        seating = _SEATING = _Seating()
-    elif handle <= _MASK32:
+    global _seating
+    if handle <= _MASK32 or (_seating is None and not seeds_all_64_bits()):
         torch.Generator.manual_seed(gen, handle)
         return
-    np.multiply(_MULTIPLIERS, handle, out=seating.scratch)  # _hash_words, on views made once per thread
-    np.copyto(seating.low_words, seating.high_products)
-    seating.seed[0] = handle
-    torch.Generator.set_state(gen, seating.tensor)
+    if _seating is None:
+        _seating = _Seating(_template)
+    torch.Generator.set_state(gen, _seating.fill(handle))
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
@@ -284,7 +243,7 @@ class CPUPlatform(Platform):
         """
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
         handle = torch.Generator.initial_seed(gen)
-        return _TABLE.get(handle) or (handle, 0)
+        return _table.get(handle) or (handle, 0)
 
     def set_seed_offset(
         self,
@@ -313,26 +272,20 @@ class CPUPlatform(Platform):
         handle = position_handle(s, o, draw)
         _seat(gen, handle)
         if handle != s or o:  # (s, 0) reads as itself without an entry
-            _TABLE.put(handle, (s, o))
+            _remember(handle, (s, o))
 
     def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
         """Check the length, the MT19937 bytes (on a scratch generator) and that the position belongs
         to them (its handle, in either domain, is their initial seed); change nothing."""
         checked = check_state(state, self.state_nbytes, self.name)
+        initial_seed = _initial_seed_of(checked, self.name)
         seed, offset = _POSITION.unpack_from(np.from_dlpack(checked).tobytes(), MT19937_STATE_NBYTES)
-        if offset < 0 or offset % OFFSET_ALIGN:
+        check_state_offset(offset, f"RNG state for platform {self.name!r} has a cursor offset of")
+        if initial_seed not in (position_handle(seed, offset), position_handle(seed, offset, True)):
             raise InvalidStateError(
-                f"RNG state for platform {self.name!r} holds the position ({seed}, {offset}); offsets are "
-                f"non-negative multiples of {OFFSET_ALIGN}. Pass a state returned by get_rng_state(), unmodified."
-            )
-        if _initial_seed_of(checked, self.name) not in (
-            position_handle(seed, offset),
-            position_handle(seed, offset, True),
-        ):
-            raise InvalidStateError(
-                f"RNG state for platform {self.name!r} holds the position ({seed}, {offset}), which does not belong "
-                "to its MT19937 bytes (they were seeded for another position, or saved by a release before "
-                "positions had 64-bit handles); pass a state returned by get_rng_state(), unmodified."
+                f"RNG state for platform {self.name!r} has a cursor ({seed}, {offset}) that does not belong to its "
+                "MT19937 bytes (they were seeded for another position, or saved by a release before positions had "
+                "64-bit handles); pass a state returned by get_rng_state(), unmodified."
             )
         return checked
 
@@ -384,7 +337,7 @@ _Snapshot = tuple[torch.Tensor, int, int, int]  # MT19937 bytes, their handle, i
 def _read() -> _Snapshot:
     gen = torch.default_generator
     handle = gen.initial_seed()
-    seed, offset = _TABLE.get(handle) or (handle, 0)
+    seed, offset = _table.get(handle) or (handle, 0)
     return gen.get_state(), handle, seed, offset
 
 
@@ -392,25 +345,20 @@ def _write(snapshot: _Snapshot) -> None:
     mt, handle, seed, offset = snapshot
     torch.default_generator.set_state(mt)
     if handle != seed or offset:
-        _TABLE.put(handle, (seed, offset))
+        _remember(handle, (seed, offset))
 
 
 def _pack(snapshot: _Snapshot) -> torch.Tensor:
     mt, _, seed, offset = snapshot
-    packed = bytearray(np.from_dlpack(mt).tobytes())
-    packed += _POSITION.pack(seed, offset)
-    return torch.frombuffer(packed, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(np.from_dlpack(mt).tobytes() + _POSITION.pack(seed, offset)), dtype=torch.uint8)
 
 
 def _unpack(state: torch.Tensor) -> _Snapshot:
     """A state :meth:`CPUPlatform.check_rng_state` accepted, as a snapshot."""
     raw = np.from_dlpack(state).tobytes()
     seed, offset = _POSITION.unpack_from(raw, MT19937_STATE_NBYTES)
-    handle = position_handle(seed, offset)
-    if _initial_seed_of(state, "cpu") != handle:
-        handle = position_handle(seed, offset, True)
     mt = torch.frombuffer(bytearray(raw[:MT19937_STATE_NBYTES]), dtype=torch.uint8)
-    return mt, handle, seed, offset
+    return mt, _initial_seed_of(mt, "cpu"), seed, offset
 
 
 _STATE_IO = StateIO(_read, _write, _pack, _unpack)

@@ -240,9 +240,9 @@ def test_the_position_table_stays_consistent_under_threads() -> None:
     for t in threads:
         t.join()
     assert errors == []
-    from hyperrng.platforms.cpu import _TABLE
+    from hyperrng.platforms.cpu import _table
 
-    assert len(_TABLE) <= platforms.POSITIONS_KEPT
+    assert len(_table) <= platforms.POSITIONS_KEPT
 
 
 def test_the_offsets_cache_is_bounded_and_memory_stays_flat_over_new_shapes() -> None:

@@ -66,14 +66,14 @@ def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_s
 
 
 def test_cpu_the_position_table_keeps_the_newest_handles_and_stays_bounded() -> None:
-    from hyperrng.platforms.cpu import _TABLE
+    from hyperrng.platforms.cpu import _table
 
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
     first = torch.get_rng_state()
     for k in range(1, platforms.POSITIONS_KEPT + 1):
         cpu.set_seed_offset(99, 4 * k)
-    assert len(_TABLE) == platforms.POSITIONS_KEPT
+    assert len(_table) == platforms.POSITIONS_KEPT
     recent = torch.get_rng_state()
     torch.set_rng_state(first)  # older than the last POSITIONS_KEPT positions: forgotten
     assert cpu.get_seed_offset() == (torch.initial_seed(), 0)
