@@ -211,7 +211,8 @@ class _Region:
 
     def cancel(self) -> None:
         """Record that an op refused to draw: on exit every rank moves only past what :meth:`consume`
-        recorded (back to the entry position if nothing), not to the shard layout's end."""
+        recorded (back to the entry position if nothing), not to the shard layout's end. On the
+        CPU, moving back to the entry position reseeds its free stream, as ``set_seed_offset`` does."""
         self._cancelled = True
 
     def __enter__(self) -> None:
