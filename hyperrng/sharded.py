@@ -16,11 +16,17 @@ region's arguments), so no collective runs per op. What each platform guarantees
   Philox offsets. Shard ``k`` draws the counter window ``[start_k, start_k + numel_k)``
   after the region's base offset; windows of distinct shards are disjoint, replicas draw
   identical numbers, and every rank leaves at ``base + end``.
-* the CPU platform keeps each position as an explicit cursor and seeds MT19937 from a
-  stable mix of the pair (see :mod:`hyperrng.platforms.cpu`): replicas draw identical numbers,
-  distinct shards draw from distinct seeds (independent streams, not disjoint windows of
-  one stream), and every rank leaves at ``base + end``. The region reads and writes
-  positions through the platform only, so it needs nothing CPU-specific.
+* the CPU platform seeds MT19937 from a 64-bit handle of each position (see
+  :mod:`hyperrng.platforms.cpu`): the region positions the op in the *draw* domain
+  (``set_seed_offset(..., draw=True)``) and leaves in the *free* one, so replicas draw
+  identical numbers, distinct shards draw from distinct streams (independent streams,
+  not disjoint windows of one stream), no shard replays the plain draws made before the
+  region, and every rank leaves at ``base + end``. The region reads and writes positions
+  through the platform only, so it needs nothing CPU-specific.
+
+A region on an empty tensor draws nothing and leaves the generator as it is. The offsets
+of a (mesh, placements, shape) are cached per tracker, for the last :data:`OFFSETS_KEPT`
+distinct ones; a ``(shape, coordinate)`` pair is keyed by its ints.
 
 :meth:`ShardedRNGTracker.install_dtensor` routes random ops on real
 ``torch.distributed.tensor`` DTensors through this tracker, on any platform, the CPU
@@ -38,6 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +58,13 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
 from hyperrng.sharding import rng_offsets
 
-__all__ = ["MeshInfo", "ShardedRNGTracker", "active_region", "as_mesh_info"]
+__all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
+
+OFFSETS_KEPT = 4096
+"""How many distinct (mesh, placements, shape) answers a :class:`ShardedRNGTracker` keeps; the least
+recently used go first."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +213,8 @@ class _Region:
 
     def cancel(self) -> None:
         """Record that an op refused to draw: on exit every rank moves only past what :meth:`consume`
-        recorded (back to the entry position if nothing), not to the shard layout's end."""
+        recorded (back to the entry position if nothing), not to the shard layout's end. On the
+        CPU, moving back to the entry position reseeds its free stream, as ``set_seed_offset`` does."""
         self._cancelled = True
 
     def __enter__(self) -> None:
@@ -219,7 +231,8 @@ class _Region:
                 _check_room(base, self._end)
             self._seed, self._base = seed, base
             positioned = True
-            p.set_seed_offset(seed, base + self._start, None, gen)
+            if self._end:  # an op on an empty tensor draws nothing: the generator and its plain draws stay as they are
+                p.set_seed_offset(seed, base + self._start, None, gen, draw=True)
             _ACTIVE.stack.append(self)
         except BaseException:
             if positioned:  # interrupted: complete to where the exit would leave the generator
@@ -242,7 +255,8 @@ class _Region:
         elif self in stack:  # regions left out of order: this one must not stay active
             stack.remove(self)
         end = self._consumed if self._consumed or self._cancelled else self._end
-        self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
+        if end or self._end:
+            self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
         self._release()
 
     def _release(self) -> None:
@@ -303,7 +317,7 @@ class _LocalRegion:
             if self._source is not None:
                 self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
             self._seed, self._base = seed, base
-            _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank]))
+            _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank], draw=True))
         except BaseException:
             _exclusive.release(*self._held)
             raise
@@ -335,7 +349,7 @@ class ShardedRNGTracker:
         if platform is not None:
             check_instance(platform, Platform, "platform")
         self._platform = platform
-        self._offsets: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self._offsets: OrderedDict[tuple[Any, ...], tuple[int, int]] = OrderedDict()  # least recently used first
         # The previous call's argument objects and result: an op repeated with the very same
         # (immutable) objects, as a training loop does, skips hashing and comparing them.
         self._last: tuple[Any, Any, Any, tuple[int, int]] | None = None
@@ -427,16 +441,20 @@ class ShardedRNGTracker:
             # object has their ids.
             return last[3]
         key = _cache_key(mesh, placements, global_shape)
+        offsets = self._offsets
         try:
-            result = self._offsets[key]  # type: ignore[index]
-        except (KeyError, TypeError):  # not cached yet, or unhashable: correct, just not cached
+            result = offsets[key]  # type: ignore[index]
+            offsets.move_to_end(key)  # type: ignore[arg-type]
+        except (KeyError, TypeError):  # not cached (or no key), or unhashable: correct, just not cached
             info = as_mesh_info(mesh)
             result = rng_offsets(info.shape, info.coordinate, placements, global_shape)
             if key is not None:
                 try:
-                    self._offsets[key] = result
+                    offsets[key] = result
                 except TypeError:
                     pass
+                if len(offsets) > OFFSETS_KEPT:
+                    _forget_oldest(offsets)
         self._remember(mesh, placements, global_shape, result)
         return result
 
@@ -540,23 +558,52 @@ def _check_member(mesh: Any, rank: int | None) -> None:
 
 
 def _fixed_mesh(mesh: object) -> bool:
-    """Whether this rank's view of ``mesh`` cannot change: a ``MeshInfo``, or a ``DeviceMesh``
-    (only ever constructed once torch's device-mesh module is loaded, so it is not imported here)."""
+    """Whether this rank's view of ``mesh`` cannot change: a ``MeshInfo``, a ``(shape, coordinate)``
+    pair of tuples, or a ``DeviceMesh`` (only ever constructed once torch's device-mesh module is
+    loaded, so it is not imported here)."""
     if type(mesh) is MeshInfo:
         return True
+    if type(mesh) is tuple:
+        return len(mesh) == 2 and type(mesh[0]) is tuple and type(mesh[1]) is tuple
     module = sys.modules.get("torch.distributed.device_mesh")
     return module is not None and isinstance(mesh, module.DeviceMesh)
 
 
-def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
-    """A key under which these arguments' offsets may be cached, or ``None`` if they must be validated."""
-    if type(mesh) is tuple:  # a (shape, coordinate) pair: ``==`` would equate 1 and True
+def _exact_ints(values: object) -> tuple[int, ...] | None:
+    """``values`` as a tuple if it is a tuple or list of exact ints (``True`` is not ``1`` here), else ``None``."""
+    if type(values) is not tuple and type(values) is not list:
         return None
-    shape = global_shape if type(global_shape) is tuple else tuple(global_shape)
-    for d in shape:
-        if type(d) is not int:
+    for v in values:  # type: ignore[attr-defined]
+        if type(v) is not int:
             return None
+    return values if type(values) is tuple else tuple(values)  # type: ignore[return-value, arg-type]
+
+
+def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]) -> tuple[Any, ...] | None:
+    """A key under which these arguments' offsets may be cached, or ``None`` if they must be validated.
+
+    Every entry must be exactly an int, since ``==`` equates ``1`` with ``True`` and ``8`` with
+    ``8.0``: a ``(shape, coordinate)`` pair is keyed by its ints, a ``MeshInfo`` (validated when
+    made) or a ``DeviceMesh`` (one rank's view of a mesh) by itself.
+    """
+    shape = _exact_ints(global_shape) if type(global_shape) is not torch.Size else tuple(global_shape)
+    if shape is None:
+        return None
+    if type(mesh) is tuple:
+        if len(mesh) != 2:
+            return None
+        mesh_shape, coordinate = _exact_ints(mesh[0]), _exact_ints(mesh[1])
+        if mesh_shape is None or coordinate is None:
+            return None
+        mesh = (mesh_shape, coordinate)
     return (mesh, placements if type(placements) is tuple else tuple(placements), shape)
+
+
+def _forget_oldest(offsets: OrderedDict[tuple[Any, ...], tuple[int, int]]) -> None:
+    try:
+        offsets.popitem(last=False)
+    except KeyError:  # another thread emptied it first
+        pass
 
 
 def _dtensor_random_module() -> Any:

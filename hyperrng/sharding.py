@@ -731,7 +731,7 @@ def _split_of(placement: Any, mesh_dim: int, shape: tuple[int, ...]) -> _Split |
     return _Split(dim % ndim, split_factor)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # bounded like every cache here: a run has a handful of placement classes
 def _kind_of(cls: type) -> _Kind:
     """Classify a placement class once; torch's placement ``isinstance`` checks are slow."""
     kinds = _placement_types()

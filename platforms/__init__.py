@@ -8,7 +8,14 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 from __future__ import annotations
 
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, pack_counter_state, unpack_counter_state
-from hyperrng.platforms.cpu import CPU_STATE_NBYTES, MT19937_STATE_NBYTES, CPUPlatform, CursorGenerator, seed_generator
+from hyperrng.platforms.cpu import (
+    CPU_STATE_NBYTES,
+    MT19937_STATE_NBYTES,
+    POSITIONS_KEPT,
+    CPUPlatform,
+    seed_generator,
+    seeds_all_64_bits,
+)
 from hyperrng.platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
 from hyperrng.platforms.errors import (
     AmbiguousPlatformError,
@@ -51,7 +58,6 @@ __all__ = [
     "Platform",
     "StateIO",
     "CPUPlatform",
-    "CursorGenerator",
     "DeviceModulePlatform",
     "CUDAPlatform",
     "NPUPlatform",
@@ -62,7 +68,9 @@ __all__ = [
     "MT19937_STATE_NBYTES",
     "CPU_STATE_NBYTES",
     "SIM_DEVICE_TYPE",
+    "POSITIONS_KEPT",
     "seed_generator",
+    "seeds_all_64_bits",
     "simulated_backend",
     "pack_counter_state",
     "unpack_counter_state",

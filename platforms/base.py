@@ -18,7 +18,14 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
-from hyperrng.platforms.validate import check_index, check_offset, check_seed, check_state, check_state_offset
+from hyperrng.platforms.validate import (
+    check_index,
+    check_instance,
+    check_offset,
+    check_seed,
+    check_state,
+    check_state_offset,
+)
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
 
@@ -26,6 +33,7 @@ COUNTER_STATE_NBYTES = 16
 """Size of a counter-based (Philox) state: uint64 seed then int64 offset, little-endian."""
 
 _BYTE_ORDER: Literal["little"] = "little"
+_GENERATOR_API = ("get_state", "set_state", "manual_seed", "initial_seed")
 
 
 class Platform:
@@ -37,8 +45,8 @@ class Platform:
         dist_backend: the ``torch.distributed`` backend to start process groups with.
         counter_based: ``True`` when the generator state is a (seed, offset) pair that
             can be positioned exactly and that draws advance (Philox on CUDA and NPU);
-            ``False`` when the platform keeps positions as an explicit cursor beside its
-            generator's bytes (the CPU's MT19937; see :mod:`hyperrng.platforms.cpu`).
+            ``False`` when the platform models positions beside its generator's bytes
+            (the CPU's MT19937; see :mod:`hyperrng.platforms.cpu`).
         is_host: ``True`` when this platform's device is the host CPU, i.e. its device
             generator is torch's CPU generator (the CPU platform). Callers use it to
             avoid forking or seeding the host twice; they never compare generators.
@@ -113,7 +121,7 @@ class Platform:
         The default copies the default generator's bytes where those are the whole state
         (counter-based devices), and goes through :meth:`get_rng_state` /
         :meth:`set_rng_state` otherwise. A platform whose state has parts outside the
-        generator (the CPU's position cursor) overrides it.
+        generator (the CPU's position) overrides it.
         """
         gen = self.default_generator(index) if self.counter_based else None
         if gen is not None:
@@ -171,23 +179,47 @@ class Platform:
         platforms that model positions.
 
         Raises:
-            InvalidStateError: ``generator`` belongs to another device type.
+            ArgumentTypeError: ``generator`` is not a generator.
+            InvalidStateError: ``generator`` belongs to another device type, or its state is
+                not a 16-byte (seed, offset) state.
         """
         if generator is None:
             return unpack_counter_state(self.get_rng_state(index))
-        return unpack_counter_state(self._check_generator(generator).get_state())
+        gen = self._check_generator(generator)
+        state = gen.get_state()
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != COUNTER_STATE_NBYTES:
+            raise InvalidStateError(
+                f"{type(gen).__name__}.get_state() returned {_describe(state)}, not the {COUNTER_STATE_NBYTES}-byte "
+                f"(seed, offset) state of a {self.name!r} generator; pass a generator of this device."
+            )
+        return unpack_counter_state(state)
 
     def set_seed_offset(
-        self, seed: int, offset: int, index: int | None = None, generator: torch.Generator | None = None
+        self,
+        seed: int,
+        offset: int,
+        index: int | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        draw: bool = False,
     ) -> None:
         """Position ``generator`` (default: device ``index``'s) at (seed, offset).
+
+        ``draw=True`` says that the caller positions for a positioned draw (a sharded
+        region's op) rather than for the plain draws that follow. A counter-based
+        generator has one stream whose draws advance the offset, so it ignores the flag;
+        a platform that models positions (the CPU) seeds the two kinds from separate
+        domains so that a positioned draw never replays plain draws. One keyword, with a
+        default, rather than a second method: existing plug-ins keep working unchanged.
 
         Raises:
             InvalidSeedError: see :meth:`manual_seed`.
             InvalidOffsetError: ``offset`` is negative, too large or not a multiple of 4.
+            ArgumentTypeError: ``draw`` is not a bool, or ``generator`` is not a generator.
             InvalidStateError: ``generator`` belongs to another device type.
         """
         state = pack_counter_state(check_seed(seed), check_offset(offset))
+        check_instance(draw, bool, "draw")
         if generator is None:
             self._write_state(state, self._index(index))
         else:
@@ -244,14 +276,26 @@ class Platform:
             return self.current_device()
         return check_index(index, self.device_count(), self.name)
 
-    def _check_generator(self, generator: torch.Generator) -> torch.Generator:
-        device = getattr(generator, "device", None)
-        if not isinstance(device, torch.device):
+    def _check_generator(self, generator: object) -> Any:
+        """Return ``generator`` if it is a generator of this platform's device type, else raise.
+
+        A generator is a ``torch.Generator`` (subclasses included) or an object with the
+        whole generator API (device modules written in Python have their own, such as
+        the simulated device's); an object that merely has a ``device`` is not.
+
+        Raises:
+            ArgumentTypeError: ``generator`` is not a generator.
+            InvalidStateError: it belongs to another device type.
+        """
+        if not isinstance(generator, torch.Generator) and not all(
+            callable(getattr(generator, method, None)) for method in _GENERATOR_API
+        ):
             raise ArgumentTypeError(
-                f"generator must be a torch.Generator (or a device module's generator), got "
-                f"{type(generator).__name__} {generator!r}; pass None for the default generator."
+                f"generator must be a torch.Generator (or a device module's generator, with "
+                f"{', '.join(_GENERATOR_API)}), got {type(generator).__name__}; pass None for the default generator."
             )
-        if device.type != self.device_type:
+        device = getattr(generator, "device", None)
+        if not isinstance(device, torch.device) or device.type != self.device_type:
             raise InvalidStateError(
                 f"generator on {device} does not belong to platform {self.name!r} (device type "
                 f"{self.device_type!r}); pass a generator created on that device, or None for the default."
@@ -286,6 +330,12 @@ def _dist():  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of {value.numel()} elements"
+    return f"a {type(value).__name__}"
 
 
 def unpack_counter_state(state: torch.Tensor) -> tuple[int, int]:

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from hyperrng.platforms._features import feature
-from hyperrng.platforms.cpu import position_seed
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -243,20 +242,18 @@ def test_a_user_generator_under_local_tensor_mode_takes_the_advance_of_a_dtensor
     assert device_before == dict.fromkeys(range(WORLD), (42, 0))
     for rank in range(WORLD):
         assert torch.equal(user_numbers[rank], device_numbers[rank])
-    # The op's advance is charged to the user generator: on the CPU, whose plain generators carry
-    # no cursor, that reseeds it for position (42, end).
+    # The op's advance is charged to the user generator.
     _, end = rng_offsets((WORLD,), (0,), [Shard(0)], (8, 3))
-    assert user.initial_seed() == position_seed(42, end)
+    assert platforms.current().get_seed_offset(generator=user) == (42, end)
 
 
 @pytest.mark.needs_local_tensor
-def test_a_cursor_generator_keeps_its_position_through_dtensor_ops_that_hand_it_on_as_a_plain_generator(
+def test_a_plain_generator_keeps_its_position_through_dtensor_ops_that_hand_it_on_as_a_new_wrapper(
     installed: ShardedRNGTracker,
 ) -> None:
-    """DTensor hands the tracker a plain torch.Generator wrapping the user's C++ generator; its cursor is found."""
+    """DTensor hands the tracker a new torch.Generator wrapping the user's generator; its position is found."""
     mesh = DeviceMesh("cpu", torch.arange(WORLD))
-    user = platforms.CursorGenerator()
-    user.manual_seed(42)
+    user = torch.Generator().manual_seed(42)
     with LocalTensorMode(WORLD), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         installed.manual_seed(42)

@@ -32,32 +32,25 @@ def test_cpu_equal_positions_draw_equal_numbers_and_distinct_ones_differ() -> No
     assert all(not torch.equal(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
 
 
-def test_cpu_position_moves_one_block_once_drawn_from_and_follows_a_reseed() -> None:
+def test_cpu_plain_draws_do_not_move_a_position_and_a_reseed_behind_its_back_reads_as_the_new_seed() -> None:
     cpu = CPUPlatform()
     cpu.set_seed_offset(5, 12)
+    torch.rand(100)
     assert cpu.get_seed_offset() == (5, 12)
-    torch.rand(100)
-    # The stream of (5, 12) has been drawn from: what is positioned next must not replay it.
-    assert cpu.get_seed_offset() == (5, 16)
-    torch.rand(100)
-    assert cpu.get_seed_offset() == (5, 16)
-    torch.manual_seed(77)  # behind the platform's back: the cursor no longer describes the generator
+    torch.manual_seed(77)
     assert cpu.get_seed_offset() == (77, 0)
 
 
-def test_cpu_torch_manual_seed_with_a_positions_own_stream_seed_still_reads_as_that_seed() -> None:
-    from hyperrng.platforms.cpu import position_seed
-
+def test_cpu_a_positioned_draw_never_replays_the_plain_draws_of_the_same_position() -> None:
     cpu = CPUPlatform()
-    cpu.set_seed_offset(5, 8)
-    stream_seed = position_seed(5, 8) & (2**32 - 1)  # the 32 bits MT19937 was seeded from
-    assert torch.equal(torch.rand(4), (torch.manual_seed(stream_seed), torch.rand(4))[1])  # the same stream
-    cpu.set_seed_offset(5, 8)
-    torch.manual_seed(stream_seed)
-    assert cpu.get_seed_offset() == (stream_seed, 0)
-    cpu.set_seed_offset(5, 8)
-    torch.set_rng_state(torch.Generator().manual_seed(stream_seed).get_state())
-    assert cpu.get_seed_offset() == (stream_seed, 0)
+    cpu.set_seed_offset(5, 12)
+    plain = torch.rand(16)
+    cpu.set_seed_offset(5, 12, draw=True)
+    positioned = torch.rand(16)
+    assert not torch.equal(plain, positioned)
+    assert cpu.get_seed_offset() == (5, 12)
+    cpu.set_seed_offset(5, 12, draw=True)
+    assert torch.equal(torch.rand(16), positioned), "a draw position is a function of (seed, offset)"
 
 
 def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_saved_at() -> None:
@@ -70,68 +63,40 @@ def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_s
     assert cpu.get_seed_offset() == (7, 8)
     assert platforms.unpack_counter_state(cpu.get_rng_state()[platforms.MT19937_STATE_NBYTES :]) == (7, 8)
     assert torch.equal(torch.rand(5), expected)
-    assert cpu.get_seed_offset() == (7, 12)
 
 
-@pytest.mark.parametrize(
-    ("saved_at", "cursor_at"),
-    [
-        (2**34 - 8, 2**34 + 8),  # on either side of a window's end
-        (2**34 - 4, 4),
-        (2**40 + 16, 2**40 + 2**20),
-        (2**34 + 24, 0),  # a fresh process: the cursor at offset 0
-        (2**40 + 2**30, 0),
-        (2**50 + 4, 2**50 - 2**40),
-        (2**62, 2**62 + 2**40),
-        (2**50 + 127 * 2**34, 2**50),  # 127 windows ahead: the two windows its bits allow, the nearer taken
-        (2**50 - 127 * 2**34 + 8, 2**50),
-    ],
-)
-def test_cpu_restored_bytes_read_as_the_position_nearest_the_cursor(saved_at: int, cursor_at: int) -> None:
-    cpu = CPUPlatform()
-    cpu.set_seed_offset(2**63 + 5, saved_at)
-    saved = torch.get_rng_state()
-    cpu.set_seed_offset(2**63 + 5, cursor_at)
-    torch.set_rng_state(saved)
-    assert cpu.get_seed_offset() == (2**63 + 5, saved_at)
-
-
-def test_cpu_restored_bytes_of_another_seed_read_as_their_initial_seed() -> None:
-    cpu = CPUPlatform()
-    cpu.set_seed_offset(8, 40)
-    other = torch.get_rng_state()
-    cpu.set_seed_offset(7, 40)
-    torch.set_rng_state(other)
-    assert cpu.get_seed_offset() == (torch.initial_seed(), 0)
-    cpu.set_seed_offset(7, 40)
-    torch.manual_seed(7)  # the seed itself, at offset 0
-    assert cpu.get_seed_offset() == (7, 0)
-
-
-def test_cpu_position_seeds_are_tagged_above_every_seed_below_2_to_the_63() -> None:
-    from hyperrng.platforms.cpu import position_seed
-
-    for seed in [0, 5, 2**32 + 1, 2**64 - 1]:
-        assert position_seed(seed, 0) == seed
-        assert all(position_seed(seed, 4 * k) >= 2**63 for k in range(1, 1000))
-
-
-def test_cpu_state_saved_before_positions_were_tagged_still_loads_with_its_position() -> None:
-    from hyperrng.platforms.cpu import position_seed
+def test_cpu_the_position_table_keeps_the_newest_handles_and_stays_bounded() -> None:
+    from hyperrng.platforms.cpu import _table
 
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
-    expected = torch.rand(6)
-    untagged = torch.Generator().manual_seed(position_seed(1234, 8) & (2**32 - 1)).get_state()
-    old_format = torch.cat((untagged, platforms.pack_counter_state(1234, 8)))
-    cpu.manual_seed(1)
-    cpu.set_rng_state(old_format)
-    assert cpu.get_seed_offset() == (1234, 8)
-    assert torch.equal(torch.rand(6), expected)
-    assert cpu.get_seed_offset() == (1234, 12)
+    first = torch.get_rng_state()
+    for k in range(1, platforms.POSITIONS_KEPT + 1):
+        cpu.set_seed_offset(99, 4 * k)
+    assert len(_table) == platforms.POSITIONS_KEPT
+    recent = torch.get_rng_state()
+    torch.set_rng_state(first)  # older than the last POSITIONS_KEPT positions: forgotten
+    assert cpu.get_seed_offset() == (torch.initial_seed(), 0)
+    torch.set_rng_state(recent)
+    assert cpu.get_seed_offset() == (99, 4 * platforms.POSITIONS_KEPT)
 
 
-def test_cpu_state_is_the_mt19937_bytes_followed_by_the_cursor() -> None:
+def test_cpu_2_to_the_16_positions_give_2_to_the_16_distinct_streams() -> None:
+    # Seeded from 32 bits, two of them would share an MT19937 stream with probability about 0.4.
+    cpu = CPUPlatform()
+    firsts = set()
+    for k in range(2**16):
+        cpu.set_seed_offset(k % 256, 4 * (k // 256), draw=bool(k % 3))
+        firsts.add(tuple(torch.randint(0, 2**62, (2,)).tolist()))
+    assert len(firsts) == 2**16
+
+
+def test_cpu_positions_seed_mt19937_from_all_64_bits_on_this_torch() -> None:
+    # A layout change in a future torch shows here first (positions would fall back to 32 bits).
+    assert platforms.seeds_all_64_bits()
+
+
+def test_cpu_state_is_the_mt19937_bytes_followed_by_the_position() -> None:
     cpu = CPUPlatform()
     cpu.set_seed_offset(2**40 + 9, 64)
     state = cpu.get_rng_state()
@@ -140,13 +105,12 @@ def test_cpu_state_is_the_mt19937_bytes_followed_by_the_cursor() -> None:
     assert platforms.unpack_counter_state(state[platforms.MT19937_STATE_NBYTES :]) == (2**40 + 9, 64)
 
 
-def test_cpu_positions_are_kept_beside_the_bytes_not_looked_up() -> None:
-    # Many other positions in between cannot make a saved state lose its position.
+def test_cpu_a_saved_state_keeps_its_position_after_the_table_forgot_it() -> None:
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
     saved = cpu.get_rng_state()
-    for k in range(70_000):
-        cpu.set_seed_offset(99, 4 * k)
+    for k in range(platforms.POSITIONS_KEPT + 10):
+        cpu.set_seed_offset(99, 4 * k, draw=True)
     cpu.set_rng_state(saved)
     assert cpu.get_seed_offset() == (1234, 8)
 
@@ -291,21 +255,14 @@ def test_cpu_64_bit_seeds_are_reproducible_and_restorable() -> None:
     assert torch.equal(torch.rand(8), a)
 
 
-def test_cpu_positions_a_power_of_two_apart_do_not_repeat_streams_past_2_to_the_34() -> None:
-    from hyperrng.platforms.cpu import position_seed
-
-    # One op of 2**24 elements per step: the positions of 4096 steps span four windows of 2**34.
-    for step in [2**24, 2**30, 2**34]:
-        streams = {position_seed(2024, step * k) & (2**32 - 1) for k in range(1, 4097)}
-        assert len(streams) == 4096, f"positions {step} counters apart share MT19937 streams"
-
-
-def test_cpu_positions_of_one_seed_never_share_a_stream() -> None:
-    from hyperrng.platforms.cpu import position_seed
+def test_cpu_handles_of_one_seed_never_collide_and_stay_apart_across_domains() -> None:
+    from hyperrng.platforms.cpu import position_handle
 
     for seed in [0, 7, 2**63 + 11]:
-        mt_seeds = {position_seed(seed, 4 * k) & (2**32 - 1) for k in range(1, 100_001)}
-        assert len(mt_seeds) == 100_000
+        for step in [4, 2**24, 2**34]:
+            handles = {position_handle(seed, step * k, draw) for k in range(1, 4097) for draw in (False, True)}
+            assert len(handles) == 2 * 4096
+        assert position_handle(seed, 0) == seed
 
 
 def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None:
@@ -341,29 +298,3 @@ def test_set_device_on_a_one_device_platform_accepts_only_that_device() -> None:
         p.set_device(1)
     with pytest.raises(ArgumentTypeError):
         p.set_device("0")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
-def test_cpu_a_copied_or_pickled_cursor_generator_keeps_its_position(how: str) -> None:
-    import copy
-    import pickle
-
-    cpu = CPUPlatform()
-    gen = platforms.CursorGenerator()
-    cpu.set_seed_offset(99, 40, generator=gen)
-    copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda g: pickle.loads(pickle.dumps(g))}[how](gen)
-    assert isinstance(copied, platforms.CursorGenerator) and copied is not gen
-    assert cpu.get_seed_offset(generator=copied) == (99, 40)
-    assert torch.equal(torch.rand(4, generator=copied), torch.rand(4, generator=gen))
-    torch.rand(1, generator=copied)
-    assert cpu.get_seed_offset(generator=copied) == cpu.get_seed_offset(generator=gen) == (99, 44)
-
-
-@pytest.mark.parametrize(
-    ("device", "error"),
-    [("cuda", platforms.InvalidStateError), ("meta", platforms.InvalidStateError), (5, platforms.ArgumentTypeError)],
-)
-def test_cpu_a_cursor_generator_is_made_for_the_cpu_alone(device: object, error: type[Exception]) -> None:
-    assert platforms.CursorGenerator("cpu").device == platforms.CursorGenerator(torch.device("cpu")).device
-    with pytest.raises(error, match="device"):
-        platforms.CursorGenerator(device)  # type: ignore[arg-type]

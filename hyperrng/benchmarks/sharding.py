@@ -13,11 +13,13 @@ Each question is answered against a baseline timed in the same run, in interleav
   mesh (:func:`~hyperrng.sharding.check_disjoint`) against asking
   :func:`~hyperrng.sharding.rng_offsets` once per rank.
 * ``distribute_region``: enter+exit of a region on the current platform, offsets cached,
-  against a bare ``tracker.fork()`` (target on the CPU: at most 1.5x), on a small mesh and
-  on an 8192-rank one, to show the cost does not depend on mesh size, and with the
-  arguments a layer passes (a list made at the call, the tensor's ``torch.Size``); and the slowest
+  against a bare ``tracker.fork()`` (target on the CPU: at most 2x), for each form a
+  mesh takes (a ``(shape, coordinate)`` tuple, a ``MeshInfo``, a ``DeviceMesh``), on an
+  8192-rank mesh to show the cost does not depend on mesh size, and with the arguments a
+  layer passes (a list made at the call, the tensor's ``torch.Size``); then the slowest
   round of 10,000 regions over 200,000 in one process against the fastest (target 1.5x),
-  to show that nothing builds up over a run.
+  with the same shape and with a new shape every region, and the memory the second run
+  leaves behind, to show that nothing builds up over a run.
 """
 
 from __future__ import annotations
@@ -125,8 +127,20 @@ def _bench_one_rank(
     ]
 
 
-_REGION_TARGET = 1.5  # a region may cost at most one and a half bare forks once its offsets are cached
+_REGION_TARGET = 2.0  # a region may cost at most two bare forks once its offsets are cached
 _FLAT_TARGET = 1.5  # over a long run, the slowest round of regions within this of the fastest
+
+
+def _device_mesh() -> tuple[Any, str]:
+    """A 2x2 ``DeviceMesh`` seen from rank 2, built without a process group, or ``None`` and why not."""
+    import torch
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh("cpu", torch.arange(4).view(2, 2), _init_backend=False, _rank=2), ""
+    except (ImportError, TypeError, RuntimeError) as exc:  # this torch cannot build a mesh without a process group
+        return None, f"no DeviceMesh row: {type(exc).__name__}: {exc}"
 
 
 def _bench_region(quick: bool) -> list[BenchResult]:
@@ -134,7 +148,7 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     from torch.distributed.tensor import Replicate, Shard
 
     import hyperrng.platforms as platforms
-    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+    from hyperrng.sharded import OFFSETS_KEPT, MeshInfo, ShardedRNGTracker
     from hyperrng.tracker import RNGStatesTracker
 
     platform = platforms.current()
@@ -142,67 +156,108 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     tracker = RNGStatesTracker()
     tracker.add("bench-region", 1)
     sharded = ShardedRNGTracker()
-    small = (MeshInfo((2, 2), (1, 0)), [Shard(0), Replicate()], (64, 64))
-    large = (MeshInfo((8, 16, 64), (7, 15, 63)), [Shard(0), Shard(1), Shard(0)], (5000, 3001))
+    placements = (Shard(0), Replicate())
+    device_mesh, why_not = _device_mesh()
+    meshes: dict[str, Any] = {"tuple": ((2, 2), (1, 0)), "MeshInfo": MeshInfo((2, 2), (1, 0))}
+    if device_mesh is not None:
+        meshes["DeviceMesh"] = device_mesh
+    large = (MeshInfo((8, 16, 64), (7, 15, 63)), (Shard(0), Shard(1), Shard(0)), (5000, 3001))
     x = torch.empty(64, 64)
-    shard, replicate = small[1]
+    shard, replicate = placements
 
     def fork() -> None:
         with tracker.fork("bench-region"):
             pass
 
-    def region(args: tuple[Any, ...]) -> None:
-        with sharded.distribute_region(*args):
-            pass
+    def region(args: tuple[Any, ...]) -> Callable[[], None]:
+        def run() -> None:
+            with sharded.distribute_region(*args):
+                pass
+
+        return run
 
     def rebuilt() -> None:  # as a layer writes it: a list made at the call and the tensor's shape
-        with sharded.distribute_region(small[0], [shard, replicate], x.shape):
+        with sharded.distribute_region(meshes["MeshInfo"], [shard, replicate], x.shape):
             pass
 
-    best = interleaved(
-        {"fork": fork, "small": lambda: region(small), "large": lambda: region(large), "rebuilt": rebuilt},
-        number=number,
-        rounds=rounds,
-    )
-    # Build-up shows only in a long run: 200,000 regions in rounds of 10,000, each at a new
-    # position as in training (every region moves the generator on).
-    long_number, long_rounds = (2_000, 10) if quick else (10_000, 20)
-    long_run = time_rounds(lambda: region(small), number=long_number, rounds=long_rounds)
+    fns: dict[str, Callable[[], None]] = {"fork": fork}
+    for label, mesh in meshes.items():
+        fns[label] = region((mesh, placements, (64, 64)))
+    fns["large"] = region(large)
+    fns["rebuilt"] = rebuilt
+    best = interleaved(fns, number=number, rounds=rounds)
     target = _REGION_TARGET if platform.name == "cpu" else None
-    return [
+    fork_name = "tracker.fork() enter+exit"
+    results = [
         BenchResult(
-            f"{platform.name}: distribute_region, 2x2 mesh",
-            best["small"],
-            "tracker.fork() enter+exit",
-            best["fork"],
-            target=target,
-        ),
+            f"{platform.name}: distribute_region, 2x2 {label}", best[label], fork_name, best["fork"], target=target
+        )
+        for label in meshes
+    ]
+    results += [
         BenchResult(
             f"{platform.name}: distribute_region, 2x2, args rebuilt",
             best["rebuilt"],
-            "tracker.fork() enter+exit",
+            fork_name,
             best["fork"],
             target=target,
-            note="a new placements list and the tensor's torch.Size at each call",
+            note="a new placements list and the tensor's torch.Size at each call" + (f"; {why_not}" if why_not else ""),
         ),
         BenchResult(
             f"{platform.name}: distribute_region, 8192-rank mesh",
             best["large"],
-            "tracker.fork() enter+exit",
+            fork_name,
             best["fork"],
             target=target,
             note="offsets cached: the cost does not grow with the mesh",
         ),
-        BenchResult(
-            f"{platform.name}: distribute_region, slowest round",
-            Timing((long_run.high,)),
-            "its fastest round",
-            Timing((long_run.low,)),
-            target=_FLAT_TARGET,
-            note=f"{long_rounds} rounds of {long_number:,} regions ({long_rounds * long_number:,} in one process); "
-            f"median {long_run.median * 1e6:.1f} us; late/early rounds {long_run.drift:.2f}",
-        ),
     ]
+    # Build-up shows only in a long run: 200,000 regions in rounds of 10,000, each at a new
+    # position as in training (every region moves the generator on); then as many with a new
+    # shape every region, which also churns the offsets cache.
+    long_number, long_rounds = (2_000, 10) if quick else (10_000, 20)
+    same = time_rounds(region((meshes["tuple"], placements, (64, 64))), number=long_number, rounds=long_rounds)
+    shapes = itertools.count(1)
+
+    def new_shape() -> None:
+        with sharded.distribute_region(meshes["tuple"], placements, (next(shapes), 64)):
+            pass
+
+    fresh = time_rounds(new_shape, number=long_number, rounds=long_rounds)
+    grown = _traced_growth(new_shape, platforms.POSITIONS_KEPT // 2 + OFFSETS_KEPT, long_number)
+    total = f"{long_rounds} rounds of {long_number:,} regions ({long_rounds * long_number:,} in one process)"
+    for label, run, extra in (
+        ("same shape", same, ""),
+        ("new shapes", fresh, f"; traced memory {grown / 1024:+.0f} KiB over {long_number:,} more regions"),
+    ):
+        results.append(
+            BenchResult(
+                f"{platform.name}: distribute_region, slowest round, {label}",
+                Timing((run.high,)),
+                "its fastest round",
+                Timing((run.low,)),
+                target=_FLAT_TARGET,
+                note=f"{total}; median {run.median * 1e6:.1f} us; late/early rounds {run.drift:.2f}{extra}",
+            )
+        )
+    return results
+
+
+def _traced_growth(fn: Callable[[], None], warm: int, number: int) -> int:
+    """Bytes still allocated after ``number`` calls of ``fn``, traced from ``warm`` calls before them:
+    enough for the caches to drop only what was allocated while traced."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        for _ in range(warm):
+            fn()
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(number):
+            fn()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
 
 
 def _bench_case(
