@@ -108,6 +108,12 @@ def info_lines() -> list[str]:
             detail = f" - {probe.reason}" if probe.reason else ""
             lines.append(f"  {probe.name:<8} [{probe.source}] {mark}{detail}")
     lines += _features.report_lines()
+    lines.append(
+        "cpu positions: MT19937 seeded from all 64 bits of a position's handle"
+        if platforms.seeds_all_64_bits()
+        else "cpu positions: MT19937 seeded from 32 bits (this torch's CPU state layout is not recognised): "
+        "two positions share a stream with probability 2**-32"
+    )
     lines.append("known platforms (built-in, registered, plug-ins):")
     lines += [f"  {name:<8} [{source}] {_availability(name)}" for name, source in _known_platforms()]
     return lines

@@ -365,3 +365,9 @@ def test_bench_markdown_puts_the_table_alone_on_stdout_and_the_progress_on_stder
     table = [line for line in lines if line.startswith("|")]
     assert table[0] == "|#|benchmark|vs|ratio (range)|target|" and len(table) >= 5
     assert "[1/1] streams" in out.stderr and "[1/1]" not in out.stdout
+
+
+def test_info_says_whether_cpu_positions_are_seeded_from_all_64_bits() -> None:
+    from hyperrng.cli import info_lines
+
+    assert "cpu positions: MT19937 seeded from all 64 bits of a position's handle" in info_lines()
