@@ -102,7 +102,10 @@ def _torch_local_elements(
         if isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard)):
             if not hasattr(placement, "_split_tensor"):
                 pytest.skip("this torch has no Placement._split_tensor")
-            pieces, _ = placement._split_tensor(local, mesh_shape[mesh_dim], with_padding=False, contiguous=False)
+            try:
+                pieces, _ = placement._split_tensor(local, mesh_shape[mesh_dim], with_padding=False, contiguous=False)
+            except AssertionError as exc:  # torch before 2.7 splits a _StridedShard evenly only
+                pytest.skip(f"this torch refuses the split the test compares with: {exc}")
             local = pieces[coordinate[mesh_dim]]
     return local
 
