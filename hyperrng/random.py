@@ -62,7 +62,8 @@ class _ForkRNG:
         try:
             self._leave()
         except BaseException:
-            self._leave()  # idempotent: one more go finishes what an interrupt cut short
+            self._leave()  # idempotent: one more go finishes what an interrupt cut short (inline: a call
+            # to a helper here would add a frame whose entry an interrupt could hit before any try)
             raise
 
     def _leave(self) -> None:

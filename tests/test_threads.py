@@ -240,7 +240,7 @@ def test_a_fork_is_refused_while_another_thread_is_inside_a_sharded_region() -> 
 
 def test_a_region_on_a_user_generator_does_not_hold_the_device() -> None:
     t1, sharded = _tracker(s=1), ShardedRNGTracker()
-    own = platforms.CursorGenerator()
+    own = torch.Generator()
     before = own.get_state()
     with _OnAnotherThread(lambda: t1.fork("s")):
         with sharded.distribute_region(*_REGION_ARGS, generator=own):
