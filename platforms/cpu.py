@@ -36,6 +36,7 @@ are identical across devices should use the portable Philox generator instead.
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 import threading
@@ -109,8 +110,18 @@ _lock = threading.Lock()
 _table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
 
 
+def _position_of(handle: int) -> tuple[int, int]:
+    """The position ``handle`` was entered for, or ``(handle, 0)`` when the table does not hold it."""
+    if torch.compiler.is_compiling():  # see _outside_the_graph
+        return _outside_the_graph(_position_of)(handle)
+    return _table.get(handle) or (handle, 0)
+
+
 def _remember(handle: int, position: tuple[int, int]) -> None:
     """Enter ``handle`` in the table (a handle names one position: an entry only moves to the newest end)."""
+    if torch.compiler.is_compiling():
+        _outside_the_graph(_remember)(handle, position)
+        return
     with _lock:
         if handle in _table:
             _table.move_to_end(handle)
@@ -118,6 +129,14 @@ def _remember(handle: int, position: tuple[int, int]) -> None:
         _table[handle] = position
         if len(_table) > POSITIONS_KEPT:
             _table.popitem(last=False)
+
+
+@functools.cache
+def _outside_the_graph(fn: Any) -> Any:
+    """``fn`` run eagerly when torch.compile traces code that reaches it (a fork inside a compiled
+    function): tracing the table would turn each of its up to POSITIONS_KEPT entries into a graph
+    input. Eager calls never come here, so they pay no ``torch.compiler.disable`` wrapper."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 # -- seeding MT19937 from 64 bits ------------------------------------------------------------
@@ -242,8 +261,7 @@ class CPUPlatform(Platform):
             InvalidStateError: ``generator`` belongs to another device type.
         """
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        handle = torch.Generator.initial_seed(gen)
-        return _table.get(handle) or (handle, 0)
+        return _position_of(torch.Generator.initial_seed(gen))
 
     def set_seed_offset(
         self,
@@ -337,7 +355,7 @@ _Snapshot = tuple[torch.Tensor, int, int, int]  # MT19937 bytes, their handle, i
 def _read() -> _Snapshot:
     gen = torch.default_generator
     handle = gen.initial_seed()
-    seed, offset = _table.get(handle) or (handle, 0)
+    seed, offset = _position_of(handle)
     return gen.get_state(), handle, seed, offset
 
 

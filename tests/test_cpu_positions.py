@@ -274,3 +274,28 @@ def test_a_tuple_mesh_is_cached_by_its_ints() -> None:
     assert len(tracker._offsets) == 1
     with pytest.raises(ArgumentTypeError):
         tracker.offsets(((2, 2), (True, 0)), placements, (8, 6))  # equal by ==, but a bool
+
+
+def test_a_compiled_fork_with_a_full_position_table_draws_the_eager_numbers() -> None:
+    # Tracing into the table made torch.compile turn each of its entries into a guard: this
+    # test took about a minute before lookups under compilation ran outside the graph.
+    import hyperrng
+    from hyperrng.platforms.cpu import POSITIONS_KEPT
+
+    cpu = CPUPlatform()
+    for block in range(1, POSITIONS_KEPT + 1):  # fill the table
+        cpu.set_seed_offset(5, 4 * block)
+    tracker = hyperrng.RNGStatesTracker()
+    tracker.add("s", 3)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("s"):
+            y = torch.nn.functional.dropout(x, 0.5)
+        return y * 2
+
+    before = tracker.get_states()
+    eager = fn(torch.ones(64))
+    tracker.set_states(before)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager")(torch.ones(64))
+    assert torch.equal(compiled, eager)
