@@ -279,8 +279,9 @@ def test_a_tuple_mesh_is_cached_by_its_ints() -> None:
 def test_a_compiled_fork_with_a_full_position_table_draws_the_eager_numbers() -> None:
     # Tracing into the table made torch.compile turn each of its entries into a guard: this
     # test took about a minute before lookups under compilation ran outside the graph.
-    import hyperrng
     from hyperrng.platforms.cpu import POSITIONS_KEPT
+
+    import hyperrng
 
     cpu = CPUPlatform()
     for block in range(1, POSITIONS_KEPT + 1):  # fill the table
