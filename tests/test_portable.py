@@ -76,8 +76,10 @@ def test_every_rank_leaves_at_the_same_position(platform: platforms.Platform) ->
 
 def test_every_platform_draws_the_same_numbers() -> None:
     results = []
-    for make in PLATFORMS.values():
-        with platforms.use(make()) as p:
+    available = [made for made in (make() for make in PLATFORMS.values()) if made.probe() is None]
+    assert len(available) >= 2  # the CPU and a plug-in at least, on any supported torch
+    for made in available:
+        with platforms.use(made) as p:
             p.manual_seed(SEED)
             results.append(
                 (
