@@ -27,6 +27,7 @@ _FENCE = re.compile(r"^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.MULTIL
 _NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>[^>]*?)\s*-->\s*$")
 _TORCHRUN = re.compile(r"^#.*\btorchrun\b.*--nproc-per-node[ =](?P<n>\d+)")
 _USES_SIM = re.compile(r"simulated_backend|device=\"sim")
+_USES_PORTABLE_MODE = re.compile(r"portable_random|set_portable_random")
 
 
 def _blocks(lang: str) -> list[tuple[int, str, str]]:
@@ -86,6 +87,11 @@ def test_a_readme_python_example_runs_as_written(line: int, body: str, tmp_path:
         reason = backend_conflict()
         if reason is not None:
             pytest.skip(f"the example at line {line} uses the simulated device, which this torch cannot host: {reason}")
+    if _USES_PORTABLE_MODE.search(body):
+        from hyperrng.platforms import _features
+
+        if not _features.feature("portable-mode").available:
+            pytest.skip(f"the example at line {line} uses portable mode: {_features.feature('portable-mode').refusal()}")
     script = tmp_path / "example.py"
     script.write_text(body, encoding="utf-8")
     launch = _TORCHRUN.match(body)
