@@ -91,7 +91,9 @@ def test_a_readme_python_example_runs_as_written(line: int, body: str, tmp_path:
         from hyperrng.platforms import _features
 
         if not _features.feature("portable-mode").available:
-            pytest.skip(f"the example at line {line} uses portable mode: {_features.feature('portable-mode').refusal()}")
+            pytest.skip(
+                f"the example at line {line} uses portable mode: {_features.feature('portable-mode').refusal()}"
+            )
     script = tmp_path / "example.py"
     script.write_text(body, encoding="utf-8")
     launch = _TORCHRUN.match(body)
