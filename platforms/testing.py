@@ -365,6 +365,42 @@ def state_io_addresses_each_device(p: Platform) -> None:
     assert p.current_device() == home, f"set_device({home}) did not make device {home} current again"
 
 
+def _draw(p: Platform) -> torch.Tensor:
+    """16 uniform numbers drawn by a random op on the current device, as a CPU tensor."""
+    return torch.rand(16, device=p.device()).cpu()
+
+
+@_check
+def random_ops_draw_from_the_state(p: Platform) -> None:
+    """The state is the device's: random ops on the device draw from it, and only from it.
+
+    A platform that keeps its "state" anywhere else (a dict beside the device) passes the
+    byte-level checks but fails here. Where this torch cannot create a tensor on the
+    platform's device (a test double named after a device this build lacks), there is
+    nothing to draw and the check passes without drawing.
+    """
+    try:
+        torch.empty(0, device=p.device())
+    except (RuntimeError, AssertionError):  # torch says "not compiled with ..." in either form
+        return
+    p.manual_seed(5)
+    state = p.get_rng_state()
+    first = _draw(p)
+    p.set_rng_state(state)
+    assert torch.equal(_draw(p), first), (
+        "after set_rng_state(s) a random op on the device drew other numbers than the first time: the state "
+        "read and written is not what the device's random ops draw from"
+    )
+    p.manual_seed(6)
+    assert not torch.equal(_draw(p), first), "manual_seed(6) drew the numbers of manual_seed(5)"
+    p.set_rng_state(state)
+    saved = p.get_rng_state()  # a fork: swap another state in, draw, swap back
+    p.manual_seed(99)
+    _draw(p)
+    p.set_rng_state(saved)
+    assert torch.equal(_draw(p), first), "draws made while another state was swapped in moved the restored one"
+
+
 @contextlib.contextmanager
 def _restored(p: Platform) -> Iterator[None]:
     """Run the block, then put back every device's RNG state and the current device.

@@ -37,7 +37,8 @@ class TestCUDACodePathOnSimulatedModule(PlatformConformance):
 
 
 _NPU_ON_SIM = """
-import torch, platforms
+import torch
+import hyperrng.platforms as platforms
 from hyperrng.platforms.testing import check_platform
 module = platforms.SimulatedDeviceModule(device_count=2, device_type="npu")
 npu = platforms.NPUPlatform(module=module)  # registers the module as torch.npu, as importing torch_npu does
@@ -259,3 +260,31 @@ def test_the_pytest_class_fails_every_check_naming_the_missing_methods(tmp_path:
     reports = [line for line in out.stdout.splitlines() if line.startswith("E ") and "AssertionError: Bare" in line]
     assert len(reports) == len(CHECKS) and all("does not implement device_count()" in line for line in reports)
     assert "NotImplementedError:" not in out.stdout  # no check stopped at the base class's raise
+
+
+class _DictStatePlatform(platforms.Platform):
+    """A plug-in that keeps a (seed, offset) "state" in a dict and never touches the device's generator."""
+
+    name = "dictstate"
+    device_type = "cpu"
+    counter_based = True
+
+    def __init__(self) -> None:
+        self._kept = {0: platforms.pack_counter_state(0, 0)}
+
+    def device_count(self) -> int:
+        return 1
+
+    def _read_state(self, index: int) -> torch.Tensor:
+        return self._kept[index].clone()
+
+    def _write_state(self, state: torch.Tensor, index: int) -> None:
+        self._kept[index] = state.clone()
+
+    def _seed(self, seed: int, index: int) -> None:
+        self._kept[index] = platforms.pack_counter_state(seed, 0)
+
+
+def test_the_kit_fails_a_platform_whose_state_is_not_what_the_device_draws_from() -> None:
+    with pytest.raises(AssertionError, match="conformance check 'random_ops_draw_from_the_state' failed"):
+        check_platform(_DictStatePlatform())

@@ -166,7 +166,7 @@ def test_a_second_privateuse1_backend_makes_the_platform_unavailable_with_a_reas
     from pathlib import Path
 
     code = (
-        "import torch, platforms\n"
+        "import torch\nimport hyperrng.platforms as platforms\n"
         "torch.utils.rename_privateuse1_backend('otheraccel')\n"
         "print(platforms.SimulatedPlatform().probe())\n"
     )
