@@ -261,6 +261,13 @@ class _Report:
         elif self._phases is not None and rank == 0:
             self._phases.record(rank, key, text)
 
+    def flush(self) -> None:
+        """Hand this rank's last reports to the pipe before it answers: a queue's ``put`` leaves them to
+        a feeder thread, which a rank that exits without shutting the queue down would cut short."""
+        if self._events is not None:
+            self._events.close()
+            self._events.join_thread()
+
 
 class _Phases:
     """The parent's view of the ranks' progress: a phase's line (rank 0's text) is printed
@@ -452,6 +459,7 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement, r
             weights = {"w1": r.w1.detach().cpu(), "w2": r.w2.detach().cpu()}  # device tensors are not saved as such
             save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
             report(rank, "checkpoint", f"after step {step}: streams checked across ranks, RNG checkpoint saved")
+    report.flush()
     return {"coords": r.coords, "seeds": seeds, "sharded": sharded, "steps": steps, "verify_error": verify_error}
 
 
@@ -480,6 +488,7 @@ def _resume(
     for step in range(cfg.save_step + 1, cfg.steps + 1):
         steps.append(r.step(step))
         report(rank, f"step {step}", _step_line(step, cfg, steps[-1]))
+    report.flush()
     return steps
 
 
