@@ -212,6 +212,7 @@ def test_ranks_that_all_take_part_in_time_pass_with_any_form_of_timeout(
 
 
 @pytest.mark.multiproc
+@pytest.mark.needs_sim
 def test_streams_on_a_simulated_device_pass_when_in_sync(outcomes: list[dict[str, Any]]) -> None:
     assert [o["clean/simulated-device"] for o in outcomes] == [CLEAN_VERDICTS["megatron"]] * WORLD
 
