@@ -64,6 +64,7 @@ from hyperrng.errors import (
     StreamNameError,
     TrackerStateError,
     UnknownStreamError,
+    UsageError,
 )
 from hyperrng.platforms import Platform, StateIO
 from hyperrng.platforms.validate import check_instance, check_seed
@@ -706,8 +707,46 @@ def _check_name(name: object) -> None:
         raise StreamNameError("a stream name must be a non-empty string, got ''; name the stream.")
 
 
-CudaRNGStatesTracker = RNGStatesTracker
-"""Alias for code migrating from Megatron-core, TransformerEngine or slapo (works on every platform)."""
+class CudaRNGStatesTracker(RNGStatesTracker):
+    """:class:`RNGStatesTracker` under Megatron-core's name and constructor, on every platform.
+
+    For code that builds its own tracker as Megatron-core, TransformerEngine or slapo do.
+
+    Args:
+        use_cudagraphable_rng: Megatron-core's name for ``graph_safe``: streams are
+            generator objects that a CUDA graph can capture.
+        is_inference_rng_tracker: must be ``False``. Megatron-core's inference tracker
+            turns ``add`` and ``fork`` into no-ops; hyperrng has no such tracker.
+
+    Raises:
+        ArgumentTypeError: a flag is not a bool.
+        UsageError: ``is_inference_rng_tracker`` is ``True``.
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        for flag, value in (
+            ("use_cudagraphable_rng", use_cudagraphable_rng),
+            ("is_inference_rng_tracker", is_inference_rng_tracker),
+        ):
+            if not isinstance(value, bool):
+                raise ArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r:.40}.")
+        if is_inference_rng_tracker:
+            raise UsageError(
+                "is_inference_rng_tracker=True selects Megatron-core's inference tracker, whose add() and fork() do "
+                "nothing; hyperrng has none. Drop the flag (forks then switch streams as in training)."
+            )
+        super().__init__(graph_safe=use_cudagraphable_rng)
+
+    @property
+    def use_cudagraphable_rng(self) -> bool:
+        """Megatron-core's name for whether the streams are graph-safe generator objects."""
+        return self._want_graph_safe
+
+    @property
+    def is_inference_rng_tracker(self) -> bool:
+        """Always ``False``: read by Megatron-core's CUDA-graph code."""
+        return False
+
 
 _TRACKER = RNGStatesTracker()
 
