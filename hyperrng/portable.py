@@ -90,7 +90,7 @@ def _reserved(numel: object, generator: torch.Generator | None, draw: Callable[[
 
 def _validate(fn: Callable[..., torch.Tensor], shape: Sequence[int], **kw: Any) -> tuple[int, ...]:
     """Check ``shape`` and every parameter of ``fn`` by drawing nothing, before any generator moves."""
-    checked = philox._check_shape(shape)
+    checked = philox.check_shape(shape)
     fn((0,), key=0, offset=0, **kw)
     return checked
 
@@ -145,12 +145,15 @@ def dropout(
 ) -> torch.Tensor:
     """:func:`hyperrng.philox.dropout` of ``x`` at the generator's position (see :func:`reserve`).
 
-    Nothing is reserved when ``training`` is false.
+    A dropout that draws nothing (``training`` false, ``p`` 0 or 1) reserves nothing, as
+    ``F.dropout`` in portable mode: the two give the same values and leave the generator
+    at the same position.
     """
     _check_input(x)
-    philox.dropout(x.new_empty(0), p, key=0)  # validates x's dtype and p before the generator moves
-    if not training:
-        return x
+    # Validates x's dtype, p and training before the generator moves.
+    philox.dropout(x.new_empty(0), p, key=0, training=training, compiled=compiled)
+    if not training or p in (0.0, 1.0):
+        return philox.dropout(x, p, key=0, training=training)
     return _reserved(
         x.numel(), generator, lambda key, offset: philox.dropout(x, p, key=key, offset=offset, compiled=compiled)
     )
@@ -263,30 +266,30 @@ def sharded_dropout(
     """Dropout of this rank's shard ``x`` with the mask of the unsharded tensor's dropout.
 
     ``x`` must have this rank's local shape; the result equals the matching block of
-    :func:`hyperrng.philox.dropout` of the global tensor. See :func:`sharded_uniform`.
+    :func:`hyperrng.philox.dropout` of the global tensor. See :func:`sharded_uniform`; with
+    ``p`` 0 or 1 nothing is drawn and the generator stays put, as in :func:`dropout`.
 
     Raises:
         InvalidShapeError: ``x`` does not have this rank's local shape (nothing moves).
     """
     _check_input(x)
-    philox.dropout(x.new_empty(0), p, key=0)  # validates x's dtype and p
-    shape = philox._check_shape(global_shape)
+    p_value = philox.check_probability(p)
+    philox.dropout(x.new_empty(0), p_value, key=0)  # validates x's dtype
+    shape = philox.check_shape(global_shape)
     per_dim = shard_slices(mesh, placements, shape)
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
         raise philox.InvalidShapeError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
+    if p_value in (0.0, 1.0):
+        return philox.dropout(x, p_value, key=0)
 
     def draw(key: int, offset: int) -> torch.Tensor:
-        if p == 0.0:
-            return x
-        if p == 1.0:
-            return torch.zeros_like(x)
-        dropped = _assemble(
+        keep = _assemble(
             per_dim,
             lambda block: philox.bernoulli(
-                shape, p, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
+                shape, 1.0 - p_value, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
             ),  # fmt: skip
         )
-        return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p)))
+        return philox.apply_dropout_mask(x, keep, p_value)
 
     return _reserved(math.prod(shape), generator, draw)

@@ -176,7 +176,7 @@ def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, 
                 f"{what} on a tensor with placement {placement}: a partial tensor holds summands, not elements, "
                 f"so portable mode cannot fill it; redistribute it to Replicate() or Shard() first."
             )
-    global_shape = philox._check_shape(region.global_shape)
+    global_shape = philox.check_shape(region.global_shape)
     per_dim = shard_slices(region.mesh, region.placements, global_shape)
     local = tuple(sum(s.stop - s.start for s in slices) for slices in per_dim)
     if local != tuple(target.shape):
@@ -280,13 +280,11 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     if not x.is_floating_point():
         raise UnsupportedDTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
-    keep_p = 1.0 - philox._check_probability(p)
-    keep = _draw("native_dropout", philox.bernoulli, x, None, p=keep_p)
-    if keep_p == 0.0:
-        return torch.zeros_like(x), keep
-    # The same ops as torch's unfused dropout on the CPU (a 0/1 mask divided by 1 - p, then
-    # a product), so fused and unfused dropout give the same bits.
-    return x * keep.to(x.dtype).div_(keep_p), keep
+    p_value = philox.check_probability(p)
+    # The keep mask and arithmetic of F.dropout's CPU decomposition (bernoulli_(1 - p), then
+    # a scale), so fused and unfused dropout, and hyperrng.philox.dropout, give the same bits.
+    keep = _draw("native_dropout", philox.bernoulli, x, None, p=1.0 - p_value)
+    return philox.apply_dropout_mask(x, keep, p_value), keep
 
 
 PORTABLE_OPS: dict[str, Callable[..., Any]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 import signal
@@ -155,6 +156,44 @@ def test_torch_ops_on_the_simulated_device_give_the_cpu_bits(
         assert sim.get_seed_offset(0) == (SEED, -(-numel // 4) * 4)
     assert on_device.device.type == "sim"
     assert torch.equal(on_device.cpu(), expected(SEED, 0))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (tells -0.0 from 0.0 and NaNs apart), on the CPU."""
+    return t.detach().cpu().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.75, 1.0])
+def test_every_portable_dropout_gives_the_same_mask_values_and_next_position(
+    sim: platforms.Platform, p: float, dtype: torch.dtype
+) -> None:
+    """F.dropout in portable mode (the CPU's bernoulli_ decomposition, the device's fused
+    native_dropout), hyperrng.philox.dropout and hyperrng.portable.dropout: one convention."""
+    signs = 1.0 - 2.0 * (torch.arange(7 * 13) % 2)  # negative values too: dropped, they give -0.0
+    x = (torch.linspace(0.25, 3.0, 7 * 13) * signs).to(dtype).reshape(7, 13)
+    x[0, :3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype)  # dropped: NaN, as torch's dropout
+    drawn: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, device, dropout in (
+        ("F.dropout on the CPU", "cpu", lambda t: F.dropout(t, p)),
+        ("F.dropout on the device", "sim:0", lambda t: F.dropout(t, p)),
+        ("portable.dropout", "cpu", lambda t: portable.dropout(t, p)),
+    ):
+        with portable_random(SEED):
+            values = dropout(x.to(device))
+            following = torch.rand(5, device=device)  # the next draw starts where the dropout left off
+        drawn[name] = values.cpu(), following.cpu()
+    expected = philox.dropout(x, p, SEED, 0)
+    drew = 0.0 < p < 1.0  # p = 0 and p = 1 draw nothing: the position stays
+    expected_next = philox.uniform(5, SEED, 92 if drew else 0)  # 91 elements, rounded up to whole blocks
+    for name, (values, following) in drawn.items():
+        assert torch.equal(_bits(values), _bits(expected)), name
+        assert torch.equal(following, expected_next), name
+    if drew:
+        keep = philox.bernoulli((7, 13), 1.0 - p, SEED, 0)  # kept where the word is below round((1 - p) * 2**32)
+        words = philox.random_bits((7, 13), SEED, 0)
+        assert torch.equal(keep, words < round((1.0 - p) * 2**32))
+        assert torch.equal(expected[1:] != 0, keep[1:])
 
 
 INIT_FUNCTIONS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
