@@ -123,7 +123,6 @@ __all__ = [
     "portable_random",
     "portable_state_dict",
     "set_portable_random",
-    "tp_invariance_report",
     "unsupported_ops",
 ]
 
@@ -1000,47 +999,3 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
         with t.fork(name):
             p.set_seed_offset(seed, offset)
     p.set_seed_offset(*main)
-
-
-def tp_invariance_report(
-    tp_sizes: Sequence[int] = (1, 2, 4), world_size: int = 4, steps: int = 2, seed: int = 1234
-) -> dict[str, Any]:
-    """Train a tiny tensor-parallel MLP with dropout under portable mode at each TP size, on real ranks.
-
-    Spawns ``world_size`` gloo processes on the CPU; for each TP size the ranks form a
-    ``(world_size // tp, tp)`` mesh, parallelise the model over its ``tp`` dimension
-    (``torch.distributed.tensor.parallel``), initialise it inside ``portable_random(seed)``
-    and train ``steps`` SGD steps with dropout.
-
-    Returns:
-        ``{"tp_sizes", "params_identical", "masks_identical", "max_loss_difference",
-        "losses": {tp: [...]}}``: whether every TP size gave bit-identical initial
-        parameters and dropout masks (on every rank), and how far the losses drift
-        (float reductions differ with the sharding).
-
-    Raises:
-        ArgumentTypeError / InvalidParameterError: a size that is not a positive int dividing ``world_size``.
-    """
-    from hyperrng._launch import run_ranks
-    from hyperrng._portable_tp import tp_rank
-    from hyperrng.platforms.validate import check_int
-
-    world = check_int(world_size, "world_size")
-    sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)
-    check_int(steps, "steps")
-    check_seed(seed)
-    if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
-        raise InvalidParameterError(f"every TP size must divide world_size={world}; got {sizes}.")
-    per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
-    reference = per_rank[0][sizes[0]]
-    params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality
-    masks = all(r[tp]["masks"] == reference["masks"] for r in per_rank for tp in sizes)
-    losses = {tp: per_rank[0][tp]["losses"] for tp in sizes}
-    drift = max(abs(a - b) for tp in sizes for a, b in zip(losses[tp], losses[sizes[0]]))
-    return {
-        "tp_sizes": sizes,
-        "params_identical": params,
-        "masks_identical": masks,
-        "max_loss_difference": drift,
-        "losses": losses,
-    }

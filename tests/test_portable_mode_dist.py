@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperrng import philox
+from hyperrng._demo_portable import tp_invariance_report
 from hyperrng.errors import ArgumentTypeError, CheckpointError, InvalidOffsetError, InvalidSeedError
 from hyperrng.portable_mode import (
     PORTABLE_STATE_FORMAT,
@@ -19,7 +20,6 @@ from hyperrng.portable_mode import (
     portable_random,
     portable_state_dict,
     set_portable_random,
-    tp_invariance_report,
 )
 from hyperrng.sharded import ShardedRNGTracker
 from hyperrng.tracker import RNGStatesTracker
