@@ -32,15 +32,14 @@ from hyperrng.errors import (
     UnsupportedDTypeError,
     UnsupportedPortableOpError,
 )
+from hyperrng.portable import load_portable_state_dict, portable_state_dict
 from hyperrng.portable_mode import (
     PORTABLE_OPS,
-    _mode_applied,
-    _thread_mode,
     is_portable_random_enabled,
-    load_portable_state_dict,
+    mode_applied,
     portable_random,
-    portable_state_dict,
     set_portable_random,
+    thread_mode,
     unsupported_ops,
 )
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker
@@ -330,7 +329,7 @@ def test_non_random_ops_keep_torchs_own_kernels_inside_the_mode() -> None:
         inside = [repr(torch.library.get_kernel(op, "CPU")) for op in ops]
         random_kernel = repr(torch.library.get_kernel("aten::uniform_", "CPU"))
     assert inside == before
-    assert "portable_mode" in random_kernel
+    assert "_portable_ops" in random_kernel
 
 
 def test_compiled_draws_equal_eager_draws() -> None:
@@ -723,13 +722,13 @@ def _capture(into: list[BaseException], call: Callable[[], Any]) -> None:
 def test_the_mode_applied_on_another_thread_draws_as_the_thread_that_took_it() -> None:
     """What a recompute on autograd's device thread needs: the forward thread's flag, re-applied."""
     with portable_random(SEED):
-        mode = _thread_mode()
+        mode = thread_mode()
         drawn: list[torch.Tensor] = []
 
         def worker() -> None:
             own = torch.Generator().manual_seed(1)
             drawn.append(torch.rand(4, generator=own))  # the flag is per thread: torch's own kernel here
-            with _mode_applied(mode):
+            with mode_applied(mode):
                 drawn.append(torch.rand(4))
             drawn.append(torch.rand(4, generator=own))
 
@@ -739,7 +738,7 @@ def test_the_mode_applied_on_another_thread_draws_as_the_thread_that_took_it() -
         assert _position() == (SEED, 4), "the applied mode drew from the device generator's position"
     assert torch.equal(drawn[1], philox.uniform(4, SEED, 0))
     assert torch.equal(torch.cat([drawn[0], drawn[2]]), torch.rand(8, generator=torch.Generator().manual_seed(1)))
-    assert _thread_mode() is None and not is_portable_random_enabled()
+    assert thread_mode() is None and not is_portable_random_enabled()
 
 
 def test_entering_puts_hyperrngs_dtensor_tracker_in_place_and_the_last_exit_puts_back_what_was_there() -> None:
@@ -942,7 +941,7 @@ def _originals_outputs(device: str, labels: Sequence[str]) -> dict[str, list[lis
 
 def _originals_report() -> dict[str, Any]:
     """In a fresh process: every overridden op's values outside the mode, before and after registration."""
-    from hyperrng.portable_mode import _KERNELS
+    from hyperrng.portable_mode import registered
 
     sim = platforms.SimulatedPlatform()
     sim.device(0)
@@ -951,7 +950,7 @@ def _originals_report() -> dict[str, Any]:
         with platforms.use(platform), portable_random():
             pass
     after = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
-    return {"registered": sorted(_KERNELS.done), "before": before, "after": after}
+    return {"registered": [list(pair) for pair in registered()], "before": before, "after": after}
 
 
 @pytest.mark.slow
