@@ -337,7 +337,7 @@ def _generate(
     use_compiled = _check_bool(compiled, "compiled")
     target = _check_device(device)
     result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
-    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
+    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
     return _k.fill(geometry, offset_value, kernel, dtype, out=result)
 
 

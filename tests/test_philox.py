@@ -222,18 +222,13 @@ def test_kernels_never_see_more_than_one_chunk_of_blocks(
     draw: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch, tiny_chunks: int
 ) -> None:
     seen: list[int] = []
-    values, fill_chunk = kernels.Kernel.values, kernels.Kernel._fill_chunk
+    write = kernels.Kernel._write  # every eager computation of values goes through it
 
-    def recording_values(self: kernels.Kernel, blocks: torch.Tensor) -> torch.Tensor:
-        seen.append(blocks.numel())
-        return values(self, blocks)
-
-    def recording_fill_chunk(self: kernels.Kernel, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
+    def recording_write(self: kernels.Kernel, dst: torch.Tensor, blocks: torch.Tensor, first: int) -> None:
         seen.append(dst.shape[0])
-        fill_chunk(self, dst, first, offsets)
+        write(self, dst, blocks, first)
 
-    monkeypatch.setattr(kernels.Kernel, "values", recording_values)
-    monkeypatch.setattr(kernels.Kernel, "_fill_chunk", recording_fill_chunk)
+    monkeypatch.setattr(kernels.Kernel, "_write", recording_write)
     draw(1000, KEY, 3)
     draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
     draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
@@ -245,7 +240,7 @@ def test_eager_scratch_memory_is_bounded_by_the_chunk_not_the_tensor() -> None:
     # Six int64 rows of words and products plus six value rows per chunk: 6 MiB a thread, 24 MiB at most.
     assert kernels.scratch_bytes(1) == kernels.CHUNK_BLOCKS * 12 * 8 <= 6 * 2**20
     assert kernels.scratch_bytes() == kernels.scratch_bytes(64) <= 24 * 2**20
-    kernel = kernels.make_kernel(
+    kernel = kernels.Kernel(
         kernels.UNIFORM, (0xFFFFFF00, 2.0**-32, 1.0, 0.0), [torch.int64] + [torch.float32] * 3, KEY,
         torch.device("cpu"), False, torch.float32,
     )  # fmt: skip
@@ -751,7 +746,7 @@ def test_draws_larger_than_max_numel_are_refused_before_any_allocation(
     def no_work(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("work started before the size was checked")
 
-    monkeypatch.setattr(kernels, "make_kernel", no_work)
+    monkeypatch.setattr(kernels, "Kernel", no_work)
     monkeypatch.setattr(kernels, "fill", no_work)
     with pytest.raises(InvalidShapeError, match="more than MAX_NUMEL = 2\\*\\*36 per call"):
         draw(shape, KEY)
@@ -809,7 +804,7 @@ def test_every_bad_input_is_a_typed_error_raised_before_any_work(
     def no_work(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr(kernels, "make_kernel", no_work)
+    monkeypatch.setattr(kernels, "Kernel", no_work)
     with pytest.raises(error, match=fragment) as info:
         call()
     assert isinstance(info.value, HyperRNGError)
