@@ -303,24 +303,15 @@ def sharded_dropout(
     _check_input(x)
     p_value = philox.check_probability(p)
     philox.dropout(x.new_empty(0), p_value, key=0)  # validates x's dtype
-    shape = philox.check_shape(global_shape)
-    per_dim = shard_slices(mesh, placements, shape)
+    per_dim = shard_slices(mesh, placements, philox.check_shape(global_shape))
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
         raise philox.InvalidShapeError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
     if p_value in (0.0, 1.0):
         return philox.dropout(x, p_value, key=0)
-
-    def draw(key: int, offset: int) -> torch.Tensor:
-        keep = assemble_blocks(
-            per_dim,
-            lambda block: philox.bernoulli(
-                shape, 1.0 - p_value, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
-            ),  # fmt: skip
-        )
-        return philox.apply_dropout_mask(x, keep, p_value)
-
-    return draw_at_position(math.prod(shape), generator, draw)
+    kw = {"p": 1.0 - p_value, "device": x.device, "compiled": compiled}
+    keep = _sharded(philox.bernoulli, mesh, placements, global_shape, generator, **kw)
+    return philox.apply_dropout_mask(x, keep, p_value)
 
 
 # -- elastic resume ------------------------------------------------------------------------------
