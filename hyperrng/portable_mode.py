@@ -64,7 +64,18 @@ region for the portable kernels to draw the shard's global indices from.
 that receives it): a KeyboardInterrupt finds the mode and the generator as before the
 entry or as after the exit, never in between.
 
-Limits and the kernels themselves: see :mod:`hyperrng._portable_ops`.
+**Kernels.** They are registered with torch once per dispatch key, when a thread first
+enters the mode, and stay: entering and leaving only set the flag and never touch torch's
+dispatch table, so a program that starts threads which draw should enter the mode once
+before it starts them. Outside the mode a random op pays one Python call and gets torch's
+own numbers. Entering needs torch 2.9 or newer and a ``cpu``, ``cuda`` or PrivateUse1
+device type; elsewhere it raises :class:`UnsupportedPortableOpError` and changes nothing.
+Details, and the limits of each op, in :mod:`hyperrng._portable_ops`.
+
+**Dropout.** ``F.dropout`` keeps element ``i`` where its word is below
+``round((1 - p) * 2**32)``, the convention of every portable dropout (see
+:mod:`hyperrng.philox`): :func:`hyperrng.philox.dropout` at the same position gives the
+same bits.
 """
 
 from __future__ import annotations
