@@ -7,18 +7,13 @@ sharded region fills this rank's shard from global indices; a refusal for every 
 random op (:func:`unsupported_ops`); and :data:`THREAD`, whose entries say whether the
 calling thread draws portably.
 
-The kernels are registered with torch once per dispatch key (the CPU's, and
-``CUDA`` or ``PrivateUse1`` for the platform's device) when a thread first enters the
-mode, and stay: entering and leaving only set the flag, and never touch torch's dispatch
-table. Registration changes the table, so a program that starts threads which draw
-should enter the mode once before it starts them. Non-random ops never pass through
-Python. Outside the mode a random op of the CPU, CUDA or PrivateUse1 key pays one Python
-call that reads the flag and calls torch's own kernel, saved with
-``torch.library.get_kernel`` when it was overridden (a few microseconds per op, see
-``hyperrng bench --suite philox``): the same numbers as before registration. That
-function exists from torch 2.9 on; on older torch, and on a platform whose device type
-has no portable kernels (not ``cpu``, ``cuda`` or the PrivateUse1 backend), entering
-raises :class:`UnsupportedPortableOpError` and changes nothing.
+Registration (:func:`register`) happens once per dispatch key (the CPU's, and ``CUDA`` or
+``PrivateUse1`` for the platform's device) and is never undone, so entering and leaving
+the mode never touch torch's dispatch table. Non-random ops never pass through Python.
+Outside the mode a random op of those keys pays one Python call that reads :data:`THREAD`
+and calls torch's own kernel, saved with ``torch.library.get_kernel`` (torch 2.9 and
+newer) just before it was overridden: a few microseconds per op (``hyperrng bench --suite
+philox``), and the same numbers as before registration.
 
 Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
 carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
