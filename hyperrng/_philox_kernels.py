@@ -54,7 +54,6 @@ __all__ = [
     "Transform",
     "counter_words",
     "fill",
-    "make_kernel",
     "philox_rounds",
     "chunk_blocks",
     "scratch_bytes",
@@ -454,11 +453,15 @@ def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
     that code when the count changes, and inductor's on-disk cache hands a kernel built
     by a one-thread process to later processes whatever their thread count.
     """
-    name = f"{blockwise.__name__}_{device_type}"
-    code = blockwise.__code__.replace(co_name=name)
+    return _compile_as(blockwise, f"{blockwise.__name__}_{device_type}", blockwise.__globals__)
+
+
+def _compile_as(template: Callable[..., Any], name: str, namespace: dict[str, Any]) -> Callable[..., Any]:
+    """``template`` compiled as a code object of its own, ``name``, whose globals are ``namespace``."""
+    code = template.__code__.replace(co_name=name)
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=name)
-    fn = types.FunctionType(code, blockwise.__globals__, name, blockwise.__defaults__, blockwise.__closure__)
+    fn = types.FunctionType(code, namespace, name, template.__defaults__, template.__closure__)
     return _keeping_float_mode(torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}))
 
 
@@ -476,12 +479,8 @@ def _compiled_into(blockwise: Blockwise, device_type: str = "cpu") -> Callable[.
     saves allocating a second one and copying, which costs as much as the Philox rounds.
     Its own code object per distribution and device type, as :func:`_compiled`.
     """
-    name = f"{blockwise.__name__}_into_{device_type}"
-    code = _write_into_template.__code__.replace(co_name=name)
-    if sys.version_info >= (3, 11):
-        code = code.replace(co_qualname=name)
-    fn = types.FunctionType(code, {**_write_into_template.__globals__, "_TARGET": blockwise}, name)
-    return _keeping_float_mode(torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}))
+    namespace = {**_write_into_template.__globals__, "_TARGET": blockwise}
+    return _compile_as(_write_into_template, f"{blockwise.__name__}_into_{device_type}", namespace)
 
 
 @functools.lru_cache(maxsize=16)
@@ -534,12 +533,8 @@ class Kernel:
             padded = blocks if m >= _MIN_COMPILED_BLOCKS else blocks.expand(_MIN_COMPILED_BLOCKS).contiguous()
             first = torch.zeros((), dtype=torch.int64, device=self.device)
             return self._fn(first, _MIN_COMPILED_BLOCKS, padded, *self._keys, *self.params)[:m]
-        words, products = self._rows(m)
-        torch.bitwise_and(blocks, _MASK32, out=words[0])
-        torch.bitwise_right_shift(blocks, _HALF_SHIFT, out=words[1])
-        _rounds_inplace(words, products, self.k0, self.k1, self.final_mask)
         out = torch.empty((m, WORDS_PER_BLOCK), dtype=self.value_dtype, device=self.device)
-        self.transform.write(words, out, self.params, self.scalars)
+        self._write(out, blocks, 0)
         return out
 
     def run(self, first: int, m: int) -> torch.Tensor:
@@ -573,12 +568,13 @@ class Kernel:
         chunk = chunk_blocks()
         offsets = _block_offsets(self.device, chunk)
         for step in range(0, dst.shape[0], chunk):
-            self._fill_chunk(dst[step : step + chunk], first + step, offsets)
+            part = dst[step : step + chunk]
+            self._write(part, offsets[: part.shape[0]], first + step)
 
-    def _fill_chunk(self, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
-        m = dst.shape[0]
-        words, products = self._rows(m)
-        torch.add(offsets[:m], first, out=words[0])
+    def _write(self, dst: torch.Tensor, blocks: torch.Tensor, first: int) -> None:
+        """Eager: write the values of the blocks ``blocks + first`` (at most a chunk) into ``dst``."""
+        words, products = self._rows(dst.shape[0])
+        torch.add(blocks, first, out=words[0])
         torch.bitwise_right_shift(words[0], _HALF_SHIFT, out=words[1])
         words[0].bitwise_and_(_MASK32)
         _rounds_inplace(words, products, self.k0, self.k1, self.final_mask)
@@ -590,24 +586,6 @@ class Kernel:
             self._scratch = torch.empty((_SCRATCH_ROWS, m), dtype=torch.int64, device=self.device)
         rows = self._scratch[:, :m]
         return rows[:WORDS_PER_BLOCK], rows[WORDS_PER_BLOCK:]
-
-
-def make_kernel(
-    transform: Transform,
-    params: Scalars,
-    param_dtypes: Sequence[torch.dtype],
-    key: int,
-    device: torch.device,
-    compiled: bool,
-    value_dtype: torch.dtype,
-) -> Kernel:
-    """Bind a transform, its parameters and a 64-bit key into a :class:`Kernel`.
-
-    ``params`` become 0-d tensors of ``param_dtypes`` on ``device``, so that eager and
-    compiled code round them identically and compiled code is not specialised on them.
-    ``value_dtype`` is the dtype the kernel computes values in (the compute dtype).
-    """
-    return Kernel(transform, params, param_dtypes, key, device, compiled, value_dtype)
 
 
 # --- geometry and filling ---------------------------------------------------------------

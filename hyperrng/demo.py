@@ -679,7 +679,7 @@ def _silent(line: str) -> None:
 
 def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
     """Train the same model under portable mode at every TP size dividing the world size (CPU, gloo)."""
-    from hyperrng.portable_mode import tp_invariance_report
+    from hyperrng._demo_portable import tp_invariance_report
 
     world = cfg.size
     sizes = tuple(tp for tp in range(1, world + 1) if world % tp == 0)

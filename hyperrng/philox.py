@@ -15,6 +15,14 @@ computed from lane ``j % 4`` of the Philox block whose 64-bit counter is ``j // 
 Draws of different distributions with the same key and offset read the same words, so
 they are dependent: give independent draws different keys or disjoint index ranges.
 
+**Dropout convention.** Every portable dropout (:func:`dropout`, the functions of
+:mod:`hyperrng.portable`, and ``F.dropout`` in portable mode) *keeps* element ``i`` where
+its word is below ``round((1 - p) * 2**32)``, that is where ``bernoulli(shape, 1 - p)`` is
+True, and computes the values as torch does (:func:`apply_dropout_mask`). This is torch's
+own definition: ``F.dropout`` on the CPU decomposes into ``bernoulli_(1 - p)`` and a scale,
+and portable mode replaces ``bernoulli_``, not that decomposition, so the keep-mask
+convention is the one under which the functions and portable mode agree bit for bit.
+
 Limits, checked before anything is allocated or computed:
 
 * a global shape holds fewer than ``2**62`` elements, and ``offset + numel`` (the
@@ -72,7 +80,10 @@ __all__ = [
     "InvalidParameterError",
     "InvalidShapeError",
     "UnsupportedDTypeError",
+    "apply_dropout_mask",
     "bernoulli",
+    "check_probability",
+    "check_shape",
     "dropout",
     "normal",
     "philox4x32_10",
@@ -140,7 +151,13 @@ def _check_offset(offset: object, numel: int) -> int:
     return value
 
 
-def _check_shape(shape: object) -> tuple[int, ...]:
+def check_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints) as a tuple, checked as every function here checks it.
+
+    Raises:
+        ArgumentTypeError: ``shape`` is not an int or a sequence of ints.
+        InvalidShapeError: a negative dimension, or ``2**62`` elements or more.
+    """
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
     if not isinstance(dims, Sequence):
         raise ArgumentTypeError(
@@ -186,7 +203,13 @@ def _check_real(value: object, what: str) -> float:
     return result
 
 
-def _check_probability(p: object) -> float:
+def check_probability(p: object) -> float:
+    """``p`` as a float in ``[0, 1]``, checked as :func:`bernoulli` and :func:`dropout` check it.
+
+    Raises:
+        ArgumentTypeError: ``p`` is not a real number (bools included).
+        InvalidParameterError: ``p`` is outside ``[0, 1]`` or NaN.
+    """
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise ArgumentTypeError(
             f"p must be a real number in [0, 1], got {type(p).__name__} {p!r}; pass a Python float such as 0.1."
@@ -306,7 +329,7 @@ def _generate(
     value_dtype: torch.dtype,
     out: object = None,
 ) -> torch.Tensor:
-    global_shape = _check_shape(shape)
+    global_shape = check_shape(shape)
     key_value = _check_key(key)
     offset_value = _check_offset(offset, math.prod(global_shape))
     geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
@@ -314,7 +337,7 @@ def _generate(
     use_compiled = _check_bool(compiled, "compiled")
     target = _check_device(device)
     result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
-    kernel = _k.make_kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
+    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
     return _k.fill(geometry, offset_value, kernel, dtype, out=result)
 
 
@@ -507,7 +530,7 @@ def bernoulli(
         InvalidParameterError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
-    threshold = _threshold(_check_probability(p))
+    threshold = _threshold(check_probability(p))
     return _generate(
         shape,
         key,
@@ -537,16 +560,17 @@ def dropout(
 ) -> torch.Tensor:
     """Zero each element of ``x`` with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
-    Element ``i`` is dropped exactly where ``bernoulli(x.shape, p, key, offset)[i]`` is
-    True (an integer threshold compare on its 32-bit word), so the mask is identical on
-    every device. Kept elements are ``x * (1 / (1 - p))`` computed in ``x``'s dtype
-    arithmetic; dropped ones are exactly 0 (even where ``x`` is inf or NaN). ``p = 1``
-    returns zeros; ``p = 0`` or ``training=False`` returns ``x`` itself. Gradients flow
-    through the kept elements.
+    Element ``i`` is kept exactly where ``bernoulli(x.shape, 1 - p, key, offset)[i]`` is
+    True, i.e. where its 32-bit word is below ``round((1 - p) * 2**32)`` (the dropout
+    convention of the module docstring), so the mask is identical on every device. The
+    values are :func:`apply_dropout_mask` of that mask: ``F.dropout`` in portable mode at
+    the same position gives the same bits. ``p = 1`` returns ``x * 0``; ``p = 0``,
+    ``training=False`` or an empty ``x`` return ``x`` itself. Gradients flow through the
+    kept elements.
 
     For a shard of a larger tensor, pass ``global_shape`` and ``shard`` (slices as in
     :func:`random_bits`); ``x`` must have the shard's shape and is masked exactly as the
-    matching block of the global tensor would be. The mask costs one byte per element.
+    matching block of the global tensor would be.
 
     Raises:
         ArgumentTypeError: ``x`` is not a tensor, ``training`` or ``compiled`` is not a
@@ -563,25 +587,38 @@ def dropout(
         )
     if not x.is_floating_point():
         raise UnsupportedDTypeError(f"dropout expects a floating-point torch.Tensor, got {x.dtype}.")
-    p_value = _check_probability(p)
+    p_value = check_probability(p)
     is_training = _check_bool(training, "training")
     _check_bool(compiled, "compiled")
     if (global_shape is None) != (shard is None):
         raise ShardingError("pass global_shape and shard together, or neither.")
-    shape = tuple(x.shape) if global_shape is None else _check_shape(global_shape)
+    shape = tuple(x.shape) if global_shape is None else check_shape(global_shape)
     local = tuple(b - a for a, b in _check_shard(shard, shape))
     if local != tuple(x.shape):
         raise InvalidShapeError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
     _check_key(key)
     _check_offset(offset, math.prod(shape))
-    if not is_training or p_value == 0.0:
+    if not is_training or p_value == 0.0 or x.numel() == 0:
         return x
     if p_value == 1.0:
-        return torch.zeros_like(x)
-    dropped = bernoulli(shape, p_value, key, offset, shard=shard, device=x.device, compiled=compiled)
-    # In place on the scaled copy: the same values and gradients as torch.where(dropped, 0.0,
-    # x * scale), without a second tensor of x's size.
-    return (x * (1.0 / (1.0 - p_value))).masked_fill_(dropped, 0.0)
+        return apply_dropout_mask(x, None, p_value)
+    keep = bernoulli(shape, 1.0 - p_value, key, offset, shard=shard, device=x.device, compiled=compiled)
+    return apply_dropout_mask(x, keep, p_value)
+
+
+def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    """Dropout's values for the bool mask ``keep`` (True: kept) drawn with probability ``1 - p``.
+
+    Torch's dropout arithmetic, so that every portable dropout gives the same bits:
+    ``x * keep.to(x.dtype).div_(1 - p)``, the mask scaled in ``x``'s dtype and then
+    multiplied, and ``x * 0`` for ``p = 1`` (``keep`` is not read then). Dropped elements
+    are ``x * 0``: NaN where ``x`` is inf or NaN, ``-0.0`` where it is negative, as in
+    ``F.dropout``. ``p`` must already be checked (:func:`check_probability`), ``keep``
+    must have ``x``'s shape and device.
+    """
+    if p == 1.0 or keep is None:
+        return x * 0.0
+    return x * keep.to(x.dtype).div_(1.0 - p)
 
 
 def normal(

@@ -15,6 +15,11 @@ same code draws numbers that do not depend on the device or on how a tensor is s
   position, computes only its own elements from their global indices, and advances by
   the global element count, so the shards put together equal the unsharded tensor bit
   for bit and every rank leaves at the same position.
+* :func:`draw_at_position` is the rule all of them (and portable mode's ops) follow: read
+  the position, draw, then commit; :func:`assemble_blocks` puts a shard drawn block by
+  block together.
+* :func:`portable_state_dict` / :func:`load_portable_state_dict` save and restore the
+  positions portable draws continue from, at any world size.
 
 On the CPU platform positions are modelled (see :mod:`hyperrng.platforms.cpu`), and the numbers
 are still exactly Philox's: the same on CPU, CUDA and NPU for the same (key, offset).
@@ -22,6 +27,8 @@ are still exactly Philox's: the same on CPU, CUDA and NPU for the same (key, off
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -30,12 +37,18 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import philox
-from hyperrng.errors import ArgumentTypeError, InvalidOffsetError
-from hyperrng.platforms.validate import MAX_OFFSET, check_int, round_up_offset
+from hyperrng.errors import ArgumentTypeError, CheckpointError, InvalidOffsetError, InvalidSeedError, RNGDesyncError
+from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_offset, check_seed, round_up_offset
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
+from hyperrng.tracker import resolve_tracker
 
 __all__ = [
+    "PORTABLE_STATE_FORMAT",
+    "assemble_blocks",
+    "draw_at_position",
+    "load_portable_state_dict",
+    "portable_state_dict",
     "reserve",
     "uniform",
     "normal",
@@ -63,14 +76,20 @@ def reserve(numel: int, generator: torch.Generator | None = None) -> tuple[int, 
         InvalidOffsetError: ``numel`` is negative, or the generator's offset would pass 2**63 - 1.
         InvalidStateError: ``generator`` belongs to another device type. Nothing moves on error.
     """
-    return _reserved(numel, generator, lambda key, offset: (key, offset))
+    return draw_at_position(numel, generator, lambda key, offset: (key, offset))
 
 
-def _reserved(numel: object, generator: torch.Generator | None, draw: Callable[[int, int], _T]) -> _T:
-    """Run ``draw(key, offset)`` at the generator's position, then advance it past ``numel`` counters.
+def draw_at_position(numel: object, generator: torch.Generator | None, draw: Callable[[int, int], _T]) -> _T:
+    """Return ``draw(key, offset)`` run at the generator's position, then advance it past ``numel`` counters.
 
-    The generator moves only once ``draw`` has returned: a draw that fails (a size limit,
-    an allocation failure) leaves it where it was.
+    The rule of every portable draw (these functions and portable mode's ops): read the
+    position of ``generator`` (default: the platform's current device generator), draw,
+    then commit ``numel`` rounded up to whole Philox blocks. The generator moves only once
+    ``draw`` has returned: a draw that fails (a size limit, an allocation failure) leaves
+    it where it was.
+
+    Raises:
+        The errors of :func:`reserve`, before ``draw`` runs; and whatever ``draw`` raises.
     """
     count = check_int(numel, "numel")
     if count < 0:
@@ -90,7 +109,7 @@ def _reserved(numel: object, generator: torch.Generator | None, draw: Callable[[
 
 def _validate(fn: Callable[..., torch.Tensor], shape: Sequence[int], **kw: Any) -> tuple[int, ...]:
     """Check ``shape`` and every parameter of ``fn`` by drawing nothing, before any generator moves."""
-    checked = philox._check_shape(shape)
+    checked = philox.check_shape(shape)
     fn((0,), key=0, offset=0, **kw)
     return checked
 
@@ -99,7 +118,9 @@ def _draw(
     fn: Callable[..., torch.Tensor], shape: Sequence[int], generator: torch.Generator | None, **kw: Any
 ) -> torch.Tensor:
     checked = _validate(fn, shape, **kw)
-    return _reserved(math.prod(checked), generator, lambda key, offset: fn(checked, key=key, offset=offset, **kw))
+    return draw_at_position(
+        math.prod(checked), generator, lambda key, offset: fn(checked, key=key, offset=offset, **kw)
+    )
 
 
 def uniform(
@@ -145,13 +166,16 @@ def dropout(
 ) -> torch.Tensor:
     """:func:`hyperrng.philox.dropout` of ``x`` at the generator's position (see :func:`reserve`).
 
-    Nothing is reserved when ``training`` is false.
+    A dropout that draws nothing (``training`` false, ``p`` 0 or 1) reserves nothing, as
+    ``F.dropout`` in portable mode: the two give the same values and leave the generator
+    at the same position.
     """
     _check_input(x)
-    philox.dropout(x.new_empty(0), p, key=0)  # validates x's dtype and p before the generator moves
-    if not training:
-        return x
-    return _reserved(
+    # Validates x's dtype, p and training before the generator moves.
+    philox.dropout(x.new_empty(0), p, key=0, training=training, compiled=compiled)
+    if not training or p in (0.0, 1.0):
+        return philox.dropout(x, p, key=0, training=training)
+    return draw_at_position(
         x.numel(), generator, lambda key, offset: philox.dropout(x, p, key=key, offset=offset, compiled=compiled)
     )
 
@@ -172,11 +196,16 @@ def shard_slices(mesh: Any, placements: Sequence[Any], global_shape: Sequence[in
     return [[slice(r.start, r.stop) for r in dim_runs] or [slice(0, 0)] for dim_runs in runs]
 
 
-def _assemble(per_dim: list[list[slice]], draw: Callable[[list[slice]], torch.Tensor]) -> torch.Tensor:
-    """Draw every block of the cartesian product of per-dim slices and put them together."""
+def assemble_blocks(per_dim: list[list[slice]], draw: Callable[[list[slice]], torch.Tensor]) -> torch.Tensor:
+    """Return the tensor made of ``draw(block)`` for every block of the cartesian product of ``per_dim``.
+
+    ``per_dim`` is what :func:`shard_slices` returns: per dim, the slices of the global
+    tensor a rank holds, in local order. ``draw`` gets one slice per dim and returns that
+    block; the blocks are concatenated in local order.
+    """
     for d, slices in enumerate(per_dim):
         if len(slices) > 1:
-            parts = [_assemble(per_dim[:d] + [[s]] + per_dim[d + 1 :], draw) for s in slices]
+            parts = [assemble_blocks(per_dim[:d] + [[s]] + per_dim[d + 1 :], draw) for s in slices]
             return torch.cat(parts, dim=d)
     return draw([s[0] for s in per_dim])
 
@@ -191,10 +220,12 @@ def _sharded(
 ) -> torch.Tensor:
     shape = _validate(fn, global_shape, **kw)
     per_dim = shard_slices(mesh, placements, shape)  # validates before the generator moves
-    return _reserved(
+    return draw_at_position(
         math.prod(shape),
         generator,
-        lambda key, offset: _assemble(per_dim, lambda block: fn(shape, key=key, offset=offset, shard=block, **kw)),
+        lambda key, offset: assemble_blocks(
+            per_dim, lambda block: fn(shape, key=key, offset=offset, shard=block, **kw)
+        ),
     )
 
 
@@ -263,30 +294,126 @@ def sharded_dropout(
     """Dropout of this rank's shard ``x`` with the mask of the unsharded tensor's dropout.
 
     ``x`` must have this rank's local shape; the result equals the matching block of
-    :func:`hyperrng.philox.dropout` of the global tensor. See :func:`sharded_uniform`.
+    :func:`hyperrng.philox.dropout` of the global tensor. See :func:`sharded_uniform`; with
+    ``p`` 0 or 1 nothing is drawn and the generator stays put, as in :func:`dropout`.
 
     Raises:
         InvalidShapeError: ``x`` does not have this rank's local shape (nothing moves).
     """
     _check_input(x)
-    philox.dropout(x.new_empty(0), p, key=0)  # validates x's dtype and p
-    shape = philox._check_shape(global_shape)
-    per_dim = shard_slices(mesh, placements, shape)
+    p_value = philox.check_probability(p)
+    philox.dropout(x.new_empty(0), p_value, key=0)  # validates x's dtype
+    per_dim = shard_slices(mesh, placements, philox.check_shape(global_shape))
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
         raise philox.InvalidShapeError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
+    if p_value in (0.0, 1.0):
+        return philox.dropout(x, p_value, key=0)
+    kw = {"p": 1.0 - p_value, "device": x.device, "compiled": compiled}
+    keep = _sharded(philox.bernoulli, mesh, placements, global_shape, generator, **kw)
+    return philox.apply_dropout_mask(x, keep, p_value)
 
-    def draw(key: int, offset: int) -> torch.Tensor:
-        if p == 0.0:
-            return x
-        if p == 1.0:
-            return torch.zeros_like(x)
-        dropped = _assemble(
-            per_dim,
-            lambda block: philox.bernoulli(
-                shape, p, key=key, offset=offset, shard=block, device=x.device, compiled=compiled
-            ),  # fmt: skip
+
+# -- elastic resume ------------------------------------------------------------------------------
+PORTABLE_STATE_FORMAT = "hyperrng.portable/1"
+"""The ``format`` entry of :func:`portable_state_dict`'s result."""
+
+
+def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dict[str, Any]:
+    """The positions portable draws continue from: the device generator's and every tracker stream's.
+
+    In portable mode every rank holds the same positions (each op moves every rank by
+    its global count), so this dict does not depend on the rank or the world size: save
+    it from any rank and give it to :func:`load_portable_state_dict` on every rank of a
+    run with another world size, and the next portable draws are the global tensors the
+    uninterrupted run would have drawn.
+
+    Args:
+        tracker: the :class:`~hyperrng.RNGStatesTracker` whose streams to include
+            (default: the global one).
+        check_ranks: when ``torch.distributed`` is initialised, gather every rank's
+            positions (a collective: call it on every rank) and refuse if they differ.
+
+    Returns:
+        ``{"format": PORTABLE_STATE_FORMAT, "position": [seed, offset],
+        "streams": {name: [seed, offset]}}``, plain ints (JSON- and torch.save-safe).
+
+    Raises:
+        ArgumentTypeError: ``check_ranks`` is not a bool, ``tracker`` not a tracker.
+        TrackerStateError: a fork is active (a stream's position is in the generator).
+        RNGDesyncError: ``check_ranks`` and the ranks hold different positions.
+    """
+    check = check_instance(check_ranks, bool, "check_ranks")
+    t = resolve_tracker(tracker)
+    t._idle("portable_state_dict")
+    p = platforms.current()
+    streams = {}
+    for name in sorted(t.get_states()):
+        with t.fork(name):
+            streams[name] = list(p.get_seed_offset())
+    state = {"format": PORTABLE_STATE_FORMAT, "position": list(p.get_seed_offset()), "streams": streams}
+    dist = torch.distributed
+    if check and dist.is_available() and dist.is_initialized() and p.world_size() > 1:
+        text = json.dumps(state, sort_keys=True).encode()
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+        digests = [int(t) for t in p.all_gather(torch.tensor([digest], dtype=torch.int64))]
+        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        if differ:  # every rank sees the same digests, so every rank raises alike
+            raise RNGDesyncError(
+                f"ranks {differ} hold other portable positions than rank 0 (this rank: {state}); draw only "
+                f"portable ops on every rank alike, or seed every rank with portable_random(seed)."
+            )
+    return state
+
+
+def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
+    """Put the device generator and the tracker's streams at the positions of :func:`portable_state_dict`.
+
+    Works at any world size (see :func:`portable_state_dict`). Everything is checked
+    before anything is set.
+
+    Raises:
+        ArgumentTypeError: ``state`` is not a dict of the documented shape, or a value not an int.
+        CheckpointError: an unknown ``format``, or a stream of the state that the tracker lacks
+            (add the streams, with any seed, before loading).
+        InvalidSeedError / InvalidOffsetError: a seed or offset out of range or misaligned.
+            Errors about a position name its entry: the stream, or ``state['position']``.
+        TrackerStateError: a fork is active.
+    """
+    if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
+        raise ArgumentTypeError(
+            f"state must be the dict portable_state_dict() returns, got {type(state).__name__}; load it unchanged."
         )
-        return torch.where(dropped, 0.0, x * (1.0 / (1.0 - p)))
+    if state.get("format") != PORTABLE_STATE_FORMAT:
+        raise CheckpointError(f"state has format {state.get('format')!r}, not {PORTABLE_STATE_FORMAT!r}.")
+    t = resolve_tracker(tracker)
 
-    return _reserved(math.prod(shape), generator, draw)
+    def position(value: object, entry: str) -> tuple[int, int]:
+        """``value`` checked as the ``[seed, offset]`` pair of ``entry``; an error names the entry and the fix."""
+        fix = (
+            "portable_state_dict() never saves such a value: load the dict it returned unchanged "
+            "(was the checkpoint edited or damaged?), or save a fresh one."
+        )
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ArgumentTypeError(f"{entry}: expected a [seed, offset] pair, got {value!r}. {fix}")
+        try:
+            return check_seed(value[0], "seed"), check_offset(value[1], "offset")
+        except (ArgumentTypeError, InvalidSeedError, InvalidOffsetError) as exc:  # same class, entry named
+            raise type(exc)(f"{entry}: {exc} {fix}") from None
+
+    main = position(state.get("position"), "the generator position (state['position'])")
+    streams = {
+        name: position(value, f"stream {name!r} (state['streams'][{name!r}])")
+        for name, value in state["streams"].items()
+    }
+    missing = sorted(set(streams) - set(t.get_states()))
+    if missing:
+        raise CheckpointError(
+            f"the state has streams {missing} that the tracker lacks; add them (tracker.add(name, seed)) first."
+        )
+    t._idle("load_portable_state_dict")
+    p = platforms.current()
+    for name, (seed, offset) in streams.items():
+        with t.fork(name):
+            p.set_seed_offset(seed, offset)
+    p.set_seed_offset(*main)

@@ -76,7 +76,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.tracker = tracker
         with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
             ctx.snapshot = _RNGSnapshot(tracker, targets)
-        ctx.portable = portable_mode._thread_mode()  # the recompute draws as the forward did, on any thread
+        ctx.portable = portable_mode.thread_mode()  # the recompute draws as the forward did, on any thread
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_idx = tensor_idx
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
@@ -97,7 +97,7 @@ class _Checkpoint(torch.autograd.Function):
             now = _RNGSnapshot(ctx.tracker, targets)
             try:
                 ctx.snapshot.restore(ctx.tracker)
-                with torch.enable_grad(), portable_mode._mode_applied(ctx.portable):
+                with torch.enable_grad(), portable_mode.mode_applied(ctx.portable):
                     outputs = ctx.function(*args)
             finally:
                 _exclusive.redo(now.restore, ctx.tracker)

@@ -222,18 +222,13 @@ def test_kernels_never_see_more_than_one_chunk_of_blocks(
     draw: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch, tiny_chunks: int
 ) -> None:
     seen: list[int] = []
-    values, fill_chunk = kernels.Kernel.values, kernels.Kernel._fill_chunk
+    write = kernels.Kernel._write  # every eager computation of values goes through it
 
-    def recording_values(self: kernels.Kernel, blocks: torch.Tensor) -> torch.Tensor:
-        seen.append(blocks.numel())
-        return values(self, blocks)
-
-    def recording_fill_chunk(self: kernels.Kernel, dst: torch.Tensor, first: int, offsets: torch.Tensor) -> None:
+    def recording_write(self: kernels.Kernel, dst: torch.Tensor, blocks: torch.Tensor, first: int) -> None:
         seen.append(dst.shape[0])
-        fill_chunk(self, dst, first, offsets)
+        write(self, dst, blocks, first)
 
-    monkeypatch.setattr(kernels.Kernel, "values", recording_values)
-    monkeypatch.setattr(kernels.Kernel, "_fill_chunk", recording_fill_chunk)
+    monkeypatch.setattr(kernels.Kernel, "_write", recording_write)
     draw(1000, KEY, 3)
     draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 3)))  # short runs, batched
     draw((40, 25), KEY, 3, shard=(slice(None), slice(1, 12)))  # runs longer than a chunk
@@ -245,7 +240,7 @@ def test_eager_scratch_memory_is_bounded_by_the_chunk_not_the_tensor() -> None:
     # Six int64 rows of words and products plus six value rows per chunk: 6 MiB a thread, 24 MiB at most.
     assert kernels.scratch_bytes(1) == kernels.CHUNK_BLOCKS * 12 * 8 <= 6 * 2**20
     assert kernels.scratch_bytes() == kernels.scratch_bytes(64) <= 24 * 2**20
-    kernel = kernels.make_kernel(
+    kernel = kernels.Kernel(
         kernels.UNIFORM, (0xFFFFFF00, 2.0**-32, 1.0, 0.0), [torch.int64] + [torch.float32] * 3, KEY,
         torch.device("cpu"), False, torch.float32,
     )  # fmt: skip
@@ -295,22 +290,23 @@ def test_bernoulli_frequency_matches_p() -> None:
     assert abs(bernoulli(1 << 16, 0.25, KEY).double().mean().item() - 0.25) < 0.01
 
 
-def test_dropout_zeroes_where_bernoulli_p_is_true_and_scales_the_rest() -> None:
+def test_dropout_keeps_where_bernoulli_one_minus_p_is_true_and_scales_the_rest() -> None:
     x = torch.randn(8, 16)
     out = dropout(x, 0.4, KEY, 3)
-    dropped = bernoulli((8, 16), 0.4, KEY, 3)
-    assert torch.equal(out, torch.where(dropped, 0.0, x * (1.0 / 0.6)))
+    kept = bernoulli((8, 16), 0.6, KEY, 3)
+    assert torch.equal(kept, random_bits((8, 16), KEY, 3) < round(0.6 * 2**32))
+    assert torch.equal(out, x * kept.float().div_(0.6))
 
 
-def test_dropout_of_non_finite_values_gives_exact_zeros_where_dropped() -> None:
+def test_dropout_of_non_finite_values_gives_nan_where_dropped_as_torchs_dropout() -> None:
     x = torch.full((64,), math.inf)
     out = dropout(x, 0.5, KEY)
-    assert torch.equal(out == 0, bernoulli(64, 0.5, KEY))
+    assert torch.equal(out.isnan(), ~bernoulli(64, 0.5, KEY))
 
 
-def test_dropout_with_p_one_returns_zeros() -> None:
+def test_dropout_with_p_one_returns_x_times_zero() -> None:
     x = torch.randn(5, 5, requires_grad=True)
-    assert torch.equal(dropout(x, 1.0, KEY), torch.zeros(5, 5))
+    assert same_bits(dropout(x, 1.0, KEY).detach(), x.detach() * 0.0)
 
 
 @pytest.mark.parametrize("p, training", [(0.0, True), (0.5, False)])
@@ -327,14 +323,14 @@ def test_dropout_follows_logical_row_major_order_for_non_contiguous_input() -> N
 def test_dropout_passes_gradients_to_kept_elements_only() -> None:
     x = torch.randn(32, requires_grad=True)
     (grad,) = torch.autograd.grad(dropout(x, 0.5, KEY).sum(), x)
-    assert torch.equal(grad, torch.where(bernoulli(32, 0.5, KEY), 0.0, 2.0))
+    assert torch.equal(grad, torch.where(bernoulli(32, 0.5, KEY), 2.0, 0.0))
 
 
-def test_dropout_values_and_gradients_equal_the_where_formulation_bit_for_bit() -> None:
+def test_dropout_values_and_gradients_equal_torchs_dropout_arithmetic_bit_for_bit() -> None:
     x = torch.randn(4096, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(4096, dtype=torch.float64)
     ours = dropout(x, 0.3, KEY, 5)
-    reference = torch.where(bernoulli(4096, 0.3, KEY, 5), 0.0, x * (1.0 / 0.7))
+    reference = x * bernoulli(4096, 0.7, KEY, 5).double().div_(0.7)  # F.dropout's CPU decomposition
     (g_ours,) = torch.autograd.grad(ours, x, grad_out, create_graph=True)
     (g_reference,) = torch.autograd.grad(reference, x, grad_out, create_graph=True)
     assert same_bits(ours.detach(), reference.detach()) and same_bits(g_ours, g_reference)
@@ -750,7 +746,7 @@ def test_draws_larger_than_max_numel_are_refused_before_any_allocation(
     def no_work(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("work started before the size was checked")
 
-    monkeypatch.setattr(kernels, "make_kernel", no_work)
+    monkeypatch.setattr(kernels, "Kernel", no_work)
     monkeypatch.setattr(kernels, "fill", no_work)
     with pytest.raises(InvalidShapeError, match="more than MAX_NUMEL = 2\\*\\*36 per call"):
         draw(shape, KEY)
@@ -808,7 +804,7 @@ def test_every_bad_input_is_a_typed_error_raised_before_any_work(
     def no_work(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr(kernels, "make_kernel", no_work)
+    monkeypatch.setattr(kernels, "Kernel", no_work)
     with pytest.raises(error, match=fragment) as info:
         call()
     assert isinstance(info.value, HyperRNGError)

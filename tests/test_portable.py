@@ -123,6 +123,18 @@ def test_sharded_dropout_masks_each_shard_like_the_full_tensor() -> None:
         assert torch.equal(portable.sharded_dropout(x[sl], 0.25, MeshInfo((4,), (c,)), [Shard(0)], (10, 6)), full[sl])
 
 
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_a_dropout_that_draws_nothing_leaves_the_generator_where_it_was(platform: platforms.Platform, p: float) -> None:
+    platform.manual_seed(SEED)
+    x = torch.randn(10, 6)
+    mesh = MeshInfo((2,), (1,))
+    assert torch.equal(portable.dropout(x, p), philox.dropout(x, p, key=SEED))
+    assert torch.equal(
+        portable.sharded_dropout(x[5:], p, mesh, [Shard(0)], (10, 6)), philox.dropout(x, p, key=SEED)[5:]
+    )
+    assert platform.get_seed_offset() == (SEED, 0)  # as F.dropout in portable mode: p = 0 and p = 1 draw nothing
+
+
 def test_dropout_outside_training_changes_nothing(platform: platforms.Platform) -> None:
     before = platform.get_rng_state()
     x = torch.ones(8)
@@ -189,7 +201,7 @@ def test_a_draw_that_fails_midway_leaves_the_generator_where_it_was(
 
     def failing(engine: Any) -> Any:
         def draw(shape: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if philox._check_shape(shape) == (0,):  # the zero-size validation calls must still pass
+            if philox.check_shape(shape) == (0,):  # the zero-size validation calls must still pass
                 return engine(shape, *args, **kwargs)
             raise RuntimeError("DefaultCPUAllocator: not enough memory")
 

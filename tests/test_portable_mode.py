@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 import signal
@@ -31,15 +32,14 @@ from hyperrng.errors import (
     UnsupportedDTypeError,
     UnsupportedPortableOpError,
 )
+from hyperrng.portable import load_portable_state_dict, portable_state_dict
 from hyperrng.portable_mode import (
     PORTABLE_OPS,
-    _mode_applied,
-    _thread_mode,
     is_portable_random_enabled,
-    load_portable_state_dict,
+    mode_applied,
     portable_random,
-    portable_state_dict,
     set_portable_random,
+    thread_mode,
     unsupported_ops,
 )
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker
@@ -155,6 +155,44 @@ def test_torch_ops_on_the_simulated_device_give_the_cpu_bits(
         assert sim.get_seed_offset(0) == (SEED, -(-numel // 4) * 4)
     assert on_device.device.type == "sim"
     assert torch.equal(on_device.cpu(), expected(SEED, 0))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (tells -0.0 from 0.0 and NaNs apart), on the CPU."""
+    return t.detach().cpu().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.75, 1.0])
+def test_every_portable_dropout_gives_the_same_mask_values_and_next_position(
+    sim: platforms.Platform, p: float, dtype: torch.dtype
+) -> None:
+    """F.dropout in portable mode (the CPU's bernoulli_ decomposition, the device's fused
+    native_dropout), hyperrng.philox.dropout and hyperrng.portable.dropout: one convention."""
+    signs = 1.0 - 2.0 * (torch.arange(7 * 13) % 2)  # negative values too: dropped, they give -0.0
+    x = (torch.linspace(0.25, 3.0, 7 * 13) * signs).to(dtype).reshape(7, 13)
+    x[0, :3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype)  # dropped: NaN, as torch's dropout
+    drawn: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, device, dropout in (
+        ("F.dropout on the CPU", "cpu", lambda t: F.dropout(t, p)),
+        ("F.dropout on the device", "sim:0", lambda t: F.dropout(t, p)),
+        ("portable.dropout", "cpu", lambda t: portable.dropout(t, p)),
+    ):
+        with portable_random(SEED):
+            values = dropout(x.to(device))
+            following = torch.rand(5, device=device)  # the next draw starts where the dropout left off
+        drawn[name] = values.cpu(), following.cpu()
+    expected = philox.dropout(x, p, SEED, 0)
+    drew = 0.0 < p < 1.0  # p = 0 and p = 1 draw nothing: the position stays
+    expected_next = philox.uniform(5, SEED, 92 if drew else 0)  # 91 elements, rounded up to whole blocks
+    for name, (values, following) in drawn.items():
+        assert torch.equal(_bits(values), _bits(expected)), name
+        assert torch.equal(following, expected_next), name
+    if drew:
+        keep = philox.bernoulli((7, 13), 1.0 - p, SEED, 0)  # kept where the word is below round((1 - p) * 2**32)
+        words = philox.random_bits((7, 13), SEED, 0)
+        assert torch.equal(keep, words < round((1.0 - p) * 2**32))
+        assert torch.equal(expected[1:] != 0, keep[1:])
 
 
 INIT_FUNCTIONS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
@@ -291,7 +329,7 @@ def test_non_random_ops_keep_torchs_own_kernels_inside_the_mode() -> None:
         inside = [repr(torch.library.get_kernel(op, "CPU")) for op in ops]
         random_kernel = repr(torch.library.get_kernel("aten::uniform_", "CPU"))
     assert inside == before
-    assert "portable_mode" in random_kernel
+    assert "_portable_ops" in random_kernel
 
 
 def test_compiled_draws_equal_eager_draws() -> None:
@@ -684,13 +722,13 @@ def _capture(into: list[BaseException], call: Callable[[], Any]) -> None:
 def test_the_mode_applied_on_another_thread_draws_as_the_thread_that_took_it() -> None:
     """What a recompute on autograd's device thread needs: the forward thread's flag, re-applied."""
     with portable_random(SEED):
-        mode = _thread_mode()
+        mode = thread_mode()
         drawn: list[torch.Tensor] = []
 
         def worker() -> None:
             own = torch.Generator().manual_seed(1)
             drawn.append(torch.rand(4, generator=own))  # the flag is per thread: torch's own kernel here
-            with _mode_applied(mode):
+            with mode_applied(mode):
                 drawn.append(torch.rand(4))
             drawn.append(torch.rand(4, generator=own))
 
@@ -700,7 +738,7 @@ def test_the_mode_applied_on_another_thread_draws_as_the_thread_that_took_it() -
         assert _position() == (SEED, 4), "the applied mode drew from the device generator's position"
     assert torch.equal(drawn[1], philox.uniform(4, SEED, 0))
     assert torch.equal(torch.cat([drawn[0], drawn[2]]), torch.rand(8, generator=torch.Generator().manual_seed(1)))
-    assert _thread_mode() is None and not is_portable_random_enabled()
+    assert thread_mode() is None and not is_portable_random_enabled()
 
 
 def test_entering_puts_hyperrngs_dtensor_tracker_in_place_and_the_last_exit_puts_back_what_was_there() -> None:
@@ -903,7 +941,7 @@ def _originals_outputs(device: str, labels: Sequence[str]) -> dict[str, list[lis
 
 def _originals_report() -> dict[str, Any]:
     """In a fresh process: every overridden op's values outside the mode, before and after registration."""
-    from hyperrng.portable_mode import _KERNELS
+    from hyperrng.portable_mode import registered
 
     sim = platforms.SimulatedPlatform()
     sim.device(0)
@@ -912,7 +950,7 @@ def _originals_report() -> dict[str, Any]:
         with platforms.use(platform), portable_random():
             pass
     after = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
-    return {"registered": sorted(_KERNELS.done), "before": before, "after": after}
+    return {"registered": [list(pair) for pair in registered()], "before": before, "after": after}
 
 
 @pytest.mark.slow

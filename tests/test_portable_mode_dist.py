@@ -12,14 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from hyperrng import philox
+from hyperrng._demo_portable import tp_invariance_report
 from hyperrng.errors import ArgumentTypeError, CheckpointError, InvalidOffsetError, InvalidSeedError
+from hyperrng.portable import PORTABLE_STATE_FORMAT, load_portable_state_dict, portable_state_dict
 from hyperrng.portable_mode import (
-    PORTABLE_STATE_FORMAT,
-    load_portable_state_dict,
     portable_random,
-    portable_state_dict,
     set_portable_random,
-    tp_invariance_report,
 )
 from hyperrng.sharded import ShardedRNGTracker
 from hyperrng.tracker import RNGStatesTracker

@@ -198,9 +198,9 @@ def _outside_rounds(rounds: int, number: int) -> dict[str, dict[str, list[float]
     """Per op: seconds per call before and after the portable kernels are registered (this process)."""
     import time
 
-    from hyperrng.portable_mode import _KERNELS
+    from hyperrng.portable_mode import registered
 
-    if _KERNELS.done:
+    if registered():
         raise RuntimeError("the portable kernels are registered already: run this in a fresh process")
     x = torch.ones(16)
     calls: dict[str, Callable[[], object]] = {

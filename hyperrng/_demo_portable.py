@@ -1,17 +1,26 @@
-"""The rank side of :func:`hyperrng.portable_mode.tp_invariance_report` (spawned processes import it)."""
+"""The demo's portable-mode check: a tiny tensor-parallel model trained at several TP sizes.
+
+:func:`tp_invariance_report` spawns the ranks; :func:`tp_rank` is what each of them runs
+(spawned processes import this module to find it). It lives with the demo, not with portable
+mode: it is a harness that exercises the mode, not part of it.
+"""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperrng._launch import run_ranks
+from hyperrng.errors import InvalidParameterError
+from hyperrng.platforms.validate import check_int, check_seed
 from hyperrng.portable_mode import portable_random
 
-__all__ = ["TinyMLP", "tp_rank"]
+__all__ = ["TinyMLP", "tp_invariance_report", "tp_rank"]
 
 _IN, _HIDDEN, _BATCH = 8, 12, 6
 _DROPOUT_P = 0.3
@@ -67,3 +76,43 @@ def tp_rank(rank: int, world_size: int, tp_sizes: tuple[int, ...], steps: int, s
         # Plain lists: tensors would travel back through shared memory that dies with the rank.
         results[tp] = {"params": params.tolist(), "masks": torch.stack(model.masks).tolist(), "losses": losses}
     return results
+
+
+def tp_invariance_report(
+    tp_sizes: Sequence[int] = (1, 2, 4), world_size: int = 4, steps: int = 2, seed: int = 1234
+) -> dict[str, Any]:
+    """Train a tiny tensor-parallel MLP with dropout under portable mode at each TP size, on real ranks.
+
+    Spawns ``world_size`` gloo processes on the CPU; for each TP size the ranks form a
+    ``(world_size // tp, tp)`` mesh, parallelise the model over its ``tp`` dimension
+    (``torch.distributed.tensor.parallel``), initialise it inside ``portable_random(seed)``
+    and train ``steps`` SGD steps with dropout.
+
+    Returns:
+        ``{"tp_sizes", "params_identical", "masks_identical", "max_loss_difference",
+        "losses": {tp: [...]}}``: whether every TP size gave bit-identical initial
+        parameters and dropout masks (on every rank), and how far the losses drift
+        (float reductions differ with the sharding).
+
+    Raises:
+        ArgumentTypeError / InvalidParameterError: a size that is not a positive int dividing ``world_size``.
+    """
+    world = check_int(world_size, "world_size")
+    sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)
+    check_int(steps, "steps")
+    check_seed(seed)
+    if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
+        raise InvalidParameterError(f"every TP size must divide world_size={world}; got {sizes}.")
+    per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
+    reference = per_rank[0][sizes[0]]
+    params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality
+    masks = all(r[tp]["masks"] == reference["masks"] for r in per_rank for tp in sizes)
+    losses = {tp: per_rank[0][tp]["losses"] for tp in sizes}
+    drift = max(abs(a - b) for tp in sizes for a, b in zip(losses[tp], losses[sizes[0]]))
+    return {
+        "tp_sizes": sizes,
+        "params_identical": params,
+        "masks_identical": masks,
+        "max_loss_difference": drift,
+        "losses": losses,
+    }

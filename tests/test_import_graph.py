@@ -1,0 +1,73 @@
+"""The library's modules import each other without a cycle (imports only go downwards)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the installed package by its dotted name (``platforms/`` is ``hyperrng.platforms``)."""
+    files = {}
+    for folder, package in (("hyperrng", ["hyperrng"]), ("platforms", ["hyperrng", "platforms"])):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = package + list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, at the top or inside a function alike."""
+    files = _module_files()
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        # Importing a submodule runs its parents' __init__ first: that is no edge back to them.
+        graph[name] = {t for t in targets if t in files and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_of_the_library_is_in_an_import_cycle() -> None:
+    graph = _import_graph()
+    assert "hyperrng.portable_mode" in graph and "hyperrng.platforms.base" in graph
+    assert _cycles(graph) == []
