@@ -83,7 +83,7 @@ def test_check_platform_runs_without_pytest_fixtures() -> None:
 def test_check_platform_names_the_failing_check() -> None:
     class LaxPlatform(platforms.SimulatedPlatform):
         def manual_seed(self, seed, index=None):  # type: ignore[no-untyped-def]
-            self._seed(int(seed) % 2**64, 0)  # skips validation: wraps -1 silently
+            self._write_state(platforms.pack_counter_state(int(seed) % 2**64, 0), 0)  # wraps -1 silently
 
     with pytest.raises(AssertionError, match="conformance check 'refuses_bad_seeds' failed.*manual_seed\\(-1\\)"):
         check_platform(LaxPlatform())
@@ -93,7 +93,7 @@ def test_check_platform_names_the_failing_check() -> None:
 class _DeviceZeroOnly(platforms.CUDAPlatform):
     """A broken plug-in: the hooks named in ``broken`` ignore the device index they are given.
 
-    ``"read"``, ``"write"``, ``"seed"``: the hook uses device 0; ``"state_io"``: ``state_io(i)``
+    ``"read"``, ``"write"``: the hook uses device 0; ``"state_io"``: ``state_io(i)``
     returns device 0's accessors; ``"state_io-current"``: it returns the current device's.
     """
 
@@ -106,9 +106,6 @@ class _DeviceZeroOnly(platforms.CUDAPlatform):
 
     def _write_state(self, state: Any, index: int) -> None:
         super()._write_state(state, 0 if "write" in self._broken else index)
-
-    def _seed(self, seed: int, index: int) -> None:
-        super()._seed(seed, 0 if "seed" in self._broken else index)
 
     def state_io(self, index: int | None = None) -> platforms.StateIO:
         if "state_io" in self._broken:
@@ -125,10 +122,8 @@ _STATE_IO = "conformance check 'state_io_addresses_each_device' failed.*state_io
 
 _MUTANTS = [
     ({"read"}, _INDEX + ".*report one state"),
-    ({"write"}, _INDEX + ".*does not hold the state set on it"),
-    ({"seed"}, _INDEPENDENT),
-    ({"read", "write"}, _INDEX),
-    ({"read", "write", "seed"}, _INDEPENDENT),
+    ({"write"}, _INDEPENDENT),
+    ({"read", "write"}, _INDEPENDENT),
     ({"state_io"}, _STATE_IO),
     ({"state_io-current"}, _STATE_IO),
 ]
@@ -204,22 +199,19 @@ def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_foun
 
 # -- the kit names the methods a platform does not implement -----------------------------------
 class _Half(platforms.Platform):
-    """A plug-in that implements device_count and _seed, but not _read_state and _write_state."""
+    """A plug-in that implements device_count, but not _read_state and _write_state."""
 
     name = "half"
 
     def device_count(self) -> int:
         return 1
 
-    def _seed(self, seed: int, index: int) -> None:
-        pass
 
-
-_ALL_FOUR = "device_count\\(\\), _read_state\\(index\\), _write_state\\(state, index\\), _seed\\(seed, index\\)"
+_ALL_THREE = "device_count\\(\\), _read_state\\(index\\), _write_state\\(state, index\\)"
 
 
 def test_check_platform_names_every_method_a_platform_does_not_implement() -> None:
-    with pytest.raises(AssertionError, match="'implements_the_required_methods' failed.*" + _ALL_FOUR) as info:
+    with pytest.raises(AssertionError, match="'implements_the_required_methods' failed.*" + _ALL_THREE) as info:
         check_platform(BarePlatform())
     assert "implement them" in str(info.value)
     assert not isinstance(info.value.__cause__, NotImplementedError)
@@ -228,7 +220,7 @@ def test_check_platform_names_every_method_a_platform_does_not_implement() -> No
 def test_check_platform_names_only_the_methods_that_are_missing() -> None:
     with pytest.raises(AssertionError, match="_Half does not implement _read_state\\(index\\), _write_state") as info:
         check_platform(_Half())
-    assert "device_count" not in str(info.value) and "_seed" not in str(info.value)
+    assert "device_count" not in str(info.value)
 
 
 _BARE_SUITE = """
@@ -280,9 +272,6 @@ class _DictStatePlatform(platforms.Platform):
 
     def _write_state(self, state: torch.Tensor, index: int) -> None:
         self._kept[index] = state.clone()
-
-    def _seed(self, seed: int, index: int) -> None:
-        self._kept[index] = platforms.pack_counter_state(seed, 0)
 
 
 def test_the_kit_fails_a_platform_whose_state_is_not_what_the_device_draws_from() -> None:
