@@ -196,6 +196,15 @@ def test_simulated_device_is_a_device_type_of_its_own() -> None:
 # -- collectives over real processes ----------------------------------------------------------
 
 
+def test_collectives_without_a_process_group_act_as_a_job_of_one_rank() -> None:
+    cpu, comm, t = platforms.CPUPlatform(), platforms.comm, torch.arange(4)
+    assert (comm.rank(), comm.world_size()) == (0, 1)
+    assert comm.broadcast(cpu, t) is t
+    gathered = comm.all_gather(cpu, t)
+    assert len(gathered) == 1 and torch.equal(gathered[0], t) and gathered[0] is not t
+    assert comm.comm_device(cpu) == torch.device("cpu")
+
+
 def _collectives(rank: int, world_size: int) -> tuple[int, int, list[int], list[list[int]]]:
     cpu, comm = platforms.CPUPlatform(), platforms.comm
     mine = torch.full((3,), rank + 10, dtype=torch.int64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from typing import Any
 import hyperrng.platforms as platforms
 import pytest
 import torch
+from hyperrng.platforms import registry
 from hyperrng.platforms.testing import CHECKS, PlatformConformance, check_platform
 
 from tests._platforms import BarePlatform
@@ -277,3 +279,60 @@ class _DictStatePlatform(platforms.Platform):
 def test_the_kit_fails_a_platform_whose_state_is_not_what_the_device_draws_from() -> None:
     with pytest.raises(AssertionError, match="conformance check 'random_ops_draw_from_the_state' failed"):
         check_platform(_DictStatePlatform())
+
+
+# -- the interface is the table in Platform's docstring, and the kit checks its rows ----------------
+def _tabled_members() -> list[str]:
+    """The member names in the first column of the table in Platform's docstring."""
+    doc = platforms.Platform.__doc__ or ""
+    return re.findall(r"^\s*``(\w+)[^`]*``\s+(?:must define|may override†?|call only)\s", doc, re.MULTILINE)
+
+
+def test_the_platform_docstring_tables_every_member_a_plug_in_defines_overrides_or_calls() -> None:
+    public = {name for name in dir(platforms.Platform) if not name.startswith("_")}
+    hooks = {name.split("(")[0] for name in registry.REQUIRED_METHODS} - public
+    tabled = _tabled_members()
+    assert len(tabled) == len(set(tabled)) == 20
+    assert set(tabled) == public | hooks
+
+
+def test_the_required_methods_are_the_tabled_must_define_methods() -> None:
+    doc = platforms.Platform.__doc__ or ""
+    must = re.findall(r"^\s*``(\w+\([^`]*\))``\s+must define\s", doc, re.MULTILINE)
+    assert must == list(registry.REQUIRED_METHODS.values())
+
+
+class _SetDeviceDoesNothing(platforms.CUDAPlatform):
+    def __init__(self) -> None:
+        super().__init__(module=platforms.SimulatedDeviceModule(device_count=2, device_type="cuda"))
+
+    def set_device(self, index: int) -> None:
+        pass
+
+
+class _ChecksNothing(platforms.CUDAPlatform):
+    def __init__(self) -> None:
+        super().__init__(module=platforms.SimulatedDeviceModule(device_count=2, device_type="cuda"))
+
+    def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state
+
+
+class _CPUClaimingCounterBased(platforms.CPUPlatform):
+    counter_based = True
+
+
+@pytest.mark.parametrize(
+    ("platform", "message"),
+    [
+        (_SetDeviceDoesNothing, "'switches_the_current_device' failed.*set_device\\(1\\) left device 0 current"),
+        (_ChecksNothing, "'refuses_bad_states' failed.*check_rng_state\\(tensor.*was accepted"),
+        (_CPUClaimingCounterBased, "'describes_itself' failed.*counter-based state is the 16-byte"),
+    ],
+    ids=["set_device", "check_rng_state", "counter_based"],
+)
+def test_the_kit_catches_a_platform_that_breaks_a_tabled_promise(
+    platform: type[platforms.Platform], message: str
+) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_platform(platform())
