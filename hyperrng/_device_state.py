@@ -32,7 +32,7 @@ def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -
     Where the platform's device is the host, its one state (position cursor included)
     covers torch's CPU generator, so it is the only target.
     """
-    if platform.is_host:
+    if platform.device_type == "cpu":
         io = platform.state_io(0)
         return [(io.read, io.write, (platform.device_type, 0))]
     host = torch.default_generator

@@ -198,9 +198,10 @@ class _Placement:
     def plan(cls, platform: platforms.Platform, local_ranks: int) -> _Placement:
         """The platform's backend where every local rank has a device of its own, else gloo."""
         devices = platform.device_count()
-        backend = platform.dist_backend if platform.is_host or devices >= local_ranks else "gloo"
-        staged = backend == "gloo" and not platform.is_host
-        return cls(platform.device_type, devices, local_ranks, backend, staged, platform.is_host)
+        host = platform.device_type == "cpu"
+        backend = platform.dist_backend if host or devices >= local_ranks else "gloo"
+        staged = backend == "gloo" and not host
+        return cls(platform.device_type, devices, local_ranks, backend, staged, host)
 
     def index(self, local_rank: int) -> int:
         """The device of a local rank: its own where there are enough, else shared round-robin."""

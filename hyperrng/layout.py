@@ -236,7 +236,7 @@ class StreamLayout:
         default_seed = seeds[DEFAULT_STREAM]
         platform = platforms.current()
         platform.manual_seed(default_seed)
-        if not platform.is_host:  # the host too; all 64 bits, unlike torch.manual_seed
+        if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
             platforms.seed_generator(torch.default_generator, default_seed)
         _record(tracker, Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords)))
         return seeds

@@ -353,10 +353,10 @@ def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dic
             streams[name] = list(p.get_seed_offset())
     state = {"format": PORTABLE_STATE_FORMAT, "position": list(p.get_seed_offset()), "streams": streams}
     dist = torch.distributed
-    if check and dist.is_available() and dist.is_initialized() and p.world_size() > 1:
+    if check and dist.is_available() and dist.is_initialized() and platforms.comm.world_size() > 1:
         text = json.dumps(state, sort_keys=True).encode()
         digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
-        digests = [int(t) for t in p.all_gather(torch.tensor([digest], dtype=torch.int64))]
+        digests = [int(t) for t in platforms.comm.all_gather(p, torch.tensor([digest], dtype=torch.int64))]
         differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
         if differ:  # every rank sees the same digests, so every rank raises alike
             raise RNGDesyncError(

@@ -122,7 +122,7 @@ def _seed_numpy(seed: int) -> None:
 
 def _seed_torch(seed: int) -> None:
     platform = platforms.current()
-    if not platform.is_host:  # where the device is the host, seeding the device seeds it
+    if platform.device_type != "cpu":  # where the device is the host, seeding the device seeds it
         platforms.seed_generator(torch.default_generator, seed)  # all 64 bits, unlike torch.manual_seed
     for index in range(platform.device_count()):
         platform.manual_seed(seed, index)
@@ -365,7 +365,7 @@ def model_parallel_cuda_manual_seed(
         )
     ranks = {"tp_rank": tp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank}
     unknown = [name for name, value in ranks.items() if value is None]
-    if unknown and platforms.current().world_size() > 1:
+    if unknown and platforms.comm.world_size() > 1:
         raise LayoutError(
             f"{', '.join(unknown)} not given: hyperrng does not read Megatron-core's parallel state, and this "
             "process is one of several. Pass tp_rank=, ep_rank= and etp_rank= (0 for a dimension the job does not "

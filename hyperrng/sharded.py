@@ -395,14 +395,14 @@ class ShardedRNGTracker:
         p = self.platform
         mine = p.get_seed_offset()
         packed = torch.tensor([mine[0] - 2**63, mine[1]], dtype=torch.int64)  # uint64 seed shifted into int64
-        theirs = p.broadcast(packed, src=0, group=group)
+        theirs = platforms.comm.broadcast(p, packed, src=0, group=group)
         seed, offset = int(theirs[0]) + 2**63, int(theirs[1])
         differed = (seed, offset) != mine
         if differed:
             _log.warning(
                 "rank %d had generator position %s but rank 0 has %s; synchronised to rank 0. "
                 "Seed every rank with the same seed (ShardedRNGTracker.manual_seed) to avoid this.",
-                p.rank(group),
+                platforms.comm.rank(group),
                 mine,
                 (seed, offset),
             )

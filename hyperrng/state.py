@@ -132,8 +132,8 @@ def rng_state_dict(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "platform": p.name,
-        "rank": p.rank(group),
-        "world_size": p.world_size(group),
+        "rank": platforms.comm.rank(group),
+        "world_size": platforms.comm.world_size(group),
         "base_seed": base_seed,
         "layout": layout.to_dict() if layout is not None else None,
         "coords": point,
@@ -146,7 +146,7 @@ def rng_state_dict(
             "gauss": float(np_gauss),
         },
         # Where the platform's device is the host, devices[0] already holds torch's CPU state.
-        "torch_cpu": None if p.is_host else torch.get_rng_state(),
+        "torch_cpu": None if p.device_type == "cpu" else torch.get_rng_state(),
         "devices": [p.get_rng_state(i) for i in range(p.device_count())],
         "streams": tracker.get_states(as_tensors=True) if tracker.is_initialized() else {},
     }
@@ -293,10 +293,11 @@ def _mismatches(
     found = []
     if state["platform"] != p.name:
         found.append(f"platform {state['platform']!r} (now {p.name!r})")
-    if state["world_size"] != p.world_size(group):
-        found.append(f"world size {state['world_size']} (now {p.world_size(group)})")
-    elif state["rank"] != p.rank(group):
-        found.append(f"rank {state['rank']} (now {p.rank(group)})")
+    comm = platforms.comm
+    if state["world_size"] != comm.world_size(group):
+        found.append(f"world size {state['world_size']} (now {comm.world_size(group)})")
+    elif state["rank"] != comm.rank(group):
+        found.append(f"rank {state['rank']} (now {comm.rank(group)})")
     if state["platform"] == p.name and len(state["devices"]) != p.device_count():
         found.append(f"{len(state['devices'])} device(s) (now {p.device_count()})")
     if layout is not None and state["layout"] is not None and state["layout"] != layout.to_dict():
@@ -310,7 +311,7 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
     """Check every field's type, size and range and build the objects to apply; change nothing."""
     py_state = _python_state(state["python"])
     np_state = _numpy_state(state["numpy"])
-    if p.is_host:  # devices[0] carries torch's CPU state
+    if p.device_type == "cpu":  # devices[0] carries torch's CPU state
         if state["torch_cpu"] is not None:
             raise CheckpointError(
                 "the RNG state is malformed: torch_cpu must be None on a platform whose device is the host."
@@ -597,7 +598,7 @@ class RNGStateful:
         self._on_mismatch = on_mismatch
 
     def _key(self) -> str:
-        return f"rank_{platforms.current().rank(self._group)}"
+        return f"rank_{platforms.comm.rank(self._group)}"
 
     def state_dict(self) -> dict[str, Any]:
         state = rng_state_dict(

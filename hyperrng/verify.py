@@ -196,9 +196,7 @@ def _gather(
     """Every rank's ``tensor`` in rank order, waiting until ``deadline`` at most (``time.monotonic()``)."""
     import torch.distributed as dist
 
-    # The tensor travels where the backend needs it, as in Platform.all_gather: the CPU for gloo.
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else p.device()
-    buf = tensor.to(device, copy=True)
+    buf = tensor.to(platforms.comm.comm_device(p, group), copy=True)  # as comm.all_gather places it
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(out, buf, group=group, async_op=True)
     try:

@@ -7,6 +7,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 
 from __future__ import annotations
 
+from hyperrng.platforms import comm
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, pack_counter_state, unpack_counter_state
 from hyperrng.platforms.cpu import (
     CPU_STATE_NBYTES,
@@ -56,6 +57,7 @@ from hyperrng.platforms.simulated import (
 
 __all__ = [
     "Platform",
+    "comm",
     "StateIO",
     "CPUPlatform",
     "DeviceModulePlatform",

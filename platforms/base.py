@@ -1,14 +1,11 @@
 """The :class:`Platform` interface: everything hyperrng asks of a kind of device.
 
 A platform is mostly plain values (its name, torch device type, distributed backend,
-whether its generator is counter-based) plus a handful of functions. The public methods
-validate their arguments and then call a few small hooks; a plug-in implements the hooks
+whether its generator is counter-based) plus a few functions. The public methods
+validate their arguments and then call two small hooks; a plug-in implements the hooks
 and inherits the validation, so every platform refuses bad input the same way and never
-touches the device before the input is known to be good.
-
-What a plug-in must implement: :meth:`Platform.device_count`, ``_read_state``,
-``_write_state`` and ``_seed`` (and usually :meth:`Platform.probe`). Everything else has
-a default.
+touches the device before the input is known to be good. The class docstring lists the
+whole interface in one table; collectives are functions of :mod:`hyperrng.platforms.comm`.
 """
 
 from __future__ import annotations
@@ -37,30 +34,53 @@ _GENERATOR_API = ("get_state", "set_state", "manual_seed", "initial_seed")
 
 
 class Platform:
-    """One kind of device, seen through the handful of operations hyperrng needs.
+    """One kind of device, seen through the few operations hyperrng needs.
 
-    Attributes:
-        name: the registered name (``"cpu"``, ``"cuda"``, ``"npu"``, a plug-in's name).
-        device_type: the torch device type of tensors on this platform.
-        dist_backend: the ``torch.distributed`` backend to start process groups with.
-        counter_based: ``True`` when the generator state is a (seed, offset) pair that
-            can be positioned exactly and that draws advance (Philox on CUDA and NPU);
-            ``False`` when the platform models positions beside its generator's bytes
-            (the CPU's MT19937; see :mod:`hyperrng.platforms.cpu`).
-        is_host: ``True`` when this platform's device is the host CPU, i.e. its device
-            generator is torch's CPU generator (the CPU platform). Callers use it to
-            avoid forking or seeding the host twice; they never compare generators.
-        state_nbytes: length of the state returned by :meth:`get_rng_state`.
-        state_dtype: dtype of packed RNG states (always ``torch.uint8``).
+    The table is the whole interface, for plug-in authors and for callers. *Must define*:
+    the base class has no usable default. *May override*: the default (in brackets) fits
+    a counter-based device. *Call only*: implemented once here, on top of the rest. The
+    five rows marked † exist for a generator without offsets, whose positions the platform
+    models beside the generator's bytes (the CPU's MT19937, :mod:`hyperrng.platforms.cpu`):
+    a counter-based platform keeps their defaults. Everything else is private, or a
+    function of :mod:`hyperrng.platforms.comm` (rank, world size, broadcast, all-gather).
+    :mod:`hyperrng.platforms.testing` checks every row.
+
+    ====================================  ============  ===================================================
+    member                                role          meaning [default]
+    ====================================  ============  ===================================================
+    ``name``                              must define   registered name: ``"cpu"``, ``"cuda"``, a plug-in's
+    ``device_type``                       must define   torch device type of its tensors [``"cpu"``]
+    ``device_count()``                    must define   number of devices of this kind visible to the process
+    ``_read_state(index)``                must define   a new 1-D CPU uint8 tensor: device ``index``'s state
+    ``_write_state(state, index)``        must define   make ``state`` (already checked) device ``index``'s
+    ``dist_backend``                      may override  ``torch.distributed`` backend between ranks [``"gloo"``]
+    ``counter_based``                     may override  state is a (seed, offset) pair that draws advance [no]
+    ``probe()``                           may override  ``None`` if usable here, else why not; cheap [``None``]
+    ``current_device()``                  may override  index used when none is given [0]
+    ``set_device(index)``                 may override  make device ``index`` current [only the current one]
+    ``default_generator(index)``          may override  generator random ops on ``index`` draw from [``None``]
+    ``state_nbytes``                      may override† length of a state [16: uint64 seed, int64 offset]
+    ``check_rng_state(state)``            may override† ``state`` if ``set_rng_state`` takes it, else raise
+    ``get_seed_offset(index, generator)`` may override† (seed, offset) position [read from the 16 bytes]
+    ``set_seed_offset(seed, offset, …)``  may override† position device or generator [write the 16 bytes]
+    ``state_io(index)``                   may override† unchecked save/restore for hot paths [via the above]
+    ``device(index)``                     call only     ``torch.device`` of device ``index``
+    ``get_rng_state(index)``              call only     ``_read_state`` after checking ``index``
+    ``set_rng_state(state, index)``       call only     ``check_rng_state``, then ``_write_state``
+    ``manual_seed(seed, index)``          call only     ``set_seed_offset(seed, 0, index)``
+    ====================================  ============  ===================================================
+
+    A counter-based accelerator needs the first eleven rows, or only ``name``,
+    ``device_type`` and ``dist_backend`` when it subclasses
+    :class:`~hyperrng.platforms.DeviceModulePlatform`. The device of a platform whose
+    ``device_type`` is ``"cpu"`` is the host: its generator is torch's CPU generator.
     """
 
     name: ClassVar[str] = "abstract"
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
     counter_based: ClassVar[bool] = False
-    is_host: ClassVar[bool] = False
     state_nbytes: int = COUNTER_STATE_NBYTES
-    state_dtype: ClassVar[torch.dtype] = torch.uint8
 
     # -- availability and devices ---------------------------------------------------
     def probe(self) -> str | None:
@@ -69,10 +89,6 @@ class Platform:
         Must be cheap and must not initialise the device (it runs at ``import hyperrng``).
         """
         return None
-
-    def is_available(self) -> bool:
-        """Whether :meth:`probe` found the platform usable."""
-        return self.probe() is None
 
     def device_count(self) -> int:
         """Number of devices of this kind visible to the process."""
@@ -164,13 +180,14 @@ class Platform:
         return checked
 
     def manual_seed(self, seed: int, index: int | None = None) -> None:
-        """Seed device ``index`` (offset 0 on counter-based platforms).
+        """Seed device ``index``: exactly ``set_seed_offset(seed, 0, index)``.
 
         Raises:
-            InvalidSeedError: ``seed`` is a bool, not an int, or outside [0, 2**64 - 1].
+            InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
+            ArgumentTypeError: ``seed`` is a bool or not an int.
+            DeviceIndexError: ``index`` names no device. Nothing changes on error.
         """
-        value = check_seed(seed)
-        self._seed(value, self._index(index))
+        self.set_seed_offset(seed, 0, index)
 
     def get_seed_offset(self, index: int | None = None, generator: torch.Generator | None = None) -> tuple[int, int]:
         """Return the (seed, offset) position of ``generator`` (default: device ``index``'s).
@@ -225,50 +242,18 @@ class Platform:
         else:
             self._check_generator(generator).set_state(state)
 
-    # -- distributed --------------------------------------------------------------------
-    def rank(self, group: object | None = None) -> int:
-        """This process's rank in ``group`` (0 when ``torch.distributed`` is not initialised)."""
-        dist = _dist()
-        return dist.get_rank(group) if dist is not None else 0
-
-    def world_size(self, group: object | None = None) -> int:
-        """Size of ``group`` (1 when ``torch.distributed`` is not initialised)."""
-        dist = _dist()
-        return dist.get_world_size(group) if dist is not None else 1
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, group: object | None = None) -> torch.Tensor:
-        """Return ``tensor`` as held by global rank ``src``, on the device ``tensor`` came from.
-
-        The tensor travels on the device the group's backend needs (the CPU for gloo,
-        this platform's current device otherwise). Without a process group it is
-        returned unchanged.
-        """
-        dist = _dist()
-        if dist is None:
-            return tensor
-        buf = tensor.to(self._comm_device(group), copy=True)
-        dist.broadcast(buf, src=src, group=group)
-        return buf.to(tensor.device)
-
-    def all_gather(self, tensor: torch.Tensor, group: object | None = None) -> list[torch.Tensor]:
-        """Return every rank's ``tensor`` (same shape on each rank), in rank order."""
-        dist = _dist()
-        if dist is None:
-            return [tensor.clone()]
-        buf = tensor.to(self._comm_device(group), copy=True)
-        out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, buf, group=group)
-        return [t.to(tensor.device) for t in out]
-
     # -- hooks a plug-in implements -------------------------------------------------------
     def _read_state(self, index: int) -> torch.Tensor:
+        """Return a new 1-D CPU uint8 tensor of ``state_nbytes``: device ``index``'s whole RNG state.
+
+        ``index`` is already checked. The tensor is the caller's: it must not share memory
+        with the device's live state.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement _read_state(index)")
 
     def _write_state(self, state: torch.Tensor, index: int) -> None:
+        """Make ``state`` device ``index``'s RNG state; both are already checked, so nothing can fail here."""
         raise NotImplementedError(f"{type(self).__name__} must implement _write_state(state, index)")
-
-    def _seed(self, seed: int, index: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement _seed(seed, index)")
 
     # -- shared helpers -------------------------------------------------------------------
     def _index(self, index: int | None) -> int:
@@ -302,12 +287,6 @@ class Platform:
             )
         return generator
 
-    def _comm_device(self, group: object | None) -> torch.device:
-        dist = _dist()
-        if dist is None or dist.get_backend(group) == "gloo":
-            return torch.device("cpu")
-        return self.device()
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
 
@@ -323,13 +302,6 @@ class StateIO(NamedTuple):
     write: Callable[[Any], object]
     pack: Callable[[Any], torch.Tensor]
     unpack: Callable[[torch.Tensor], Any]
-
-
-def _dist():  # type: ignore[no-untyped-def]
-    """``torch.distributed`` when a default process group exists, else ``None``."""
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _describe(value: object) -> str:

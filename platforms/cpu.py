@@ -242,7 +242,6 @@ class CPUPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     counter_based = False
-    is_host = True
     state_nbytes = CPU_STATE_NBYTES
 
     def device_count(self) -> int:
@@ -331,9 +330,6 @@ class CPUPlatform(Platform):
 
     def _write_state(self, state: torch.Tensor, index: int) -> None:
         _write(_unpack(state))
-
-    def _seed(self, seed: int, index: int) -> None:
-        _seat(torch.default_generator, seed)
 
 
 def _initial_seed_of(state: torch.Tensor, platform: str) -> int:

@@ -96,9 +96,6 @@ class DeviceModulePlatform(Platform):
         # module's own set_rng_state clones when the device is not initialised yet).
         self._generator(index).set_state(state)
 
-    def _seed(self, seed: int, index: int) -> None:
-        self._generator(index).manual_seed(seed)
-
 
 class CUDAPlatform(DeviceModulePlatform):
     """NVIDIA GPUs through ``torch.cuda`` (ROCm builds of torch expose the same module)."""

@@ -67,7 +67,6 @@ REQUIRED_METHODS: Mapping[str, str] = {
     "device_count": "device_count()",
     "_read_state": "_read_state(index)",
     "_write_state": "_write_state(state, index)",
-    "_seed": "_seed(seed, index)",
 }
 """The methods every :class:`Platform` subclass must implement (the base class only raises
 ``NotImplementedError``), by attribute name, with the signature to write."""

@@ -600,7 +600,7 @@ class SimulatedPlatform(DeviceModulePlatform):
             while probing).
 
     It is never picked automatically. Its collectives run over gloo, staged through the
-    host (see :meth:`platforms.Platform.broadcast`).
+    host (see :func:`hyperrng.platforms.comm.broadcast`).
     """
 
     name = "sim"

@@ -11,11 +11,17 @@ A platform author runs it against their implementation, with pytest::
             return MyPlatform()
 
 or without pytest: ``hyperrng.platforms.testing.check_platform(MyPlatform())`` raises
-``AssertionError`` naming the first check that fails. A platform that does not implement
-the methods every platform must (``device_count``, ``_read_state``, ``_write_state``,
-``_seed``) fails every check with an ``AssertionError`` that names them. Every check
-leaves the RNG state of every device, and the current device, as it found them. Our CPU,
-CUDA, NPU and simulated platforms pass it.
+``AssertionError`` naming the first check that fails.
+
+The checks cover the interface tabled in :class:`~hyperrng.platforms.Platform`'s
+docstring, row by row, and nothing else: the values describe the platform, the device
+functions enumerate and switch devices, the state functions read, write, check, seed and
+position each device (refusing bad input with nothing changed), the default generator is
+the one in use, and the state is what the device's random ops draw from. A platform that
+does not implement the methods every platform must (``device_count``, ``_read_state``,
+``_write_state``) fails every check with an ``AssertionError`` that names them. Every
+check leaves the RNG state of every device, and the current device, as it found them.
+Our CPU, CUDA, NPU and simulated platforms pass it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from hyperrng.platforms.base import Platform, StateIO
+from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, unpack_counter_state
 from hyperrng.platforms.errors import (
     ArgumentTypeError,
     DeviceIndexError,
@@ -89,13 +95,16 @@ def describes_itself(p: Platform) -> None:
     assert isinstance(p.dist_backend, str) and p.dist_backend, "dist_backend must name a backend"
     assert isinstance(p.counter_based, bool)
     assert isinstance(p.state_nbytes, int) and p.state_nbytes > 0
-    assert p.state_dtype == torch.uint8
+    if p.counter_based:
+        assert p.state_nbytes == COUNTER_STATE_NBYTES, (
+            f"a counter-based state is the {COUNTER_STATE_NBYTES}-byte (seed, offset) pair, state_nbytes says "
+            f"{p.state_nbytes}"
+        )
 
 
 @_check
-def is_available(p: Platform) -> None:
+def probe_finds_it_available(p: Platform) -> None:
     assert p.probe() is None, f"probe() says unavailable: {p.probe()}"
-    assert p.is_available()
 
 
 @_check
@@ -106,6 +115,24 @@ def enumerates_devices(p: Platform) -> None:
     for i in range(n):
         d = p.device(i)
         assert isinstance(d, torch.device) and d.type == p.device_type
+
+
+@_check
+def switches_the_current_device(p: Platform) -> None:
+    n, home = p.device_count(), p.current_device()
+    for i in [*range(n), home]:  # a platform with one device accepts set_device(0)
+        p.set_device(i)
+        assert p.current_device() == i, f"set_device({i}) left device {p.current_device()} current"
+        assert p.device() == p.device(i), f"device() is not device({i}) while device {i} is current"
+    refusals: list[tuple[Any, type[Exception]]] = [(n, DeviceIndexError), (-1, DeviceIndexError)]
+    for index, error in refusals + [(True, ArgumentTypeError), (1.0, ArgumentTypeError)]:
+        try:
+            p.set_device(index)
+        except error as exc:
+            assert isinstance(exc, HyperRNGError) and str(exc), f"set_device({index!r}): {exc!r}"
+        else:
+            raise AssertionError(f"set_device({index!r}) was accepted; expected {error.__name__}")
+        assert p.current_device() == home, f"the refused set_device({index!r}) changed the current device"
 
 
 @_check
@@ -176,18 +203,21 @@ def refuses_bad_states(p: Platform) -> None:
         torch.zeros(1, n, dtype=torch.uint8),
         torch.empty(n, dtype=torch.uint8, device="meta"),
     ]
-    for state in bad:
-        _assert_refused(
-            p, functools.partial(p.set_rng_state, state), InvalidStateError, f"set_rng_state({state!r:.40})"
-        )
     wrong_types: list[Any] = [bytes(n), list(range(n)), None]
-    for wrong in wrong_types:
-        call = functools.partial(p.set_rng_state, wrong)
-        _assert_refused(p, call, ArgumentTypeError, f"set_rng_state({wrong!r:.40})")
-    # A valid state that is not contiguous is still a valid state.
+    for state, error in [(s, InvalidStateError) for s in bad] + [(w, ArgumentTypeError) for w in wrong_types]:
+        for name in ("check_rng_state", "set_rng_state"):  # what check_rng_state refuses, set_rng_state does
+            call = functools.partial(getattr(p, name), state)
+            _assert_refused(p, call, error, f"{name}({state!r:.40})")
+    # check_rng_state hands back what set_rng_state then applies; a valid state that is
+    # not contiguous is still a valid state.
     state = p.get_rng_state()
     strided = torch.stack([state, state], dim=1)[:, 0]
     assert not strided.is_contiguous()
+    before = _states(p)
+    checked = p.check_rng_state(strided)
+    assert isinstance(checked, torch.Tensor) and torch.equal(checked, state), "check_rng_state changed a valid state"
+    _assert_unchanged(p, before, "check_rng_state")
+    p.manual_seed(1)
     p.set_rng_state(strided)
     assert torch.equal(p.get_rng_state(), state), "a non-contiguous copy of a valid state was not restored"
 
@@ -255,18 +285,6 @@ def each_device_is_addressed_by_its_index(p: Platform) -> None:
             assert p.get_seed_offset(generator=gen) == (3000 + i, 4 * (i + 1)), (
                 f"default_generator({i}) is not device {i}'s generator"
             )
-
-
-@_check
-def collectives_without_a_group_are_identities(p: Platform) -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    assert p.rank() == 0 and p.world_size() == 1
-    t = torch.arange(4)
-    assert torch.equal(p.broadcast(t), t)
-    assert [x.tolist() for x in p.all_gather(t)] == [t.tolist()]
 
 
 @_check
@@ -370,6 +388,16 @@ def _draw(p: Platform) -> torch.Tensor:
     return torch.rand(16, device=p.device()).cpu()
 
 
+def _has_tensors(p: Platform) -> bool:
+    """Whether this torch can create a tensor on the platform's device (a test double named after a
+    device this build lacks cannot: there is nothing to draw)."""
+    try:
+        torch.empty(0, device=p.device())
+    except (RuntimeError, AssertionError):  # torch says "not compiled with ..." in either form
+        return False
+    return True
+
+
 @_check
 def random_ops_draw_from_the_state(p: Platform) -> None:
     """The state is the device's: random ops on the device draw from it, and only from it.
@@ -379,9 +407,7 @@ def random_ops_draw_from_the_state(p: Platform) -> None:
     platform's device (a test double named after a device this build lacks), there is
     nothing to draw and the check passes without drawing.
     """
-    try:
-        torch.empty(0, device=p.device())
-    except (RuntimeError, AssertionError):  # torch says "not compiled with ..." in either form
+    if not _has_tensors(p):
         return
     p.manual_seed(5)
     state = p.get_rng_state()
@@ -399,6 +425,26 @@ def random_ops_draw_from_the_state(p: Platform) -> None:
     _draw(p)
     p.set_rng_state(saved)
     assert torch.equal(_draw(p), first), "draws made while another state was swapped in moved the restored one"
+
+
+@_check
+def counter_based_states_are_the_position(p: Platform) -> None:
+    """``counter_based`` is a promise: the state is the (seed, offset) pair, and draws advance the offset."""
+    if not p.counter_based:
+        return
+    for seed, offset in [(5, 0), (2**64 - 1, 2**40)]:
+        p.set_seed_offset(seed, offset)
+        state = p.get_rng_state()
+        assert unpack_counter_state(state) == (seed, offset), (
+            f"counter_based is True but after set_seed_offset({seed}, {offset}) the state holds "
+            f"{unpack_counter_state(state)}: the state must be the (uint64 seed, int64 offset) pair"
+        )
+    if not _has_tensors(p):
+        return
+    p.set_seed_offset(5, 8)
+    _draw(p)
+    seed, offset = p.get_seed_offset()
+    assert seed == 5 and offset > 8, f"a draw at (5, 8) left the position at {(seed, offset)}; draws advance the offset"
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ _EMULATED_DRAW = 0x54455354  # "TEST": the stand-in's draws, apart from every ot
 
 
 class BarePlatform(platforms.Platform):
-    """A plug-in that implements none of the required methods (device_count, _read_state, _write_state, _seed)."""
+    """A plug-in that implements none of the required methods (device_count, _read_state, _write_state)."""
 
     name = "bare"
 

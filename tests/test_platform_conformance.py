@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from typing import Any
 import hyperrng.platforms as platforms
 import pytest
 import torch
+from hyperrng.platforms import registry
 from hyperrng.platforms.testing import CHECKS, PlatformConformance, check_platform
 
 from tests._platforms import BarePlatform
@@ -83,7 +85,7 @@ def test_check_platform_runs_without_pytest_fixtures() -> None:
 def test_check_platform_names_the_failing_check() -> None:
     class LaxPlatform(platforms.SimulatedPlatform):
         def manual_seed(self, seed, index=None):  # type: ignore[no-untyped-def]
-            self._seed(int(seed) % 2**64, 0)  # skips validation: wraps -1 silently
+            self._write_state(platforms.pack_counter_state(int(seed) % 2**64, 0), 0)  # wraps -1 silently
 
     with pytest.raises(AssertionError, match="conformance check 'refuses_bad_seeds' failed.*manual_seed\\(-1\\)"):
         check_platform(LaxPlatform())
@@ -93,7 +95,7 @@ def test_check_platform_names_the_failing_check() -> None:
 class _DeviceZeroOnly(platforms.CUDAPlatform):
     """A broken plug-in: the hooks named in ``broken`` ignore the device index they are given.
 
-    ``"read"``, ``"write"``, ``"seed"``: the hook uses device 0; ``"state_io"``: ``state_io(i)``
+    ``"read"``, ``"write"``: the hook uses device 0; ``"state_io"``: ``state_io(i)``
     returns device 0's accessors; ``"state_io-current"``: it returns the current device's.
     """
 
@@ -106,9 +108,6 @@ class _DeviceZeroOnly(platforms.CUDAPlatform):
 
     def _write_state(self, state: Any, index: int) -> None:
         super()._write_state(state, 0 if "write" in self._broken else index)
-
-    def _seed(self, seed: int, index: int) -> None:
-        super()._seed(seed, 0 if "seed" in self._broken else index)
 
     def state_io(self, index: int | None = None) -> platforms.StateIO:
         if "state_io" in self._broken:
@@ -125,10 +124,8 @@ _STATE_IO = "conformance check 'state_io_addresses_each_device' failed.*state_io
 
 _MUTANTS = [
     ({"read"}, _INDEX + ".*report one state"),
-    ({"write"}, _INDEX + ".*does not hold the state set on it"),
-    ({"seed"}, _INDEPENDENT),
-    ({"read", "write"}, _INDEX),
-    ({"read", "write", "seed"}, _INDEPENDENT),
+    ({"write"}, _INDEPENDENT),
+    ({"read", "write"}, _INDEPENDENT),
     ({"state_io"}, _STATE_IO),
     ({"state_io-current"}, _STATE_IO),
 ]
@@ -204,22 +201,19 @@ def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_foun
 
 # -- the kit names the methods a platform does not implement -----------------------------------
 class _Half(platforms.Platform):
-    """A plug-in that implements device_count and _seed, but not _read_state and _write_state."""
+    """A plug-in that implements device_count, but not _read_state and _write_state."""
 
     name = "half"
 
     def device_count(self) -> int:
         return 1
 
-    def _seed(self, seed: int, index: int) -> None:
-        pass
 
-
-_ALL_FOUR = "device_count\\(\\), _read_state\\(index\\), _write_state\\(state, index\\), _seed\\(seed, index\\)"
+_ALL_THREE = "device_count\\(\\), _read_state\\(index\\), _write_state\\(state, index\\)"
 
 
 def test_check_platform_names_every_method_a_platform_does_not_implement() -> None:
-    with pytest.raises(AssertionError, match="'implements_the_required_methods' failed.*" + _ALL_FOUR) as info:
+    with pytest.raises(AssertionError, match="'implements_the_required_methods' failed.*" + _ALL_THREE) as info:
         check_platform(BarePlatform())
     assert "implement them" in str(info.value)
     assert not isinstance(info.value.__cause__, NotImplementedError)
@@ -228,7 +222,7 @@ def test_check_platform_names_every_method_a_platform_does_not_implement() -> No
 def test_check_platform_names_only_the_methods_that_are_missing() -> None:
     with pytest.raises(AssertionError, match="_Half does not implement _read_state\\(index\\), _write_state") as info:
         check_platform(_Half())
-    assert "device_count" not in str(info.value) and "_seed" not in str(info.value)
+    assert "device_count" not in str(info.value)
 
 
 _BARE_SUITE = """
@@ -281,10 +275,64 @@ class _DictStatePlatform(platforms.Platform):
     def _write_state(self, state: torch.Tensor, index: int) -> None:
         self._kept[index] = state.clone()
 
-    def _seed(self, seed: int, index: int) -> None:
-        self._kept[index] = platforms.pack_counter_state(seed, 0)
-
 
 def test_the_kit_fails_a_platform_whose_state_is_not_what_the_device_draws_from() -> None:
     with pytest.raises(AssertionError, match="conformance check 'random_ops_draw_from_the_state' failed"):
         check_platform(_DictStatePlatform())
+
+
+# -- the interface is the table in Platform's docstring, and the kit checks its rows ----------------
+def _tabled_members() -> list[str]:
+    """The member names in the first column of the table in Platform's docstring."""
+    doc = platforms.Platform.__doc__ or ""
+    return re.findall(r"^\s*``(\w+)[^`]*``\s+(?:must define|may override†?|call only)\s", doc, re.MULTILINE)
+
+
+def test_the_platform_docstring_tables_every_member_a_plug_in_defines_overrides_or_calls() -> None:
+    public = {name for name in dir(platforms.Platform) if not name.startswith("_")}
+    hooks = {name.split("(")[0] for name in registry.REQUIRED_METHODS} - public
+    tabled = _tabled_members()
+    assert len(tabled) == len(set(tabled)) == 20
+    assert set(tabled) == public | hooks
+
+
+def test_the_required_methods_are_the_tabled_must_define_methods() -> None:
+    doc = platforms.Platform.__doc__ or ""
+    must = re.findall(r"^\s*``(\w+\([^`]*\))``\s+must define\s", doc, re.MULTILINE)
+    assert must == list(registry.REQUIRED_METHODS.values())
+
+
+class _SetDeviceDoesNothing(platforms.CUDAPlatform):
+    def __init__(self) -> None:
+        super().__init__(module=platforms.SimulatedDeviceModule(device_count=2, device_type="cuda"))
+
+    def set_device(self, index: int) -> None:
+        pass
+
+
+class _ChecksNothing(platforms.CUDAPlatform):
+    def __init__(self) -> None:
+        super().__init__(module=platforms.SimulatedDeviceModule(device_count=2, device_type="cuda"))
+
+    def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state
+
+
+class _CPUClaimingCounterBased(platforms.CPUPlatform):
+    counter_based = True
+
+
+@pytest.mark.parametrize(
+    ("platform", "message"),
+    [
+        (_SetDeviceDoesNothing, "'switches_the_current_device' failed.*set_device\\(1\\) left device 0 current"),
+        (_ChecksNothing, "'refuses_bad_states' failed.*check_rng_state\\(tensor.*was accepted"),
+        (_CPUClaimingCounterBased, "'describes_itself' failed.*counter-based state is the 16-byte"),
+    ],
+    ids=["set_device", "check_rng_state", "counter_based"],
+)
+def test_the_kit_catches_a_platform_that_breaks_a_tabled_promise(
+    platform: type[platforms.Platform], message: str
+) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_platform(platform())

@@ -288,7 +288,7 @@ class _Half(platforms.Platform):
         return torch.zeros(16, dtype=torch.uint8)
 
 
-_ALL_FOUR = "device_count(), _read_state(index), _write_state(state, index), _seed(seed, index)"
+_ALL_THREE = "device_count(), _read_state(index), _write_state(state, index)"
 
 
 def _assert_names_the_methods(exc: BaseException, missing: str, present: tuple[str, ...] = ()) -> None:
@@ -303,8 +303,8 @@ def _assert_names_the_methods(exc: BaseException, missing: str, present: tuple[s
 @pytest.mark.parametrize(
     ("cls", "missing", "present"),
     [
-        (BarePlatform, _ALL_FOUR, ()),
-        (_Half, "_write_state(state, index), _seed(seed, index)", ("device_count", "_read_state")),
+        (BarePlatform, _ALL_THREE, ()),
+        (_Half, "_write_state(state, index)", ("device_count", "_read_state")),
     ],
 )
 def test_register_refuses_a_platform_class_that_does_not_implement_the_required_methods(
@@ -330,7 +330,7 @@ def test_register_with_replace_keeps_the_old_factory_when_the_new_class_is_incom
 
 def test_unimplemented_methods_lists_what_a_platform_leaves_to_the_base_class() -> None:
     assert registry.unimplemented_methods(BarePlatform) == tuple(registry.REQUIRED_METHODS.values())
-    assert registry.unimplemented_methods(_Half()) == ("_write_state(state, index)", "_seed(seed, index)")
+    assert registry.unimplemented_methods(_Half()) == ("_write_state(state, index)",)
     for complete in (platforms.CPUPlatform, platforms.SimulatedPlatform, platforms.CUDAPlatform, platforms.NPUPlatform):
         assert registry.unimplemented_methods(complete) == ()
 
@@ -343,7 +343,7 @@ def test_a_factory_function_returning_an_incomplete_platform_fails_when_loaded(
     before = registry._selection
     with pytest.raises(InvalidPlatformError) as info:
         platforms.select({platforms.ENV_VAR: "bare"})
-    _assert_names_the_methods(info.value, _ALL_FOUR)
+    _assert_names_the_methods(info.value, _ALL_THREE)
     assert "the factory of platform 'bare' returned a platform whose class" in str(info.value)
     assert registry._selection is before
 
@@ -358,7 +358,7 @@ def test_env_var_naming_an_incomplete_platform_class_fails_naming_the_methods(
     before = registry._selection
     with pytest.raises(InvalidPlatformError) as info:
         platforms.select({platforms.ENV_VAR: "bareaccel:Bare"})
-    _assert_names_the_methods(info.value, _ALL_FOUR)
+    _assert_names_the_methods(info.value, _ALL_THREE)
     assert "(bareaccel.Bare)" in str(info.value)
     assert registry._selection is before
 
@@ -369,7 +369,7 @@ def test_an_incomplete_plugin_is_recorded_and_skipped(plugin_env) -> None:  # ty
     sel = platforms.select({})
     assert sel.platform.name == "cpu"
     assert "failed to load: InvalidPlatformError" in sel.probes[0].reason
-    assert f"does not implement {_ALL_FOUR}" in sel.probes[0].reason
+    assert f"does not implement {_ALL_THREE}" in sel.probes[0].reason
 
 
 def _enter_use(platform: platforms.Platform) -> None:
@@ -384,7 +384,7 @@ def test_selecting_an_incomplete_platform_instance_is_refused(
     outer = platforms.current()
     with pytest.raises(InvalidPlatformError) as info:
         select_it(_Half())
-    _assert_names_the_methods(info.value, "_write_state(state, index), _seed(seed, index)", ("device_count",))
+    _assert_names_the_methods(info.value, "_write_state(state, index)", ("device_count",))
     assert platforms.current() is outer
 
 

@@ -130,7 +130,7 @@ def test_a_passed_generator_is_positioned_and_keeps_its_advance(platform: platfo
     tracker.manual_seed(5)
     device_before = platform.get_rng_state()
     default = platform.default_generator()
-    gen = torch.Generator() if platform.is_host else default.clone_state()  # type: ignore[union-attr]
+    gen = torch.Generator() if platform.device_type == "cpu" else default.clone_state()  # type: ignore[union-attr]
     platform.set_seed_offset(77, 8, generator=gen)
     with tracker.distribute_region(MeshInfo(MESH, (1, 0)), PLACEMENTS, SHAPE, generator=gen):
         assert platform.get_seed_offset(generator=gen) == (77, 8 + 24)

@@ -179,8 +179,8 @@ def test_a_second_privateuse1_backend_makes_the_platform_unavailable_with_a_reas
 def _staged_collectives(rank: int, world_size: int) -> tuple[list[float], list[list[float]], str]:
     with platforms.use("sim") as sim:
         mine = torch.full((2,), float(rank), device=sim.device(0))
-        got = sim.broadcast(mine, src=world_size - 1)
-        gathered = sim.all_gather(mine * 10)
+        got = platforms.comm.broadcast(sim, mine, src=world_size - 1)
+        gathered = platforms.comm.all_gather(sim, mine * 10)
         return got.cpu().tolist(), [t.cpu().tolist() for t in gathered], str(got.device)
 
 

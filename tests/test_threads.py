@@ -192,7 +192,7 @@ def test_setting_a_trackers_states_is_refused_while_another_thread_has_one_of_it
 
 def test_a_fork_of_one_tracker_on_another_thread_and_another_device_is_refused() -> None:
     sim = platforms.SimulatedPlatform()
-    if not sim.is_available() or sim.device_count() < 2:
+    if sim.probe() is not None or sim.device_count() < 2:
         pytest.skip("needs the simulated accelerator with two devices")
     with platforms.use(sim):
         tracker = _tracker(s=1)
@@ -268,7 +268,7 @@ def test_fork_rng_is_refused_while_another_thread_has_a_fork_open_and_a_fork_whi
 
 def test_fork_rng_holds_the_host_and_each_forked_device() -> None:
     with platforms.use(platforms.SimulatedPlatform()) as sim:
-        if not sim.is_available():
+        if sim.probe() is not None:
             pytest.skip(sim.probe() or "")
         with _OnAnotherThread(lambda: fork_rng()):
             assert _exclusive.holder("cpu", 0) is not None

@@ -86,7 +86,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
         fns["copying"] = _fork_loop(copying)
     t = interleaved(fns, number=number, rounds=rounds)
 
-    on_cpu = platform.is_host
+    on_cpu = platform.device_type == "cpu"
     mode = "graph-safe swap" if tracker.graph_safe else "byte copies"
     results = [
         BenchResult(
