@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     need_npu = any("npu" in item.keywords for item in items)
     has_npu = _has_npu() if need_npu else False
     sim, local_tensor = _features.feature("sim"), _features.feature("local-tensor")
-    portable_mode = _features.feature("portable-mode")
+    portable_mode, user_generator = _features.feature("portable-mode"), _features.feature("user-generator")
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
@@ -74,6 +74,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=portable_mode.refusal()))
         if not local_tensor.available and item.get_closest_marker("needs_local_tensor") is not None:
             item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
+        if not user_generator.available and item.get_closest_marker("needs_user_generator") is not None:
+            item.add_marker(pytest.mark.skip(reason=user_generator.refusal()))
         if not has_fake_pg and FAKE_PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             reason = f"needs torch's built-in 'fake' process-group backend (torch >= 2.9); this is {torch.__version__}"
             item.add_marker(pytest.mark.skip(reason=reason))

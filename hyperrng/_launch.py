@@ -7,7 +7,11 @@ platform current in the parent, even one chosen programmatically there.
 
 A rank that raises, dies or hangs fails the call with :class:`~hyperrng.errors.RankFailure`:
 a rank that dies is noticed within a second, and the ranks still running (typically
-blocked in a collective with it) are killed at once rather than waited for.
+blocked in a collective with it) are killed at once rather than waited for. A hang is
+counted from the moment every rank has joined the process group (each says so over its
+pipe), not from the start: 64 ranks importing torch on a busy machine can take minutes
+to start, and a rank that never joins makes the others' ``init_process_group`` fail at
+its own timeout instead.
 
 Teardown cannot hang. Each rank sends its answer over a pipe of its own, written by the
 rank's main thread before anything else happens (a queue's background thread may never
@@ -37,7 +41,8 @@ from hyperrng.errors import PlatformError, RankFailure
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 
-_RESULT_TIMEOUT_S = 240  # a hung collective must fail the run, not block it
+_RESULT_TIMEOUT_S = 240  # once every rank has joined: a hung collective must fail the run, not block it
+_JOINED = b"joined"  # a rank's first message, once its process group is up (an answer is a pickle, never this)
 _POLL_S = 0.5  # how often to look for ranks that died without answering
 _SETTLE_S = 2.0  # after a failure: time for peers' exit codes to become visible before the survivors are killed
 _COLLECTIVE_TIMEOUT_S = 120
@@ -115,6 +120,7 @@ def _entry(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S)
         )
+        conn.send_bytes(_JOINED)
         ok, answer = True, pickle.dumps((True, fn(rank, world_size, *args)))  # an unpicklable result is a failure
     except BaseException as exc:
         ok, answer = False, pickle.dumps((False, (_first_line(exc), traceback.format_exc())))
@@ -169,19 +175,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     waiting = {parent_end: r for r, (parent_end, _) in enumerate(pipes)}
     results: dict[int, Any] = {}
     raised: dict[int, tuple[str, str]] = {}  # in the order the reports arrived
+    joined: set[int] = set()
     dead: dict[int, int] = {}
-    deadline = time.monotonic() + _RESULT_TIMEOUT_S
+    deadline: float | None = None  # set once every rank has joined
     try:
         while len(results) < world_size and not raised:
-            if _died(procs, results) or time.monotonic() > deadline:
+            if deadline is None and len(joined) == world_size:
+                deadline = time.monotonic() + _RESULT_TIMEOUT_S
+            if _died(procs, results) or (deadline is not None and time.monotonic() > deadline):
                 break
-            _collect(waiting, results, raised, _POLL_S)
+            _collect(waiting, results, raised, joined, _POLL_S)
         if len(results) < world_size:
             # Let the first failure's consequences surface (peers notice a dead rank through
             # their sockets before its exit code is visible) before judging who failed first.
             settle = time.monotonic() + _SETTLE_S
             while time.monotonic() < settle and len(results) + len(raised) < world_size and waiting:
-                _collect(waiting, results, raised, min(_POLL_S, max(settle - time.monotonic(), 0.01)))
+                _collect(waiting, results, raised, joined, min(_POLL_S, max(settle - time.monotonic(), 0.01)))
             dead = _died(procs, results.keys() | raised.keys())
         else:
             _release(parent_end for parent_end, _ in pipes)
@@ -195,16 +204,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
 
 def _collect(
-    waiting: dict[Any, int], results: dict[int, Any], raised: dict[int, tuple[str, str]], timeout: float
+    waiting: dict[Any, int],
+    results: dict[int, Any],
+    raised: dict[int, tuple[str, str]],
+    joined: set[int],
+    timeout: float,
 ) -> None:
-    """Read the answers that arrive within ``timeout``; a pipe that ends without one is dropped (see :func:`_died`)."""
+    """Read the messages that arrive within ``timeout``: a rank's joining, or its answer (which
+    ends its pipe's turn); a pipe that ends without an answer is dropped (see :func:`_died`)."""
     ready: list[Any] = mp_connection.wait(list(waiting), timeout)
     for conn in ready:
-        rank = waiting.pop(conn)
         try:
-            ok, value = pickle.loads(conn.recv_bytes())
+            message = conn.recv_bytes()
         except (EOFError, OSError):
+            waiting.pop(conn)
             continue
+        if message == _JOINED:
+            joined.add(waiting[conn])
+            continue
+        rank = waiting.pop(conn)
+        ok, value = pickle.loads(message)
         if ok:
             results[rank] = value
         else:
@@ -247,6 +266,6 @@ def _failure(
     reports += [f"rank {r} failed: {line}" for r, (line, _) in raised.items()]
     silent = sorted(set(range(world_size)) - set(results) - set(raised) - set(dead))
     if not reports:
-        reports.append(f"rank(s) {silent} gave no answer within {_RESULT_TIMEOUT_S} s")
+        reports.append(f"rank(s) {silent} gave no answer within {_RESULT_TIMEOUT_S} s of the last one joining")
     details = [f"rank {r} failed:\n{tb}" for r, (_, tb) in sorted(raised.items())]
     return RankFailure(reports[0], "\n".join(reports[1:] + details))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Sequence
@@ -25,7 +26,6 @@ from hyperrng.platforms import _features
 
 __all__ = ["main", "info_lines"]
 
-_EXIT_FAILED = 1
 _EXIT_USAGE = 2
 _EXIT_INTERRUPTED = 130  # what shells report for a process ended by Ctrl-C (128 + SIGINT)
 _EXIT_CLOSED_PIPE = 141  # what shells report for a process ended by writing to a closed pipe (128 + SIGPIPE)
@@ -119,21 +119,36 @@ def info_lines() -> list[str]:
     return lines
 
 
+_WIDTH = 100
+"""Columns every line a command prints fits in (the demo's report and the bench's table are laid out for it)."""
+
+
+def _fit(line: str) -> list[str]:
+    """``line`` as lines of at most :data:`_WIDTH` columns: a longer one (a probe's reason, a
+    rank's error) wraps at spaces, its continuations indented four past its own indent."""
+    if len(line) <= _WIDTH:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, _WIDTH, subsequent_indent=indent, break_on_hyphens=False)
+
+
 class _Lines:
-    """Writes lines to a stream, each flushed at once, from any thread; a reader that went
-    away (a closed pipe) silences the rest instead of raising."""
+    """Writes lines to a stream, each flushed at once and fitted to :data:`_WIDTH` columns,
+    from any thread; a reader that went away (a closed pipe) silences the rest instead of raising."""
 
     def __init__(self, stream: str = "stdout") -> None:
         self._stream = stream
         self._lock = threading.Lock()
         self.closed = False
 
-    def __call__(self, line: str) -> None:
+    def __call__(self, line: str, fit: bool = True) -> None:
+        """Write ``line``; ``fit=False`` writes it whole (a Markdown table row, meant to be pasted)."""
         with self._lock:
             if self.closed:
                 return
             try:
-                print(line, file=getattr(sys, self._stream), flush=True)
+                for part in _fit(line) if fit else [line]:
+                    print(part, file=getattr(sys, self._stream), flush=True)
             except BrokenPipeError:
                 self.close()
 
@@ -152,10 +167,6 @@ class _Lines:
 def _cmd_info(args: argparse.Namespace, out: _Lines) -> int:
     for line in info_lines():
         out(line)
-    try:
-        platforms.selection()
-    except PlatformError:
-        return _EXIT_FAILED
     return 0
 
 
@@ -187,7 +198,7 @@ def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
         progress(line)
     if args.markdown:
         for line in b.format_markdown(results, header[:2]).splitlines():
-            out(line)
+            out(line, fit=False)
     return 0
 
 
@@ -298,10 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        0 on success; 1 when a run fails, or ``info`` finds no platform can be selected;
-        2 for a command line or configuration that cannot run (a platform that cannot be
-        selected included); 130 when interrupted; 141 when stdout is a pipe whose reader
-        has gone. Bad flags make argparse exit with 2 (``SystemExit``), after one line on stderr.
+        0 on success; 1 when a run fails; 2 for a command line or configuration that
+        cannot run (a ``HYPERRNG_PLATFORM`` that selects nothing included, for every
+        command); 130 when interrupted; 141 when stdout is a pipe whose reader has gone.
+        Bad flags make argparse exit with 2 (``SystemExit``), after one line on stderr.
     """
     out = _Lines()
     try:
@@ -316,8 +327,7 @@ def _run(argv: Sequence[str] | None, out: _Lines) -> int:
     args = _parser().parse_args(argv)
     prog = f"hyperrng {args.command}"  # every complaint after parsing names the subcommand
     try:
-        if args.command != "info":  # info reports a platform that cannot be selected itself
-            platforms.selection()
+        platforms.selection()  # a platform that cannot be selected is the same one line for every command
         return int(args.func(args, out))
     except HyperRNGError as exc:
         print(f"{prog}: error: {_first_line(exc)}", file=sys.stderr)

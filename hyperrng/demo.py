@@ -37,6 +37,7 @@ import queue as queue_module
 import random
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,7 +56,16 @@ from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_seed
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
 
-__all__ = ["DemoConfig", "DEFAULT_WORLD_SIZE", "LAYOUT", "MAX_LOCAL_RANKS", "PORTABLE_MAX_RANKS", "run_demo", "main"]
+__all__ = [
+    "DemoConfig",
+    "DEFAULT_WORLD_SIZE",
+    "LAYOUT",
+    "MAX_LOCAL_RANKS",
+    "PORTABLE_MAX_RANKS",
+    "REPORT_WIDTH",
+    "run_demo",
+    "main",
+]
 
 LAYOUT = StreamLayout(
     dims=("dp", "tp"),
@@ -69,6 +79,9 @@ MAX_LOCAL_RANKS = 64
 
 DEFAULT_WORLD_SIZE = 4
 """Processes started when neither ``--world-size`` nor a torchrun job says otherwise."""
+
+REPORT_WIDTH = 100
+"""Columns the demo's report is laid out in: a verdict whose detail would pass it puts the detail below."""
 
 _DROPOUT = 0.5
 _LEARNING_RATE = 0.01
@@ -557,8 +570,16 @@ def _verdicts(
         (
             "sharded op: replicas equal, shards differ, one final position",
             replicas_equal and shards_differ and one_position,
-            f"replicas {'equal' if replicas_equal else 'DIFFER'}, shards {'differ' if shards_differ else 'COLLIDE'}, "
-            f"positions {'agree' if one_position else 'DISAGREE'}",
+            ", ".join(
+                broken
+                for broken, holds in (
+                    ("replicas DIFFER", replicas_equal),
+                    ("shards COLLIDE", shards_differ),
+                    ("positions DISAGREE", one_position),
+                )
+                if not holds
+            )
+            or f"{len(by_tp)} shards x {cfg.dp} replica(s)",
         ),
         (
             "verify_rng_sync: streams shared exactly as the layout says",
@@ -566,10 +587,10 @@ def _verdicts(
             errors[0] if errors else "no desync",
         ),
         (
-            f"resume from step {cfg.save_step} {'in fresh processes' if fresh else 'after scrambling'} "
-            "is bit-identical",
+            f"resume from step {cfg.save_step} is bit-identical",
             identical,
-            f"steps {cfg.save_step + 1}..{n}: losses, masks and weights",
+            f"{'fresh processes' if fresh else 'after scrambling'}; steps {cfg.save_step + 1}..{n}: "
+            "losses, masks, weights",
         ),
     ]
 
@@ -606,7 +627,8 @@ def _header(cfg: DemoConfig, platform: platforms.Platform, placement: _Placement
         how = f"{cfg.size} processes {placement.describe()}; then {cfg.size} fresh ones for the resume"
     checks = [*_CHECKS, "portable mode gives the same numbers at every TP size"] if cfg.portable else _CHECKS
     return [
-        f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r} ({how})",
+        f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r}",
+        how,
         f"base seed {cfg.seed}; {cfg.steps} training steps; RNG checkpoint at step {cfg.save_step}",
         "checks:",
         *(f"  - {check}" for check in checks),
@@ -668,10 +690,24 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         phases.start("portable", "training under portable mode at every TP size dividing the world size")
         verdicts.append(_portable_verdict(cfg))
     ok = all(v for _, v, _ in verdicts)
-    lines = ["", _table(cfg, trained), ""]
-    lines += [f"  [{'PASS' if v else 'FAIL'}] {name}  ({detail})" for name, v, detail in verdicts]
+    lines = ["", _table(cfg, trained), "", *_verdict_lines(verdicts)]
     lines += ["", "every property holds" if ok else "SOME PROPERTIES FAILED"]
     return ok, "\n".join(lines)
+
+
+def _verdict_lines(verdicts: list[tuple[str, bool, str]]) -> list[str]:
+    """One line per verdict, ``[PASS] name  (detail)``; a detail that would carry the line past
+    :data:`REPORT_WIDTH` goes below its verdict instead, wrapped and indented."""
+    lines = []
+    for name, holds, detail in verdicts:
+        verdict = f"  [{'PASS' if holds else 'FAIL'}] {name}"
+        line = f"{verdict}  ({detail})"
+        if len(line) <= REPORT_WIDTH:
+            lines.append(line)
+        else:
+            pad = " " * 9  # under the name, past "  [PASS] "
+            lines += [verdict, *textwrap.wrap(detail, REPORT_WIDTH, initial_indent=pad, subsequent_indent=pad)]
+    return lines
 
 
 def _silent(line: str) -> None:
@@ -689,7 +725,7 @@ def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
     drift = report["max_loss_difference"]
     holds = same and drift <= _PORTABLE_LOSS_TOLERANCE
     detail = (
-        f"TP={', '.join(map(str, sizes))} on {world} CPU processes: initial parameters and dropout masks "
+        f"TP={', '.join(map(str, sizes))} on {world} CPU processes: parameters and masks "
         f"{'bit-identical' if same else 'DIFFER'}, losses within {drift:.1e}"
     )
     return "portable mode: the same numbers at every TP size", holds, detail

@@ -3,6 +3,50 @@
 Importing this package has no side effects: it resolves nothing and touches no device,
 so a plug-in can ``from hyperrng.platforms import Platform`` without an import cycle. The
 platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`current`).
+
+**Writing a plug-in.** What a plug-in author needs to know beyond the README's example:
+
+* **Required:** ``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``,
+  ``_seed(seed, index)``, and usually ``probe()`` (``None`` if usable, else why; cheap, and
+  it must not initialise the device). A class missing one is refused with
+  :class:`InvalidPlatformError`. :class:`DeviceModulePlatform` has them all, for a device
+  module shaped like ``torch.cuda``.
+* **``counter_based = True``:** the state is the 16-byte (uint64 seed, int64 offset) pair
+  and draws advance the offset; the inherited ``get_seed_offset`` / ``set_seed_offset``
+  use it, ``set_rng_state`` refuses offsets that are negative or not multiples of 4, forks
+  copy the generator's state directly, and portable mode accepts the device's ``generator=``.
+* **Otherwise** override ``get_seed_offset`` / ``set_seed_offset``. A position is a pure
+  function of (seed, offset): equal pairs draw equal numbers on every rank, distinct pairs
+  independent ones, ``(seed, 0)`` is ``manual_seed(seed)``; the getter reads back the pair
+  just set; ``get_rng_state()`` carries it (the CPU platform, :mod:`hyperrng.platforms.cpu`,
+  is the worked example for a generator that is not counter-based). Only sharded regions
+  (and DTensor ops), :mod:`hyperrng.portable` and portable mode need positions; streams,
+  seeding, checks and checkpoints need state bytes only.
+* **``dist_backend``:** the process-group backend when each rank has its own device (the
+  demo uses it); collectives stage tensors through the host on gloo. ``is_host = True``
+  only where the device generator is torch's CPU generator.
+* **Factory:** any no-argument callable returning a :class:`Platform`. In
+  ``HYPERRNG_PLATFORM=module:Factory`` or an entry point, the module must be importable in
+  every process (torchrun's and the demo's ranks import it again).
+* **Names:** selection uses the registered name (:func:`register`'s or the entry
+  point's); ``Platform.name`` is what ``hyperrng info`` shows and checkpoints record, and a
+  checkpoint is refused on a platform of another name. Keep them equal.
+* **An installed entry-point plug-in** is probed by every ``import hyperrng`` in that
+  environment and, unless ``HYPERRNG_PLATFORM`` is set, wins over CUDA and the CPU when
+  its probe says yes. So the probe should encode intent (device present, or an opt-in
+  variable set), not "my package imports".
+* **Meshes:** ``distribute_region`` takes a ``DeviceMesh`` (any object with ``shape`` and
+  ``get_coordinate()``), a ``hyperrng.MeshInfo(shape, coordinate)`` or a tuple
+  ``(shape, coordinate)``, and DTensor placements (``Shard``, ``_StridedShard``,
+  ``Replicate``, ``Partial``).
+* **The conformance kit** (:mod:`hyperrng.platforms.testing`) runs single-process checks
+  of states, seeding, positions, bad input and device indexing, and draws on the device:
+  after ``set_rng_state(s)`` torch's random ops must draw the same numbers every time,
+  other states other numbers, and a swapped-in state must not move the restored one (a
+  plug-in keeping its state in a dict fails). It draws only where this torch can create
+  tensors on the device. It does not check how far a draw advances a position,
+  collectives in a process group, ``dist_backend``, a cheap ``probe()``, ``is_host``,
+  threads or graph-safe swaps.
 """
 
 from __future__ import annotations

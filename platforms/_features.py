@@ -12,6 +12,7 @@ skips what this torch cannot run.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,15 @@ def _has_python_device_backend() -> bool:
     )
 
 
+def _dtensor_takes_a_user_generator() -> bool:
+    # torch >= 2.9 pops a random op's generator= off the op and hands it to the RNG tracker's
+    # region; older DTensor leaves it on the local op, so every shard draws from the user
+    # generator's own position and no tracker (torch's or hyperrng's) ever sees it.
+    from torch.distributed.tensor import _random
+
+    return "generator" in inspect.signature(_random._RNGStateTracker._distribute_region).parameters
+
+
 def _has_module(name: str) -> Callable[[], bool]:
     return lambda: importlib.util.find_spec(name) is not None
 
@@ -92,6 +102,13 @@ FEATURES: tuple[Feature, ...] = (
         "2.10",
         "torch.distributed._local_tensor",
         _has_module("torch.distributed._local_tensor"),
+    ),
+    Feature(
+        "user-generator",
+        "a generator= passed to DTensor random ops (drawn per shard, advanced like the default generator)",
+        "2.9",
+        "DTensor hands generator= to its RNG tracker",
+        _dtensor_takes_a_user_generator,
     ),
 )
 """Every optional feature, in the order ``hyperrng info`` lists them."""

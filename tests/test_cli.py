@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def test_version_names_hyperrng_and_torch() -> None:
     assert out.stdout.startswith(f"hyperrng {hyperrng.__version__} (torch ")
 
 
+@pytest.mark.parametrize("command", [["info"], ["demo"], ["bench", "--quick"]])
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
@@ -47,24 +49,23 @@ def test_version_names_hyperrng_and_torch() -> None:
         ("npu", "error: platform 'npu' is not available: torch_npu is not installed"),
     ],
 )
-def test_info_with_a_platform_that_cannot_be_selected_prints_the_error_and_every_platform(
-    value: str, fragment: str
+def test_every_command_with_a_platform_that_cannot_be_selected_fails_in_one_line_with_status_2(
+    command: list[str], value: str, fragment: str
 ) -> None:
-    out = _hyperrng("info", HYPERRNG_PLATFORM=value)
-    assert out.returncode == 1
-    assert "Traceback" not in out.stdout + out.stderr
-    assert f"HYPERRNG_PLATFORM={value!r}" in out.stdout and "platform: none" in out.stdout
-    assert fragment in out.stdout
-    assert "  cpu      [builtin] available" in out.stdout
-    assert "  npu      [builtin] unavailable - torch_npu is not installed" in out.stdout
-
-
-@pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
-def test_other_commands_with_a_bad_platform_fail_in_one_line_with_status_2(command: list[str]) -> None:
-    out = _hyperrng(*command, HYPERRNG_PLATFORM="bogus")
+    out = _hyperrng(*command, HYPERRNG_PLATFORM=value)
     assert out.returncode == 2
-    assert _one_error_line(out).startswith(f"hyperrng {command[0]}: error: unknown platform 'bogus'")
+    line = _one_error_line(out)
+    assert line.startswith(f"hyperrng {command[0]}: error: ") and fragment in line
     assert out.stdout == ""
+
+
+def test_info_lines_report_a_platform_that_cannot_be_selected_instead_of_raising() -> None:
+    code = "import hyperrng.cli as c; print('\\n'.join(c.info_lines()))"
+    env = {**os.environ, "PYTHONPATH": str(REPO), platforms.ENV_VAR: "bogus"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "platform: none" in out.stdout and "error: unknown platform 'bogus'" in out.stdout
+    assert "  cpu      [builtin] available" in out.stdout
 
 
 @pytest.mark.parametrize("argv0", ["train.py", "/venv/bin/hyperrng", "-m"])
@@ -227,6 +228,25 @@ def test_info_reports_an_entry_point_that_fails_to_import(tmp_path: Path, monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     line = next(line for line in cli.info_lines() if line.startswith("  broken"))
     assert "unavailable - failed to load: ModuleNotFoundError" in line
+
+
+def test_info_wraps_a_long_reason_to_fit_100_columns_and_loses_no_word(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reason = "the board's firmware " + " ".join(f"v{i}.0" for i in range(30)) + " is not supported"
+    (tmp_path / "plug_wordy.py").write_text(f"raise ImportError({reason!r})\n")
+    info = tmp_path / "plug_wordy-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plug_wordy\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nwordy = plug_wordy:Make\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    start = next(i for i, line in enumerate(lines) if line.startswith("  wordy"))
+    continued = list(itertools.takewhile(lambda line: line.startswith(" " * 6), lines[start + 1 :]))
+    assert continued, "the long line goes on, indented past its own indent"
+    assert reason in " ".join(" ".join([lines[start], *continued]).split())
 
 
 # -- the launcher's failures -------------------------------------------------------------------

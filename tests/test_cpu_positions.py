@@ -170,6 +170,7 @@ def _user_generator_like_the_default(rank: int, world_size: int) -> dict[str, An
 
 
 @pytest.mark.multiproc
+@pytest.mark.needs_user_generator
 def test_a_plain_generator_passed_to_dtensor_ops_advances_like_the_default_generator() -> None:
     results = run_ranks(_user_generator_like_the_default, 2)
     for result in results:

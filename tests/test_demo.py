@@ -11,7 +11,7 @@ from pathlib import Path
 import hyperrng.platforms as platforms
 import pytest
 
-from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdicts, main, run_demo
+from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdict_lines, _verdicts, main, run_demo
 from hyperrng.errors import ArgumentTypeError, InvalidSeedError, UsageError
 from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
@@ -57,7 +57,7 @@ _PHASES = [
 def test_the_default_demo_passes_every_property(capsys: pytest.CaptureFixture[str]) -> None:
     assert main() == 0
     out = capsys.readouterr().out
-    assert "mesh dp=2 x tp=2 on platform 'cpu' (4 processes over gloo on the host;" in out
+    assert "mesh dp=2 x tp=2 on platform 'cpu'\n4 processes over gloo on the host;" in out
     assert out.count("[PASS]") == 5 and "[FAIL]" not in out
     _positions(out.splitlines(), _PHASES)
     for rank in range(4):
@@ -113,7 +113,7 @@ def test_on_the_simulated_accelerator_four_ranks_share_two_devices_and_every_pro
     out = _demo(HYPERRNG_PLATFORM="sim")
     assert out.returncode == 0, out.stdout + out.stderr
     assert (
-        "on platform 'sim' (4 processes over gloo, 4 ranks sharing 2 'sim' device(s), tensors staged through the host;"
+        "on platform 'sim'\n4 processes over gloo, 4 ranks sharing 2 'sim' device(s), tensors staged through the host;"
         in out.stdout
     )
     assert out.stdout.count("[PASS]") == 5 and "every property holds" in out.stdout
@@ -139,7 +139,7 @@ def test_an_installed_plugin_on_the_simulated_device_is_chosen_and_every_rank_ru
     (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nsimplug = simplug:SimPlug\n")
     out = _demo("--world-size", "2", "--steps", "2", "--save-step", "1", PYTHONPATH=str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "on platform 'simplug' (2 processes over gloo, one 'sim' device each, tensors staged" in out.stdout
+    assert "on platform 'simplug'\n2 processes over gloo, one 'sim' device each, tensors staged" in out.stdout
     assert out.stdout.count("[PASS]") == 5
 
 
@@ -156,7 +156,7 @@ def test_a_platform_chosen_programmatically_reaches_the_rank_processes(capsys: p
     with platforms.use(ProgrammaticPlug()):
         assert main(DemoConfig(world_size=2, steps=2, save_step=1)) == 0
     out = capsys.readouterr().out
-    assert "on platform 'progplug' (2 processes over gloo, one 'sim' device each" in out
+    assert "on platform 'progplug'\n2 processes over gloo, one 'sim' device each" in out
     assert out.count("[PASS]") == 5
 
 
@@ -243,8 +243,10 @@ def test_inside_torchrun_the_job_decides_the_world_size(monkeypatch: pytest.Monk
 def test_with_portable_the_demo_trains_every_tp_size_to_the_same_numbers_on_the_simulated_device() -> None:
     out = _demo("--portable", HYPERRNG_PLATFORM="sim")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[PASS] portable mode: the same numbers at every TP size  (TP=1, 2, 4 on 4 CPU processes" in out.stdout
-    assert "initial parameters and dropout masks bit-identical" in out.stdout
+    assert (
+        "[PASS] portable mode: the same numbers at every TP size\n"
+        "         TP=1, 2, 4 on 4 CPU processes: parameters and masks bit-identical, losses within "
+    ) in out.stdout
     assert out.stdout.count("[PASS]") == 6 and "every property holds" in out.stdout
 
 
@@ -298,6 +300,23 @@ def _healthy() -> tuple[list[dict], list[list[dict]]]:  # type: ignore[type-arg]
     trained = [_row(0, 0, "a", "x", "s0"), _row(0, 1, "b", "x", "s1"), _row(1, 0, "a", "y", "s0"),
                _row(1, 1, "b", "y", "s1")]  # fmt: skip
     return trained, copy.deepcopy([row["steps"][2:] for row in trained])
+
+
+@pytest.mark.multiproc
+def test_every_line_the_demo_prints_fits_100_columns() -> None:
+    out = _demo("--world-size", "2", "--tp", "2", "--steps", "2", "--save-step", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "every property holds" in lines
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
+def test_a_verdict_whose_detail_is_too_long_puts_it_below_wrapped_and_loses_no_word() -> None:
+    detail = "stream 'model-parallel-rng' out of sync on ranks " + ", ".join(map(str, range(40)))
+    lines = _verdict_lines([("short", True, "fine"), ("verify_rng_sync: streams shared", False, detail)])
+    assert lines[:2] == ["  [PASS] short  (fine)", "  [FAIL] verify_rng_sync: streams shared"]
+    assert all(len(line) <= 100 and line.startswith(" " * 9) for line in lines[2:])
+    assert " ".join(" ".join(lines[2:]).split()) == detail
 
 
 def test_verdicts_pass_a_healthy_run() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,3 +45,39 @@ def test_a_result_that_cannot_be_sent_fails_the_run_naming_the_rank() -> None:
         run_ranks(_unpicklable, 2)
     assert info.value.summary.startswith("rank 1 failed: ")
     assert "pickle" in info.value.summary.lower()
+
+
+class _StartGate:
+    """An argument of the ranks' function whose unpickling, in each rank process before it
+    joins the process group, waits until the test creates ``path``: the ranks start late."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        while not self.path.exists():
+            time.sleep(0.05)
+
+
+def _rank(rank: int, world_size: int, gate: _StartGate) -> int:
+    return rank
+
+
+def test_ranks_slow_to_start_are_not_failed_by_the_hang_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hang timeout counts from the moment every rank has joined: 64 ranks on a busy
+    # machine can take minutes to start, and that is not a hang. Here the ranks start well
+    # after the (shortened) timeout, then answer at once.
+    import hyperrng._launch
+
+    gate = tmp_path / "start"
+    monkeypatch.setattr(hyperrng._launch, "_RESULT_TIMEOUT_S", 5)
+    opener = threading.Timer(8, gate.touch)
+    opener.start()
+    try:
+        assert run_ranks(_rank, 2, _StartGate(gate)) == [0, 1]
+    finally:
+        opener.cancel()
+    assert gate.exists(), "the ranks answered before they could have started"

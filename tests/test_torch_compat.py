@@ -46,7 +46,7 @@ def _run(args: list[str], tmp_path: Path, sitecustomize: str = "", **env: str) -
 
 
 def test_every_optional_feature_names_the_torch_release_and_the_api_it_needs() -> None:
-    assert [f.key for f in FEATURES] == ["sim", "portable-mode", "local-tensor"]
+    assert [f.key for f in FEATURES] == ["sim", "portable-mode", "local-tensor", "user-generator"]
     for f in FEATURES:
         major, minor = f.needs.split(".")
         assert (int(major), int(minor)) > (2, 5), f"{f.key}: the core runs on 2.5, so an extra needs a newer torch"
@@ -80,6 +80,32 @@ def test_a_feature_whose_api_is_present_is_not_refused(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.library, "get_kernel", lambda op, key: None, raising=False)
     assert feature("portable-mode").available
     require("portable-mode", PlatformUnavailableError)
+
+
+def test_a_dtensor_that_leaves_generator_on_the_local_op_counts_as_lacking_user_generators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.tensor import _random
+
+    def region_without_generator(self: object, spec: object) -> None:
+        """The signature of torch 2.5 to 2.8, whose DTensor never hands the op's generator to the tracker."""
+
+    monkeypatch.setattr(_random._RNGStateTracker, "_distribute_region", region_without_generator)
+    found = feature("user-generator")
+    assert not found.available
+    assert found.needs == "2.9" and "DTensor" in found.refusal()
+
+
+def test_a_dtensor_that_hands_generator_to_its_tracker_counts_as_honouring_user_generators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.tensor import _random
+
+    def region_with_generator(self: object, spec: object, generator: object = None) -> None:
+        """The signature of torch 2.9 and newer."""
+
+    monkeypatch.setattr(_random._RNGStateTracker, "_distribute_region", region_with_generator)
+    assert feature("user-generator").available
 
 
 # -- the simulated device on a torch that cannot host it ----------------------------------------------

@@ -347,10 +347,19 @@ def test_a_rank_waiting_for_one_that_never_checks_raises_rank_failure_at_its_tim
         assert "end the job (or destroy the group) and restart it" in message
 
 
-def _one_rank_leaves(rank: int, world_size: int) -> str:
+def _one_rank_leaves(rank: int, world_size: int, folder: str) -> str:
     """Rank 1 leaves the job (its process group torn down) without checking; rank 0 checks."""
+    joined = Path(folder) / "rank0-joined"
     if rank == 1:
+        # Tearing the group down closes rank 1's connections, so rank 0's backend reports the
+        # peer gone at once (a rank that merely stayed away would be noticed only at the
+        # process group's own timeout, two minutes in the launcher). It waits until rank 0
+        # is connected: torn down earlier, it would fail rank 0's init_process_group instead.
+        while not joined.exists():
+            time.sleep(0.05)
+        torch.distributed.destroy_process_group()
         return ""
+    joined.touch()
     layout, coords, tracker = megatron_layout(), {"dp": 0, "tp": rank}, RNGStatesTracker()
     apply_layout(layout, SEED, coords, tracker=tracker)
     try:
@@ -361,8 +370,8 @@ def _one_rank_leaves(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.multiproc
-def test_a_rank_whose_peer_left_raises_rank_failure_rather_than_the_backends_error() -> None:
-    message, _ = run_ranks(_one_rank_leaves, 2)
+def test_a_rank_whose_peer_left_raises_rank_failure_rather_than_the_backends_error(tmp_path: Path) -> None:
+    message, _ = run_ranks(_one_rank_leaves, 2, str(tmp_path))
     assert message.startswith("RankFailure: verify_rng_sync: the collective failed on rank 0 ("), message
     assert message.endswith("a rank has most likely died. End the job (or destroy the group) and restart it.")
 
