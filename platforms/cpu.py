@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -82,7 +81,6 @@ _MASK32 = (1 << 32) - 1
 _HANDLE_DOMAIN = 0x43505531  # "CPU1": keeps handles apart from other uses of the mixer
 _WORD_DOMAIN = 0x57524453  # "WRDS": the multipliers of the 624 word hashes
 _MT_WORDS = 624
-_LOW = 0 if sys.byteorder == "little" else 1  # which uint32 of a uint64 holds its low half
 _WORDS_AT = 24  # torch's state: uint64 initial seed, int32 left, int32 seeded, uint64 next, then uint64 words
 _POSITION = struct.Struct("<Qq")  # after the MT19937 bytes: uint64 seed, int64 offset
 
@@ -143,6 +141,7 @@ def _outside_the_graph(fn: Any) -> Any:
 
 _PROBE_SEED, _PROBE_HANDLE = 0x5EED1234, 0xC0FFEE005EED1234
 _MULTIPLIERS = np.array([mix64(i ^ _WORD_DOMAIN) | 1 for i in range(_MT_WORDS)], dtype=np.uint64)
+_HALF = np.array(32, dtype=np.uint64)
 _UNPROBED = object()
 _template: Any = _UNPROBED  # a freshly seeded state's bytes, or None: 32-bit fallback
 
@@ -157,15 +156,16 @@ class _Seating(threading.local):
     def __init__(self, template: np.ndarray) -> None:
         self.raw = template.copy()
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)  # shares memory; immune to dispatch modes
-        self.seed = self.raw[:8].view(np.uint64)
-        self.products = np.empty_like(_MULTIPLIERS)
-        self.low_words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint32)[_LOW::2]
-        self.high_products = self.products.view(np.uint32)[1 - _LOW :: 2]
+        # The initial-seed field as a 0-d array: it is also the multiplication's operand, which
+        # NumPy takes as it is, where a Python int or a NumPy scalar costs a conversion per call.
+        self.seed = self.raw[:8].view(np.uint64).reshape(())
+        self.words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
 
     def fill(self, handle: int) -> torch.Tensor:
-        np.multiply(_MULTIPLIERS, handle, out=self.products)
-        np.copyto(self.low_words, self.high_products)
-        self.seed[0] = handle
+        seed, words = self.seed, self.words
+        seed[()] = handle
+        np.multiply(_MULTIPLIERS, seed, out=words)
+        np.right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
         return self.tensor
 
 
