@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError
-from hyperrng.platforms.mix import mix64
+from hyperrng.platforms.mix import _MASK64, _MUL1, _MUL2, mix64
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
     MAX_SEED,
@@ -91,7 +91,12 @@ def position_handle(seed: int, offset: int, draw: bool = False) -> int:
         return seed
     last = _last_seed  # a region positions one seed twice: its mix is remembered (one pair, replaced atomically)
     base = last[1] if last[0] == seed else _seed_mix(seed)
-    return mix64(base + offset + draw)  # offset is a multiple of 4: + draw keeps the domains apart
+    # mix64(base + offset + draw), inline (regions take two handles per op); offset is a
+    # multiple of 4, so + draw keeps the domains apart.
+    z = (base + offset + draw) & _MASK64
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _seed_mix(seed: int) -> int:
@@ -106,21 +111,28 @@ _last_seed = (-1, 0)
 
 _lock = threading.Lock()
 _table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
+_newest = -1  # the handle last entered or moved to the newest end (read without the lock: one int)
+# Bound once (torch.compile recognises the function itself, not its name): a fork asks twice.
+_is_compiling = torch.compiler.is_compiling
 
 
-def _position_of(handle: int) -> tuple[int, int]:
-    """The position ``handle`` was entered for, or ``(handle, 0)`` when the table does not hold it."""
-    if torch.compiler.is_compiling():  # see _outside_the_graph
-        return _outside_the_graph(_position_of)(handle)
-    return _table.get(handle) or (handle, 0)
+def _entry(handle: int) -> tuple[int, int] | None:
+    """The position ``handle`` was entered for, or ``None`` when the table does not hold it."""
+    if _is_compiling():  # see _outside_the_graph
+        return _outside_the_graph(_entry)(handle)  # type: ignore[no-any-return]
+    return _table.get(handle)
 
 
 def _remember(handle: int, position: tuple[int, int]) -> None:
     """Enter ``handle`` in the table (a handle names one position: an entry only moves to the newest end)."""
-    if torch.compiler.is_compiling():
+    global _newest
+    if _is_compiling():
         _outside_the_graph(_remember)(handle, position)
         return
+    if handle == _newest and handle in _table:  # already at the newest end (a fork writes its saved state back)
+        return
     with _lock:
+        _newest = handle
         if handle in _table:
             _table.move_to_end(handle)
             return
@@ -142,6 +154,7 @@ def _outside_the_graph(fn: Any) -> Any:
 _PROBE_SEED, _PROBE_HANDLE = 0x5EED1234, 0xC0FFEE005EED1234
 _MULTIPLIERS = np.array([mix64(i ^ _WORD_DOMAIN) | 1 for i in range(_MT_WORDS)], dtype=np.uint64)
 _HALF = np.array(32, dtype=np.uint64)
+_multiply, _right_shift = np.multiply, np.right_shift
 _UNPROBED = object()
 _template: Any = _UNPROBED  # a freshly seeded state's bytes, or None: 32-bit fallback
 
@@ -158,15 +171,16 @@ class _Seating(threading.local):
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)  # shares memory; immune to dispatch modes
         # The initial-seed field as a 0-d array: it is also the multiplication's operand, which
         # NumPy takes as it is, where a Python int or a NumPy scalar costs a conversion per call.
-        self.seed = self.raw[:8].view(np.uint64).reshape(())
-        self.words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
+        seed = self.raw[:8].view(np.uint64).reshape(())
+        words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
+        self.parts = (seed, words, self.tensor)  # one lookup of this thread's attributes per fill
 
     def fill(self, handle: int) -> torch.Tensor:
-        seed, words = self.seed, self.words
+        seed, words, tensor = self.parts
         seed[()] = handle
-        np.multiply(_MULTIPLIERS, seed, out=words)
-        np.right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
-        return self.tensor
+        _multiply(_MULTIPLIERS, seed, out=words)
+        _right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
+        return tensor
 
 
 def _probe() -> np.ndarray | None:
@@ -206,6 +220,7 @@ def seeds_all_64_bits() -> bool:
 
 
 _seating: _Seating | None = None
+_set_state = torch.Generator.set_state
 
 
 def _seat(gen: torch.Generator, handle: int) -> None:
@@ -220,7 +235,7 @@ def _seat(gen: torch.Generator, handle: int) -> None:
         return
     if _seating is None:
         _seating = _Seating(_template)
-    torch.Generator.set_state(gen, _seating.fill(handle))
+    _set_state(gen, _seating.fill(handle))
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
@@ -261,7 +276,8 @@ class CPUPlatform(Platform):
             InvalidStateError: ``generator`` belongs to another device type.
         """
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        return _position_of(torch.Generator.initial_seed(gen))
+        handle = torch.Generator.initial_seed(gen)
+        return _entry(handle) or (handle, 0)
 
     def set_seed_offset(
         self,
@@ -321,7 +337,7 @@ class CPUPlatform(Platform):
         return checked
 
     def state_io(self, index: int | None = None) -> StateIO:
-        """Snapshots are (MT19937 bytes, handle, seed, offset): the position is resolved when read, and
+        """Snapshots are (MT19937 bytes, handle, table entry): the position is resolved when read, and
         entered in the table again when written, so a snapshot outlives the table's memory."""
         self._index(index)
         return _STATE_IO
@@ -349,25 +365,29 @@ def _initial_seed_of(state: torch.Tensor, platform: str) -> int:
     return scratch.initial_seed()
 
 
-_Snapshot = tuple[torch.Tensor, int, int, int]  # MT19937 bytes, their handle, its seed and offset
+# MT19937 bytes, their handle, and its (seed, offset) when the handle needs a table entry to
+# read as it (None when it reads as itself: (handle, 0)).
+_Snapshot = tuple[torch.Tensor, int, "tuple[int, int] | None"]
 
 
 def _read() -> _Snapshot:
+    if _is_compiling():  # _entry's check, made here: a fork reads twice
+        return _outside_the_graph(_read)()  # type: ignore[no-any-return]
     gen = torch.default_generator
     handle = gen.initial_seed()
-    seed, offset = _position_of(handle)
-    return gen.get_state(), handle, seed, offset
+    return gen.get_state(), handle, _table.get(handle)
 
 
 def _write(snapshot: _Snapshot) -> None:
-    mt, handle, seed, offset = snapshot
+    mt, handle, position = snapshot
     torch.default_generator.set_state(mt)
-    if handle != seed or offset:
-        _remember(handle, (seed, offset))
+    if position is not None:
+        _remember(handle, position)
 
 
 def _pack(snapshot: _Snapshot) -> torch.Tensor:
-    mt, _, seed, offset = snapshot
+    mt, handle, position = snapshot
+    seed, offset = position or (handle, 0)
     return torch.frombuffer(bytearray(np.from_dlpack(mt).tobytes() + _POSITION.pack(seed, offset)), dtype=torch.uint8)
 
 
@@ -376,7 +396,8 @@ def _unpack(state: torch.Tensor) -> _Snapshot:
     raw = np.from_dlpack(state).tobytes()
     seed, offset = _POSITION.unpack_from(raw, MT19937_STATE_NBYTES)
     mt = torch.frombuffer(bytearray(raw[:MT19937_STATE_NBYTES]), dtype=torch.uint8)
-    return mt, _initial_seed_of(mt, "cpu"), seed, offset
+    handle = _initial_seed_of(mt, "cpu")
+    return mt, handle, (seed, offset) if handle != seed or offset else None
 
 
 _STATE_IO = StateIO(_read, _write, _pack, _unpack)
