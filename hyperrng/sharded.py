@@ -47,6 +47,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -188,7 +189,7 @@ class _Region:
         self.mesh = mesh
         self.placements = placements
         self.global_shape = global_shape
-        self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) while held
+        self._held: tuple[tuple[str, int], int, int] | None = None  # (device key, thread, depth before) while held
 
     @property
     def position(self) -> tuple[int, int]:
@@ -224,8 +225,8 @@ class _Region:
         positioned = False
         try:
             if gen is None or gen is p.default_generator():
-                index = p.current_device()
-                self._held = (p.device_type, index, _exclusive.hold(p.device_type, index, "a sharded region"))
+                key, me = (p.device_type, p.current_device()), get_ident()
+                self._held = (key, me, _exclusive.hold_key(key, me, "a sharded region"))
             seed, base = p.get_seed_offset(None, gen)
             if base + self._end > MAX_OFFSET:
                 _check_room(base, self._end)
@@ -261,9 +262,9 @@ class _Region:
         self._release()
 
     def _release(self) -> None:
-        if self._held is not None:
-            device_type, index, below = self._held
-            _exclusive.release(device_type, index, below)
+        held = self._held
+        if held is not None:
+            _exclusive.release_key(*held)
 
 
 def _check_room(base: int, end: int) -> None:

@@ -154,7 +154,7 @@ def _outside_the_graph(fn: Any) -> Any:
 _PROBE_SEED, _PROBE_HANDLE = 0x5EED1234, 0xC0FFEE005EED1234
 _MULTIPLIERS = np.array([mix64(i ^ _WORD_DOMAIN) | 1 for i in range(_MT_WORDS)], dtype=np.uint64)
 _HALF = np.array(32, dtype=np.uint64)
-_multiply, _right_shift = np.multiply, np.right_shift
+_multiply, _right_shift, _set_state = np.multiply, np.right_shift, torch.Generator.set_state
 _UNPROBED = object()
 _template: Any = _UNPROBED  # a freshly seeded state's bytes, or None: 32-bit fallback
 
@@ -175,12 +175,13 @@ class _Seating(threading.local):
         words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
         self.parts = (seed, words, self.tensor)  # one lookup of this thread's attributes per fill
 
-    def fill(self, handle: int) -> torch.Tensor:
+    def seat(self, gen: torch.Generator, handle: int) -> None:
+        """Fill the buffer for ``handle`` and set it as the state of ``gen``."""
         seed, words, tensor = self.parts
         seed[()] = handle
         _multiply(_MULTIPLIERS, seed, out=words)
         _right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
-        return tensor
+        _set_state(gen, tensor)
 
 
 def _probe() -> np.ndarray | None:
@@ -200,7 +201,7 @@ def _probe() -> np.ndarray | None:
             return None
         expected = (1812433253 * (expected ^ (expected >> 30)) + i + 1) & _MASK32
     trial = _Seating(raw)
-    scratch.set_state(trial.fill(_PROBE_HANDLE))
+    trial.seat(scratch, _PROBE_HANDLE)
     written = np.from_dlpack(scratch.get_state())
     return raw if scratch.initial_seed() == _PROBE_HANDLE and np.array_equal(written, trial.raw) else None
 
@@ -220,7 +221,6 @@ def seeds_all_64_bits() -> bool:
 
 
 _seating: _Seating | None = None
-_set_state = torch.Generator.set_state
 
 
 def _seat(gen: torch.Generator, handle: int) -> None:
@@ -230,12 +230,13 @@ def _seat(gen: torch.Generator, handle: int) -> None:
     torch's kernels draw from either.
     """
     global _seating
-    if handle <= _MASK32 or (_seating is None and not seeds_all_64_bits()):
+    if handle > _MASK32 and _seating is not None:
+        _seating.seat(gen, handle)
+    elif handle <= _MASK32 or not seeds_all_64_bits():
         torch.Generator.manual_seed(gen, handle)
-        return
-    if _seating is None:
+    else:
         _seating = _Seating(_template)
-    _set_state(gen, _seating.fill(handle))
+        _seating.seat(gen, handle)
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
