@@ -305,7 +305,11 @@ class CPUPlatform(Platform):
             check_instance(draw, bool, "draw")
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
         handle = position_handle(s, o, draw)
-        _seat(gen, handle)
+        seating = _seating
+        if handle > _MASK32 and seating is not None:  # _seat's common case, without the call
+            seating.seat(gen, handle)
+        else:
+            _seat(gen, handle)
         if handle != s or o:  # (s, 0) reads as itself without an entry
             _remember(handle, (s, o))
 
