@@ -9,7 +9,7 @@ generator it covers as :mod:`hyperrng._exclusive` holds it: torch's CPU generato
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from threading import get_ident
+from threading import current_thread
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from hyperrng import _exclusive
 from hyperrng.platforms import Platform
 
-__all__ = ["HOST", "Target", "hold_all", "host_and_devices", "release_all"]
+__all__ = ["HOST", "Target", "device_keys", "hold_all", "host_and_devices", "release_all"]
 
 Target = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
 """(read, write, (device type, device index)) for one generator's state."""
@@ -41,6 +41,14 @@ def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -
     return [(host.get_state, host.set_state, HOST), *devices]  # type: ignore[list-item]
 
 
+def device_keys(platform: Platform, indices: Sequence[int] | None = None) -> list[tuple[str, int]]:
+    """How :mod:`hyperrng._exclusive` names torch's CPU generator and devices ``indices`` (default: all)
+    of ``platform``: the generators that seeding or restoring every state changes."""
+    chosen = range(platform.device_count()) if indices is None else indices
+    devices = [(platform.device_type, i) for i in chosen]
+    return devices if platform.device_type == "cpu" else [HOST, *devices]
+
+
 def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
     """Hold every target's device for the calling thread, appending each depth before to ``belows``.
 
@@ -51,13 +59,13 @@ def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
         GeneratorBusyError: another thread holds one of them (the holds taken stay in
             ``belows``: release them).
     """
-    me = get_ident()
+    me = current_thread()
     for _, _, key in targets:
         belows.append(_exclusive.hold_key(key, me, what))
 
 
 def release_all(targets: Sequence[Target], belows: Sequence[int]) -> None:
     """Undo the holds :func:`hold_all` recorded in ``belows`` (idempotent)."""
-    me = get_ident()
+    me = current_thread()
     for (_, _, key), below in zip(targets, belows):
         _exclusive.release_key(key, me, below)

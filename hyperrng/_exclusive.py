@@ -12,6 +12,12 @@ the generator the first one left, so its numbers would depend on scheduling. Pla
 (``torch.rand`` on another thread) are not intercepted: they draw from whatever state the
 generator has, as they would inside ``torch.random.fork_rng``. A thread that needs numbers
 of its own while another borrows the device's generator passes its own ``torch.Generator``.
+The same holds, briefly, guard the calls that position a generator for good — seeding
+(``hyperrng.seed_host`` and the recipes in :mod:`hyperrng.seeding`, ``apply_layout``,
+:meth:`~hyperrng.sharded.ShardedRNGTracker.manual_seed` and ``sync_from_rank0``) and
+restoring a checkpoint (:func:`hyperrng.state.load_rng_state_dict`): on another thread
+than the holder's they are refused the same way, before anything changes. The platforms'
+own ``manual_seed`` / ``set_rng_state`` sit below this layer and do not hold.
 Two more rules follow from the same idea: a tracker's open forks form one chain, so they
 stay on one thread even where they swap different devices' generators (another thread gets
 :class:`~hyperrng.errors.TrackerStateError`); and a recompute's rerun holds the generators
@@ -43,6 +49,16 @@ turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after 
 The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
 is refused across threads like any other but makes no claim about interrupts.
 
+**A thread that dies holding.** A hold records the owning ``threading.Thread`` object,
+not its ident (idents are reused by later threads, which must not inherit a hold). A hold
+whose owner has ended (``is_alive()`` is false: it exited, or was killed by an exception
+that skipped its context's exit, such as a generator-based caller abandoned mid-fork)
+counts as released: the next thread that asks takes the device over instead of being
+refused forever. The dead thread's generator state stays as it left it, exactly as if it
+had been a plain draw. Threads that CPython did not start (a C++ thread calling into
+Python, such as autograd's device threads) appear as dummy threads that always count as
+alive, so a hold such a thread never released still blocks.
+
 What pure Python cannot close, and so is not guaranteed:
 
 * CPython checks for a pending signal when ``__exit__`` starts, before its first
@@ -57,21 +73,23 @@ What pure Python cannot close, and so is not guaranteed:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from threading import get_ident
+from collections.abc import Callable, Iterable
+from threading import Lock, Thread, current_thread
 from typing import TypeVar
 
 from hyperrng.errors import GeneratorBusyError
 
-__all__ = ["depth", "hold", "hold_key", "holder", "redo", "release", "release_key"]
+__all__ = ["depth", "hold", "hold_key", "holder", "holding", "redo", "release", "release_key"]
 
 _T = TypeVar("_T")
 
-# (device type, device index) -> (holding thread's ident, nesting depth). Entries are
-# immutable tuples replaced whole, each change one dict operation: only the holder changes
-# its own entry, and a claim is one atomic ``setdefault``, so no lock is needed (with or
-# without the GIL) and an interrupt can never find an entry half-written.
-_HOLDS: dict[tuple[str, int], tuple[int, int]] = {}
+# (device type, device index) -> (holding thread, nesting depth). Entries are immutable
+# tuples replaced whole, each change one dict operation: only the holder changes its own
+# entry, and a claim is one atomic ``setdefault``, so no lock is needed (with or without the
+# GIL) and an interrupt can never find an entry half-written. The one exception, taking over
+# the hold of a thread that has ended, is a compare-and-replace made under _TAKE_OVER.
+_HOLDS: dict[tuple[str, int], tuple[Thread, int]] = {}
+_TAKE_OVER = Lock()
 
 
 def hold(device_type: str, index: int, what: str) -> int:
@@ -88,7 +106,7 @@ def hold(device_type: str, index: int, what: str) -> int:
     One interrupt cannot leave a hold half taken: it either raises with nothing changed
     or returns with the hold made (nothing that can be interrupted follows the change).
     """
-    return hold_key((device_type, index), get_ident(), what)
+    return hold_key((device_type, index), current_thread(), what)
 
 
 def release(device_type: str, index: int, down_to: int | None = None) -> None:
@@ -99,41 +117,60 @@ def release(device_type: str, index: int, down_to: int | None = None) -> None:
     nothing, which is what an undo after an interrupt needs. A thread that does not hold
     the device leaves nothing (an exit after a refused enter).
     """
-    key, me = (device_type, index), get_ident()
+    key, me = (device_type, index), current_thread()
     if down_to is None:
         entry = _HOLDS.get(key)
-        if entry is None or entry[0] != me:
+        if entry is None or entry[0] is not me:
             return
         down_to = entry[1] - 1
     release_key(key, me, down_to)
 
 
-def hold_key(key: tuple[str, int], me: int, what: str) -> int:
-    """:func:`hold` for callers on a hot path that keep the key and know their thread's ident ``me``."""
+def hold_key(key: tuple[str, int], me: Thread, what: str) -> int:
+    """:func:`hold` for callers on a hot path that keep the key and know their thread ``me``
+    (``threading.current_thread()``)."""
     mine = (me, 1)
     try:
         entry = _HOLDS.setdefault(key, mine)
-    except BaseException:  # interrupted as the call returned: undo a claim it made
+        if entry is not mine and entry[0] is not me and not entry[0].is_alive():
+            entry = _take_over(key, entry, mine)
+    except BaseException:  # interrupted as a call returned: undo a claim it made
         if _HOLDS.get(key) is mine:
             del _HOLDS[key]
         raise
     if entry is mine:
         return 0
-    below = entry[1]
-    if entry[0] == me:
+    owner, below = entry
+    if owner is me:
         _HOLDS[key] = (me, below + 1)
         return below
     raise GeneratorBusyError(
-        f"{what} on {key[0]}:{key[1]} was refused: thread {entry[0]} holds that device's generator (in a fork, "
-        f"a sharded region, fork_rng, a recompute or portable mode) and this is thread {me}. The generator is one "
-        "per process; use it from one thread at a time, or give each thread its own torch.Generator."
+        f"{what} on {key[0]}:{key[1]} was refused: thread {owner.ident} holds that device's generator (in a fork, "
+        "a sharded region, fork_rng, a recompute, portable mode, seeding or a restore) and this is thread "
+        f"{me.ident}. The generator is one per process; use it from one thread at a time, or give each thread its "
+        "own torch.Generator."
     )
 
 
-def release_key(key: tuple[str, int], me: int, down_to: int) -> None:
+def _take_over(key: tuple[str, int], dead: tuple[Thread, int], mine: tuple[Thread, int]) -> tuple[Thread, int]:
+    """Replace ``dead``, the hold of a thread that has ended, by ``mine``; return the entry now held.
+
+    Under a lock, so that of two threads finding the same dead hold one takes it over and
+    the other finds the first one's hold (and is refused).
+    """
+    with _TAKE_OVER:
+        entry = _HOLDS.get(key)
+        if entry is dead:
+            _HOLDS[key] = entry = mine
+        elif entry is None:  # released meanwhile: claim it as hold_key would
+            entry = _HOLDS.setdefault(key, mine)
+        return entry
+
+
+def release_key(key: tuple[str, int], me: Thread, down_to: int) -> None:
     """:func:`release` down to a level, for callers on a hot path that keep the key and know ``me``."""
     entry = _HOLDS.get(key)
-    if entry is None or entry[0] != me:
+    if entry is None or entry[0] is not me:
         return
     if down_to <= 0:
         del _HOLDS[key]
@@ -141,16 +178,56 @@ def release_key(key: tuple[str, int], me: int, down_to: int) -> None:
         _HOLDS[key] = (me, down_to)
 
 
+class _Holding:
+    """The context manager :func:`holding` returns."""
+
+    __slots__ = ("_belows", "_keys", "_me", "_what")
+
+    def __init__(self, keys: Iterable[tuple[str, int]], what: str) -> None:
+        self._keys = list(dict.fromkeys(keys))  # each device once, in order
+        self._what = what
+        self._me = current_thread()
+        self._belows: list[int] = []
+
+    def __enter__(self) -> None:
+        try:
+            for key in self._keys:
+                self._belows.append(hold_key(key, self._me, self._what))
+        except BaseException:  # refused (or interrupted): give back the holds taken
+            self._release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for key, below in zip(self._keys, self._belows):
+            release_key(key, self._me, below)
+
+
+def holding(keys: Iterable[tuple[str, int]], what: str) -> _Holding:
+    """A context manager that holds every device in ``keys`` for the calling thread while its block runs.
+
+    For the calls that position a generator for good (seeding, restoring a checkpoint): a
+    brief hold around the change makes them follow the policy of the contexts.
+
+    Raises:
+        GeneratorBusyError: on entry, another thread holds one of the devices; nothing is
+            held then (``what`` names the operation refused, for the message).
+    """
+    return _Holding(keys, what)
+
+
 def depth(device_type: str, index: int) -> int:
     """How many holds the calling thread has on device ``index`` (0 if it holds none)."""
     entry = _HOLDS.get((device_type, index))
-    return entry[1] if entry is not None and entry[0] == get_ident() else 0
+    return entry[1] if entry is not None and entry[0] is current_thread() else 0
 
 
 def holder(device_type: str, index: int) -> int | None:
-    """The ident of the thread holding device ``index``, or ``None``."""
+    """The ident of the thread holding device ``index``, or ``None`` (also when its holder has ended)."""
     entry = _HOLDS.get((device_type, index))
-    return entry[0] if entry is not None else None
+    return entry[0].ident if entry is not None and entry[0].is_alive() else None
 
 
 def redo(step: Callable[[_T], object], arg: _T) -> None:

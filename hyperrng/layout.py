@@ -62,6 +62,8 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._device_state import device_keys
+from hyperrng._exclusive import holding
 from hyperrng.errors import ArgumentTypeError, LayoutError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
@@ -227,17 +229,19 @@ class StreamLayout:
             LayoutError, InvalidSeedError: see :meth:`seeds`; raised before anything changes.
             DuplicateStreamError: two of this rank's streams share a seed (probability 2**-64).
             TrackerStateError: a fork of ``tracker`` is active.
+            GeneratorBusyError: another thread holds torch's CPU generator or the current device's.
 
         The tracker is replaced all or nothing (:meth:`RNGStatesTracker.reseed`) before
         the default generator is seeded, so an error leaves everything as it was.
         """
         seeds = self.seeds(base_seed, coords)
-        tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
         default_seed = seeds[DEFAULT_STREAM]
         platform = platforms.current()
-        platform.manual_seed(default_seed)
-        if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
-            platforms.seed_generator(torch.default_generator, default_seed)
+        with holding(device_keys(platform, [platform.current_device()]), "seeding a stream layout"):
+            tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
+            platform.manual_seed(default_seed)
+            if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
+                platforms.seed_generator(torch.default_generator, default_seed)
         _record(tracker, Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords)))
         return seeds
 

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._device_state import device_keys
+from hyperrng._exclusive import holding
 from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, InvalidSeedError, LayoutError, UsageError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.platforms.mix import combine64
@@ -94,11 +96,14 @@ def seed_host(seed: int) -> None:
 
     Raises:
         InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1]; nothing is seeded.
+        GeneratorBusyError: another thread holds torch's CPU generator or a device's (in a
+            fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing is seeded.
     """
     value = check_seed(seed)
-    random.seed(library_seed(value, PYTHON_RANDOM_DOMAIN))
-    _seed_numpy(library_seed(value, NUMPY_DOMAIN))
-    _seed_torch(value)
+    with holding(device_keys(platforms.current()), "seed_host"):
+        random.seed(library_seed(value, PYTHON_RANDOM_DOMAIN))
+        _seed_numpy(library_seed(value, NUMPY_DOMAIN))
+        _seed_torch(value)
 
 
 def library_seed(seed: int, domain: int) -> int:
@@ -154,6 +159,13 @@ def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     return chosen
 
 
+def _current_device(platform: platforms.Platform) -> list[tuple[str, int]]:
+    """The current device's generator, as :func:`~hyperrng._exclusive.holding` names it: a recipe holds
+    it while it reseeds the tracker and seeds the device, so that another thread's fork or
+    region refuses the recipe before anything changes."""
+    return [(platform.device_type, platform.current_device())]
+
+
 # -- slapo -----------------------------------------------------------------------------------
 def model_parallel_manual_seed(
     seed: int, tp_rank: int, always_enable_tp_seed: bool = False, *, tracker: RNGStatesTracker | None = None
@@ -171,14 +183,18 @@ def model_parallel_manual_seed(
     Raises:
         InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1], or the derived seed overflows.
         LayoutError: ``tp_rank`` is negative or not an int.
-        TrackerStateError: a fork of the tracker is active. Nothing changes on error.
+        TrackerStateError: a fork of the tracker is active.
+        GeneratorBusyError: another thread holds the current device's generator. Nothing
+            changes on error.
     """
     base = check_seed(seed)
     tp = _rank(tp_rank, "tp_rank")
     tp_seed = _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     chosen = _idle(tracker)
-    chosen.reseed({MODEL_PARALLEL_STREAM: tp_seed})
-    platforms.current().manual_seed(tp_seed if always_enable_tp_seed else base)
+    platform = platforms.current()
+    with holding(_current_device(platform), "model_parallel_manual_seed"):
+        chosen.reseed({MODEL_PARALLEL_STREAM: tp_seed})
+        platform.manual_seed(tp_seed if always_enable_tp_seed else base)
     return tp_seed
 
 
@@ -202,8 +218,8 @@ def set_random_seed(
         The adjusted base seed.
 
     Raises:
-        InvalidSeedError, LayoutError, TrackerStateError: as for :func:`model_parallel_manual_seed`,
-            raised before anything is seeded.
+        InvalidSeedError, LayoutError, TrackerStateError, GeneratorBusyError: as for
+            :func:`model_parallel_manual_seed` and :func:`seed_host`, raised before anything is seeded.
     """
     base = check_seed(seed)
     if pp_rank is not None:
@@ -215,9 +231,10 @@ def set_random_seed(
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     _idle(tracker)  # inside a fork, seeding the device would reseed the forked stream
-    seed_host(base)
-    if tp_rank is not None:
-        model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
+    with holding(device_keys(platforms.current()), "set_random_seed"):  # held throughout: all or nothing
+        seed_host(base)
+        if tp_rank is not None:
+            model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
     return base
 
 
@@ -299,11 +316,15 @@ def megatron_model_parallel_manual_seed(
         DuplicateStreamError: the formulas collide for these ranks (Megatron-core raises
             too); nothing changes.
         TrackerStateError: a fork of the tracker is active.
+        GeneratorBusyError: another thread holds the current device's generator; nothing changes.
     """
     seeds = megatron_seeds(seed, tp_rank, ep_rank, etp_rank)
     _check_megatron_distinct(seeds)
-    _idle(tracker).reseed(seeds.as_streams())
-    platforms.current().manual_seed(seeds.data_parallel)
+    chosen = _idle(tracker)
+    platform = platforms.current()
+    with holding(_current_device(platform), "megatron_model_parallel_manual_seed"):
+        chosen.reseed(seeds.as_streams())
+        platform.manual_seed(seeds.data_parallel)
     return seeds
 
 
@@ -398,8 +419,9 @@ def megatron_set_random_seed(
     Raises:
         InvalidSeedError: ``seed`` is not positive (Megatron-core refuses 0) or not an
             int below 2**64, or a derived seed overflows.
-        LayoutError, DuplicateStreamError, TrackerStateError: see
-            :func:`megatron_model_parallel_manual_seed`; all raised before anything is seeded.
+        LayoutError, DuplicateStreamError, TrackerStateError, GeneratorBusyError: see
+            :func:`megatron_model_parallel_manual_seed` and :func:`seed_host`; all raised before
+            anything is seeded.
     """
     base = check_seed(seed)
     if base == 0:
@@ -411,8 +433,9 @@ def megatron_set_random_seed(
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
     _idle(tracker)
-    seed_host(base)
-    megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
+    with holding(device_keys(platforms.current()), "megatron_set_random_seed"):  # held throughout: all or nothing
+        seed_host(base)
+        megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
     return base
 
 
@@ -437,7 +460,8 @@ def set_seeds(seed: int, mesh: Mapping[str, int] | object | None = None, distinc
 
     Raises:
         InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1].
-        LayoutError: the mesh is malformed or has no dimension ``distinct_dim``. Nothing changes on error.
+        LayoutError: the mesh is malformed or has no dimension ``distinct_dim``.
+        GeneratorBusyError: see :func:`seed_host`. Nothing changes on error.
     """
     value = check_seed(seed)
     if mesh is not None:
@@ -445,6 +469,7 @@ def set_seeds(seed: int, mesh: Mapping[str, int] | object | None = None, distinc
         if distinct_dim not in coords:
             raise LayoutError(f"the mesh has no dimension {distinct_dim!r} (it has {list(coords)}).")
         value = (value + coords[distinct_dim]) % _D9D_SEED_MODULUS
-    seed_host(value)
+    with holding(device_keys(platforms.current()), "set_seeds"):
+        seed_host(value)
     os.environ["PYTHONHASHSEED"] = str(value % _PYTHONHASHSEED_MODULUS)
     return value

@@ -47,6 +47,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from threading import Thread, current_thread
 from typing import Any
 
 import torch
@@ -188,7 +189,7 @@ class _Region:
         self.mesh = mesh
         self.placements = placements
         self.global_shape = global_shape
-        self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) while held
+        self._held: tuple[tuple[str, int], Thread, int] | None = None  # (device key, thread, depth before) while held
 
     @property
     def position(self) -> tuple[int, int]:
@@ -224,8 +225,8 @@ class _Region:
         positioned = False
         try:
             if gen is None or gen is p.default_generator():
-                index = p.current_device()
-                self._held = (p.device_type, index, _exclusive.hold(p.device_type, index, "a sharded region"))
+                key, me = (p.device_type, p.current_device()), current_thread()
+                self._held = (key, me, _exclusive.hold_key(key, me, "a sharded region"))
             seed, base = p.get_seed_offset(None, gen)
             if base + self._end > MAX_OFFSET:
                 _check_room(base, self._end)
@@ -261,9 +262,9 @@ class _Region:
         self._release()
 
     def _release(self) -> None:
-        if self._held is not None:
-            device_type, index, below = self._held
-            _exclusive.release(device_type, index, below)
+        held = self._held
+        if held is not None:
+            _exclusive.release_key(*held)
 
 
 def _check_room(base: int, end: int) -> None:
@@ -373,24 +374,32 @@ class ShardedRNGTracker:
             ArgumentTypeError: ``seed`` is not an int.
             InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
             RankNotInMeshError: this rank is not part of ``mesh`` (a ``RuntimeError``, as in PyTorch).
+            GeneratorBusyError: another thread holds the device's generator (in a fork, a region, ...;
+                see :mod:`hyperrng._exclusive`).
         """
         p = self.platform
         mode = _local_ranks.active_mode()
         if mode is None:
             value = check_seed(seed)
             _check_member(mesh, None)
-            p.set_seed_offset(value, 0)
+            with _exclusive.holding([_device_key(p)], "ShardedRNGTracker.manual_seed"):
+                p.set_seed_offset(value, 0)
             return
         seeds = {rank: check_seed(_local_ranks.value_on(seed, rank)) for rank in sorted(mode.ranks)}
         for rank in seeds:
             _check_member(mesh, rank)
-        _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seeds[rank], 0))
+        with _exclusive.holding([_device_key(p)], "ShardedRNGTracker.manual_seed"):
+            _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seeds[rank], 0))
 
     def sync_from_rank0(self, group: object | None = None) -> bool:
         """Copy rank 0's device generator position to every rank of ``group``.
 
         Returns whether this rank's position differed (and logs a warning when it did):
         ranks that run sharded random ops must start from the same position.
+
+        Raises:
+            GeneratorBusyError: another thread holds the device's generator when the position
+                arrives (after the broadcast, which every rank joins); it is left unchanged.
         """
         p = self.platform
         mine = p.get_seed_offset()
@@ -406,7 +415,8 @@ class ShardedRNGTracker:
                 mine,
                 (seed, offset),
             )
-        p.set_seed_offset(seed, offset)
+        with _exclusive.holding([_device_key(p)], "ShardedRNGTracker.sync_from_rank0"):
+            p.set_seed_offset(seed, offset)
         return differed
 
     # -- the region ------------------------------------------------------------------------
@@ -546,6 +556,11 @@ class ShardedRNGTracker:
     def uninstall_dtensor(previous: Any = None) -> None:
         """Put back the DTensor RNG tracker that :meth:`install_dtensor` replaced."""
         _dtensor_random_module()._rng_tracker = previous
+
+
+def _device_key(platform: Platform) -> tuple[str, int]:
+    """The current device's generator, as :mod:`hyperrng._exclusive` names it."""
+    return platform.device_type, platform.current_device()
 
 
 def _check_member(mesh: Any, rank: int | None) -> None:

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._device_state import device_keys
+from hyperrng._exclusive import holding
 from hyperrng.errors import ArgumentTypeError, CheckpointError, HyperRNGError
 from hyperrng.layout import (
     DEFAULT_STREAM,
@@ -192,6 +194,8 @@ def load_rng_state_dict(
         CheckpointError: another format or version, a digest mismatch (a damaged state),
             a malformed field, a topology or platform mismatch, or a missing stream.
             Nothing has changed when it is raised.
+        GeneratorBusyError: another thread holds torch's CPU generator or a device's (in a
+            fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing has changed.
     """
     if not isinstance(on_mismatch, str):
         raise ArgumentTypeError(
@@ -219,11 +223,15 @@ def load_rng_state_dict(
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
                 "to re-derive the streams from the saved base seed."
             )
-        _reseed(state, tracker, layout, coords, mismatches)
+        with holding(device_keys(p), "load_rng_state_dict"):
+            _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = _decode(state, p, tracker)
     derivation = _saved_derivation(state)
-    _apply(applied, p, tracker)
+    # Held while every state is written: another thread's fork or region refuses the load
+    # (nothing written), and none starts halfway through it.
+    with holding(device_keys(p), "load_rng_state_dict"):
+        _apply(applied, p, tracker)
     _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
 
 

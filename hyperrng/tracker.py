@@ -49,7 +49,7 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from threading import get_ident
+from threading import Thread, current_thread
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
@@ -285,7 +285,7 @@ class _Fork:
     """
 
     # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to
-    # give back outside any fork), thread (its ident), and held: the device's key and the hold
+    # give back outside any fork), thread (its Thread object), and held: the device's key and the hold
     # depth before this fork.
     __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "saved", "thread", "write")
 
@@ -304,7 +304,7 @@ class _Fork:
             raise UnknownStreamError(tracker._unknown(self.name))
         swap = tracker._swap
         read, write, key = swap.bind()  # type: ignore[union-attr]
-        me = get_ident()
+        me = current_thread()
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
             below = _exclusive.hold_key(key, me, "tracker.fork")
@@ -421,7 +421,7 @@ class RNGStatesTracker:
         self._active: _Fork | None = None
         # While a fork is open on a tracker whose forks may swap several devices' generators:
         # the thread that has it open (see _Fork.__enter__).
-        self._claim: dict[str, int] = {}
+        self._claim: dict[str, Thread] = {}
 
     # -- introspection --------------------------------------------------------------------
     def is_initialized(self) -> bool:
@@ -680,7 +680,7 @@ class RNGStatesTracker:
 
     def _not_elsewhere(self, what: str) -> None:
         active = self._active
-        if active is not None and active.thread != get_ident():
+        if active is not None and active.thread is not current_thread():
             raise TrackerStateError(
                 f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open."
             )

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError
-from hyperrng.platforms.mix import mix64
+from hyperrng.platforms.mix import _MASK64, _MUL1, _MUL2, mix64
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
     MAX_SEED,
@@ -82,7 +81,6 @@ _MASK32 = (1 << 32) - 1
 _HANDLE_DOMAIN = 0x43505531  # "CPU1": keeps handles apart from other uses of the mixer
 _WORD_DOMAIN = 0x57524453  # "WRDS": the multipliers of the 624 word hashes
 _MT_WORDS = 624
-_LOW = 0 if sys.byteorder == "little" else 1  # which uint32 of a uint64 holds its low half
 _WORDS_AT = 24  # torch's state: uint64 initial seed, int32 left, int32 seeded, uint64 next, then uint64 words
 _POSITION = struct.Struct("<Qq")  # after the MT19937 bytes: uint64 seed, int64 offset
 
@@ -93,7 +91,12 @@ def position_handle(seed: int, offset: int, draw: bool = False) -> int:
         return seed
     last = _last_seed  # a region positions one seed twice: its mix is remembered (one pair, replaced atomically)
     base = last[1] if last[0] == seed else _seed_mix(seed)
-    return mix64(base + offset + draw)  # offset is a multiple of 4: + draw keeps the domains apart
+    # mix64(base + offset + draw), inline (regions take two handles per op); offset is a
+    # multiple of 4, so + draw keeps the domains apart.
+    z = (base + offset + draw) & _MASK64
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _seed_mix(seed: int) -> int:
@@ -108,21 +111,28 @@ _last_seed = (-1, 0)
 
 _lock = threading.Lock()
 _table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
+_newest = -1  # the handle last entered or moved to the newest end (read without the lock: one int)
+# Bound once (torch.compile recognises the function itself, not its name): a fork asks twice.
+_is_compiling = torch.compiler.is_compiling
 
 
-def _position_of(handle: int) -> tuple[int, int]:
-    """The position ``handle`` was entered for, or ``(handle, 0)`` when the table does not hold it."""
-    if torch.compiler.is_compiling():  # see _outside_the_graph
-        return _outside_the_graph(_position_of)(handle)
-    return _table.get(handle) or (handle, 0)
+def _entry(handle: int) -> tuple[int, int] | None:
+    """The position ``handle`` was entered for, or ``None`` when the table does not hold it."""
+    if _is_compiling():  # see _outside_the_graph
+        return _outside_the_graph(_entry)(handle)  # type: ignore[no-any-return]
+    return _table.get(handle)
 
 
 def _remember(handle: int, position: tuple[int, int]) -> None:
     """Enter ``handle`` in the table (a handle names one position: an entry only moves to the newest end)."""
-    if torch.compiler.is_compiling():
+    global _newest
+    if _is_compiling():
         _outside_the_graph(_remember)(handle, position)
         return
+    if handle == _newest and handle in _table:  # already at the newest end (a fork writes its saved state back)
+        return
     with _lock:
+        _newest = handle
         if handle in _table:
             _table.move_to_end(handle)
             return
@@ -143,6 +153,8 @@ def _outside_the_graph(fn: Any) -> Any:
 
 _PROBE_SEED, _PROBE_HANDLE = 0x5EED1234, 0xC0FFEE005EED1234
 _MULTIPLIERS = np.array([mix64(i ^ _WORD_DOMAIN) | 1 for i in range(_MT_WORDS)], dtype=np.uint64)
+_HALF = np.array(32, dtype=np.uint64)
+_multiply, _right_shift, _set_state = np.multiply, np.right_shift, torch.Generator.set_state
 _UNPROBED = object()
 _template: Any = _UNPROBED  # a freshly seeded state's bytes, or None: 32-bit fallback
 
@@ -157,16 +169,19 @@ class _Seating(threading.local):
     def __init__(self, template: np.ndarray) -> None:
         self.raw = template.copy()
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)  # shares memory; immune to dispatch modes
-        self.seed = self.raw[:8].view(np.uint64)
-        self.products = np.empty_like(_MULTIPLIERS)
-        self.low_words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint32)[_LOW::2]
-        self.high_products = self.products.view(np.uint32)[1 - _LOW :: 2]
+        # The initial-seed field as a 0-d array: it is also the multiplication's operand, which
+        # NumPy takes as it is, where a Python int or a NumPy scalar costs a conversion per call.
+        seed = self.raw[:8].view(np.uint64).reshape(())
+        words = self.raw[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
+        self.parts = (seed, words, self.tensor)  # one lookup of this thread's attributes per fill
 
-    def fill(self, handle: int) -> torch.Tensor:
-        np.multiply(_MULTIPLIERS, handle, out=self.products)
-        np.copyto(self.low_words, self.high_products)
-        self.seed[0] = handle
-        return self.tensor
+    def seat(self, gen: torch.Generator, handle: int) -> None:
+        """Fill the buffer for ``handle`` and set it as the state of ``gen``."""
+        seed, words, tensor = self.parts
+        seed[()] = handle
+        _multiply(_MULTIPLIERS, seed, out=words)
+        _right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
+        _set_state(gen, tensor)
 
 
 def _probe() -> np.ndarray | None:
@@ -186,7 +201,7 @@ def _probe() -> np.ndarray | None:
             return None
         expected = (1812433253 * (expected ^ (expected >> 30)) + i + 1) & _MASK32
     trial = _Seating(raw)
-    scratch.set_state(trial.fill(_PROBE_HANDLE))
+    trial.seat(scratch, _PROBE_HANDLE)
     written = np.from_dlpack(scratch.get_state())
     return raw if scratch.initial_seed() == _PROBE_HANDLE and np.array_equal(written, trial.raw) else None
 
@@ -215,12 +230,13 @@ def _seat(gen: torch.Generator, handle: int) -> None:
     torch's kernels draw from either.
     """
     global _seating
-    if handle <= _MASK32 or (_seating is None and not seeds_all_64_bits()):
+    if handle > _MASK32 and _seating is not None:
+        _seating.seat(gen, handle)
+    elif handle <= _MASK32 or not seeds_all_64_bits():
         torch.Generator.manual_seed(gen, handle)
-        return
-    if _seating is None:
+    else:
         _seating = _Seating(_template)
-    torch.Generator.set_state(gen, _seating.fill(handle))
+        _seating.seat(gen, handle)
 
 
 def seed_generator(gen: torch.Generator, seed: int) -> None:
@@ -260,7 +276,8 @@ class CPUPlatform(Platform):
             InvalidStateError: ``generator`` belongs to another device type.
         """
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        return _position_of(torch.Generator.initial_seed(gen))
+        handle = torch.Generator.initial_seed(gen)
+        return _entry(handle) or (handle, 0)
 
     def set_seed_offset(
         self,
@@ -287,7 +304,11 @@ class CPUPlatform(Platform):
             check_instance(draw, bool, "draw")
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
         handle = position_handle(s, o, draw)
-        _seat(gen, handle)
+        seating = _seating
+        if handle > _MASK32 and seating is not None:  # _seat's common case, without the call
+            seating.seat(gen, handle)
+        else:
+            _seat(gen, handle)
         if handle != s or o:  # (s, 0) reads as itself without an entry
             _remember(handle, (s, o))
 
@@ -320,7 +341,7 @@ class CPUPlatform(Platform):
         return checked
 
     def state_io(self, index: int | None = None) -> StateIO:
-        """Snapshots are (MT19937 bytes, handle, seed, offset): the position is resolved when read, and
+        """Snapshots are (MT19937 bytes, handle, table entry): the position is resolved when read, and
         entered in the table again when written, so a snapshot outlives the table's memory."""
         self._index(index)
         return _STATE_IO
@@ -345,25 +366,29 @@ def _initial_seed_of(state: torch.Tensor, platform: str) -> int:
     return scratch.initial_seed()
 
 
-_Snapshot = tuple[torch.Tensor, int, int, int]  # MT19937 bytes, their handle, its seed and offset
+# MT19937 bytes, their handle, and its (seed, offset) when the handle needs a table entry to
+# read as it (None when it reads as itself: (handle, 0)).
+_Snapshot = tuple[torch.Tensor, int, "tuple[int, int] | None"]
 
 
 def _read() -> _Snapshot:
+    if _is_compiling():  # _entry's check, made here: a fork reads twice
+        return _outside_the_graph(_read)()  # type: ignore[no-any-return]
     gen = torch.default_generator
     handle = gen.initial_seed()
-    seed, offset = _position_of(handle)
-    return gen.get_state(), handle, seed, offset
+    return gen.get_state(), handle, _table.get(handle)
 
 
 def _write(snapshot: _Snapshot) -> None:
-    mt, handle, seed, offset = snapshot
+    mt, handle, position = snapshot
     torch.default_generator.set_state(mt)
-    if handle != seed or offset:
-        _remember(handle, (seed, offset))
+    if position is not None:
+        _remember(handle, position)
 
 
 def _pack(snapshot: _Snapshot) -> torch.Tensor:
-    mt, _, seed, offset = snapshot
+    mt, handle, position = snapshot
+    seed, offset = position or (handle, 0)
     return torch.frombuffer(bytearray(np.from_dlpack(mt).tobytes() + _POSITION.pack(seed, offset)), dtype=torch.uint8)
 
 
@@ -372,7 +397,8 @@ def _unpack(state: torch.Tensor) -> _Snapshot:
     raw = np.from_dlpack(state).tobytes()
     seed, offset = _POSITION.unpack_from(raw, MT19937_STATE_NBYTES)
     mt = torch.frombuffer(bytearray(raw[:MT19937_STATE_NBYTES]), dtype=torch.uint8)
-    return mt, _initial_seed_of(mt, "cpu"), seed, offset
+    handle = _initial_seed_of(mt, "cpu")
+    return mt, handle, (seed, offset) if handle != seed or offset else None
 
 
 _STATE_IO = StateIO(_read, _write, _pack, _unpack)

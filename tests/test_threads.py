@@ -17,12 +17,15 @@ from types import FrameType
 from typing import Any
 
 import hyperrng.platforms as platforms
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Shard
 
+import hyperrng
 from hyperrng import _exclusive
 from hyperrng.errors import GeneratorBusyError, TrackerStateError
+from hyperrng.layout import StreamLayout
 from hyperrng.random import fork_rng
 from hyperrng.recompute import checkpoint
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
@@ -313,6 +316,128 @@ def test_one_thread_nests_forks_of_two_trackers_regions_fork_rng_and_recompute()
                     y.sum().backward()
         assert _exclusive.depth("cpu", 0) == 1
     assert torch.equal(platform.get_rng_state(), before) and _no_holds()
+
+
+# -- calls that position a generator for good ----------------------------------------------------
+def _everything() -> tuple[object, ...]:
+    """Every state a seeding call or a restore may change: Python's, NumPy's, the platform's."""
+    return random.getstate(), np.random.get_state(legacy=False), platforms.current().get_rng_state()
+
+
+def _unchanged(before: tuple[object, ...]) -> bool:
+    python, numpy, device = _everything()
+    return (
+        python == before[0]
+        and numpy["state"]["key"].tobytes() == before[1]["state"]["key"].tobytes()  # type: ignore[index]
+        and numpy["state"]["pos"] == before[1]["state"]["pos"]  # type: ignore[index]
+        and torch.equal(device, before[2])  # type: ignore[arg-type]
+    )
+
+
+_LAYOUT = StreamLayout(dims=("tp",), default=(), streams={"model-parallel-rng": ("tp",)})
+_SEEDING_CALLS: dict[str, Callable[[RNGStatesTracker], object]] = {
+    "seed_host": lambda t: hyperrng.seed_host(5),
+    "set_random_seed": lambda t: hyperrng.set_random_seed(5, tp_rank=1, tracker=t),
+    "set_seeds": lambda t: hyperrng.set_seeds(5),
+    "model_parallel_manual_seed": lambda t: hyperrng.model_parallel_manual_seed(5, 1, tracker=t),
+    "megatron_model_parallel_manual_seed": lambda t: hyperrng.megatron_model_parallel_manual_seed(5, tracker=t),
+    "megatron_set_random_seed": lambda t: hyperrng.megatron_set_random_seed(5, tracker=t),
+    "seeding a stream layout": lambda t: hyperrng.apply_layout(_LAYOUT, 5, {"tp": 1}, tracker=t),
+}
+
+
+@pytest.mark.parametrize("what", sorted(_SEEDING_CALLS))
+def test_seeding_is_refused_while_another_thread_has_a_fork_open_and_seeds_nothing(what: str) -> None:
+    holder_tracker, seeded = _tracker(s=1), _tracker(s=2)
+    with _OnAnotherThread(lambda: holder_tracker.fork("s")) as a:
+        before, streams = _everything(), seeded.get_states()
+        with pytest.raises(GeneratorBusyError, match=f"{what} on cpu:0 was refused"):
+            _SEEDING_CALLS[what](seeded)
+        assert _unchanged(before), f"{what} changed a generator while refused"
+        assert _same(seeded.get_states(), streams), f"{what} reseeded the tracker while refused"
+    gen = torch.Generator().manual_seed(1)
+    assert torch.equal(torch.cat(a.drawn), torch.rand(8, generator=gen)), "the holder's stream was disturbed"
+    _SEEDING_CALLS[what](seeded)  # once the holder has left, the call goes through
+
+
+@pytest.mark.parametrize("call", ["manual_seed", "sync_from_rank0"])
+def test_positioning_a_sharded_tracker_is_refused_while_another_thread_has_a_fork_open(call: str) -> None:
+    holder_tracker, sharded = _tracker(s=1), ShardedRNGTracker()
+    platform = platforms.current()
+    position = getattr(sharded, call)
+
+    def run() -> object:
+        return position(9) if call == "manual_seed" else position()
+
+    with _OnAnotherThread(lambda: holder_tracker.fork("s")) as a:
+        device = platform.get_rng_state()
+        with pytest.raises(GeneratorBusyError, match=f"ShardedRNGTracker.{call} on cpu:0 was refused"):
+            run()
+        assert torch.equal(platform.get_rng_state(), device), f"a refused {call} moved the holder's generator"
+    gen = torch.Generator().manual_seed(1)
+    assert torch.equal(torch.cat(a.drawn), torch.rand(8, generator=gen)), "the holder's stream was disturbed"
+    run()
+
+
+def test_loading_a_checkpoint_is_refused_while_another_thread_has_a_fork_open_and_restores_nothing() -> None:
+    holder_tracker, restored = _tracker(s=1), _tracker(s=2)
+    saved = hyperrng.rng_state_dict(tracker=restored)
+    with restored.fork("s"):
+        torch.rand(4)  # the streams move on from the checkpoint
+    random.random()
+    np.random.rand()
+    with _OnAnotherThread(lambda: holder_tracker.fork("s")):
+        before, streams = _everything(), restored.get_states()
+        with pytest.raises(GeneratorBusyError, match="load_rng_state_dict on cpu:0 was refused"):
+            hyperrng.load_rng_state_dict(saved, tracker=restored)
+        assert _unchanged(before) and _same(restored.get_states(), streams), "a refused load restored something"
+    hyperrng.load_rng_state_dict(saved, tracker=restored)
+    assert _same(restored.get_states(), saved["streams"])  # type: ignore[arg-type]
+
+
+# -- a thread that dies holding -------------------------------------------------------------------
+def _die_holding(enter: Callable[[], object]) -> int:
+    """Run ``enter`` on a thread that then ends without leaving what it entered; return its ident."""
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join(_DEADLOCK_GUARD)
+    assert not thread.is_alive() and thread.ident is not None
+    return thread.ident
+
+
+def test_a_hold_whose_thread_has_ended_counts_as_released() -> None:
+    _die_holding(lambda: _exclusive.hold("dev", 7, "test"))
+    assert _exclusive.holder("dev", 7) is None
+    assert _exclusive.hold("dev", 7, "test") == 0  # taken over: this thread's first hold
+    assert _exclusive.holder("dev", 7) == threading.get_ident() and _exclusive.depth("dev", 7) == 1
+    _exclusive.release("dev", 7)
+    assert _exclusive.holder("dev", 7) is None
+
+
+def test_a_new_thread_does_not_inherit_the_hold_of_an_ended_thread_even_with_its_ident() -> None:
+    # Idents of ended threads are reused (often at once, for the next thread): a hold recorded
+    # by ident would pass to the new thread as a nested one that it could never release.
+    _die_holding(lambda: _exclusive.hold("dev", 7, "test"))
+    seen: list[tuple[int, int, int | None]] = []
+
+    def hold_and_release() -> None:
+        below = _exclusive.hold("dev", 7, "test")
+        seen.append((below, _exclusive.depth("dev", 7), None))
+        _exclusive.release("dev", 7, below)
+        seen.append((below, _exclusive.depth("dev", 7), _exclusive.holder("dev", 7)))
+
+    _die_holding(hold_and_release)
+    assert seen == [(0, 1, None), (0, 0, None)]
+
+
+def test_a_fork_works_after_a_thread_died_inside_a_fork_of_another_tracker() -> None:
+    dead_tracker, tracker = _tracker(s=1), _tracker(s=2)
+    _die_holding(lambda: dead_tracker.fork("s").__enter__())  # never left: its hold is never released
+    with tracker.fork("s"):
+        drawn = torch.rand(4)
+    assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(2)))
+    with fork_rng(devices=[]):
+        torch.rand(4)
 
 
 # -- KeyboardInterrupt anywhere in enter/exit -----------------------------------------------------

@@ -10,7 +10,7 @@ reported without a target.
 from __future__ import annotations
 
 from collections.abc import Callable
-from threading import get_ident
+from threading import current_thread
 
 import torch
 
@@ -64,7 +64,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
 
     def hold_release() -> None:
         # What a fork pays for the thread policy: hold the device, then release it.
-        me = get_ident()
+        me = current_thread()
         _exclusive.release_key(key, me, _exclusive.hold_key(key, me, "a benchmark"))
 
     def torch_fork() -> None:
