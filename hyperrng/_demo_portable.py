@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperrng._launch import run_ranks
-from hyperrng.errors import InvalidParameterError
+from hyperrng.errors import InvalidArgumentError
 from hyperrng.platforms.validate import check_int, check_seed
 from hyperrng.portable_mode import portable_random
 
@@ -95,14 +95,14 @@ def tp_invariance_report(
         (float reductions differ with the sharding).
 
     Raises:
-        ArgumentTypeError / InvalidParameterError: a size that is not a positive int dividing ``world_size``.
+        ArgumentTypeError / InvalidArgumentError: a size that is not a positive int dividing ``world_size``.
     """
     world = check_int(world_size, "world_size")
     sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)
     check_int(steps, "steps")
     check_seed(seed)
     if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
-        raise InvalidParameterError(f"every TP size must divide world_size={world}; got {sizes}.")
+        raise InvalidArgumentError(f"every TP size must divide world_size={world}; got {sizes}.")
     per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
     reference = per_rank[0][sizes[0]]
     params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality

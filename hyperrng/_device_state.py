@@ -56,7 +56,7 @@ def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
     the holds taken, for :func:`release_all`.
 
     Raises:
-        GeneratorBusyError: another thread holds one of them (the holds taken stay in
+        InvalidOperationError: another thread holds one of them (the holds taken stay in
             ``belows``: release them).
     """
     me = current_thread()

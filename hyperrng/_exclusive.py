@@ -6,7 +6,7 @@ hyperrng that swaps or positions it for a while — a fork of any tracker, a sha
 ``(platform.device_type, device index)``; torch's CPU generator, which ``fork_rng`` and a
 recompute also save and restore, is ``("cpu", 0)``. The thread that holds a device may nest
 holds freely; any other thread that tries is refused at once with
-:class:`~hyperrng.errors.GeneratorBusyError`, before anything changes, until the holder has
+:class:`~hyperrng.errors.InvalidOperationError`, before anything changes, until the holder has
 left its outermost hold. Refusal, not waiting: a second thread that waited would draw from
 the generator the first one left, so its numbers would depend on scheduling. Plain draws
 (``torch.rand`` on another thread) are not intercepted: they draw from whatever state the
@@ -20,7 +20,7 @@ than the holder's they are refused the same way, before anything changes. The pl
 own ``manual_seed`` / ``set_rng_state`` sit below this layer and do not hold.
 Two more rules follow from the same idea: a tracker's open forks form one chain, so they
 stay on one thread even where they swap different devices' generators (another thread gets
-:class:`~hyperrng.errors.TrackerStateError`); and a recompute's rerun holds the generators
+:class:`~hyperrng.errors.InvalidOperationError`); and a recompute's rerun holds the generators
 on the thread autograd runs it on, which for accelerator tensors is autograd's device
 thread, so a ``backward()`` called inside a fork is refused there.
 
@@ -77,7 +77,7 @@ from collections.abc import Callable, Iterable
 from threading import Lock, Thread, current_thread
 from typing import TypeVar
 
-from hyperrng.errors import GeneratorBusyError
+from hyperrng.errors import InvalidOperationError
 
 __all__ = ["depth", "hold", "hold_key", "holder", "holding", "redo", "release", "release_key"]
 
@@ -100,7 +100,7 @@ def hold(device_type: str, index: int, what: str) -> int:
         to pass to :func:`release` as ``down_to`` when undoing it.
 
     Raises:
-        GeneratorBusyError: another thread holds it; nothing changed. ``what`` names the
+        InvalidOperationError: another thread holds it; nothing changed. ``what`` names the
             operation refused, for the message.
 
     One interrupt cannot leave a hold half taken: it either raises with nothing changed
@@ -144,11 +144,12 @@ def hold_key(key: tuple[str, int], me: Thread, what: str) -> int:
     if owner is me:
         _HOLDS[key] = (me, below + 1)
         return below
-    raise GeneratorBusyError(
+    raise InvalidOperationError(
         f"{what} on {key[0]}:{key[1]} was refused: thread {owner.ident} holds that device's generator (in a fork, "
         "a sharded region, fork_rng, a recompute, portable mode, seeding or a restore) and this is thread "
         f"{me.ident}. The generator is one per process; use it from one thread at a time, or give each thread its "
-        "own torch.Generator."
+        "own torch.Generator.",
+        reason="busy",
     )
 
 
@@ -212,7 +213,7 @@ def holding(keys: Iterable[tuple[str, int]], what: str) -> _Holding:
     brief hold around the change makes them follow the policy of the contexts.
 
     Raises:
-        GeneratorBusyError: on entry, another thread holds one of the devices; nothing is
+        InvalidOperationError: on entry, another thread holds one of the devices; nothing is
             held then (``what`` names the operation refused, for the message).
     """
     return _Holding(keys, what)

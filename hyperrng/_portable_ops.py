@@ -35,11 +35,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import (
+    ArgumentTypeError,
     HyperRNGError,
-    InvalidParameterError,
-    InvalidShapeError,
-    ShardingError,
-    UnsupportedDTypeError,
+    InvalidArgumentError,
     UnsupportedPortableOpError,
 )
 from hyperrng.platforms import _features
@@ -126,7 +124,7 @@ def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, 
     """The global shape of the region's op and, per dim, the slices of it that ``target`` holds."""
     for placement in region.placements:
         if getattr(placement, "is_partial", lambda: False)():
-            raise ShardingError(
+            raise InvalidArgumentError(
                 f"{what} on a tensor with placement {placement}: a partial tensor holds summands, not elements, "
                 f"so portable mode cannot fill it; redistribute it to Replicate() or Shard() first."
             )
@@ -134,7 +132,7 @@ def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, 
     per_dim = shard_slices(region.mesh, region.placements, global_shape)
     local = tuple(sum(s.stop - s.start for s in slices) for slices in per_dim)
     if local != tuple(target.shape):
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"{what} on a tensor of shape {tuple(target.shape)} inside a sharded region whose shard has shape "
             f"{local} (global {global_shape}); run ops on other tensors outside the region."
         )
@@ -145,7 +143,7 @@ def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, 
 def _check_floating(target: torch.Tensor, what: str) -> None:
     if target.dtype not in _FLOAT_DTYPES:
         names = ", ".join(str(d) for d in _FLOAT_DTYPES)
-        raise UnsupportedDTypeError(f"portable {what} fills {names} tensors; got a {target.dtype} tensor.")
+        raise ArgumentTypeError(f"portable {what} fills {names} tensors; got a {target.dtype} tensor.")
 
 
 def _fill(what: str, fn: Callable[..., torch.Tensor], self: torch.Tensor, generator: Any, **kw: Any) -> torch.Tensor:
@@ -177,16 +175,16 @@ def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Gen
 
 def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
     if not p.is_floating_point():
-        raise UnsupportedDTypeError(f"bernoulli_ takes floating-point probabilities, got a {p.dtype} tensor.")
+        raise ArgumentTypeError(f"bernoulli_ takes floating-point probabilities, got a {p.dtype} tensor.")
     try:
         probabilities = p.expand(self.shape)
     except RuntimeError:
-        raise InvalidShapeError(
+        raise InvalidArgumentError(
             f"bernoulli_: probabilities of shape {tuple(p.shape)} do not broadcast to the tensor's shape "
             f"{tuple(self.shape)}."
         ) from None
     if p.numel() and not bool(((p >= 0) & (p <= 1)).all()):  # NaN fails both comparisons
-        raise InvalidParameterError("bernoulli_: every probability must be in [0, 1] (NaN is not).")
+        raise InvalidArgumentError("bernoulli_: every probability must be in [0, 1] (NaN is not).")
     # A word is below round(p * 2**32) with probability p: the scalar path's integer compare,
     # with p * 2**32 exact in float64 for every float32/float16/bfloat16/float64 p.
     threshold = torch.round(probabilities.to(torch.float64) * float(_MAX_RANGE)).to(torch.int64)
@@ -197,7 +195,7 @@ def _random_from(
     self: torch.Tensor, low: int, high: int | None = None, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     if high is None:
-        raise InvalidParameterError(
+        raise InvalidArgumentError(
             f"random_({low}, None) draws the whole range of {self.dtype}; portable mode draws ranges of at most "
             f"2**32 values: pass an upper bound."
         )
@@ -210,7 +208,7 @@ def _random_from(
             "which are portable here), or call the compiled function outside portable_random()."
         )
     if not 1 <= span <= _MAX_RANGE:
-        raise InvalidParameterError(
+        raise InvalidArgumentError(
             f"random_/randint: the range [{low}, {high}) holds {span} values; portable mode needs 1 to 2**32."
         )
     if self.dtype == torch.bool:
@@ -220,7 +218,7 @@ def _random_from(
     else:
         limits = (torch.iinfo(self.dtype).min, torch.iinfo(self.dtype).max)
     if low < limits[0] or high - 1 > limits[1]:
-        raise InvalidParameterError(f"random_/randint: the range [{low}, {high}) does not fit {self.dtype}.")
+        raise InvalidArgumentError(f"random_/randint: the range [{low}, {high}) does not fit {self.dtype}.")
     bits = _draw("random_", philox.random_bits, self, generator)
     return self.copy_(bits.remainder_(span).add_(low))
 
@@ -233,7 +231,7 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
     if train is False:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     if not x.is_floating_point():
-        raise UnsupportedDTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
+        raise ArgumentTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
     p_value = philox.check_probability(p)
     # The keep mask and arithmetic of F.dropout's CPU decomposition (bernoulli_(1 - p), then
     # a scale), so fused and unfused dropout, and hyperrng.philox.dropout, give the same bits.

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, RankFailure, UsageError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_seed
@@ -122,35 +122,35 @@ class DemoConfig:
         """Raise for a configuration the demo cannot run; change nothing.
 
         Raises:
-            UsageError: a mesh, step count or checkpoint step the demo cannot run.
-            InvalidSeedError, ArgumentTypeError: a seed the library refuses.
+            InvalidArgumentError: a mesh, step count or checkpoint step the demo cannot run.
+            InvalidArgumentError, ArgumentTypeError: a seed the library refuses.
         """
         try:
             check_seed(self.seed)
-        except (InvalidSeedError, ArgumentTypeError) as exc:
+        except (InvalidArgumentError, ArgumentTypeError) as exc:
             raise type(exc)(f"--seed: {exc}") from None
         for name in ("world_size", "tp", "steps"):
             value = getattr(self, name)
             if name == "world_size" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
         if self.world_size is not None and self.world_size % self.tp:
-            raise UsageError(
+            raise InvalidArgumentError(
                 f"a world size of {self.world_size} cannot be arranged as dp x tp with tp={self.tp}; "
                 f"choose a --tp that divides {self.world_size}."
             )
         if not isinstance(self.portable, bool):
             raise ArgumentTypeError(f"portable must be True or False, got {self.portable!r}.")
         if self.portable and self.world_size is not None and self.world_size > PORTABLE_MAX_RANKS:
-            raise UsageError(
+            raise InvalidArgumentError(
                 f"--portable trains at every TP size dividing the world size on up to {PORTABLE_MAX_RANKS} "
                 f"processes; got --world-size {self.world_size}."
             )
         if isinstance(self.save_step, bool) or not isinstance(self.save_step, int):
-            raise UsageError(f"--save-step must be an integer, got {self.save_step!r}.")
+            raise InvalidArgumentError(f"--save-step must be an integer, got {self.save_step!r}.")
         if self.steps < 2 or not 1 <= self.save_step < self.steps:
-            raise UsageError(
+            raise InvalidArgumentError(
                 f"--save-step must lie in [1, --steps - 1] so that a resume has steps to replay; "
                 f"got save_step={self.save_step}, steps={self.steps}."
             )
@@ -159,16 +159,18 @@ class DemoConfig:
         """This configuration with its world size settled and every field validated.
 
         Raises:
-            UsageError: see :meth:`validate`; or a world size that contradicts the
+            InvalidArgumentError: see :meth:`validate`; or a world size that contradicts the
                 torchrun job, or above :data:`MAX_LOCAL_RANKS` for a local run.
         """
         self.validate()
         job = _torchrun_world_size()
         if job is not None:
             if self.portable:
-                raise UsageError("--portable starts processes of its own at several TP sizes; run it outside torchrun.")
+                raise InvalidArgumentError(
+                    "--portable starts processes of its own at several TP sizes; run it outside torchrun."
+                )
             if self.world_size is not None and self.world_size != job:
-                raise UsageError(
+                raise InvalidArgumentError(
                     f"--world-size {self.world_size} contradicts the torchrun job, which has WORLD_SIZE={job} "
                     "ranks; leave --world-size out under torchrun (the job decides), or launch that many ranks."
                 )
@@ -176,7 +178,7 @@ class DemoConfig:
         else:
             cfg = replace(self, world_size=DEFAULT_WORLD_SIZE if self.world_size is None else self.world_size)
             if cfg.size > MAX_LOCAL_RANKS:
-                raise UsageError(
+                raise InvalidArgumentError(
                     f"--world-size {cfg.size} would start {cfg.size} processes on this machine; the demo starts "
                     f"at most {MAX_LOCAL_RANKS} (run a larger job under torchrun)."
                 )
@@ -187,7 +189,7 @@ class DemoConfig:
     def size(self) -> int:
         """The world size of a resolved configuration."""
         if self.world_size is None:
-            raise UsageError("the world size is not settled yet; call DemoConfig.resolved() first.")
+            raise InvalidArgumentError("the world size is not settled yet; call DemoConfig.resolved() first.")
         return self.world_size
 
     @property
@@ -513,7 +515,9 @@ def _torchrun_world_size() -> int | None:
     try:
         return int(os.environ["WORLD_SIZE"])
     except ValueError as exc:
-        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; is this a torchrun job?") from exc
+        raise InvalidArgumentError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; is this a torchrun job?"
+        ) from exc
 
 
 def _torchrun_job(
@@ -653,7 +657,7 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         per property.
 
     Raises:
-        UsageError, InvalidSeedError, ArgumentTypeError: see :meth:`DemoConfig.resolved`.
+        InvalidArgumentError, ArgumentTypeError: see :meth:`DemoConfig.resolved`.
         PlatformError: the platform cannot be selected, or cannot be rebuilt in the ranks.
         RankFailure: a rank raised or died (the other ranks are stopped at once).
     """

@@ -64,7 +64,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng.errors import ArgumentTypeError, LayoutError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
@@ -103,7 +103,7 @@ def name_hash(name: str, *, kind: str = "stream") -> int:
     with ``b"hyperrng.stream"`` or ``b"hyperrng.dim"``.
     """
     if kind not in _PERSONS:
-        raise LayoutError(f"kind must be one of {list(_PERSONS)}, got {kind!r}.")
+        raise InvalidArgumentError(f"kind must be one of {list(_PERSONS)}, got {kind!r}.")
     person = _PERSONS[kind]
     digest = hashlib.blake2b(name.encode("utf-8"), digest_size=_HASH_BYTES, person=person).digest()
     return int.from_bytes(digest, "little")
@@ -120,7 +120,7 @@ class StreamLayout:
             formula mixes them.
 
     Raises:
-        LayoutError: a name is not a non-empty string, ``dims`` repeats a name, a stream
+        InvalidArgumentError: a name is not a non-empty string, ``dims`` repeats a name, a stream
             varies over a dimension twice or over one that ``dims`` does not name, or a
             stream is called :data:`DEFAULT_STREAM`.
     """
@@ -128,7 +128,7 @@ class StreamLayout:
     def __init__(self, dims: Sequence[str], default: Sequence[str], streams: Mapping[str, Sequence[str]]) -> None:
         dim_list = _names(dims, "mesh dimension")
         if len(set(dim_list)) != len(dim_list):
-            raise LayoutError(f"mesh dimensions {dim_list} repeat a name; each dimension needs its own name.")
+            raise InvalidArgumentError(f"mesh dimensions {dim_list} repeat a name; each dimension needs its own name.")
         if not isinstance(streams, Mapping):
             raise ArgumentTypeError(
                 f"streams must map a stream name to its dimensions, such as {{'tp-rng': ('tp',)}}, "
@@ -139,9 +139,9 @@ class StreamLayout:
             if not isinstance(name, str):
                 raise ArgumentTypeError(f"a stream name must be a string, got {type(name).__name__} {name!r}.")
             if not name:
-                raise LayoutError("a stream name must be a non-empty string, got ''.")
+                raise InvalidArgumentError("a stream name must be a non-empty string, got ''.")
             if name == DEFAULT_STREAM:
-                raise LayoutError(
+                raise InvalidArgumentError(
                     f"{DEFAULT_STREAM!r} is reserved for the default generator; declare its dimensions with default=."
                 )
             table[name] = _stream_dims(name, varies, dim_list)
@@ -171,11 +171,11 @@ class StreamLayout:
         mesh object (see :func:`mesh_coordinates`).
 
         Raises:
-            LayoutError: unknown stream, or coordinates that are missing, extra, negative or not ints.
-            InvalidSeedError: ``base_seed`` is not an int in [0, 2**64 - 1].
+            InvalidArgumentError: unknown stream, or coordinates that are missing, extra, negative or not ints;
+                or ``base_seed`` is not an int in [0, 2**64 - 1].
         """
         if stream not in self._streams:
-            raise LayoutError(f"the layout has no stream {stream!r}; it declares {list(self._streams)}.")
+            raise InvalidArgumentError(f"the layout has no stream {stream!r}; it declares {list(self._streams)}.")
         return self.seeds(base_seed, coords)[stream]
 
     def seeds(self, base_seed: int, coords: Mapping[str, int] | object) -> dict[str, int]:
@@ -195,7 +195,7 @@ class StreamLayout:
             The number of distinct (stream, coordinates) pairs checked.
 
         Raises:
-            LayoutError: two pairs share a seed (the message names both), or ``sizes``
+            InvalidArgumentError: two pairs share a seed (the message names both), or ``sizes``
                 does not give a positive int for every dimension.
         """
         base = check_seed(base_seed, "base_seed")
@@ -206,7 +206,7 @@ class StreamLayout:
                 seed = self._mix(base, name, dims, dict(zip(dims, point)))
                 other = seen.setdefault(seed, (name, point))
                 if other != (name, point):
-                    raise LayoutError(
+                    raise InvalidArgumentError(
                         f"streams {other[0]!r} at {dict(zip(self._streams[other[0]], other[1]))} and {name!r} at "
                         f"{dict(zip(dims, point))} share seed {seed} for base seed {base}; pick another base seed."
                     )
@@ -226,10 +226,10 @@ class StreamLayout:
             ``{stream: seed}`` as :meth:`seeds` computes it.
 
         Raises:
-            LayoutError, InvalidSeedError: see :meth:`seeds`; raised before anything changes.
-            DuplicateStreamError: two of this rank's streams share a seed (probability 2**-64).
-            TrackerStateError: a fork of ``tracker`` is active.
-            GeneratorBusyError: another thread holds torch's CPU generator or the current device's.
+            InvalidArgumentError: see :meth:`seeds`; raised before anything changes;
+                or two of this rank's streams share a seed (probability 2**-64).
+            InvalidOperationError: a fork of ``tracker`` is active;
+                or another thread holds torch's CPU generator or the current device's.
 
         The tracker is replaced all or nothing (:meth:`RNGStatesTracker.reseed`) before
         the default generator is seeded, so an error leaves everything as it was.
@@ -261,7 +261,7 @@ class StreamLayout:
         """Rebuild a layout from :meth:`to_dict` output.
 
         Raises:
-            LayoutError: ``data`` is not such a dict, or comes from another format
+            InvalidArgumentError: ``data`` is not such a dict, or comes from another format
                 version or mixing domain (its seeds would not be reproduced).
         """
         if not isinstance(data, Mapping):
@@ -270,9 +270,9 @@ class StreamLayout:
             )
         missing = [key for key in ("version", "domain", "dims", "default", "streams") if key not in data]
         if missing:
-            raise LayoutError(f"layout dict lacks {missing}; pass what StreamLayout.to_dict() returned.")
+            raise InvalidArgumentError(f"layout dict lacks {missing}; pass what StreamLayout.to_dict() returned.")
         if data["version"] != LAYOUT_FORMAT_VERSION or data["domain"] != LAYOUT_DOMAIN:
-            raise LayoutError(
+            raise InvalidArgumentError(
                 f"layout dict has version {data['version']!r} and domain {data['domain']!r}; this hyperrng "
                 f"reads version {LAYOUT_FORMAT_VERSION} with domain {LAYOUT_DOMAIN} only."
             )
@@ -301,10 +301,14 @@ class StreamLayout:
         point = coords if isinstance(coords, Mapping) else mesh_coordinates(coords)
         extra = [d for d in point if d not in self._dims]
         if extra:
-            raise LayoutError(f"{what}s given for {extra}, which the layout does not have (dims {list(self._dims)}).")
+            raise InvalidArgumentError(
+                f"{what}s given for {extra}, which the layout does not have (dims {list(self._dims)})."
+            )
         missing = [d for d in self._dims if d not in point]
         if missing:
-            raise LayoutError(f"{what}s lack dimension(s) {missing}; give one for every dimension {list(self._dims)}.")
+            raise InvalidArgumentError(
+                f"{what}s lack dimension(s) {missing}; give one for every dimension {list(self._dims)}."
+            )
         return {d: _check_int(point[d], f"{what} of {d!r}", minimum) for d in self._dims}
 
 
@@ -359,14 +363,14 @@ def mesh_coordinates(mesh: Mapping[str, int] | object) -> dict[str, int]:
     Raises:
         ArgumentTypeError: ``mesh`` is neither a mapping nor a mesh, or a name or
             coordinate has the wrong type.
-        LayoutError: the mesh has no dimension names, this rank is not in it, or a
+        InvalidArgumentError: the mesh has no dimension names, this rank is not in it, or a
             coordinate is negative.
     """
     if isinstance(mesh, Mapping):
         if not all(isinstance(k, str) for k in mesh):
             raise ArgumentTypeError(f"mesh dimension names must be strings, got {list(mesh)}.")
         if not all(mesh):
-            raise LayoutError(f"mesh dimension names must be non-empty strings, got {list(mesh)}.")
+            raise InvalidArgumentError(f"mesh dimension names must be non-empty strings, got {list(mesh)}.")
         return {name: _check_int(value, f"coordinate of {name!r}") for name, value in mesh.items()}
     names = getattr(mesh, "mesh_dim_names", None)
     get_coordinate = getattr(mesh, "get_coordinate", None)
@@ -375,14 +379,14 @@ def mesh_coordinates(mesh: Mapping[str, int] | object) -> dict[str, int]:
             f"expected a mapping of dimension name to coordinate or a DeviceMesh, got {type(mesh).__name__}."
         )
     if not names:
-        raise LayoutError(
+        raise InvalidArgumentError(
             "the mesh has no mesh_dim_names; create it with names (e.g. init_device_mesh(..., mesh_dim_names=...))."
         )
     coordinate = get_coordinate()
     if coordinate is None:
-        raise LayoutError("this rank is not part of the mesh (get_coordinate() returned None).")
+        raise InvalidArgumentError("this rank is not part of the mesh (get_coordinate() returned None).")
     if len(coordinate) != len(names):
-        raise LayoutError(f"the mesh has {len(names)} dimension names but {len(coordinate)} coordinates.")
+        raise InvalidArgumentError(f"the mesh has {len(names)} dimension names but {len(coordinate)} coordinates.")
     return {name: _check_int(value, f"coordinate of {name!r}") for name, value in zip(names, coordinate)}
 
 
@@ -408,7 +412,7 @@ def _names(values: object, what: str) -> list[str]:
         if not isinstance(value, str):
             raise ArgumentTypeError(f"a {what} name must be a string, got {type(value).__name__} {value!r}.")
         if not value:
-            raise LayoutError(f"a {what} name must be a non-empty string, got ''.")
+            raise InvalidArgumentError(f"a {what} name must be a non-empty string, got ''.")
     return list(values)
 
 
@@ -416,10 +420,12 @@ def _stream_dims(name: str, varies: object, dims: Sequence[str]) -> tuple[str, .
     listed = _names(varies, f"dimension of stream {name!r}")
     unknown = [d for d in listed if d not in dims]
     if unknown:
-        raise LayoutError(f"stream {name!r} varies over {unknown}, which is not a mesh dimension {list(dims)}.")
+        raise InvalidArgumentError(
+            f"stream {name!r} varies over {unknown}, which is not a mesh dimension {list(dims)}."
+        )
     repeated = sorted({d for d in listed if listed.count(d) > 1})
     if repeated:
-        raise LayoutError(f"stream {name!r} varies over {repeated} more than once; list each dimension once.")
+        raise InvalidArgumentError(f"stream {name!r} varies over {repeated} more than once; list each dimension once.")
     return tuple(listed)
 
 
@@ -427,7 +433,7 @@ def _check_int(value: object, what: str, minimum: int = 0) -> int:
     number = check_int(value, what)
     if not minimum <= number <= MAX_SEED:
         # The mix takes 64-bit words: a larger coordinate would alias a smaller one.
-        raise LayoutError(f"{what} must be in [{minimum}, 2**64 - 1], got {number}.")
+        raise InvalidArgumentError(f"{what} must be in [{minimum}, 2**64 - 1], got {number}.")
     return number
 
 

@@ -30,7 +30,7 @@ Limits, checked before anything is allocated or computed:
   (``2**64``);
 * one call returns at most :data:`MAX_NUMEL` (``2**36``) elements: the whole tensor, or
   the shard when ``shard=`` is given. Larger requests are refused with
-  :class:`InvalidShapeError` instead of failing in the allocator; draw them as shards or
+  :class:`InvalidArgumentError` instead of failing in the allocator; draw them as shards or
   as consecutive pieces (``offset`` advanced by each piece's size).
 
 Memory: eager draws work in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
@@ -46,10 +46,10 @@ parameter and size, and is bitwise equal to eager for the exact distributions.
 
 Bad arguments raise typed errors before any work: a wrong type raises
 :class:`~hyperrng.errors.ArgumentTypeError` (a ``TypeError``), a wrong value a
-``ValueError`` subclass (:class:`InvalidShapeError`, :class:`InvalidParameterError`,
-:class:`~hyperrng.errors.InvalidSeedError`, :class:`~hyperrng.errors.InvalidOffsetError`,
-:class:`~hyperrng.errors.ShardingError`), and an unsupported dtype
-:class:`UnsupportedDTypeError`.
+``ValueError`` subclass (:class:`InvalidArgumentError`,
+:class:`~hyperrng.errors.InvalidArgumentError`,
+:class:`~hyperrng.errors.InvalidArgumentError`), and an unsupported dtype
+:class:`ArgumentTypeError`.
 """
 
 from __future__ import annotations
@@ -64,12 +64,7 @@ import torch
 from hyperrng import _philox_kernels as _k
 from hyperrng.errors import (
     ArgumentTypeError,
-    InvalidOffsetError,
-    InvalidParameterError,
-    InvalidSeedError,
-    InvalidShapeError,
-    ShardingError,
-    UnsupportedDTypeError,
+    InvalidArgumentError,
 )
 from hyperrng.platforms.validate import check_int
 
@@ -77,9 +72,8 @@ __all__ = [
     "COUNTER_SPACE",
     "MAX_KEY",
     "MAX_NUMEL",
-    "InvalidParameterError",
-    "InvalidShapeError",
-    "UnsupportedDTypeError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "apply_dropout_mask",
     "bernoulli",
     "check_probability",
@@ -130,7 +124,7 @@ this build lacks)."""
 def _check_key(key: object) -> int:
     value = check_int(key, "key")
     if not 0 <= value <= MAX_KEY:
-        raise InvalidSeedError(
+        raise InvalidArgumentError(
             f"key must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
         )
     return value
@@ -139,12 +133,12 @@ def _check_key(key: object) -> int:
 def _check_offset(offset: object, numel: int) -> int:
     value = check_int(offset, "offset")
     if value < 0:
-        raise InvalidOffsetError(
+        raise InvalidArgumentError(
             f"offset must be >= 0, got {value}; it is the global index of the first element, "
             f"e.g. the number of values already drawn with this key."
         )
     if value + numel > COUNTER_SPACE:
-        raise InvalidOffsetError(
+        raise InvalidArgumentError(
             f"offset {value} + {numel} elements overflows the 2**64 counter space by "
             f"{value + numel - COUNTER_SPACE}; start a new key instead of wrapping around."
         )
@@ -156,7 +150,7 @@ def check_shape(shape: object) -> tuple[int, ...]:
 
     Raises:
         ArgumentTypeError: ``shape`` is not an int or a sequence of ints.
-        InvalidShapeError: a negative dimension, or ``2**62`` elements or more.
+        InvalidArgumentError: a negative dimension, or ``2**62`` elements or more.
     """
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
     if not isinstance(dims, Sequence):
@@ -165,9 +159,9 @@ def check_shape(shape: object) -> tuple[int, ...]:
         )
     result = tuple(check_int(d, "each shape dimension") for d in dims)
     if any(d < 0 for d in result):
-        raise InvalidShapeError(f"shape {result} has a negative dimension; every dimension must be >= 0.")
+        raise InvalidArgumentError(f"shape {result} has a negative dimension; every dimension must be >= 0.")
     if math.prod(result) >= _MAX_GLOBAL_NUMEL:
-        raise InvalidShapeError(
+        raise InvalidArgumentError(
             f"shape {result} has 2**62 or more elements, more than the counter space indexes; "
             f"split it into tensors drawn with different keys."
         )
@@ -177,7 +171,7 @@ def check_shape(shape: object) -> tuple[int, ...]:
 def _check_draw_size(shape: tuple[int, ...], what: str) -> None:
     numel = math.prod(shape)
     if numel > MAX_NUMEL:
-        raise InvalidShapeError(
+        raise InvalidArgumentError(
             f"{what} {shape} has {numel} elements, more than MAX_NUMEL = 2**36 per call; draw it in "
             f"shards (shard=) or in pieces, advancing offset by each piece's size."
         )
@@ -199,7 +193,7 @@ def _check_real(value: object, what: str) -> float:
         )
     result = float(value)
     if not math.isfinite(result):
-        raise InvalidParameterError(f"{what} must be finite, got {result}.")
+        raise InvalidArgumentError(f"{what} must be finite, got {result}.")
     return result
 
 
@@ -208,7 +202,7 @@ def check_probability(p: object) -> float:
 
     Raises:
         ArgumentTypeError: ``p`` is not a real number (bools included).
-        InvalidParameterError: ``p`` is outside ``[0, 1]`` or NaN.
+        InvalidArgumentError: ``p`` is outside ``[0, 1]`` or NaN.
     """
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise ArgumentTypeError(
@@ -216,7 +210,7 @@ def check_probability(p: object) -> float:
         )
     value = float(p)
     if not 0.0 <= value <= 1.0:  # also refuses NaN, for which every comparison is False
-        raise InvalidParameterError(f"p must be a probability in [0, 1], got {value}.")
+        raise InvalidArgumentError(f"p must be a probability in [0, 1], got {value}.")
     return value
 
 
@@ -228,7 +222,7 @@ def _check_dtype(dtype: object, supported: dict[torch.dtype, int], what: str) ->
             f"{what} supports {names}."
         )
     if dtype not in supported:
-        raise UnsupportedDTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
+        raise ArgumentTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
     return dtype
 
 
@@ -248,7 +242,7 @@ def _check_device(device: object) -> torch.device:
         try:
             target = torch.device(device)  # type: ignore[arg-type]
         except _DEVICE_ERRORS as error:
-            raise InvalidParameterError(
+            raise InvalidArgumentError(
                 f"device {device!r} is not a device torch knows ({_first_line(error)}); pass e.g. 'cpu' or 'cuda:0'."
             ) from None
     else:
@@ -259,7 +253,7 @@ def _check_device(device: object) -> torch.device:
     try:
         torch.empty(0, device=target)  # names an available device: nothing else is touched first
     except _DEVICE_ERRORS as error:
-        raise InvalidParameterError(
+        raise InvalidArgumentError(
             f"device {str(target)!r} is not available in this process ({_first_line(error)}); "
             f"pick one that is, e.g. 'cpu'."
         ) from None
@@ -280,7 +274,9 @@ def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]
                 f"shard[{d}] must be a slice, got {type(s).__name__} {s!r}; write slice(i, i + 1) for one index."
             )
     if len(shard) > len(shape):
-        raise ShardingError(f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions.")
+        raise InvalidArgumentError(
+            f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions."
+        )
     ranges = []
     for d, extent in enumerate(shape):
         if d >= len(shard):
@@ -292,7 +288,7 @@ def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]
             for b, name in ((s.start, "start"), (s.stop, "stop"), (s.step, "step"))
         ]
         if bounds[2] is not None and bounds[2] != 1:
-            raise ShardingError(
+            raise InvalidArgumentError(
                 f"shard slice {s!r} of dimension {d} has step {bounds[2]}; only step 1 (or None) is supported."
             )
         start, stop, _ = slice(bounds[0], bounds[1]).indices(extent)
@@ -346,14 +342,14 @@ def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: 
     if not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}.")
     if out.dtype != dtype:
-        raise UnsupportedDTypeError(f"out has dtype {out.dtype} but the result is {dtype}.")
+        raise ArgumentTypeError(f"out has dtype {out.dtype} but the result is {dtype}.")
     if tuple(out.shape) != shape or not out.is_contiguous():
-        raise InvalidShapeError(
+        raise InvalidArgumentError(
             f"out must be a contiguous tensor of the result's shape {shape}, got shape {tuple(out.shape)}"
             f"{'' if out.is_contiguous() else ' (not contiguous)'}."
         )
     if out.device != device:
-        raise InvalidParameterError(f"out is on {out.device} but the result is drawn on {device}.")
+        raise InvalidArgumentError(f"out is on {out.device} but the result is drawn on {device}.")
     return out
 
 
@@ -370,12 +366,12 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         Random123's word order (``philox4x32(ctr, key)``'s ``v[0..3]``).
 
     Raises:
-        ArgumentTypeError: ``counter`` or ``key`` is not a tensor.
-        UnsupportedDTypeError: ``counter`` or ``key`` is not ``int64``.
-        InvalidShapeError: a last dimension is not 4 (counter) or 2 (key), or the leading
-            dimensions do not broadcast.
-        InvalidParameterError: ``counter`` and ``key`` are on different devices.
-        InvalidOffsetError / InvalidSeedError: a counter / key word outside ``[0, 2**32)``.
+        ArgumentTypeError: ``counter`` or ``key`` is not a tensor;
+            or ``counter`` or ``key`` is not ``int64``.
+        InvalidArgumentError: a last dimension is not 4 (counter) or 2 (key), or the leading
+            dimensions do not broadcast;
+            or ``counter`` and ``key`` are on different devices.
+        InvalidArgumentError / InvalidArgumentError: a counter / key word outside ``[0, 2**32)``.
     """
     for name, t, width in (("counter", counter, _k.WORDS_PER_BLOCK), ("key", key, 2)):
         if not isinstance(t, torch.Tensor):
@@ -384,23 +380,23 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
                 f"build it with torch.tensor(..., dtype=torch.int64)."
             )
         if t.dtype != torch.int64:
-            raise UnsupportedDTypeError(f"{name} must be an int64 tensor, got {t.dtype}; convert it with .long().")
+            raise ArgumentTypeError(f"{name} must be an int64 tensor, got {t.dtype}; convert it with .long().")
         if t.dim() == 0 or t.shape[-1] != width:
-            raise InvalidShapeError(f"{name} must have shape (..., {width}), got {tuple(t.shape)}.")
+            raise InvalidArgumentError(f"{name} must have shape (..., {width}), got {tuple(t.shape)}.")
     if counter.device != key.device:
-        raise InvalidParameterError(
+        raise InvalidArgumentError(
             f"counter is on {counter.device} but key is on {key.device}; move both to one device."
         )
     try:
         batch = torch.broadcast_shapes(counter.shape[:-1], key.shape[:-1])  # type: ignore[no-untyped-call]
     except RuntimeError:
-        raise InvalidShapeError(
+        raise InvalidArgumentError(
             f"counter {tuple(counter.shape)} and key {tuple(key.shape)} do not broadcast over their leading "
             f"dimensions; give key shape (2,) for one key, or one key per counter."
         ) from None
     for name, t in (("counter", counter), ("key", key)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) > 2**_WORD_BITS - 1):
-            error = InvalidOffsetError if name == "counter" else InvalidSeedError
+            error = InvalidArgumentError if name == "counter" else InvalidArgumentError
             raise error(f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}].")
     c = counter.expand(*batch, _k.WORDS_PER_BLOCK).unbind(-1)
     k = key.expand(*batch, 2).unbind(-1)
@@ -432,15 +428,15 @@ def random_bits(
             not an int or a sequence, a ``shard`` that is not a sequence of slices with int
             bounds, a ``device`` that is not a string, torch.device or None, a ``compiled``
             that is not a bool.
-        InvalidSeedError: ``key`` is not in ``[0, 2**64 - 1]``.
-        InvalidOffsetError: ``offset`` is negative or ``offset + numel > 2**64``.
-        InvalidShapeError: ``shape`` has a negative dimension or ``2**62`` elements or
-            more, or the result (the shard, with ``shard=``) more than :data:`MAX_NUMEL`.
-        ShardingError: ``shard`` has more slices than ``shape`` has dimensions, or a step
-            other than 1.
-        InvalidParameterError: ``device`` names no device, or one this process lacks, or
+        InvalidArgumentError: ``key`` is not in ``[0, 2**64 - 1]``;
+            or ``offset`` is negative or ``offset + numel > 2**64``;
+            or ``shape`` has a negative dimension or ``2**62`` elements or
+            more, or the result (the shard, with ``shard=``) more than :data:`MAX_NUMEL`;
+            or ``shard`` has more slices than ``shape`` has dimensions, or a step
+            other than 1;
+            or ``device`` names no device, or one this process lacks, or
             ``out`` is on another device.
-        UnsupportedDTypeError / InvalidShapeError: ``out`` has another dtype, or another
+        ArgumentTypeError / InvalidArgumentError: ``out`` has another dtype, or another
             shape or is not contiguous (an ``out`` that is no tensor: ArgumentTypeError).
     """
     return _generate(shape, key, offset, shard, device, compiled, torch.int64, _k.BITS, (), (), torch.int64, out)
@@ -477,26 +473,26 @@ def uniform(
 
     Raises:
         ArgumentTypeError: ``dtype`` is not a torch.dtype, ``low``/``high`` are not real
-            numbers; and the type errors of :func:`random_bits`.
-        UnsupportedDTypeError: ``dtype`` is not float32, float64, float16 or bfloat16.
-        InvalidParameterError: ``low``/``high`` are not finite values of ``dtype``,
+            numbers; and the type errors of :func:`random_bits`;
+            or ``dtype`` is not float32, float64, float16 or bfloat16.
+        InvalidArgumentError: ``low``/``high`` are not finite values of ``dtype``,
             ``low > high``, or ``high - low`` overflows the compute precision.
         And the errors of :func:`random_bits`.
     """
     dtype = _check_dtype(dtype, _UNIFORM_BITS, "uniform")
     low_value, high_value = _check_real(low, "low"), _check_real(high, "high")
     if low_value > high_value:
-        raise InvalidParameterError(f"low must be <= high, got low={low_value} and high={high_value}.")
+        raise InvalidArgumentError(f"low must be <= high, got low={low_value} and high={high_value}.")
     compute = _compute_dtype(dtype)
     for name, value in (("low", low_value), ("high", high_value)):
         if not _finite_in(value, dtype):
-            raise InvalidParameterError(
+            raise InvalidArgumentError(
                 f"{name}={value} is outside the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); "
                 f"narrow the bounds or use a wider dtype."
             )
     span = high_value - low_value
     if not _finite_in(span, compute):
-        raise InvalidParameterError(
+        raise InvalidArgumentError(
             f"high - low = {span} overflows {compute}, the precision uniform computes in; narrow the bounds."
         )
     keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
@@ -527,7 +523,7 @@ def bernoulli(
     Raises:
         ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors
             included); and the type errors of :func:`random_bits`.
-        InvalidParameterError: ``p`` is not in ``[0, 1]`` (NaN included).
+        InvalidArgumentError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
     threshold = _threshold(check_probability(p))
@@ -574,10 +570,10 @@ def dropout(
 
     Raises:
         ArgumentTypeError: ``x`` is not a tensor, ``training`` or ``compiled`` is not a
-            bool; and the type errors of :func:`bernoulli`.
-        UnsupportedDTypeError: ``x`` is not a floating-point tensor.
-        InvalidShapeError: ``x.shape`` is not the shape of ``shard`` in ``global_shape``.
-        ShardingError: only one of ``global_shape`` and ``shard`` is given.
+            bool; and the type errors of :func:`bernoulli`;
+            or ``x`` is not a floating-point tensor.
+        InvalidArgumentError: ``x.shape`` is not the shape of ``shard`` in ``global_shape``;
+            or only one of ``global_shape`` and ``shard`` is given.
         And the errors of :func:`bernoulli`.
     """
     if not isinstance(x, torch.Tensor):
@@ -586,16 +582,16 @@ def dropout(
             f"torch.as_tensor(x, dtype=torch.float32)."
         )
     if not x.is_floating_point():
-        raise UnsupportedDTypeError(f"dropout expects a floating-point torch.Tensor, got {x.dtype}.")
+        raise ArgumentTypeError(f"dropout expects a floating-point torch.Tensor, got {x.dtype}.")
     p_value = check_probability(p)
     is_training = _check_bool(training, "training")
     _check_bool(compiled, "compiled")
     if (global_shape is None) != (shard is None):
-        raise ShardingError("pass global_shape and shard together, or neither.")
+        raise InvalidArgumentError("pass global_shape and shard together, or neither.")
     shape = tuple(x.shape) if global_shape is None else check_shape(global_shape)
     local = tuple(b - a for a, b in _check_shard(shard, shape))
     if local != tuple(x.shape):
-        raise InvalidShapeError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
+        raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
     _check_key(key)
     _check_offset(offset, math.prod(shape))
     if not is_training or p_value == 0.0 or x.numel() == 0:
@@ -653,20 +649,20 @@ def normal(
 
     Raises:
         ArgumentTypeError: ``dtype`` is not a torch.dtype, ``mean``/``std`` are not real
-            numbers; and the type errors of :func:`random_bits`.
-        UnsupportedDTypeError: ``dtype`` is not float32, float64, float16 or bfloat16.
-        InvalidParameterError: ``mean``/``std`` are not finite, ``std < 0``, or samples
+            numbers; and the type errors of :func:`random_bits`;
+            or ``dtype`` is not float32, float64, float16 or bfloat16.
+        InvalidArgumentError: ``mean``/``std`` are not finite, ``std < 0``, or samples
             (up to ``mean ± 5.77 std``, ``6.67 std`` for float64) could overflow ``dtype``.
         And the errors of :func:`random_bits`.
     """
     dtype = _check_dtype(dtype, _NORMAL_BITS, "normal")
     mean_value, std_value = _check_real(mean, "mean"), _check_real(std, "std")
     if std_value < 0:
-        raise InvalidParameterError(f"std must be >= 0, got {std_value}.")
+        raise InvalidArgumentError(f"std must be >= 0, got {std_value}.")
     bits = _NORMAL_BITS[dtype]
     z_max = math.sqrt(-2.0 * math.log(2.0**-bits))  # |z| of the smallest u1, 2**-bits
     if abs(mean_value) + z_max * std_value > torch.finfo(dtype).max:
-        raise InvalidParameterError(
+        raise InvalidArgumentError(
             f"mean={mean_value} and std={std_value} can give samples up to mean ± {z_max:.2f} * std, beyond "
             f"the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); use a wider dtype or smaller values."
         )

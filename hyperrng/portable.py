@@ -37,7 +37,7 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import philox
-from hyperrng.errors import ArgumentTypeError, CheckpointError, InvalidOffsetError, InvalidSeedError, RNGDesyncError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, RNGDesyncError
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_offset, check_seed, round_up_offset
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
@@ -73,8 +73,8 @@ def reserve(numel: int, generator: torch.Generator | None = None) -> tuple[int, 
 
     Raises:
         ArgumentTypeError: ``numel`` is not an int (NumPy integers are accepted).
-        InvalidOffsetError: ``numel`` is negative, or the generator's offset would pass 2**63 - 1.
-        InvalidStateError: ``generator`` belongs to another device type. Nothing moves on error.
+        InvalidArgumentError: ``numel`` is negative, or the generator's offset would pass 2**63 - 1;
+            or ``generator`` belongs to another device type. Nothing moves on error.
     """
     return draw_at_position(numel, generator, lambda key, offset: (key, offset))
 
@@ -93,12 +93,12 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
     """
     count = check_int(numel, "numel")
     if count < 0:
-        raise InvalidOffsetError(f"numel must be non-negative, got {count}; it is the number of values to draw.")
+        raise InvalidArgumentError(f"numel must be non-negative, got {count}; it is the number of values to draw.")
     p = platforms.current()
     seed, offset = p.get_seed_offset(generator=generator)
     end = offset + round_up_offset(count)
     if end > MAX_OFFSET:
-        raise InvalidOffsetError(
+        raise InvalidArgumentError(
             f"reserving {count} counters at offset {offset} would pass 2**63 - 1; no generator moves past "
             f"2**63 - 1: reseed it (e.g. with portable_random(seed)) before drawing."
         )
@@ -298,7 +298,7 @@ def sharded_dropout(
     ``p`` 0 or 1 nothing is drawn and the generator stays put, as in :func:`dropout`.
 
     Raises:
-        InvalidShapeError: ``x`` does not have this rank's local shape (nothing moves).
+        InvalidArgumentError: ``x`` does not have this rank's local shape (nothing moves).
     """
     _check_input(x)
     p_value = philox.check_probability(p)
@@ -306,7 +306,7 @@ def sharded_dropout(
     per_dim = shard_slices(mesh, placements, philox.check_shape(global_shape))
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
-        raise philox.InvalidShapeError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
+        raise philox.InvalidArgumentError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
     if p_value in (0.0, 1.0):
         return philox.dropout(x, p_value, key=0)
     kw = {"p": 1.0 - p_value, "device": x.device, "compiled": compiled}
@@ -340,7 +340,7 @@ def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dic
 
     Raises:
         ArgumentTypeError: ``check_ranks`` is not a bool, ``tracker`` not a tracker.
-        TrackerStateError: a fork is active (a stream's position is in the generator).
+        InvalidOperationError: a fork is active (a stream's position is in the generator).
         RNGDesyncError: ``check_ranks`` and the ranks hold different positions.
     """
     check = check_instance(check_ranks, bool, "check_ranks")
@@ -374,18 +374,18 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
 
     Raises:
         ArgumentTypeError: ``state`` is not a dict of the documented shape, or a value not an int.
-        CheckpointError: an unknown ``format``, or a stream of the state that the tracker lacks
+        InvalidArgumentError: an unknown ``format``, or a stream of the state that the tracker lacks
             (add the streams, with any seed, before loading).
-        InvalidSeedError / InvalidOffsetError: a seed or offset out of range or misaligned.
+        InvalidArgumentError / InvalidArgumentError: a seed or offset out of range or misaligned.
             Errors about a position name its entry: the stream, or ``state['position']``.
-        TrackerStateError: a fork is active.
+        InvalidOperationError: a fork is active.
     """
     if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
         raise ArgumentTypeError(
             f"state must be the dict portable_state_dict() returns, got {type(state).__name__}; load it unchanged."
         )
     if state.get("format") != PORTABLE_STATE_FORMAT:
-        raise CheckpointError(f"state has format {state.get('format')!r}, not {PORTABLE_STATE_FORMAT!r}.")
+        raise InvalidArgumentError(f"state has format {state.get('format')!r}, not {PORTABLE_STATE_FORMAT!r}.")
     t = resolve_tracker(tracker)
 
     def position(value: object, entry: str) -> tuple[int, int]:
@@ -398,7 +398,7 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
             raise ArgumentTypeError(f"{entry}: expected a [seed, offset] pair, got {value!r}. {fix}")
         try:
             return check_seed(value[0], "seed"), check_offset(value[1], "offset")
-        except (ArgumentTypeError, InvalidSeedError, InvalidOffsetError) as exc:  # same class, entry named
+        except (ArgumentTypeError, InvalidArgumentError) as exc:  # same class, entry named
             raise type(exc)(f"{entry}: {exc} {fix}") from None
 
     main = position(state.get("position"), "the generator position (state['position'])")
@@ -408,7 +408,7 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
     }
     missing = sorted(set(streams) - set(t.get_states()))
     if missing:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"the state has streams {missing} that the tracker lacks; add them (tracker.add(name, seed)) first."
         )
     t._idle("load_portable_state_dict")

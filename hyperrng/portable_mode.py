@@ -41,7 +41,7 @@ while one of its contexts is entered or its switch (:func:`set_portable_random`)
 Random ops on other threads keep torch's own kernels and numbers. Entering also holds
 the current device's generator for the thread (:mod:`hyperrng._exclusive`), so a second
 thread that enters portable mode meanwhile, or anything that holds that generator by the
-same policy, is refused with :class:`~hyperrng.errors.GeneratorBusyError`, nothing changed.
+same policy, is refused with :class:`~hyperrng.errors.InvalidOperationError`, nothing changed.
 A plain draw on another thread is not intercepted: a draw from the same device generator
 (``torch.rand`` without ``generator=``) moves the position the portable thread draws from.
 Work that torch runs on its own threads does not inherit the flag: on accelerators
@@ -91,7 +91,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng._portable_ops import PORTABLE_OPS, THREAD, Entry, register, registered, unsupported_ops
-from hyperrng.errors import ArgumentTypeError, InvalidParameterError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.validate import check_seed
 from hyperrng.sharded import ShardedRNGTracker
 
@@ -326,10 +326,10 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
 
     Raises:
         ArgumentTypeError: ``seed`` is not an int or ``compiled`` not a bool.
-        InvalidSeedError: ``seed`` is outside ``[0, 2**64 - 1]``.
+        InvalidArgumentError: ``seed`` is outside ``[0, 2**64 - 1]``.
         UnsupportedPortableOpError (on entry): torch is older than 2.9, or the platform's
             device type has no portable kernels. Nothing changed.
-        GeneratorBusyError (on entry): another thread holds the device's generator (in
+        InvalidOperationError (on entry): another thread holds the device's generator (in
             portable mode, a fork, a region, ...). Nothing changed.
     """
 
@@ -365,15 +365,15 @@ def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: boo
 
     Raises:
         ArgumentTypeError: ``enabled`` or ``compiled`` is not a bool, ``seed`` not an int.
-        InvalidSeedError: ``seed`` is outside ``[0, 2**64 - 1]``.
-        InvalidParameterError: a ``seed`` with ``enabled=False``.
-        UnsupportedPortableOpError / GeneratorBusyError: as on entering :class:`portable_random`.
+        InvalidArgumentError: ``seed`` is outside ``[0, 2**64 - 1]``;
+            or a ``seed`` with ``enabled=False``.
+        UnsupportedPortableOpError / InvalidOperationError: as on entering :class:`portable_random`.
     """
     on = _check_bool(enabled, "enabled")
     value = _check_optional_seed(seed)
     use_compiled = _check_bool(compiled, "compiled")
     if not on and value is not None:
-        raise InvalidParameterError("a seed positions the generator for portable draws; pass it with enabled=True.")
+        raise InvalidArgumentError("a seed positions the generator for portable draws; pass it with enabled=True.")
     switch = next((e for e in THREAD.entries if e.owner is _SWITCH), None)
     if not on:
         if switch is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import hyperrng.platforms as platforms
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
-from hyperrng.errors import ArgumentTypeError, UsageError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.validate import check_index
 
 __all__ = ["fork_rng"]
@@ -109,15 +109,15 @@ def fork_rng(
     While the block runs, this thread holds torch's CPU generator and each forked device
     (see :mod:`hyperrng._exclusive`): on another thread, a tracker fork, a sharded region,
     a recompute or another ``fork_rng`` that needs one of them is refused with
-    :class:`~hyperrng.errors.GeneratorBusyError`, and entering this one while another
+    :class:`~hyperrng.errors.InvalidOperationError`, and entering this one while another
     thread holds one of them is refused the same way, with nothing changed. Plain draws on
     other threads are not stopped, and change the states this block then discards.
 
     Raises:
-        UsageError: ``device_type`` is not the current platform's (select it with
-            ``hyperrng.platforms.use(...)``; see the module docstring).
-        DeviceIndexError: a device index is not an int in ``[0, device_count())``.
-        GeneratorBusyError: on entry, another thread holds one of the generators.
+        InvalidArgumentError: ``device_type`` is not the current platform's (select it with
+            ``hyperrng.platforms.use(...)``; see the module docstring);
+            or a device index is not an int in ``[0, device_count())``.
+        InvalidOperationError: on entry, another thread holds one of the generators.
 
     Nothing is read or changed until the ``with`` block is entered; a bad argument
     raises before that.
@@ -128,7 +128,7 @@ def fork_rng(
         return _NO_FORK
     platform = platforms.current()
     if device_type is not None and device_type not in (platform.device_type, platform.name):
-        raise UsageError(
+        raise InvalidArgumentError(
             f"fork_rng(device_type={device_type!r}), but the current platform is {platform.name!r} "
             f"(device type {platform.device_type!r}); select that platform with platforms.use(...) "
             "or leave device_type out."

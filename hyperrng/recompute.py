@@ -47,7 +47,7 @@ class _RNGSnapshot:
 class _Holding:
     """Holds torch's CPU generator and every device of the platform for the calling thread
     (see :mod:`hyperrng._exclusive`); on another thread that holds one, entering raises
-    :class:`~hyperrng.errors.GeneratorBusyError` with nothing changed."""
+    :class:`~hyperrng.errors.InvalidOperationError` with nothing changed."""
 
     __slots__ = ("belows", "targets")
 
@@ -127,7 +127,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
 
     Raises:
         ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker.
-        GeneratorBusyError: another thread holds torch's CPU generator or a device's (a
+        InvalidOperationError: another thread holds torch's CPU generator or a device's (a
             fork, region, ``fork_rng`` or recompute is open there): now, while the states
             are recorded, or in the backward pass, while they are swapped for the rerun.
             Nothing is changed. The rerun runs on the thread autograd runs the backward

@@ -37,7 +37,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng.errors import ArgumentTypeError, DuplicateStreamError, InvalidSeedError, LayoutError, UsageError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
@@ -46,7 +46,6 @@ from hyperrng.tracker import (
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
     RNGStatesTracker,
-    TrackerStateError,
     resolve_tracker,
 )
 
@@ -95,8 +94,8 @@ def seed_host(seed: int) -> None:
     own :func:`library_seed`, so the two never share a stream (see the module docstring).
 
     Raises:
-        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1]; nothing is seeded.
-        GeneratorBusyError: another thread holds torch's CPU generator or a device's (in a
+        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1]; nothing is seeded.
+        InvalidOperationError: another thread holds torch's CPU generator or a device's (in a
             fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing is seeded.
     """
     value = check_seed(seed)
@@ -134,16 +133,17 @@ def _seed_torch(seed: int) -> None:
 
 
 def _rank(value: object, what: str) -> int:
-    """``value`` as a non-negative int: :class:`ArgumentTypeError` for another type, :class:`LayoutError` below 0."""
+    """``value`` as a non-negative int: :class:`ArgumentTypeError` for another type,
+    :class:`InvalidArgumentError` below 0."""
     number = check_int(value, what)
     if number < 0:
-        raise LayoutError(f"{what} must be a non-negative int, got {number}.")
+        raise InvalidArgumentError(f"{what} must be a non-negative int, got {number}.")
     return number
 
 
 def _derived(value: int, formula: str) -> int:
     if value > MAX_SEED:
-        raise InvalidSeedError(f"{formula} = {value} exceeds 2**64 - 1; use a smaller base seed.")
+        raise InvalidArgumentError(f"{formula} = {value} exceeds 2**64 - 1; use a smaller base seed.")
     return value
 
 
@@ -152,8 +152,8 @@ def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     before anything is seeded."""
     chosen = resolve_tracker(tracker)
     if chosen.active_stream is not None:
-        raise TrackerStateError(
-            f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork."
+        raise InvalidOperationError(
+            f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork.", reason="tracker"
         )
     chosen._target(rebind=True)  # a reseed would refuse the same way, but only after the host was seeded
     return chosen
@@ -181,10 +181,10 @@ def model_parallel_manual_seed(
         The model-parallel seed.
 
     Raises:
-        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1], or the derived seed overflows.
-        LayoutError: ``tp_rank`` is negative or not an int.
-        TrackerStateError: a fork of the tracker is active.
-        GeneratorBusyError: another thread holds the current device's generator. Nothing
+        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1], or the derived seed overflows;
+            or ``tp_rank`` is negative or not an int.
+        InvalidOperationError: a fork of the tracker is active;
+            or another thread holds the current device's generator. Nothing
             changes on error.
     """
     base = check_seed(seed)
@@ -218,7 +218,7 @@ def set_random_seed(
         The adjusted base seed.
 
     Raises:
-        InvalidSeedError, LayoutError, TrackerStateError, GeneratorBusyError: as for
+        InvalidArgumentError, InvalidOperationError: as for
             :func:`model_parallel_manual_seed` and :func:`seed_host`, raised before anything is seeded.
     """
     base = check_seed(seed)
@@ -269,8 +269,8 @@ def megatron_seeds(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int 
     ``seed + 1024 + 100 * ep_rank + etp_rank``.
 
     Raises:
-        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1], or a derived seed overflows.
-        LayoutError: a rank is negative or not an int.
+        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1], or a derived seed overflows;
+            or a rank is negative or not an int.
     """
     base = check_seed(seed)
     tp, ep, etp = _rank(tp_rank, "tp_rank"), _rank(ep_rank, "ep_rank"), _rank(etp_rank, "etp_rank")
@@ -287,7 +287,7 @@ def megatron_seeds(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int 
 def _check_megatron_distinct(seeds: MegatronSeeds) -> None:
     streams = seeds.as_streams()
     if len(set(streams.values())) != len(streams):
-        raise DuplicateStreamError(
+        raise InvalidArgumentError(
             f"Megatron-core's additive formulas give two of this rank's streams one seed: {streams}. "
             "This is the formula's collision, not a bug in your ranks; use hyperrng.layout for collision-free seeds."
         )
@@ -312,11 +312,11 @@ def megatron_model_parallel_manual_seed(
         The three seeds.
 
     Raises:
-        InvalidSeedError, LayoutError: see :func:`megatron_seeds`.
-        DuplicateStreamError: the formulas collide for these ranks (Megatron-core raises
+        InvalidArgumentError: see :func:`megatron_seeds`;
+            or the formulas collide for these ranks (Megatron-core raises
             too); nothing changes.
-        TrackerStateError: a fork of the tracker is active.
-        GeneratorBusyError: another thread holds the current device's generator; nothing changes.
+        InvalidOperationError: a fork of the tracker is active;
+            or another thread holds the current device's generator; nothing changes.
     """
     seeds = megatron_seeds(seed, tp_rank, ep_rank, etp_rank)
     _check_megatron_distinct(seeds)
@@ -356,11 +356,11 @@ def model_parallel_cuda_manual_seed(
     Raises:
         ArgumentTypeError: a flag is not a bool (a slapo-style call passes ``tp_rank`` where
             Megatron-core's signature has ``te_rng_tracker``).
-        UsageError: ``te_rng_tracker``, ``inference_rng_tracker`` or
+        InvalidArgumentError: ``te_rng_tracker``, ``inference_rng_tracker`` or
             ``use_cudagraphable_rng`` is ``True``: they choose Megatron-core's tracker
-            classes, which hyperrng's tracker replaces.
-        LayoutError: a rank is ``None`` in a world of more than one process, or negative.
-        InvalidSeedError, DuplicateStreamError, TrackerStateError: see
+            classes, which hyperrng's tracker replaces;
+            or a rank is ``None`` in a world of more than one process, or negative.
+        InvalidArgumentError, InvalidOperationError: see
             :func:`megatron_model_parallel_manual_seed`. Nothing changes on error.
     """
     flags = {
@@ -379,7 +379,7 @@ def model_parallel_cuda_manual_seed(
             )
     chosen = [name for name in ("te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng") if flags[name]]
     if chosen:
-        raise UsageError(
+        raise InvalidArgumentError(
             f"{', '.join(chosen)}=True selects one of Megatron-core's tracker classes, which hyperrng's tracker "
             "replaces (for graph-safe streams, set_rng_tracker(RNGStatesTracker(graph_safe=True)) first). Drop "
             "the flag, or call hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank)."
@@ -387,7 +387,7 @@ def model_parallel_cuda_manual_seed(
     ranks = {"tp_rank": tp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank}
     unknown = [name for name, value in ranks.items() if value is None]
     if unknown and platforms.comm.world_size() > 1:
-        raise LayoutError(
+        raise InvalidArgumentError(
             f"{', '.join(unknown)} not given: hyperrng does not read Megatron-core's parallel state, and this "
             "process is one of several. Pass tp_rank=, ep_rank= and etp_rank= (0 for a dimension the job does not "
             "use), or call hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank)."
@@ -417,15 +417,15 @@ def megatron_set_random_seed(
         The adjusted base seed.
 
     Raises:
-        InvalidSeedError: ``seed`` is not positive (Megatron-core refuses 0) or not an
+        InvalidArgumentError: ``seed`` is not positive (Megatron-core refuses 0) or not an
             int below 2**64, or a derived seed overflows.
-        LayoutError, DuplicateStreamError, TrackerStateError, GeneratorBusyError: see
+        InvalidArgumentError, InvalidOperationError: see
             :func:`megatron_model_parallel_manual_seed` and :func:`seed_host`; all raised before
             anything is seeded.
     """
     base = check_seed(seed)
     if base == 0:
-        raise InvalidSeedError("Megatron-core's seed must be a positive integer, got 0.")
+        raise InvalidArgumentError("Megatron-core's seed must be a positive integer, got 0.")
     base += _PIPELINE_SEED_STRIDE * _rank(pp_rank, "pp_rank")
     dp = _rank(dp_rank, "dp_rank")
     if data_parallel_random_init:
@@ -459,15 +459,15 @@ def set_seeds(seed: int, mesh: Mapping[str, int] | object | None = None, distinc
         The seed used.
 
     Raises:
-        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1].
-        LayoutError: the mesh is malformed or has no dimension ``distinct_dim``.
-        GeneratorBusyError: see :func:`seed_host`. Nothing changes on error.
+        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1];
+            or the mesh is malformed or has no dimension ``distinct_dim``.
+        InvalidOperationError: see :func:`seed_host`. Nothing changes on error.
     """
     value = check_seed(seed)
     if mesh is not None:
         coords = mesh_coordinates(mesh)
         if distinct_dim not in coords:
-            raise LayoutError(f"the mesh has no dimension {distinct_dim!r} (it has {list(coords)}).")
+            raise InvalidArgumentError(f"the mesh has no dimension {distinct_dim!r} (it has {list(coords)}).")
         value = (value + coords[distinct_dim]) % _D9D_SEED_MODULUS
     with holding(device_keys(platforms.current()), "set_seeds"):
         seed_host(value)

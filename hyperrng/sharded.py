@@ -54,7 +54,7 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive, _local_ranks
-from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, RankNotInMeshError, ShardingError, TrackerStateError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
 from hyperrng.sharding import rng_offsets
@@ -82,7 +82,7 @@ class MeshInfo:
             for value in values:
                 check_int(value, f"each entry of the {field}")
         if len(self.shape) != len(self.coordinate):
-            raise ShardingError(
+            raise InvalidArgumentError(
                 f"mesh coordinate {self.coordinate} has {len(self.coordinate)} entries but the mesh "
                 f"{self.shape} has {len(self.shape)} dimensions; give one coordinate per mesh dimension."
             )
@@ -109,9 +109,9 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
             ``DeviceMesh`` should give (its coordinate holds one value per simulated rank).
 
     Raises:
-        RankNotInMeshError: the rank is not part of the ``DeviceMesh`` (also a ``RuntimeError``,
+        InvalidOperationError: the rank is not part of the ``DeviceMesh`` (also a ``RuntimeError``,
             as in PyTorch).
-        ShardingError: ``mesh`` is none of the above, or a ``DeviceMesh`` coordinate differs
+        InvalidArgumentError: ``mesh`` is none of the above, or a ``DeviceMesh`` coordinate differs
             across simulated ranks and no ``rank`` was given.
     """
     if isinstance(mesh, MeshInfo):
@@ -122,10 +122,10 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
     if get_coordinate is not None:
         coordinate = get_coordinate()
         if coordinate is None:
-            raise RankNotInMeshError(_NOT_IN_MESH)
+            raise InvalidOperationError(_NOT_IN_MESH, reason="mesh")
         if rank is None:
             if any(_local_ranks.per_rank(c) is not None for c in coordinate):
-                raise ShardingError(
+                raise InvalidArgumentError(
                     "this DeviceMesh coordinate differs across the simulated ranks of torch's LocalTensor mode; "
                     "use distribute_region (which positions every simulated rank) or pass rank=."
                 )
@@ -133,7 +133,9 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
         else:
             values = [_local_ranks.value_on(c, rank) for c in coordinate]
         return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in values))  # type: ignore[call-overload]
-    raise ShardingError(f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}.")
+    raise InvalidArgumentError(
+        f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}."
+    )
 
 
 class _ActiveRegions(threading.local):
@@ -203,10 +205,10 @@ class _Region:
         entry position plus all that was consumed instead of the shard layout's end.
 
         Raises:
-            InvalidOffsetError: the position would pass 2**63 - 1 (nothing recorded).
+            InvalidArgumentError: the position would pass 2**63 - 1 (nothing recorded).
         """
         if self._base + self._consumed + count > MAX_OFFSET:
-            raise InvalidOffsetError(
+            raise InvalidArgumentError(
                 f"drawing {count} counters at offset {self._base + self._consumed} would pass 2**63 - 1; "
                 "reseed the generator."
             )
@@ -270,7 +272,7 @@ class _Region:
 def _check_room(base: int, end: int) -> None:
     """Refuse a region whose op would carry the generator offset past 2**63 - 1 (before anything moves)."""
     if base + end > MAX_OFFSET:
-        raise InvalidOffsetError(
+        raise InvalidArgumentError(
             f"the generator offset {base} plus this op's {end} would pass 2**63 - 1; reseed the generator."
         )
 
@@ -372,9 +374,9 @@ class ShardedRNGTracker:
 
         Raises (before anything changes):
             ArgumentTypeError: ``seed`` is not an int.
-            InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
-            RankNotInMeshError: this rank is not part of ``mesh`` (a ``RuntimeError``, as in PyTorch).
-            GeneratorBusyError: another thread holds the device's generator (in a fork, a region, ...;
+            InvalidArgumentError: ``seed`` is outside [0, 2**64 - 1].
+            InvalidOperationError: this rank is not part of ``mesh`` (a ``RuntimeError``, as in PyTorch).
+            InvalidOperationError: another thread holds the device's generator (in a fork, a region, ...;
                 see :mod:`hyperrng._exclusive`).
         """
         p = self.platform
@@ -398,7 +400,7 @@ class ShardedRNGTracker:
         ranks that run sharded random ops must start from the same position.
 
         Raises:
-            GeneratorBusyError: another thread holds the device's generator when the position
+            InvalidOperationError: another thread holds the device's generator when the position
                 arrives (after the broadcast, which every rank joins); it is left unchanged.
         """
         p = self.platform
@@ -517,20 +519,21 @@ class ShardedRNGTracker:
         its own shard's start, and every rank leaves at ``base + end``.
 
         Raises (before anything changes):
-            ShardingError: bad mesh, coordinate, placements or shape.
-            RankNotInMeshError: this rank is not part of the ``DeviceMesh``.
-            InvalidStateError: ``generator`` belongs to another device type.
-            InvalidOffsetError: the op would push the offset past 2**63 - 1.
-            TrackerStateError: a ``generator`` is passed under LocalTensor mode, where one
+            InvalidArgumentError: bad mesh, coordinate, placements or shape.
+            InvalidOperationError: this rank is not part of the ``DeviceMesh``.
+            InvalidArgumentError: ``generator`` belongs to another device type.
+            InvalidArgumentError: the op would push the offset past 2**63 - 1.
+            InvalidOperationError: a ``generator`` is passed under LocalTensor mode, where one
                 generator object cannot stand for every simulated rank.
         """
         mode = _local_ranks.active_mode()
         if mode is not None:
             if generator is not None:
-                raise TrackerStateError(
+                raise InvalidOperationError(
                     "under torch's LocalTensor mode a region positions each simulated rank's device generator; "
                     "one generator object cannot stand for every rank. Draw from the device generator inside "
-                    "the region (DTensor ops charge a user generator's advance to it for you)."
+                    "the region (DTensor ops charge a user generator's advance to it for you).",
+                    reason="tracker",
                 )
             return self._local_region(mode, mesh, placements, global_shape, None)  # type: ignore[return-value]
         start, end = self._offsets_of(mesh, placements, global_shape)
@@ -545,7 +548,7 @@ class ShardedRNGTracker:
         tracker it replaced (``None`` if none), for :meth:`uninstall_dtensor`.
 
         Raises:
-            ShardingError: the installed torch has no DTensor RNG hook.
+            InvalidArgumentError: the installed torch has no DTensor RNG hook.
         """
         random_mod = _dtensor_random_module()
         previous = random_mod._rng_tracker
@@ -569,8 +572,8 @@ def _check_member(mesh: Any, rank: int | None) -> None:
         return
     try:
         as_mesh_info(mesh, rank)
-    except RankNotInMeshError:
-        raise RankNotInMeshError(_SEED_NOT_IN_MESH) from None
+    except InvalidOperationError:
+        raise InvalidOperationError(_SEED_NOT_IN_MESH, reason="mesh") from None
 
 
 def _fixed_mesh(mesh: object) -> bool:
@@ -626,12 +629,12 @@ def _dtensor_random_module() -> Any:
     try:
         from torch.distributed.tensor import _random
     except ImportError as exc:
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"this torch ({torch.__version__}) has no torch.distributed.tensor RNG hook; "
             "use ShardedRNGTracker.distribute_region directly."
         ) from exc
     if not hasattr(_random, "_rng_tracker"):
-        raise ShardingError(f"torch {torch.__version__} keeps DTensor's RNG tracker elsewhere; cannot install.")
+        raise InvalidArgumentError(f"torch {torch.__version__} keeps DTensor's RNG tracker elsewhere; cannot install.")
     return _random
 
 

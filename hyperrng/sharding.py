@@ -70,7 +70,7 @@ number of ranks. ``local_index_ranges`` costs as much as the ranges it returns.
 Nothing is cached: every call validates all its arguments. A mesh may have up to
 :data:`MAX_MESH_SIZE` (``2**63``) ranks and a global shape up to :data:`MAX_GLOBAL_NUMEL`
 (``2**63 - 1``) elements; larger ones, and shardings whose ``end`` would pass ``2**63 - 1``
-(the largest generator offset), raise :class:`~hyperrng.errors.ShardingError` at once.
+(the largest generator offset), raise :class:`~hyperrng.errors.InvalidArgumentError` at once.
 
 Errors
 ------
@@ -78,7 +78,7 @@ One rule throughout: an argument of the wrong type (a size given as ``2.7`` or `
 a mesh shape given as a string, an object that is not a placement) raises
 :class:`~hyperrng.errors.ArgumentTypeError`, a ``TypeError``; a wrong value of the right
 type (a coordinate outside the mesh, a ``Shard`` dim outside the tensor, a negative size)
-raises :class:`~hyperrng.errors.ShardingError`, a ``ValueError``. Both messages name the
+raises :class:`~hyperrng.errors.InvalidArgumentError`, a ``ValueError``. Both messages name the
 argument. NumPy integers are accepted wherever Python ints are; floats are never truncated.
 """
 
@@ -92,7 +92,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from hyperrng.errors import ArgumentTypeError, RNGDesyncError, ShardingError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, RNGDesyncError
 from hyperrng.platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_int
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def rng_offsets(
             size, index, ``dim`` or ``split_factor`` that is not an integer (a bool, a
             float), or a placement that is none of the four kinds above. It is a
             ``TypeError``.
-        ShardingError: a wrong value: a coordinate outside the mesh, a placement count
+        InvalidArgumentError: a wrong value: a coordinate outside the mesh, a placement count
             other than the mesh's dimension count, a ``Shard`` dim outside the tensor, a
             ``split_factor`` below 1, a negative size, a mesh dim below 1, a mesh of more
             than :data:`MAX_MESH_SIZE` ranks, a global shape of more than
@@ -228,7 +228,7 @@ def local_shard(
 
     Raises:
         ArgumentTypeError: as :func:`rng_offsets`.
-        ShardingError: as :func:`rng_offsets`, except that offsets past ``2**63 - 1``
+        InvalidArgumentError: as :func:`rng_offsets`, except that offsets past ``2**63 - 1``
             are no error here.
     """
     mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
@@ -259,7 +259,7 @@ def local_index_ranges(
 
     Raises:
         ArgumentTypeError: as :func:`rng_offsets`.
-        ShardingError: as :func:`local_shard`.
+        InvalidArgumentError: as :func:`local_shard`.
     """
     mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
     coord = _validate_coordinate(coordinate, mesh)
@@ -286,7 +286,7 @@ def check_disjoint(
 
     Raises:
         ArgumentTypeError: as :func:`rng_offsets`.
-        ShardingError: invalid mesh, placements or shape, as :func:`rng_offsets`.
+        InvalidArgumentError: invalid mesh, placements or shape, as :func:`rng_offsets`.
         RNGDesyncError: a rule is broken; the message names the ranks and windows.
     """
     mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
@@ -555,9 +555,9 @@ def _start(states: Sequence[_DimState], numels: list[int], tails: list[_Residues
 
 def _end_overflow(
     mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tuple[int, ...], end: int
-) -> ShardingError:
+) -> InvalidArgumentError:
     shards = math.prod(size for size, split in zip(mesh, splits) if split is not None)
-    return ShardingError(
+    return InvalidArgumentError(
         f"offsets for global_shape {shape} on mesh_shape {mesh} would end at {end}, past {MAX_OFFSET} "
         f"(2**63 - 1), the largest generator offset: each of the {shards} shards pads its window to a "
         f"multiple of {PHILOX_OFFSET_ALIGNMENT}. Use a smaller tensor or fewer shards."
@@ -590,7 +590,7 @@ def _rank_runs(length: int, levels: list[_Level], coord: Sequence[int]) -> tuple
     """The global index runs the rank at ``coord`` holds along one tensor dim."""
     bound = math.prod(split_factor for _, _, split_factor in levels)
     if bound > MAX_INDEX_RUNS:
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"the _StridedShard split factors {[f for _, _, f in levels if f > 1]} give a rank up to {bound} "
             f"separate index runs along one dim, more than MAX_INDEX_RUNS = 2**20 that are listed; "
             f"use a smaller split_factor."
@@ -665,19 +665,19 @@ def _validate(
     mesh = _int_tuple(mesh_shape, "mesh_shape", minimum=1)
     ranks = math.prod(mesh)
     if ranks > MAX_MESH_SIZE:
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"mesh_shape {mesh} has {ranks} ranks, more than {MAX_MESH_SIZE} (2**63); rank indices must fit an int64."
         )
     shape = _int_tuple(global_shape, "global_shape", minimum=0)
     numel = math.prod(shape)
     if numel > MAX_GLOBAL_NUMEL or (not numel and any(size > MAX_GLOBAL_NUMEL for size in shape)):
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"global_shape {shape} has {numel} elements or a dim past {MAX_GLOBAL_NUMEL} (2**63 - 1); "
             f"torch sizes and element counts are int64."
         )
     given = _sequence(placements, "placements")
     if len(given) != len(mesh):
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"got {len(given)} placements for a {len(mesh)}-dim mesh {mesh}; give exactly one per mesh "
             f"dim, Replicate() where a mesh dim does not shard the tensor (DTensor requires the same)."
         )
@@ -688,13 +688,13 @@ def _validate(
 def _validate_coordinate(coordinate: object, mesh: tuple[int, ...]) -> tuple[int, ...]:
     coord = _int_tuple(coordinate, "coordinate", minimum=0)
     if len(coord) != len(mesh):
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"coordinate {coord} has {len(coord)} entries but the mesh {mesh} has {len(mesh)} dims; "
             f"give one index per mesh dim."
         )
     for dim, (index, size) in enumerate(zip(coord, mesh)):
         if index >= size:
-            raise ShardingError(
+            raise InvalidArgumentError(
                 f"coordinate {coord} is outside the mesh {mesh}: index {index} on mesh dim {dim} must be below {size}."
             )
     return coord
@@ -715,13 +715,13 @@ def _split_of(placement: Any, mesh_dim: int, shape: tuple[int, ...]) -> _Split |
     if kind is _Kind.STRIDED:
         split_factor = _int(getattr(placement, "split_factor", None), f"placements[{mesh_dim}].split_factor")
         if split_factor < 1:
-            raise ShardingError(
+            raise InvalidArgumentError(
                 f"placements[{mesh_dim}] is {placement!r} with split_factor {split_factor}; it must be at least 1."
             )
     dim = _int(getattr(placement, "dim", None), f"placements[{mesh_dim}].dim")
     ndim = len(shape)
     if not -ndim <= dim < ndim:
-        raise ShardingError(
+        raise InvalidArgumentError(
             f"placements[{mesh_dim}] is {placement!r} but the tensor of shape {shape} has {ndim} dims; "
             f"shard a dim in [{-ndim}, {ndim})."
             if ndim
@@ -778,7 +778,7 @@ def _int_tuple(values: object, name: str, *, minimum: int) -> tuple[int, ...]:
     out = tuple(v if type(v) is int else check_int(v, f"{name}[{i}]") for i, v in enumerate(_sequence(values, name)))
     for i, v in enumerate(out):
         if v < minimum:
-            raise ShardingError(f"{name}[{i}] is {v} in {out}; it must be at least {minimum}.")
+            raise InvalidArgumentError(f"{name}[{i}] is {v} in {out}; it must be at least {minimum}.")
     return out
 
 

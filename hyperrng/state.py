@@ -47,7 +47,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng.errors import ArgumentTypeError, CheckpointError, HyperRNGError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.layout import (
     DEFAULT_STREAM,
     Derivation,
@@ -123,7 +123,7 @@ def rng_state_dict(
         base_seed = recorded.base_seed if base_seed is None else base_seed
     if tracker.active_stream is not None:
         # The device generator holds the stream now, not the default state a resume needs.
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"cannot capture the RNG state inside a fork of stream {tracker.active_stream!r}; "
             "capture it outside any fork."
         )
@@ -191,10 +191,10 @@ def load_rng_state_dict(
         group: the process group whose rank and size are checked (default: the world).
 
     Raises:
-        CheckpointError: another format or version, a digest mismatch (a damaged state),
+        InvalidArgumentError: another format or version, a digest mismatch (a damaged state),
             a malformed field, a topology or platform mismatch, or a missing stream.
             Nothing has changed when it is raised.
-        GeneratorBusyError: another thread holds torch's CPU generator or a device's (in a
+        InvalidOperationError: another thread holds torch's CPU generator or a device's (in a
             fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing has changed.
     """
     if not isinstance(on_mismatch, str):
@@ -202,13 +202,13 @@ def load_rng_state_dict(
             f"on_mismatch must be one of the strings {ON_MISMATCH}, got {type(on_mismatch).__name__} {on_mismatch!r}."
         )
     if on_mismatch not in ON_MISMATCH:
-        raise CheckpointError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
+        raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     tracker = resolve_tracker(tracker)
     if layout is not None:
         check_instance(layout, StreamLayout, "layout")
     if tracker.active_stream is not None:
         # The fork's exit would restore the state it saved before this load, losing both.
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"cannot load an RNG state inside a fork of stream {tracker.active_stream!r}; load it outside any fork."
         )
     _check_envelope(state)
@@ -217,7 +217,7 @@ def load_rng_state_dict(
     mismatches = _mismatches(state, p, layout, coords, group)
     if mismatches:
         if on_mismatch == "error":
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 "the RNG state was saved under a different setup: "
                 + "; ".join(mismatches)
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
@@ -242,20 +242,20 @@ def _check_envelope(state: Mapping[str, Any]) -> None:
             f"load a saved one with hyperrng.load_rng_state(path)."
         )
     if state.get("format") != FORMAT:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"not a hyperrng RNG state (expected format {FORMAT!r}); pass the dict rng_state_dict() returned."
         )
     if state.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"RNG state format version {state.get('version')!r} cannot be read by this hyperrng, "
             f"which reads version {FORMAT_VERSION}; load it with the hyperrng release that wrote it."
         )
     try:
         digest = _digest(state)
     except Exception as exc:
-        raise CheckpointError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
+        raise InvalidArgumentError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
     if state.get("digest") != digest:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             "the RNG state's digest does not match its content: the file was modified or damaged; "
             "resume from another checkpoint."
         )
@@ -280,17 +280,19 @@ def _check_metadata(state: Mapping[str, Any]) -> None:
     """Every top-level field present with its type and range, so later reads cannot fail halfway."""
     for field, types in _METADATA_TYPES.items():
         if field not in state:
-            raise CheckpointError(f"the RNG state is malformed: field {field!r} is missing.")
+            raise InvalidArgumentError(f"the RNG state is malformed: field {field!r} is missing.")
         value = state[field]
         if not isinstance(value, types) or isinstance(value, bool):
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"the RNG state is malformed: field {field!r} is a {type(value).__name__}, "
                 f"expected {' or '.join(t.__name__ for t in types)}."
             )
     if state["base_seed"] is not None and not 0 <= state["base_seed"] <= MAX_SEED:
-        raise CheckpointError(f"the RNG state is malformed: base_seed {state['base_seed']} is outside [0, 2**64 - 1].")
+        raise InvalidArgumentError(
+            f"the RNG state is malformed: base_seed {state['base_seed']} is outside [0, 2**64 - 1]."
+        )
     if not 0 <= state["rank"] < state["world_size"]:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"the RNG state is malformed: rank {state['rank']} does not lie in a world of size {state['world_size']}."
         )
 
@@ -321,7 +323,7 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
     np_state = _numpy_state(state["numpy"])
     if p.device_type == "cpu":  # devices[0] carries torch's CPU state
         if state["torch_cpu"] is not None:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 "the RNG state is malformed: torch_cpu must be None on a platform whose device is the host."
             )
         cpu = None
@@ -330,25 +332,25 @@ def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesT
         try:
             torch.Generator().set_state(cpu)  # a scratch generator: refuses bytes MT19937 cannot take
         except RuntimeError as exc:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"the RNG state is malformed: the torch CPU state is not a valid MT19937 state ({exc})."
             ) from None
     devices = [_platform_state(p, d, f"device {i} state") for i, d in enumerate(state["devices"])]
     streams = {}
     for name, value in state["streams"].items():
         if not isinstance(name, str) or not name:
-            raise CheckpointError(f"the RNG state is malformed: stream name {name!r} is not a non-empty string.")
+            raise InvalidArgumentError(f"the RNG state is malformed: stream name {name!r} is not a non-empty string.")
         streams[name] = _platform_state(p, value, f"state of stream {name!r}")
     held = set(tracker.get_states()) if tracker.is_initialized() else set()
     missing = sorted(held - set(streams))
     if missing:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"the RNG state lacks stream(s) {missing} that the tracker holds; it was saved before they were "
             "added, or reset() the tracker to adopt the saved streams."
         )
     extra = sorted(set(streams) - held) if held else []
     if extra:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"the RNG state holds stream(s) {extra} that the tracker does not; add them first, "
             "or reset() the tracker to adopt the saved streams."
         )
@@ -361,7 +363,7 @@ def _saved_layout(state: Mapping[str, Any]) -> StreamLayout | None:
     try:
         return StreamLayout.from_dict(state["layout"])
     except HyperRNGError as exc:
-        raise CheckpointError(f"the RNG state is malformed: its layout cannot be read ({exc})") from None
+        raise InvalidArgumentError(f"the RNG state is malformed: its layout cannot be read ({exc})") from None
 
 
 def _saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
@@ -373,12 +375,14 @@ def _saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
         coords = mesh_coordinates(state["coords"])
         layout.seeds(state["base_seed"], coords)  # the coordinates fit the layout
     except HyperRNGError as exc:
-        raise CheckpointError(f"the RNG state is malformed: its coordinates do not fit its layout ({exc})") from None
+        raise InvalidArgumentError(
+            f"the RNG state is malformed: its coordinates do not fit its layout ({exc})"
+        ) from None
     return Derivation(layout, state["base_seed"], {d: coords[d] for d in layout.dims})
 
 
-def _malformed(what: str, expected: str, got: object) -> CheckpointError:
-    return CheckpointError(f"the RNG state is malformed: {what} must be {expected}, got {got!r:.80}.")
+def _malformed(what: str, expected: str, got: object) -> InvalidArgumentError:
+    return InvalidArgumentError(f"the RNG state is malformed: {what} must be {expected}, got {got!r:.80}.")
 
 
 def _exact_int(value: object, what: str, low: int, high: int) -> int:
@@ -431,7 +435,7 @@ def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Te
     try:
         return p.check_rng_state(state).clone()
     except HyperRNGError as exc:
-        raise CheckpointError(f"the RNG state is malformed: {what}: {exc}") from None
+        raise InvalidArgumentError(f"the RNG state is malformed: {what}: {exc}") from None
 
 
 def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> None:
@@ -441,7 +445,7 @@ def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTra
         try:
             tracker.set_states(decoded["streams"])
         except HyperRNGError as exc:
-            raise CheckpointError(f"the saved streams do not fit the tracker: {exc}") from exc
+            raise InvalidArgumentError(f"the saved streams do not fit the tracker: {exc}") from exc
     for i, device_state in enumerate(decoded["devices"]):
         p.set_rng_state(device_state, i)
     if decoded["cpu"] is not None:
@@ -466,7 +470,7 @@ def _reseed(
     if coords is None and recorded is not None and recorded.layout == layout:
         coords = recorded.coords
     if layout is None or coords is None or base_seed is None:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             "on_mismatch='reseed' needs the saved base seed and the current layout and coords; "
             f"the state has base_seed={base_seed!r}, and layout/coords were "
             f"{'given' if layout is not None and coords is not None else 'not given'}. Seed this run with "
@@ -499,7 +503,7 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping.
-        CheckpointError: ``path`` is a folder, or its folder does not exist. Nothing is
+        InvalidArgumentError: ``path`` is a folder, or its folder does not exist. Nothing is
             written when it is raised.
         OSError: the file system refused the write (full disk, no permission); the
             temporary file is removed and ``path`` is as it was.
@@ -510,10 +514,10 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
             f"save_rng_state writes the dict rng_state_dict() returned, got {type(state).__name__}."
         )
     if target.is_dir():
-        raise CheckpointError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
+        raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
     folder = target.parent
     if not folder.is_dir():
-        raise CheckpointError(f"the folder of {str(target)!r} does not exist; create it before saving.")
+        raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
     try:
         mode: int | None = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
@@ -559,20 +563,20 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
-        CheckpointError: the file is missing, truncated, or not a torch file of plain data.
+        InvalidArgumentError: the file is missing, truncated, or not a torch file of plain data.
     """
     target = _file_path(path)
     try:
         loaded = torch.load(target, weights_only=True)
     except FileNotFoundError as exc:
-        raise CheckpointError(f"no RNG state at {str(path)!r}.") from exc
+        raise InvalidArgumentError(f"no RNG state at {str(path)!r}.") from exc
     except Exception as exc:
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"could not read the RNG state at {str(path)!r} ({type(exc).__name__}: {exc}); "
             "the file is truncated or not written by save_rng_state."
         ) from exc
     if not isinstance(loaded, dict):
-        raise CheckpointError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
+        raise InvalidArgumentError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
     return loaded
 
 
@@ -621,7 +625,7 @@ class RNGStateful:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         key = self._key()
         if key not in state_dict:
-            raise CheckpointError(
+            raise InvalidArgumentError(
                 f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)}); "
                 "it was saved with a different world size."
             )
@@ -675,7 +679,7 @@ def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.T
             if isinstance(value, torch.Tensor)
             else type(value).__name__
         )
-        raise CheckpointError(
+        raise InvalidArgumentError(
             f"the RNG state is malformed: {what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}."
         )
     return value.contiguous()

@@ -36,10 +36,10 @@ byte tensors on every platform, as Megatron-core's default tracker does.
 One thread at a time (see :mod:`hyperrng._exclusive`): the device generator a fork swaps is
 shared by the whole process, so a fork holds the device while it is open. A fork of *any*
 tracker, a sharded region, ``fork_rng`` or a recompute entered on another thread meanwhile
-raises :class:`~hyperrng.errors.GeneratorBusyError` there and changes nothing; so do
+raises :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
 :meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
 for a moment to make a stream's state. A fork of the same tracker on another thread and
-another device raises :class:`TrackerStateError` (a tracker's open forks form one chain).
+another device raises :class:`InvalidOperationError` (a tracker's open forks form one chain).
 
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
@@ -59,12 +59,9 @@ import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng.errors import (
     ArgumentTypeError,
-    DuplicateStreamError,
-    InvalidStateError,
-    StreamNameError,
-    TrackerStateError,
+    InvalidArgumentError,
+    InvalidOperationError,
     UnknownStreamError,
-    UsageError,
 )
 from hyperrng.platforms import Platform, StateIO
 from hyperrng.platforms.validate import check_instance, check_seed
@@ -76,8 +73,8 @@ __all__ = [
     "CudaRNGStatesTracker",
     "RNGStatesTracker",
     "RNGTrackerProtocol",
-    "StreamNameError",
-    "TrackerStateError",
+    "InvalidArgumentError",
+    "InvalidOperationError",
     "get_cuda_rng_tracker",
     "get_rng_tracker",
     "resolve_tracker",
@@ -151,7 +148,7 @@ class _Swap:
         """The state of a fresh stream seeded with ``seed``; the device is left as it was.
 
         Raises:
-            GeneratorBusyError: another thread holds the device (seeding it for a moment
+            InvalidOperationError: another thread holds the device (seeding it for a moment
                 would change that thread's stream).
         """
         read, write, (device_type, index) = self.bind()
@@ -221,10 +218,11 @@ class _GeneratorObjects(_Swap):
     def bind(self) -> _Bound:
         gen = self.platform.default_generator()
         if gen is not self.home:
-            raise TrackerStateError(
+            raise InvalidOperationError(
                 f"graph-safe streams live on device {self.home.device} but the current device is "
                 f"{self.platform.current_device()}; fork them on their own device, or use graph_safe=False "
-                "for streams that follow the current device."
+                "for streams that follow the current device.",
+                reason="tracker",
             )
         return gen.graphsafe_get_state, gen.graphsafe_set_state, self.key  # type: ignore[union-attr]
 
@@ -239,7 +237,7 @@ class _GeneratorObjects(_Swap):
         if isinstance(value, type(template)) and getattr(value, "device", None) == template.device:
             return value.clone_state()
         if not isinstance(value, torch.Tensor):
-            raise InvalidStateError(
+            raise InvalidArgumentError(
                 f"state of stream {name!r} must be a {type(template).__name__} of this platform's device or a "
                 f"state tensor, got {type(value).__name__}."
             )
@@ -258,7 +256,7 @@ def _as_state_tensor(name: str, value: object) -> Any:
     get_state = getattr(value, "get_state", None)
     if callable(get_state):  # a generator object, e.g. from a graph-safe tracker's snapshot
         return get_state()
-    raise InvalidStateError(
+    raise InvalidArgumentError(
         f"state of stream {name!r} must be a state tensor as returned by get_states(), got {type(value).__name__}."
     )
 
@@ -267,9 +265,10 @@ def _choose_swap(platform: Platform, graph_safe: bool) -> _Swap:
     gen = platform.default_generator()
     if graph_safe:
         if not _supports_graph_safe(gen):
-            raise TrackerStateError(
+            raise InvalidOperationError(
                 f"graph_safe=True, but platform {platform.name!r} has no graph-safe generator API "
-                f"({', '.join(_GRAPH_SAFE_API)}); use graph_safe=False (byte copies)."
+                f"({', '.join(_GRAPH_SAFE_API)}); use graph_safe=False (byte copies).",
+                reason="tracker",
             )
         return _GeneratorObjects(platform)
     return _StateBytes(platform)
@@ -297,7 +296,9 @@ class _Fork:
     def __enter__(self) -> None:
         tracker = self._tracker
         if self.entered:
-            raise TrackerStateError(f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.")
+            raise InvalidOperationError(
+                f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.", reason="tracker"
+            )
         states = tracker._states
         state = states.get(self.name)
         if state is None:  # the tracker was reset between fork() and entering it
@@ -312,10 +313,11 @@ class _Fork:
             # ensures that where all of them swap one device's generator; where they may swap
             # several, the tracker is claimed too (dict.setdefault is atomic).
             if not swap.one_device and tracker._claim.setdefault(_OWNER, me) != me:  # type: ignore[union-attr]
-                raise TrackerStateError(
+                raise InvalidOperationError(
                     f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
                     f"stream {tracker.active_stream!r} open: a tracker's forks form one chain. Fork on one "
-                    "thread at a time, or give each thread its own tracker."
+                    "thread at a time, or give each thread its own tracker.",
+                    reason="tracker",
                 )
             outer = tracker._active
             if swap.in_place:  # type: ignore[union-attr]
@@ -349,8 +351,9 @@ class _Fork:
     ) -> None:
         tracker = self._tracker
         if tracker._active is not self:
-            raise TrackerStateError(
-                f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order."
+            raise InvalidOperationError(
+                f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order.",
+                reason="tracker",
             )
         copies = not tracker._swap.in_place  # type: ignore[union-attr]
         advanced = None  # the stream's state as the block left it
@@ -397,7 +400,7 @@ class RNGStatesTracker:
         graph_safe: ``False`` (default) copies state bytes on every platform, so
             :meth:`get_states` returns byte tensors, as Megatron-core's default tracker
             does. ``True`` swaps generator-state objects instead (capturable in CUDA
-            graphs; :class:`TrackerStateError` when the first stream is added on a
+            graphs; :class:`InvalidOperationError` when the first stream is added on a
             platform without the graph-safe generator API). ``None`` means ``False``.
 
     The tracker binds to the platform that is current when its first stream is added (or
@@ -459,7 +462,7 @@ class RNGStatesTracker:
         """Forget every stream and seed and unbind from the platform.
 
         Raises:
-            TrackerStateError: a fork is active (its exit would restore a stream that is gone).
+            InvalidOperationError: a fork is active (its exit would restore a stream that is gone).
         """
         self._idle("reset the tracker")
         self._states = {}
@@ -476,22 +479,22 @@ class RNGStatesTracker:
 
         Raises:
             ArgumentTypeError: ``name`` is not a string, or ``seed`` not an int.
-            StreamNameError: ``name`` is empty.
-            InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
-            DuplicateStreamError: the tracker already holds ``name``, or a stream with ``seed``.
-            TrackerStateError: the streams belong to another platform, a fork is open on
-                another thread, or graph-safe mode was required and the platform lacks it.
-            GeneratorBusyError: another thread holds the device's generator, which making a
+            InvalidArgumentError: ``name`` is empty;
+                or ``seed`` is outside [0, 2**64 - 1];
+                or the tracker already holds ``name``, or a stream with ``seed``.
+            InvalidOperationError: the streams belong to another platform, a fork is open on
+                another thread, or graph-safe mode was required and the platform lacks it;
+                or another thread holds the device's generator, which making a
                 byte-copy stream's state seeds for a moment (see :mod:`hyperrng._exclusive`).
         """
         _check_name(name)
         value = check_seed(seed)
         if name in self._states:
-            raise DuplicateStreamError(
+            raise InvalidArgumentError(
                 f"stream {name!r} already exists; pick another name, or reset() the tracker to reseed it."
             )
         if value in self._seeds:
-            raise DuplicateStreamError(
+            raise InvalidArgumentError(
                 f"seed {value} is already used by stream {self._seeds[value]!r}; two streams with one seed "
                 "would draw identical numbers. Derive distinct seeds (see hyperrng.layout)."
             )
@@ -512,10 +515,10 @@ class RNGStatesTracker:
         :func:`hyperrng.layout.apply_layout` use it.
 
         Raises:
-            ArgumentTypeError, StreamNameError, InvalidSeedError, DuplicateStreamError: as for :meth:`add`.
-            TrackerStateError: a fork is active, or graph-safe mode was required and the
-                current platform lacks it.
-            GeneratorBusyError: as for :meth:`add`; the old streams are kept.
+            ArgumentTypeError, InvalidArgumentError: as for :meth:`add`.
+            InvalidOperationError: a fork is active, or graph-safe mode was required and the
+                current platform lacks it;
+                or as for :meth:`add`; the old streams are kept.
         """
         self._idle("reseed the tracker")
         if not isinstance(seeds, Mapping):
@@ -525,7 +528,7 @@ class RNGStatesTracker:
             _check_name(name)
             value = check_seed(seed, f"seed of stream {name!r}")
             if value in owners:
-                raise DuplicateStreamError(
+                raise InvalidArgumentError(
                     f"streams {owners[value]!r} and {name!r} would share seed {value} and draw identical numbers; "
                     "derive distinct seeds (see hyperrng.layout)."
                 )
@@ -548,16 +551,16 @@ class RNGStatesTracker:
         On a second thread: while the fork is open, this thread holds the device's
         generator (see :mod:`hyperrng._exclusive`), so a fork of any tracker, a sharded
         region, ``fork_rng`` or a recompute on another thread that needs that generator is
-        refused with :class:`~hyperrng.errors.GeneratorBusyError`, and entering this fork
+        refused with :class:`~hyperrng.errors.InvalidOperationError`, and entering this fork
         while another thread holds it is refused the same way; nothing changes on refusal.
         Forks nest freely on one thread. Plain draws on other threads are not stopped.
 
         Raises:
             ArgumentTypeError: ``name`` is not a string.
             UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
-            TrackerStateError: the streams belong to another platform than the current one;
-                on entry, a fork of this tracker is open on another thread.
-            GeneratorBusyError: on entry, another thread holds the device's generator.
+            InvalidOperationError: the streams belong to another platform than the current one;
+                on entry, a fork of this tracker is open on another thread;
+                or on entry, another thread holds the device's generator.
         """
         try:
             known = name in self._states
@@ -598,11 +601,11 @@ class RNGStatesTracker:
 
         Raises:
             ArgumentTypeError: ``states`` is not a mapping, or a key is not a string.
-            InvalidStateError: ``states`` lacks one of the tracker's streams, or holds a
-                state of the wrong kind, dtype, size or device.
+            InvalidArgumentError: ``states`` lacks one of the tracker's streams, or holds a
+                state of the wrong kind, dtype, size or device;
+                or a key is empty.
             UnknownStreamError: ``states`` names a stream the tracker does not hold.
-            StreamNameError: a key is empty.
-            TrackerStateError: the streams belong to another platform, or a fork is open
+            InvalidOperationError: the streams belong to another platform, or a fork is open
                 on another thread.
         """
         if not isinstance(states, Mapping):
@@ -620,7 +623,7 @@ class RNGStatesTracker:
                 )
             missing = [name for name in self._states if name not in states]
             if missing:
-                raise InvalidStateError(
+                raise InvalidArgumentError(
                     f"set_states() lacks stream(s) {missing}; pass the complete mapping get_states() returned."
                 )
         self._not_elsewhere("set the states")
@@ -630,8 +633,8 @@ class RNGStatesTracker:
         for name in order:
             try:
                 new[name] = swap.coerce(name, states[name])
-            except InvalidStateError as exc:
-                raise InvalidStateError(f"state of stream {name!r}: {exc}") from None
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"state of stream {name!r}: {exc}") from None
         self._bind(swap)
         self._states = new
         self._initialized = True
@@ -646,12 +649,13 @@ class RNGStatesTracker:
         capturing forks in a graph. Do not draw from them directly.
 
         Raises:
-            TrackerStateError: the tracker copies bytes, so it has no such objects.
+            InvalidOperationError: the tracker copies bytes, so it has no such objects.
         """
         if not self.graph_safe:
-            raise TrackerStateError(
+            raise InvalidOperationError(
                 "graph_safe_states() needs a graph-safe tracker (RNGStatesTracker(graph_safe=True)); this one "
-                f"copies bytes (platform {self._platform.name if self._platform else None!r})."
+                f"copies bytes (platform {self._platform.name if self._platform else None!r}).",
+                reason="tracker",
             )
         return dict(self._states)
 
@@ -674,25 +678,28 @@ class RNGStatesTracker:
 
     def _idle(self, what: str) -> None:
         if self._active is not None:
-            raise TrackerStateError(
-                f"cannot {what} inside a fork of stream {self._active.name!r}; do it outside the fork."
+            raise InvalidOperationError(
+                f"cannot {what} inside a fork of stream {self._active.name!r}; do it outside the fork.",
+                reason="tracker",
             )
 
     def _not_elsewhere(self, what: str) -> None:
         active = self._active
         if active is not None and active.thread is not current_thread():
-            raise TrackerStateError(
-                f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open."
+            raise InvalidOperationError(
+                f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open.",
+                reason="tracker",
             )
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
         return f"RNG stream {name!r} is not in the tracker (it holds {held}); {_SEED_HINT}"
 
-    def _platform_mismatch(self, platform: Platform) -> TrackerStateError:
-        return TrackerStateError(
+    def _platform_mismatch(self, platform: Platform) -> InvalidOperationError:
+        return InvalidOperationError(
             f"the tracker's streams belong to platform {self._platform!r}, but the current platform is "
-            f"{platform!r}; reset() the tracker and reseed it on the current platform."
+            f"{platform!r}; reset() the tracker and reseed it on the current platform.",
+            reason="tracker",
         )
 
     def __repr__(self) -> str:
@@ -704,7 +711,7 @@ def _check_name(name: object) -> None:
     if not isinstance(name, str):
         raise ArgumentTypeError(f"a stream name must be a non-empty string, got {type(name).__name__} {name!r}.")
     if not name:
-        raise StreamNameError("a stream name must be a non-empty string, got ''; name the stream.")
+        raise InvalidArgumentError("a stream name must be a non-empty string, got ''; name the stream.")
 
 
 class CudaRNGStatesTracker(RNGStatesTracker):
@@ -720,7 +727,7 @@ class CudaRNGStatesTracker(RNGStatesTracker):
 
     Raises:
         ArgumentTypeError: a flag is not a bool.
-        UsageError: ``is_inference_rng_tracker`` is ``True``.
+        InvalidArgumentError: ``is_inference_rng_tracker`` is ``True``.
     """
 
     def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
@@ -731,7 +738,7 @@ class CudaRNGStatesTracker(RNGStatesTracker):
             if not isinstance(value, bool):
                 raise ArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r:.40}.")
         if is_inference_rng_tracker:
-            raise UsageError(
+            raise InvalidArgumentError(
                 "is_inference_rng_tracker=True selects Megatron-core's inference tracker, whose add() and fork() do "
                 "nothing; hyperrng has none. Drop the flag (forks then switch streams as in training)."
             )
@@ -776,7 +783,7 @@ def set_rng_tracker(tracker: RNGStatesTracker) -> RNGStatesTracker:
 
     Raises:
         TypeError: ``tracker`` is not an :class:`RNGStatesTracker`.
-        TrackerStateError: a fork of the current process-wide tracker is active.
+        InvalidOperationError: a fork of the current process-wide tracker is active.
     """
     global _TRACKER
     if not isinstance(tracker, RNGStatesTracker):

@@ -37,15 +37,14 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import (
     ArgumentTypeError,
-    DistributedNotInitializedError,
-    LayoutError,
+    InvalidArgumentError,
+    InvalidOperationError,
     RankFailure,
     RNGDesyncError,
-    UsageError,
 )
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import check_instance
-from hyperrng.tracker import RNGStatesTracker, TrackerStateError, resolve_tracker
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["DEFAULT_TIMEOUT", "StreamVerdict", "fingerprint", "verify_rng_sync"]
 
@@ -124,8 +123,8 @@ def verify_rng_sync(
 
     Raises:
         ArgumentTypeError: ``timeout`` is neither a ``timedelta``, a number nor ``None``.
-        UsageError: ``timeout`` is not positive, not finite, or longer than a year.
-        DistributedNotInitializedError: ``torch.distributed`` has no process group yet.
+        InvalidArgumentError: ``timeout`` is not positive, not finite, or longer than a year.
+        InvalidOperationError: ``torch.distributed`` has no process group yet.
         RNGDesyncError: on every rank, naming each stream that is shared wrongly or
             missing, and the ranks on each side.
         RankFailure: the other ranks did not all take part within ``timeout``, or a
@@ -140,17 +139,19 @@ def verify_rng_sync(
     if tracker.active_stream is not None:
         # Checked before any collective, so every rank raises alike only if every rank forks alike;
         # inside a fork the default generator holds the stream and would be misjudged.
-        raise TrackerStateError(
-            f"verify_rng_sync cannot run inside a fork of stream {tracker.active_stream!r}; call it outside any fork."
+        raise InvalidOperationError(
+            f"verify_rng_sync cannot run inside a fork of stream {tracker.active_stream!r}; call it outside any fork.",
+            reason="tracker",
         )
     if not (dist.is_available() and dist.is_initialized()):
-        raise DistributedNotInitializedError(
-            "verify_rng_sync needs a process group; call torch.distributed.init_process_group first."
+        raise InvalidOperationError(
+            "verify_rng_sync needs a process group; call torch.distributed.init_process_group first.",
+            reason="distributed",
         )
     point = mesh_coordinates(coords)
     missing_dims = [d for d in layout.dims if d not in point]
     if missing_dims:
-        raise LayoutError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
+        raise InvalidArgumentError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
     p = platforms.current()
     deadline = None if seconds is None else time.monotonic() + seconds
     # The layouts must agree before the vectors are gathered: their length depends on it.
@@ -183,7 +184,7 @@ def _timeout_seconds(timeout: object) -> float | None:
             f"{timeout!r:.80}."
         )
     if not (math.isfinite(seconds) and 0 < seconds <= _MAX_TIMEOUT.total_seconds()):
-        raise UsageError(
+        raise InvalidArgumentError(
             f"timeout must be positive and at most {_MAX_TIMEOUT.days} days, got {timeout!r:.80}; "
             "pass None to wait as long as the process group allows."
         )

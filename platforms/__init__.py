@@ -9,7 +9,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 * **Required:** ``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``,
   ``_seed(seed, index)``, and usually ``probe()`` (``None`` if usable, else why; cheap, and
   it must not initialise the device). A class missing one is refused with
-  :class:`InvalidPlatformError`. :class:`DeviceModulePlatform` has them all, for a device
+  :class:`PlatformError`. :class:`DeviceModulePlatform` has them all, for a device
   module shaped like ``torch.cuda``.
 * **``counter_based = True``:** the state is the 16-byte (uint64 seed, int64 offset) pair
   and draws advance the offset; the inherited ``get_seed_offset`` / ``set_seed_offset``
@@ -52,6 +52,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 from __future__ import annotations
 
 from hyperrng.platforms import comm
+from hyperrng.platforms import errors as _errors
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, pack_counter_state, unpack_counter_state
 from hyperrng.platforms.cpu import (
     CPU_STATE_NBYTES,
@@ -62,19 +63,16 @@ from hyperrng.platforms.cpu import (
     seeds_all_64_bits,
 )
 from hyperrng.platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
-from hyperrng.platforms.errors import (
-    AmbiguousPlatformError,
+from hyperrng.platforms.errors import (  # noqa: F401 -- exported by __all__ += _errors.__all__
     ArgumentTypeError,
-    DeviceIndexError,
     HyperRNGError,
-    InvalidOffsetError,
-    InvalidPlatformError,
-    InvalidSeedError,
-    InvalidStateError,
+    InvalidArgumentError,
+    InvalidOperationError,
     PlatformError,
-    PlatformNameError,
-    PlatformUnavailableError,
-    UnknownPlatformError,
+    RankFailure,
+    RNGDesyncError,
+    UnknownStreamError,
+    UnsupportedPortableOpError,
 )
 from hyperrng.platforms.registry import (
     AUTO_ORDER,
@@ -133,16 +131,5 @@ __all__ = [
     "current",
     "set_current",
     "use",
-    "HyperRNGError",
-    "ArgumentTypeError",
-    "PlatformError",
-    "UnknownPlatformError",
-    "PlatformUnavailableError",
-    "AmbiguousPlatformError",
-    "InvalidPlatformError",
-    "PlatformNameError",
-    "InvalidSeedError",
-    "InvalidOffsetError",
-    "InvalidStateError",
-    "DeviceIndexError",
 ]
+__all__ += _errors.__all__  # the error classes: one list, in hyperrng.platforms.errors

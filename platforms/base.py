@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
-from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError, PlatformError
+from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError, PlatformError
 from hyperrng.platforms.validate import (
     check_index,
     check_instance,
@@ -110,7 +110,7 @@ class Platform:
 
         Raises:
             ArgumentTypeError: ``index`` is not an int.
-            DeviceIndexError: ``index`` names no device.
+            InvalidArgumentError: ``index`` names no device.
             PlatformError: the platform cannot switch to ``index`` (it does not implement switching).
         """
         chosen = check_index(index, self.device_count(), self.name)
@@ -158,8 +158,8 @@ class Platform:
         """Restore a state returned by :meth:`get_rng_state`.
 
         Raises:
-            InvalidStateError: ``state`` is not a 1-D CPU uint8 tensor of ``state_nbytes``.
-            DeviceIndexError: ``index`` names no device. Nothing changes on error.
+            InvalidArgumentError: ``state`` is not a 1-D CPU uint8 tensor of ``state_nbytes``;
+                or ``index`` names no device. Nothing changes on error.
         """
         idx = self._index(index)
         self._write_state(self.check_rng_state(state), idx)
@@ -171,7 +171,7 @@ class Platform:
         a device can have: non-negative and a multiple of 4 (Philox draws whole blocks).
 
         Raises:
-            InvalidStateError: wrong type, dtype, length or device, an impossible offset,
+            InvalidArgumentError: wrong type, dtype, length or device, an impossible offset,
                 or (where the platform can tell) contents its generator refuses.
         """
         checked = check_state(state, self.state_nbytes, self.name)
@@ -183,9 +183,9 @@ class Platform:
         """Seed device ``index``: exactly ``set_seed_offset(seed, 0, index)``.
 
         Raises:
-            InvalidSeedError: ``seed`` is outside [0, 2**64 - 1].
+            InvalidArgumentError: ``seed`` is outside [0, 2**64 - 1];
+                or ``index`` names no device. Nothing changes on error.
             ArgumentTypeError: ``seed`` is a bool or not an int.
-            DeviceIndexError: ``index`` names no device. Nothing changes on error.
         """
         self.set_seed_offset(seed, 0, index)
 
@@ -197,7 +197,7 @@ class Platform:
 
         Raises:
             ArgumentTypeError: ``generator`` is not a generator.
-            InvalidStateError: ``generator`` belongs to another device type, or its state is
+            InvalidArgumentError: ``generator`` belongs to another device type, or its state is
                 not a 16-byte (seed, offset) state.
         """
         if generator is None:
@@ -205,7 +205,7 @@ class Platform:
         gen = self._check_generator(generator)
         state = gen.get_state()
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != COUNTER_STATE_NBYTES:
-            raise InvalidStateError(
+            raise InvalidArgumentError(
                 f"{type(gen).__name__}.get_state() returned {_describe(state)}, not the {COUNTER_STATE_NBYTES}-byte "
                 f"(seed, offset) state of a {self.name!r} generator; pass a generator of this device."
             )
@@ -230,10 +230,10 @@ class Platform:
         default, rather than a second method: existing plug-ins keep working unchanged.
 
         Raises:
-            InvalidSeedError: see :meth:`manual_seed`.
-            InvalidOffsetError: ``offset`` is negative, too large or not a multiple of 4.
+            InvalidArgumentError: see :meth:`manual_seed`;
+                or ``offset`` is negative, too large or not a multiple of 4;
+                or ``generator`` belongs to another device type.
             ArgumentTypeError: ``draw`` is not a bool, or ``generator`` is not a generator.
-            InvalidStateError: ``generator`` belongs to another device type.
         """
         state = pack_counter_state(check_seed(seed), check_offset(offset))
         check_instance(draw, bool, "draw")
@@ -270,7 +270,7 @@ class Platform:
 
         Raises:
             ArgumentTypeError: ``generator`` is not a generator.
-            InvalidStateError: it belongs to another device type.
+            InvalidArgumentError: it belongs to another device type.
         """
         if not isinstance(generator, torch.Generator) and not all(
             callable(getattr(generator, method, None)) for method in _GENERATOR_API
@@ -281,7 +281,7 @@ class Platform:
             )
         device = getattr(generator, "device", None)
         if not isinstance(device, torch.device) or device.type != self.device_type:
-            raise InvalidStateError(
+            raise InvalidArgumentError(
                 f"generator on {device} does not belong to platform {self.name!r} (device type "
                 f"{self.device_type!r}); pass a generator created on that device, or None for the default."
             )

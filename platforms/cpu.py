@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 from hyperrng.platforms.base import Platform, StateIO
-from hyperrng.platforms.errors import ArgumentTypeError, InvalidStateError
+from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import _MASK64, _MUL1, _MUL2, mix64
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
@@ -243,7 +243,7 @@ def seed_generator(gen: torch.Generator, seed: int) -> None:
     """Seed a CPU generator with all 64 bits of ``seed``: exactly ``gen.manual_seed(seed)`` below 2**32.
 
     Raises:
-        InvalidSeedError: ``seed`` is not an int in [0, 2**64 - 1]. Nothing changes on error.
+        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1]. Nothing changes on error.
     """
     _seat(gen, check_seed(seed))
 
@@ -273,7 +273,7 @@ class CPUPlatform(Platform):
 
         Raises:
             ArgumentTypeError: ``generator`` is not a ``torch.Generator``.
-            InvalidStateError: ``generator`` belongs to another device type.
+            InvalidArgumentError: ``generator`` belongs to another device type.
         """
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
         handle = torch.Generator.initial_seed(gen)
@@ -320,7 +320,7 @@ class CPUPlatform(Platform):
         seed, offset = _POSITION.unpack_from(np.from_dlpack(checked).tobytes(), MT19937_STATE_NBYTES)
         check_state_offset(offset, f"RNG state for platform {self.name!r} has a cursor offset of")
         if initial_seed not in (position_handle(seed, offset), position_handle(seed, offset, True)):
-            raise InvalidStateError(
+            raise InvalidArgumentError(
                 f"RNG state for platform {self.name!r} has a cursor ({seed}, {offset}) that does not belong to its "
                 "MT19937 bytes (they were seeded for another position, or saved by a release before positions had "
                 "64-bit handles); pass a state returned by get_rng_state(), unmodified."
@@ -359,7 +359,7 @@ def _initial_seed_of(state: torch.Tensor, platform: str) -> int:
     try:
         scratch.set_state(state[:MT19937_STATE_NBYTES])
     except RuntimeError as exc:
-        raise InvalidStateError(
+        raise InvalidArgumentError(
             f"RNG state for platform {platform!r} is not a valid MT19937 state ({exc}); "
             "pass a state returned by get_rng_state()."
         ) from None

@@ -1,26 +1,61 @@
-"""The exception hierarchy shared by ``platforms`` and ``hyperrng``.
+"""The errors of hyperrng and its platform layer: a handful of classes, one per kind of answer.
 
-Every error the project raises derives from :class:`HyperRNGError` *and* from the
-builtin that fits it, so callers may catch either ``hyperrng.HyperRNGError`` or, say,
-``ValueError``. The classes live here, in the lowest layer, because both packages raise
-them; ``hyperrng.errors`` re-exports them together with the errors of the RNG layer.
+Every class derives from :class:`HyperRNGError` and from exactly one builtin, the one a
+caller who does not know hyperrng would catch:
+
+- :class:`InvalidArgumentError` (``ValueError``): a value of the right type that is wrong:
+  a seed, offset, RNG state, device index, stream name or stream already held, layout, mesh
+  or sharding, shape, distribution parameter, checkpoint contents, platform name, option.
+- :class:`ArgumentTypeError` (``TypeError``): an argument of the wrong type, or a dtype the
+  operation cannot produce or consume.
+- :class:`UnknownStreamError` (``KeyError``): a stream name the tracker does not hold.
+- :class:`PlatformError` (``RuntimeError``): no platform can be selected or loaded
+  (``reason``: ``"unknown"``, ``"unavailable"``, ``"ambiguous"``, ``"invalid"``).
+- :class:`InvalidOperationError` (``RuntimeError``): a valid call that cannot run in the
+  current state (``reason``: ``"busy"``, ``"tracker"``, ``"distributed"``, ``"mesh"``).
+- :class:`RNGDesyncError` (``RuntimeError``): ranks disagree on a stream they must share,
+  or agree on one they must not.
+- :class:`RankFailure` (``RuntimeError``): a rank process of a local job raised or died.
+- :class:`UnsupportedPortableOpError` (``NotImplementedError``): a random op that portable
+  mode cannot draw.
+
+Why these and no more: a class exists where a caller would *handle* the case differently.
+A bad value and a bad type are programming errors the message explains; the message, not a
+subclass, says which argument and what to do. A missing platform, an operation refused in
+the current state, a desync found by a check, a failed rank and an op without a portable
+form each call for a different response (choose another platform, retry or restructure,
+stop the run, read the rank's traceback, leave portable mode). Where a program may act on
+a finer distinction, a ``reason`` attribute carries it: ``InvalidOperationError.reason ==
+"busy"`` is the one case a second thread may simply retry, and ``PlatformError.reason``
+tells a launcher whether falling back to another platform makes sense.
+
+Three choices a reader may wonder about. An unknown platform name is a :class:`PlatformError`,
+not a ``KeyError``: the name usually comes from ``HYPERRNG_PLATFORM``, not from a lookup the
+caller wrote, and every place that must survive an unusable platform (``import hyperrng``,
+the command line) catches that one class. A device index out of range is an
+:class:`InvalidArgumentError` (a ``ValueError``), not an ``IndexError``: it is an argument
+with a wrong value, like a negative seed, not a subscript. A rank outside the mesh it
+is asked to seed is an :class:`InvalidOperationError`, a ``RuntimeError`` as PyTorch's DTensor
+raises there, and no longer also a ``ValueError``: one builtin per class.
+
+The classes live here, in the lowest layer, because both packages raise them and
+``hyperrng.platforms`` imports nothing from ``hyperrng``. This module's ``__all__`` is the
+one export list: :mod:`hyperrng.errors`, :mod:`hyperrng` and :mod:`hyperrng.platforms`
+re-export exactly these names from it.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "HyperRNGError",
+    "InvalidArgumentError",
     "ArgumentTypeError",
-    "InvalidSeedError",
-    "InvalidOffsetError",
-    "InvalidStateError",
-    "DeviceIndexError",
+    "UnknownStreamError",
     "PlatformError",
-    "UnknownPlatformError",
-    "PlatformUnavailableError",
-    "AmbiguousPlatformError",
-    "InvalidPlatformError",
-    "PlatformNameError",
+    "InvalidOperationError",
+    "RNGDesyncError",
+    "RankFailure",
+    "UnsupportedPortableOpError",
 ]
 
 
@@ -28,51 +63,95 @@ class HyperRNGError(Exception):
     """Base class of every error raised by hyperrng and its platform layer."""
 
 
+class InvalidArgumentError(HyperRNGError, ValueError):
+    """A value of the right type that hyperrng cannot use; nothing was changed.
+
+    A seed outside ``[0, 2**64 - 1]``; a generator offset that is negative, too large or not
+    a multiple of 4; an RNG state tensor of the wrong dtype, length or device; a device index
+    outside ``[0, device_count())``; an empty stream name, or a stream name or seed the
+    tracker already holds; an inconsistent stream layout or mesh; a mesh, coordinate,
+    placement or shape that cannot describe a sharded tensor; a distribution parameter
+    outside its domain; an RNG state dict that cannot be loaded onto this process; a
+    malformed or taken platform name; a command-line option or benchmark that does not
+    exist. The message names the argument and what to pass instead.
+    """
+
+
 class ArgumentTypeError(HyperRNGError, TypeError):
     """An argument of the wrong type: a seed given as a string or a float, a tracker that is
-    not one, a flag that is not a bool. Wrong *values* of the right type raise a
-    ``ValueError`` subclass instead."""
+    not one, a flag that is not a bool, or a dtype (or tensor) the operation cannot produce or
+    consume. Wrong *values* of the right type raise :class:`InvalidArgumentError` instead."""
 
 
-class InvalidSeedError(HyperRNGError, ValueError):
-    """A seed that is not an ``int`` in ``[0, 2**64 - 1]`` (bools are refused too)."""
-
-
-class InvalidOffsetError(HyperRNGError, ValueError):
-    """A generator offset that is negative, too large, or not a multiple of 4."""
-
-
-class InvalidStateError(HyperRNGError, ValueError):
-    """An RNG state tensor of the wrong type, dtype, length or device."""
-
-
-class DeviceIndexError(HyperRNGError, IndexError):
-    """A device index outside ``[0, device_count())``."""
-
-
-class PlatformError(HyperRNGError, RuntimeError):
-    """Base class of platform selection and loading errors."""
-
-
-class UnknownPlatformError(PlatformError, KeyError):
-    """A platform name that nobody registered, or a ``module:Factory`` that does not load."""
+class UnknownStreamError(HyperRNGError, KeyError):
+    """A stream name the tracker does not hold (add it first, or check the spelling)."""
 
     def __str__(self) -> str:  # KeyError would otherwise print the message quoted
         return str(self.args[0]) if self.args else ""
 
 
-class PlatformUnavailableError(PlatformError):
-    """A known platform that cannot run on this machine (its probe says why)."""
+class PlatformError(HyperRNGError, RuntimeError):
+    """No platform could be selected or loaded.
+
+    Attributes:
+        reason: ``"unknown"`` (a name nobody registered, or a ``module:Factory`` that does
+            not import), ``"unavailable"`` (a known platform whose probe says it cannot run
+            here), ``"ambiguous"`` (two or more plug-ins claim this machine; choose one with
+            ``HYPERRNG_PLATFORM``), ``"invalid"`` (a factory or plug-in that does not produce
+            a complete :class:`~hyperrng.platforms.Platform`), or ``""`` for other cases.
+    """
+
+    def __init__(self, *args: object, reason: str = "") -> None:
+        super().__init__(*args)
+        self.reason = reason
 
 
-class AmbiguousPlatformError(PlatformError):
-    """Two or more plug-in platforms claim this machine; one must be chosen explicitly."""
+class InvalidOperationError(HyperRNGError, RuntimeError):
+    """A valid call that cannot run in the current state; nothing was changed.
+
+    Attributes:
+        reason: ``"busy"`` (another thread holds this device's generator in a fork, a
+            sharded region, ``fork_rng``, a recompute or portable mode; see
+            :mod:`hyperrng._exclusive`; retrying later may succeed), ``"tracker"`` (the
+            tracker cannot do this now: a fork is active, forks exited out of order, streams
+            of another platform, graph-safe mode the platform lacks), ``"distributed"`` (a
+            cross-rank operation before ``torch.distributed`` is initialised), ``"mesh"``
+            (this rank is not part of the device mesh it was asked to seed or position, as
+            PyTorch's DTensor ``manual_seed`` reports with a ``RuntimeError``), or ``""``.
+    """
+
+    def __init__(self, *args: object, reason: str = "") -> None:
+        super().__init__(*args)
+        self.reason = reason
 
 
-class InvalidPlatformError(PlatformError, TypeError):
-    """A factory or plug-in that does not produce a :class:`platforms.Platform`, or produces one whose class
-    leaves a required method (see ``hyperrng.platforms.registry.REQUIRED_METHODS``) to the base class."""
+class RNGDesyncError(HyperRNGError, RuntimeError):
+    """Ranks that must share a stream disagree, or ranks that must differ agree.
+
+    A finding about the run, not a misuse: kept apart so that a training loop can stop (or
+    resynchronise) on exactly this and let every programming error propagate.
+    """
 
 
-class PlatformNameError(PlatformError, ValueError):
-    """A platform name that is malformed, or already registered."""
+class RankFailure(HyperRNGError, RuntimeError):
+    """A rank process of a local job raised, died, or never answered.
+
+    Attributes:
+        summary: one line naming the rank that failed first and how (its exception, or
+            the exit code it died with); what a command line prints.
+        details: every failing rank's report, with the tracebacks of those that raised.
+    """
+
+    def __init__(self, summary: str, details: str = "") -> None:
+        super().__init__(f"{summary}\n{details}" if details else summary)
+        self.summary = summary
+        self.details = details
+
+
+class UnsupportedPortableOpError(HyperRNGError, NotImplementedError):
+    """A random op called in portable mode that has no portable implementation.
+
+    Portable mode never lets such an op draw from a device's own generator (its numbers
+    would depend on the device and the sharding); run it outside the mode. A
+    ``NotImplementedError``, hence a ``RuntimeError``.
+    """

@@ -6,7 +6,7 @@ Resolution order (done once, by ``import hyperrng``, or lazily by :func:`current
    ``HYPERRNG_PLATFORM=package.module:Factory`` imports one. Either must be available,
    or resolution fails with the probe's reason.
 2. Otherwise every plug-in of the ``hyperrng.platforms`` entry-point group is probed; one
-   available plug-in wins, two are an :class:`AmbiguousPlatformError`.
+   available plug-in wins, two are a :class:`PlatformError`.
 3. Otherwise the built-ins in the order NPU, CUDA, CPU.
 
 A probe that raises anything is caught and its reason recorded (``hyperrng info`` shows
@@ -29,11 +29,8 @@ from hyperrng.platforms.base import Platform
 from hyperrng.platforms.cpu import CPUPlatform
 from hyperrng.platforms.device_module import CUDAPlatform, NPUPlatform
 from hyperrng.platforms.errors import (
-    AmbiguousPlatformError,
-    InvalidPlatformError,
-    PlatformNameError,
-    PlatformUnavailableError,
-    UnknownPlatformError,
+    InvalidArgumentError,
+    PlatformError,
 )
 from hyperrng.platforms.simulated import SimulatedPlatform
 
@@ -122,15 +119,16 @@ def unimplemented_methods(platform: Platform | type[Platform]) -> tuple[str, ...
 
 
 def _require_methods(platform: Platform | type[Platform], label: str) -> None:
-    """Raise :class:`InvalidPlatformError` when ``platform`` (instance or class) lacks a required method."""
+    """Raise :class:`PlatformError` when ``platform`` (instance or class) lacks a required method."""
     missing = unimplemented_methods(platform)
     if missing:
         cls = platform if isinstance(platform, type) else type(platform)
-        raise InvalidPlatformError(
+        raise PlatformError(
             f"{label} ({cls.__module__}.{cls.__qualname__}) does not implement {', '.join(missing)}, which "
             "every platforms.Platform subclass must provide (the base class only raises NotImplementedError); "
             "implement them in the subclass, or subclass platforms.DeviceModulePlatform when the device has a "
-            "torch device module (see the README, 'Plugging in a device')."
+            "torch device module (see the README, 'Plugging in a device').",
+            reason="invalid",
         )
 
 
@@ -142,18 +140,20 @@ def register(name: str, factory: PlatformFactory, *, replace: bool = False) -> N
     it is first called (by :func:`load`, :func:`select`). Nothing is registered on error.
 
     Raises:
-        PlatformNameError: ``name`` is empty or contains ``:``, or is taken and ``replace`` is false.
-        InvalidPlatformError: ``factory`` is not callable, or is a :class:`Platform`
+        InvalidArgumentError: ``name`` is empty or contains ``:``, or is taken and ``replace`` is false.
+        PlatformError: ``factory`` is not callable, or is a :class:`Platform`
             subclass that does not implement a required method (the message names them).
     """
     if not isinstance(name, str) or not name or ":" in name:
-        raise PlatformNameError(f"platform name must be a non-empty string without ':', got {name!r}.")
+        raise InvalidArgumentError(f"platform name must be a non-empty string without ':', got {name!r}.")
     if not callable(factory):
-        raise InvalidPlatformError(f"factory for platform {name!r} must be callable, got {type(factory).__name__}.")
+        raise PlatformError(
+            f"factory for platform {name!r} must be callable, got {type(factory).__name__}.", reason="invalid"
+        )
     if isinstance(factory, type) and issubclass(factory, Platform):
         _require_methods(factory, f"cannot register platform {name!r}: its class")
     if name in _FACTORIES and not replace:
-        raise PlatformNameError(
+        raise InvalidArgumentError(
             f"platform {name!r} is already registered; pass replace=True to override it deliberately."
         )
     _FACTORIES[name] = factory
@@ -168,15 +168,16 @@ def _build(factory: Callable[[], object], label: str) -> Platform:
     """Call ``factory`` and return the platform it made.
 
     Raises:
-        InvalidPlatformError: the result is not a :class:`Platform`, or does not implement
+        PlatformError: the result is not a :class:`Platform`, or does not implement
             a required method (see :func:`unimplemented_methods`).
         Exception: whatever ``factory`` itself raises, unchanged (callers report it).
     """
     platform = factory()
     if not isinstance(platform, Platform):
-        raise InvalidPlatformError(
+        raise PlatformError(
             f"{label} returned {type(platform).__name__}, not a platforms.Platform; "
-            "make the factory return an instance of a Platform subclass."
+            "make the factory return an instance of a Platform subclass.",
+            reason="invalid",
         )
     _require_methods(platform, f"{label} returned a platform whose class")
     return platform
@@ -185,13 +186,15 @@ def _build(factory: Callable[[], object], label: str) -> Platform:
 def _import_factory(spec: str) -> Callable[[], object]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise UnknownPlatformError(f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.")
+        raise PlatformError(
+            f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.", reason="unknown"
+        )
     was_imported = module_name in sys.modules
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise UnknownPlatformError(
-            f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)})."
+        raise PlatformError(
+            f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)}).", reason="unknown"
         ) from exc
     try:
         obj: object = module
@@ -200,9 +203,13 @@ def _import_factory(spec: str) -> Callable[[], object]:
     except AttributeError as exc:
         if was_imported:
             raise _StillImporting(module_name) from exc
-        raise UnknownPlatformError(f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}.") from exc
+        raise PlatformError(
+            f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}.", reason="unknown"
+        ) from exc
     if not callable(obj):
-        raise InvalidPlatformError(f"{ENV_VAR}={spec!r} names a {type(obj).__name__}, not a callable factory.")
+        raise PlatformError(
+            f"{ENV_VAR}={spec!r} names a {type(obj).__name__}, not a callable factory.", reason="invalid"
+        )
     return obj  # type: ignore[return-value]
 
 
@@ -231,7 +238,7 @@ def _load_named_plugin(name: str) -> Callable[[], object] | None:
     """The factory of the plug-in whose entry point is ``name``, or ``None`` when no plug-in has that name.
 
     Raises:
-        UnknownPlatformError: the plug-in's module fails to import, or lacks the factory it names
+        PlatformError: the plug-in's module fails to import, or lacks the factory it names
             (one line, as for a ``module:Factory`` that does not load).
     """
     for ep in _plugin_entry_points():
@@ -241,9 +248,10 @@ def _load_named_plugin(name: str) -> Callable[[], object] | None:
             except _StillImporting:
                 raise
             except Exception as exc:
-                raise UnknownPlatformError(
+                raise PlatformError(
                     f"plug-in platform {name!r} failed to load: {_one_line(exc)} (entry point {ep.value!r}); "
-                    "fix or uninstall the package that provides it, or choose another platform."
+                    "fix or uninstall the package that provides it, or choose another platform.",
+                    reason="unknown",
                 ) from exc
     return None
 
@@ -264,40 +272,43 @@ def load(spec: str) -> Platform:
     """Build and probe the platform named by ``spec`` (a name or ``module:Factory``).
 
     Raises:
-        UnknownPlatformError: no such name, or the module/attribute does not load.
-        InvalidPlatformError: the factory does not return a :class:`Platform`, or returns
-            one that does not implement a required method (see :data:`REQUIRED_METHODS`).
-        PlatformUnavailableError: the platform's probe says it cannot run here.
+        PlatformError: no such name, or the module/attribute does not load;
+            or the factory does not return a :class:`Platform`, or returns
+            one that does not implement a required method (see :data:`REQUIRED_METHODS`);
+            or the platform's probe says it cannot run here.
     """
     spec = spec.strip()
     if ":" in spec:
         imported = _import_factory(spec)
         try:
             platform = _build(imported, spec)
-        except InvalidPlatformError:
+        except PlatformError:
             raise
         except Exception as exc:
-            raise PlatformUnavailableError(f"{spec} could not create a platform: {type(exc).__name__}: {exc}") from exc
+            raise PlatformError(
+                f"{spec} could not create a platform: {type(exc).__name__}: {exc}", reason="unavailable"
+            ) from exc
     else:
         factory: Callable[[], object] | None = _FACTORIES.get(spec)
         if factory is None:
             factory = _load_named_plugin(spec)
         if factory is None:
             known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
-            raise UnknownPlatformError(
-                f"unknown platform {spec!r}; known platforms: {known} (or give 'package.module:Factory')."
+            raise PlatformError(
+                f"unknown platform {spec!r}; known platforms: {known} (or give 'package.module:Factory').",
+                reason="unknown",
             )
         try:
             platform = _build(factory, f"the factory of platform {spec!r}")
-        except (InvalidPlatformError, UnknownPlatformError):
+        except PlatformError:
             raise
         except Exception as exc:
-            raise PlatformUnavailableError(
-                f"platform {spec!r} could not be created: {type(exc).__name__}: {exc}"
+            raise PlatformError(
+                f"platform {spec!r} could not be created: {type(exc).__name__}: {exc}", reason="unavailable"
             ) from exc
     reason = _probe(platform)
     if reason is not None:
-        raise PlatformUnavailableError(f"platform {platform.name!r} is not available: {reason}")
+        raise PlatformError(f"platform {platform.name!r} is not available: {reason}", reason="unavailable")
     return platform
 
 
@@ -336,8 +347,8 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
             claimed.append(plugin)
     if len(claimed) > 1:
         names = ", ".join(p.name for p in claimed)
-        raise AmbiguousPlatformError(
-            f"plug-in platforms {names} all claim this machine; set {ENV_VAR} to the one you want."
+        raise PlatformError(
+            f"plug-in platforms {names} all claim this machine; set {ENV_VAR} to the one you want.", reason="ambiguous"
         )
     if claimed:
         _selection = Selection(claimed[0], f"plug-in {claimed[0].name!r} is available", tuple(probes))
@@ -355,8 +366,9 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
             why = "first available built-in (order: " + ", ".join(AUTO_ORDER) + ")"
             _selection = Selection(candidate, why, tuple(probes))
             return _selection
-    raise PlatformUnavailableError(
-        "no platform is available, not even the CPU: " + "; ".join(f"{p.name}: {p.reason}" for p in probes)
+    raise PlatformError(
+        "no platform is available, not even the CPU: " + "; ".join(f"{p.name}: {p.reason}" for p in probes),
+        reason="unavailable",
     )
 
 
@@ -386,10 +398,10 @@ def set_current(platform: Platform | str) -> Platform:
         The platform now current.
 
     Raises:
-        InvalidPlatformError: ``platform`` is neither a :class:`Platform` nor a string, or
+        PlatformError: ``platform`` is neither a :class:`Platform` nor a string, or
             is a platform that does not implement a required method. The selection is
-            unchanged on error.
-        UnknownPlatformError, PlatformUnavailableError: see :func:`load`.
+            unchanged on error;
+            or see :func:`load`.
     """
     global _selection
     if isinstance(platform, str):
@@ -398,7 +410,7 @@ def set_current(platform: Platform | str) -> Platform:
         _require_methods(platform, "cannot select the platform: its class")
         resolved = platform
     else:
-        raise InvalidPlatformError(f"expected a Platform or a platform name, got {type(platform).__name__}.")
+        raise PlatformError(f"expected a Platform or a platform name, got {type(platform).__name__}.", reason="invalid")
     _selection = Selection(resolved, "set programmatically", (ProbeResult(resolved.name, "override", True),))
     return resolved
 

@@ -40,7 +40,7 @@ platform reports itself unavailable).
 Registering a device backend written in Python needs torch's ``torch._C._acc`` hooks
 (torch >= 2.10, see :mod:`hyperrng.platforms._features`): on an older torch this module
 still imports, the platform's probe says which torch it needs, and selecting it raises
-that reason as a :class:`~hyperrng.platforms.errors.PlatformUnavailableError`.
+that reason as a :class:`~hyperrng.platforms.errors.PlatformError`.
 
 The same module also stands in for ``torch.cuda`` or ``torch.npu`` in tests:
 ``CUDAPlatform(module=SimulatedDeviceModule(device_type="cuda"))`` drives the CUDA
@@ -59,7 +59,7 @@ import torch
 from hyperrng.platforms import _features
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, pack_counter_state, unpack_counter_state
 from hyperrng.platforms.device_module import DeviceModulePlatform
-from hyperrng.platforms.errors import InvalidOffsetError, InvalidStateError, PlatformUnavailableError
+from hyperrng.platforms.errors import InvalidArgumentError, PlatformError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
@@ -127,7 +127,7 @@ class SimulatedGenerator:
             or new_state.dtype != torch.uint8
             or new_state.numel() != COUNTER_STATE_NBYTES
         ):
-            raise InvalidStateError(f"simulated generator state must be {COUNTER_STATE_NBYTES} uint8 bytes")
+            raise InvalidArgumentError(f"simulated generator state must be {COUNTER_STATE_NBYTES} uint8 bytes")
         # Torch restores device states from inside its own dispatch modes (LocalTensor mode does, while a
         # FakeTensorMode propagates shardings); CUDA's generator reads the bytes below them, and so does this one.
         with no_dispatch():
@@ -336,7 +336,7 @@ def simulated_backend(device_type: str = SIM_DEVICE_TYPE) -> SimulatedDeviceModu
     """The simulated device module registered with torch for ``device_type``, registering one if needed.
 
     Raises:
-        PlatformUnavailableError: another backend holds torch's PrivateUse1 slot.
+        PlatformError: another backend holds torch's PrivateUse1 slot.
     """
     module = _Backend.module
     if module is not None and module.device_type == device_type:
@@ -353,7 +353,9 @@ def _register(module: SimulatedDeviceModule) -> None:
     if reason is None and _Backend.module is not None:
         reason = f"a simulated backend is already registered as {_Backend.module.device_type!r}"
     if reason is not None:
-        raise PlatformUnavailableError(f"cannot register the simulated device {module.device_type!r}: {reason}")
+        raise PlatformError(
+            f"cannot register the simulated device {module.device_type!r}: {reason}", reason="unavailable"
+        )
     name = module.device_type
     torch.utils.rename_privateuse1_backend(name)
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
@@ -563,7 +565,7 @@ def _draw(func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) ->
     counter = module._gen(device.index)._counter
     if counter.offset > MAX_OFFSET - _MAX_DRAW_ADVANCE:
         # Refused before drawing, so the generator stays where it was.
-        raise InvalidOffsetError(
+        raise InvalidArgumentError(
             f"{func}: the generator of {device} is at offset {counter.offset}, too close to 2**63 - 1 for a "
             f"draw to advance it; reseed it (torch.manual_seed, or a tracker stream) first."
         )

@@ -9,10 +9,7 @@ import numpy as np
 import torch
 from hyperrng.platforms.errors import (
     ArgumentTypeError,
-    DeviceIndexError,
-    InvalidOffsetError,
-    InvalidSeedError,
-    InvalidStateError,
+    InvalidArgumentError,
 )
 
 __all__ = [
@@ -75,26 +72,26 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 def check_seed(seed: object, what: str = "seed") -> int:
-    """Return ``seed`` as an int in ``[0, 2**64 - 1]`` or raise :class:`InvalidSeedError`."""
+    """Return ``seed`` as an int in ``[0, 2**64 - 1]`` or raise :class:`InvalidArgumentError`."""
     if type(seed) is int and 0 <= seed <= MAX_SEED:  # the common case, checked cheaply (forks are hot)
         return seed
     value = check_int(seed, what)
     if not 0 <= value <= MAX_SEED:
-        raise InvalidSeedError(
+        raise InvalidArgumentError(
             f"{what} must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
         )
     return value
 
 
 def check_offset(offset: object, what: str = "offset") -> int:
-    """Return ``offset`` as a non-negative multiple of 4 or raise :class:`InvalidOffsetError`."""
+    """Return ``offset`` as a non-negative multiple of 4 or raise :class:`InvalidArgumentError`."""
     if type(offset) is int and 0 <= offset <= MAX_OFFSET and not offset % OFFSET_ALIGN:
         return offset
     value = check_int(offset, what)
     if not 0 <= value <= MAX_OFFSET:
-        raise InvalidOffsetError(f"{what} must be in [0, 2**63 - 1], got {value}.")
+        raise InvalidArgumentError(f"{what} must be in [0, 2**63 - 1], got {value}.")
     if value % OFFSET_ALIGN:
-        raise InvalidOffsetError(
+        raise InvalidArgumentError(
             f"{what} must be a multiple of {OFFSET_ALIGN} (Philox draws 4 values per counter), got {value}; "
             f"round it up to {value + OFFSET_ALIGN - value % OFFSET_ALIGN}."
         )
@@ -106,13 +103,13 @@ def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
 
     Raises:
         ArgumentTypeError: ``state`` is not a tensor.
-        InvalidStateError: a tensor of another dtype, shape, size or device.
+        InvalidArgumentError: a tensor of another dtype, shape, size or device.
     """
     expected = f"a 1-D torch.uint8 CPU tensor of {nbytes} bytes, as returned by get_rng_state()"
     if not isinstance(state, torch.Tensor):
         raise ArgumentTypeError(f"RNG state for platform {platform!r} must be {expected}; got {type(state).__name__}.")
     if state.dtype != torch.uint8 or state.device.type != "cpu" or state.dim() != 1 or state.numel() != nbytes:
-        raise InvalidStateError(
+        raise InvalidArgumentError(
             f"RNG state for platform {platform!r} must be {expected}; got a {state.dtype} tensor of shape "
             f"{tuple(state.shape)} on {state.device}."
         )
@@ -120,13 +117,13 @@ def check_state(state: object, nbytes: int, platform: str) -> torch.Tensor:
 
 
 def check_state_offset(offset: int, what: str, source: str = "get_rng_state()") -> int:
-    """Return the offset read from a state if a generator can hold it, else raise :class:`InvalidStateError`.
+    """Return the offset read from a state if a generator can hold it, else raise :class:`InvalidArgumentError`.
 
     ``what`` opens the message and is followed by the offset ("RNG state for platform
     'sim' has offset"); ``source`` names what returns valid states.
     """
     if offset < 0 or offset % OFFSET_ALIGN:
-        raise InvalidStateError(
+        raise InvalidArgumentError(
             f"{what} {offset}; offsets are non-negative multiples of {OFFSET_ALIGN}. "
             f"Pass a state returned by {source}, unmodified."
         )
@@ -134,10 +131,10 @@ def check_state_offset(offset: int, what: str, source: str = "get_rng_state()") 
 
 
 def check_index(index: object, count: int, platform: str) -> int:
-    """Return ``index`` if it names one of ``count`` devices, else raise :class:`DeviceIndexError`."""
+    """Return ``index`` if it names one of ``count`` devices, else raise :class:`InvalidArgumentError`."""
     value = check_int(index, "device index")
     if not 0 <= value < count:
-        raise DeviceIndexError(
+        raise InvalidArgumentError(
             f"device index {value} is out of range for platform {platform!r}, which has {count} device(s); "
             f"use an index in [0, {count - 1}]."
             if count

@@ -8,7 +8,7 @@ import pytest
 
 from hyperrng.benchmarks import SUITES, BenchResult, Timing, format_results, run_benchmarks
 from hyperrng.cli import main
-from hyperrng.errors import UsageError
+from hyperrng.errors import InvalidArgumentError
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_every_suite_runs_in_quick_mode_and_reports_ratios() -> None:
 
 
 def test_an_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(UsageError, match="unknown benchmark suite"):
+    with pytest.raises(InvalidArgumentError, match="unknown benchmark suite"):
         run_benchmarks(quick=True, suites=["nonsense"])
     assert main(["bench", "--quick", "--suite", "nonsense"]) == 2
     assert "unknown benchmark suite(s) ['nonsense']" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from typing import Any
 import hyperrng.platforms as platforms
 import pytest
 import torch
-from hyperrng.platforms import ArgumentTypeError, CPUPlatform, InvalidStateError
+from hyperrng.platforms import ArgumentTypeError, CPUPlatform, InvalidArgumentError
 from torch.distributed.tensor import Replicate, Shard
 
 from hyperrng.sharded import OFFSETS_KEPT, MeshInfo, ShardedRNGTracker
@@ -71,7 +71,7 @@ def test_a_device_generator_whose_state_is_garbage_is_an_invalid_state_error() -
             return torch.empty(0, dtype=torch.uint8)
 
     device = platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda"))
-    with pytest.raises(InvalidStateError, match="get_state\\(\\) returned a torch.uint8 tensor of 0 elements"):
+    with pytest.raises(InvalidArgumentError, match="get_state\\(\\) returned a torch.uint8 tensor of 0 elements"):
         device.get_seed_offset(generator=Garbage(0, device_type="cuda"))
 
 

@@ -12,7 +12,7 @@ import hyperrng.platforms as platforms
 import pytest
 
 from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdict_lines, _verdicts, main, run_demo
-from hyperrng.errors import ArgumentTypeError, InvalidSeedError, UsageError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
 from tests._platforms import cuda_on_sim
@@ -185,16 +185,20 @@ def test_under_torchrun_a_world_size_that_contradicts_the_job_is_an_error() -> N
 @pytest.mark.parametrize(
     ("cfg", "error", "fragment"),
     [
-        (DemoConfig(world_size=4, tp=3), UsageError, "cannot be arranged as dp x tp with tp=3"),
-        (DemoConfig(world_size=0), UsageError, "--world-size must be a positive integer"),
-        (DemoConfig(world_size=MAX_LOCAL_RANKS + 2), UsageError, f"the demo starts at most {MAX_LOCAL_RANKS}"),
-        (DemoConfig(tp=True), UsageError, "--tp must be a positive integer"),
-        (DemoConfig(steps=3, save_step=3), UsageError, "--save-step must lie in [1, --steps - 1]"),
-        (DemoConfig(steps=1, save_step=0), UsageError, "--save-step must lie"),
-        (DemoConfig(seed=-1), InvalidSeedError, "--seed: seed must be in [0, 2**64 - 1], got -1"),
-        (DemoConfig(seed=2**64), InvalidSeedError, "got 18446744073709551616"),
+        (DemoConfig(world_size=4, tp=3), InvalidArgumentError, "cannot be arranged as dp x tp with tp=3"),
+        (DemoConfig(world_size=0), InvalidArgumentError, "--world-size must be a positive integer"),
+        (
+            DemoConfig(world_size=MAX_LOCAL_RANKS + 2),
+            InvalidArgumentError,
+            f"the demo starts at most {MAX_LOCAL_RANKS}",
+        ),
+        (DemoConfig(tp=True), InvalidArgumentError, "--tp must be a positive integer"),
+        (DemoConfig(steps=3, save_step=3), InvalidArgumentError, "--save-step must lie in [1, --steps - 1]"),
+        (DemoConfig(steps=1, save_step=0), InvalidArgumentError, "--save-step must lie"),
+        (DemoConfig(seed=-1), InvalidArgumentError, "--seed: seed must be in [0, 2**64 - 1], got -1"),
+        (DemoConfig(seed=2**64), InvalidArgumentError, "got 18446744073709551616"),
         (DemoConfig(seed="7"), ArgumentTypeError, "--seed: seed must be an int"),  # type: ignore[arg-type]
-        (DemoConfig(world_size=16, tp=4, portable=True), UsageError, "--portable trains at every TP size"),
+        (DemoConfig(world_size=16, tp=4, portable=True), InvalidArgumentError, "--portable trains at every TP size"),
         (DemoConfig(portable=1), ArgumentTypeError, "portable must be True or False"),  # type: ignore[arg-type]
     ],
 )
@@ -231,9 +235,11 @@ def test_inside_torchrun_the_job_decides_the_world_size(monkeypatch: pytest.Monk
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert DemoConfig().resolved().world_size == 8
     assert DemoConfig(world_size=8).resolved().world_size == 8
-    with pytest.raises(UsageError, match="--world-size 2 contradicts the torchrun job, which has WORLD_SIZE=8"):
+    with pytest.raises(
+        InvalidArgumentError, match="--world-size 2 contradicts the torchrun job, which has WORLD_SIZE=8"
+    ):
         DemoConfig(world_size=2).resolved()
-    with pytest.raises(UsageError, match="run it outside torchrun"):
+    with pytest.raises(InvalidArgumentError, match="run it outside torchrun"):
         DemoConfig(portable=True).resolved()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hyperrng.platforms.mix import combine64
 
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidSeedError, LayoutError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import (
     DEFAULT_STREAM,
     LAYOUT_DOMAIN,
@@ -30,7 +30,6 @@ from hyperrng.tracker import (
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
     RNGStatesTracker,
-    TrackerStateError,
     get_rng_tracker,
 )
 
@@ -162,7 +161,7 @@ def test_check_distinct_names_both_sides_of_a_collision(monkeypatch: pytest.Monk
     import hyperrng.layout as layout_module
 
     monkeypatch.setattr(layout_module, "combine64", lambda *values: 0)  # a mixer that collides on purpose
-    with pytest.raises(LayoutError, match="share seed 0"):
+    with pytest.raises(InvalidArgumentError, match="share seed 0"):
         megatron_like_layout().check_distinct(1, {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "ep": 1})
 
 
@@ -224,10 +223,10 @@ def test_a_layout_round_trips_through_a_plain_json_dict() -> None:
     ("data", "error", "fragment"),
     [
         ([], ArgumentTypeError, "mapping"),
-        ({"dims": ["pp"]}, LayoutError, "lacks"),
-        ({**megatron_like_layout().to_dict(), "version": 99}, LayoutError, "version"),
-        ({**megatron_like_layout().to_dict(), "domain": 1}, LayoutError, "domain"),
-        ({**megatron_like_layout().to_dict(), "streams": {"s": ["zz"]}}, LayoutError, "not a mesh dimension"),
+        ({"dims": ["pp"]}, InvalidArgumentError, "lacks"),
+        ({**megatron_like_layout().to_dict(), "version": 99}, InvalidArgumentError, "version"),
+        ({**megatron_like_layout().to_dict(), "domain": 1}, InvalidArgumentError, "domain"),
+        ({**megatron_like_layout().to_dict(), "streams": {"s": ["zz"]}}, InvalidArgumentError, "not a mesh dimension"),
         ({**megatron_like_layout().to_dict(), "streams": {"s": [5]}}, ArgumentTypeError, "must be a string"),
     ],
 )
@@ -249,7 +248,7 @@ def test_from_dict_refuses_what_to_dict_did_not_write(data: Any, error: type[Exc
     ],
 )
 def test_an_inconsistent_layout_is_refused(build: Callable[[], object], fragment: str) -> None:
-    with pytest.raises(LayoutError, match=fragment) as info:
+    with pytest.raises(InvalidArgumentError, match=fragment) as info:
         build()
     assert isinstance(info.value, HyperRNGError) and isinstance(info.value, ValueError)
 
@@ -276,10 +275,10 @@ GOOD = {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
 @pytest.mark.parametrize(
     ("coords", "error", "fragment"),
     [
-        ({k: v for k, v in GOOD.items() if k != "ep"}, LayoutError, "lack dimension"),
-        ({**GOOD, "zz": 1}, LayoutError, "does not have"),
-        ({**GOOD, "tp": -1}, LayoutError, r"must be in \[0, 2\*\*64 - 1\]"),
-        ({**GOOD, "tp": 2**64}, LayoutError, r"must be in \[0, 2\*\*64 - 1\]"),
+        ({k: v for k, v in GOOD.items() if k != "ep"}, InvalidArgumentError, "lack dimension"),
+        ({**GOOD, "zz": 1}, InvalidArgumentError, "does not have"),
+        ({**GOOD, "tp": -1}, InvalidArgumentError, r"must be in \[0, 2\*\*64 - 1\]"),
+        ({**GOOD, "tp": 2**64}, InvalidArgumentError, r"must be in \[0, 2\*\*64 - 1\]"),
         ({**GOOD, "tp": True}, ArgumentTypeError, "bool"),
         ({**GOOD, "tp": 1.0}, ArgumentTypeError, "must be an int"),
         ({**GOOD, "tp": "1"}, ArgumentTypeError, "must be an int"),
@@ -294,7 +293,7 @@ def test_apply_layout_refuses_bad_coordinates_and_changes_nothing(
 
 @pytest.mark.parametrize(
     ("seed", "error"),
-    [(-1, InvalidSeedError), (2**64, InvalidSeedError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)],
+    [(-1, InvalidArgumentError), (2**64, InvalidArgumentError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)],
 )
 def test_apply_layout_refuses_a_bad_base_seed_and_changes_nothing(
     platform: platforms.Platform, seed: object, error: type[Exception]
@@ -307,19 +306,19 @@ def test_apply_layout_inside_a_fork_is_refused_and_changes_nothing(platform: pla
     tracker.add("s", 1)
     with tracker.fork("s"):
         before = snapshot(platform)
-        with pytest.raises(TrackerStateError, match="inside a fork"):
+        with pytest.raises(InvalidOperationError, match="inside a fork"):
             apply_layout(megatron_like_layout(), 1, GOOD)
         assert snapshot(platform) == before
 
 
 @pytest.mark.parametrize("sizes", [{**GOOD}, {**GOOD, "pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": -2}])
 def test_check_distinct_refuses_sizes_below_one(sizes: dict[str, int]) -> None:
-    with pytest.raises(LayoutError, match=r"must be in \[1, 2\*\*64 - 1\]"):
+    with pytest.raises(InvalidArgumentError, match=r"must be in \[1, 2\*\*64 - 1\]"):
         megatron_like_layout().check_distinct(1, sizes)
 
 
 def test_seed_of_an_unknown_stream_is_refused() -> None:
-    with pytest.raises(LayoutError, match="no stream 'nope'"):
+    with pytest.raises(InvalidArgumentError, match="no stream 'nope'"):
         megatron_like_layout().seed("nope", 1, GOOD)
 
 
@@ -369,7 +368,7 @@ def test_restoring_states_keeps_the_derivation_and_replacing_streams_drops_it() 
 
 def test_a_refused_apply_layout_records_nothing() -> None:
     tracker = RNGStatesTracker()
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidArgumentError):
         apply_layout(megatron_like_layout(), 7, {"tp": 0}, tracker=tracker)
     assert recorded_derivation(tracker) is None
 

@@ -120,7 +120,7 @@ def test_cpu_a_saved_state_keeps_its_position_after_the_table_forgot_it() -> Non
     [((1234, -4), "non-negative multiples"), ((1234, 6), "non-negative multiples"), ((1235, 8), "does not belong")],
 )
 def test_cpu_refuses_a_cursor_that_does_not_fit_its_bytes(cursor: tuple[int, int], fragment: str) -> None:
-    from hyperrng.platforms import InvalidStateError
+    from hyperrng.platforms import InvalidArgumentError
 
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
@@ -128,7 +128,7 @@ def test_cpu_refuses_a_cursor_that_does_not_fit_its_bytes(cursor: tuple[int, int
     forged = torch.cat((state[: platforms.MT19937_STATE_NBYTES], platforms.pack_counter_state(*cursor)))
     cpu.manual_seed(5)
     before = cpu.get_rng_state()
-    with pytest.raises(InvalidStateError, match=fragment):
+    with pytest.raises(InvalidArgumentError, match=fragment):
         cpu.set_rng_state(forged)
     assert torch.equal(cpu.get_rng_state(), before)
 
@@ -274,35 +274,35 @@ def test_cpu_handles_of_one_seed_never_collide_and_stay_apart_across_domains() -
 
 
 def test_cpu_refuses_bytes_that_are_no_mt19937_state_and_keeps_its_own() -> None:
-    from hyperrng.platforms import InvalidStateError
+    from hyperrng.platforms import InvalidArgumentError
 
     cpu = CPUPlatform()
     before = cpu.get_rng_state()
-    with pytest.raises(InvalidStateError, match="not a valid MT19937 state"):
+    with pytest.raises(InvalidArgumentError, match="not a valid MT19937 state"):
         cpu.set_rng_state(torch.zeros(platforms.CPU_STATE_NBYTES, dtype=torch.uint8))
     assert torch.equal(cpu.get_rng_state(), before)
 
 
 @pytest.mark.needs_sim
 def test_set_device_makes_a_simulated_device_current_and_refuses_a_missing_one() -> None:
-    from hyperrng.platforms.errors import DeviceIndexError
+    from hyperrng.platforms.errors import InvalidArgumentError
 
     p = SimulatedPlatform()
     p.set_device(1)
     assert p.current_device() == 1 and p.default_generator() is p.default_generator(1)
-    with pytest.raises(DeviceIndexError, match="device index 2 is out of range for platform 'sim'"):
+    with pytest.raises(InvalidArgumentError, match="device index 2 is out of range for platform 'sim'"):
         p.set_device(2)
     assert p.current_device() == 1
     p.set_device(0)
 
 
 def test_set_device_on_a_one_device_platform_accepts_only_that_device() -> None:
-    from hyperrng.platforms.errors import ArgumentTypeError, DeviceIndexError
+    from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError
 
     p = CPUPlatform()
     p.set_device(0)
     assert p.current_device() == 0
-    with pytest.raises(DeviceIndexError, match="has 1 device"):
+    with pytest.raises(InvalidArgumentError, match="has 1 device"):
         p.set_device(1)
     with pytest.raises(ArgumentTypeError):
         p.set_device("0")  # type: ignore[arg-type]

@@ -16,11 +16,9 @@ from hyperrng.platforms.mix import combine64
 
 from hyperrng.errors import (
     ArgumentTypeError,
-    DuplicateStreamError,
     HyperRNGError,
-    InvalidSeedError,
-    LayoutError,
-    UsageError,
+    InvalidArgumentError,
+    InvalidOperationError,
 )
 from hyperrng.seeding import (
     NUMPY_DOMAIN,
@@ -42,7 +40,6 @@ from hyperrng.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
-    TrackerStateError,
     get_rng_tracker,
 )
 from tests._platforms import PLATFORMS, use_each
@@ -182,14 +179,22 @@ def test_a_megatron_style_call_with_only_a_seed_uses_rank_0_in_a_process_alone(p
             "call hyperrng.model_parallel_manual_seed",
         ),
         (lambda: model_parallel_cuda_manual_seed(50, force_reset_rng=1), ArgumentTypeError, "force_reset_rng must be"),
-        (lambda: model_parallel_cuda_manual_seed(50, te_rng_tracker=True), UsageError, "te_rng_tracker=True selects"),
+        (
+            lambda: model_parallel_cuda_manual_seed(50, te_rng_tracker=True),
+            InvalidArgumentError,
+            "te_rng_tracker=True selects",
+        ),
         (
             lambda: model_parallel_cuda_manual_seed(50, inference_rng_tracker=True, use_cudagraphable_rng=True),
-            UsageError,
+            InvalidArgumentError,
             "inference_rng_tracker, use_cudagraphable_rng=True selects",
         ),
-        (lambda: model_parallel_cuda_manual_seed(50, tp_rank=-1), LayoutError, "tp_rank must be a non-negative int"),
-        (lambda: model_parallel_cuda_manual_seed(-5, tp_rank=0), InvalidSeedError, "seed must be in"),
+        (
+            lambda: model_parallel_cuda_manual_seed(50, tp_rank=-1),
+            InvalidArgumentError,
+            "tp_rank must be a non-negative int",
+        ),
+        (lambda: model_parallel_cuda_manual_seed(-5, tp_rank=0), InvalidArgumentError, "seed must be in"),
         (lambda: model_parallel_cuda_manual_seed(50, tp_rank="0"), ArgumentTypeError, "tp_rank"),
     ],
     ids=[
@@ -210,7 +215,7 @@ def test_a_call_megatron_core_would_not_make_or_hyperrng_cannot_honour_is_refuse
 
 
 def test_a_tracker_flag_is_refused_with_a_pointer_to_megatron_model_parallel_manual_seed() -> None:
-    with pytest.raises(UsageError) as info:
+    with pytest.raises(InvalidArgumentError) as info:
         model_parallel_cuda_manual_seed(50, te_rng_tracker=True)
     assert str(info.value).endswith(
         "Drop the flag, or call hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank)."
@@ -241,7 +246,8 @@ def test_a_megatron_style_call_without_ranks_is_refused_where_the_process_has_pe
     messages = run_ranks(_megatron_style_without_ranks, 2)
     assert len(set(messages)) == 1
     assert messages[0].startswith(
-        "LayoutError: tp_rank, ep_rank, etp_rank not given: hyperrng does not read Megatron-core's parallel state"
+        "InvalidArgumentError: tp_rank, ep_rank, etp_rank not given: "
+        "hyperrng does not read Megatron-core's parallel state"
     )
     assert messages[0].endswith("megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank). / streams 0")
 
@@ -268,15 +274,15 @@ def test_is_random_seed_set_follows_the_tracker(platform: platforms.Platform) ->
 @pytest.mark.parametrize(
     ("kwargs", "error", "fragment"),
     [
-        ({"seed": -1}, InvalidSeedError, "seed must be in"),
-        ({"seed": 2**64}, InvalidSeedError, "seed must be in"),
+        ({"seed": -1}, InvalidArgumentError, "seed must be in"),
+        ({"seed": 2**64}, InvalidArgumentError, "seed must be in"),
         ({"seed": True}, ArgumentTypeError, "bool"),
         ({"seed": "7"}, ArgumentTypeError, "must be an int"),
-        ({"seed": 1, "dp_rank": -1}, LayoutError, "dp_rank must be a non-negative int"),
+        ({"seed": 1, "dp_rank": -1}, InvalidArgumentError, "dp_rank must be a non-negative int"),
         ({"seed": 1, "pp_rank": 1.0}, ArgumentTypeError, "pp_rank must be an int"),
         ({"seed": 1, "tp_rank": True}, ArgumentTypeError, "tp_rank must be an int"),
-        ({"seed": 2**64 - 1, "pp_rank": 1}, InvalidSeedError, "exceeds 2\\*\\*64 - 1"),
-        ({"seed": 2**64 - 1, "tp_rank": 0}, InvalidSeedError, "exceeds 2\\*\\*64 - 1"),
+        ({"seed": 2**64 - 1, "pp_rank": 1}, InvalidArgumentError, "exceeds 2\\*\\*64 - 1"),
+        ({"seed": 2**64 - 1, "tp_rank": 0}, InvalidArgumentError, "exceeds 2\\*\\*64 - 1"),
     ],
 )
 def test_slapo_refuses_bad_input_and_seeds_nothing(
@@ -286,7 +292,7 @@ def test_slapo_refuses_bad_input_and_seeds_nothing(
 
 
 def test_model_parallel_seed_refuses_a_bad_rank(platform: platforms.Platform) -> None:
-    expect_refusal(platform, lambda: model_parallel_manual_seed(1, tp_rank=-2), LayoutError, "tp_rank")
+    expect_refusal(platform, lambda: model_parallel_manual_seed(1, tp_rank=-2), InvalidArgumentError, "tp_rank")
 
 
 def test_recipes_refuse_to_reseed_inside_a_fork(platform: platforms.Platform) -> None:
@@ -300,7 +306,7 @@ def test_recipes_refuse_to_reseed_inside_a_fork(platform: platforms.Platform) ->
             lambda: megatron_set_random_seed(1),
             lambda: megatron_model_parallel_manual_seed(1),
         ):
-            with pytest.raises(TrackerStateError, match="inside a fork"):
+            with pytest.raises(InvalidOperationError, match="inside a fork"):
                 call()
             assert everything(platform) == before
 
@@ -332,12 +338,12 @@ def test_megatron_collision_is_refused_and_changes_nothing(platform: platforms.P
     tp, ep, etp = 7, 17, 1
     assert megatron_seeds(5, tp, ep, etp).model_parallel == megatron_seeds(5, tp, ep, etp).expert_parallel
     expect_refusal(
-        platform, lambda: megatron_model_parallel_manual_seed(5, tp, ep, etp), DuplicateStreamError, "additive formulas"
+        platform, lambda: megatron_model_parallel_manual_seed(5, tp, ep, etp), InvalidArgumentError, "additive formulas"
     )
     expect_refusal(
         platform,
         lambda: megatron_set_random_seed(5, tp_rank=tp, ep_rank=ep, etp_rank=etp),
-        DuplicateStreamError,
+        InvalidArgumentError,
         "additive formulas",
     )
 
@@ -363,11 +369,11 @@ def test_megatron_set_random_seed_shifts_by_pipeline_and_optionally_data_ranks(
 @pytest.mark.parametrize(
     ("call", "error", "fragment"),
     [
-        (lambda: megatron_set_random_seed(0), InvalidSeedError, "positive"),
-        (lambda: megatron_set_random_seed(1, pp_rank=-1), LayoutError, "pp_rank"),
+        (lambda: megatron_set_random_seed(0), InvalidArgumentError, "positive"),
+        (lambda: megatron_set_random_seed(1, pp_rank=-1), InvalidArgumentError, "pp_rank"),
         (lambda: megatron_set_random_seed(1, ep_rank=None), ArgumentTypeError, "ep_rank"),  # type: ignore[arg-type]
-        (lambda: megatron_model_parallel_manual_seed(2**64 - 1), InvalidSeedError, "exceeds"),
-        (lambda: megatron_model_parallel_manual_seed(1, etp_rank=-3), LayoutError, "etp_rank"),
+        (lambda: megatron_model_parallel_manual_seed(2**64 - 1), InvalidArgumentError, "exceeds"),
+        (lambda: megatron_model_parallel_manual_seed(1, etp_rank=-3), InvalidArgumentError, "etp_rank"),
     ],
 )
 def test_megatron_refuses_bad_input_and_seeds_nothing(
@@ -490,11 +496,11 @@ def test_the_library_domains_are_distinct_named_constants() -> None:
 @pytest.mark.parametrize(
     ("mesh", "fragment", "error"),
     [
-        ({"dp": 1}, "no dimension 'pp'", LayoutError),
-        ({"pp": -1}, "coordinate of 'pp'", LayoutError),
+        ({"dp": 1}, "no dimension 'pp'", InvalidArgumentError),
+        ({"pp": -1}, "coordinate of 'pp'", InvalidArgumentError),
         ({"pp": True}, "bool", ArgumentTypeError),
-        (FakeDeviceMesh(("pp",), None), "not part of the mesh", LayoutError),
-        (FakeDeviceMesh(None, [0]), "no mesh_dim_names", LayoutError),
+        (FakeDeviceMesh(("pp",), None), "not part of the mesh", InvalidArgumentError),
+        (FakeDeviceMesh(None, [0]), "no mesh_dim_names", InvalidArgumentError),
         (object(), "DeviceMesh", ArgumentTypeError),
     ],
 )
@@ -505,7 +511,7 @@ def test_d9d_refuses_a_bad_mesh_and_seeds_nothing(
 
 
 def test_d9d_refuses_a_bad_seed_and_seeds_nothing(platform: platforms.Platform) -> None:
-    expect_refusal(platform, lambda: set_seeds(-5), InvalidSeedError, "seed must be in")
+    expect_refusal(platform, lambda: set_seeds(-5), InvalidArgumentError, "seed must be in")
 
 
 def test_a_tracker_the_platform_cannot_serve_is_refused_before_the_host_is_seeded() -> None:
@@ -522,7 +528,7 @@ def test_a_tracker_the_platform_cannot_serve_is_refused_before_the_host_is_seede
         lambda: set_random_seed(7, tp_rank=0, tracker=needs_graph_safe),
         lambda: megatron_set_random_seed(7, tracker=needs_graph_safe),
     ):
-        with pytest.raises(TrackerStateError, match="graph_safe=True"):
+        with pytest.raises(InvalidOperationError, match="graph_safe=True"):
             call()
         assert py_random.getstate() == before[0]
         assert (np.random.get_state()[1] == before[1]).all()
@@ -536,6 +542,6 @@ def test_set_random_seed_inside_a_fork_is_refused_either_way(kwargs: dict[str, i
     platform = platforms.current()
     with tracker.fork(MODEL_PARALLEL_STREAM):
         before = everything(platform)
-        with pytest.raises(TrackerStateError, match="inside a fork"):
+        with pytest.raises(InvalidOperationError, match="inside a fork"):
             set_random_seed(1, **kwargs)
         assert everything(platform) == before

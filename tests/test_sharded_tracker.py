@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from hyperrng.errors import ArgumentTypeError, InvalidOffsetError, InvalidStateError, ShardingError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
 from hyperrng.sharding import rng_offsets
 from tests._dist import run_ranks
@@ -179,7 +179,6 @@ class _NotInMesh:
         (((2, 2), (0, 0)), [Shard(0), Replicate(), Replicate()], SHAPE, "placement"),
         (((2, 2), (0, 0)), [Shard(2), Replicate()], SHAPE, "dim"),
         (((2, 2), (0, 0)), PLACEMENTS, (-1, 6), "must be at least 0"),
-        (_NotInMesh(), PLACEMENTS, SHAPE, "not part of the device mesh"),
         ("2x2", PLACEMENTS, SHAPE, "expected a DeviceMesh"),
     ],
 )
@@ -189,11 +188,24 @@ def test_bad_regions_raise_before_anything_changes(
     tracker = ShardedRNGTracker()
     tracker.manual_seed(9)
     before = platform.get_rng_state()
-    with pytest.raises(ShardingError) as info:
+    with pytest.raises(InvalidArgumentError) as info:
         with tracker.distribute_region(mesh, placements, shape):
             pytest.fail("the region body must not run")
     assert fragment in str(info.value)
     assert isinstance(info.value, ValueError)
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+def test_a_region_on_a_mesh_without_this_rank_is_an_invalid_operation_and_changes_nothing(
+    platform: platforms.Platform,
+) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(9)
+    before = platform.get_rng_state()
+    with pytest.raises(InvalidOperationError, match="not part of the device mesh") as info:
+        with tracker.distribute_region(_NotInMesh(), PLACEMENTS, SHAPE):
+            pytest.fail("the region body must not run")
+    assert info.value.reason == "mesh"
     assert torch.equal(platform.get_rng_state(), before)
 
 
@@ -204,7 +216,7 @@ def test_a_generator_of_another_device_is_refused(platform: platforms.Platform) 
         foreign = platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda")).default_generator()
     tracker = ShardedRNGTracker()
     before = platform.get_rng_state()
-    with pytest.raises(InvalidStateError, match="does not belong to platform"):
+    with pytest.raises(InvalidArgumentError, match="does not belong to platform"):
         with tracker.distribute_region(MeshInfo(MESH, (0, 0)), PLACEMENTS, SHAPE, generator=foreign):
             pytest.fail("the region body must not run")
     assert torch.equal(platform.get_rng_state(), before)
@@ -213,7 +225,7 @@ def test_a_generator_of_another_device_is_refused(platform: platforms.Platform) 
 def test_an_offset_overflow_is_refused(platform: platforms.Platform) -> None:
     platform.set_seed_offset(1, 2**63 - 8)
     before = platform.get_rng_state()
-    with pytest.raises(InvalidOffsetError, match="would pass 2\\*\\*63 - 1"):
+    with pytest.raises(InvalidArgumentError, match="would pass 2\\*\\*63 - 1"):
         with ShardedRNGTracker().distribute_region(MeshInfo(MESH, (0, 0)), PLACEMENTS, SHAPE):
             pytest.fail("the region body must not run")
     assert torch.equal(platform.get_rng_state(), before)
@@ -224,8 +236,9 @@ def test_manual_seed_refuses_bad_seeds_and_foreign_meshes() -> None:
     before = torch.get_rng_state()
     with pytest.raises(ValueError, match="seed must be in"):
         tracker.manual_seed(-1)
-    with pytest.raises(ShardingError, match="not part of the device mesh"):
+    with pytest.raises(InvalidOperationError, match="not part of the device mesh") as info:
         tracker.manual_seed(1, _NotInMesh())
+    assert info.value.reason == "mesh"
     assert torch.equal(torch.get_rng_state(), before)
 
 

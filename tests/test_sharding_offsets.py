@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, placement_types
 
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, RNGDesyncError, ShardingError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RNGDesyncError
 from hyperrng.sharding import (
     PHILOX_OFFSET_ALIGNMENT,
     check_disjoint,
@@ -585,7 +585,7 @@ def test_every_call_validates_nothing_is_remembered_from_a_valid_call() -> None:
     for function in (rng_offsets, local_shard, local_index_ranges):
         for _ in range(2):
             function(mesh, (1, 5), placements, shape)
-            with pytest.raises(ShardingError, match="outside the mesh"):
+            with pytest.raises(InvalidArgumentError, match="outside the mesh"):
                 function(mesh, (2, 5), placements, shape)
             with pytest.raises(ArgumentTypeError, match=r"coordinate\[0\] must be an int, got float 1.0"):
                 function(mesh, (1.0, 5), placements, shape)
@@ -610,10 +610,15 @@ class _FloatDimShard(Shard):
 
 BAD_INPUTS = [
     pytest.param(
-        ((4,), (0, 1), [Shard(0)], (8,)), ShardingError, "has 2 entries but the mesh (4,) has 1 dims", id="coord-length"
+        ((4,), (0, 1), [Shard(0)], (8,)),
+        InvalidArgumentError,
+        "has 2 entries but the mesh (4,) has 1 dims",
+        id="coord-length",
     ),
-    pytest.param(((4,), (4,), [Shard(0)], (8,)), ShardingError, "outside the mesh (4,): index 4", id="coord-too-large"),
-    pytest.param(((4,), (-1,), [Shard(0)], (8,)), ShardingError, "coordinate[0] is -1", id="coord-negative"),
+    pytest.param(
+        ((4,), (4,), [Shard(0)], (8,)), InvalidArgumentError, "outside the mesh (4,): index 4", id="coord-too-large"
+    ),
+    pytest.param(((4,), (-1,), [Shard(0)], (8,)), InvalidArgumentError, "coordinate[0] is -1", id="coord-negative"),
     pytest.param(
         ((4,), (True,), [Shard(0)], (8,)),
         ArgumentTypeError,
@@ -640,18 +645,28 @@ BAD_INPUTS = [
     ),
     pytest.param(((4,), 1, [Shard(0)], (8,)), ArgumentTypeError, "coordinate must be a sequence", id="coord-scalar"),
     pytest.param(
-        ((4,), (0,), [Shard(0), Replicate()], (8,)), ShardingError, "got 2 placements for a 1-dim mesh", id="too-many"
+        ((4,), (0,), [Shard(0), Replicate()], (8,)),
+        InvalidArgumentError,
+        "got 2 placements for a 1-dim mesh",
+        id="too-many",
     ),
-    pytest.param(((2, 2), (0, 0), [Shard(0)], (8,)), ShardingError, "got 1 placements for a 2-dim mesh", id="too-few"),
     pytest.param(
-        ((2,), (0,), [Shard(2)], (4, 4)), ShardingError, "has 2 dims; shard a dim in [-2, 2)", id="dim-too-large"
+        ((2, 2), (0, 0), [Shard(0)], (8,)), InvalidArgumentError, "got 1 placements for a 2-dim mesh", id="too-few"
     ),
     pytest.param(
-        ((2,), (0,), [Shard(-3)], (4, 4)), ShardingError, "has 2 dims; shard a dim in [-2, 2)", id="dim-too-negative"
+        ((2,), (0,), [Shard(2)], (4, 4)), InvalidArgumentError, "has 2 dims; shard a dim in [-2, 2)", id="dim-too-large"
     ),
-    pytest.param(((2,), (0,), [Shard(0)], ()), ShardingError, "0-dim and cannot be sharded", id="shard-a-scalar"),
-    pytest.param(((2,), (0,), [Shard(0)], (4, -1)), ShardingError, "global_shape[1] is -1", id="negative-size"),
-    pytest.param(((0,), (0,), [Shard(0)], (4,)), ShardingError, "mesh_shape[0] is 0", id="empty-mesh-dim"),
+    pytest.param(
+        ((2,), (0,), [Shard(-3)], (4, 4)),
+        InvalidArgumentError,
+        "has 2 dims; shard a dim in [-2, 2)",
+        id="dim-too-negative",
+    ),
+    pytest.param(
+        ((2,), (0,), [Shard(0)], ()), InvalidArgumentError, "0-dim and cannot be sharded", id="shard-a-scalar"
+    ),
+    pytest.param(((2,), (0,), [Shard(0)], (4, -1)), InvalidArgumentError, "global_shape[1] is -1", id="negative-size"),
+    pytest.param(((0,), (0,), [Shard(0)], (4,)), InvalidArgumentError, "mesh_shape[0] is 0", id="empty-mesh-dim"),
     pytest.param(
         ((2.7,), (0,), [Shard(0)], (4,)),
         ArgumentTypeError,
@@ -699,19 +714,19 @@ BAD_INPUTS = [
     ),
     pytest.param(
         ((2**32, 2**32), (0, 0), [Replicate(), Replicate()], (4,)),
-        ShardingError,
+        InvalidArgumentError,
         "has 18446744073709551616 ranks, more than 9223372036854775808 (2**63)",
         id="mesh-past-2**63-ranks",
     ),
     pytest.param(
         ((1,), (0,), [Replicate()], (2**32, 2**31)),
-        ShardingError,
+        InvalidArgumentError,
         "has 9223372036854775808 elements or a dim past 9223372036854775807",
         id="numel-past-2**63-1",
     ),
     pytest.param(
         ((1,), (0,), [Replicate()], (0, 2**63)),
-        ShardingError,
+        InvalidArgumentError,
         "or a dim past 9223372036854775807",
         id="empty-shape-with-a-dim-past-2**63-1",
     ),
@@ -720,7 +735,7 @@ if _StridedShard is not None:
     BAD_INPUTS.append(
         pytest.param(
             ((2,), (0,), [_strided(0, 0)], (4,)),
-            ShardingError,
+            InvalidArgumentError,
             "split_factor 0; it must be at least 1",
             id="split-zero",
         )
@@ -745,9 +760,9 @@ def test_bad_input_raises_a_typed_error_naming_the_argument(
 def test_offsets_past_2_63_raise_sharding_error_not_overflow_error() -> None:
     # 2**62 shards of one element each pad to 4: end would be 2**64.
     mesh, placements, shape = (2**62,), [Shard(0)], (2**62,)
-    with pytest.raises(ShardingError, match="would end at 18446744073709551616, past 9223372036854775807"):
+    with pytest.raises(InvalidArgumentError, match="would end at 18446744073709551616, past 9223372036854775807"):
         rng_offsets(mesh, (0,), placements, shape)
-    with pytest.raises(ShardingError, match="would end at"):
+    with pytest.raises(InvalidArgumentError, match="would end at"):
         check_disjoint(mesh, placements, shape)
     # The layout itself is fine: only the offsets do not fit a generator.
     assert local_shard(mesh, (2**62 - 1,), placements, shape) == ((1,), (2**62 - 1,))
@@ -756,9 +771,9 @@ def test_offsets_past_2_63_raise_sharding_error_not_overflow_error() -> None:
 
 
 def test_check_disjoint_rejects_bad_input_with_typed_errors() -> None:
-    with pytest.raises(ShardingError, match="got 1 placements for a 2-dim mesh"):
+    with pytest.raises(InvalidArgumentError, match="got 1 placements for a 2-dim mesh"):
         check_disjoint((2, 2), [Shard(0)], (8,))
-    with pytest.raises(ShardingError, match="has 1 dims; shard a dim"):
+    with pytest.raises(InvalidArgumentError, match="has 1 dims; shard a dim"):
         check_disjoint((2,), [Shard(1)], (8,))
     with pytest.raises(ArgumentTypeError, match=r"mesh_shape\[0\] must be an int, got float 2.7"):
         check_disjoint((2.7,), [Shard(0)], (8,))

@@ -129,10 +129,10 @@ def test_copies_move_tensors_between_devices_as_on_a_gpu(sim: platforms.Platform
 
 
 def test_a_draw_that_would_pass_the_last_offset_is_refused_and_changes_nothing(sim: platforms.Platform) -> None:
-    from hyperrng.platforms.errors import InvalidOffsetError
+    from hyperrng.platforms.errors import InvalidArgumentError
 
     sim.set_seed_offset(1, 2**63 - 4, index=0)
-    with pytest.raises(InvalidOffsetError, match="too close to 2\\*\\*63 - 1"):
+    with pytest.raises(InvalidArgumentError, match="too close to 2\\*\\*63 - 1"):
         torch.rand(8, device="sim:0")
     assert sim.get_seed_offset(0) == (1, 2**63 - 4)
 

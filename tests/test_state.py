@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperrng.errors import ArgumentTypeError, CheckpointError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
 from hyperrng.state import (
@@ -100,11 +100,11 @@ def resealed(state: dict[str, Any], edit: Callable[[dict[str, Any]], object]) ->
     return changed
 
 
-def expect_refusal(state: object, tracker: RNGStatesTracker, fragment: str, **load: Any) -> CheckpointError:
-    """Loading ``state`` raises CheckpointError (a ValueError) naming ``fragment`` and changes nothing."""
+def expect_refusal(state: object, tracker: RNGStatesTracker, fragment: str, **load: Any) -> InvalidArgumentError:
+    """Loading ``state`` raises InvalidArgumentError (a ValueError) naming ``fragment`` and changes nothing."""
     kwargs = {"layout": LAYOUT, "coords": COORDS, **load}
     before = snapshot(tracker)
-    with pytest.raises(CheckpointError, match=re.escape(fragment)) as info:
+    with pytest.raises(InvalidArgumentError, match=re.escape(fragment)) as info:
         load_rng_state_dict(state, tracker=tracker, **kwargs)  # type: ignore[arg-type]
     assert isinstance(info.value, ValueError)
     assert snapshot(tracker) == before, "a refused load changed RNG state"
@@ -510,24 +510,24 @@ def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "rng.pt"
     save_rng_state(path, rng_state_dict(tracker=seeded_tracker()))
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="the file is truncated or not written by save_rng_state"):
+    with pytest.raises(InvalidArgumentError, match="the file is truncated or not written by save_rng_state"):
         load_rng_state(path)
 
 
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=re.escape(f"no RNG state at {str(tmp_path / 'nope.pt')!r}")):
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"no RNG state at {str(tmp_path / 'nope.pt')!r}")):
         load_rng_state(tmp_path / "nope.pt")
 
 
 def test_a_file_of_arbitrary_objects_is_refused_without_unpickling_them(tmp_path: Path) -> None:
     torch.save({"when": datetime.date(2024, 1, 1)}, tmp_path / "rng.pt")
-    with pytest.raises(CheckpointError, match="could not read the RNG state .* \\(UnpicklingError"):
+    with pytest.raises(InvalidArgumentError, match="could not read the RNG state .* \\(UnpicklingError"):
         load_rng_state(tmp_path / "rng.pt")
 
 
 def test_a_file_holding_something_else_than_a_dict_is_refused(tmp_path: Path) -> None:
     torch.save([1, 2], tmp_path / "rng.pt")
-    with pytest.raises(CheckpointError, match="holds a list, not an RNG state dict"):
+    with pytest.raises(InvalidArgumentError, match="holds a list, not an RNG state dict"):
         load_rng_state(tmp_path / "rng.pt")
 
 
@@ -666,8 +666,8 @@ def test_save_accepts_a_str_path_and_load_reads_it(tmp_path: Path) -> None:
         (lambda d: 7, lambda: rng_state_dict(), ArgumentTypeError, "path must be a str or an os.PathLike"),
         (lambda d: b"rng.pt", lambda: rng_state_dict(), ArgumentTypeError, "got bytes"),
         (lambda d: None, lambda: rng_state_dict(), ArgumentTypeError, "got NoneType"),
-        (lambda d: d, lambda: rng_state_dict(), CheckpointError, "is a folder"),
-        (lambda d: d / "missing" / "rng.pt", lambda: rng_state_dict(), CheckpointError, "does not exist"),
+        (lambda d: d, lambda: rng_state_dict(), InvalidArgumentError, "is a folder"),
+        (lambda d: d / "missing" / "rng.pt", lambda: rng_state_dict(), InvalidArgumentError, "does not exist"),
         (lambda d: d / "rng.pt", lambda: [1, 2], ArgumentTypeError, "got list"),
     ],
     ids=["int-path", "bytes-path", "none-path", "folder", "no-folder", "not-a-dict"],
@@ -895,7 +895,7 @@ def test_the_stateful_refuses_a_checkpoint_without_this_ranks_key_and_changes_no
     state = rng_state_dict(tracker=tracker, layout=LAYOUT, coords=COORDS, base_seed=SEED)
     draw_everything(tracker)
     before = snapshot(tracker)
-    with pytest.raises(CheckpointError, match=re.escape("no RNG state for rank_0 (it has ['rank_1', 'rank_2'])")):
+    with pytest.raises(InvalidArgumentError, match=re.escape("no RNG state for rank_0 (it has ['rank_1', 'rank_2'])")):
         stateful_for(tracker).load_state_dict({"rank_1": state, "rank_2": state})
     assert snapshot(tracker) == before
 
@@ -1088,7 +1088,7 @@ def test_capturing_inside_a_fork_is_refused() -> None:
     tracker = get_rng_tracker()
     tracker.reseed({MODEL_PARALLEL_STREAM: 3})
     with tracker.fork(MODEL_PARALLEL_STREAM):
-        with pytest.raises(CheckpointError, match="inside a fork of stream 'model-parallel-rng'"):
+        with pytest.raises(InvalidArgumentError, match="inside a fork of stream 'model-parallel-rng'"):
             rng_state_dict()
 
 
@@ -1119,8 +1119,8 @@ def test_a_counter_based_state_with_an_impossible_offset_is_refused_and_changes_
 def test_a_simulated_generator_refuses_a_state_no_device_can_have(offset: int) -> None:
     sim = platforms.SimulatedPlatform()
     sim.set_seed_offset(5, 8, 0)
-    with pytest.raises(platforms.InvalidStateError, match="non-negative multiples of 4"):
+    with pytest.raises(platforms.InvalidArgumentError, match="non-negative multiples of 4"):
         sim.set_rng_state(platforms.pack_counter_state(5, offset), 0)
-    with pytest.raises(platforms.InvalidStateError, match="non-negative multiples of 4"):
+    with pytest.raises(platforms.InvalidArgumentError, match="non-negative multiples of 4"):
         sim.default_generator(0).set_state(platforms.pack_counter_state(5, offset))
     assert sim.get_seed_offset(0) == (5, 8)

@@ -1,7 +1,7 @@
 """The thread policy (hyperrng._exclusive) and enter/exit under KeyboardInterrupt.
 
 One thread at a time holds a device's generator; the holder may nest; another thread is
-refused with GeneratorBusyError before anything changes. Interleavings are made
+refused with InvalidOperationError before anything changes. Interleavings are made
 deterministic with threading.Event: thread A enters and waits inside; the main thread
 (B) tries; A leaves only when told to.
 """
@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 
 import hyperrng
 from hyperrng import _exclusive
-from hyperrng.errors import GeneratorBusyError, TrackerStateError
+from hyperrng.errors import InvalidOperationError
 from hyperrng.layout import StreamLayout
 from hyperrng.random import fork_rng
 from hyperrng.recompute import checkpoint
@@ -127,7 +127,7 @@ def test_a_thread_is_refused_a_device_another_thread_holds_and_its_refusal_chang
     thread.start()
     assert held.wait(_DEADLOCK_GUARD)
     owner = _exclusive.holder("dev", 7)
-    with pytest.raises(GeneratorBusyError, match=r"positioning on dev:7 was refused: thread \d+ holds"):
+    with pytest.raises(InvalidOperationError, match=r"positioning on dev:7 was refused: thread \d+ holds"):
         _exclusive.hold("dev", 7, "positioning")
     _exclusive.release("dev", 7)  # not ours: leaves the holder's hold alone
     assert _exclusive.holder("dev", 7) == owner
@@ -144,7 +144,7 @@ def test_a_fork_of_another_tracker_is_refused_while_a_thread_has_a_fork_open_and
     platform = platforms.current()
     with _OnAnotherThread(lambda: t1.fork("s")):
         streams, device = t2.get_states(), platform.get_rng_state()
-        with pytest.raises(GeneratorBusyError, match="tracker.fork on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="tracker.fork on cpu:0 was refused"):
             with t2.fork("s"):
                 pytest.fail("the block of a refused fork ran")
         assert _same(t2.get_states(), streams) and t2.active_stream is None
@@ -160,7 +160,7 @@ def test_the_holder_of_a_fork_draws_exactly_its_stream_while_another_thread_is_r
     before = platform.get_rng_state()
     with _OnAnotherThread(lambda: t1.fork("s")) as a:
         for _ in range(3):
-            with pytest.raises(GeneratorBusyError):
+            with pytest.raises(InvalidOperationError):
                 t2.fork("s").__enter__()
     gen = torch.Generator().manual_seed(11)
     assert torch.equal(torch.cat(a.drawn), torch.cat([torch.rand(4, generator=gen), torch.rand(4, generator=gen)]))
@@ -175,7 +175,7 @@ def test_the_holder_of_a_fork_draws_exactly_its_stream_while_another_thread_is_r
 def test_adding_a_stream_on_another_thread_is_refused_while_a_fork_is_open() -> None:
     t1, t2 = _tracker(s=1), RNGStatesTracker()
     with _OnAnotherThread(lambda: t1.fork("s")):
-        with pytest.raises(GeneratorBusyError, match="creating a stream on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="creating a stream on cpu:0 was refused"):
             t2.add("x", 5)
         assert "x" not in t2 and not t2.is_initialized()
     t2.add("x", 5)
@@ -186,9 +186,9 @@ def test_setting_a_trackers_states_is_refused_while_another_thread_has_one_of_it
     tracker = _tracker(s=1)
     with _OnAnotherThread(lambda: tracker.fork("s")):
         streams = tracker.get_states()
-        with pytest.raises(TrackerStateError, match="another thread has a fork of stream 's' open"):
+        with pytest.raises(InvalidOperationError, match="another thread has a fork of stream 's' open"):
             tracker.set_states(streams)
-        with pytest.raises(GeneratorBusyError):
+        with pytest.raises(InvalidOperationError):
             with tracker.fork("s"):
                 pass
 
@@ -203,7 +203,7 @@ def test_a_fork_of_one_tracker_on_another_thread_and_another_device_is_refused()
             sim.set_device(1)
             try:
                 device = sim.get_rng_state(1)
-                with pytest.raises(TrackerStateError, match="a tracker's forks form one chain"):
+                with pytest.raises(InvalidOperationError, match="a tracker's forks form one chain"):
                     with tracker.fork("s"):
                         pass
                 assert torch.equal(sim.get_rng_state(1), device) and _exclusive.holder(sim.device_type, 1) is None
@@ -219,7 +219,7 @@ def test_a_sharded_region_is_refused_while_another_thread_has_a_fork_open() -> N
     platform = platforms.current()
     with _OnAnotherThread(lambda: t1.fork("s")):
         device = platform.get_rng_state()
-        with pytest.raises(GeneratorBusyError, match="a sharded region on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="a sharded region on cpu:0 was refused"):
             with sharded.distribute_region(*_REGION_ARGS):
                 pytest.fail("the block of a refused region ran")
         assert torch.equal(platform.get_rng_state(), device) and active_region() is None
@@ -230,7 +230,7 @@ def test_a_fork_is_refused_while_another_thread_is_inside_a_sharded_region() -> 
     sharded.manual_seed(7)
     with _OnAnotherThread(lambda: sharded.distribute_region(*_REGION_ARGS)) as a:
         streams = tracker.get_states()
-        with pytest.raises(GeneratorBusyError, match="tracker.fork on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="tracker.fork on cpu:0 was refused"):
             with tracker.fork("s"):
                 pass
         assert _same(tracker.get_states(), streams)
@@ -257,13 +257,13 @@ def test_fork_rng_is_refused_while_another_thread_has_a_fork_open_and_a_fork_whi
     platform = platforms.current()
     with _OnAnotherThread(lambda: tracker.fork("s")):
         device = platform.get_rng_state()
-        with pytest.raises(GeneratorBusyError, match="fork_rng on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="fork_rng on cpu:0 was refused"):
             with fork_rng(devices=[]):
                 pass
         assert torch.equal(platform.get_rng_state(), device)
     before = platform.get_rng_state()
     with _OnAnotherThread(lambda: fork_rng(devices=[])):
-        with pytest.raises(GeneratorBusyError, match="tracker.fork on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="tracker.fork on cpu:0 was refused"):
             with tracker.fork("s"):
                 pass
     assert torch.equal(platform.get_rng_state(), before)
@@ -276,7 +276,7 @@ def test_fork_rng_holds_the_host_and_each_forked_device() -> None:
         with _OnAnotherThread(lambda: fork_rng()):
             assert _exclusive.holder("cpu", 0) is not None
             assert _exclusive.holder(sim.device_type, 0) is not None
-            with pytest.raises(GeneratorBusyError):
+            with pytest.raises(InvalidOperationError):
                 _exclusive.hold(sim.device_type, 0, "test")
         assert _exclusive.holder(sim.device_type, 0) is None
 
@@ -293,9 +293,9 @@ def test_a_recompute_is_refused_while_another_thread_has_a_fork_open_and_changes
     y = checkpoint(layer, x, tracker=tracker)
     with _OnAnotherThread(lambda: tracker.fork("s")):
         device = platform.get_rng_state()
-        with pytest.raises(GeneratorBusyError, match=r"a recompute \(hyperrng.checkpoint\) on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=r"a recompute \(hyperrng.checkpoint\) on cpu:0 was refused"):
             checkpoint(layer, x, tracker=tracker)
-        with pytest.raises(GeneratorBusyError, match="recompute"):
+        with pytest.raises(InvalidOperationError, match="recompute"):
             y.sum().backward()
         assert torch.equal(platform.get_rng_state(), device) and x.grad is None
     y.sum().backward()  # once A has left
@@ -351,7 +351,7 @@ def test_seeding_is_refused_while_another_thread_has_a_fork_open_and_seeds_nothi
     holder_tracker, seeded = _tracker(s=1), _tracker(s=2)
     with _OnAnotherThread(lambda: holder_tracker.fork("s")) as a:
         before, streams = _everything(), seeded.get_states()
-        with pytest.raises(GeneratorBusyError, match=f"{what} on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"{what} on cpu:0 was refused"):
             _SEEDING_CALLS[what](seeded)
         assert _unchanged(before), f"{what} changed a generator while refused"
         assert _same(seeded.get_states(), streams), f"{what} reseeded the tracker while refused"
@@ -371,7 +371,7 @@ def test_positioning_a_sharded_tracker_is_refused_while_another_thread_has_a_for
 
     with _OnAnotherThread(lambda: holder_tracker.fork("s")) as a:
         device = platform.get_rng_state()
-        with pytest.raises(GeneratorBusyError, match=f"ShardedRNGTracker.{call} on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"ShardedRNGTracker.{call} on cpu:0 was refused"):
             run()
         assert torch.equal(platform.get_rng_state(), device), f"a refused {call} moved the holder's generator"
     gen = torch.Generator().manual_seed(1)
@@ -388,7 +388,7 @@ def test_loading_a_checkpoint_is_refused_while_another_thread_has_a_fork_open_an
     np.random.rand()
     with _OnAnotherThread(lambda: holder_tracker.fork("s")):
         before, streams = _everything(), restored.get_states()
-        with pytest.raises(GeneratorBusyError, match="load_rng_state_dict on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match="load_rng_state_dict on cpu:0 was refused"):
             hyperrng.load_rng_state_dict(saved, tracker=restored)
         assert _unchanged(before) and _same(restored.get_states(), streams), "a refused load restored something"
     hyperrng.load_rng_state_dict(saved, tracker=restored)

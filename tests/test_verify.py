@@ -15,7 +15,7 @@ import pytest
 import torch
 from hyperrng.platforms._features import feature
 
-from hyperrng.errors import ArgumentTypeError, DistributedNotInitializedError, HyperRNGError, RankFailure, UsageError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError, RankFailure
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from hyperrng.verify import DEFAULT_TIMEOUT, StreamVerdict, fingerprint, verify_rng_sync
@@ -286,7 +286,7 @@ def test_the_default_generator_advanced_on_one_rank_is_detected(outcomes: list[d
 @pytest.mark.multiproc
 def test_coords_lacking_a_layout_dimension_are_refused_on_every_rank(outcomes: list[dict[str, Any]]) -> None:
     message = error_on_every_rank(outcomes, "coords-without-tp")
-    assert message.startswith("LayoutError: coords lack the layout's dimension(s) ['tp']")
+    assert message.startswith("InvalidArgumentError: coords lack the layout's dimension(s) ['tp']")
 
 
 def _layouts_of_different_sizes(rank: int, world_size: int) -> str | list[Any]:
@@ -390,13 +390,13 @@ def test_the_default_timeout_is_five_minutes() -> None:
         ("60", ArgumentTypeError, "timeout must be a datetime.timedelta, a number of seconds or None, got str"),
         (True, ArgumentTypeError, "got bool True"),
         ([1], ArgumentTypeError, "got list"),
-        (0, UsageError, "timeout must be positive and at most 365 days, got 0"),
-        (-1.5, UsageError, "got -1.5"),
-        (datetime.timedelta(seconds=-1), UsageError, "got datetime.timedelta"),
-        (datetime.timedelta(0), UsageError, "must be positive"),
-        (float("nan"), UsageError, "got nan"),
-        (float("inf"), UsageError, "got inf"),
-        (datetime.timedelta(days=366), UsageError, "at most 365 days"),
+        (0, InvalidArgumentError, "timeout must be positive and at most 365 days, got 0"),
+        (-1.5, InvalidArgumentError, "got -1.5"),
+        (datetime.timedelta(seconds=-1), InvalidArgumentError, "got datetime.timedelta"),
+        (datetime.timedelta(0), InvalidArgumentError, "must be positive"),
+        (float("nan"), InvalidArgumentError, "got nan"),
+        (float("inf"), InvalidArgumentError, "got inf"),
+        (datetime.timedelta(days=366), InvalidArgumentError, "at most 365 days"),
     ],
     ids=["str", "bool", "list", "zero", "negative", "negative-timedelta", "zero-timedelta", "nan", "inf", "too-long"],
 )
@@ -420,7 +420,7 @@ def test_without_a_process_group_the_check_refuses_and_changes_nothing() -> None
     tracker = RNGStatesTracker()
     apply_layout(megatron_layout(), SEED, mesh_of(0), tracker=tracker)
     before = (torch.get_rng_state(), tracker.get_states())
-    with pytest.raises(DistributedNotInitializedError, match="call torch.distributed.init_process_group first") as info:
+    with pytest.raises(InvalidOperationError, match="call torch.distributed.init_process_group first") as info:
         verify_rng_sync(megatron_layout(), mesh_of(0), tracker=tracker)
     assert isinstance(info.value, RuntimeError)
     assert torch.equal(torch.get_rng_state(), before[0])
@@ -461,11 +461,11 @@ def test_equal_layouts_declared_in_different_orders_fingerprint_alike() -> None:
 
 
 def test_checking_inside_a_fork_is_refused_before_any_collective() -> None:
-    from hyperrng.tracker import TrackerStateError
+    from hyperrng.errors import InvalidOperationError
 
     tracker = RNGStatesTracker()
     tracker.reseed({"a": 1})
     layout = StreamLayout(dims=("tp",), default=(), streams={"a": ("tp",)})
     with tracker.fork("a"):
-        with pytest.raises(TrackerStateError, match="inside a fork of stream 'a'"):
+        with pytest.raises(InvalidOperationError, match="inside a fork of stream 'a'"):
             verify_rng_sync(layout, {"tp": 0}, tracker=tracker)

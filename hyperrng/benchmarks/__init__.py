@@ -55,14 +55,14 @@ def check_suites(suites: Sequence[str] | None) -> list[str]:
     """The suites to run, in order (default: all).
 
     Raises:
-        UsageError: a name that is not one of :data:`SUITES`.
+        InvalidArgumentError: a name that is not one of :data:`SUITES`.
     """
     chosen = list(suites) if suites else list(SUITES)
     unknown = [s for s in chosen if s not in SUITES]
     if unknown:
-        from hyperrng.errors import UsageError
+        from hyperrng.errors import InvalidArgumentError
 
-        raise UsageError(f"unknown benchmark suite(s) {unknown}; choose from {list(SUITES)}.")
+        raise InvalidArgumentError(f"unknown benchmark suite(s) {unknown}; choose from {list(SUITES)}.")
     return chosen
 
 
@@ -82,7 +82,7 @@ def run_benchmarks(
         on_result: called with each result as soon as it is measured.
 
     Raises:
-        UsageError: an unknown suite name; nothing runs.
+        InvalidArgumentError: an unknown suite name; nothing runs.
     """
     chosen = check_suites(suites)
     results: list[BenchResult] = []
