@@ -79,7 +79,7 @@ from typing import TypeVar
 
 from hyperrng.errors import InvalidOperationError
 
-__all__ = ["depth", "hold", "hold_key", "holder", "holding", "redo", "release", "release_key"]
+__all__ = ["LeavesOnExit", "depth", "hold", "hold_key", "holder", "holding", "redo", "release", "release_key"]
 
 _T = TypeVar("_T")
 
@@ -240,3 +240,24 @@ def redo(step: Callable[[_T], object], arg: _T) -> None:
     except BaseException:
         step(arg)
         raise
+
+
+class LeavesOnExit:
+    """Base of the contexts whose exit is one idempotent ``_leave()`` (restore, then release).
+
+    If an interrupt cuts ``_leave()`` short, ``__exit__`` runs it once more and re-raises.
+    The retry is written inline here rather than through :func:`redo`: a call to a helper
+    would add a frame whose entry an interrupt could hit before any ``try``.
+    """
+
+    __slots__ = ()
+
+    def _leave(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._leave()
+        except BaseException:
+            self._leave()
+            raise

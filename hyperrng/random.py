@@ -18,18 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from types import TracebackType
 from typing import Any
 
 import hyperrng.platforms as platforms
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
+from hyperrng._exclusive import LeavesOnExit
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.validate import check_index
 
 __all__ = ["fork_rng"]
 
 
-class _ForkRNG:
+class _ForkRNG(LeavesOnExit):
     """Holds the host and the chosen devices and saves their states on entry; restores, then releases, on exit.
 
     Entering changes no state, only holds; leaving writes back what was read and is
@@ -54,16 +54,6 @@ class _ForkRNG:
             release_all(targets, belows)
             belows.clear()
             saved.clear()
-            raise
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            self._leave()
-        except BaseException:
-            self._leave()  # idempotent: one more go finishes what an interrupt cut short (inline: a call
-            # to a helper here would add a frame whose entry an interrupt could hit before any try)
             raise
 
     def _leave(self) -> None:

@@ -148,7 +148,7 @@ class _ActiveRegions(threading.local):
 _ACTIVE = _ActiveRegions()
 
 
-class _Region:
+class _Region(_exclusive.LeavesOnExit):
     """The context manager of one distribute_region call (a class: cheaper than @contextmanager).
 
     While entered it is :func:`active_region`: the mesh, placements and global shape of the
@@ -242,14 +242,6 @@ class _Region:
                 self._leave()
             else:
                 self._release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._leave()
-        except BaseException:
-            self._leave()  # idempotent: one more go finishes what an interrupt cut short (inline: a call
-            # to a helper here would add a frame whose entry an interrupt could hit before any try)
             raise
 
     def _leave(self) -> None:
