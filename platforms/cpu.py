@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.platforms.mix import _MASK64, _MUL1, _MUL2, mix64
+from hyperrng.platforms.mix import mix64
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
     MAX_SEED,
@@ -91,12 +91,7 @@ def position_handle(seed: int, offset: int, draw: bool = False) -> int:
         return seed
     last = _last_seed  # a region positions one seed twice: its mix is remembered (one pair, replaced atomically)
     base = last[1] if last[0] == seed else _seed_mix(seed)
-    # mix64(base + offset + draw), inline (regions take two handles per op); offset is a
-    # multiple of 4, so + draw keeps the domains apart.
-    z = (base + offset + draw) & _MASK64
-    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
-    return z ^ (z >> 31)
+    return mix64(base + offset + draw)  # offset is a multiple of 4: + draw keeps the domains apart
 
 
 def _seed_mix(seed: int) -> int:
@@ -304,11 +299,7 @@ class CPUPlatform(Platform):
             check_instance(draw, bool, "draw")
         gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
         handle = position_handle(s, o, draw)
-        seating = _seating
-        if handle > _MASK32 and seating is not None:  # _seat's common case, without the call
-            seating.seat(gen, handle)
-        else:
-            _seat(gen, handle)
+        _seat(gen, handle)
         if handle != s or o:  # (s, 0) reads as itself without an entry
             _remember(handle, (s, o))
 
