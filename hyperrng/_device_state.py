@@ -41,6 +41,11 @@ def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -
     return [(host.get_state, host.set_state, HOST), *devices]  # type: ignore[list-item]
 
 
+def current_device_key(platform: Platform) -> tuple[str, int]:
+    """How :mod:`hyperrng._exclusive` names ``platform``'s current device generator."""
+    return platform.device_type, platform.current_device()
+
+
 def device_keys(platform: Platform, indices: Sequence[int] | None = None) -> list[tuple[str, int]]:
     """How :mod:`hyperrng._exclusive` names torch's CPU generator and devices ``indices`` (default: all)
     of ``platform``: the generators that seeding or restoring every state changes."""

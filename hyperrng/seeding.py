@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng._device_state import device_keys
+from hyperrng._device_state import current_device_key, device_keys
 from hyperrng._exclusive import holding
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import mesh_coordinates
@@ -159,13 +159,6 @@ def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     return chosen
 
 
-def _current_device(platform: platforms.Platform) -> list[tuple[str, int]]:
-    """The current device's generator, as :func:`~hyperrng._exclusive.holding` names it: a recipe holds
-    it while it reseeds the tracker and seeds the device, so that another thread's fork or
-    region refuses the recipe before anything changes."""
-    return [(platform.device_type, platform.current_device())]
-
-
 # -- slapo -----------------------------------------------------------------------------------
 def model_parallel_manual_seed(
     seed: int, tp_rank: int, always_enable_tp_seed: bool = False, *, tracker: RNGStatesTracker | None = None
@@ -192,7 +185,7 @@ def model_parallel_manual_seed(
     tp_seed = _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     chosen = _idle(tracker)
     platform = platforms.current()
-    with holding(_current_device(platform), "model_parallel_manual_seed"):
+    with holding([current_device_key(platform)], "model_parallel_manual_seed"):
         chosen.reseed({MODEL_PARALLEL_STREAM: tp_seed})
         platform.manual_seed(tp_seed if always_enable_tp_seed else base)
     return tp_seed
@@ -322,7 +315,7 @@ def megatron_model_parallel_manual_seed(
     _check_megatron_distinct(seeds)
     chosen = _idle(tracker)
     platform = platforms.current()
-    with holding(_current_device(platform), "megatron_model_parallel_manual_seed"):
+    with holding([current_device_key(platform)], "megatron_model_parallel_manual_seed"):
         chosen.reseed(seeds.as_streams())
         platform.manual_seed(seeds.data_parallel)
     return seeds

@@ -54,6 +54,7 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive, _local_ranks
+from hyperrng._device_state import current_device_key
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_seed
@@ -376,13 +377,13 @@ class ShardedRNGTracker:
         if mode is None:
             value = check_seed(seed)
             _check_member(mesh, None)
-            with _exclusive.holding([_device_key(p)], "ShardedRNGTracker.manual_seed"):
+            with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
                 p.set_seed_offset(value, 0)
             return
         seeds = {rank: check_seed(_local_ranks.value_on(seed, rank)) for rank in sorted(mode.ranks)}
         for rank in seeds:
             _check_member(mesh, rank)
-        with _exclusive.holding([_device_key(p)], "ShardedRNGTracker.manual_seed"):
+        with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
             _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seeds[rank], 0))
 
     def sync_from_rank0(self, group: object | None = None) -> bool:
@@ -409,7 +410,7 @@ class ShardedRNGTracker:
                 mine,
                 (seed, offset),
             )
-        with _exclusive.holding([_device_key(p)], "ShardedRNGTracker.sync_from_rank0"):
+        with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.sync_from_rank0"):
             p.set_seed_offset(seed, offset)
         return differed
 
@@ -551,11 +552,6 @@ class ShardedRNGTracker:
     def uninstall_dtensor(previous: Any = None) -> None:
         """Put back the DTensor RNG tracker that :meth:`install_dtensor` replaced."""
         _dtensor_random_module()._rng_tracker = previous
-
-
-def _device_key(platform: Platform) -> tuple[str, int]:
-    """The current device's generator, as :mod:`hyperrng._exclusive` names it."""
-    return platform.device_type, platform.current_device()
 
 
 def _check_member(mesh: Any, rank: int | None) -> None:
