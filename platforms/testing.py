@@ -13,8 +13,9 @@ A platform author runs it against their implementation, with pytest::
 or without pytest: ``hyperrng.platforms.testing.check_platform(MyPlatform())`` raises
 ``AssertionError`` naming the first check that fails.
 
-The checks cover the interface tabled in :class:`~hyperrng.platforms.Platform`'s
-docstring, row by row, and nothing else: the values describe the platform, the device
+The checks cover the interface in :class:`~hyperrng.platforms.Platform`'s docstring, row
+by row, with the call-only methods built on it and the private fast path ``_state_io``
+that forks use, and nothing else: the values describe the platform, the device
 functions enumerate and switch devices, the state functions read, write, check, seed and
 position each device (refusing bad input with nothing changed), the default generator is
 the one in use, and the state is what the device's random ops draw from. A platform that
@@ -91,11 +92,11 @@ def describes_itself(p: Platform) -> None:
     torch.device(p.device_type)  # a valid torch device type
     assert isinstance(p.dist_backend, str) and p.dist_backend, "dist_backend must name a backend"
     assert isinstance(p.counter_based, bool)
-    assert isinstance(p.state_nbytes, int) and p.state_nbytes > 0
+    assert isinstance(p._state_nbytes, int) and p._state_nbytes > 0
     if p.counter_based:
-        assert p.state_nbytes == COUNTER_STATE_NBYTES, (
-            f"a counter-based state is the {COUNTER_STATE_NBYTES}-byte (seed, offset) pair, state_nbytes says "
-            f"{p.state_nbytes}"
+        assert p._state_nbytes == COUNTER_STATE_NBYTES, (
+            f"a counter-based state is the {COUNTER_STATE_NBYTES}-byte (seed, offset) pair, _state_nbytes says "
+            f"{p._state_nbytes}"
         )
 
 
@@ -137,7 +138,7 @@ def state_is_a_cpu_byte_copy(p: Platform) -> None:
     state = p.get_rng_state()
     assert isinstance(state, torch.Tensor)
     assert state.dtype == torch.uint8 and state.device.type == "cpu" and state.dim() == 1
-    assert state.numel() == p.state_nbytes, f"state has {state.numel()} bytes, state_nbytes says {p.state_nbytes}"
+    assert state.numel() == p._state_nbytes, f"state has {state.numel()} bytes, _state_nbytes says {p._state_nbytes}"
     p.manual_seed(3)  # a state with non-zero bytes, so zeroing the copy is visible
     state = p.get_rng_state()
     expected = state.clone()
@@ -195,7 +196,7 @@ def positions_a_passed_generator(p: Platform) -> None:
 
 @_check
 def refuses_bad_states(p: Platform) -> None:
-    n = p.state_nbytes
+    n = p._state_nbytes
     bad: list[Any] = [  # deliberately wrong dtypes, shapes and devices
         torch.zeros(n, dtype=torch.int64),
         torch.zeros(n + 1, dtype=torch.uint8),
@@ -308,7 +309,7 @@ def _holder(p: Platform, packed: torch.Tensor) -> str:
 
 
 def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
-    """Check that ``io`` (from ``state_io(i)``) reads, writes, packs and unpacks device ``i`` only."""
+    """Check that ``io`` (from ``_state_io(i)``) reads, writes, packs and unpacks device ``i`` only."""
     n = p.device_count()
     for j in range(n):  # a different state on every device, so a read of the wrong one shows
         p.manual_seed(4000 + j, j)
@@ -316,7 +317,7 @@ def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
     snapshot = io.read()
     packed = io.pack(snapshot)
     assert torch.equal(packed, expected[i]), (
-        f"{what}: read() returned the state of {_holder(p, packed)}, not device {i}'s; state_io(index) must act "
+        f"{what}: read() returned the state of {_holder(p, packed)}, not device {i}'s; _state_io(index) must act "
         "on device index whatever device is current, when it is called and when its functions are"
     )
     p.manual_seed(5000 + i, i)  # move device i on, then put the snapshot back
@@ -354,7 +355,7 @@ def _assert_writes_only(
 
 @_check
 def state_io_addresses_each_device(p: Platform) -> None:
-    # The fast path of tracker forks: state_io(i) must read and write device i, and only
+    # The fast path of tracker forks: _state_io(i) must read and write device i, and only
     # device i, whichever device was current when it was called and whichever is current
     # when its functions run (the tracker keeps the accessors per index). A platform that
     # always touches one device, or the current one, fails here.
@@ -365,18 +366,18 @@ def state_io_addresses_each_device(p: Platform) -> None:
         for made_on in currents:
             if n > 1:
                 p.set_device(made_on)
-            ios = [p.state_io(i) for i in range(n)]
-            current_io = p.state_io()
+            ios = [p._state_io(i) for i in range(n)]
+            current_io = p._state_io()
             packed = current_io.pack(current_io.read())
             assert torch.equal(packed, p.get_rng_state(made_on)), (
-                f"state_io() with device {made_on} current read the state of {_holder(p, packed)}; without an "
+                f"_state_io() with device {made_on} current read the state of {_holder(p, packed)}; without an "
                 "index it must act on the current device"
             )
             for used_on in currents:
                 if n > 1:
                     p.set_device(used_on)
                 for i, io in enumerate(ios):
-                    what = f"state_io({i}), made with device {made_on} current and used with device {used_on} current"
+                    what = f"_state_io({i}), made with device {made_on} current and used with device {used_on} current"
                     _exercise_state_io(p, io, i, what)
     assert p.current_device() == home, f"set_device({home}) did not make device {home} current again"
 
