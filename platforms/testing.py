@@ -63,7 +63,9 @@ def _assert_unchanged(p: Platform, before: list[torch.Tensor], what: str) -> Non
 
 
 def _assert_refused(p: Platform, call: Callable[[], object], error: type[Exception], what: str) -> None:
-    before = _states(p)
+    """``call()`` must raise ``error`` (a :class:`HyperRNGError` with a message), changing no state and
+    not the current device."""
+    before, home = _states(p), p.current_device()
     try:
         call()
     except error as exc:
@@ -72,6 +74,16 @@ def _assert_refused(p: Platform, call: Callable[[], object], error: type[Excepti
     else:
         raise AssertionError(f"{what} was accepted; expected {error.__name__}")
     _assert_unchanged(p, before, what)
+    assert p.current_device() == home, f"the refused {what} changed the current device"
+
+
+_WRONG_TYPES: list[Any] = [True, 1.5, 4.0, "3", None]  # never ints, never truncated
+
+
+def _refusals(invalid: list[Any], wrong_types: list[Any] = _WRONG_TYPES) -> list[tuple[Any, type[Exception]]]:
+    """Bad arguments with the error each must raise: :class:`InvalidArgumentError` for ``invalid`` values,
+    :class:`ArgumentTypeError` for ``wrong_types``."""
+    return [(v, InvalidArgumentError) for v in invalid] + [(t, ArgumentTypeError) for t in wrong_types]
 
 
 @_check
@@ -122,15 +134,8 @@ def switches_the_current_device(p: Platform) -> None:
         p.set_device(i)
         assert p.current_device() == i, f"set_device({i}) left device {p.current_device()} current"
         assert p.device() == p.device(i), f"device() is not device({i}) while device {i} is current"
-    refusals: list[tuple[Any, type[Exception]]] = [(n, InvalidArgumentError), (-1, InvalidArgumentError)]
-    for index, error in refusals + [(True, ArgumentTypeError), (1.0, ArgumentTypeError)]:
-        try:
-            p.set_device(index)
-        except error as exc:
-            assert isinstance(exc, HyperRNGError) and str(exc), f"set_device({index!r}): {exc!r}"
-        else:
-            raise AssertionError(f"set_device({index!r}) was accepted; expected {error.__name__}")
-        assert p.current_device() == home, f"the refused set_device({index!r}) changed the current device"
+    for index, error in _refusals([n, -1], [True, 1.0]):
+        _assert_refused(p, functools.partial(p.set_device, index), error, f"set_device({index!r})")
 
 
 @_check
@@ -203,8 +208,7 @@ def refuses_bad_states(p: Platform) -> None:
         torch.zeros(1, n, dtype=torch.uint8),
         torch.empty(n, dtype=torch.uint8, device="meta"),
     ]
-    wrong_types: list[Any] = [bytes(n), list(range(n)), None]
-    for state, error in [(s, InvalidArgumentError) for s in bad] + [(w, ArgumentTypeError) for w in wrong_types]:
+    for state, error in _refusals(bad, [bytes(n), list(range(n)), None]):
         for name in ("check_rng_state", "set_rng_state"):  # what check_rng_state refuses, set_rng_state does
             call = functools.partial(getattr(p, name), state)
             _assert_refused(p, call, error, f"{name}({state!r:.40})")
@@ -222,14 +226,9 @@ def refuses_bad_states(p: Platform) -> None:
     assert torch.equal(p.get_rng_state(), state), "a non-contiguous copy of a valid state was not restored"
 
 
-_WRONG_TYPES: list[Any] = [True, 1.5, 4.0, "3", None]  # never ints, never truncated
-
-
 @_check
 def refuses_bad_seeds(p: Platform) -> None:
-    for seed, error in [(-1, InvalidArgumentError), (2**64, InvalidArgumentError)] + [
-        (t, ArgumentTypeError) for t in _WRONG_TYPES
-    ]:
+    for seed, error in _refusals([-1, 2**64]):
         _assert_refused(p, functools.partial(p.manual_seed, seed), error, f"manual_seed({seed!r})")
         _assert_refused(p, functools.partial(p.set_seed_offset, seed, 0), error, f"set_seed_offset({seed!r}, 0)")
     assert issubclass(InvalidArgumentError, ValueError) and issubclass(ArgumentTypeError, TypeError)
@@ -237,15 +236,13 @@ def refuses_bad_seeds(p: Platform) -> None:
 
 @_check
 def refuses_bad_offsets(p: Platform) -> None:
-    bad: list[Any] = [(-4, InvalidArgumentError), (6, InvalidArgumentError), (2**63, InvalidArgumentError)]
-    for offset, error in bad + [(t, ArgumentTypeError) for t in _WRONG_TYPES]:
+    for offset, error in _refusals([-4, 6, 2**63]):
         _assert_refused(p, functools.partial(p.set_seed_offset, 1, offset), error, f"set_seed_offset(1, {offset!r})")
 
 
 @_check
 def refuses_bad_device_indices(p: Platform) -> None:
-    bad: list[Any] = [(p.device_count(), InvalidArgumentError), (-1, InvalidArgumentError)]
-    for index, error in bad + [(t, ArgumentTypeError) for t in _WRONG_TYPES if t is not None]:
+    for index, error in _refusals([p.device_count(), -1], [t for t in _WRONG_TYPES if t is not None]):
         _assert_refused(p, functools.partial(p.manual_seed, 1, index), error, f"manual_seed(1, index={index!r})")
         _assert_refused(p, functools.partial(p.get_rng_state, index), error, f"get_rng_state({index!r})")
 
