@@ -216,7 +216,7 @@ class Platform:
         else:
             self._check_generator(generator).set_state(state)
 
-    # -- hooks a plug-in implements -------------------------------------------------------
+    # -- hooks: a plug-in implements the first two, and may override _state_io for speed --
     def _read_state(self, index: int) -> torch.Tensor:
         """Return a new 1-D CPU uint8 tensor of ``_state_nbytes``: device ``index``'s whole RNG state.
 

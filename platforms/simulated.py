@@ -216,8 +216,8 @@ class SimulatedDeviceModule:
     def device(self, device: int | str | torch.device) -> Iterator[None]:
         """Context manager that makes ``device`` current inside the block, as ``torch.cuda.device`` does."""
         previous = self.current_device()
-        self.set_device(device)
         try:
+            self.set_device(device)
             yield
         finally:
             self.set_device(previous)
