@@ -356,7 +356,7 @@ def _register(module: SimulatedDeviceModule) -> None:
     torch._C._acc.register_python_privateuseone_hook(hooks())
     torch._C._acc.register_python_privateuseone_device_guard(guard())
     library = torch.library.Library("_", "IMPL")
-    library.fallback(_factory_fallback, "PrivateUse1")  # ops with no device tensor input (factories)
+    library.fallback(_run, "PrivateUse1")  # ops with no device tensor input (factories)
     # torch's Python backend hooks report one device to the autograd engine, whose worker
     # threads are per device index: run backward passes on the calling thread instead,
     # so that every simulated device index works in autograd.
@@ -417,7 +417,7 @@ class _DeviceTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        return _run(func, args, kwargs or {})
+        return _run(func, *args, **(kwargs or {}))
 
 
 _CROSS_DEVICE_COPIES = frozenset(
@@ -474,19 +474,12 @@ def _table_entry(func: Any) -> bool:
     return _HAS_KERNEL(name, "PrivateUse1") or _HAS_KERNEL(name, "CompositeExplicitAutograd")
 
 
-def _factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    return _run(op, args, kwargs)
-
-
-def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+def _run(func: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run ``func`` on the CPU memory behind the device tensors and wrap what it makes.
 
-    A random op runs the way a compiled backend would run it: through the kernel that
-    torch's dispatch table holds for the device's key, when it holds one (a kernel
-    registered with ``torch.library`` for ``PrivateUse1``, or torch's composite kernel,
-    which calls simpler ops that come back here), else by drawing from the device
-    generator. A kernel that defers to the backend (calls the kernel that was there
-    before it, i.e. this fallback) gets the device generator's draw.
+    A random op goes through the kernel torch's dispatch table holds for the device's key
+    when it holds one (see :func:`_table_entry`; a kernel that calls the one it replaced,
+    i.e. this fallback, gets the device generator's draw), else draws from the device generator.
     """
     if _is_random(func) and func not in _DISPATCHING.ops and _table_entry(func):
         _DISPATCHING.ops.add(func)
