@@ -304,6 +304,15 @@ def test_the_platform_docstring_tables_every_member_a_plug_in_defines_or_overrid
     assert not set(tabled) & set(call_only)
 
 
+def test_the_plug_in_guide_names_only_members_that_platform_has() -> None:
+    # help(hyperrng.platforms) once told plug-in authors to write a _seed hook and set is_host,
+    # neither of which Platform has.
+    guide = (platforms.__doc__ or "").split("**Writing a plug-in.**", 1)[1].split("* **Factory:**", 1)[0]
+    named = set(re.findall(r"``(\w+)(?:\(|\s*=|``)", guide)) - {"help", "None", "generator"}
+    assert {"device_count", "_read_state", "_write_state", "_state_nbytes", "check_rng_state"} <= named
+    assert named <= set(dir(platforms.Platform)), named - set(dir(platforms.Platform))
+
+
 def test_the_required_methods_are_the_tabled_must_define_methods() -> None:
     doc = platforms.Platform.__doc__ or ""
     must = re.findall(r"^\s*``(\w+\([^`]*\))``\s+must define\s", doc, re.MULTILINE)
