@@ -25,17 +25,16 @@ and ``"sim:1"`` then behave like tensors of an accelerator:
   ``.numpy()`` and collectives of a backend that needs host memory (gloo) refuse device
   tensors: stage through the host, as with a GPU.
 
-What it does not model: speed (each op pays a Python dispatch; registering it also runs
-autograd's backward passes on the calling thread, on the thread that registered it,
-because torch's Python backend hooks report a single device to autograd's per-device
-worker threads: a backward through ``sim:1`` on another thread fails), CUDA's exact Philox
-numbers (a draw is a stable mix of (seed, offset) fed to a CPU generator: a pure function
-of the pair, but other numbers than a GPU's), streams and events, memory limits, explicit
-``generator=`` arguments in torch ops (refused; position the device generator instead,
-e.g. through a tracker stream), DTensor/``DeviceMesh`` on the ``sim`` device type,
-``torch.compile``, pickling device tensors, and a second ``PrivateUse1`` backend in the
-same process (torch has one slot: with ``torch_npu`` or another such plug-in loaded, this
-platform reports itself unavailable).
+What it does not model: speed (each op pays a Python dispatch; and because torch's Python
+backend hooks report a single device to autograd's per-device worker threads, the thread
+that registered it runs backward passes itself, while a backward through ``sim:1`` on
+another thread fails), CUDA's exact Philox numbers (a draw is a stable mix of (seed,
+offset) fed to a CPU generator: a pure function of the pair, but other numbers than a
+GPU's), streams and events, memory limits, explicit ``generator=`` arguments in torch ops
+(refused; position the device generator instead, e.g. through a tracker stream),
+DTensor/``DeviceMesh`` on the ``sim`` device type, ``torch.compile``, pickling device
+tensors, and a second ``PrivateUse1`` backend in the same process (torch has one slot:
+with ``torch_npu`` or another such plug-in loaded, this platform reports itself unavailable).
 
 Registering a device backend written in Python needs torch's ``torch._C._acc`` hooks
 (torch >= 2.10, see :mod:`hyperrng.platforms._features`): on an older torch this module
