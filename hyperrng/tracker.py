@@ -174,7 +174,7 @@ class _Swap:
 
 
 class _StateBytes(_Swap):
-    """Copies of the current device's whole state, through :meth:`platforms.Platform.state_io`."""
+    """Copies of the current device's whole state, through :meth:`platforms.Platform._state_io`."""
 
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
@@ -187,7 +187,7 @@ class _StateBytes(_Swap):
         index = self.platform.current_device()
         io = self._io.get(index)
         if io is None:
-            io = self._io[index] = self.platform.state_io(index)
+            io = self._io[index] = self.platform._state_io(index)
         return io
 
     def bind(self) -> _Bound:
