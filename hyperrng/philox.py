@@ -33,23 +33,16 @@ Limits, checked before anything is allocated or computed:
   :class:`InvalidArgumentError` instead of failing in the allocator; draw them as shards or
   as consecutive pieces (``offset`` advanced by each piece's size).
 
-Memory: eager draws work in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
-blocks per torch thread (for up to four threads). The rounds run in place on six
-``int64`` rows of one chunk and each lane is written straight into the result, so the
-working memory besides the result is at most
-:func:`~hyperrng._philox_kernels.scratch_bytes`, 6 MiB a thread and 24 MiB in all,
-whatever the tensor size: no ``int64`` tensor of the full size is ever formed.
-``compiled=True`` runs the same arithmetic through ``torch.compile`` as one fused loop
-per contiguous run, which keeps nothing in memory but the values; it is compiled on
-first use, once per distribution and compute dtype, then reused for every key, offset,
-parameter and size, and is bitwise equal to eager for the exact distributions.
+Memory: eager draws work a chunk of blocks at a time, so the working memory besides the
+result is at most :func:`~hyperrng._philox_kernels.scratch_bytes` (24 MiB) whatever the
+tensor size. ``compiled=True`` runs the same arithmetic through ``torch.compile`` as one
+fused loop per contiguous run, keeping nothing in memory but the values; it is compiled
+on first use, once per distribution and compute dtype, then reused for every key,
+offset, parameter and size, and is bitwise equal to eager for the exact distributions.
 
-Bad arguments raise typed errors before any work: a wrong type raises
-:class:`~hyperrng.errors.ArgumentTypeError` (a ``TypeError``), a wrong value a
-``ValueError`` subclass (:class:`InvalidArgumentError`,
-:class:`~hyperrng.errors.InvalidArgumentError`,
-:class:`~hyperrng.errors.InvalidArgumentError`), and an unsupported dtype
-:class:`ArgumentTypeError`.
+Bad arguments raise typed errors before any work: a wrong type or an unsupported dtype
+:class:`ArgumentTypeError` (a ``TypeError``), a wrong value :class:`InvalidArgumentError`
+(a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -262,7 +255,7 @@ def _check_device(device: object) -> torch.device:
 
 def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     if shard is None:
-        return [(0, d) for d in shape]
+        shard = ()
     if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
         raise ArgumentTypeError(
             f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
@@ -278,22 +271,18 @@ def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]
             f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions."
         )
     ranges = []
-    for d, extent in enumerate(shape):
-        if d >= len(shard):
-            ranges.append((0, extent))
-            continue
-        s = shard[d]
-        bounds = [
+    for d, (s, extent) in enumerate(zip(shard, shape)):
+        first, last, step = (
             None if b is None else check_int(b, f"shard[{d}].{name}")
             for b, name in ((s.start, "start"), (s.stop, "stop"), (s.step, "step"))
-        ]
-        if bounds[2] is not None and bounds[2] != 1:
+        )
+        if step not in (None, 1):
             raise InvalidArgumentError(
-                f"shard slice {s!r} of dimension {d} has step {bounds[2]}; only step 1 (or None) is supported."
+                f"shard slice {s!r} of dimension {d} has step {step}; only step 1 (or None) is supported."
             )
-        start, stop, _ = slice(bounds[0], bounds[1]).indices(extent)
+        start, stop, _ = slice(first, last).indices(extent)
         ranges.append((start, max(start, stop)))
-    return ranges
+    return ranges + [(0, extent) for extent in shape[len(shard) :]]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -318,13 +307,15 @@ def _generate(
     shard: object,
     device: object,
     compiled: object,
-    dtype: torch.dtype,
+    out: object,
     transform: _k.Transform,
-    params: Sequence[float | int],
-    param_dtypes: Sequence[torch.dtype],
-    value_dtype: torch.dtype,
-    out: object = None,
+    dtype: torch.dtype,
+    value_dtype: torch.dtype | None = None,
+    params: Sequence[float | int] = (),
 ) -> torch.Tensor:
+    """Check every argument, then draw ``transform``'s values (computed in ``value_dtype``,
+    default ``dtype``) as a tensor of ``dtype``. The first of ``params`` is an integer (a
+    word mask, shift or threshold), the others are in ``value_dtype``."""
     global_shape = check_shape(shape)
     key_value = _check_key(key)
     offset_value = _check_offset(offset, math.prod(global_shape))
@@ -333,7 +324,9 @@ def _generate(
     use_compiled = _check_bool(compiled, "compiled")
     target = _check_device(device)
     result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
-    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
+    compute = dtype if value_dtype is None else value_dtype
+    param_dtypes = [torch.int64] + [compute] * (len(params) - 1)
+    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, compute)
     return _k.fill(geometry, offset_value, kernel, dtype, out=result)
 
 
@@ -366,12 +359,10 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         Random123's word order (``philox4x32(ctr, key)``'s ``v[0..3]``).
 
     Raises:
-        ArgumentTypeError: ``counter`` or ``key`` is not a tensor;
-            or ``counter`` or ``key`` is not ``int64``.
-        InvalidArgumentError: a last dimension is not 4 (counter) or 2 (key), or the leading
-            dimensions do not broadcast;
-            or ``counter`` and ``key`` are on different devices.
-        InvalidArgumentError / InvalidArgumentError: a counter / key word outside ``[0, 2**32)``.
+        ArgumentTypeError: ``counter`` or ``key`` is not an ``int64`` tensor.
+        InvalidArgumentError: a last dimension is not 4 (counter) or 2 (key), the leading
+            dimensions do not broadcast, ``counter`` and ``key`` are on different devices,
+            or a word is outside ``[0, 2**32)``.
     """
     for name, t, width in (("counter", counter, _k.WORDS_PER_BLOCK), ("key", key, 2)):
         if not isinstance(t, torch.Tensor):
@@ -396,8 +387,9 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         ) from None
     for name, t in (("counter", counter), ("key", key)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) > 2**_WORD_BITS - 1):
-            error = InvalidArgumentError if name == "counter" else InvalidArgumentError
-            raise error(f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}].")
+            raise InvalidArgumentError(
+                f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}]."
+            )
     c = counter.expand(*batch, _k.WORDS_PER_BLOCK).unbind(-1)
     k = key.expand(*batch, 2).unbind(-1)
     return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
@@ -423,23 +415,18 @@ def random_bits(
     shape, dtype and device to write the values into and return, instead of a new one.
 
     Raises:
-        ArgumentTypeError: an argument of the wrong type: ``key``, ``offset`` or a shape
-            dimension that is not an int (bools and floats included), a ``shape`` that is
-            not an int or a sequence, a ``shard`` that is not a sequence of slices with int
-            bounds, a ``device`` that is not a string, torch.device or None, a ``compiled``
-            that is not a bool.
-        InvalidArgumentError: ``key`` is not in ``[0, 2**64 - 1]``;
-            or ``offset`` is negative or ``offset + numel > 2**64``;
-            or ``shape`` has a negative dimension or ``2**62`` elements or
-            more, or the result (the shard, with ``shard=``) more than :data:`MAX_NUMEL`;
-            or ``shard`` has more slices than ``shape`` has dimensions, or a step
-            other than 1;
-            or ``device`` names no device, or one this process lacks, or
-            ``out`` is on another device.
-        ArgumentTypeError / InvalidArgumentError: ``out`` has another dtype, or another
-            shape or is not contiguous (an ``out`` that is no tensor: ArgumentTypeError).
+        ArgumentTypeError: ``key``, ``offset`` or a shape dimension is not an int (bools and
+            floats included); ``shape`` is not an int or a sequence; ``shard`` is not a
+            sequence of slices with int bounds; ``device`` is not a string, torch.device or
+            None; ``compiled`` is not a bool; ``out`` is not a tensor or has another dtype.
+        InvalidArgumentError: ``key`` is not in ``[0, 2**64 - 1]``; ``offset`` is negative
+            or ``offset + numel > 2**64``; ``shape`` has a negative dimension or ``2**62``
+            elements or more; the result (the shard, with ``shard=``) has more than
+            :data:`MAX_NUMEL`; ``shard`` has more slices than ``shape`` has dimensions, or
+            a step other than 1; ``device`` names no device, or one this process lacks;
+            ``out`` is not contiguous, or has another shape or device.
     """
-    return _generate(shape, key, offset, shard, device, compiled, torch.int64, _k.BITS, (), (), torch.int64, out)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.BITS, torch.int64)
 
 
 def uniform(
@@ -497,8 +484,7 @@ def uniform(
         )
     keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
     params = (keep, _WORD_UNIT, span, low_value)
-    dtypes = (torch.int64, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.UNIFORM, params, dtypes, compute, out)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.UNIFORM, dtype, compute, params)
 
 
 def bernoulli(
@@ -527,20 +513,7 @@ def bernoulli(
         And the errors of :func:`random_bits`.
     """
     threshold = _threshold(check_probability(p))
-    return _generate(
-        shape,
-        key,
-        offset,
-        shard,
-        device,
-        compiled,
-        torch.bool,
-        _k.BERNOULLI,
-        (threshold,),
-        (torch.int64,),
-        torch.bool,
-        out,
-    )
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.BERNOULLI, torch.bool, params=(threshold,))
 
 
 def dropout(
@@ -668,5 +641,4 @@ def normal(
         )
     compute = _compute_dtype(dtype)
     params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
-    dtypes = (torch.int64, compute, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.NORMAL, params, dtypes, compute, out)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.NORMAL, dtype, compute, params)
