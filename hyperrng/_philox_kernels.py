@@ -206,39 +206,29 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: in
 # --- distributions --------------------------------------------------------------------
 
 Writer = Callable[[torch.Tensor, torch.Tensor, Params, Scalars], None]
-Blockwise = Callable[..., torch.Tensor]
+Lanes = Callable[..., Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Transform:
     """How a distribution turns the four words of a block into its four values.
 
-    ``blockwise(first, m, blocks, k0, k1, *params)`` is the functional form that gets
-    compiled: the ``(m, 4)`` values of the blocks ``blocks``, or of ``first + arange(m)``
-    when ``blocks`` is None (then no block index is ever stored). ``write(words, dst,
-    params, scalars)`` is the eager form: ``words`` are the ``(4, m)`` output rows of the
-    rounds, already masked with ``final_mask(scalars)``, and it writes lane ``i`` into
-    column ``i`` of ``dst`` (shape ``(m, 4)``, any dtype the values round to). ``params``
-    are the parameters as 0-d tensors, ``scalars`` the same as Python numbers.
+    ``lanes(words, *params)`` is the functional form that gets compiled: the four value
+    columns of the four word columns ``words``. ``write(words, dst, params, scalars)`` is
+    the eager form: ``words`` are the ``(4, m)`` output rows of the rounds, already masked
+    with ``final_mask(scalars)``, and it writes lane ``i`` into column ``i`` of ``dst``
+    (shape ``(m, 4)``, any dtype the values round to). ``params`` are the parameters as
+    0-d tensors, ``scalars`` the same as Python numbers.
     """
 
     name: str
-    blockwise: Blockwise
+    lanes: Lanes
     write: Writer
     final_mask: Callable[[Scalars], int] = lambda scalars: _MASK32
 
 
-def _block_indices(first: torch.Tensor, m: int, blocks: torch.Tensor | None) -> torch.Tensor:
-    """``blocks``, or the ``m`` blocks from ``first`` (an arange from 0 plus a 0-d tensor)."""
-    if blocks is not None:
-        return blocks
-    return torch.arange(m, dtype=torch.int64, device=first.device) + first
-
-
-def _bits_blockwise(
-    first: torch.Tensor, m: int, blocks: torch.Tensor | None, k0: torch.Tensor, k1: torch.Tensor
-) -> torch.Tensor:
-    return torch.stack(counter_words(_block_indices(first, m, blocks), k0, k1), dim=1)
+def _bits_lanes(words: Words) -> Words:
+    return words
 
 
 def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -246,26 +236,11 @@ def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars:
         dst[:, lane].copy_(words[lane])
 
 
-def _uniform_lane(
-    word: torch.Tensor, keep: torch.Tensor, unit: torch.Tensor, span: torch.Tensor, low: torch.Tensor
-) -> torch.Tensor:
+def _uniform_lanes(
+    words: Words, keep: torch.Tensor, unit: torch.Tensor, span: torch.Tensor, low: torch.Tensor
+) -> list[torch.Tensor]:
     # ``word & keep`` keeps the top bits; times 2**-32 it is exactly k * 2**-bits.
-    return (word & keep) * unit * span + low
-
-
-def _uniform_blockwise(
-    first: torch.Tensor,
-    m: int,
-    blocks: torch.Tensor | None,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-    keep: torch.Tensor,
-    unit: torch.Tensor,
-    span: torch.Tensor,
-    low: torch.Tensor,
-) -> torch.Tensor:
-    words = counter_words(_block_indices(first, m, blocks), k0, k1)
-    return torch.stack([_uniform_lane(w, keep, unit, span, low) for w in words], dim=1)
+    return [(w & keep) * unit * span + low for w in words]
 
 
 def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -291,16 +266,8 @@ def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scala
         dst[:, lane].copy_(values[lane])
 
 
-def _bernoulli_blockwise(
-    first: torch.Tensor,
-    m: int,
-    blocks: torch.Tensor | None,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-    threshold: torch.Tensor,
-) -> torch.Tensor:
-    words = counter_words(_block_indices(first, m, blocks), k0, k1)
-    return torch.stack([w < threshold for w in words], dim=1)
+def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor]:
+    return [w < threshold for w in words]
 
 
 def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -322,23 +289,13 @@ def _box_muller(
     return torch.sqrt(torch.log(u1) * -2.0), u2 * two_pi
 
 
-def _normal_blockwise(
-    first: torch.Tensor,
-    m: int,
-    blocks: torch.Tensor | None,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-    shift: torch.Tensor,
-    unit: torch.Tensor,
-    two_pi: torch.Tensor,
-    std: torch.Tensor,
-    mean: torch.Tensor,
-) -> torch.Tensor:
-    w0, w1, w2, w3 = counter_words(_block_indices(first, m, blocks), k0, k1)
-    ra, ta = _box_muller(w0, w1, shift, unit, two_pi)
-    rb, tb = _box_muller(w2, w3, shift, unit, two_pi)
+def _normal_lanes(
+    words: Words, shift: torch.Tensor, unit: torch.Tensor, two_pi: torch.Tensor, std: torch.Tensor, mean: torch.Tensor
+) -> list[torch.Tensor]:
+    ra, ta = _box_muller(words[0], words[1], shift, unit, two_pi)
+    rb, tb = _box_muller(words[2], words[3], shift, unit, two_pi)
     z = (ra * torch.cos(ta), ra * torch.sin(ta), rb * torch.cos(tb), rb * torch.sin(tb))
-    return torch.stack([v * std + mean for v in z], dim=1)
+    return [v * std + mean for v in z]
 
 
 def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -354,17 +311,17 @@ def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalar
         dst[:, column::2].copy_(z.t())
 
 
-BITS = Transform("random_bits", _bits_blockwise, _bits_write)
+BITS = Transform("random_bits", _bits_lanes, _bits_write)
 """The raw words, ``int64`` in ``[0, 2**32)``."""
 
-UNIFORM = Transform("uniform", _uniform_blockwise, _uniform_write, lambda scalars: int(scalars[0]))
+UNIFORM = Transform("uniform", _uniform_lanes, _uniform_write, lambda scalars: int(scalars[0]))
 """Parameters ``(keep, unit, span, low)``: ``(word & keep) * unit * span + low``, where
 ``keep`` keeps the top bits of the word and ``unit`` is ``2**-32``."""
 
-BERNOULLI = Transform("bernoulli", _bernoulli_blockwise, _bernoulli_write)
+BERNOULLI = Transform("bernoulli", _bernoulli_lanes, _bernoulli_write)
 """Parameter ``(threshold,)``: ``word < threshold``."""
 
-NORMAL = Transform("normal", _normal_blockwise, _normal_write)
+NORMAL = Transform("normal", _normal_lanes, _normal_write)
 """Parameters ``(shift, unit, two_pi, std, mean)``: Box–Muller on word pairs (0, 1), (2, 3)."""
 
 
@@ -437,50 +394,60 @@ def _keeping_float_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _values(
+    lanes: Lanes,
+    first: torch.Tensor,
+    m: int,
+    blocks: torch.Tensor | None,
+    k0: torch.Tensor,
+    k1: torch.Tensor,
+    *params: torch.Tensor,
+) -> torch.Tensor:
+    """The ``(m, 4)`` values of the blocks ``blocks``, or of ``first + arange(m)`` when
+    ``blocks`` is None (then no block index is ever stored)."""
+    if blocks is None:
+        blocks = torch.arange(m, dtype=torch.int64, device=first.device) + first
+    return torch.stack(tuple(lanes(counter_words(blocks, k0, k1), *params)), dim=1)
+
+
+def _values_template(first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor) -> torch.Tensor:
+    return _values(_LANES, first, m, blocks, *args)  # type: ignore[name-defined]  # noqa: F821 - bound per distribution
+
+
+def _into_template(
+    dst: torch.Tensor, first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor
+) -> None:
+    dst.copy_(_values(_LANES, first, m, blocks, *args))  # type: ignore[name-defined]  # noqa: F821 - as above
+
+
 @functools.cache
-def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
-    """``blockwise`` compiled for one device type.
+def _compiled(transform: Transform, device_type: str = "cpu", into: bool = False) -> Callable[..., Any]:
+    """``transform``'s values compiled for one device type: returned, or with ``into``
+    written into a given ``(m, 4)`` tensor in the same loop.
 
     Compiled once per distribution on first use, never at import. Keys and parameters
     are tensor arguments and block counts are dynamic, so new keys, offsets, bounds or
     sizes reuse the compiled code; the compute dtype and whether the blocks are a range
     (``blocks is None``) or a tensor of indices select among at most four variants. Each
-    (distribution, device type) runs as its own code object, because torch.compile keeps
-    one cache, with a recompile limit, per code object.
+    (distribution, device type, ``into``) runs as its own code object, because
+    torch.compile keeps one cache, with a recompile limit, per code object.
+
+    Writing into the result of a random op (torch allocated it already) saves allocating
+    a second tensor and copying, which costs as much as the Philox rounds.
 
     CPU code is built with inductor's ``cpp.dynamic_threads``: otherwise it specialises
     on the thread count it compiles under (serial code for one thread) and keeps running
     that code when the count changes, and inductor's on-disk cache hands a kernel built
     by a one-thread process to later processes whatever their thread count.
     """
-    return _compile_as(blockwise, f"{blockwise.__name__}_{device_type}", blockwise.__globals__)
-
-
-def _compile_as(template: Callable[..., Any], name: str, namespace: dict[str, Any]) -> Callable[..., Any]:
-    """``template`` compiled as a code object of its own, ``name``, whose globals are ``namespace``."""
+    template = _into_template if into else _values_template
+    name = f"_{transform.name}_{'into_' if into else ''}{device_type}"
     code = template.__code__.replace(co_name=name)
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=name)
+    namespace = {**template.__globals__, "_LANES": transform.lanes}
     fn = types.FunctionType(code, namespace, name, template.__defaults__, template.__closure__)
     return _keeping_float_mode(torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}))
-
-
-def _write_into_template(
-    dst: torch.Tensor, first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor
-) -> None:
-    dst.copy_(_TARGET(first, m, blocks, *args))  # type: ignore[name-defined]  # noqa: F821 - bound per distribution
-
-
-@functools.cache
-def _compiled_into(blockwise: Blockwise, device_type: str = "cpu") -> Callable[..., None]:
-    """``blockwise`` compiled to write its values into a given ``(m, 4)`` tensor, in the same loop.
-
-    The result tensor of a random op exists already (torch allocated it): writing into it
-    saves allocating a second one and copying, which costs as much as the Philox rounds.
-    Its own code object per distribution and device type, as :func:`_compiled`.
-    """
-    namespace = {**_write_into_template.__globals__, "_TARGET": blockwise}
-    return _compile_as(_write_into_template, f"{blockwise.__name__}_into_{device_type}", namespace)
 
 
 @functools.lru_cache(maxsize=16)
@@ -523,7 +490,7 @@ class Kernel:
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
-            self._fn = _compiled(transform.blockwise, device.type)
+            self._fn = _compiled(transform, device.type)
             self._keys = tuple(torch.full((), k, dtype=torch.int64, device=device) for k in (self.k0, self.k1))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -559,9 +526,7 @@ class Kernel:
                 and dst.dtype == self.value_dtype
             ):
                 start = torch.full((), first, dtype=torch.int64, device=self.device)
-                _compiled_into(self.transform.blockwise, self.device.type)(
-                    dst, start, m, None, *self._keys, *self.params
-                )
+                _compiled(self.transform, self.device.type, into=True)(dst, start, m, None, *self._keys, *self.params)
             else:
                 dst.copy_(self.run(first, m))
             return
