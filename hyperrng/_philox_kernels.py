@@ -349,8 +349,7 @@ _THREAD_MODE = _ThreadMode()
 
 def _flushes_subnormals() -> bool:
     """Whether this thread flushes subnormal numbers to zero (the FTZ or DAZ bit of its FP unit)."""
-    tiny = _SUBNORMAL
-    return tiny * 1.0 == 0.0
+    return _SUBNORMAL * 1.0 == 0.0
 
 
 def _start_workers() -> None:
@@ -580,17 +579,11 @@ class ShardGeometry:
         split = len(global_shape) - 1
         while split > 0 and local[split] == global_shape[split]:
             split -= 1
-        run = 1
-        for d in range(max(split, 0), len(global_shape)):
-            run *= local[d]
-        return cls(global_shape, starts, local, split, run)
+        return cls(global_shape, starts, local, split, math.prod(local[max(split, 0) :]))
 
     @property
     def segments(self) -> int:
-        count = 1
-        for extent in self.local_shape[: self.split]:
-            count *= extent
-        return count
+        return math.prod(self.local_shape[: self.split])
 
     def segment_starts(self, ids: torch.Tensor) -> torch.Tensor:
         """Global row-major index (from 0) of the first element of each run in ``ids``."""

@@ -59,7 +59,7 @@ from hyperrng.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
 )
-from hyperrng.platforms.validate import check_int
+from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [
     "COUNTER_SPACE",
@@ -114,15 +114,6 @@ _DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplem
 this build lacks)."""
 
 
-def _check_key(key: object) -> int:
-    value = check_int(key, "key")
-    if not 0 <= value <= MAX_KEY:
-        raise InvalidArgumentError(
-            f"key must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
-        )
-    return value
-
-
 def _check_offset(offset: object, numel: int) -> int:
     value = check_int(offset, "offset")
     if value < 0:
@@ -159,15 +150,6 @@ def check_shape(shape: object) -> tuple[int, ...]:
             f"split it into tensors drawn with different keys."
         )
     return result
-
-
-def _check_draw_size(shape: tuple[int, ...], what: str) -> None:
-    numel = math.prod(shape)
-    if numel > MAX_NUMEL:
-        raise InvalidArgumentError(
-            f"{what} {shape} has {numel} elements, more than MAX_NUMEL = 2**36 per call; draw it in "
-            f"shards (shard=) or in pieces, advancing offset by each piece's size."
-        )
 
 
 def _check_bool(value: object, what: str) -> bool:
@@ -317,10 +299,16 @@ def _generate(
     default ``dtype``) as a tensor of ``dtype``. The first of ``params`` is an integer (a
     word mask, shift or threshold), the others are in ``value_dtype``."""
     global_shape = check_shape(shape)
-    key_value = _check_key(key)
+    key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
     geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
-    _check_draw_size(geometry.local_shape, "the shard" if shard is not None else "shape")
+    numel = math.prod(geometry.local_shape)
+    if numel > MAX_NUMEL:
+        raise InvalidArgumentError(
+            f"{'the shard' if shard is not None else 'shape'} {geometry.local_shape} has {numel} elements, more "
+            f"than MAX_NUMEL = 2**36 per call; draw it in shards (shard=) or in pieces, advancing offset by each "
+            f"piece's size."
+        )
     use_compiled = _check_bool(compiled, "compiled")
     target = _check_device(device)
     result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
@@ -565,7 +553,7 @@ def dropout(
     local = tuple(b - a for a, b in _check_shard(shard, shape))
     if local != tuple(x.shape):
         raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
-    _check_key(key)
+    check_seed(key, "key")
     _check_offset(offset, math.prod(shape))
     if not is_training or p_value == 0.0 or x.numel() == 0:
         return x

@@ -170,9 +170,7 @@ def dropout(
     ``F.dropout`` in portable mode: the two give the same values and leave the generator
     at the same position.
     """
-    _check_input(x)
-    # Validates x's dtype, p and training before the generator moves.
-    philox.dropout(x.new_empty(0), p, key=0, training=training, compiled=compiled)
+    _check_dropout(x, p, training, compiled)
     if not training or p in (0.0, 1.0):
         return philox.dropout(x, p, key=0, training=training)
     return draw_at_position(
@@ -180,9 +178,12 @@ def dropout(
     )
 
 
-def _check_input(x: object) -> None:
+def _check_dropout(x: object, p: object, training: object, compiled: object) -> float:
+    """``p`` as a float once ``x`` (a floating-point tensor), ``p``, ``training`` and ``compiled`` are checked."""
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}; wrap data with torch.as_tensor(x).")
+    philox.dropout(x.new_empty(0), p, key=0, training=training, compiled=compiled)  # type: ignore[arg-type]
+    return float(p)  # type: ignore[arg-type]
 
 
 # -- sharded -------------------------------------------------------------------------------------
@@ -300,13 +301,11 @@ def sharded_dropout(
     Raises:
         InvalidArgumentError: ``x`` does not have this rank's local shape (nothing moves).
     """
-    _check_input(x)
-    p_value = philox.check_probability(p)
-    philox.dropout(x.new_empty(0), p_value, key=0)  # validates x's dtype
+    p_value = _check_dropout(x, p, True, compiled)
     per_dim = shard_slices(mesh, placements, philox.check_shape(global_shape))
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
-        raise philox.InvalidArgumentError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
+        raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
     if p_value in (0.0, 1.0):
         return philox.dropout(x, p_value, key=0)
     kw = {"p": 1.0 - p_value, "device": x.device, "compiled": compiled}
@@ -374,10 +373,10 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
 
     Raises:
         ArgumentTypeError: ``state`` is not a dict of the documented shape, or a value not an int.
-        InvalidArgumentError: an unknown ``format``, or a stream of the state that the tracker lacks
-            (add the streams, with any seed, before loading).
-        InvalidArgumentError / InvalidArgumentError: a seed or offset out of range or misaligned.
-            Errors about a position name its entry: the stream, or ``state['position']``.
+        InvalidArgumentError: an unknown ``format``; a stream of the state that the tracker
+            lacks (add the streams, with any seed, before loading); a seed or offset out of
+            range or misaligned. Errors about a position name its entry: the stream, or
+            ``state['position']``.
         InvalidOperationError: a fork is active.
     """
     if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):
