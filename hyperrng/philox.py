@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from hyperrng import _philox_kernels as _k
+from hyperrng import _philox_shards
 from hyperrng.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -301,7 +302,7 @@ def _generate(
     global_shape = check_shape(shape)
     key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
-    geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
+    geometry = _philox_shards.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
     numel = math.prod(geometry.local_shape)
     if numel > MAX_NUMEL:
         raise InvalidArgumentError(
@@ -315,7 +316,7 @@ def _generate(
     compute = dtype if value_dtype is None else value_dtype
     param_dtypes = [torch.int64] + [compute] * (len(params) - 1)
     kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, compute)
-    return _k.fill(geometry, offset_value, kernel, dtype, out=result)
+    return _philox_shards.fill(geometry, offset_value, kernel, dtype, out=result)
 
 
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
