@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from hyperrng._philox_kernels import WORDS_PER_BLOCK, Kernel, chunk_blocks
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+from hyperrng.platforms.validate import check_int
 
 __all__ = ["ShardGeometry", "fill"]
 
@@ -36,8 +38,18 @@ class ShardGeometry:
     run: int
 
     @classmethod
-    def of(cls, global_shape: tuple[int, ...], ranges: Sequence[tuple[int, int]]) -> ShardGeometry:
-        """Geometry of the block ``[start_d, stop_d)`` in each dimension ``d``."""
+    def of(cls, global_shape: tuple[int, ...], shard: object = None) -> ShardGeometry:
+        """Geometry of the block ``shard`` selects (all of ``global_shape`` when it is None).
+
+        ``shard`` is a sequence of slices with step 1, one per leading dimension; trailing
+        dimensions may be omitted.
+
+        Raises:
+            ArgumentTypeError: ``shard`` is not a sequence of slices with int bounds.
+            InvalidArgumentError: ``shard`` has more slices than ``global_shape`` has
+                dimensions, or a step other than 1.
+        """
+        ranges = _check_shard(shard, global_shape)
         starts = tuple(a for a, _ in ranges)
         local = tuple(b - a for a, b in ranges)
         split = len(global_shape) - 1
@@ -60,6 +72,38 @@ class ShardGeometry:
             rel += (rest % self.local_shape[d] + self.starts[d]) * strides[d]
             rest = rest // self.local_shape[d]
         return rel
+
+
+def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    if shard is None:
+        shard = ()
+    if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
+        raise ArgumentTypeError(
+            f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
+            f"got {type(shard).__name__} {shard!r}."
+        )
+    for d, s in enumerate(shard):
+        if not isinstance(s, slice):
+            raise ArgumentTypeError(
+                f"shard[{d}] must be a slice, got {type(s).__name__} {s!r}; write slice(i, i + 1) for one index."
+            )
+    if len(shard) > len(shape):
+        raise InvalidArgumentError(
+            f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions."
+        )
+    ranges = []
+    for d, (s, extent) in enumerate(zip(shard, shape)):
+        first, last, step = (
+            None if b is None else check_int(b, f"shard[{d}].{name}")
+            for b, name in ((s.start, "start"), (s.stop, "stop"), (s.step, "step"))
+        )
+        if step not in (None, 1):
+            raise InvalidArgumentError(
+                f"shard slice {s!r} of dimension {d} has step {step}; only step 1 (or None) is supported."
+            )
+        start, stop, _ = slice(first, last).indices(extent)
+        ranges.append((start, max(start, stop)))
+    return ranges + [(0, extent) for extent in shape[len(shard) :]]
 
 
 def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:

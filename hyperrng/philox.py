@@ -83,18 +83,14 @@ MAX_KEY = 2**64 - 1
 """Largest key: keys are the two 32-bit key words of Philox4x32, low word first."""
 
 COUNTER_SPACE = 2**64
-"""Global indices are below this: ``offset + numel`` may reach it but not exceed it.
-Since ``2**64`` is a whole number of 4-word blocks, that is the same as the counters of
-the blocks a draw touches (``offset + numel`` rounded up to a multiple of 4) fitting."""
+"""Global indices are below this: ``offset + numel`` may reach it but not exceed it."""
 
 MAX_NUMEL = 2**36
-"""Most elements one call returns (the tensor, or the shard with ``shard=``): 2**36, that
-is 64 GiB at one byte per element and 256 GiB of float32, more than one device holds.
-Global shapes may be larger (up to ``2**62`` elements) when drawn shard by shard."""
+"""Most elements one call returns (the tensor, or the shard with ``shard=``): 64 GiB at one
+byte per element, more than one device holds."""
 
 _MAX_GLOBAL_NUMEL = 2**62
-"""Global shapes stay below this many elements so row-major indices fit int64 tensors
-with room for the lane arithmetic; no real tensor comes close."""
+"""Global shapes stay below this so row-major indices fit int64 with room for the lane arithmetic."""
 
 _WORD_BITS = 32
 _PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
@@ -110,9 +106,8 @@ _NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.b
 ShapeLike = int | Sequence[int] | torch.Size
 DeviceLike = torch.device | str | int | None
 
+# What torch raises for a device it cannot name or reach (AssertionError: a backend this build lacks).
 _DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplementedError)
-"""What torch raises for a device it cannot name or reach (AssertionError: a backend that
-this build lacks)."""
 
 
 def _check_offset(offset: object, numel: int) -> int:
@@ -236,38 +231,6 @@ def _check_device(device: object) -> torch.device:
     return target
 
 
-def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    if shard is None:
-        shard = ()
-    if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
-        raise ArgumentTypeError(
-            f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
-            f"got {type(shard).__name__} {shard!r}."
-        )
-    for d, s in enumerate(shard):
-        if not isinstance(s, slice):
-            raise ArgumentTypeError(
-                f"shard[{d}] must be a slice, got {type(s).__name__} {s!r}; write slice(i, i + 1) for one index."
-            )
-    if len(shard) > len(shape):
-        raise InvalidArgumentError(
-            f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions."
-        )
-    ranges = []
-    for d, (s, extent) in enumerate(zip(shard, shape)):
-        first, last, step = (
-            None if b is None else check_int(b, f"shard[{d}].{name}")
-            for b, name in ((s.start, "start"), (s.stop, "stop"), (s.step, "step"))
-        )
-        if step not in (None, 1):
-            raise InvalidArgumentError(
-                f"shard slice {s!r} of dimension {d} has step {step}; only step 1 (or None) is supported."
-            )
-        start, stop, _ = slice(first, last).indices(extent)
-        ranges.append((start, max(start, stop)))
-    return ranges + [(0, extent) for extent in shape[len(shard) :]]
-
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half types are computed in float32 and rounded once, when written into the result.
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -276,11 +239,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _finite_in(value: float, dtype: torch.dtype) -> bool:
     """Whether ``value`` rounds to a finite number of ``dtype``."""
     return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
-
-
-def _threshold(p: float) -> int:
-    # p * 2**32 is exact in binary floating point, so only the final rounding is lossy.
-    return round(p * _PROBABILITY_SCALE)
 
 
 def _generate(
@@ -302,7 +260,7 @@ def _generate(
     global_shape = check_shape(shape)
     key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
-    geometry = _philox_shards.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
+    geometry = _philox_shards.ShardGeometry.of(global_shape, shard)
     numel = math.prod(geometry.local_shape)
     if numel > MAX_NUMEL:
         raise InvalidArgumentError(
@@ -501,7 +459,7 @@ def bernoulli(
         InvalidArgumentError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
-    threshold = _threshold(check_probability(p))
+    threshold = round(check_probability(p) * _PROBABILITY_SCALE)  # p * 2**32 is exact: only this rounding is lossy
     return _generate(shape, key, offset, shard, device, compiled, out, _k.BERNOULLI, torch.bool, params=(threshold,))
 
 
@@ -551,7 +509,7 @@ def dropout(
     if (global_shape is None) != (shard is None):
         raise InvalidArgumentError("pass global_shape and shard together, or neither.")
     shape = tuple(x.shape) if global_shape is None else check_shape(global_shape)
-    local = tuple(b - a for a, b in _check_shard(shard, shape))
+    local = _philox_shards.ShardGeometry.of(shape, shard).local_shape
     if local != tuple(x.shape):
         raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
     check_seed(key, "key")
