@@ -107,20 +107,26 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
     return result
 
 
-def _validate(fn: Callable[..., torch.Tensor], shape: Sequence[int], **kw: Any) -> tuple[int, ...]:
-    """Check ``shape`` and every parameter of ``fn`` by drawing nothing, before any generator moves."""
+def _draw(
+    fn: Callable[..., torch.Tensor],
+    shape: Sequence[int],
+    generator: torch.Generator | None,
+    sharding: tuple[Any, Sequence[Any]] | None = None,
+    **kw: Any,
+) -> torch.Tensor:
+    """``fn(shape, **kw)`` at the generator's position: the whole tensor, or with ``sharding``
+    (mesh, placements) this rank's shard of it. ``shape``, ``sharding`` and every parameter
+    are checked first (``fn`` draws nothing once), before any generator moves."""
     checked = philox.check_shape(shape)
     fn((0,), key=0, offset=0, **kw)
-    return checked
+    per_dim = None if sharding is None else shard_slices(*sharding, checked)
 
+    def draw(key: int, offset: int) -> torch.Tensor:
+        if per_dim is None:
+            return fn(checked, key=key, offset=offset, **kw)
+        return assemble_blocks(per_dim, lambda block: fn(checked, key=key, offset=offset, shard=block, **kw))
 
-def _draw(
-    fn: Callable[..., torch.Tensor], shape: Sequence[int], generator: torch.Generator | None, **kw: Any
-) -> torch.Tensor:
-    checked = _validate(fn, shape, **kw)
-    return draw_at_position(
-        math.prod(checked), generator, lambda key, offset: fn(checked, key=key, offset=offset, **kw)
-    )
+    return draw_at_position(math.prod(checked), generator, draw)
 
 
 def uniform(
@@ -211,25 +217,6 @@ def assemble_blocks(per_dim: list[list[slice]], draw: Callable[[list[slice]], to
     return draw([s[0] for s in per_dim])
 
 
-def _sharded(
-    fn: Callable[..., torch.Tensor],
-    mesh: Any,
-    placements: Sequence[Any],
-    global_shape: Sequence[int],
-    generator: torch.Generator | None,
-    **kw: Any,
-) -> torch.Tensor:
-    shape = _validate(fn, global_shape, **kw)
-    per_dim = shard_slices(mesh, placements, shape)  # validates before the generator moves
-    return draw_at_position(
-        math.prod(shape),
-        generator,
-        lambda key, offset: assemble_blocks(
-            per_dim, lambda block: fn(shape, key=key, offset=offset, shard=block, **kw)
-        ),
-    )
-
-
 def sharded_uniform(
     mesh: Any,
     placements: Sequence[Any],
@@ -247,9 +234,8 @@ def sharded_uniform(
     ``(shape, coordinate)`` pair. Every rank must call it at the same generator position;
     every rank then advances by the global element count. No collective runs.
     """
-    return _sharded(
-        philox.uniform, mesh, placements, global_shape, generator, dtype=dtype, low=low, high=high, compiled=compiled
-    )
+    kw = {"dtype": dtype, "low": low, "high": high, "compiled": compiled}
+    return _draw(philox.uniform, global_shape, generator, (mesh, placements), **kw)
 
 
 def sharded_normal(
@@ -264,9 +250,8 @@ def sharded_normal(
     compiled: bool = False,
 ) -> torch.Tensor:
     """This rank's shard of ``normal(global_shape)``; see :func:`sharded_uniform`."""
-    return _sharded(
-        philox.normal, mesh, placements, global_shape, generator, dtype=dtype, mean=mean, std=std, compiled=compiled
-    )
+    kw = {"dtype": dtype, "mean": mean, "std": std, "compiled": compiled}
+    return _draw(philox.normal, global_shape, generator, (mesh, placements), **kw)
 
 
 def sharded_bernoulli(
@@ -279,7 +264,7 @@ def sharded_bernoulli(
     compiled: bool = False,
 ) -> torch.Tensor:
     """This rank's shard of ``bernoulli(global_shape, p)``; see :func:`sharded_uniform`."""
-    return _sharded(philox.bernoulli, mesh, placements, global_shape, generator, p=p, compiled=compiled)
+    return _draw(philox.bernoulli, global_shape, generator, (mesh, placements), p=p, compiled=compiled)
 
 
 def sharded_dropout(
@@ -308,8 +293,15 @@ def sharded_dropout(
         raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
     if p_value in (0.0, 1.0):
         return philox.dropout(x, p_value, key=0)
-    kw = {"p": 1.0 - p_value, "device": x.device, "compiled": compiled}
-    keep = _sharded(philox.bernoulli, mesh, placements, global_shape, generator, **kw)
+    keep = _draw(
+        philox.bernoulli,
+        global_shape,
+        generator,
+        (mesh, placements),
+        p=1.0 - p_value,
+        device=x.device,
+        compiled=compiled,
+    )
     return philox.apply_dropout_mask(x, keep, p_value)
 
 
