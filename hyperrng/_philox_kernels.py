@@ -229,7 +229,8 @@ def _bits_lanes(words: Words) -> Words:
     return words
 
 
-def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params = (), scalars: Scalars = ()) -> None:
+    """Row ``i`` of ``words`` (the raw words, or any ``(4, m)`` rows) into column ``i`` of ``dst``."""
     for lane in range(WORDS_PER_BLOCK):
         dst[:, lane].copy_(words[lane])
 
@@ -247,8 +248,7 @@ def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scala
     if dst.dtype == unit.dtype:
         # The masked word converts to the compute dtype exactly; then one contiguous pass
         # scales it (and applies the bounds, rounding twice as compiled code does).
-        for lane in range(WORDS_PER_BLOCK):
-            dst[:, lane].copy_(words[lane])
+        _bits_write(words, dst)
         dst.mul_(unit)
         if not default_bounds:
             dst.mul_(span).add_(low)
@@ -260,8 +260,7 @@ def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scala
         return
     values = torch.mul(words, unit)
     values.mul_(span).add_(low)  # two roundings, as compiled code does (no fused multiply-add)
-    for lane in range(WORDS_PER_BLOCK):
-        dst[:, lane].copy_(values[lane])
+    _bits_write(values, dst)
 
 
 def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor]:

@@ -406,9 +406,8 @@ def uniform(
     ``shard`` selects a block of the global ``shape`` as in :func:`random_bits`.
 
     Raises:
-        ArgumentTypeError: ``dtype`` is not a torch.dtype, ``low``/``high`` are not real
-            numbers; and the type errors of :func:`random_bits`;
-            or ``dtype`` is not float32, float64, float16 or bfloat16.
+        ArgumentTypeError: ``dtype`` is not float32, float64, float16 or bfloat16, or
+            ``low``/``high`` are not real numbers.
         InvalidArgumentError: ``low``/``high`` are not finite values of ``dtype``,
             ``low > high``, or ``high - low`` overflows the compute precision.
         And the errors of :func:`random_bits`.
@@ -454,8 +453,7 @@ def bernoulli(
     :func:`random_bits`.
 
     Raises:
-        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors
-            included); and the type errors of :func:`random_bits`.
+        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors included).
         InvalidArgumentError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
@@ -489,9 +487,8 @@ def dropout(
     matching block of the global tensor would be.
 
     Raises:
-        ArgumentTypeError: ``x`` is not a tensor, ``training`` or ``compiled`` is not a
-            bool; and the type errors of :func:`bernoulli`;
-            or ``x`` is not a floating-point tensor.
+        ArgumentTypeError: ``x`` is not a floating-point tensor, or ``training`` or
+            ``compiled`` is not a bool.
         InvalidArgumentError: ``x.shape`` is not the shape of ``shard`` in ``global_shape``;
             or only one of ``global_shape`` and ``shard`` is given.
         And the errors of :func:`bernoulli`.
@@ -568,9 +565,8 @@ def normal(
     its own implementations of these functions.
 
     Raises:
-        ArgumentTypeError: ``dtype`` is not a torch.dtype, ``mean``/``std`` are not real
-            numbers; and the type errors of :func:`random_bits`;
-            or ``dtype`` is not float32, float64, float16 or bfloat16.
+        ArgumentTypeError: ``dtype`` is not float32, float64, float16 or bfloat16, or
+            ``mean``/``std`` are not real numbers.
         InvalidArgumentError: ``mean``/``std`` are not finite, ``std < 0``, or samples
             (up to ``mean ± 5.77 std``, ``6.67 std`` for float64) could overflow ``dtype``.
         And the errors of :func:`random_bits`.
