@@ -11,7 +11,8 @@ fit an ``int64`` tensor.
 
 A :class:`Kernel` binds a distribution (a :class:`Transform`), its parameters and a key.
 It turns block indices into values, one per lane, and writes whole runs of blocks
-straight into the result. There are two implementations of the same arithmetic:
+straight into the result (:mod:`hyperrng._philox_shards` says which runs). There are two
+implementations of the same arithmetic:
 
 * eager: the rounds run in place on a few reused rows of one chunk (no allocation per
   operation), and the distribution writes each lane directly into its strided column of
@@ -26,7 +27,6 @@ distribution is exact.
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import threading
 import types
@@ -50,10 +50,8 @@ __all__ = [
     "UNIFORM",
     "WORDS_PER_BLOCK",
     "Kernel",
-    "ShardGeometry",
     "Transform",
     "counter_words",
-    "fill",
     "philox_rounds",
     "chunk_blocks",
     "scratch_bytes",
@@ -206,66 +204,42 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: in
 # --- distributions --------------------------------------------------------------------
 
 Writer = Callable[[torch.Tensor, torch.Tensor, Params, Scalars], None]
-Blockwise = Callable[..., torch.Tensor]
+Lanes = Callable[..., Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Transform:
     """How a distribution turns the four words of a block into its four values.
 
-    ``blockwise(first, m, blocks, k0, k1, *params)`` is the functional form that gets
-    compiled: the ``(m, 4)`` values of the blocks ``blocks``, or of ``first + arange(m)``
-    when ``blocks`` is None (then no block index is ever stored). ``write(words, dst,
-    params, scalars)`` is the eager form: ``words`` are the ``(4, m)`` output rows of the
-    rounds, already masked with ``final_mask(scalars)``, and it writes lane ``i`` into
-    column ``i`` of ``dst`` (shape ``(m, 4)``, any dtype the values round to). ``params``
-    are the parameters as 0-d tensors, ``scalars`` the same as Python numbers.
+    ``lanes(words, *params)`` is the functional form that gets compiled: the four value
+    columns of the four word columns ``words``. ``write(words, dst, params, scalars)`` is
+    the eager form: ``words`` are the ``(4, m)`` output rows of the rounds, already masked
+    with ``final_mask(scalars)``, and it writes lane ``i`` into column ``i`` of ``dst``
+    (shape ``(m, 4)``, any dtype the values round to). ``params`` are the parameters as
+    0-d tensors, ``scalars`` the same as Python numbers.
     """
 
     name: str
-    blockwise: Blockwise
+    lanes: Lanes
     write: Writer
     final_mask: Callable[[Scalars], int] = lambda scalars: _MASK32
 
 
-def _block_indices(first: torch.Tensor, m: int, blocks: torch.Tensor | None) -> torch.Tensor:
-    """``blocks``, or the ``m`` blocks from ``first`` (an arange from 0 plus a 0-d tensor)."""
-    if blocks is not None:
-        return blocks
-    return torch.arange(m, dtype=torch.int64, device=first.device) + first
+def _bits_lanes(words: Words) -> Words:
+    return words
 
 
-def _bits_blockwise(
-    first: torch.Tensor, m: int, blocks: torch.Tensor | None, k0: torch.Tensor, k1: torch.Tensor
-) -> torch.Tensor:
-    return torch.stack(counter_words(_block_indices(first, m, blocks), k0, k1), dim=1)
-
-
-def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params = (), scalars: Scalars = ()) -> None:
+    """Row ``i`` of ``words`` (the raw words, or any ``(4, m)`` rows) into column ``i`` of ``dst``."""
     for lane in range(WORDS_PER_BLOCK):
         dst[:, lane].copy_(words[lane])
 
 
-def _uniform_lane(
-    word: torch.Tensor, keep: torch.Tensor, unit: torch.Tensor, span: torch.Tensor, low: torch.Tensor
-) -> torch.Tensor:
+def _uniform_lanes(
+    words: Words, keep: torch.Tensor, unit: torch.Tensor, span: torch.Tensor, low: torch.Tensor
+) -> list[torch.Tensor]:
     # ``word & keep`` keeps the top bits; times 2**-32 it is exactly k * 2**-bits.
-    return (word & keep) * unit * span + low
-
-
-def _uniform_blockwise(
-    first: torch.Tensor,
-    m: int,
-    blocks: torch.Tensor | None,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-    keep: torch.Tensor,
-    unit: torch.Tensor,
-    span: torch.Tensor,
-    low: torch.Tensor,
-) -> torch.Tensor:
-    words = counter_words(_block_indices(first, m, blocks), k0, k1)
-    return torch.stack([_uniform_lane(w, keep, unit, span, low) for w in words], dim=1)
+    return [(w & keep) * unit * span + low for w in words]
 
 
 def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -274,8 +248,7 @@ def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scala
     if dst.dtype == unit.dtype:
         # The masked word converts to the compute dtype exactly; then one contiguous pass
         # scales it (and applies the bounds, rounding twice as compiled code does).
-        for lane in range(WORDS_PER_BLOCK):
-            dst[:, lane].copy_(words[lane])
+        _bits_write(words, dst)
         dst.mul_(unit)
         if not default_bounds:
             dst.mul_(span).add_(low)
@@ -287,20 +260,11 @@ def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scala
         return
     values = torch.mul(words, unit)
     values.mul_(span).add_(low)  # two roundings, as compiled code does (no fused multiply-add)
-    for lane in range(WORDS_PER_BLOCK):
-        dst[:, lane].copy_(values[lane])
+    _bits_write(values, dst)
 
 
-def _bernoulli_blockwise(
-    first: torch.Tensor,
-    m: int,
-    blocks: torch.Tensor | None,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-    threshold: torch.Tensor,
-) -> torch.Tensor:
-    words = counter_words(_block_indices(first, m, blocks), k0, k1)
-    return torch.stack([w < threshold for w in words], dim=1)
+def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor]:
+    return [w < threshold for w in words]
 
 
 def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -322,23 +286,13 @@ def _box_muller(
     return torch.sqrt(torch.log(u1) * -2.0), u2 * two_pi
 
 
-def _normal_blockwise(
-    first: torch.Tensor,
-    m: int,
-    blocks: torch.Tensor | None,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-    shift: torch.Tensor,
-    unit: torch.Tensor,
-    two_pi: torch.Tensor,
-    std: torch.Tensor,
-    mean: torch.Tensor,
-) -> torch.Tensor:
-    w0, w1, w2, w3 = counter_words(_block_indices(first, m, blocks), k0, k1)
-    ra, ta = _box_muller(w0, w1, shift, unit, two_pi)
-    rb, tb = _box_muller(w2, w3, shift, unit, two_pi)
+def _normal_lanes(
+    words: Words, shift: torch.Tensor, unit: torch.Tensor, two_pi: torch.Tensor, std: torch.Tensor, mean: torch.Tensor
+) -> list[torch.Tensor]:
+    ra, ta = _box_muller(words[0], words[1], shift, unit, two_pi)
+    rb, tb = _box_muller(words[2], words[3], shift, unit, two_pi)
     z = (ra * torch.cos(ta), ra * torch.sin(ta), rb * torch.cos(tb), rb * torch.sin(tb))
-    return torch.stack([v * std + mean for v in z], dim=1)
+    return [v * std + mean for v in z]
 
 
 def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
@@ -354,17 +308,17 @@ def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalar
         dst[:, column::2].copy_(z.t())
 
 
-BITS = Transform("random_bits", _bits_blockwise, _bits_write)
+BITS = Transform("random_bits", _bits_lanes, _bits_write)
 """The raw words, ``int64`` in ``[0, 2**32)``."""
 
-UNIFORM = Transform("uniform", _uniform_blockwise, _uniform_write, lambda scalars: int(scalars[0]))
+UNIFORM = Transform("uniform", _uniform_lanes, _uniform_write, lambda scalars: int(scalars[0]))
 """Parameters ``(keep, unit, span, low)``: ``(word & keep) * unit * span + low``, where
 ``keep`` keeps the top bits of the word and ``unit`` is ``2**-32``."""
 
-BERNOULLI = Transform("bernoulli", _bernoulli_blockwise, _bernoulli_write)
+BERNOULLI = Transform("bernoulli", _bernoulli_lanes, _bernoulli_write)
 """Parameter ``(threshold,)``: ``word < threshold``."""
 
-NORMAL = Transform("normal", _normal_blockwise, _normal_write)
+NORMAL = Transform("normal", _normal_lanes, _normal_write)
 """Parameters ``(shift, unit, two_pi, std, mean)``: Box–Muller on word pairs (0, 1), (2, 3)."""
 
 
@@ -392,8 +346,7 @@ _THREAD_MODE = _ThreadMode()
 
 def _flushes_subnormals() -> bool:
     """Whether this thread flushes subnormal numbers to zero (the FTZ or DAZ bit of its FP unit)."""
-    tiny = _SUBNORMAL
-    return tiny * 1.0 == 0.0
+    return _SUBNORMAL * 1.0 == 0.0
 
 
 def _start_workers() -> None:
@@ -437,50 +390,60 @@ def _keeping_float_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _values(
+    lanes: Lanes,
+    first: torch.Tensor,
+    m: int,
+    blocks: torch.Tensor | None,
+    k0: torch.Tensor,
+    k1: torch.Tensor,
+    *params: torch.Tensor,
+) -> torch.Tensor:
+    """The ``(m, 4)`` values of the blocks ``blocks``, or of ``first + arange(m)`` when
+    ``blocks`` is None (then no block index is ever stored)."""
+    if blocks is None:
+        blocks = torch.arange(m, dtype=torch.int64, device=first.device) + first
+    return torch.stack(tuple(lanes(counter_words(blocks, k0, k1), *params)), dim=1)
+
+
+def _values_template(first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor) -> torch.Tensor:
+    return _values(_LANES, first, m, blocks, *args)  # type: ignore[name-defined]  # noqa: F821 - bound per distribution
+
+
+def _into_template(
+    dst: torch.Tensor, first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor
+) -> None:
+    dst.copy_(_values(_LANES, first, m, blocks, *args))  # type: ignore[name-defined]  # noqa: F821 - as above
+
+
 @functools.cache
-def _compiled(blockwise: Blockwise, device_type: str = "cpu") -> Blockwise:
-    """``blockwise`` compiled for one device type.
+def _compiled(transform: Transform, device_type: str = "cpu", into: bool = False) -> Callable[..., Any]:
+    """``transform``'s values compiled for one device type: returned, or with ``into``
+    written into a given ``(m, 4)`` tensor in the same loop.
 
     Compiled once per distribution on first use, never at import. Keys and parameters
     are tensor arguments and block counts are dynamic, so new keys, offsets, bounds or
     sizes reuse the compiled code; the compute dtype and whether the blocks are a range
     (``blocks is None``) or a tensor of indices select among at most four variants. Each
-    (distribution, device type) runs as its own code object, because torch.compile keeps
-    one cache, with a recompile limit, per code object.
+    (distribution, device type, ``into``) runs as its own code object, because
+    torch.compile keeps one cache, with a recompile limit, per code object.
+
+    Writing into the result of a random op (torch allocated it already) saves allocating
+    a second tensor and copying, which costs as much as the Philox rounds.
 
     CPU code is built with inductor's ``cpp.dynamic_threads``: otherwise it specialises
     on the thread count it compiles under (serial code for one thread) and keeps running
     that code when the count changes, and inductor's on-disk cache hands a kernel built
     by a one-thread process to later processes whatever their thread count.
     """
-    return _compile_as(blockwise, f"{blockwise.__name__}_{device_type}", blockwise.__globals__)
-
-
-def _compile_as(template: Callable[..., Any], name: str, namespace: dict[str, Any]) -> Callable[..., Any]:
-    """``template`` compiled as a code object of its own, ``name``, whose globals are ``namespace``."""
+    template = _into_template if into else _values_template
+    name = f"_{transform.name}_{'into_' if into else ''}{device_type}"
     code = template.__code__.replace(co_name=name)
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=name)
+    namespace = {**template.__globals__, "_LANES": transform.lanes}
     fn = types.FunctionType(code, namespace, name, template.__defaults__, template.__closure__)
     return _keeping_float_mode(torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}))
-
-
-def _write_into_template(
-    dst: torch.Tensor, first: torch.Tensor, m: int, blocks: torch.Tensor | None, *args: torch.Tensor
-) -> None:
-    dst.copy_(_TARGET(first, m, blocks, *args))  # type: ignore[name-defined]  # noqa: F821 - bound per distribution
-
-
-@functools.cache
-def _compiled_into(blockwise: Blockwise, device_type: str = "cpu") -> Callable[..., None]:
-    """``blockwise`` compiled to write its values into a given ``(m, 4)`` tensor, in the same loop.
-
-    The result tensor of a random op exists already (torch allocated it): writing into it
-    saves allocating a second one and copying, which costs as much as the Philox rounds.
-    Its own code object per distribution and device type, as :func:`_compiled`.
-    """
-    namespace = {**_write_into_template.__globals__, "_TARGET": blockwise}
-    return _compile_as(_write_into_template, f"{blockwise.__name__}_into_{device_type}", namespace)
 
 
 @functools.lru_cache(maxsize=16)
@@ -523,7 +486,7 @@ class Kernel:
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
-            self._fn = _compiled(transform.blockwise, device.type)
+            self._fn = _compiled(transform, device.type)
             self._keys = tuple(torch.full((), k, dtype=torch.int64, device=device) for k in (self.k0, self.k1))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -559,9 +522,7 @@ class Kernel:
                 and dst.dtype == self.value_dtype
             ):
                 start = torch.full((), first, dtype=torch.int64, device=self.device)
-                _compiled_into(self.transform.blockwise, self.device.type)(
-                    dst, start, m, None, *self._keys, *self.params
-                )
+                _compiled(self.transform, self.device.type, into=True)(dst, start, m, None, *self._keys, *self.params)
             else:
                 dst.copy_(self.run(first, m))
             return
@@ -586,145 +547,3 @@ class Kernel:
             self._scratch = torch.empty((_SCRATCH_ROWS, m), dtype=torch.int64, device=self.device)
         rows = self._scratch[:, :m]
         return rows[:WORDS_PER_BLOCK], rows[WORDS_PER_BLOCK:]
-
-
-# --- geometry and filling ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ShardGeometry:
-    """A row-major block of a global tensor, seen as ``segments`` runs of ``run`` elements.
-
-    In row-major order a block selected by per-dimension ranges is a set of equally
-    long contiguous runs: the innermost dimensions it covers entirely merge with the
-    first one it does not. ``split`` is that dimension; the dimensions before it index
-    the runs.
-    """
-
-    global_shape: tuple[int, ...]
-    starts: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    split: int
-    run: int
-
-    @classmethod
-    def of(cls, global_shape: tuple[int, ...], ranges: Sequence[tuple[int, int]]) -> ShardGeometry:
-        """Geometry of the block ``[start_d, stop_d)`` in each dimension ``d``."""
-        starts = tuple(a for a, _ in ranges)
-        local = tuple(b - a for a, b in ranges)
-        split = len(global_shape) - 1
-        while split > 0 and local[split] == global_shape[split]:
-            split -= 1
-        run = 1
-        for d in range(max(split, 0), len(global_shape)):
-            run *= local[d]
-        return cls(global_shape, starts, local, split, run)
-
-    @property
-    def segments(self) -> int:
-        count = 1
-        for extent in self.local_shape[: self.split]:
-            count *= extent
-        return count
-
-    def segment_starts(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global row-major index (from 0) of the first element of each run in ``ids``."""
-        strides = [1] * len(self.global_shape)
-        for d in range(len(self.global_shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * self.global_shape[d + 1]
-        rel = torch.full_like(ids, self.starts[self.split] * strides[self.split] if self.global_shape else 0)
-        rest = ids
-        for d in range(self.split - 1, -1, -1):
-            rel += (rest % self.local_shape[d] + self.starts[d]) * strides[d]
-            rest = rest // self.local_shape[d]
-        return rel
-
-
-def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
-    """Write the values of global indices ``[start, start + out.numel())`` into 1-D ``out``.
-
-    The whole blocks in the middle are written in place, a chunk at a time; the partial
-    blocks at either end (at most two) are computed together and their lanes copied.
-    """
-    n = out.numel()
-    head = min(-start % WORDS_PER_BLOCK, n)  # elements before the first block boundary
-    whole = (n - head) // WORDS_PER_BLOCK
-    tail = n - head - whole * WORDS_PER_BLOCK
-    first = (start + head) // WORDS_PER_BLOCK
-    if whole:
-        kernel.fill(out[head : head + whole * WORDS_PER_BLOCK].view(whole, WORDS_PER_BLOCK), first)
-    ends = ([start // WORDS_PER_BLOCK] if head else []) + ([first + whole] if tail else [])
-    if ends:
-        values = kernel.values(torch.tensor(ends, dtype=torch.int64).to(out.device))
-        if head:
-            lane = start % WORDS_PER_BLOCK
-            out[:head].copy_(values[0, lane : lane + head])
-        if tail:
-            out[n - tail :].copy_(values[-1, :tail])
-
-
-def _blocks_spanned(run: int) -> int:
-    """Blocks that hold a run of ``run`` elements wherever it starts.
-
-    A run starting at lane ``a`` spans ``(a + run - 1) // 4 + 1`` blocks; this is the
-    value for ``a = 3``, the worst case.
-    """
-    return (run + 2) // WORDS_PER_BLOCK + 1
-
-
-def _fill_short_runs(out: torch.Tensor, geometry: ShardGeometry, offset: int, kernel: Kernel) -> None:
-    """Fill ``out`` of shape ``(segments, run)`` many runs per kernel call, gathering lanes."""
-    run = geometry.run
-    span = _blocks_spanned(run)
-    group = max(chunk_blocks() // span, 1)
-    device = out.device
-    steps = torch.arange(span, dtype=torch.int64, device=device)
-    columns = torch.arange(run, dtype=torch.int64, device=device)
-    base_block, base_lane = offset // WORDS_PER_BLOCK, offset % WORDS_PER_BLOCK
-    for g0 in range(0, geometry.segments, group):
-        ids = torch.arange(g0, min(g0 + group, geometry.segments), dtype=torch.int64, device=device)
-        # Split offset + start into block and lane without forming it: it may exceed int64.
-        shifted = geometry.segment_starts(ids) + base_lane
-        first_blocks = shifted // WORDS_PER_BLOCK + base_block
-        lanes = shifted % WORDS_PER_BLOCK
-        blocks = (first_blocks[:, None] + steps[None, :]).reshape(-1)
-        values = kernel.values(blocks).reshape(ids.numel(), span * WORDS_PER_BLOCK)
-        out[g0 : g0 + ids.numel()] = values.gather(1, lanes[:, None] + columns[None, :])
-
-
-def fill(
-    geometry: ShardGeometry, offset: int, kernel: Kernel, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Return a tensor of ``geometry.local_shape`` and ``dtype`` holding the kernel's values.
-
-    Element ``e`` of the global tensor gets the value of global index ``offset + e``
-    (``e`` row-major in ``geometry.global_shape``). Long runs are computed one range at a
-    time; runs shorter than a chunk are batched, as many per kernel call as fit in a
-    chunk, and their lanes gathered: that computes up to four words per element kept but
-    saves a kernel call (about a hundred tensor operations) per run. A compiled kernel
-    whose result is one whole-block range in its compute dtype returns that range as the
-    result, with no copy. ``out`` (contiguous) is filled and returned when given.
-    """
-    numel = math.prod(geometry.local_shape)
-    if out is None:
-        if (
-            kernel.compiled
-            and geometry.segments == 1
-            and dtype == kernel.value_dtype
-            and numel > 0
-            and numel % WORDS_PER_BLOCK == 0
-        ):
-            start = offset + int(geometry.segment_starts(torch.zeros(1, dtype=torch.int64)).item())
-            if start % WORDS_PER_BLOCK == 0:
-                return kernel.run(start // WORDS_PER_BLOCK, numel // WORDS_PER_BLOCK).view(geometry.local_shape)
-        out = torch.empty(geometry.local_shape, dtype=dtype, device=kernel.device)
-    if numel == 0:
-        return out
-    rows = out.view(geometry.segments, geometry.run)
-    if geometry.segments == 1 or _blocks_spanned(geometry.run) > chunk_blocks():
-        ids = torch.arange(geometry.segments, dtype=torch.int64)
-        for row, start in zip(rows, geometry.segment_starts(ids).tolist()):
-            _fill_range(row, offset + start, kernel)
-    else:
-        _fill_short_runs(rows, geometry, offset, kernel)
-    return out

@@ -33,23 +33,16 @@ Limits, checked before anything is allocated or computed:
   :class:`InvalidArgumentError` instead of failing in the allocator; draw them as shards or
   as consecutive pieces (``offset`` advanced by each piece's size).
 
-Memory: eager draws work in chunks of :data:`~hyperrng._philox_kernels.CHUNK_BLOCKS`
-blocks per torch thread (for up to four threads). The rounds run in place on six
-``int64`` rows of one chunk and each lane is written straight into the result, so the
-working memory besides the result is at most
-:func:`~hyperrng._philox_kernels.scratch_bytes`, 6 MiB a thread and 24 MiB in all,
-whatever the tensor size: no ``int64`` tensor of the full size is ever formed.
-``compiled=True`` runs the same arithmetic through ``torch.compile`` as one fused loop
-per contiguous run, which keeps nothing in memory but the values; it is compiled on
-first use, once per distribution and compute dtype, then reused for every key, offset,
-parameter and size, and is bitwise equal to eager for the exact distributions.
+Memory: eager draws work a chunk of blocks at a time, so the working memory besides the
+result is at most :func:`~hyperrng._philox_kernels.scratch_bytes` (24 MiB) whatever the
+tensor size. ``compiled=True`` runs the same arithmetic through ``torch.compile`` as one
+fused loop per contiguous run, keeping nothing in memory but the values; it is compiled
+on first use, once per distribution and compute dtype, then reused for every key,
+offset, parameter and size, and is bitwise equal to eager for the exact distributions.
 
-Bad arguments raise typed errors before any work: a wrong type raises
-:class:`~hyperrng.errors.ArgumentTypeError` (a ``TypeError``), a wrong value a
-``ValueError`` subclass (:class:`InvalidArgumentError`,
-:class:`~hyperrng.errors.InvalidArgumentError`,
-:class:`~hyperrng.errors.InvalidArgumentError`), and an unsupported dtype
-:class:`ArgumentTypeError`.
+Bad arguments raise typed errors before any work: a wrong type or an unsupported dtype
+:class:`ArgumentTypeError` (a ``TypeError``), a wrong value :class:`InvalidArgumentError`
+(a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -62,11 +55,12 @@ import numpy as np
 import torch
 
 from hyperrng import _philox_kernels as _k
+from hyperrng import _philox_shards
 from hyperrng.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
 )
-from hyperrng.platforms.validate import check_int
+from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [
     "COUNTER_SPACE",
@@ -89,18 +83,14 @@ MAX_KEY = 2**64 - 1
 """Largest key: keys are the two 32-bit key words of Philox4x32, low word first."""
 
 COUNTER_SPACE = 2**64
-"""Global indices are below this: ``offset + numel`` may reach it but not exceed it.
-Since ``2**64`` is a whole number of 4-word blocks, that is the same as the counters of
-the blocks a draw touches (``offset + numel`` rounded up to a multiple of 4) fitting."""
+"""Global indices are below this: ``offset + numel`` may reach it but not exceed it."""
 
 MAX_NUMEL = 2**36
-"""Most elements one call returns (the tensor, or the shard with ``shard=``): 2**36, that
-is 64 GiB at one byte per element and 256 GiB of float32, more than one device holds.
-Global shapes may be larger (up to ``2**62`` elements) when drawn shard by shard."""
+"""Most elements one call returns (the tensor, or the shard with ``shard=``): 64 GiB at one
+byte per element, more than one device holds."""
 
 _MAX_GLOBAL_NUMEL = 2**62
-"""Global shapes stay below this many elements so row-major indices fit int64 tensors
-with room for the lane arithmetic; no real tensor comes close."""
+"""Global shapes stay below this so row-major indices fit int64 with room for the lane arithmetic."""
 
 _WORD_BITS = 32
 _PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
@@ -116,18 +106,8 @@ _NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.b
 ShapeLike = int | Sequence[int] | torch.Size
 DeviceLike = torch.device | str | int | None
 
+# What torch raises for a device it cannot name or reach (AssertionError: a backend this build lacks).
 _DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplementedError)
-"""What torch raises for a device it cannot name or reach (AssertionError: a backend that
-this build lacks)."""
-
-
-def _check_key(key: object) -> int:
-    value = check_int(key, "key")
-    if not 0 <= value <= MAX_KEY:
-        raise InvalidArgumentError(
-            f"key must be in [0, 2**64 - 1], got {value}; reduce it modulo 2**64 if you mean a 64-bit pattern."
-        )
-    return value
 
 
 def _check_offset(offset: object, numel: int) -> int:
@@ -166,15 +146,6 @@ def check_shape(shape: object) -> tuple[int, ...]:
             f"split it into tensors drawn with different keys."
         )
     return result
-
-
-def _check_draw_size(shape: tuple[int, ...], what: str) -> None:
-    numel = math.prod(shape)
-    if numel > MAX_NUMEL:
-        raise InvalidArgumentError(
-            f"{what} {shape} has {numel} elements, more than MAX_NUMEL = 2**36 per call; draw it in "
-            f"shards (shard=) or in pieces, advancing offset by each piece's size."
-        )
 
 
 def _check_bool(value: object, what: str) -> bool:
@@ -260,42 +231,6 @@ def _check_device(device: object) -> torch.device:
     return target
 
 
-def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    if shard is None:
-        return [(0, d) for d in shape]
-    if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
-        raise ArgumentTypeError(
-            f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
-            f"got {type(shard).__name__} {shard!r}."
-        )
-    for d, s in enumerate(shard):
-        if not isinstance(s, slice):
-            raise ArgumentTypeError(
-                f"shard[{d}] must be a slice, got {type(s).__name__} {s!r}; write slice(i, i + 1) for one index."
-            )
-    if len(shard) > len(shape):
-        raise InvalidArgumentError(
-            f"shard has {len(shard)} slices but the global shape {shape} has {len(shape)} dimensions."
-        )
-    ranges = []
-    for d, extent in enumerate(shape):
-        if d >= len(shard):
-            ranges.append((0, extent))
-            continue
-        s = shard[d]
-        bounds = [
-            None if b is None else check_int(b, f"shard[{d}].{name}")
-            for b, name in ((s.start, "start"), (s.stop, "stop"), (s.step, "step"))
-        ]
-        if bounds[2] is not None and bounds[2] != 1:
-            raise InvalidArgumentError(
-                f"shard slice {s!r} of dimension {d} has step {bounds[2]}; only step 1 (or None) is supported."
-            )
-        start, stop, _ = slice(bounds[0], bounds[1]).indices(extent)
-        ranges.append((start, max(start, stop)))
-    return ranges
-
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half types are computed in float32 and rounded once, when written into the result.
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -306,11 +241,6 @@ def _finite_in(value: float, dtype: torch.dtype) -> bool:
     return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
 
 
-def _threshold(p: float) -> int:
-    # p * 2**32 is exact in binary floating point, so only the final rounding is lossy.
-    return round(p * _PROBABILITY_SCALE)
-
-
 def _generate(
     shape: ShapeLike,
     key: object,
@@ -318,23 +248,33 @@ def _generate(
     shard: object,
     device: object,
     compiled: object,
-    dtype: torch.dtype,
+    out: object,
     transform: _k.Transform,
-    params: Sequence[float | int],
-    param_dtypes: Sequence[torch.dtype],
-    value_dtype: torch.dtype,
-    out: object = None,
+    dtype: torch.dtype,
+    value_dtype: torch.dtype | None = None,
+    params: Sequence[float | int] = (),
 ) -> torch.Tensor:
+    """Check every argument, then draw ``transform``'s values (computed in ``value_dtype``,
+    default ``dtype``) as a tensor of ``dtype``. The first of ``params`` is an integer (a
+    word mask, shift or threshold), the others are in ``value_dtype``."""
     global_shape = check_shape(shape)
-    key_value = _check_key(key)
+    key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
-    geometry = _k.ShardGeometry.of(global_shape, _check_shard(shard, global_shape))
-    _check_draw_size(geometry.local_shape, "the shard" if shard is not None else "shape")
+    geometry = _philox_shards.ShardGeometry.of(global_shape, shard)
+    numel = math.prod(geometry.local_shape)
+    if numel > MAX_NUMEL:
+        raise InvalidArgumentError(
+            f"{'the shard' if shard is not None else 'shape'} {geometry.local_shape} has {numel} elements, more "
+            f"than MAX_NUMEL = 2**36 per call; draw it in shards (shard=) or in pieces, advancing offset by each "
+            f"piece's size."
+        )
     use_compiled = _check_bool(compiled, "compiled")
     target = _check_device(device)
     result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
-    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, value_dtype)
-    return _k.fill(geometry, offset_value, kernel, dtype, out=result)
+    compute = dtype if value_dtype is None else value_dtype
+    param_dtypes = [torch.int64] + [compute] * (len(params) - 1)
+    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, compute)
+    return _philox_shards.fill(geometry, offset_value, kernel, dtype, out=result)
 
 
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -366,12 +306,10 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         Random123's word order (``philox4x32(ctr, key)``'s ``v[0..3]``).
 
     Raises:
-        ArgumentTypeError: ``counter`` or ``key`` is not a tensor;
-            or ``counter`` or ``key`` is not ``int64``.
-        InvalidArgumentError: a last dimension is not 4 (counter) or 2 (key), or the leading
-            dimensions do not broadcast;
-            or ``counter`` and ``key`` are on different devices.
-        InvalidArgumentError / InvalidArgumentError: a counter / key word outside ``[0, 2**32)``.
+        ArgumentTypeError: ``counter`` or ``key`` is not an ``int64`` tensor.
+        InvalidArgumentError: a last dimension is not 4 (counter) or 2 (key), the leading
+            dimensions do not broadcast, ``counter`` and ``key`` are on different devices,
+            or a word is outside ``[0, 2**32)``.
     """
     for name, t, width in (("counter", counter, _k.WORDS_PER_BLOCK), ("key", key, 2)):
         if not isinstance(t, torch.Tensor):
@@ -396,8 +334,9 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         ) from None
     for name, t in (("counter", counter), ("key", key)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) > 2**_WORD_BITS - 1):
-            error = InvalidArgumentError if name == "counter" else InvalidArgumentError
-            raise error(f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}].")
+            raise InvalidArgumentError(
+                f"{name} words must be in [0, 2**32 - 1]; got values in [{int(t.min())}, {int(t.max())}]."
+            )
     c = counter.expand(*batch, _k.WORDS_PER_BLOCK).unbind(-1)
     k = key.expand(*batch, 2).unbind(-1)
     return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
@@ -423,23 +362,18 @@ def random_bits(
     shape, dtype and device to write the values into and return, instead of a new one.
 
     Raises:
-        ArgumentTypeError: an argument of the wrong type: ``key``, ``offset`` or a shape
-            dimension that is not an int (bools and floats included), a ``shape`` that is
-            not an int or a sequence, a ``shard`` that is not a sequence of slices with int
-            bounds, a ``device`` that is not a string, torch.device or None, a ``compiled``
-            that is not a bool.
-        InvalidArgumentError: ``key`` is not in ``[0, 2**64 - 1]``;
-            or ``offset`` is negative or ``offset + numel > 2**64``;
-            or ``shape`` has a negative dimension or ``2**62`` elements or
-            more, or the result (the shard, with ``shard=``) more than :data:`MAX_NUMEL`;
-            or ``shard`` has more slices than ``shape`` has dimensions, or a step
-            other than 1;
-            or ``device`` names no device, or one this process lacks, or
-            ``out`` is on another device.
-        ArgumentTypeError / InvalidArgumentError: ``out`` has another dtype, or another
-            shape or is not contiguous (an ``out`` that is no tensor: ArgumentTypeError).
+        ArgumentTypeError: ``key``, ``offset`` or a shape dimension is not an int (bools and
+            floats included); ``shape`` is not an int or a sequence; ``shard`` is not a
+            sequence of slices with int bounds; ``device`` is not a string, torch.device or
+            None; ``compiled`` is not a bool; ``out`` is not a tensor or has another dtype.
+        InvalidArgumentError: ``key`` is not in ``[0, 2**64 - 1]``; ``offset`` is negative
+            or ``offset + numel > 2**64``; ``shape`` has a negative dimension or ``2**62``
+            elements or more; the result (the shard, with ``shard=``) has more than
+            :data:`MAX_NUMEL`; ``shard`` has more slices than ``shape`` has dimensions, or
+            a step other than 1; ``device`` names no device, or one this process lacks;
+            ``out`` is not contiguous, or has another shape or device.
     """
-    return _generate(shape, key, offset, shard, device, compiled, torch.int64, _k.BITS, (), (), torch.int64, out)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.BITS, torch.int64)
 
 
 def uniform(
@@ -472,9 +406,8 @@ def uniform(
     ``shard`` selects a block of the global ``shape`` as in :func:`random_bits`.
 
     Raises:
-        ArgumentTypeError: ``dtype`` is not a torch.dtype, ``low``/``high`` are not real
-            numbers; and the type errors of :func:`random_bits`;
-            or ``dtype`` is not float32, float64, float16 or bfloat16.
+        ArgumentTypeError: ``dtype`` is not float32, float64, float16 or bfloat16, or
+            ``low``/``high`` are not real numbers.
         InvalidArgumentError: ``low``/``high`` are not finite values of ``dtype``,
             ``low > high``, or ``high - low`` overflows the compute precision.
         And the errors of :func:`random_bits`.
@@ -497,8 +430,7 @@ def uniform(
         )
     keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
     params = (keep, _WORD_UNIT, span, low_value)
-    dtypes = (torch.int64, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.UNIFORM, params, dtypes, compute, out)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.UNIFORM, dtype, compute, params)
 
 
 def bernoulli(
@@ -521,26 +453,12 @@ def bernoulli(
     :func:`random_bits`.
 
     Raises:
-        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors
-            included); and the type errors of :func:`random_bits`.
+        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors included).
         InvalidArgumentError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
-    threshold = _threshold(check_probability(p))
-    return _generate(
-        shape,
-        key,
-        offset,
-        shard,
-        device,
-        compiled,
-        torch.bool,
-        _k.BERNOULLI,
-        (threshold,),
-        (torch.int64,),
-        torch.bool,
-        out,
-    )
+    threshold = round(check_probability(p) * _PROBABILITY_SCALE)  # p * 2**32 is exact: only this rounding is lossy
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.BERNOULLI, torch.bool, params=(threshold,))
 
 
 def dropout(
@@ -569,9 +487,8 @@ def dropout(
     matching block of the global tensor would be.
 
     Raises:
-        ArgumentTypeError: ``x`` is not a tensor, ``training`` or ``compiled`` is not a
-            bool; and the type errors of :func:`bernoulli`;
-            or ``x`` is not a floating-point tensor.
+        ArgumentTypeError: ``x`` is not a floating-point tensor, or ``training`` or
+            ``compiled`` is not a bool.
         InvalidArgumentError: ``x.shape`` is not the shape of ``shard`` in ``global_shape``;
             or only one of ``global_shape`` and ``shard`` is given.
         And the errors of :func:`bernoulli`.
@@ -589,10 +506,10 @@ def dropout(
     if (global_shape is None) != (shard is None):
         raise InvalidArgumentError("pass global_shape and shard together, or neither.")
     shape = tuple(x.shape) if global_shape is None else check_shape(global_shape)
-    local = tuple(b - a for a, b in _check_shard(shard, shape))
+    local = _philox_shards.ShardGeometry.of(shape, shard).local_shape
     if local != tuple(x.shape):
         raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
-    _check_key(key)
+    check_seed(key, "key")
     _check_offset(offset, math.prod(shape))
     if not is_training or p_value == 0.0 or x.numel() == 0:
         return x
@@ -648,9 +565,8 @@ def normal(
     its own implementations of these functions.
 
     Raises:
-        ArgumentTypeError: ``dtype`` is not a torch.dtype, ``mean``/``std`` are not real
-            numbers; and the type errors of :func:`random_bits`;
-            or ``dtype`` is not float32, float64, float16 or bfloat16.
+        ArgumentTypeError: ``dtype`` is not float32, float64, float16 or bfloat16, or
+            ``mean``/``std`` are not real numbers.
         InvalidArgumentError: ``mean``/``std`` are not finite, ``std < 0``, or samples
             (up to ``mean ± 5.77 std``, ``6.67 std`` for float64) could overflow ``dtype``.
         And the errors of :func:`random_bits`.
@@ -668,5 +584,4 @@ def normal(
         )
     compute = _compute_dtype(dtype)
     params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
-    dtypes = (torch.int64, compute, compute, compute, compute)
-    return _generate(shape, key, offset, shard, device, compiled, dtype, _k.NORMAL, params, dtypes, compute, out)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.NORMAL, dtype, compute, params)

@@ -107,20 +107,26 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
     return result
 
 
-def _validate(fn: Callable[..., torch.Tensor], shape: Sequence[int], **kw: Any) -> tuple[int, ...]:
-    """Check ``shape`` and every parameter of ``fn`` by drawing nothing, before any generator moves."""
+def _draw(
+    fn: Callable[..., torch.Tensor],
+    shape: Sequence[int],
+    generator: torch.Generator | None,
+    sharding: tuple[Any, Sequence[Any]] | None = None,
+    **kw: Any,
+) -> torch.Tensor:
+    """``fn(shape, **kw)`` at the generator's position: the whole tensor, or with ``sharding``
+    (mesh, placements) this rank's shard of it. ``shape``, ``sharding`` and every parameter
+    are checked first (``fn`` draws nothing once), before any generator moves."""
     checked = philox.check_shape(shape)
     fn((0,), key=0, offset=0, **kw)
-    return checked
+    per_dim = None if sharding is None else shard_slices(*sharding, checked)
 
+    def draw(key: int, offset: int) -> torch.Tensor:
+        if per_dim is None:
+            return fn(checked, key=key, offset=offset, **kw)
+        return assemble_blocks(per_dim, lambda block: fn(checked, key=key, offset=offset, shard=block, **kw))
 
-def _draw(
-    fn: Callable[..., torch.Tensor], shape: Sequence[int], generator: torch.Generator | None, **kw: Any
-) -> torch.Tensor:
-    checked = _validate(fn, shape, **kw)
-    return draw_at_position(
-        math.prod(checked), generator, lambda key, offset: fn(checked, key=key, offset=offset, **kw)
-    )
+    return draw_at_position(math.prod(checked), generator, draw)
 
 
 def uniform(
@@ -170,9 +176,7 @@ def dropout(
     ``F.dropout`` in portable mode: the two give the same values and leave the generator
     at the same position.
     """
-    _check_input(x)
-    # Validates x's dtype, p and training before the generator moves.
-    philox.dropout(x.new_empty(0), p, key=0, training=training, compiled=compiled)
+    _check_dropout(x, p, training, compiled)
     if not training or p in (0.0, 1.0):
         return philox.dropout(x, p, key=0, training=training)
     return draw_at_position(
@@ -180,9 +184,12 @@ def dropout(
     )
 
 
-def _check_input(x: object) -> None:
+def _check_dropout(x: object, p: object, training: object, compiled: object) -> float:
+    """``p`` as a float once ``x`` (a floating-point tensor), ``p``, ``training`` and ``compiled`` are checked."""
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}; wrap data with torch.as_tensor(x).")
+    philox.dropout(x.new_empty(0), p, key=0, training=training, compiled=compiled)  # type: ignore[arg-type]
+    return float(p)  # type: ignore[arg-type]
 
 
 # -- sharded -------------------------------------------------------------------------------------
@@ -210,25 +217,6 @@ def assemble_blocks(per_dim: list[list[slice]], draw: Callable[[list[slice]], to
     return draw([s[0] for s in per_dim])
 
 
-def _sharded(
-    fn: Callable[..., torch.Tensor],
-    mesh: Any,
-    placements: Sequence[Any],
-    global_shape: Sequence[int],
-    generator: torch.Generator | None,
-    **kw: Any,
-) -> torch.Tensor:
-    shape = _validate(fn, global_shape, **kw)
-    per_dim = shard_slices(mesh, placements, shape)  # validates before the generator moves
-    return draw_at_position(
-        math.prod(shape),
-        generator,
-        lambda key, offset: assemble_blocks(
-            per_dim, lambda block: fn(shape, key=key, offset=offset, shard=block, **kw)
-        ),
-    )
-
-
 def sharded_uniform(
     mesh: Any,
     placements: Sequence[Any],
@@ -246,9 +234,8 @@ def sharded_uniform(
     ``(shape, coordinate)`` pair. Every rank must call it at the same generator position;
     every rank then advances by the global element count. No collective runs.
     """
-    return _sharded(
-        philox.uniform, mesh, placements, global_shape, generator, dtype=dtype, low=low, high=high, compiled=compiled
-    )
+    kw = {"dtype": dtype, "low": low, "high": high, "compiled": compiled}
+    return _draw(philox.uniform, global_shape, generator, (mesh, placements), **kw)
 
 
 def sharded_normal(
@@ -263,9 +250,8 @@ def sharded_normal(
     compiled: bool = False,
 ) -> torch.Tensor:
     """This rank's shard of ``normal(global_shape)``; see :func:`sharded_uniform`."""
-    return _sharded(
-        philox.normal, mesh, placements, global_shape, generator, dtype=dtype, mean=mean, std=std, compiled=compiled
-    )
+    kw = {"dtype": dtype, "mean": mean, "std": std, "compiled": compiled}
+    return _draw(philox.normal, global_shape, generator, (mesh, placements), **kw)
 
 
 def sharded_bernoulli(
@@ -278,7 +264,7 @@ def sharded_bernoulli(
     compiled: bool = False,
 ) -> torch.Tensor:
     """This rank's shard of ``bernoulli(global_shape, p)``; see :func:`sharded_uniform`."""
-    return _sharded(philox.bernoulli, mesh, placements, global_shape, generator, p=p, compiled=compiled)
+    return _draw(philox.bernoulli, global_shape, generator, (mesh, placements), p=p, compiled=compiled)
 
 
 def sharded_dropout(
@@ -300,17 +286,22 @@ def sharded_dropout(
     Raises:
         InvalidArgumentError: ``x`` does not have this rank's local shape (nothing moves).
     """
-    _check_input(x)
-    p_value = philox.check_probability(p)
-    philox.dropout(x.new_empty(0), p_value, key=0)  # validates x's dtype
+    p_value = _check_dropout(x, p, True, compiled)
     per_dim = shard_slices(mesh, placements, philox.check_shape(global_shape))
     local = tuple(sum(sl.stop - sl.start for sl in slices) for slices in per_dim)
     if local != tuple(x.shape):
-        raise philox.InvalidArgumentError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
+        raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but this rank's shard has shape {local}.")
     if p_value in (0.0, 1.0):
         return philox.dropout(x, p_value, key=0)
-    kw = {"p": 1.0 - p_value, "device": x.device, "compiled": compiled}
-    keep = _sharded(philox.bernoulli, mesh, placements, global_shape, generator, **kw)
+    keep = _draw(
+        philox.bernoulli,
+        global_shape,
+        generator,
+        (mesh, placements),
+        p=1.0 - p_value,
+        device=x.device,
+        compiled=compiled,
+    )
     return philox.apply_dropout_mask(x, keep, p_value)
 
 
@@ -374,10 +365,10 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
 
     Raises:
         ArgumentTypeError: ``state`` is not a dict of the documented shape, or a value not an int.
-        InvalidArgumentError: an unknown ``format``, or a stream of the state that the tracker lacks
-            (add the streams, with any seed, before loading).
-        InvalidArgumentError / InvalidArgumentError: a seed or offset out of range or misaligned.
-            Errors about a position name its entry: the stream, or ``state['position']``.
+        InvalidArgumentError: an unknown ``format``; a stream of the state that the tracker
+            lacks (add the streams, with any seed, before loading); a seed or offset out of
+            range or misaligned. Errors about a position name its entry: the stream, or
+            ``state['position']``.
         InvalidOperationError: a fork is active.
     """
     if not isinstance(state, dict) or not isinstance(state.get("streams"), dict):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hyperrng import _philox_kernels as kernels
+from hyperrng import _philox_shards as shards
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.philox import (
     MAX_NUMEL,
@@ -744,7 +745,7 @@ def test_draws_larger_than_max_numel_are_refused_before_any_allocation(
         raise AssertionError("work started before the size was checked")
 
     monkeypatch.setattr(kernels, "Kernel", no_work)
-    monkeypatch.setattr(kernels, "fill", no_work)
+    monkeypatch.setattr(shards, "fill", no_work)
     with pytest.raises(InvalidArgumentError, match="more than MAX_NUMEL = 2\\*\\*36 per call"):
         draw(shape, KEY)
 
