@@ -95,11 +95,13 @@ def tp_invariance_report(
         (float reductions differ with the sharding).
 
     Raises:
-        ArgumentTypeError / InvalidArgumentError: a size that is not a positive int dividing ``world_size``.
+        ArgumentTypeError / InvalidArgumentError: a size that is not a positive int dividing
+            ``world_size``, or ``steps`` that is not a positive int.
     """
     world = check_int(world_size, "world_size")
     sizes = tuple(check_int(tp, "each TP size") for tp in tp_sizes)
-    check_int(steps, "steps")
+    if check_int(steps, "steps") < 1:
+        raise InvalidArgumentError(f"steps must be at least 1 (the report compares losses); got {steps}.")
     check_seed(seed)
     if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
         raise InvalidArgumentError(f"every TP size must divide world_size={world}; got {sizes}.")

@@ -177,6 +177,22 @@ def cpu() -> Any:
         yield p
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"steps": 0}, InvalidArgumentError, "steps must be at least 1"),
+        ({"steps": 1.5}, ArgumentTypeError, "steps"),
+        ({"tp_sizes": (3,)}, InvalidArgumentError, "divide world_size"),
+        ({"tp_sizes": ()}, InvalidArgumentError, "divide world_size"),
+    ],
+)
+def test_a_bad_tp_invariance_argument_is_refused_before_any_rank_starts(
+    kwargs: dict[str, object], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        tp_invariance_report(**kwargs)  # type: ignore[arg-type]
+
+
 def test_the_portable_state_round_trips_the_device_and_stream_positions(cpu: platforms.Platform) -> None:
     tracker = RNGStatesTracker()
     tracker.add("model-parallel-rng", 31)
