@@ -140,6 +140,9 @@ class _Swap:
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
+        # What bind() returns where that can never change (set by the first bind), so that a
+        # fork need not ask the platform for its current device again.
+        self.fixed: _Bound | None = None
 
     def bind(self) -> _Bound:
         raise NotImplementedError
@@ -196,6 +199,8 @@ class _StateBytes(_Swap):
         if bound is None:
             io = self.io()
             bound = self._bound[index] = (io.read, io.write, (self.platform.device_type, index))
+            if self.one_device:
+                self.fixed = bound
         return bound
 
     def coerce(self, name: str, value: object) -> Any:
@@ -304,7 +309,7 @@ class _Fork:
         if state is None:  # the tracker was reset between fork() and entering it
             raise UnknownStreamError(tracker._unknown(self.name))
         swap = tracker._swap
-        read, write, key = swap.bind()  # type: ignore[union-attr]
+        read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
         me = current_thread()
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:

@@ -108,7 +108,9 @@ _lock = threading.Lock()
 _table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
 _newest = -1  # the handle last entered or moved to the newest end (read without the lock: one int)
 # Bound once (torch.compile recognises the function itself, not its name): a fork asks twice.
-_is_compiling = torch.compiler.is_compiling
+# Only dynamo traces Python code such as the table's lookups into a graph, so its own flag is
+# the one that matters; it is also a third of the cost of ``torch.compiler.is_compiling``.
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _entry(handle: int) -> tuple[int, int] | None:
@@ -174,8 +176,9 @@ class _Seating(threading.local):
         """Fill the buffer for ``handle`` and set it as the state of ``gen``."""
         seed, words, tensor = self.parts
         seed[()] = handle
-        _multiply(_MULTIPLIERS, seed, out=words)
-        _right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
+        # ``out`` passed by position: NumPy parses a keyword argument on every call.
+        _multiply(_MULTIPLIERS, seed, words)
+        _right_shift(words, _HALF, words)  # each word is below 2**32, as MT19937's words are
         _set_state(gen, tensor)
 
 
