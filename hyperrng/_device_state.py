@@ -1,6 +1,6 @@
 """Save and restore the host and device RNG states, as forks, ``fork_rng`` and recompute do.
 
-Each device's snapshot goes through :meth:`platforms.Platform.state_io`, the platform's
+Each device's snapshot goes through :meth:`platforms.Platform._state_io`, the platform's
 fastest exact way (no validation of states it read itself). Each target names the
 generator it covers as :mod:`hyperrng._exclusive` holds it: torch's CPU generator is
 ``("cpu", 0)``, device ``i`` of the platform is ``(platform.device_type, i)``.
@@ -33,11 +33,11 @@ def host_and_devices(platform: Platform, indices: Sequence[int] | None = None) -
     covers torch's CPU generator, so it is the only target.
     """
     if platform.device_type == "cpu":
-        io = platform.state_io(0)
+        io = platform._state_io(0)
         return [(io.read, io.write, (platform.device_type, 0))]
     host = torch.default_generator
     chosen = range(platform.device_count()) if indices is None else indices
-    devices = [(*platform.state_io(i)[:2], (platform.device_type, i)) for i in chosen]
+    devices = [(*platform._state_io(i)[:2], (platform.device_type, i)) for i in chosen]
     return [(host.get_state, host.set_state, HOST), *devices]  # type: ignore[list-item]
 
 

@@ -98,7 +98,7 @@ class Swap:
 
 
 class _StateBytes(Swap):
-    """Copies of the current device's whole state, through :meth:`platforms.Platform.state_io`."""
+    """Copies of the current device's whole state, through :meth:`platforms.Platform._state_io`."""
 
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
@@ -111,7 +111,7 @@ class _StateBytes(Swap):
         index = self.platform.current_device()
         io = self._io.get(index)
         if io is None:
-            io = self._io[index] = self.platform.state_io(index)
+            io = self._io[index] = self.platform._state_io(index)
         return io
 
     def bind(self) -> Bound:

@@ -431,7 +431,7 @@ def _numpy_state(value: object) -> tuple[str, np.ndarray, int, int, float]:
 
 
 def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Tensor:
-    state = _tensor(value, torch.uint8, p.state_nbytes, what)
+    state = _tensor(value, torch.uint8, p._state_nbytes, what)
     try:
         return p.check_rng_state(state).clone()
     except HyperRNGError as exc:

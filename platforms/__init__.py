@@ -6,25 +6,27 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 
 **Writing a plug-in.** What a plug-in author needs to know beyond the README's example:
 
-* **Required:** ``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``,
-  ``_seed(seed, index)``, and usually ``probe()`` (``None`` if usable, else why; cheap, and
-  it must not initialise the device). A class missing one is refused with
-  :class:`PlatformError`. :class:`DeviceModulePlatform` has them all, for a device
-  module shaped like ``torch.cuda``.
+* **The interface** is the table in :class:`Platform`'s docstring (``help(Platform)``):
+  fourteen members, each marked *must define* or *may override*. A class missing a
+  required one (``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``)
+  is refused with :class:`PlatformError`; ``probe()`` (``None`` if usable, else why) must
+  be cheap and must not initialise the device. :class:`DeviceModulePlatform` has them
+  all, for a device module shaped like ``torch.cuda``.
 * **``counter_based = True``:** the state is the 16-byte (uint64 seed, int64 offset) pair
   and draws advance the offset; the inherited ``get_seed_offset`` / ``set_seed_offset``
   use it, ``set_rng_state`` refuses offsets that are negative or not multiples of 4, forks
   copy the generator's state directly, and portable mode accepts the device's ``generator=``.
-* **Otherwise** override ``get_seed_offset`` / ``set_seed_offset``. A position is a pure
-  function of (seed, offset): equal pairs draw equal numbers on every rank, distinct pairs
+* **Otherwise** override ``check_rng_state``, ``get_seed_offset`` and ``set_seed_offset``
+  (and set ``_state_nbytes`` if a state is not 16 bytes). A position is a pure function
+  of (seed, offset): equal pairs draw equal numbers on every rank, distinct pairs
   independent ones, ``(seed, 0)`` is ``manual_seed(seed)``; the getter reads back the pair
   just set; ``get_rng_state()`` carries it (the CPU platform, :mod:`hyperrng.platforms.cpu`,
   is the worked example for a generator that is not counter-based). Only sharded regions
   (and DTensor ops), :mod:`hyperrng.portable` and portable mode need positions; streams,
   seeding, checks and checkpoints need state bytes only.
 * **``dist_backend``:** the process-group backend when each rank has its own device (the
-  demo uses it); collectives stage tensors through the host on gloo. ``is_host = True``
-  only where the device generator is torch's CPU generator.
+  demo uses it); collectives stage tensors through the host on gloo. A ``device_type`` of
+  ``"cpu"`` means the device is the host: its generator is torch's CPU generator.
 * **Factory:** any no-argument callable returning a :class:`Platform`. In
   ``HYPERRNG_PLATFORM=module:Factory`` or an entry point, the module must be importable in
   every process (torchrun's and the demo's ranks import it again).
@@ -45,7 +47,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
   other states other numbers, and a swapped-in state must not move the restored one (a
   plug-in keeping its state in a dict fails). It draws only where this torch can create
   tensors on the device. It does not check how far a draw advances a position,
-  collectives in a process group, ``dist_backend``, a cheap ``probe()``, ``is_host``,
+  collectives in a process group, ``dist_backend``, a cheap ``probe()``,
   threads or graph-safe swaps.
 """
 

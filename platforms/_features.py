@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from hyperrng.platforms.errors import HyperRNGError
 
-__all__ = ["Feature", "FEATURES", "feature", "features", "report_lines", "require"]
+__all__ = ["Feature", "FEATURES", "feature", "report_lines", "require"]
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,6 @@ def feature(key: str) -> Feature:
         KeyError: no feature has that key (a programming error, not a user's).
     """
     return _BY_KEY[key]
-
-
-def features() -> tuple[Feature, ...]:
-    """Every optional feature (see :data:`FEATURES`)."""
-    return FEATURES
 
 
 def require(key: str, error: type[HyperRNGError]) -> None:

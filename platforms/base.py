@@ -36,51 +36,50 @@ _GENERATOR_API = ("get_state", "set_state", "manual_seed", "initial_seed")
 class Platform:
     """One kind of device, seen through the few operations hyperrng needs.
 
-    The table is the whole interface, for plug-in authors and for callers. *Must define*:
-    the base class has no usable default. *May override*: the default (in brackets) fits
-    a counter-based device. *Call only*: implemented once here, on top of the rest. The
-    five rows marked † exist for a generator without offsets, whose positions the platform
-    models beside the generator's bytes (the CPU's MT19937, :mod:`hyperrng.platforms.cpu`):
-    a counter-based platform keeps their defaults. Everything else is private, or a
-    function of :mod:`hyperrng.platforms.comm` (rank, world size, broadcast, all-gather).
+    The table lists every member a plug-in author must know. *Must define*: the base
+    class has no usable default. *May override*: the default (in brackets) fits a
+    counter-based device. The three rows marked † exist for a generator without offsets,
+    whose positions the platform models beside the generator's bytes (the CPU's MT19937,
+    :mod:`hyperrng.platforms.cpu`): a counter-based platform keeps their defaults.
     :mod:`hyperrng.platforms.testing` checks every row.
 
-    ====================================  ============  ===================================================
-    member                                role          meaning [default]
-    ====================================  ============  ===================================================
-    ``name``                              must define   registered name: ``"cpu"``, ``"cuda"``, a plug-in's
-    ``device_type``                       must define   torch device type of its tensors [``"cpu"``]
-    ``device_count()``                    must define   number of devices of this kind visible to the process
-    ``_read_state(index)``                must define   a new 1-D CPU uint8 tensor: device ``index``'s state
-    ``_write_state(state, index)``        must define   make ``state`` (already checked) device ``index``'s
-    ``dist_backend``                      may override  ``torch.distributed`` backend between ranks [``"gloo"``]
-    ``counter_based``                     may override  state is a (seed, offset) pair that draws advance [no]
-    ``probe()``                           may override  ``None`` if usable here, else why not; cheap [``None``]
-    ``current_device()``                  may override  index used when none is given [0]
-    ``set_device(index)``                 may override  make device ``index`` current [only the current one]
-    ``default_generator(index)``          may override  generator random ops on ``index`` draw from [``None``]
-    ``state_nbytes``                      may override† length of a state [16: uint64 seed, int64 offset]
-    ``check_rng_state(state)``            may override† ``state`` if ``set_rng_state`` takes it, else raise
-    ``get_seed_offset(index, generator)`` may override† (seed, offset) position [read from the 16 bytes]
-    ``set_seed_offset(seed, offset, …)``  may override† position device or generator [write the 16 bytes]
-    ``state_io(index)``                   may override† unchecked save/restore for hot paths [via the above]
-    ``device(index)``                     call only     ``torch.device`` of device ``index``
-    ``get_rng_state(index)``              call only     ``_read_state`` after checking ``index``
-    ``set_rng_state(state, index)``       call only     ``check_rng_state``, then ``_write_state``
-    ``manual_seed(seed, index)``          call only     ``set_seed_offset(seed, 0, index)``
-    ====================================  ============  ===================================================
+    =====================================  =============  =================================================
+    member                                 role           meaning [default]
+    =====================================  =============  =================================================
+    ``name``                               must define    registered name: ``"cpu"``, ``"cuda"``, a plug-in's
+    ``device_type``                        must define    torch device type of its tensors [``"cpu"``]
+    ``device_count()``                     must define    number of devices of this kind visible to the process
+    ``_read_state(index)``                 must define    a new 1-D CPU uint8 tensor: device ``index``'s state
+    ``_write_state(state, index)``         must define    make ``state`` (already checked) device ``index``'s
+    ``dist_backend``                       may override   ``torch.distributed`` backend between ranks [``"gloo"``]
+    ``counter_based``                      may override   state is a (seed, offset) pair that draws advance [no]
+    ``probe()``                            may override   ``None`` if usable here, else why not; cheap [``None``]
+    ``current_device()``                   may override   index used when none is given [0]
+    ``set_device(index)``                  may override   make device ``index`` current [only the current one]
+    ``default_generator(index)``           may override   generator random ops on ``index`` draw from [``None``]
+    ``check_rng_state(state)``             may override†  ``state`` if ``set_rng_state`` takes it, else raise
+    ``get_seed_offset(index, generator)``  may override†  (seed, offset) position [read from the 16 bytes]
+    ``set_seed_offset(seed, offset, …)``   may override†  position device or generator [write the 16 bytes]
+    =====================================  =============  =================================================
+
+    *Call only*, implemented here on top of the table (a plug-in inherits them):
+    ``device(index)``, ``get_rng_state(index)``, ``set_rng_state(state, index)``,
+    ``manual_seed(seed, index)``.
 
     A counter-based accelerator needs the first eleven rows, or only ``name``,
     ``device_type`` and ``dist_backend`` when it subclasses
     :class:`~hyperrng.platforms.DeviceModulePlatform`. The device of a platform whose
     ``device_type`` is ``"cpu"`` is the host: its generator is torch's CPU generator.
+    Everything else is private (a platform whose state is not 16 bytes sets
+    ``_state_nbytes``; one with a faster exact save/restore overrides :meth:`_state_io`),
+    or a function of :mod:`hyperrng.platforms.comm` (rank, world size, broadcast, all-gather).
     """
 
     name: ClassVar[str] = "abstract"
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
     counter_based: ClassVar[bool] = False
-    state_nbytes: int = COUNTER_STATE_NBYTES
+    _state_nbytes: int = COUNTER_STATE_NBYTES  # the length check_rng_state's default expects
 
     # -- availability and devices ---------------------------------------------------
     def probe(self) -> str | None:
@@ -125,31 +124,6 @@ class Platform:
         return None
 
     # -- RNG state ----------------------------------------------------------------------
-    def state_io(self, index: int | None = None) -> StateIO:
-        """The fastest exact way to save and restore device ``index``'s whole RNG state.
-
-        For hot paths that copy states they read themselves (tracker forks, ``fork_rng``,
-        recompute). ``read()`` returns an opaque snapshot and ``write(snapshot)`` puts one
-        back *without validation*: pass it only what ``read`` returned. ``pack`` turns a
-        snapshot into the tensor :meth:`get_rng_state` returns; ``unpack`` turns a state
-        tensor that :meth:`check_rng_state` accepted into a snapshot.
-
-        The default copies the default generator's bytes where those are the whole state
-        (counter-based devices), and goes through :meth:`get_rng_state` /
-        :meth:`set_rng_state` otherwise. A platform whose state has parts outside the
-        generator (the CPU's position) overrides it.
-        """
-        gen = self.default_generator(index) if self.counter_based else None
-        if gen is not None:
-            return StateIO(gen.get_state, gen.set_state, torch.Tensor.clone, torch.Tensor.clone)
-        i = self._index(index)
-        return StateIO(
-            lambda: self.get_rng_state(i),
-            lambda state: self.set_rng_state(state, i),
-            torch.Tensor.clone,
-            torch.Tensor.clone,
-        )
-
     def get_rng_state(self, index: int | None = None) -> torch.Tensor:
         """Return a copy of device ``index``'s RNG state as a 1-D CPU ``uint8`` tensor."""
         return self._read_state(self._index(index))
@@ -158,7 +132,7 @@ class Platform:
         """Restore a state returned by :meth:`get_rng_state`.
 
         Raises:
-            InvalidArgumentError: ``state`` is not a 1-D CPU uint8 tensor of ``state_nbytes``;
+            InvalidArgumentError: ``state`` is not a 1-D CPU uint8 tensor of ``_state_nbytes``;
                 or ``index`` names no device. Nothing changes on error.
         """
         idx = self._index(index)
@@ -174,8 +148,8 @@ class Platform:
             InvalidArgumentError: wrong type, dtype, length or device, an impossible offset,
                 or (where the platform can tell) contents its generator refuses.
         """
-        checked = check_state(state, self.state_nbytes, self.name)
-        if self.counter_based and self.state_nbytes == COUNTER_STATE_NBYTES:
+        checked = check_state(state, self._state_nbytes, self.name)
+        if self.counter_based and self._state_nbytes == COUNTER_STATE_NBYTES:
             check_state_offset(unpack_counter_state(checked)[1], f"RNG state for platform {self.name!r} has offset")
         return checked
 
@@ -242,9 +216,9 @@ class Platform:
         else:
             self._check_generator(generator).set_state(state)
 
-    # -- hooks a plug-in implements -------------------------------------------------------
+    # -- hooks: a plug-in implements the first two, and may override _state_io for speed --
     def _read_state(self, index: int) -> torch.Tensor:
-        """Return a new 1-D CPU uint8 tensor of ``state_nbytes``: device ``index``'s whole RNG state.
+        """Return a new 1-D CPU uint8 tensor of ``_state_nbytes``: device ``index``'s whole RNG state.
 
         ``index`` is already checked. The tensor is the caller's: it must not share memory
         with the device's live state.
@@ -254,6 +228,32 @@ class Platform:
     def _write_state(self, state: torch.Tensor, index: int) -> None:
         """Make ``state`` device ``index``'s RNG state; both are already checked, so nothing can fail here."""
         raise NotImplementedError(f"{type(self).__name__} must implement _write_state(state, index)")
+
+    def _state_io(self, index: int | None = None) -> StateIO:
+        """The fastest exact way to save and restore device ``index``'s whole RNG state (private: the
+        default is exact for every platform, an override only makes it faster).
+
+        For hot paths that copy states they read themselves (tracker forks, ``fork_rng``,
+        recompute). ``read()`` returns an opaque snapshot and ``write(snapshot)`` puts one
+        back *without validation*: pass it only what ``read`` returned. ``pack`` turns a
+        snapshot into the tensor :meth:`get_rng_state` returns; ``unpack`` turns a state
+        tensor that :meth:`check_rng_state` accepted into a snapshot.
+
+        The default copies the default generator's bytes where those are the whole state
+        (counter-based devices), and goes through :meth:`get_rng_state` /
+        :meth:`set_rng_state` otherwise. A platform whose state has parts outside the
+        generator (the CPU's position) overrides it.
+        """
+        gen = self.default_generator(index) if self.counter_based else None
+        if gen is not None:
+            return StateIO(gen.get_state, gen.set_state, torch.Tensor.clone, torch.Tensor.clone)
+        i = self._index(index)
+        return StateIO(
+            lambda: self.get_rng_state(i),
+            lambda state: self.set_rng_state(state, i),
+            torch.Tensor.clone,
+            torch.Tensor.clone,
+        )
 
     # -- shared helpers -------------------------------------------------------------------
     def _index(self, index: int | None) -> int:
@@ -292,7 +292,7 @@ class Platform:
 
 
 class StateIO(NamedTuple):
-    """What :meth:`Platform.state_io` returns: read/write of snapshots, and their conversion to state tensors.
+    """What :meth:`Platform._state_io` returns: read/write of snapshots, and their conversion to state tensors.
 
     ``pack`` returns a tensor the caller may keep and modify; ``unpack`` keeps no
     reference to the tensor it is given.

@@ -256,7 +256,7 @@ class CPUPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     counter_based = False
-    state_nbytes = CPU_STATE_NBYTES
+    _state_nbytes = CPU_STATE_NBYTES
 
     def device_count(self) -> int:
         return 1
@@ -309,7 +309,7 @@ class CPUPlatform(Platform):
     def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
         """Check the length, the MT19937 bytes (on a scratch generator) and that the position belongs
         to them (its handle, in either domain, is their initial seed); change nothing."""
-        checked = check_state(state, self.state_nbytes, self.name)
+        checked = check_state(state, self._state_nbytes, self.name)
         initial_seed = _initial_seed_of(checked, self.name)
         seed, offset = _POSITION.unpack_from(np.from_dlpack(checked).tobytes(), MT19937_STATE_NBYTES)
         check_state_offset(offset, f"RNG state for platform {self.name!r} has a cursor offset of")
@@ -334,7 +334,7 @@ class CPUPlatform(Platform):
             )
         return checked
 
-    def state_io(self, index: int | None = None) -> StateIO:
+    def _state_io(self, index: int | None = None) -> StateIO:
         """Snapshots are (MT19937 bytes, handle, table entry): the position is resolved when read, and
         entered in the table again when written, so a snapshot outlives the table's memory."""
         self._index(index)

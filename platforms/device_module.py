@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform
+from hyperrng.platforms.base import Platform
 from hyperrng.platforms.validate import check_index
 
 __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
@@ -35,7 +35,6 @@ class DeviceModulePlatform(Platform):
     """
 
     counter_based = True
-    state_nbytes = COUNTER_STATE_NBYTES
 
     def __init__(self, module: Any | None = None) -> None:
         self._module = module

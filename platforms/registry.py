@@ -234,13 +234,16 @@ def _load_entry_point(ep: EntryPoint) -> Callable[[], object]:
         raise
 
 
-def _load_named_plugin(name: str) -> Callable[[], object] | None:
-    """The factory of the plug-in whose entry point is ``name``, or ``None`` when no plug-in has that name.
+def _named_factory(name: str) -> Callable[[], object]:
+    """The factory registered under ``name``, else that of the plug-in whose entry point is ``name``.
 
     Raises:
-        PlatformError: the plug-in's module fails to import, or lacks the factory it names
-            (one line, as for a ``module:Factory`` that does not load).
+        PlatformError: no platform has that name; or the plug-in's module fails to import, or
+            lacks the factory it names (one line, as for a ``module:Factory`` that does not load).
     """
+    factory = _FACTORIES.get(name)
+    if factory is not None:
+        return factory
     for ep in _plugin_entry_points():
         if ep.name == name:
             try:
@@ -253,7 +256,10 @@ def _load_named_plugin(name: str) -> Callable[[], object] | None:
                     "fix or uninstall the package that provides it, or choose another platform.",
                     reason="unknown",
                 ) from exc
-    return None
+    known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
+    raise PlatformError(
+        f"unknown platform {name!r}; known platforms: {known} (or give 'package.module:Factory').", reason="unknown"
+    )
 
 
 def _plugin_entry_points() -> list[EntryPoint]:
@@ -279,33 +285,16 @@ def load(spec: str) -> Platform:
     """
     spec = spec.strip()
     if ":" in spec:
-        imported = _import_factory(spec)
-        try:
-            platform = _build(imported, spec)
-        except PlatformError:
-            raise
-        except Exception as exc:
-            raise PlatformError(
-                f"{spec} could not create a platform: {type(exc).__name__}: {exc}", reason="unavailable"
-            ) from exc
+        factory, label, failed = _import_factory(spec), spec, f"{spec} could not create a platform"
     else:
-        factory: Callable[[], object] | None = _FACTORIES.get(spec)
-        if factory is None:
-            factory = _load_named_plugin(spec)
-        if factory is None:
-            known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
-            raise PlatformError(
-                f"unknown platform {spec!r}; known platforms: {known} (or give 'package.module:Factory').",
-                reason="unknown",
-            )
-        try:
-            platform = _build(factory, f"the factory of platform {spec!r}")
-        except PlatformError:
-            raise
-        except Exception as exc:
-            raise PlatformError(
-                f"platform {spec!r} could not be created: {type(exc).__name__}: {exc}", reason="unavailable"
-            ) from exc
+        factory, label = _named_factory(spec), f"the factory of platform {spec!r}"
+        failed = f"platform {spec!r} could not be created"
+    try:
+        platform = _build(factory, label)
+    except PlatformError:
+        raise
+    except Exception as exc:
+        raise PlatformError(f"{failed}: {type(exc).__name__}: {exc}", reason="unavailable") from exc
     reason = _probe(platform)
     if reason is not None:
         raise PlatformError(f"platform {platform.name!r} is not available: {reason}", reason="unavailable")
@@ -319,17 +308,15 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
     two plug-ins both claim the machine.
     """
     global _selection
-    env = os.environ if env is None else env
+    _selection = _resolve(os.environ if env is None else env)
+    return _selection
+
+
+def _resolve(env: Mapping[str, str]) -> Selection:
     forced = env.get(ENV_VAR, "").strip()
     if forced:
         platform = load(forced)
-        _selection = Selection(
-            platform,
-            f"{ENV_VAR}={forced!r}",
-            (ProbeResult(platform.name, "env", True),),
-            forced,
-        )
-        return _selection
+        return Selection(platform, f"{ENV_VAR}={forced!r}", (ProbeResult(platform.name, "env", True),), forced)
 
     probes: list[ProbeResult] = []
     claimed: list[Platform] = []
@@ -351,8 +338,7 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
             f"plug-in platforms {names} all claim this machine; set {ENV_VAR} to the one you want.", reason="ambiguous"
         )
     if claimed:
-        _selection = Selection(claimed[0], f"plug-in {claimed[0].name!r} is available", tuple(probes))
-        return _selection
+        return Selection(claimed[0], f"plug-in {claimed[0].name!r} is available", tuple(probes))
 
     for name in AUTO_ORDER:
         try:
@@ -364,8 +350,7 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
         probes.append(ProbeResult(name, "builtin", reason is None, reason or ""))
         if reason is None:
             why = "first available built-in (order: " + ", ".join(AUTO_ORDER) + ")"
-            _selection = Selection(candidate, why, tuple(probes))
-            return _selection
+            return Selection(candidate, why, tuple(probes))
     raise PlatformError(
         "no platform is available, not even the CPU: " + "; ".join(f"{p.name}: {p.reason}" for p in probes),
         reason="unavailable",

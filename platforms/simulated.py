@@ -25,17 +25,16 @@ and ``"sim:1"`` then behave like tensors of an accelerator:
   ``.numpy()`` and collectives of a backend that needs host memory (gloo) refuse device
   tensors: stage through the host, as with a GPU.
 
-What it does not model: speed (each op pays a Python dispatch; registering it also runs
-autograd's backward passes on the calling thread, on the thread that registered it,
-because torch's Python backend hooks report a single device to autograd's per-device
-worker threads: a backward through ``sim:1`` on another thread fails), CUDA's exact Philox
-numbers (a draw is a stable mix of (seed, offset) fed to a CPU generator: a pure function
-of the pair, but other numbers than a GPU's), streams and events, memory limits, explicit
-``generator=`` arguments in torch ops (refused; position the device generator instead,
-e.g. through a tracker stream), DTensor/``DeviceMesh`` on the ``sim`` device type,
-``torch.compile``, pickling device tensors, and a second ``PrivateUse1`` backend in the
-same process (torch has one slot: with ``torch_npu`` or another such plug-in loaded, this
-platform reports itself unavailable).
+What it does not model: speed (each op pays a Python dispatch; and because torch's Python
+backend hooks report a single device to autograd's per-device worker threads, the thread
+that registered it runs backward passes itself, while a backward through ``sim:1`` on
+another thread fails), CUDA's exact Philox numbers (a draw is a stable mix of (seed,
+offset) fed to a CPU generator: a pure function of the pair, but other numbers than a
+GPU's), streams and events, memory limits, explicit ``generator=`` arguments in torch ops
+(refused; position the device generator instead, e.g. through a tracker stream),
+DTensor/``DeviceMesh`` on the ``sim`` device type, ``torch.compile``, pickling device
+tensors, and a second ``PrivateUse1`` backend in the same process (torch has one slot:
+with ``torch_npu`` or another such plug-in loaded, this platform reports itself unavailable).
 
 Registering a device backend written in Python needs torch's ``torch._C._acc`` hooks
 (torch >= 2.10, see :mod:`hyperrng.platforms._features`): on an older torch this module
@@ -50,9 +49,11 @@ It is also the worked example of plugging in a device: see the README.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ from hyperrng.platforms.validate import (
     round_up_offset,
 )
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "SIM_DEVICE_TYPE",
@@ -90,14 +91,12 @@ _MAX_DRAW_ADVANCE = 2**40  # more elements than one op on a simulated device can
 _BUILTIN_DEVICE_TYPES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla", "lazy"})
 
 
+@dataclass(slots=True)
 class _Counter:
     """The mutable (seed, offset) pair; shared between generators by graph-safe swaps."""
 
-    __slots__ = ("seed", "offset")
-
-    def __init__(self, seed: int, offset: int = 0) -> None:
-        self.seed = seed
-        self.offset = offset
+    seed: int
+    offset: int = 0
 
 
 class SimulatedGenerator:
@@ -157,38 +156,24 @@ class SimulatedGenerator:
 
     # Graph-safe API of CUDA generators: swap the state object instead of copying bytes.
     def graphsafe_get_state(self) -> SimulatedGenerator:
-        view = SimulatedGenerator(self.index, device_type=self.device_type)
-        view._counter = self._counter
-        return view
+        return self._on(self._counter)
 
     def graphsafe_set_state(self, other: SimulatedGenerator) -> SimulatedGenerator:
         self._counter = other._counter
         return self
 
     def clone_state(self) -> SimulatedGenerator:
-        clone = SimulatedGenerator(self.index, device_type=self.device_type)
-        clone._counter = _Counter(self._counter.seed, self._counter.offset)
-        return clone
+        return self._on(_Counter(self._counter.seed, self._counter.offset))
+
+    def _on(self, counter: _Counter) -> SimulatedGenerator:
+        """A generator of the same device over ``counter``."""
+        other = SimulatedGenerator(self.index, device_type=self.device_type)
+        other._counter = counter
+        return other
 
     def __repr__(self) -> str:
         c = self._counter
         return f"<SimulatedGenerator {self.device_type}:{self.index} seed={c.seed} offset={c.offset}>"
-
-
-class _DeviceContext:
-    """``with module.device(i):`` runs the block with device ``i`` current, then restores the previous one."""
-
-    def __init__(self, module: SimulatedDeviceModule, device: int | str | torch.device) -> None:
-        self._module = module
-        self._target = device
-        self._previous = 0
-
-    def __enter__(self) -> None:
-        self._previous = self._module.current_device()
-        self._module.set_device(self._target)
-
-    def __exit__(self, *exc: object) -> None:
-        self._module.set_device(self._previous)
 
 
 class SimulatedDeviceModule:
@@ -226,9 +211,15 @@ class SimulatedDeviceModule:
         # What torch.utils.checkpoint reads (as for torch.cuda) to decide whether to save device states.
         return self.is_initialized()
 
-    def device(self, device: int | str | torch.device) -> _DeviceContext:
+    @contextlib.contextmanager
+    def device(self, device: int | str | torch.device) -> Iterator[None]:
         """Context manager that makes ``device`` current inside the block, as ``torch.cuda.device`` does."""
-        return _DeviceContext(self, device)
+        previous = self.current_device()
+        try:
+            self.set_device(device)
+            yield
+        finally:
+            self.set_device(previous)
 
     def _is_in_bad_fork(self) -> bool:
         return False
@@ -254,19 +245,23 @@ class SimulatedDeviceModule:
         return self._current
 
     def set_device(self, device: int | str | torch.device) -> None:
-        self._lazy_init()
-        index = device if isinstance(device, int) else torch.device(device).index
-        self._current = check_index(self._current if index is None else index, self._count, self.device_type)
+        self._current = check_index(self._index_of(device), self._count, self.device_type)
 
     def synchronize(self, device: int | str | torch.device | None = None) -> None:
         """Nothing to wait for: simulated work runs synchronously on the CPU."""
 
-    def _gen(self, device: int | str | torch.device | None) -> SimulatedGenerator:
+    def _index_of(self, device: int | str | torch.device | None) -> int:
+        """The index ``device`` names; the current device's when it names none (``None``, ``"sim"``)."""
         self._lazy_init()
-        if device is None or isinstance(device, (str, torch.device)):
-            idx = torch.device(device).index if device is not None else None
-            return self._generators[self._current if idx is None else idx]
-        return self._generators[device]
+        index = device if device is None or isinstance(device, int) else torch.device(device).index
+        return self._current if index is None else index
+
+    def _gen(self, device: int | str | torch.device | None) -> SimulatedGenerator:
+        return self._generators[self._index_of(device)]
+
+    def _all(self) -> tuple[SimulatedGenerator, ...]:
+        self._lazy_init()
+        return self._generators
 
     def get_rng_state(self, device: int | str | torch.device | None = None) -> torch.Tensor:
         return self._gen(device).get_state()
@@ -275,28 +270,24 @@ class SimulatedDeviceModule:
         self._gen(device).set_state(new_state)
 
     def get_rng_state_all(self) -> list[torch.Tensor]:
-        self._lazy_init()
-        return [g.get_state() for g in self._generators]
+        return [g.get_state() for g in self._all()]
 
     def set_rng_state_all(self, new_states: Sequence[torch.Tensor]) -> None:
-        self._lazy_init()
-        for g, s in zip(self._generators, new_states):
+        for g, s in zip(self._all(), new_states):
             g.set_state(s)
 
     def manual_seed(self, seed: int) -> None:
         self._gen(None).manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
-        self._lazy_init()
-        for g in self._generators:
+        for g in self._all():
             g.manual_seed(seed)
 
     def seed(self) -> None:
         self._gen(None).seed()
 
     def seed_all(self) -> None:
-        self._lazy_init()
-        for g in self._generators:
+        for g in self._all():
             g.seed()
 
     def initial_seed(self) -> int:
@@ -364,7 +355,7 @@ def _register(module: SimulatedDeviceModule) -> None:
     torch._C._acc.register_python_privateuseone_hook(hooks())
     torch._C._acc.register_python_privateuseone_device_guard(guard())
     library = torch.library.Library("_", "IMPL")
-    library.fallback(_factory_fallback, "PrivateUse1")  # ops with no device tensor input (factories)
+    library.fallback(_run, "PrivateUse1")  # ops with no device tensor input (factories)
     # torch's Python backend hooks report one device to the autograd engine, whose worker
     # threads are per device index: run backward passes on the calling thread instead,
     # so that every simulated device index works in autograd.
@@ -425,20 +416,7 @@ class _DeviceTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        return _run(func, args, kwargs or {})
-
-
-_COPY_OPS = frozenset(
-    {
-        torch.ops.aten.copy_.default,
-        torch.ops.aten._to_copy.default,
-        torch.ops.aten._copy_from.default,
-        torch.ops.aten._copy_from_and_resize.default,
-        torch.ops.aten.index.Tensor,
-        torch.ops.aten.index_put_.default,
-        torch.ops.aten._index_put_impl_.default,
-    }
-)
+        return _run(func, *args, **(kwargs or {}))
 
 
 _CROSS_DEVICE_COPIES = frozenset(
@@ -449,6 +427,12 @@ _CROSS_DEVICE_COPIES = frozenset(
         torch.ops.aten._copy_from_and_resize.default,
     }
 )
+_COPY_OPS = _CROSS_DEVICE_COPIES | {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+"""Ops that may mix a device tensor with host tensors of more than 0 dims (copies, and host index tensors)."""
 
 
 def _copy_target(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.device:
@@ -489,19 +473,12 @@ def _table_entry(func: Any) -> bool:
     return _HAS_KERNEL(name, "PrivateUse1") or _HAS_KERNEL(name, "CompositeExplicitAutograd")
 
 
-def _factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    return _run(op, args, kwargs)
-
-
-def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+def _run(func: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run ``func`` on the CPU memory behind the device tensors and wrap what it makes.
 
-    A random op runs the way a compiled backend would run it: through the kernel that
-    torch's dispatch table holds for the device's key, when it holds one (a kernel
-    registered with ``torch.library`` for ``PrivateUse1``, or torch's composite kernel,
-    which calls simpler ops that come back here), else by drawing from the device
-    generator. A kernel that defers to the backend (calls the kernel that was there
-    before it, i.e. this fallback) gets the device generator's draw.
+    A random op goes through the kernel torch's dispatch table holds for the device's key
+    when it holds one (see :func:`_table_entry`; a kernel that calls the one it replaced,
+    i.e. this fallback, gets the device generator's draw), else draws from the device generator.
     """
     if _is_random(func) and func not in _DISPATCHING.ops and _table_entry(func):
         _DISPATCHING.ops.add(func)
@@ -580,17 +557,9 @@ def _draw(func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) ->
             out = func(*args, **kwargs)
         finally:
             host.set_state(saved)
-    produced = [t.numel() for t in _tensors(out)] or [0]
-    counter.offset += round_up_offset(max(produced))
+    produced = max((t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)), default=0)
+    counter.offset += round_up_offset(produced)
     return out
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    return []
 
 
 class SimulatedPlatform(DeviceModulePlatform):

@@ -13,8 +13,9 @@ A platform author runs it against their implementation, with pytest::
 or without pytest: ``hyperrng.platforms.testing.check_platform(MyPlatform())`` raises
 ``AssertionError`` naming the first check that fails.
 
-The checks cover the interface tabled in :class:`~hyperrng.platforms.Platform`'s
-docstring, row by row, and nothing else: the values describe the platform, the device
+The checks cover the interface in :class:`~hyperrng.platforms.Platform`'s docstring, row
+by row, with the call-only methods built on it and the private fast path ``_state_io``
+that forks use, and nothing else: the values describe the platform, the device
 functions enumerate and switch devices, the state functions read, write, check, seed and
 position each device (refusing bad input with nothing changed), the default generator is
 the one in use, and the state is what the device's random ops draw from. A platform that
@@ -62,7 +63,9 @@ def _assert_unchanged(p: Platform, before: list[torch.Tensor], what: str) -> Non
 
 
 def _assert_refused(p: Platform, call: Callable[[], object], error: type[Exception], what: str) -> None:
-    before = _states(p)
+    """``call()`` must raise ``error`` (a :class:`HyperRNGError` with a message), changing no state and
+    not the current device."""
+    before, home = _states(p), p.current_device()
     try:
         call()
     except error as exc:
@@ -71,6 +74,16 @@ def _assert_refused(p: Platform, call: Callable[[], object], error: type[Excepti
     else:
         raise AssertionError(f"{what} was accepted; expected {error.__name__}")
     _assert_unchanged(p, before, what)
+    assert p.current_device() == home, f"the refused {what} changed the current device"
+
+
+_WRONG_TYPES: list[Any] = [True, 1.5, 4.0, "3", None]  # never ints, never truncated
+
+
+def _refusals(invalid: list[Any], wrong_types: list[Any] = _WRONG_TYPES) -> list[tuple[Any, type[Exception]]]:
+    """Bad arguments with the error each must raise: :class:`InvalidArgumentError` for ``invalid`` values,
+    :class:`ArgumentTypeError` for ``wrong_types``."""
+    return [(v, InvalidArgumentError) for v in invalid] + [(t, ArgumentTypeError) for t in wrong_types]
 
 
 @_check
@@ -91,11 +104,11 @@ def describes_itself(p: Platform) -> None:
     torch.device(p.device_type)  # a valid torch device type
     assert isinstance(p.dist_backend, str) and p.dist_backend, "dist_backend must name a backend"
     assert isinstance(p.counter_based, bool)
-    assert isinstance(p.state_nbytes, int) and p.state_nbytes > 0
+    assert isinstance(p._state_nbytes, int) and p._state_nbytes > 0
     if p.counter_based:
-        assert p.state_nbytes == COUNTER_STATE_NBYTES, (
-            f"a counter-based state is the {COUNTER_STATE_NBYTES}-byte (seed, offset) pair, state_nbytes says "
-            f"{p.state_nbytes}"
+        assert p._state_nbytes == COUNTER_STATE_NBYTES, (
+            f"a counter-based state is the {COUNTER_STATE_NBYTES}-byte (seed, offset) pair, _state_nbytes says "
+            f"{p._state_nbytes}"
         )
 
 
@@ -121,15 +134,8 @@ def switches_the_current_device(p: Platform) -> None:
         p.set_device(i)
         assert p.current_device() == i, f"set_device({i}) left device {p.current_device()} current"
         assert p.device() == p.device(i), f"device() is not device({i}) while device {i} is current"
-    refusals: list[tuple[Any, type[Exception]]] = [(n, InvalidArgumentError), (-1, InvalidArgumentError)]
-    for index, error in refusals + [(True, ArgumentTypeError), (1.0, ArgumentTypeError)]:
-        try:
-            p.set_device(index)
-        except error as exc:
-            assert isinstance(exc, HyperRNGError) and str(exc), f"set_device({index!r}): {exc!r}"
-        else:
-            raise AssertionError(f"set_device({index!r}) was accepted; expected {error.__name__}")
-        assert p.current_device() == home, f"the refused set_device({index!r}) changed the current device"
+    for index, error in _refusals([n, -1], [True, 1.0]):
+        _assert_refused(p, functools.partial(p.set_device, index), error, f"set_device({index!r})")
 
 
 @_check
@@ -137,7 +143,7 @@ def state_is_a_cpu_byte_copy(p: Platform) -> None:
     state = p.get_rng_state()
     assert isinstance(state, torch.Tensor)
     assert state.dtype == torch.uint8 and state.device.type == "cpu" and state.dim() == 1
-    assert state.numel() == p.state_nbytes, f"state has {state.numel()} bytes, state_nbytes says {p.state_nbytes}"
+    assert state.numel() == p._state_nbytes, f"state has {state.numel()} bytes, _state_nbytes says {p._state_nbytes}"
     p.manual_seed(3)  # a state with non-zero bytes, so zeroing the copy is visible
     state = p.get_rng_state()
     expected = state.clone()
@@ -195,15 +201,14 @@ def positions_a_passed_generator(p: Platform) -> None:
 
 @_check
 def refuses_bad_states(p: Platform) -> None:
-    n = p.state_nbytes
+    n = p._state_nbytes
     bad: list[Any] = [  # deliberately wrong dtypes, shapes and devices
         torch.zeros(n, dtype=torch.int64),
         torch.zeros(n + 1, dtype=torch.uint8),
         torch.zeros(1, n, dtype=torch.uint8),
         torch.empty(n, dtype=torch.uint8, device="meta"),
     ]
-    wrong_types: list[Any] = [bytes(n), list(range(n)), None]
-    for state, error in [(s, InvalidArgumentError) for s in bad] + [(w, ArgumentTypeError) for w in wrong_types]:
+    for state, error in _refusals(bad, [bytes(n), list(range(n)), None]):
         for name in ("check_rng_state", "set_rng_state"):  # what check_rng_state refuses, set_rng_state does
             call = functools.partial(getattr(p, name), state)
             _assert_refused(p, call, error, f"{name}({state!r:.40})")
@@ -221,14 +226,9 @@ def refuses_bad_states(p: Platform) -> None:
     assert torch.equal(p.get_rng_state(), state), "a non-contiguous copy of a valid state was not restored"
 
 
-_WRONG_TYPES: list[Any] = [True, 1.5, 4.0, "3", None]  # never ints, never truncated
-
-
 @_check
 def refuses_bad_seeds(p: Platform) -> None:
-    for seed, error in [(-1, InvalidArgumentError), (2**64, InvalidArgumentError)] + [
-        (t, ArgumentTypeError) for t in _WRONG_TYPES
-    ]:
+    for seed, error in _refusals([-1, 2**64]):
         _assert_refused(p, functools.partial(p.manual_seed, seed), error, f"manual_seed({seed!r})")
         _assert_refused(p, functools.partial(p.set_seed_offset, seed, 0), error, f"set_seed_offset({seed!r}, 0)")
     assert issubclass(InvalidArgumentError, ValueError) and issubclass(ArgumentTypeError, TypeError)
@@ -236,15 +236,13 @@ def refuses_bad_seeds(p: Platform) -> None:
 
 @_check
 def refuses_bad_offsets(p: Platform) -> None:
-    bad: list[Any] = [(-4, InvalidArgumentError), (6, InvalidArgumentError), (2**63, InvalidArgumentError)]
-    for offset, error in bad + [(t, ArgumentTypeError) for t in _WRONG_TYPES]:
+    for offset, error in _refusals([-4, 6, 2**63]):
         _assert_refused(p, functools.partial(p.set_seed_offset, 1, offset), error, f"set_seed_offset(1, {offset!r})")
 
 
 @_check
 def refuses_bad_device_indices(p: Platform) -> None:
-    bad: list[Any] = [(p.device_count(), InvalidArgumentError), (-1, InvalidArgumentError)]
-    for index, error in bad + [(t, ArgumentTypeError) for t in _WRONG_TYPES if t is not None]:
+    for index, error in _refusals([p.device_count(), -1], [t for t in _WRONG_TYPES if t is not None]):
         _assert_refused(p, functools.partial(p.manual_seed, 1, index), error, f"manual_seed(1, index={index!r})")
         _assert_refused(p, functools.partial(p.get_rng_state, index), error, f"get_rng_state({index!r})")
 
@@ -308,7 +306,7 @@ def _holder(p: Platform, packed: torch.Tensor) -> str:
 
 
 def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
-    """Check that ``io`` (from ``state_io(i)``) reads, writes, packs and unpacks device ``i`` only."""
+    """Check that ``io`` (from ``_state_io(i)``) reads, writes, packs and unpacks device ``i`` only."""
     n = p.device_count()
     for j in range(n):  # a different state on every device, so a read of the wrong one shows
         p.manual_seed(4000 + j, j)
@@ -316,7 +314,7 @@ def _exercise_state_io(p: Platform, io: StateIO, i: int, what: str) -> None:
     snapshot = io.read()
     packed = io.pack(snapshot)
     assert torch.equal(packed, expected[i]), (
-        f"{what}: read() returned the state of {_holder(p, packed)}, not device {i}'s; state_io(index) must act "
+        f"{what}: read() returned the state of {_holder(p, packed)}, not device {i}'s; _state_io(index) must act "
         "on device index whatever device is current, when it is called and when its functions are"
     )
     p.manual_seed(5000 + i, i)  # move device i on, then put the snapshot back
@@ -354,7 +352,7 @@ def _assert_writes_only(
 
 @_check
 def state_io_addresses_each_device(p: Platform) -> None:
-    # The fast path of tracker forks: state_io(i) must read and write device i, and only
+    # The fast path of tracker forks: _state_io(i) must read and write device i, and only
     # device i, whichever device was current when it was called and whichever is current
     # when its functions run (the tracker keeps the accessors per index). A platform that
     # always touches one device, or the current one, fails here.
@@ -365,18 +363,18 @@ def state_io_addresses_each_device(p: Platform) -> None:
         for made_on in currents:
             if n > 1:
                 p.set_device(made_on)
-            ios = [p.state_io(i) for i in range(n)]
-            current_io = p.state_io()
+            ios = [p._state_io(i) for i in range(n)]
+            current_io = p._state_io()
             packed = current_io.pack(current_io.read())
             assert torch.equal(packed, p.get_rng_state(made_on)), (
-                f"state_io() with device {made_on} current read the state of {_holder(p, packed)}; without an "
+                f"_state_io() with device {made_on} current read the state of {_holder(p, packed)}; without an "
                 "index it must act on the current device"
             )
             for used_on in currents:
                 if n > 1:
                     p.set_device(used_on)
                 for i, io in enumerate(ios):
-                    what = f"state_io({i}), made with device {made_on} current and used with device {used_on} current"
+                    what = f"_state_io({i}), made with device {made_on} current and used with device {used_on} current"
                     _exercise_state_io(p, io, i, what)
     assert p.current_device() == home, f"set_device({home}) did not make device {home} current again"
 

@@ -95,7 +95,7 @@ def test_check_platform_names_the_failing_check() -> None:
 class _DeviceZeroOnly(platforms.CUDAPlatform):
     """A broken plug-in: the hooks named in ``broken`` ignore the device index they are given.
 
-    ``"read"``, ``"write"``: the hook uses device 0; ``"state_io"``: ``state_io(i)``
+    ``"read"``, ``"write"``: the hook uses device 0; ``"state_io"``: ``_state_io(i)``
     returns device 0's accessors; ``"state_io-current"``: it returns the current device's.
     """
 
@@ -109,12 +109,12 @@ class _DeviceZeroOnly(platforms.CUDAPlatform):
     def _write_state(self, state: Any, index: int) -> None:
         super()._write_state(state, 0 if "write" in self._broken else index)
 
-    def state_io(self, index: int | None = None) -> platforms.StateIO:
+    def _state_io(self, index: int | None = None) -> platforms.StateIO:
         if "state_io" in self._broken:
-            return super().state_io(0)
+            return super()._state_io(0)
         if "state_io-current" in self._broken:
-            return super().state_io(None)
-        return super().state_io(index)
+            return super()._state_io(None)
+        return super()._state_io(index)
 
 
 _INDEX = "conformance check 'each_device_is_addressed_by_its_index' failed"
@@ -142,10 +142,10 @@ def test_the_kit_passes_the_same_platform_when_it_honours_the_index() -> None:
 
 
 class _StateIOOnDeviceZero(platforms.SimulatedPlatform):
-    """The audit's case: every other operation honours the index, ``state_io`` acts on device 0."""
+    """The audit's case: every other operation honours the index, ``_state_io`` acts on device 0."""
 
-    def state_io(self, index: int | None = None) -> platforms.StateIO:
-        return super().state_io(0)
+    def _state_io(self, index: int | None = None) -> platforms.StateIO:
+        return super()._state_io(0)
 
 
 @pytest.mark.needs_sim
@@ -157,8 +157,8 @@ def test_the_kit_catches_a_simulated_platform_whose_state_io_acts_on_device_0() 
 class _StateIOWritesDeviceZero(platforms.SimulatedPlatform):
     """Reads the right device, writes device 0."""
 
-    def state_io(self, index: int | None = None) -> platforms.StateIO:
-        right, zero = super().state_io(index), super().state_io(0)
+    def _state_io(self, index: int | None = None) -> platforms.StateIO:
+        right, zero = super()._state_io(index), super()._state_io(0)
         return right._replace(write=zero.write)
 
 
@@ -171,7 +171,7 @@ def test_the_kit_catches_a_state_io_whose_write_lands_on_another_device() -> Non
 class _StateIOFollowsTheDeviceCurrentWhenUsed(platforms.SimulatedPlatform):
     """Accessors that look the device up when they run, as a fork's cached accessors must not."""
 
-    def state_io(self, index: int | None = None) -> platforms.StateIO:
+    def _state_io(self, index: int | None = None) -> platforms.StateIO:
         return platforms.StateIO(self.get_rng_state, self.set_rng_state, torch.Tensor.clone, torch.Tensor.clone)
 
 
@@ -285,15 +285,32 @@ def test_the_kit_fails_a_platform_whose_state_is_not_what_the_device_draws_from(
 def _tabled_members() -> list[str]:
     """The member names in the first column of the table in Platform's docstring."""
     doc = platforms.Platform.__doc__ or ""
-    return re.findall(r"^\s*``(\w+)[^`]*``\s+(?:must define|may override†?|call only)\s", doc, re.MULTILINE)
+    return re.findall(r"^\s*``(\w+)[^`]*``\s+(?:must define|may override†?)\s", doc, re.MULTILINE)
 
 
-def test_the_platform_docstring_tables_every_member_a_plug_in_defines_overrides_or_calls() -> None:
+def _call_only_members() -> list[str]:
+    """The methods the paragraph "*Call only*" below the table names."""
+    paragraph = (platforms.Platform.__doc__ or "").split("*Call only*", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"``(\w+)\(", paragraph)
+
+
+def test_the_platform_docstring_tables_every_member_a_plug_in_defines_or_overrides_and_names_the_rest() -> None:
     public = {name for name in dir(platforms.Platform) if not name.startswith("_")}
     hooks = {name.split("(")[0] for name in registry.REQUIRED_METHODS} - public
-    tabled = _tabled_members()
-    assert len(tabled) == len(set(tabled)) == 20
-    assert set(tabled) == public | hooks
+    tabled, call_only = _tabled_members(), _call_only_members()
+    assert len(tabled) == len(set(tabled)) == 14  # what a plug-in author must know: at most about 15
+    assert call_only == ["device", "get_rng_state", "set_rng_state", "manual_seed"]
+    assert set(tabled) | set(call_only) == public | hooks
+    assert not set(tabled) & set(call_only)
+
+
+def test_the_plug_in_guide_names_only_members_that_platform_has() -> None:
+    # help(hyperrng.platforms) once told plug-in authors to write a _seed hook and set is_host,
+    # neither of which Platform has.
+    guide = (platforms.__doc__ or "").split("**Writing a plug-in.**", 1)[1].split("* **Factory:**", 1)[0]
+    named = set(re.findall(r"``(\w+)(?:\(|\s*=|``)", guide)) - {"help", "None", "generator"}
+    assert {"device_count", "_read_state", "_write_state", "_state_nbytes", "check_rng_state"} <= named
+    assert named <= set(dir(platforms.Platform)), named - set(dir(platforms.Platform))
 
 
 def test_the_required_methods_are_the_tabled_must_define_methods() -> None:

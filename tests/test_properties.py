@@ -160,7 +160,7 @@ def test_a_bad_stream_name_is_refused_by_type_or_value(platform: platforms.Platf
 @given(state=st.one_of(not_ints, st.binary(max_size=32), st.integers(min_value=1, max_value=64)))
 def test_a_bad_rng_state_is_refused_by_type_or_value(platform: platforms.Platform, state: Any) -> None:
     if isinstance(state, int) and not isinstance(state, bool):  # a tensor of the wrong length
-        assume(state != platform.state_nbytes)
+        assume(state != platform._state_nbytes)
         refused(platform, lambda: platform.set_rng_state(torch.zeros(state, dtype=torch.uint8)), ValueError)
     else:
         refused(platform, lambda: platform.set_rng_state(state), TypeError)

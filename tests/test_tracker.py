@@ -356,7 +356,7 @@ def test_the_default_tracker_copies_bytes_and_snapshots_are_tensors_on_every_pla
                 draw(platform)
             snapshot = tracker.get_states()
             assert all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in snapshot.values())
-            assert all(v.numel() == platform.state_nbytes for v in snapshot.values())
+            assert all(v.numel() == platform._state_nbytes for v in snapshot.values())
             tracker.reset()
 
 
@@ -536,7 +536,7 @@ def test_reseed_with_a_duplicate_seed_keeps_the_old_streams(setup: tuple[platfor
 
 
 def _malformed_states(platform: platforms.Platform) -> list[tuple[object, str]]:
-    n = platform.state_nbytes
+    n = platform._state_nbytes
     return [
         (torch.zeros(n, dtype=torch.int64), "uint8"),
         (torch.zeros(n + 1, dtype=torch.uint8), "bytes"),

@@ -53,7 +53,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     tracker.reseed(_STREAM_SEEDS)
     copying = RNGStatesTracker(graph_safe=False)
     copying.reseed(_STREAM_SEEDS)
-    read, write, _, unpack = platform.state_io()
+    read, write, _, unpack = platform._state_io()
     stream_state = unpack(copying.get_states()["bench-a"])
 
     def raw_switch() -> None:
