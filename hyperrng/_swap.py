@@ -26,14 +26,14 @@ from hyperrng import _exclusive
 from hyperrng.errors import InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform, StateIO
 
-__all__ = ["GRAPH_SAFE_API", "Bound", "Swap", "choose_swap"]
+__all__ = ["Bound", "Swap", "choose_swap"]
 
-GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
+_GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
 
 
 def _supports_graph_safe(gen: object) -> bool:
     """Whether ``gen`` really implements the graph-safe API (CPU generators raise on call)."""
-    if gen is None or not all(hasattr(gen, attr) for attr in GRAPH_SAFE_API):
+    if gen is None or not all(hasattr(gen, attr) for attr in _GRAPH_SAFE_API):
         return False
     try:
         gen.graphsafe_get_state()  # type: ignore[attr-defined]  # a view: no side effect
@@ -193,7 +193,7 @@ def choose_swap(platform: Platform, graph_safe: bool) -> Swap:
         if not _supports_graph_safe(gen):
             raise InvalidOperationError(
                 f"graph_safe=True, but platform {platform.name!r} has no graph-safe generator API "
-                f"({', '.join(GRAPH_SAFE_API)}); use graph_safe=False (byte copies).",
+                f"({', '.join(_GRAPH_SAFE_API)}); use graph_safe=False (byte copies).",
                 reason="tracker",
             )
         return _GeneratorObjects(platform)
