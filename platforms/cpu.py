@@ -365,17 +365,23 @@ def _initial_seed_of(state: torch.Tensor, platform: str) -> int:
 _Snapshot = tuple[torch.Tensor, int, "tuple[int, int] | None"]
 
 
+# torch's CPU generator is one object for the life of the process: its methods are bound once
+# for the two reads and two writes of every fork, not looked up on ``torch`` at each call.
+_initial_seed = torch.default_generator.initial_seed
+_get_state = torch.default_generator.get_state
+_set_default_state = torch.default_generator.set_state
+
+
 def _read() -> _Snapshot:
     if _is_compiling():  # _entry's check, made here: a fork reads twice
         return _outside_the_graph(_read)()  # type: ignore[no-any-return]
-    gen = torch.default_generator
-    handle = gen.initial_seed()
-    return gen.get_state(), handle, _table.get(handle)
+    handle = _initial_seed()
+    return _get_state(), handle, _table.get(handle)
 
 
 def _write(snapshot: _Snapshot) -> None:
     mt, handle, position = snapshot
-    torch.default_generator.set_state(mt)
+    _set_default_state(mt)
     if position is not None:
         _remember(handle, position)
 
