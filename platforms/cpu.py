@@ -111,6 +111,12 @@ _newest = -1  # the handle last entered or moved to the newest end (read without
 # Only dynamo traces Python code such as the table's lookups into a graph, so its own flag is
 # the one that matters; it is also a third of the cost of ``torch.compiler.is_compiling``.
 _is_compiling = torch.compiler.is_dynamo_compiling
+# torch's CPU generator is one object for the life of the process: it and its methods are bound
+# once, for the reads and writes of every fork and region, not looked up on ``torch`` at each call.
+_default = torch.default_generator
+_initial_seed = _default.initial_seed
+_get_state = _default.get_state
+_set_default_state = _default.set_state
 
 
 def _entry(handle: int) -> tuple[int, int] | None:
@@ -273,8 +279,10 @@ class CPUPlatform(Platform):
             ArgumentTypeError: ``generator`` is not a ``torch.Generator``.
             InvalidArgumentError: ``generator`` belongs to another device type.
         """
-        gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        handle = torch.Generator.initial_seed(gen)
+        if index is None and generator is None:
+            handle = _initial_seed()
+        else:
+            handle = torch.Generator.initial_seed(self._target(index, generator))
         return _entry(handle) or (handle, 0)
 
     def set_seed_offset(
@@ -300,7 +308,7 @@ class CPUPlatform(Platform):
         )
         if draw is not True and draw is not False:
             check_instance(draw, bool, "draw")
-        gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
+        gen = _default if index is None and generator is None else self._target(index, generator)
         handle = position_handle(s, o, draw)
         _seat(gen, handle)
         if handle != s or o:  # (s, 0) reads as itself without an entry
@@ -363,13 +371,6 @@ def _initial_seed_of(state: torch.Tensor, platform: str) -> int:
 # MT19937 bytes, their handle, and its (seed, offset) when the handle needs a table entry to
 # read as it (None when it reads as itself: (handle, 0)).
 _Snapshot = tuple[torch.Tensor, int, "tuple[int, int] | None"]
-
-
-# torch's CPU generator is one object for the life of the process: its methods are bound once
-# for the two reads and two writes of every fork, not looked up on ``torch`` at each call.
-_initial_seed = torch.default_generator.initial_seed
-_get_state = torch.default_generator.get_state
-_set_default_state = torch.default_generator.set_state
 
 
 def _read() -> _Snapshot:
