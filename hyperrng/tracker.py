@@ -15,23 +15,10 @@ TransformerEngine's trackers do: random ops on CPU tensors inside a fork keep dr
 region in :func:`hyperrng.random.fork_rng` when the CPU state must be isolated too. On the
 CPU platform the device generator *is* torch's CPU generator, so the fork covers it.
 
-How a fork swaps the stream in is decided once, when the tracker binds to a platform
-(its first stream), and never branched on again:
-
-* **state bytes** (the default): the device's whole state is copied in and out, through
-  the generator's own ``get_state`` / ``set_state`` where they are the whole state
-  (counter-based devices: CUDA, NPU, the simulated accelerator), else through
-  ``platform.get_rng_state`` / ``set_rng_state`` (the CPU, whose state carries its
-  position cursor; platforms that expose no generator);
-* **generator objects** (``graph_safe=True``; CUDA, NPU, the simulated accelerator): the
-  fork swaps generator-state *objects* with ``graphsafe_get_state`` /
-  ``graphsafe_set_state``: no copy, no allocation, capturable in a CUDA graph.
-  :meth:`RNGStatesTracker.get_states` then returns cloned generator objects (or tensors
-  with ``as_tensors=True``); snapshots and new streams clone, so call those outside graph
-  capture. Support is checked on ``platform.default_generator()`` by calling the API.
-
-Whatever the swap, :meth:`RNGStatesTracker.get_states` of a default tracker returns
-byte tensors on every platform, as Megatron-core's default tracker does.
+How a fork swaps the stream in (copies of the state bytes, or with ``graph_safe=True``
+generator-state objects) is decided once, when the tracker binds to a platform (its first
+stream): see :mod:`hyperrng._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
+returns byte tensors on every platform, as Megatron-core's default tracker does.
 
 One thread at a time (see :mod:`hyperrng._exclusive`): the device generator a fork swaps is
 shared by the whole process, so a fork holds the device while it is open. A fork of *any*
@@ -48,22 +35,21 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from threading import Thread, current_thread
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
+from hyperrng._swap import Swap, choose_swap
 from hyperrng.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     InvalidOperationError,
     UnknownStreamError,
 )
-from hyperrng.platforms import Platform, StateIO
+from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import check_instance, check_seed
 
 __all__ = [
@@ -95,7 +81,6 @@ _SEED_HINT = (
     "hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank) for Megatron-core's "
     "data-, model- and expert-parallel-rng, or tracker.add(name, seed) for one stream."
 )
-_GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
 _OWNER = "thread"
 
 
@@ -110,170 +95,6 @@ class RNGTrackerProtocol(Protocol):
     def set_states(self, states: Mapping[str, Any]) -> None: ...
 
 
-def _supports_graph_safe(gen: object) -> bool:
-    """Whether ``gen`` really implements the graph-safe API (CPU generators raise on call)."""
-    if gen is None or not all(hasattr(gen, attr) for attr in _GRAPH_SAFE_API):
-        return False
-    try:
-        gen.graphsafe_get_state()  # type: ignore[attr-defined]  # a view: no side effect
-    except (NotImplementedError, RuntimeError):
-        return False
-    return True
-
-
-# A stream's accessors on one device, and that device's (device type, index): the key that
-# hyperrng._exclusive holds it by.
-_Bound = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
-
-
-class _Swap:
-    """How forks put a stream into the device generator: one strategy, chosen when the tracker binds.
-
-    ``bind()`` returns the (read, write) pair for the current device and the device's
-    (device type, index) for :mod:`hyperrng._exclusive`; ``in_place`` says whether the
-    stream's own object advances while swapped in (generator objects), so that nothing
-    needs reading back on exit.
-    """
-
-    in_place = False
-    one_device = True  # every fork swaps one and the same device's generator
-
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
-
-    def bind(self) -> _Bound:
-        raise NotImplementedError
-
-    def new_state(self, seed: int) -> Any:
-        """The state of a fresh stream seeded with ``seed``; the device is left as it was.
-
-        Raises:
-            InvalidOperationError: another thread holds the device (seeding it for a moment
-                would change that thread's stream).
-        """
-        read, write, (device_type, index) = self.bind()
-        below = saved = None
-        try:
-            below = _exclusive.hold(device_type, index, "creating a stream")
-            saved = read()
-            self.platform.manual_seed(seed)
-            return read()
-        finally:
-            if saved is not None:
-                _exclusive.redo(write, saved)
-            if below is not None:
-                _exclusive.release(device_type, index, below)
-
-    def coerce(self, name: str, value: object) -> Any:
-        """Validate one snapshot entry and return it in this strategy's own form (a private copy)."""
-        raise NotImplementedError
-
-    def export(self, state: Any, as_tensors: bool) -> Any:
-        """A snapshot of one stream's state that later forks cannot alter."""
-        raise NotImplementedError
-
-
-class _StateBytes(_Swap):
-    """Copies of the current device's whole state, through :meth:`platforms.Platform._state_io`."""
-
-    def __init__(self, platform: Platform) -> None:
-        super().__init__(platform)
-        self.one_device = platform.device_count() <= 1
-        # Per device index (the platform's accessors do not change): the state I/O, and what bind() returns.
-        self._io: dict[int, StateIO] = {}
-        self._bound: dict[int, _Bound] = {}
-
-    def io(self) -> StateIO:
-        index = self.platform.current_device()
-        io = self._io.get(index)
-        if io is None:
-            io = self._io[index] = self.platform._state_io(index)
-        return io
-
-    def bind(self) -> _Bound:
-        index = self.platform.current_device()
-        bound = self._bound.get(index)
-        if bound is None:
-            io = self.io()
-            bound = self._bound[index] = (io.read, io.write, (self.platform.device_type, index))
-        return bound
-
-    def coerce(self, name: str, value: object) -> Any:
-        return self.io().unpack(self.platform.check_rng_state(_as_state_tensor(name, value)))
-
-    def export(self, state: Any, as_tensors: bool) -> Any:
-        return self.io().pack(state)
-
-
-class _GeneratorObjects(_Swap):
-    """Graph-safe swaps of generator-state objects on the device that created them."""
-
-    in_place = True
-
-    def __init__(self, platform: Platform) -> None:
-        super().__init__(platform)
-        self.home: Any = platform.default_generator()
-        self.key = (platform.device_type, platform.current_device())
-
-    def bind(self) -> _Bound:
-        gen = self.platform.default_generator()
-        if gen is not self.home:
-            raise InvalidOperationError(
-                f"graph-safe streams live on device {self.home.device} but the current device is "
-                f"{self.platform.current_device()}; fork them on their own device, or use graph_safe=False "
-                "for streams that follow the current device.",
-                reason="tracker",
-            )
-        return gen.graphsafe_get_state, gen.graphsafe_set_state, self.key  # type: ignore[union-attr]
-
-    def new_state(self, seed: int) -> Any:
-        self.bind()  # clones the generator's state: the device itself is never touched
-        state = self.home.clone_state()
-        state.manual_seed(seed)
-        return state
-
-    def coerce(self, name: str, value: object) -> Any:
-        template = self.home
-        if isinstance(value, type(template)) and getattr(value, "device", None) == template.device:
-            return value.clone_state()
-        if not isinstance(value, torch.Tensor):
-            raise InvalidArgumentError(
-                f"state of stream {name!r} must be a {type(template).__name__} of this platform's device or a "
-                f"state tensor, got {type(value).__name__}."
-            )
-        gen = template.clone_state()
-        gen.set_state(self.platform.check_rng_state(value))
-        return gen
-
-    def export(self, state: Any, as_tensors: bool) -> Any:
-        return state.get_state() if as_tensors else state.clone_state()
-
-
-def _as_state_tensor(name: str, value: object) -> Any:
-    """A snapshot entry as a state tensor: tensors as they are, generator objects by their state."""
-    if isinstance(value, torch.Tensor):
-        return value
-    get_state = getattr(value, "get_state", None)
-    if callable(get_state):  # a generator object, e.g. from a graph-safe tracker's snapshot
-        return get_state()
-    raise InvalidArgumentError(
-        f"state of stream {name!r} must be a state tensor as returned by get_states(), got {type(value).__name__}."
-    )
-
-
-def _choose_swap(platform: Platform, graph_safe: bool) -> _Swap:
-    gen = platform.default_generator()
-    if graph_safe:
-        if not _supports_graph_safe(gen):
-            raise InvalidOperationError(
-                f"graph_safe=True, but platform {platform.name!r} has no graph-safe generator API "
-                f"({', '.join(_GRAPH_SAFE_API)}); use graph_safe=False (byte copies).",
-                reason="tracker",
-            )
-        return _GeneratorObjects(platform)
-    return _StateBytes(platform)
-
-
 class _Fork:
     """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager.
 
@@ -283,9 +104,8 @@ class _Fork:
     it (see :mod:`hyperrng._exclusive`).
     """
 
-    # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to
-    # give back outside any fork), thread (its Thread object), and held: the device's key and the hold
-    # depth before this fork.
+    # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
+    # outside any fork), thread (its Thread object), held (the device's key, the hold depth before this fork).
     __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "saved", "thread", "write")
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
@@ -304,7 +124,7 @@ class _Fork:
         if state is None:  # the tracker was reset between fork() and entering it
             raise UnknownStreamError(tracker._unknown(self.name))
         swap = tracker._swap
-        read, write, key = swap.bind()  # type: ignore[union-attr]
+        read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
         me = current_thread()
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
@@ -388,10 +208,6 @@ class _Fork:
         key, below = self.held
         _exclusive.release_key(key, me, below)
 
-    def current_state(self) -> Any:
-        """The active stream's state as it stands now, inside the fork."""
-        return self.read()
-
 
 class RNGStatesTracker:
     """Named RNG streams on the current platform's device generator.
@@ -418,8 +234,7 @@ class RNGStatesTracker:
         self._want_graph_safe = bool(graph_safe)
         self._states: dict[str, Any] = {}
         self._seeds: dict[int, str] = {}
-        self._platform: Platform | None = None
-        self._swap: _Swap | None = None
+        self._swap: Swap | None = None
         self._initialized = False
         self._active: _Fork | None = None
         # While a fork is open on a tracker whose forks may swap several devices' generators:
@@ -439,7 +254,7 @@ class RNGStatesTracker:
     @property
     def platform(self) -> Platform | None:
         """The platform the streams belong to (``None`` while the tracker holds none)."""
-        return self._platform
+        return self._swap.platform if self._swap is not None else None
 
     @property
     def active_stream(self) -> str | None:
@@ -467,7 +282,6 @@ class RNGStatesTracker:
         self._idle("reset the tracker")
         self._states = {}
         self._seeds = {}
-        self._platform = None
         self._swap = None
         self._initialized = False
 
@@ -501,7 +315,7 @@ class RNGStatesTracker:
         self._not_elsewhere("add a stream")
         swap = self._target(rebind=False)
         state = swap.new_state(value)
-        self._bind(swap)
+        self._swap = swap
         self._states[name] = state
         self._seeds[value] = name
         self._initialized = True
@@ -535,7 +349,7 @@ class RNGStatesTracker:
             owners[value] = name
         swap = self._target(rebind=True)
         states = {name: swap.new_state(seed) for seed, name in owners.items()}
-        self._bind(swap)
+        self._swap = swap
         self._states = states
         self._seeds = owners
         self._initialized = True
@@ -548,12 +362,9 @@ class RNGStatesTracker:
         state it had before. Forks nest: ``s1 -> s2 -> s1`` draws exactly what three
         sequential forks would.
 
-        On a second thread: while the fork is open, this thread holds the device's
-        generator (see :mod:`hyperrng._exclusive`), so a fork of any tracker, a sharded
-        region, ``fork_rng`` or a recompute on another thread that needs that generator is
-        refused with :class:`~hyperrng.errors.InvalidOperationError`, and entering this fork
-        while another thread holds it is refused the same way; nothing changes on refusal.
-        Forks nest freely on one thread. Plain draws on other threads are not stopped.
+        While the fork is open this thread holds the device's generator, so other threads
+        are refused it, and this fork is refused while another thread holds it; nothing
+        changes on refusal (see the module docstring). Forks nest freely on one thread.
 
         Raises:
             ArgumentTypeError: ``name`` is not a string.
@@ -570,7 +381,7 @@ class RNGStatesTracker:
             _check_name(name)
             raise UnknownStreamError(self._unknown(name))
         platform = platforms.current()
-        if platform is not self._platform:
+        if platform is not self._swap.platform:  # type: ignore[union-attr]  # bound: it holds a stream
             raise self._platform_mismatch(platform)
         return _Fork(self, name)
 
@@ -588,7 +399,7 @@ class RNGStatesTracker:
             return {}
         snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
         if active is not None and not swap.in_place:  # the generator holds the active stream's advance
-            snapshot[active.name] = swap.export(active.current_state(), as_tensors)
+            snapshot[active.name] = swap.export(active.read(), as_tensors)
         return snapshot
 
     def set_states(self, states: Mapping[str, Any]) -> None:
@@ -635,7 +446,7 @@ class RNGStatesTracker:
                 new[name] = swap.coerce(name, states[name])
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"state of stream {name!r}: {exc}") from None
-        self._bind(swap)
+        self._swap = swap
         self._states = new
         self._initialized = True
         active = self._active
@@ -654,27 +465,23 @@ class RNGStatesTracker:
         if not self.graph_safe:
             raise InvalidOperationError(
                 "graph_safe_states() needs a graph-safe tracker (RNGStatesTracker(graph_safe=True)); this one "
-                f"copies bytes (platform {self._platform.name if self._platform else None!r}).",
+                f"copies bytes (platform {self.platform.name if self.platform else None!r}).",
                 reason="tracker",
             )
         return dict(self._states)
 
     # -- helpers --------------------------------------------------------------------------
-    def _target(self, *, rebind: bool) -> _Swap:
+    def _target(self, *, rebind: bool) -> Swap:
         """The swap strategy new states are made for; raises before anything changes.
 
         ``rebind`` ignores the current binding (the caller replaces every stream).
         """
         platform = platforms.current()
         if self._swap is not None and not rebind:
-            if platform is not self._platform:
+            if platform is not self._swap.platform:
                 raise self._platform_mismatch(platform)
             return self._swap
-        return _choose_swap(platform, self._want_graph_safe)
-
-    def _bind(self, swap: _Swap) -> None:
-        self._platform = swap.platform
-        self._swap = swap
+        return choose_swap(platform, self._want_graph_safe)
 
     def _idle(self, what: str) -> None:
         if self._active is not None:
@@ -697,7 +504,7 @@ class RNGStatesTracker:
 
     def _platform_mismatch(self, platform: Platform) -> InvalidOperationError:
         return InvalidOperationError(
-            f"the tracker's streams belong to platform {self._platform!r}, but the current platform is "
+            f"the tracker's streams belong to platform {self.platform!r}, but the current platform is "
             f"{platform!r}; reset() the tracker and reseed it on the current platform.",
             reason="tracker",
         )

@@ -108,7 +108,15 @@ _lock = threading.Lock()
 _table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
 _newest = -1  # the handle last entered or moved to the newest end (read without the lock: one int)
 # Bound once (torch.compile recognises the function itself, not its name): a fork asks twice.
-_is_compiling = torch.compiler.is_compiling
+# Only dynamo traces Python code such as the table's lookups into a graph, so its own flag is
+# the one that matters; it is also a third of the cost of ``torch.compiler.is_compiling``.
+_is_compiling = torch.compiler.is_dynamo_compiling
+# torch's CPU generator is one object for the life of the process: it and its methods are bound
+# once, for the reads and writes of every fork and region, not looked up on ``torch`` at each call.
+_default = torch.default_generator
+_initial_seed = _default.initial_seed
+_get_state = _default.get_state
+_set_default_state = _default.set_state
 
 
 def _entry(handle: int) -> tuple[int, int] | None:
@@ -174,8 +182,9 @@ class _Seating(threading.local):
         """Fill the buffer for ``handle`` and set it as the state of ``gen``."""
         seed, words, tensor = self.parts
         seed[()] = handle
-        _multiply(_MULTIPLIERS, seed, out=words)
-        _right_shift(words, _HALF, out=words)  # each word is below 2**32, as MT19937's words are
+        # ``out`` passed by position: NumPy parses a keyword argument on every call.
+        _multiply(_MULTIPLIERS, seed, words)
+        _right_shift(words, _HALF, words)  # each word is below 2**32, as MT19937's words are
         _set_state(gen, tensor)
 
 
@@ -270,8 +279,10 @@ class CPUPlatform(Platform):
             ArgumentTypeError: ``generator`` is not a ``torch.Generator``.
             InvalidArgumentError: ``generator`` belongs to another device type.
         """
-        gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
-        handle = torch.Generator.initial_seed(gen)
+        if index is None and generator is None:
+            handle = _initial_seed()
+        else:
+            handle = torch.Generator.initial_seed(self._target(index, generator))
         return _entry(handle) or (handle, 0)
 
     def set_seed_offset(
@@ -297,7 +308,7 @@ class CPUPlatform(Platform):
         )
         if draw is not True and draw is not False:
             check_instance(draw, bool, "draw")
-        gen = torch.default_generator if index is None and generator is None else self._target(index, generator)
+        gen = _default if index is None and generator is None else self._target(index, generator)
         handle = position_handle(s, o, draw)
         _seat(gen, handle)
         if handle != s or o:  # (s, 0) reads as itself without an entry
@@ -365,14 +376,13 @@ _Snapshot = tuple[torch.Tensor, int, "tuple[int, int] | None"]
 def _read() -> _Snapshot:
     if _is_compiling():  # _entry's check, made here: a fork reads twice
         return _outside_the_graph(_read)()  # type: ignore[no-any-return]
-    gen = torch.default_generator
-    handle = gen.initial_seed()
-    return gen.get_state(), handle, _table.get(handle)
+    handle = _initial_seed()
+    return _get_state(), handle, _table.get(handle)
 
 
 def _write(snapshot: _Snapshot) -> None:
     mt, handle, position = snapshot
-    torch.default_generator.set_state(mt)
+    _set_default_state(mt)
     if position is not None:
         _remember(handle, position)
 

@@ -373,7 +373,8 @@ def selection() -> Selection:
 
 def current() -> Platform:
     """The platform hyperrng uses now."""
-    return selection().platform
+    selected = _selection  # read once, without a call to selection(): every fork and region asks
+    return (selected if selected is not None else select()).platform
 
 
 def set_current(platform: Platform | str) -> Platform:
