@@ -191,7 +191,7 @@ _FIELDS = [
 def test_a_tampered_checkpoint_is_refused_as_malformed_and_changes_nothing(
     platform: platforms.Platform, field: str, value: Any
 ) -> None:
-    from hyperrng.state import _digest
+    from hyperrng._state_format import digest as _digest
 
     saved = hyperrng.rng_state_dict()
     state = copy.deepcopy(saved)
