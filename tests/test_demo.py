@@ -11,7 +11,9 @@ from pathlib import Path
 import hyperrng.platforms as platforms
 import pytest
 
-from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdict_lines, _verdicts, main, run_demo
+from hyperrng._demo_output import verdict_lines as _verdict_lines
+from hyperrng._launch import Placement as _Placement
+from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _verdicts, main, run_demo
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
