@@ -42,6 +42,7 @@ _DIGEST_BYTES = 16
 
 
 def check_envelope(state: Mapping[str, Any]) -> None:
+    """A mapping of this format and version whose digest matches its content."""
     if not isinstance(state, Mapping):
         raise ArgumentTypeError(
             f"an RNG state is the dict rng_state_dict() returned, got {type(state).__name__}; "
@@ -144,6 +145,7 @@ def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTr
 
 
 def saved_layout(state: Mapping[str, Any]) -> StreamLayout | None:
+    """The layout the state records, rebuilt and checked, or ``None``."""
     if state["layout"] is None:
         return None
     try:
@@ -225,6 +227,7 @@ def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Te
 
 
 def digest(state: Mapping[str, Any]) -> str:
+    """BLAKE2b over the state's canonical form, its own ``digest`` field left out."""
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     _feed(h, {k: v for k, v in state.items() if k != "digest"})
     return h.hexdigest()

@@ -107,6 +107,13 @@ def rng_state_dict(
             tracker, those not given are taken from that derivation (when the given ones
             agree with it), so they need not be passed.
         group: the process group whose rank and size are recorded (default: the world).
+
+    Returns:
+        Plain data (tensors, numbers, strings, lists, dicts) with its digest; see the module docstring.
+
+    Raises:
+        InvalidArgumentError: inside a fork of the tracker, or a base seed or coordinate out of range.
+        ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.layout.StreamLayout`.
     """
     p = platforms.current()
     # The device generator holds the stream inside a fork, not the default state a resume needs.
