@@ -127,6 +127,7 @@ def relayed(phases: Phases) -> Iterator[Report]:
 
 
 def table(trained: list[dict[str, Any]]) -> str:
+    """One row per rank: coordinates, both seeds, the last step's masks and loss, the sharded op's shard."""
     head = (
         f"{'rank':>4} {'dp':>3} {'tp':>3}  {'default seed':<18} {'TP-stream seed':<18} "
         f"{'mask in':<9} {'mask out':<9} {'shard':<9} {'loss':>9}"
