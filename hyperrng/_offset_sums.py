@@ -37,8 +37,12 @@ def _chunk_runs(length: int, parts: int) -> _Runs:
         return [(parts, 0)]
     size = -(-length // parts)
     full, rest = divmod(length, size)
-    runs = [(full, size), (1, rest), (parts - full - 1, 0)] if rest else [(full, size), (parts - full, 0)]
-    return [run for run in runs if run[0]]
+    runs = [(full, size)]
+    if rest:
+        runs.append((1, rest))
+    if parts > full + (rest > 0):
+        runs.append((parts - full - (rest > 0), 0))
+    return runs
 
 
 def _split_runs(length: int, parts: int, split_factor: int) -> _Runs:
