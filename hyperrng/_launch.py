@@ -3,7 +3,9 @@
 ``run_ranks(fn, world_size, *args)`` spawns the ranks, initialises a process group (gloo
 unless told otherwise) on a free loopback port, calls ``fn(rank, world_size, *args)`` on
 each, and returns the per-rank results (which must be picklable). Every rank runs on the
-platform current in the parent, even one chosen programmatically there.
+platform current in the parent, even one chosen programmatically there. :class:`Placement`
+says where ranks run: each on a device of the platform, over its backend where every local
+rank has a device of its own, else over gloo with tensors staged through the host.
 
 A rank that raises, dies or hangs fails the call with :class:`~hyperrng.errors.RankFailure`:
 a rank that dies is noticed within a second, and the ranks still running (typically
@@ -33,13 +35,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from typing import Any
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import PlatformError, RankFailure
 
-__all__ = ["RankFailure", "free_port", "run_ranks"]
+__all__ = ["Placement", "RankFailure", "free_port", "run_ranks"]
 
 _RESULT_TIMEOUT_S = 240  # once every rank has joined: a hung collective must fail the run, not block it
 _JOINED = b"joined"  # a rank's first message, once its process group is up (an answer is a pickle, never this)
@@ -54,6 +57,40 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks run: the platform's devices, the backend, and whether collectives go through the host."""
+
+    device_type: str
+    devices: int  # devices of the platform visible to each process
+    local_ranks: int
+    backend: str
+    staged: bool  # tensors go to the host for each collective (gloo with device tensors)
+    is_host: bool
+
+    @classmethod
+    def plan(cls, platform: platforms.Platform, local_ranks: int) -> Placement:
+        """The platform's backend where every local rank has a device of its own, else gloo."""
+        devices = platform.device_count()
+        host = platform.device_type == "cpu"
+        backend = platform.dist_backend if host or devices >= local_ranks else "gloo"
+        staged = backend == "gloo" and not host
+        return cls(platform.device_type, devices, local_ranks, backend, staged, host)
+
+    def index(self, local_rank: int) -> int:
+        """The device of a local rank: its own where there are enough, else shared round-robin."""
+        return local_rank % self.devices
+
+    def describe(self) -> str:
+        if self.is_host:
+            return f"over {self.backend} on the host"
+        if self.devices >= self.local_ranks:
+            where = f"one {self.device_type!r} device each"
+        else:
+            where = f"{self.local_ranks} ranks sharing {self.devices} {self.device_type!r} device(s)"
+        return f"over {self.backend}, {where}" + (", tensors staged through the host" if self.staged else "")
 
 
 def _platform_for_ranks() -> tuple[type[platforms.Platform], str]:

@@ -247,34 +247,24 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
     )
-    demo.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help=f"processes to start (default {DEFAULT_WORLD_SIZE}, at most {MAX_LOCAL_RANKS}); under torchrun, "
-        "the job's size (run a larger job there)",
+    int_options = (  # flag, default, help
+        (
+            "--world-size",
+            None,
+            f"processes to start (default {DEFAULT_WORLD_SIZE}, at most {MAX_LOCAL_RANKS}); under torchrun, "
+            "the job's size (run a larger job there)",
+        ),
+        ("--tp", DemoConfig.tp, "tensor-parallel size; must divide the world size (default %(default)s)"),
+        ("--steps", DemoConfig.steps, "training steps; at least 2 (default %(default)s)"),
+        (
+            "--save-step",
+            DemoConfig.save_step,
+            "step after which the RNG checkpoint is saved; in [1, --steps - 1] (default %(default)s)",
+        ),
+        ("--seed", DemoConfig.seed, "base seed of the stream layout, in [0, 2**64 - 1] (default %(default)s)"),
     )
-    demo.add_argument(
-        "--tp",
-        type=int,
-        default=DemoConfig.tp,
-        help="tensor-parallel size; must divide the world size (default %(default)s)",
-    )
-    demo.add_argument(
-        "--steps", type=int, default=DemoConfig.steps, help="training steps; at least 2 (default %(default)s)"
-    )
-    demo.add_argument(
-        "--save-step",
-        type=int,
-        default=DemoConfig.save_step,
-        help="step after which the RNG checkpoint is saved; in [1, --steps - 1] (default %(default)s)",
-    )
-    demo.add_argument(
-        "--seed",
-        type=int,
-        default=DemoConfig.seed,
-        help="base seed of the stream layout, in [0, 2**64 - 1] (default %(default)s)",
-    )
+    for flag, default, text in int_options:
+        demo.add_argument(flag, type=int, default=default, help=text)
     demo.add_argument(
         "--portable",
         action="store_true",

@@ -23,25 +23,16 @@ sharded op live on ``platform.device(local_rank % device_count)``, which each ra
 its current device. The process group uses the platform's backend when every local rank
 has a device of its own, and gloo otherwise, with tensors staged through the host for
 each collective.
-
-The ranks report each phase on a queue; the parent prints a phase's line once every rank
-has reported it (inside a torchrun job, rank 0 prints its own).
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
-import queue as queue_module
 import random
 import sys
 import tempfile
-import textwrap
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +41,8 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._demo_output import REPORT_WIDTH, Phases, Report, relayed, table, verdict_lines
+from hyperrng._launch import Placement
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.platforms.mix import combine64
@@ -80,9 +73,6 @@ MAX_LOCAL_RANKS = 64
 DEFAULT_WORLD_SIZE = 4
 """Processes started when neither ``--world-size`` nor a torchrun job says otherwise."""
 
-REPORT_WIDTH = 100
-"""Columns the demo's report is laid out in: a verdict whose detail would pass it puts the detail below."""
-
 _DROPOUT = 0.5
 _LEARNING_RATE = 0.01
 _BATCH, _IN, _HIDDEN_PER_TP, _OUT = 4, 8, 8, 4
@@ -92,8 +82,6 @@ _SHARDED_SHAPE = (8, 6)
 _SHARDED_SEED_DOMAIN = 0x5EED  # the sharded op's seed, the same on every rank
 _DATA_SEED_DOMAIN = 0xDA7A  # a step's data, per data-parallel group
 _SCRAMBLE_SEED_DOMAIN = 0x5C4A  # what resumed processes hold before the checkpoint is loaded
-_QUIET_S = 15.0  # a phase that takes longer than this (starting many processes) gets a line that says so
-_POLL_S = 0.5
 
 
 PORTABLE_MAX_RANKS = 8
@@ -198,40 +186,6 @@ class DemoConfig:
         return self.size // self.tp
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """Where the ranks run: the platform's devices, the backend, and whether collectives go through the host."""
-
-    device_type: str
-    devices: int  # devices of the platform visible to each process
-    local_ranks: int
-    backend: str
-    staged: bool  # tensors go to the host for each collective (gloo with device tensors)
-    is_host: bool
-
-    @classmethod
-    def plan(cls, platform: platforms.Platform, local_ranks: int) -> _Placement:
-        """The platform's backend where every local rank has a device of its own, else gloo."""
-        devices = platform.device_count()
-        host = platform.device_type == "cpu"
-        backend = platform.dist_backend if host or devices >= local_ranks else "gloo"
-        staged = backend == "gloo" and not host
-        return cls(platform.device_type, devices, local_ranks, backend, staged, host)
-
-    def index(self, local_rank: int) -> int:
-        """The device of a local rank: its own where there are enough, else shared round-robin."""
-        return local_rank % self.devices
-
-    def describe(self) -> str:
-        if self.is_host:
-            return f"over {self.backend} on the host"
-        if self.devices >= self.local_ranks:
-            where = f"one {self.device_type!r} device each"
-        else:
-            where = f"{self.local_ranks} ranks sharing {self.devices} {self.device_type!r} device(s)"
-        return f"over {self.backend}, {where}" + (", tensors staged through the host" if self.staged else "")
-
-
 class _ReduceFromTP(torch.autograd.Function):
     """Sum the row-parallel partial outputs over the TP group; the gradient passes through."""
 
@@ -263,108 +217,10 @@ def _fp(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=4).hexdigest()
 
 
-class _Report:
-    """How a rank reports a phase: onto the parent's queue, or (inside a torchrun job, where
-    there is no parent) straight to rank 0's own :class:`_Phases`. Picklable with a queue."""
-
-    def __init__(self, events: Any = None, phases: _Phases | None = None) -> None:
-        self._events = events
-        self._phases = phases
-
-    def __call__(self, rank: int, key: str, text: str) -> None:
-        if self._events is not None:
-            self._events.put((rank, key, text))
-        elif self._phases is not None and rank == 0:
-            self._phases.record(rank, key, text)
-
-    def flush(self) -> None:
-        """Hand this rank's last reports to the pipe before it answers: a queue's ``put`` leaves them to
-        a feeder thread, which a rank that exits without shutting the queue down would cut short."""
-        if self._events is not None:
-            self._events.close()
-            self._events.join_thread()
-
-
-class _Phases:
-    """The parent's view of the ranks' progress: a phase's line (rank 0's text) is printed
-    once ``expected`` ranks have reported it, in the order the phases complete."""
-
-    def __init__(self, emit: Callable[[str], None], expected: int) -> None:
-        self._emit = emit
-        self._expected = expected
-        self._lock = threading.Lock()
-        self._seen: dict[str, int] = {}
-        self._text: dict[str, str] = {}
-        self._stage = ""
-        self._started = self._last = time.monotonic()
-
-    def start(self, stage: str, text: str) -> None:
-        """A new stage (``train``, ``resume``): its first line, and the clock its phases are timed on."""
-        with self._lock:
-            self._stage, self._seen, self._text = stage, {}, {}
-            self._started = time.monotonic()
-            self._say(text)
-
-    def record(self, rank: int, key: str, text: str) -> None:
-        with self._lock:
-            self._seen[key] = self._seen.get(key, 0) + 1
-            if rank == 0:
-                self._text[key] = text
-            if self._seen[key] == self._expected:
-                self._say(self._text[key])
-
-    def quiet_for(self) -> float:
-        """Seconds since the last line."""
-        return time.monotonic() - self._last
-
-    def still_waiting(self) -> None:
-        with self._lock:
-            self._say("... still running" if self._seen else "... still starting")
-
-    def say(self, text: str) -> None:
-        """A line of the current stage that no rank reports (the parent's own)."""
-        with self._lock:
-            self._say(text)
-
-    def _say(self, text: str) -> None:
-        self._last = time.monotonic()
-        self._emit(f"{self._stage:>8} {self._last - self._started:6.1f}s  {text}")
-
-
-@contextmanager
-def _relayed(phases: _Phases) -> Iterator[_Report]:
-    """A report whose queue a thread of this process reads into ``phases`` while the block runs.
-
-    Every rank that answered has exited by the end of the block, so what it reported is in
-    the queue by then; the thread reads it to the end before it stops.
-    """
-    events = multiprocessing.get_context("spawn").Queue()
-    done = threading.Event()
-
-    def relay() -> None:
-        while True:
-            try:
-                phases.record(*events.get(timeout=_POLL_S))
-            except queue_module.Empty:
-                if done.is_set():
-                    return
-                if phases.quiet_for() > _QUIET_S:
-                    phases.still_waiting()
-
-    thread = threading.Thread(target=relay, name="hyperrng-demo-progress", daemon=True)
-    thread.start()
-    try:
-        yield _Report(events)
-    finally:
-        done.set()
-        thread.join()
-        events.close()
-
-
 class _Rank:
     """One rank's view of the job: its device, coordinates, groups and model shard."""
 
-    def __init__(self, cfg: DemoConfig, rank: int, placement: _Placement) -> None:
+    def __init__(self, cfg: DemoConfig, rank: int, placement: Placement) -> None:
         import torch.distributed as dist
 
         self.cfg = cfg
@@ -376,15 +232,9 @@ class _Rank:
         self.device = platform.device(index)
         self.coords = {"dp": rank // cfg.tp, "tp": rank % cfg.tp}
         # Every rank must create every group, in the same order.
-        self.tp_group = self.dp_group = None
-        for d in range(cfg.dp):
-            g = dist.new_group([d * cfg.tp + t for t in range(cfg.tp)])
-            if d == self.coords["dp"]:
-                self.tp_group = g
-        for t in range(cfg.tp):
-            g = dist.new_group([d * cfg.tp + t for d in range(cfg.dp)])
-            if t == self.coords["tp"]:
-                self.dp_group = g
+        tp_groups = [dist.new_group([d * cfg.tp + t for t in range(cfg.tp)]) for d in range(cfg.dp)]
+        dp_groups = [dist.new_group([d * cfg.tp + t for d in range(cfg.dp)]) for t in range(cfg.tp)]
+        self.tp_group, self.dp_group = tp_groups[self.coords["dp"]], dp_groups[self.coords["tp"]]
         # The same global weights on every rank (from a private host generator), then this rank's shards.
         init = torch.Generator().manual_seed(cfg.seed)
         hidden = _HIDDEN_PER_TP * cfg.tp
@@ -401,6 +251,16 @@ class _Rank:
         seed_host(seeds[DEFAULT_STREAM])  # Python, NumPy and torch follow the default stream
         apply_layout(LAYOUT, self.cfg.seed, self.coords)
         return seeds
+
+    def run(self, steps: range, report: Report) -> list[dict[str, Any]]:
+        """Train ``steps``, reporting each as it ends."""
+        rows = []
+        for step in steps:
+            rows.append(self.step(step))
+            report(
+                self.rank, f"step {step}", f"step {step}/{self.cfg.steps} done: loss {rows[-1]['loss']:.5f} on rank 0"
+            )
+        return rows
 
     def step(self, step: int) -> dict[str, Any]:
         # Data differs per data-parallel group and is identical across its TP ranks; the
@@ -447,11 +307,7 @@ class _Rank:
         return Path(self.cfg.workdir) / f"rank{self.rank}.pt"
 
 
-def _step_line(step: int, cfg: DemoConfig, row: dict[str, Any]) -> str:
-    return f"step {step}/{cfg.steps} done: loss {row['loss']:.5f} on rank 0"
-
-
-def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement, report: _Report) -> dict[str, Any]:
+def _train(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, report: Report) -> dict[str, Any]:
     """Phase 1: seed, run one sharded op, train, verify, checkpoint at save_step, go on to the end."""
     from hyperrng.errors import RNGDesyncError
     from hyperrng.state import rng_state_dict, save_rng_state
@@ -462,26 +318,21 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: _Placement, r
     report(rank, "up", f"{world_size} ranks up; every stream seeded from base seed {cfg.seed}")
     sharded = r.sharded_op()
     report(rank, "sharded", f"sharded random op drawn on the {cfg.dp} x {cfg.tp} mesh")
-    steps, verify_error = [], ""
-    for step in range(1, cfg.steps + 1):
-        steps.append(r.step(step))
-        report(rank, f"step {step}", _step_line(step, cfg, steps[-1]))
-        if step == cfg.save_step:
-            try:
-                verify_rng_sync(LAYOUT, r.coords)
-            except RNGDesyncError as exc:
-                verify_error = str(exc)
-            state = rng_state_dict(layout=LAYOUT, coords=r.coords, base_seed=cfg.seed)
-            weights = {"w1": r.w1.detach().cpu(), "w2": r.w2.detach().cpu()}  # device tensors are not saved as such
-            save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
-            report(rank, "checkpoint", f"after step {step}: streams checked across ranks, RNG checkpoint saved")
+    steps, verify_error = r.run(range(1, cfg.save_step + 1), report), ""
+    try:
+        verify_rng_sync(LAYOUT, r.coords)
+    except RNGDesyncError as exc:
+        verify_error = str(exc)
+    state = rng_state_dict(layout=LAYOUT, coords=r.coords, base_seed=cfg.seed)
+    weights = {"w1": r.w1.detach().cpu(), "w2": r.w2.detach().cpu()}  # device tensors are not saved as such
+    save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
+    report(rank, "checkpoint", f"after step {cfg.save_step}: streams checked across ranks, RNG checkpoint saved")
+    steps += r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
     report.flush()
     return {"coords": r.coords, "seeds": seeds, "sharded": sharded, "steps": steps, "verify_error": verify_error}
 
 
-def _resume(
-    rank: int, world_size: int, cfg: DemoConfig, placement: _Placement, report: _Report
-) -> list[dict[str, Any]]:
+def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, report: Report) -> list[dict[str, Any]]:
     """Phase 2, in fresh processes: scramble every generator, load the checkpoint, finish the run."""
     from hyperrng.seeding import seed_host
     from hyperrng.state import load_rng_state, load_rng_state_dict
@@ -500,10 +351,7 @@ def _resume(
         "up",
         f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded",
     )
-    steps = []
-    for step in range(cfg.save_step + 1, cfg.steps + 1):
-        steps.append(r.step(step))
-        report(rank, f"step {step}", _step_line(step, cfg, steps[-1]))
+    steps = r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
     report.flush()
     return steps
 
@@ -521,7 +369,7 @@ def _torchrun_world_size() -> int | None:
 
 
 def _torchrun_job(
-    cfg: DemoConfig, placement: _Placement, phases: _Phases
+    cfg: DemoConfig, placement: Placement, phases: Phases
 ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
     """Run both phases inside an existing torchrun job; rank 0 reports its progress and gets everyone's results."""
     import torch.distributed as dist
@@ -531,7 +379,7 @@ def _torchrun_job(
         platforms.current().set_device(placement.index(local_rank))  # before the group, as nccl/hccl expect
         dist.init_process_group(placement.backend)
     rank = dist.get_rank()
-    report = _Report(phases=phases)
+    report = Report(phases=phases)
     phases.start("train", f"{cfg.size} ranks of the torchrun job joined")
     trained = _train(rank, cfg.size, cfg, placement, report)
     get_rng_tracker().reset()  # a resume inside the same processes: start from a blank tracker
@@ -544,92 +392,62 @@ def _torchrun_job(
     return [t for t, _ in everyone], [res for _, res in everyone]
 
 
-def _verdicts(
-    cfg: DemoConfig, trained: list[dict[str, Any]], resumed: list[list[dict[str, Any]]], fresh: bool = True
-) -> list[tuple[str, bool, str]]:
-    by_dp: dict[int, list[dict[str, Any]]] = {}
-    for row in trained:
-        by_dp.setdefault(row["coords"]["dp"], []).append(row)
-    n = cfg.steps
-    inside = all(
-        len({row["steps"][s]["in"] for row in group}) == len(group) for group in by_dp.values() for s in range(n)
-    )
-    outside = all(
-        len({(row["steps"][s]["out"], row["steps"][s]["loss"]) for row in group}) == 1
-        for group in by_dp.values()
-        for s in range(n)
-    )
-    by_tp: dict[int, set[str]] = {}
-    for row in trained:
-        by_tp.setdefault(row["coords"]["tp"], set()).add(row["sharded"]["fp"])
-    replicas_equal = all(len(fps) == 1 for fps in by_tp.values())
-    shards_differ = len({next(iter(fps)) for fps in by_tp.values()}) == len(by_tp)
-    one_position = len({tuple(row["sharded"]["position"]) for row in trained}) == 1
-    errors = [row["verify_error"] for row in trained if row["verify_error"]]
-    expected = [row["steps"][cfg.save_step :] for row in trained]
-    identical = expected == resumed
+def _properties(cfg: DemoConfig) -> list[str]:
+    """The properties every run checks, in the order of their verdicts (``--portable`` adds one)."""
     return [
-        ("dropout inside the TP region differs across TP ranks", inside, f"{n} steps x {cfg.dp} dp group(s)"),
-        ("dropout after the TP region agrees across TP ranks", outside, "masks and losses"),
-        (
-            "sharded op: replicas equal, shards differ, one final position",
-            replicas_equal and shards_differ and one_position,
-            ", ".join(
-                broken
-                for broken, holds in (
-                    ("replicas DIFFER", replicas_equal),
-                    ("shards COLLIDE", shards_differ),
-                    ("positions DISAGREE", one_position),
-                )
-                if not holds
-            )
-            or f"{len(by_tp)} shards x {cfg.dp} replica(s)",
-        ),
-        (
-            "verify_rng_sync: streams shared exactly as the layout says",
-            not errors,
-            errors[0] if errors else "no desync",
-        ),
-        (
-            f"resume from step {cfg.save_step} is bit-identical",
-            identical,
-            f"{'fresh processes' if fresh else 'after scrambling'}; steps {cfg.save_step + 1}..{n}: "
-            "losses, masks, weights",
-        ),
+        "dropout inside the TP region differs across TP ranks",
+        "dropout after the TP region agrees across TP ranks",
+        "sharded op: replicas equal, shards differ, one final position",
+        "verify_rng_sync: streams shared exactly as the layout says",
+        f"resume from step {cfg.save_step} is bit-identical",
     ]
 
 
-def _table(cfg: DemoConfig, trained: list[dict[str, Any]]) -> str:
-    head = (
-        f"{'rank':>4} {'dp':>3} {'tp':>3}  {'default seed':<18} {'TP-stream seed':<18} "
-        f"{'mask in':<9} {'mask out':<9} {'shard':<9} {'loss':>9}"
-    )
-    lines = [head, "-" * len(head)]
-    for rank, row in enumerate(trained):
-        last = row["steps"][-1]
-        lines.append(
-            f"{rank:>4} {row['coords']['dp']:>3} {row['coords']['tp']:>3}  "
-            f"{row['seeds'][DEFAULT_STREAM]:#018x} {row['seeds'][MODEL_PARALLEL_STREAM]:#018x} "
-            f"{last['in']:<9} {last['out']:<9} {row['sharded']['fp']:<9} {last['loss']:>9.5f}"
-        )
-    return "\n".join(lines)
+_PORTABLE_PROPERTY = "portable mode: the same numbers at every TP size"
 
 
-_CHECKS = (
-    "dropout inside the TP region differs across TP ranks, and agrees after it",
-    "a sharded op gives replicas equal numbers, shards distinct ones, every rank one position",
-    "verify_rng_sync finds every stream shared as the layout says",
-    "the resume from the checkpoint is bit-identical",
-)
+def _verdicts(
+    cfg: DemoConfig, trained: list[dict[str, Any]], resumed: list[list[dict[str, Any]]], fresh: bool = True
+) -> list[tuple[str, bool, str]]:
+    """``(property, holds, detail)`` for each of :func:`_properties`, from every rank's results."""
+    by_dp: dict[int, list[dict[str, Any]]] = {}
+    by_tp: dict[int, set[str]] = {}
+    for row in trained:
+        by_dp.setdefault(row["coords"]["dp"], []).append(row)
+        by_tp.setdefault(row["coords"]["tp"], set()).add(row["sharded"]["fp"])
+    # Per data-parallel group and step, what its TP ranks drew.
+    steps = [[row["steps"][s] for row in group] for group in by_dp.values() for s in range(cfg.steps)]
+    sharded = {  # how the sharded op's result reads when a part of it is broken
+        "replicas DIFFER": all(len(fps) == 1 for fps in by_tp.values()),
+        "shards COLLIDE": len({next(iter(fps)) for fps in by_tp.values()}) == len(by_tp),
+        "positions DISAGREE": len({tuple(row["sharded"]["position"]) for row in trained}) == 1,
+    }
+    errors = [row["verify_error"] for row in trained if row["verify_error"]]
+    holds = [
+        all(len({step["in"] for step in group}) == len(group) for group in steps),
+        all(len({(step["out"], step["loss"]) for step in group}) == 1 for group in steps),
+        all(sharded.values()),
+        not errors,
+        [row["steps"][cfg.save_step :] for row in trained] == resumed,
+    ]
+    details = [
+        f"{cfg.steps} steps x {cfg.dp} dp group(s)",
+        "masks and losses",
+        ", ".join(broken for broken, ok in sharded.items() if not ok) or f"{len(by_tp)} shards x {cfg.dp} replica(s)",
+        errors[0] if errors else "no desync",
+        f"{'fresh processes' if fresh else 'after scrambling'}; steps {cfg.save_step + 1}..{cfg.steps}: "
+        "losses, masks, weights",
+    ]
+    return list(zip(_properties(cfg), holds, details))
 
 
-def _header(cfg: DemoConfig, platform: platforms.Platform, placement: _Placement, torchrun: bool) -> list[str]:
+def _header(cfg: DemoConfig, platform: platforms.Platform, placement: Placement, torchrun: bool) -> list[str]:
     """What the demo will run and check, printed before any process starts."""
     if torchrun:
         how = f"joined a torchrun job of {cfg.size} ranks {placement.describe()}; resumed in the same processes"
     else:
         how = f"{cfg.size} processes {placement.describe()}; then {cfg.size} fresh ones for the resume"
-    checks = [*_CHECKS, "portable mode gives the same numbers at every TP size"] if cfg.portable else _CHECKS
+    checks = [*_properties(cfg), _PORTABLE_PROPERTY] if cfg.portable else _properties(cfg)
     return [
         f"hyperrng demo: mesh dp={cfg.dp} x tp={cfg.tp} on platform {platform.name!r}",
         how,
@@ -661,18 +479,18 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         PlatformError: the platform cannot be selected, or cannot be rebuilt in the ranks.
         RankFailure: a rank raised or died (the other ranks are stopped at once).
     """
-    from hyperrng._launch import run_ranks
+    from hyperrng._launch import run_ranks  # looked up at the call, where a test may replace it
 
     cfg = cfg.resolved()
     platform = platforms.current()
     torchrun = _torchrun_world_size() is not None
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.size)) if torchrun else cfg.size
-    placement = _Placement.plan(platform, local_ranks)
-    speaks = progress is not None and (not torchrun or os.environ.get("RANK") == "0")
+    placement = Placement.plan(platform, local_ranks)
+    speaks = not torchrun or os.environ.get("RANK") == "0"
     emit = progress if progress is not None and speaks else _silent
     for line in _header(cfg, platform, placement, torchrun):
         emit(line)
-    phases = _Phases(emit, expected=1 if torchrun else cfg.size)  # inside torchrun, rank 0 reports for itself
+    phases = Phases(emit, expected=1 if torchrun else cfg.size)  # inside torchrun, rank 0 reports for itself
     with tempfile.TemporaryDirectory(prefix="hyperrng-demo-") as tmp:
         cfg = replace(cfg, workdir=cfg.workdir or tmp)
         if torchrun:
@@ -682,11 +500,11 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
             trained, resumed = result
         else:
             phases.start("train", f"starting {cfg.size} processes (each imports torch, then joins the group)")
-            with _relayed(phases) as report:
+            with relayed(phases) as report:
                 trained = run_ranks(_train, cfg.size, cfg, placement, report, backend=placement.backend)
             phases.say(f"{cfg.size} processes finished")
             phases.start("resume", f"starting {cfg.size} fresh processes")
-            with _relayed(phases) as report:
+            with relayed(phases) as report:
                 resumed = run_ranks(_resume, cfg.size, cfg, placement, report, backend=placement.backend)
             phases.say(f"{cfg.size} processes finished")
     verdicts = _verdicts(cfg, trained, resumed, fresh=not torchrun)
@@ -694,24 +512,9 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         phases.start("portable", "training under portable mode at every TP size dividing the world size")
         verdicts.append(_portable_verdict(cfg))
     ok = all(v for _, v, _ in verdicts)
-    lines = ["", _table(cfg, trained), "", *_verdict_lines(verdicts)]
+    lines = ["", table(trained), "", *verdict_lines(verdicts)]
     lines += ["", "every property holds" if ok else "SOME PROPERTIES FAILED"]
     return ok, "\n".join(lines)
-
-
-def _verdict_lines(verdicts: list[tuple[str, bool, str]]) -> list[str]:
-    """One line per verdict, ``[PASS] name  (detail)``; a detail that would carry the line past
-    :data:`REPORT_WIDTH` goes below its verdict instead, wrapped and indented."""
-    lines = []
-    for name, holds, detail in verdicts:
-        verdict = f"  [{'PASS' if holds else 'FAIL'}] {name}"
-        line = f"{verdict}  ({detail})"
-        if len(line) <= REPORT_WIDTH:
-            lines.append(line)
-        else:
-            pad = " " * 9  # under the name, past "  [PASS] "
-            lines += [verdict, *textwrap.wrap(detail, REPORT_WIDTH, initial_indent=pad, subsequent_indent=pad)]
-    return lines
 
 
 def _silent(line: str) -> None:
@@ -732,7 +535,7 @@ def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
         f"TP={', '.join(map(str, sizes))} on {world} CPU processes: parameters and masks "
         f"{'bit-identical' if same else 'DIFFER'}, losses within {drift:.1e}"
     )
-    return "portable mode: the same numbers at every TP size", holds, detail
+    return _PORTABLE_PROPERTY, holds, detail
 
 
 def main(cfg: DemoConfig | None = None, out: Callable[[str], None] | None = None) -> int:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -202,7 +203,7 @@ class StreamLayout:
         extent = self._coords(sizes, what="size", minimum=1)
         seen: dict[int, tuple[str, tuple[int, ...]]] = {}
         for name, dims in self._streams.items():
-            for point in _grid([extent[d] for d in dims]):
+            for point in itertools.product(*(range(extent[d]) for d in dims)):
                 seed = self._mix(base, name, dims, dict(zip(dims, point)))
                 other = seen.setdefault(seed, (name, point))
                 if other != (name, point):
@@ -435,10 +436,3 @@ def _check_int(value: object, what: str, minimum: int = 0) -> int:
         # The mix takes 64-bit words: a larger coordinate would alias a smaller one.
         raise InvalidArgumentError(f"{what} must be in [{minimum}, 2**64 - 1], got {number}.")
     return number
-
-
-def _grid(extents: Sequence[int]) -> list[tuple[int, ...]]:
-    points: list[tuple[int, ...]] = [()]
-    for extent in extents:
-        points = [p + (i,) for p in points for i in range(extent)]
-    return points

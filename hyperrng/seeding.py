@@ -159,6 +159,15 @@ def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     return chosen
 
 
+def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_seed: int, what: str) -> None:
+    """Replace the tracker's streams and seed the current device, both under the device's hold, or neither."""
+    chosen = _idle(tracker)
+    platform = platforms.current()
+    with holding([current_device_key(platform)], what):
+        chosen.reseed(streams)
+        platform.manual_seed(device_seed)
+
+
 # -- slapo -----------------------------------------------------------------------------------
 def model_parallel_manual_seed(
     seed: int, tp_rank: int, always_enable_tp_seed: bool = False, *, tracker: RNGStatesTracker | None = None
@@ -183,11 +192,8 @@ def model_parallel_manual_seed(
     base = check_seed(seed)
     tp = _rank(tp_rank, "tp_rank")
     tp_seed = _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
-    chosen = _idle(tracker)
-    platform = platforms.current()
-    with holding([current_device_key(platform)], "model_parallel_manual_seed"):
-        chosen.reseed({MODEL_PARALLEL_STREAM: tp_seed})
-        platform.manual_seed(tp_seed if always_enable_tp_seed else base)
+    device_seed = tp_seed if always_enable_tp_seed else base
+    _reseed(tracker, {MODEL_PARALLEL_STREAM: tp_seed}, device_seed, "model_parallel_manual_seed")
     return tp_seed
 
 
@@ -233,8 +239,7 @@ def set_random_seed(
 
 def is_random_seed_set(tracker: RNGStatesTracker | None = None) -> bool:
     """Whether the tracker (default: the process-wide one) holds at least one stream."""
-    chosen = resolve_tracker(tracker)
-    return len(chosen) > 0
+    return len(resolve_tracker(tracker)) > 0
 
 
 # -- Megatron-core ---------------------------------------------------------------------------
@@ -313,11 +318,7 @@ def megatron_model_parallel_manual_seed(
     """
     seeds = megatron_seeds(seed, tp_rank, ep_rank, etp_rank)
     _check_megatron_distinct(seeds)
-    chosen = _idle(tracker)
-    platform = platforms.current()
-    with holding([current_device_key(platform)], "megatron_model_parallel_manual_seed"):
-        chosen.reseed(seeds.as_streams())
-        platform.manual_seed(seeds.data_parallel)
+    _reseed(tracker, seeds.as_streams(), seeds.data_parallel, "megatron_model_parallel_manual_seed")
     return seeds
 
 

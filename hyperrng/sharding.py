@@ -54,26 +54,19 @@ The price is that ``end`` may exceed ``r4(numel(global_shape))`` by less than 4 
 the generator advances a little further than under PyTorch when shard sizes are uneven or
 not multiples of 4.
 
-Cost and limits
----------------
+Cost, limits and errors
+------------------------
 :func:`rng_offsets`, :func:`local_shard` and :func:`local_index_ranges` answer for one rank
-without enumerating ranks or shards. ``rng_offsets`` works in closed form: ``torch.chunk``
-gives at most three distinct piece sizes along a tensor dim split once (at most five for
-``_StridedShard``), so the sums of ``r4(numel_j)`` over the shards before this one follow
-from counting, per tensor dim, the pieces of each size before this rank's piece and their
-residues mod 4. Its cost is ``O(mesh dims + tensor dims)`` when each tensor dim is split by
-at most one ``Shard``; a dim split by several mesh dims, or by ``_StridedShard``, adds work
-that grows with the number of *distinct* piece sizes (a few per level), never with the
-number of ranks. ``local_index_ranges`` costs as much as the ranges it returns.
-:func:`check_disjoint` visits every rank, so its cost is linear in the mesh size.
+without enumerating ranks or shards: the cost grows with the number of mesh and tensor dims
+(and, for a tensor dim split by several mesh dims or by ``_StridedShard``, with the number of
+*distinct* piece sizes, a few per level), never with the number of ranks;
+``local_index_ranges`` also costs as much as the ranges it returns. :func:`check_disjoint`
+visits every rank. Nothing is cached: every call validates all its arguments. A mesh may
+have up to :data:`MAX_MESH_SIZE` (``2**63``) ranks and a global shape up to
+:data:`MAX_GLOBAL_NUMEL` (``2**63 - 1``) elements; larger ones, and shardings whose ``end``
+would pass ``2**63 - 1`` (the largest generator offset), raise
+:class:`~hyperrng.errors.InvalidArgumentError`.
 
-Nothing is cached: every call validates all its arguments. A mesh may have up to
-:data:`MAX_MESH_SIZE` (``2**63``) ranks and a global shape up to :data:`MAX_GLOBAL_NUMEL`
-(``2**63 - 1``) elements; larger ones, and shardings whose ``end`` would pass ``2**63 - 1``
-(the largest generator offset), raise :class:`~hyperrng.errors.InvalidArgumentError` at once.
-
-Errors
-------
 One rule throughout: an argument of the wrong type (a size given as ``2.7`` or ``True``,
 a mesh shape given as a string, an object that is not a placement) raises
 :class:`~hyperrng.errors.ArgumentTypeError`, a ``TypeError``; a wrong value of the right
@@ -85,13 +78,13 @@ argument. NumPy integers are accepted wherever Python ints are; floats are never
 from __future__ import annotations
 
 import bisect
-import enum
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from hyperrng._offset_sums import DimState, Level, dim_state, start_of, tail_sums
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, RNGDesyncError
 from hyperrng.platforms.validate import MAX_OFFSET, OFFSET_ALIGN, check_int
 
@@ -128,34 +121,12 @@ a larger product is refused at once instead of being enumerated."""
 OffsetFunction = Callable[[Sequence[int], Sequence[int], Sequence["Placement"], Sequence[int]], tuple[int, int]]
 """The signature of :func:`rng_offsets`: ``(mesh_shape, coordinate, placements, global_shape)``."""
 
-_Level = tuple[int, int, int]  # one mesh dim splitting a tensor dim: (mesh dim, parts, split_factor)
-_Runs = list[tuple[int, int]]  # piece sizes in piece order, run-length coded: (count, size)
-_Residues = tuple[int, int, int]  # how many values are 1, 2 and 3 mod 4; multiples of 4 need no padding
-_DimState = tuple[int, int, _Residues, _Residues]  # see _dim_state
-
-_NO_RESIDUES: Final[_Residues] = (0, 0, 0)
-_ONE: Final[_Residues] = (1, 0, 0)  # the residues of the empty product: a single 1
-_RESIDUES_OF: Final[tuple[_Residues, ...]] = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1))
-
 
 class _Split(NamedTuple):
     """A normalised ``Shard``/``_StridedShard``: ``Shard(d)`` is ``_Split(d, 1)``."""
 
     dim: int
     split_factor: int
-
-
-class _Kind(enum.Enum):
-    SHARD = "shard"
-    STRIDED = "strided"
-    REPLICA = "replica"  # Replicate and Partial: every rank along the mesh dim holds the same shard
-    UNKNOWN = "unknown"
-
-
-class _PlacementTypes(NamedTuple):
-    shard: tuple[type[Any], ...]
-    strided: tuple[type[Any], ...]
-    replica: tuple[type[Any], ...]
 
 
 # ------------------------------------------------------------------------------------ public
@@ -169,11 +140,6 @@ def rng_offsets(
 ) -> tuple[int, int]:
     """Return the generator-offset increments for a random op on this rank's shard.
 
-    Works in closed form: the cost grows with the number of mesh and tensor dims, never
-    with the number of ranks, so a mesh of any size up to :data:`MAX_MESH_SIZE` ranks
-    answers at once. Every call validates its arguments; nothing is cached. Sizes and
-    indices may be Python or NumPy integers; bools and floats are refused, never truncated.
-
     Args:
         mesh_shape: sizes of the device mesh, one positive int per mesh dimension.
         coordinate: this rank's index along each mesh dimension.
@@ -184,30 +150,24 @@ def rng_offsets(
     Returns:
         ``(start, end)``: add ``start`` to the offset before the op on this rank; after it,
         every rank sets its offset to the one it had before the op plus ``end``. Both are
-        multiples of :data:`PHILOX_OFFSET_ALIGNMENT` and at most ``2**63 - 1``; see the
-        module docstring for the contract and where it differs from PyTorch's
-        ``OffsetBasedRNGTracker``.
+        multiples of :data:`PHILOX_OFFSET_ALIGNMENT` and at most ``2**63 - 1`` (the module
+        docstring states the contract and where it differs from PyTorch's).
 
     Raises:
-        ArgumentTypeError: an argument of the wrong type: a sequence that is not one, a
-            size, index, ``dim`` or ``split_factor`` that is not an integer (a bool, a
-            float), or a placement that is none of the four kinds above. It is a
-            ``TypeError``.
-        InvalidArgumentError: a wrong value: a coordinate outside the mesh, a placement count
-            other than the mesh's dimension count, a ``Shard`` dim outside the tensor, a
-            ``split_factor`` below 1, a negative size, a mesh dim below 1, a mesh of more
-            than :data:`MAX_MESH_SIZE` ranks, a global shape of more than
-            :data:`MAX_GLOBAL_NUMEL` elements, or offsets that would pass ``2**63 - 1``.
-            It is a ``ValueError``.
+        ArgumentTypeError: a sequence that is not one, a size, index, ``dim`` or
+            ``split_factor`` that is not an integer, or a placement of none of the four kinds.
+        InvalidArgumentError: a coordinate outside the mesh, a placement count other than the
+            mesh's dimension count, a ``Shard`` dim outside the tensor, a ``split_factor``
+            below 1, a negative size, a mesh dim below 1, a mesh or shape past the limits
+            above, or offsets that would pass ``2**63 - 1``.
     """
-    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
-    coord = _validate_coordinate(coordinate, mesh)
+    mesh, splits, shape, coord = _validate(mesh_shape, placements, global_shape, coordinate)
     levels = _levels(mesh, splits, len(shape))
-    states = [_dim_state(size, dim_levels, coord) for size, dim_levels in zip(shape, levels)]
-    numels, tails, end = _tails(shape, [state[3] for state in states])
+    states = [dim_state(size, dim_levels, coord) for size, dim_levels in zip(shape, levels)]
+    numels, tails, end = tail_sums(shape, [state[3] for state in states])
     if end > MAX_OFFSET:
         raise _end_overflow(mesh, splits, shape, end)
-    return _start(states, numels, tails), end
+    return start_of(states, numels, tails), end
 
 
 def local_shard(
@@ -220,8 +180,7 @@ def local_shard(
 
     Takes the same arguments as :func:`rng_offsets` and returns what PyTorch's
     ``compute_local_shape_and_global_offset`` returns: the offset of an unsharded dim is 0,
-    and that of a sharded dim whose local extent is empty is the dim's global size. The
-    cost does not grow with the number of ranks.
+    and that of a sharded dim whose local extent is empty is the dim's global size.
 
     .. warning:: With ``_StridedShard`` a rank holds several separate index runs along a
        dim, and the offset names only the first; use :func:`local_index_ranges` for them all.
@@ -231,16 +190,11 @@ def local_shard(
         InvalidArgumentError: as :func:`rng_offsets`, except that offsets past ``2**63 - 1``
             are no error here.
     """
-    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
-    coord = _validate_coordinate(coordinate, mesh)
+    mesh, splits, shape, coord = _validate(mesh_shape, placements, global_shape, coordinate)
     runs_per_dim = _runs_at(mesh, splits, shape, coord)
-    sharded = _sharded_dims(splits, len(shape))
-    local_shape = tuple(sum(run.stop - run.start for run in runs) for runs in runs_per_dim)
-    offsets = tuple(
-        (runs[0].start if runs else size) if is_sharded else 0
-        for runs, size, is_sharded in zip(runs_per_dim, shape, sharded)
-    )
-    return local_shape, offsets
+    local_shape = tuple(sum(map(len, runs)) for runs in runs_per_dim)
+    # An unsharded dim holds one run from 0, also when empty; only a sharded dim can hold none.
+    return local_shape, tuple(runs[0].start if runs else size for runs, size in zip(runs_per_dim, shape))
 
 
 def local_index_ranges(
@@ -254,16 +208,13 @@ def local_index_ranges(
     Takes the same arguments as :func:`rng_offsets`. Local index ``i`` along dim ``d`` is
     global index ``list(itertools.chain(*result[d]))[i]``. A ``Shard``-only placement gives
     at most one range per dim; ``_StridedShard`` may give several; an empty extent gives
-    none. Adjacent ranges are merged. The cost grows with the number of ranges returned
-    and of mesh dims, never with the number of ranks.
+    none. Adjacent ranges are merged.
 
     Raises:
         ArgumentTypeError: as :func:`rng_offsets`.
         InvalidArgumentError: as :func:`local_shard`.
     """
-    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
-    coord = _validate_coordinate(coordinate, mesh)
-    return _runs_at(mesh, splits, shape, coord)
+    return _runs_at(*_validate(mesh_shape, placements, global_shape, coordinate))
 
 
 def check_disjoint(
@@ -282,49 +233,40 @@ def check_disjoint(
     non-empty shards are disjoint and lie inside ``[0, end)``. Local element counts come
     from the index ranges of :func:`local_index_ranges`, not from the offset formula. Pass
     another :data:`OffsetFunction` (PyTorch's formula, say) to audit it against the same
-    rules. The cost is linear in the number of ranks.
+    rules.
 
     Raises:
         ArgumentTypeError: as :func:`rng_offsets`.
         InvalidArgumentError: invalid mesh, placements or shape, as :func:`rng_offsets`.
         RNGDesyncError: a rule is broken; the message names the ranks and windows.
     """
-    mesh, splits, shape = _validate(mesh_shape, placements, global_shape)
+    mesh, splits, shape, _ = _validate(mesh_shape, placements, global_shape)
     levels = _levels(mesh, splits, len(shape))
-    piece_dims = [[mesh_dim for mesh_dim, _, _ in dim_levels] for dim_levels in levels]
-    state_memo: list[dict[tuple[int, ...], _DimState]] = [{} for _ in shape]
-    numel_memo: list[dict[tuple[int, ...], int]] = [{} for _ in shape]
     origin = (0,) * len(mesh)
-    numels, tails, end = _tails(shape, [_dim_state(size, lv, origin)[3] for size, lv in zip(shape, levels)])
-
-    def own(coord: tuple[int, ...], pieces: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
-        states = []
-        for size, dim_levels, memo, piece in zip(shape, levels, state_memo, pieces):
-            state = memo.get(piece)
-            if state is None:
-                state = memo[piece] = _dim_state(size, dim_levels, coord)
-            states.append(state)
-        return _start(states, numels, tails), end
-
-    def numel_of(coord: tuple[int, ...], pieces: tuple[tuple[int, ...], ...]) -> int:
-        numel = 1
-        for size, dim_levels, memo, piece in zip(shape, levels, numel_memo, pieces):
-            if piece not in memo:
-                memo[piece] = sum(run.stop - run.start for run in _rank_runs(size, dim_levels, coord))
-            numel *= memo[piece]
-        return numel
-
-    compute: Callable[[tuple[int, ...], tuple[tuple[int, ...], ...]], tuple[int, int]] = own
-    if offsets is None:
-        if end > MAX_OFFSET:
-            raise _end_overflow(mesh, splits, shape, end)
-    else:
-        compute = functools.partial(_call_foreign, offsets, mesh, tuple(placements), shape)
-        end = compute(origin, ())[1]
+    numels, tails, end = tail_sums(shape, [dim_state(size, lv, origin)[3] for size, lv in zip(shape, levels)])
+    given = tuple(placements)
+    if offsets is not None:
+        end = int(offsets(mesh, origin, given, shape)[1])
+    elif end > MAX_OFFSET:
+        raise _end_overflow(mesh, splits, shape, end)
+    # Per tensor dim and piece (the rank's coordinates on the mesh dims splitting it): its
+    # closed-form state and its local size, counted from the index runs.
+    memo: list[dict[tuple[int, ...], tuple[DimState, int]]] = [{} for _ in shape]
     seen: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], int, int]] = {}  # shard -> (coord, start, numel)
     for coord in itertools.product(*(range(size) for size in mesh)):
-        shard = tuple(tuple(coord[m] for m in dims) for dims in piece_dims)
-        start, rank_end = compute(coord, shard)
+        shard = tuple(tuple(coord[m] for m, _, _ in dim_levels) for dim_levels in levels)
+        states, numel = [], 1
+        for size, dim_levels, dim_memo, piece in zip(shape, levels, memo, shard):
+            entry = dim_memo.get(piece)
+            if entry is None:
+                runs = _rank_runs(size, dim_levels, coord)
+                entry = dim_memo[piece] = (dim_state(size, dim_levels, coord), sum(map(len, runs)))
+            states.append(entry[0])
+            numel *= entry[1]
+        if offsets is None:
+            start, rank_end = start_of(states, numels, tails), end
+        else:
+            start, rank_end = (int(n) for n in offsets(mesh, coord, given, shape))
         if start < 0 or start % PHILOX_OFFSET_ALIGNMENT or rank_end % PHILOX_OFFSET_ALIGNMENT:
             raise RNGDesyncError(
                 f"rank at coordinate {coord} got offsets (start={start}, end={rank_end}); both must be "
@@ -336,7 +278,7 @@ def check_disjoint(
                 f"(end={end} vs {rank_end}); every rank must apply the same end increment."
             )
         if shard not in seen:
-            seen[shard] = (coord, start, numel_of(coord, shard))
+            seen[shard] = (coord, start, numel)
         elif seen[shard][1] != start:
             raise RNGDesyncError(
                 f"ranks at coordinates {seen[shard][0]} and {coord} hold the same shard but start at "
@@ -357,200 +299,13 @@ def check_disjoint(
             )
 
 
-def _call_foreign(
-    offsets: OffsetFunction,
-    mesh: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    shape: tuple[int, ...],
-    coord: tuple[int, ...],
-    shard: object,
-) -> tuple[int, int]:
-    start, end = offsets(mesh, coord, placements, shape)
-    return int(start), int(end)
-
-
-# ------------------------------------------------------------------------------------ closed form
-#
-# Along one tensor dim, the mesh dims that shard it (its *levels*, in mesh-dim order) cut it
-# into pieces numbered in mixed radix. Only the sizes of the pieces matter for the offsets,
-# and one split of a length into ``parts`` pieces yields at most five runs of equal sizes
-# (three for ``Shard``: ceil(n / parts) repeated, a remainder, then empties). So a tensor
-# dim is summed up, for one rank, by its own extent, the total size of the pieces before
-# it, and how many of those and of all pieces are 1, 2 or 3 mod 4 (the padding r4 adds
-# depends on nothing else). Pieces before the rank's one are tracked as a multiset of sizes
-# (dict size -> count), split level by level; equal sizes merge, so its length depends on
-# the sizes, never on the number of ranks. The row-major sum over tensor dims then follows
-# from sums of products being products of sums, and residues mod 4 multiplying.
-
-
-def _levels(mesh: tuple[int, ...], splits: tuple[_Split | None, ...], ndim: int) -> list[list[_Level]]:
+def _levels(mesh: tuple[int, ...], splits: tuple[_Split | None, ...], ndim: int) -> list[list[Level]]:
     """Per tensor dim, the mesh dims that split it, in mesh-dim order; one-part splits dropped."""
-    levels: list[list[_Level]] = [[] for _ in range(ndim)]
+    levels: list[list[Level]] = [[] for _ in range(ndim)]
     for mesh_dim, split in enumerate(splits):
         if split is not None and mesh[mesh_dim] > 1:  # one part is the whole extent, strided or not
             levels[split.dim].append((mesh_dim, mesh[mesh_dim], split.split_factor))
     return levels
-
-
-def _chunk_runs(length: int, parts: int) -> _Runs:
-    """``torch.chunk`` sizes of ``length`` in ``parts`` pieces: full chunks, a remainder, empties."""
-    if not length:
-        return [(parts, 0)]
-    size = -(-length // parts)
-    full, rest = divmod(length, size)
-    runs = [(full, size)]
-    if rest:
-        runs.append((1, rest))
-    if parts > full + (rest > 0):
-        runs.append((parts - full - (rest > 0), 0))
-    return runs
-
-
-def _split_runs(length: int, parts: int, split_factor: int) -> _Runs:
-    """Piece sizes of ``length`` split into ``parts`` as ``_StridedShard(split_factor)`` splits it.
-
-    The extent is cut into ``split_factor`` chunks (``full`` of size ``chunk``, maybe one of
-    ``rest``); piece ``c`` takes piece ``c`` of each, so its size is
-    ``full * size_c(chunk) + size_c(rest)``: the merge of two chunk-run lists.
-    """
-    if split_factor == 1 or not length:
-        return _chunk_runs(length, parts)
-    chunk = -(-length // split_factor)
-    full, rest = divmod(length, chunk)
-    runs: _Runs = []
-    whole, partial = _chunk_runs(chunk, parts), _chunk_runs(rest, parts)
-    i = j = 0
-    left_i, left_j = whole[0][0], partial[0][0]
-    while i < len(whole):
-        count = min(left_i, left_j)
-        size = full * whole[i][1] + partial[j][1]
-        if runs and runs[-1][1] == size:
-            runs[-1] = (runs[-1][0] + count, size)
-        else:
-            runs.append((count, size))
-        left_i -= count
-        left_j -= count
-        if not left_i:
-            i += 1
-            left_i = whole[i][0] if i < len(whole) else 0
-        if not left_j:
-            j += 1
-            left_j = partial[j][0] if j < len(partial) else 0
-    return runs
-
-
-def _expand(sizes: dict[int, int], parts: int, split_factor: int) -> dict[int, int]:
-    """Split every piece of a size multiset; empty pieces are dropped (they add nothing)."""
-    out: dict[int, int] = {}
-    for size, count in sizes.items():
-        for run_count, run_size in _split_runs(size, parts, split_factor):
-            if run_size:
-                out[run_size] = out.get(run_size, 0) + count * run_count
-    return out
-
-
-def _residues(sizes: Iterable[tuple[int, int]]) -> _Residues:
-    """How many of the ``(size, count)`` values are 1, 2 and 3 mod 4."""
-    counts = [0, 0, 0, 0]
-    for size, count in sizes:
-        counts[size & 3] += count
-    return counts[1], counts[2], counts[3]
-
-
-def _dim_state(length: int, levels: list[_Level], coord: Sequence[int]) -> _DimState:
-    """Sum up one tensor dim for the rank at ``coord``.
-
-    Returns ``(extent, before, before_residues, all_residues)``: the rank's piece size, the
-    total size of the pieces before it in mixed-radix order, and how many pieces before it
-    and in all are 1, 2 and 3 mod 4.
-    """
-    if not levels:
-        return length, 0, _NO_RESIDUES, _RESIDUES_OF[length & 3]
-    if len(levels) == 1 and levels[0][2] == 1:  # one Shard: three runs, counted directly
-        mesh_dim, parts, _ = levels[0]
-        if not length:
-            return 0, 0, _NO_RESIDUES, _NO_RESIDUES
-        index = coord[mesh_dim]
-        size = -(-length // parts)
-        full, rest = divmod(length, size)
-        if index < full:
-            extent, before_full, before_rest = size, index, 0
-        else:
-            extent = rest if index == full else 0
-            before_full, before_rest = full, (rest if index > full else 0)
-        before_residues = _residues(((size, before_full), (before_rest, 1)))
-        return extent, before_full * size + before_rest, before_residues, _residues(((size, full), (rest, 1)))
-    earlier: dict[int, int] = {}  # sizes of the pieces before the rank's one, at the current level
-    every: dict[int, int] = {length: 1} if length else {}
-    extent = length
-    for mesh_dim, parts, split_factor in levels:
-        index = coord[mesh_dim]
-        earlier = _expand(earlier, parts, split_factor)
-        every = _expand(every, parts, split_factor)
-        position = 0
-        for count, size in _split_runs(extent, parts, split_factor):
-            if index < position + count:
-                if size and index > position:
-                    earlier[size] = earlier.get(size, 0) + index - position
-                extent = size
-                break
-            if size:
-                earlier[size] = earlier.get(size, 0) + count
-            position += count
-    before = sum(size * count for size, count in earlier.items())
-    return extent, before, _residues(earlier.items()), _residues(every.items())
-
-
-def _times(u: _Residues, v: _Residues) -> _Residues:
-    """Residues of the products of every value counted by ``u`` with every one counted by ``v``."""
-    u1, u2, u3 = u
-    v1, v2, v3 = v
-    return u1 * v1 + u3 * v3, u1 * v2 + u2 * v1 + u2 * v3 + u3 * v2, u1 * v3 + u3 * v1
-
-
-def _padding(scale: int, x: _Residues) -> int:
-    """Sum of ``r4(v) - v`` over the values counted by ``x``, each multiplied by ``scale`` (mod 4)."""
-    x1, x2, x3 = x
-    if scale == 1:
-        return 3 * x1 + 2 * x2 + x3
-    if scale == 3:
-        return x1 + 2 * x2 + 3 * x3
-    if scale == 2:
-        return 2 * (x1 + x3)
-    return 0
-
-
-def _tails(shape: tuple[int, ...], all_residues: Sequence[_Residues]) -> tuple[list[int], list[_Residues], int]:
-    """What the offsets need from the tensor dims after each dim ``t``, the same on every rank.
-
-    Returns ``(numels, tails, end)``: the product of the global sizes of the dims after
-    ``t``, the residues mod 4 of the products of piece sizes over those dims, and ``end``.
-    """
-    numels = [1] * len(shape)
-    tails = [_ONE] * len(shape)
-    numel, tail = 1, _ONE  # the empty product: a single 1
-    for t in range(len(shape) - 1, -1, -1):
-        numels[t], tails[t] = numel, tail
-        numel *= shape[t]
-        tail = _times(all_residues[t], tail)
-    return numels, tails, numel + _padding(1, tail)
-
-
-def _start(states: Sequence[_DimState], numels: list[int], tails: list[_Residues]) -> int:
-    """This rank's ``start`` from its per-dim states, shards numbered row-major over tensor dims.
-
-    Shards before the rank's one are, for each tensor dim ``t``, those that agree with it on
-    dims before ``t``, hold an earlier piece on ``t`` and anything after ``t``. Their
-    element counts sum to ``head * before_t * numels[t]`` (``head`` the product of the
-    rank's extents before ``t``); their padding follows from the residues mod 4.
-    """
-    start = 0
-    head = 1
-    for (extent, before, before_residues, _), numel, tail in zip(states, numels, tails):
-        if before:
-            start += head * before * numel + _padding(head & 3, _times(before_residues, tail))
-        head *= extent
-    return start
 
 
 def _end_overflow(
@@ -571,22 +326,14 @@ def _runs_at(
     mesh: tuple[int, ...], splits: tuple[_Split | None, ...], shape: tuple[int, ...], coord: tuple[int, ...]
 ) -> tuple[tuple[range, ...], ...]:
     """Per tensor dim, the global runs the rank holds; an unsharded dim is one whole range."""
-    sharded = _sharded_dims(splits, len(shape))
+    sharded = {split.dim for split in splits if split is not None}
     return tuple(
-        _rank_runs(size, dim_levels, coord) if is_sharded else (range(size),)
-        for size, dim_levels, is_sharded in zip(shape, _levels(mesh, splits, len(shape)), sharded)
+        _rank_runs(size, dim_levels, coord) if dim in sharded else (range(size),)
+        for dim, (size, dim_levels) in enumerate(zip(shape, _levels(mesh, splits, len(shape))))
     )
 
 
-def _sharded_dims(splits: tuple[_Split | None, ...], ndim: int) -> list[bool]:
-    sharded = [False] * ndim
-    for split in splits:
-        if split is not None:
-            sharded[split.dim] = True
-    return sharded
-
-
-def _rank_runs(length: int, levels: list[_Level], coord: Sequence[int]) -> tuple[range, ...]:
+def _rank_runs(length: int, levels: list[Level], coord: Sequence[int]) -> tuple[range, ...]:
     """The global index runs the rank at ``coord`` holds along one tensor dim."""
     bound = math.prod(split_factor for _, _, split_factor in levels)
     if bound > MAX_INDEX_RUNS:
@@ -609,7 +356,7 @@ def _part_runs(runs: list[range], parts: int, split_factor: int, part: int) -> l
     ``split_factor == 1`` is plain ``Shard``. Only chunks where the piece is non-empty are
     visited, so the cost follows the number of runs returned.
     """
-    length = sum(run.stop - run.start for run in runs)
+    length = sum(map(len, runs))
     chunk = -(-length // split_factor)
     full, rest = divmod(length, chunk)
     picks: list[tuple[int, int]] = []  # local [low, high) bounds of the piece, chunk by chunk
@@ -623,7 +370,7 @@ def _part_runs(runs: list[range], parts: int, split_factor: int, part: int) -> l
     if len(runs) == 1:
         base = runs[0].start
         return _merge([range(base + a, base + b) for a, b in picks])
-    starts = list(itertools.accumulate((run.stop - run.start for run in runs[:-1]), initial=0))
+    starts = list(itertools.accumulate(map(len, runs[:-1]), initial=0))
     return _merge([piece for a, b in picks for piece in _take(runs, starts, a, b)])
 
 
@@ -639,7 +386,7 @@ def _take(runs: list[range], starts: list[int], low: int, high: int) -> list[ran
     i = bisect.bisect_right(starts, low) - 1
     while i < len(runs) and starts[i] < high:
         run, position = runs[i], starts[i]
-        a, b = max(low - position, 0), min(high - position, run.stop - run.start)
+        a, b = max(low - position, 0), min(high - position, len(run))
         if a < b:
             out.append(range(run.start + a, run.start + b))
         i += 1
@@ -660,8 +407,9 @@ def _merge(runs: list[range]) -> list[range]:
 
 
 def _validate(
-    mesh_shape: object, placements: object, global_shape: object
-) -> tuple[tuple[int, ...], tuple[_Split | None, ...], tuple[int, ...]]:
+    mesh_shape: object, placements: object, global_shape: object, coordinate: object = None
+) -> tuple[tuple[int, ...], tuple[_Split | None, ...], tuple[int, ...], tuple[int, ...]]:
+    """The arguments checked and normalised; ``coordinate`` too unless it is ``None`` (then ``()``)."""
     mesh = _int_tuple(mesh_shape, "mesh_shape", minimum=1)
     ranks = math.prod(mesh)
     if ranks > MAX_MESH_SIZE:
@@ -682,10 +430,8 @@ def _validate(
             f"dim, Replicate() where a mesh dim does not shard the tensor (DTensor requires the same)."
         )
     splits = tuple(_split_of(placement, i, shape) for i, placement in enumerate(given))
-    return mesh, splits, shape
-
-
-def _validate_coordinate(coordinate: object, mesh: tuple[int, ...]) -> tuple[int, ...]:
+    if coordinate is None:
+        return mesh, splits, shape, ()
     coord = _int_tuple(coordinate, "coordinate", minimum=0)
     if len(coord) != len(mesh):
         raise InvalidArgumentError(
@@ -697,28 +443,27 @@ def _validate_coordinate(coordinate: object, mesh: tuple[int, ...]) -> tuple[int
             raise InvalidArgumentError(
                 f"coordinate {coord} is outside the mesh {mesh}: index {index} on mesh dim {dim} must be below {size}."
             )
-    return coord
+    return mesh, splits, shape, coord
 
 
 def _split_of(placement: Any, mesh_dim: int, shape: tuple[int, ...]) -> _Split | None:
     kind = _kind_of(placement.__class__)
-    if kind is _Kind.REPLICA:
+    if kind == "replica":
         return None
-    if kind is _Kind.UNKNOWN:
-        kinds = _placement_types()
-        known = ", ".join(t.__name__ for t in (*kinds.shard, *kinds.strided, *kinds.replica)) or "none"
+    if kind is None:
+        known = ", ".join(t.__name__ for types in _placement_types().values() for t in types) or "none"
         raise ArgumentTypeError(
             f"placements[{mesh_dim}] is {placement!r} of type {type(placement).__name__}, not a placement "
             f"this module knows (this torch offers: {known}); pass torch.distributed.tensor placements."
         )
     split_factor = 1
-    if kind is _Kind.STRIDED:
-        split_factor = _int(getattr(placement, "split_factor", None), f"placements[{mesh_dim}].split_factor")
+    if kind == "strided":
+        split_factor = check_int(getattr(placement, "split_factor", None), f"placements[{mesh_dim}].split_factor")
         if split_factor < 1:
             raise InvalidArgumentError(
                 f"placements[{mesh_dim}] is {placement!r} with split_factor {split_factor}; it must be at least 1."
             )
-    dim = _int(getattr(placement, "dim", None), f"placements[{mesh_dim}].dim")
+    dim = check_int(getattr(placement, "dim", None), f"placements[{mesh_dim}].dim")
     ndim = len(shape)
     if not -ndim <= dim < ndim:
         raise InvalidArgumentError(
@@ -732,36 +477,26 @@ def _split_of(placement: Any, mesh_dim: int, shape: tuple[int, ...]) -> _Split |
 
 
 @functools.lru_cache(maxsize=64)  # bounded like every cache here: a run has a handful of placement classes
-def _kind_of(cls: type) -> _Kind:
-    """Classify a placement class once; torch's placement ``isinstance`` checks are slow."""
+def _kind_of(cls: type) -> str | None:
+    """Classify a placement class once (``None``: not a placement); torch's ``isinstance`` checks are slow."""
     kinds = _placement_types()
     # _StridedShard first: torch releases before 2.6 derive it from Shard.
-    if issubclass(cls, kinds.strided):
-        return _Kind.STRIDED
-    if issubclass(cls, kinds.shard):
-        return _Kind.SHARD
-    if issubclass(cls, kinds.replica):
-        return _Kind.REPLICA
-    return _Kind.UNKNOWN
+    return next((kind for kind in ("strided", "shard", "replica") if issubclass(cls, kinds[kind])), None)
 
 
 @functools.cache
-def _placement_types() -> _PlacementTypes:
-    """The installed torch's placement classes, imported on first use (the import takes ~1 s)."""
+def _placement_types() -> dict[str, tuple[type[Any], ...]]:
+    """The installed torch's placement classes by kind, imported on first use (the import takes ~1 s)."""
     try:
         from torch.distributed.tensor import placement_types as types
     except ImportError:
         try:  # torch < 2.4 kept DTensor private
             from torch.distributed._tensor import placement_types as types  # type: ignore[no-redef]
         except ImportError:  # torch built without distributed support: nothing can be placed
-            return _PlacementTypes((), (), ())
+            return {"shard": (), "strided": (), "replica": ()}
     partial = getattr(types, "Partial", None) or types._Partial  # renamed in torch 2.4
     strided = getattr(types, "_StridedShard", None)
-    return _PlacementTypes(
-        shard=(types.Shard,),
-        strided=(strided,) if strided is not None else (),
-        replica=(types.Replicate, partial),
-    )
+    return {"shard": (types.Shard,), "strided": (strided,) if strided else (), "replica": (types.Replicate, partial)}
 
 
 def _sequence(value: object, name: str) -> Sequence[Any]:
@@ -780,7 +515,3 @@ def _int_tuple(values: object, name: str, *, minimum: int) -> tuple[int, ...]:
         if v < minimum:
             raise InvalidArgumentError(f"{name}[{i}] is {v} in {out}; it must be at least {minimum}.")
     return out
-
-
-def _int(value: object, what: str) -> int:
-    return value if type(value) is int else check_int(value, what)

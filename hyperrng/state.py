@@ -30,8 +30,6 @@ rank, so DCP never deduplicates one rank's state onto another.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import random
 import secrets
@@ -47,6 +45,16 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
+from hyperrng._state_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    check_envelope,
+    check_metadata,
+    decode,
+    digest,
+    saved_derivation,
+    saved_layout,
+)
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.layout import (
     DEFAULT_STREAM,
@@ -56,7 +64,7 @@ from hyperrng.layout import (
     mesh_coordinates,
     recorded_derivation,
 )
-from hyperrng.platforms.validate import MAX_SEED, check_instance, check_seed
+from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = [
@@ -71,17 +79,8 @@ __all__ = [
     "load_rng_state",
 ]
 
-FORMAT = "hyperrng.rng_state"
-FORMAT_VERSION = 2
-"""Version 2: device states in the platform's own format (the CPU's carries its position
-cursor), no separate position list, and no copy of torch's CPU state where the platform's
-device is the host."""
 ON_MISMATCH = ("error", "reseed")
 
-_MT_WORDS = 624
-_PY_STATE_WORDS = _MT_WORDS + 1  # CPython's MT19937: 624 words plus the position
-_PY_STATE_VERSION = 3
-_DIGEST_BYTES = 16
 _TEMP_NAME_BYTES = 8  # random hex in a temporary file's name: concurrent saves never share one
 
 
@@ -108,11 +107,17 @@ def rng_state_dict(
             tracker, those not given are taken from that derivation (when the given ones
             agree with it), so they need not be passed.
         group: the process group whose rank and size are recorded (default: the world).
+
+    Returns:
+        Plain data (tensors, numbers, strings, lists, dicts) with its digest; see the module docstring.
+
+    Raises:
+        InvalidArgumentError: inside a fork of the tracker, or a base seed or coordinate out of range.
+        ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.layout.StreamLayout`.
     """
     p = platforms.current()
-    tracker = resolve_tracker(tracker)
-    if layout is not None:
-        check_instance(layout, StreamLayout, "layout")
+    # The device generator holds the stream inside a fork, not the default state a resume needs.
+    tracker = _idle_tracker(tracker, layout, "capture the RNG state")
     if base_seed is not None:
         base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
     point = dict(mesh_coordinates(coords)) if coords is not None else None
@@ -121,12 +126,6 @@ def rng_state_dict(
         layout = recorded.layout if layout is None else layout
         point = dict(recorded.coords) if point is None else point
         base_seed = recorded.base_seed if base_seed is None else base_seed
-    if tracker.active_stream is not None:
-        # The device generator holds the stream now, not the default state a resume needs.
-        raise InvalidArgumentError(
-            f"cannot capture the RNG state inside a fork of stream {tracker.active_stream!r}; "
-            "capture it outside any fork."
-        )
     py_version, py_words, py_gauss = random.getstate()
     np_state: Any = np.random.get_state(legacy=True)  # the legacy 5-tuple, not the dict form
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
@@ -152,8 +151,21 @@ def rng_state_dict(
         "devices": [p.get_rng_state(i) for i in range(p.device_count())],
         "streams": tracker.get_states(as_tensors=True) if tracker.is_initialized() else {},
     }
-    body["digest"] = _digest(body)
+    body["digest"] = digest(body)
     return body
+
+
+def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str) -> RNGStatesTracker:
+    """The tracker to use, refused inside a fork; ``layout`` checked to be a layout or ``None``."""
+    chosen = resolve_tracker(tracker)
+    if layout is not None:
+        check_instance(layout, StreamLayout, "layout")
+    if chosen.active_stream is not None:
+        verb = what.split()[0]
+        raise InvalidArgumentError(
+            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork."
+        )
+    return chosen
 
 
 def _agrees(recorded: Derivation, layout: StreamLayout | None, point: dict[str, int] | None, base: int | None) -> bool:
@@ -203,16 +215,10 @@ def load_rng_state_dict(
         )
     if on_mismatch not in ON_MISMATCH:
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
-    tracker = resolve_tracker(tracker)
-    if layout is not None:
-        check_instance(layout, StreamLayout, "layout")
-    if tracker.active_stream is not None:
-        # The fork's exit would restore the state it saved before this load, losing both.
-        raise InvalidArgumentError(
-            f"cannot load an RNG state inside a fork of stream {tracker.active_stream!r}; load it outside any fork."
-        )
-    _check_envelope(state)
-    _check_metadata(state)
+    # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
+    tracker = _idle_tracker(tracker, layout, "load an RNG state")
+    check_envelope(state)
+    check_metadata(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)
     if mismatches:
@@ -226,75 +232,13 @@ def load_rng_state_dict(
         with holding(device_keys(p), "load_rng_state_dict"):
             _reseed(state, tracker, layout, coords, mismatches)
         return
-    applied = _decode(state, p, tracker)
-    derivation = _saved_derivation(state)
+    applied = decode(state, p, tracker)
+    derivation = saved_derivation(state)
     # Held while every state is written: another thread's fork or region refuses the load
     # (nothing written), and none starts halfway through it.
     with holding(device_keys(p), "load_rng_state_dict"):
         _apply(applied, p, tracker)
     _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
-
-
-def _check_envelope(state: Mapping[str, Any]) -> None:
-    if not isinstance(state, Mapping):
-        raise ArgumentTypeError(
-            f"an RNG state is the dict rng_state_dict() returned, got {type(state).__name__}; "
-            f"load a saved one with hyperrng.load_rng_state(path)."
-        )
-    if state.get("format") != FORMAT:
-        raise InvalidArgumentError(
-            f"not a hyperrng RNG state (expected format {FORMAT!r}); pass the dict rng_state_dict() returned."
-        )
-    if state.get("version") != FORMAT_VERSION:
-        raise InvalidArgumentError(
-            f"RNG state format version {state.get('version')!r} cannot be read by this hyperrng, "
-            f"which reads version {FORMAT_VERSION}; load it with the hyperrng release that wrote it."
-        )
-    try:
-        digest = _digest(state)
-    except Exception as exc:
-        raise InvalidArgumentError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
-    if state.get("digest") != digest:
-        raise InvalidArgumentError(
-            "the RNG state's digest does not match its content: the file was modified or damaged; "
-            "resume from another checkpoint."
-        )
-
-
-_METADATA_TYPES: dict[str, tuple[type, ...]] = {
-    "platform": (str,),
-    "rank": (int,),
-    "world_size": (int,),
-    "base_seed": (int, type(None)),
-    "layout": (Mapping, type(None)),
-    "coords": (Mapping, type(None)),
-    "torch_cpu": (torch.Tensor, type(None)),
-    "devices": (list, tuple),
-    "streams": (Mapping,),
-    "python": (Mapping,),
-    "numpy": (Mapping,),
-}
-
-
-def _check_metadata(state: Mapping[str, Any]) -> None:
-    """Every top-level field present with its type and range, so later reads cannot fail halfway."""
-    for field, types in _METADATA_TYPES.items():
-        if field not in state:
-            raise InvalidArgumentError(f"the RNG state is malformed: field {field!r} is missing.")
-        value = state[field]
-        if not isinstance(value, types) or isinstance(value, bool):
-            raise InvalidArgumentError(
-                f"the RNG state is malformed: field {field!r} is a {type(value).__name__}, "
-                f"expected {' or '.join(t.__name__ for t in types)}."
-            )
-    if state["base_seed"] is not None and not 0 <= state["base_seed"] <= MAX_SEED:
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: base_seed {state['base_seed']} is outside [0, 2**64 - 1]."
-        )
-    if not 0 <= state["rank"] < state["world_size"]:
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: rank {state['rank']} does not lie in a world of size {state['world_size']}."
-        )
 
 
 def _mismatches(
@@ -315,127 +259,6 @@ def _mismatches(
     if coords is not None and state["coords"] is not None and state["coords"] != dict(mesh_coordinates(coords)):
         found.append(f"mesh coordinates {state['coords']} (now {dict(mesh_coordinates(coords))})")
     return found
-
-
-def _decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> dict[str, Any]:
-    """Check every field's type, size and range and build the objects to apply; change nothing."""
-    py_state = _python_state(state["python"])
-    np_state = _numpy_state(state["numpy"])
-    if p.device_type == "cpu":  # devices[0] carries torch's CPU state
-        if state["torch_cpu"] is not None:
-            raise InvalidArgumentError(
-                "the RNG state is malformed: torch_cpu must be None on a platform whose device is the host."
-            )
-        cpu = None
-    else:
-        cpu = _tensor(state["torch_cpu"], torch.uint8, platforms.MT19937_STATE_NBYTES, "torch CPU state")
-        try:
-            torch.Generator().set_state(cpu)  # a scratch generator: refuses bytes MT19937 cannot take
-        except RuntimeError as exc:
-            raise InvalidArgumentError(
-                f"the RNG state is malformed: the torch CPU state is not a valid MT19937 state ({exc})."
-            ) from None
-    devices = [_platform_state(p, d, f"device {i} state") for i, d in enumerate(state["devices"])]
-    streams = {}
-    for name, value in state["streams"].items():
-        if not isinstance(name, str) or not name:
-            raise InvalidArgumentError(f"the RNG state is malformed: stream name {name!r} is not a non-empty string.")
-        streams[name] = _platform_state(p, value, f"state of stream {name!r}")
-    held = set(tracker.get_states()) if tracker.is_initialized() else set()
-    missing = sorted(held - set(streams))
-    if missing:
-        raise InvalidArgumentError(
-            f"the RNG state lacks stream(s) {missing} that the tracker holds; it was saved before they were "
-            "added, or reset() the tracker to adopt the saved streams."
-        )
-    extra = sorted(set(streams) - held) if held else []
-    if extra:
-        raise InvalidArgumentError(
-            f"the RNG state holds stream(s) {extra} that the tracker does not; add them first, "
-            "or reset() the tracker to adopt the saved streams."
-        )
-    return {"python": py_state, "numpy": np_state, "cpu": cpu, "devices": devices, "streams": streams}
-
-
-def _saved_layout(state: Mapping[str, Any]) -> StreamLayout | None:
-    if state["layout"] is None:
-        return None
-    try:
-        return StreamLayout.from_dict(state["layout"])
-    except HyperRNGError as exc:
-        raise InvalidArgumentError(f"the RNG state is malformed: its layout cannot be read ({exc})") from None
-
-
-def _saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
-    """The derivation the state records, checked; ``None`` when it lacks one of its three parts."""
-    layout = _saved_layout(state)
-    if layout is None or state["coords"] is None or state["base_seed"] is None:
-        return None
-    try:
-        coords = mesh_coordinates(state["coords"])
-        layout.seeds(state["base_seed"], coords)  # the coordinates fit the layout
-    except HyperRNGError as exc:
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: its coordinates do not fit its layout ({exc})"
-        ) from None
-    return Derivation(layout, state["base_seed"], {d: coords[d] for d in layout.dims})
-
-
-def _malformed(what: str, expected: str, got: object) -> InvalidArgumentError:
-    return InvalidArgumentError(f"the RNG state is malformed: {what} must be {expected}, got {got!r:.80}.")
-
-
-def _exact_int(value: object, what: str, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise _malformed(what, f"an int in [{low}, {high}]", value)
-    return value
-
-
-def _fields(value: object, what: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping) or set(value) != set(names):
-        got = sorted(value) if isinstance(value, Mapping) else value
-        raise _malformed(what, f"a mapping with exactly the keys {list(names)}", got)
-    return value
-
-
-def _python_state(value: object) -> tuple[int, tuple[int, ...], float | None]:
-    """CPython's ``random`` state: version 3, 624 MT19937 words below 2**32 and a position in [0, 624]."""
-    py = _fields(value, "the Python random state", ("version", "state", "gauss"))
-    _exact_int(py["version"], "the Python random state version", _PY_STATE_VERSION, _PY_STATE_VERSION)
-    words = _tensor(py["state"], torch.int64, _PY_STATE_WORDS, "the Python random state").tolist()
-    if not all(0 <= w < 2**32 for w in words[:-1]) or not 0 <= words[-1] <= _MT_WORDS:
-        raise _malformed(
-            "the Python random state", "624 words in [0, 2**32) then a position in [0, 624]", "out of range"
-        )
-    gauss = py["gauss"]
-    if gauss is not None and type(gauss) is not float:
-        raise _malformed("the Python cached normal", "None or a float", gauss)
-    return _PY_STATE_VERSION, tuple(words), gauss
-
-
-def _numpy_state(value: object) -> tuple[str, np.ndarray, int, int, float]:
-    """NumPy's legacy MT19937 state: 624 words below 2**32, a position in [0, 624], a cached normal."""
-    npy = _fields(value, "the NumPy state", ("kind", "keys", "pos", "has_gauss", "gauss"))
-    if npy["kind"] != "MT19937":
-        raise _malformed("the NumPy state's kind", "'MT19937'", npy["kind"])
-    keys = _tensor(npy["keys"], torch.int64, _MT_WORDS, "the NumPy state keys")
-    if bool(((keys < 0) | (keys >= 2**32)).any()):
-        raise _malformed("the NumPy state keys", "624 words in [0, 2**32)", "out of range")
-    # NumPy does not check the position: one past 624 reads outside its key array later.
-    pos = _exact_int(npy["pos"], "the NumPy state position", 0, _MT_WORDS)
-    has_gauss = _exact_int(npy["has_gauss"], "the NumPy has_gauss flag", 0, 1)
-    gauss = npy["gauss"]
-    if type(gauss) is not float or not math.isfinite(gauss):
-        raise _malformed("the NumPy cached normal", "a finite float", gauss)
-    return "MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss
-
-
-def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Tensor:
-    state = _tensor(value, torch.uint8, p._state_nbytes, what)
-    try:
-        return p.check_rng_state(state).clone()
-    except HyperRNGError as exc:
-        raise InvalidArgumentError(f"the RNG state is malformed: {what}: {exc}") from None
 
 
 def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> None:
@@ -466,7 +289,7 @@ def _reseed(
     base_seed = state.get("base_seed")
     recorded = recorded_derivation(tracker)  # what apply_layout gave this tracker for the current setup
     if layout is None:
-        layout = recorded.layout if recorded is not None else _saved_layout(state)
+        layout = recorded.layout if recorded is not None else saved_layout(state)
     if coords is None and recorded is not None and recorded.layout == layout:
         coords = recorded.coords
     if layout is None or coords is None or base_seed is None:
@@ -602,25 +425,16 @@ class RNGStateful:
         on_mismatch: str = "error",
         group: object | None = None,
     ) -> None:
-        self._tracker = tracker
-        self._layout = layout
-        self._coords = coords
         self._group = group
-        self._base_seed = base_seed
-        self._on_mismatch = on_mismatch
+        self._save: dict[str, Any] = {"tracker": tracker, "layout": layout, "coords": coords, "group": group}
+        self._load = {**self._save, "on_mismatch": on_mismatch}
+        self._save["base_seed"] = base_seed
 
     def _key(self) -> str:
         return f"rank_{platforms.comm.rank(self._group)}"
 
     def state_dict(self) -> dict[str, Any]:
-        state = rng_state_dict(
-            tracker=self._tracker,
-            layout=self._layout,
-            coords=self._coords,
-            base_seed=self._base_seed,
-            group=self._group,
-        )
-        return {self._key(): state}
+        return {self._key(): rng_state_dict(**self._save)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         key = self._key()
@@ -629,57 +443,4 @@ class RNGStateful:
                 f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)}); "
                 "it was saved with a different world size."
             )
-        load_rng_state_dict(
-            state_dict[key],
-            tracker=self._tracker,
-            layout=self._layout,
-            coords=self._coords,
-            on_mismatch=self._on_mismatch,
-            group=self._group,
-        )
-
-
-def _digest(state: Mapping[str, Any]) -> str:
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    _feed(h, {k: v for k, v in state.items() if k != "digest"})
-    return h.hexdigest()
-
-
-def _feed(h: Any, value: Any) -> None:
-    """Hash ``value`` canonically: dict keys sorted, tensors by dtype, shape and bytes."""
-    if isinstance(value, Mapping):
-        h.update(b"{")
-        for key in sorted(value, key=str):
-            h.update(repr(key).encode())
-            _feed(h, value[key])
-        h.update(b"}")
-    elif isinstance(value, (list, tuple)):
-        h.update(b"[")
-        for item in value:
-            _feed(h, item)
-        h.update(b"]")
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu").contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    else:
-        h.update(f"{type(value).__name__}:{value!r};".encode())
-
-
-def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
-    if (
-        not isinstance(value, torch.Tensor)
-        or value.dtype != dtype
-        or value.dim() != 1
-        or value.numel() != numel
-        or value.device.type != "cpu"
-    ):
-        got = (
-            f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: {what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}."
-        )
-    return value.contiguous()
+        load_rng_state_dict(state_dict[key], **self._load)

@@ -11,7 +11,9 @@ from pathlib import Path
 import hyperrng.platforms as platforms
 import pytest
 
-from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _Placement, _verdict_lines, _verdicts, main, run_demo
+from hyperrng._demo_output import verdict_lines as _verdict_lines
+from hyperrng._launch import Placement as _Placement
+from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _header, _verdicts, main, run_demo
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
@@ -328,6 +330,17 @@ def test_a_verdict_whose_detail_is_too_long_puts_it_below_wrapped_and_loses_no_w
 def test_verdicts_pass_a_healthy_run() -> None:
     trained, resumed = _healthy()
     assert all(ok for _, ok, _ in _verdicts(DemoConfig(world_size=4), trained, resumed))
+
+
+def test_the_plan_lists_each_property_by_the_name_its_verdict_gives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cpu = platforms.CPUPlatform()
+    for cfg in (DemoConfig(world_size=4).resolved(), DemoConfig(world_size=4, save_step=3).resolved()):
+        plan = _header(cfg, cpu, _Placement.plan(cpu, cfg.size), torchrun=False)
+        trained, resumed = _healthy()
+        named = [name for name, _, _ in _verdicts(cfg, trained, resumed)]
+        assert [line.removeprefix("  - ") for line in plan if line.startswith("  - ")] == named
 
 
 @pytest.mark.parametrize(

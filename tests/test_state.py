@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hyperrng._state_format import digest as _digest
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
@@ -26,7 +27,6 @@ from hyperrng.state import (
     FORMAT_VERSION,
     RNGResumeWarning,
     RNGStateful,
-    _digest,
     load_rng_state,
     load_rng_state_dict,
     rng_state_dict,
