@@ -193,9 +193,10 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: in
     shift). The masks are applied once per new word, after the XORs, since garbage in
     the upper half of a word never reaches its low half.
 
-    Words move one row down each round, so that one operation serves two words: in
-    round ``r`` word ``j`` is in row ``(r + 2 + j) % 4``, so words 0 and 2 are the rows
-    0 and 2 or 1 and 3, a strided view, and so are words 1 and 3. A round multiplies the
+    Words move one row down each round, so that one operation serves two words: from
+    round 1 on, word ``j`` of round ``r`` is in row ``(r + 2 + j) % 4``, so words 0 and 2
+    are the rows 0 and 2 or 1 and 3, a strided view, and so are words 1 and 3 (round 0,
+    with two zero words, puts them there). A round multiplies the
     pair (0, 2) in place: the low halves of the products are the new words 3 and 1, where
     they are; the high halves, XORed with the pair (1, 3) and the round keys, are the
     new words 0 and 2, where words 1 and 3 were. The high halves go through ``products``
