@@ -160,45 +160,71 @@ def counter_words(blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor
     return philox_rounds(blocks & _MASK32, blocks >> _HALF_SHIFT, zeros, zeros, k0, k1)
 
 
+@functools.lru_cache(maxsize=32)
+def _round_constants(k0: int, k1: int, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Per round from 1 on, the ``(2, 1)`` multipliers of the pair of rows :func:`_rounds_inplace`
+    multiplies and the round keys of the pair it XORs into, each in the order of its rows."""
+    rounds = []
+    for r in range(1, PHILOX_ROUNDS):
+        s = (r + 2) % WORDS_PER_BLOCK  # the row of word 0 in round r
+        kr0, kr1 = (k0 + r * PHILOX_W0) & _MASK32, (k1 + r * PHILOX_W1) & _MASK32
+        multipliers = (PHILOX_M0, PHILOX_M1) if s < 2 else (PHILOX_M1, PHILOX_M0)
+        keys = (kr0, kr1) if s in (0, 3) else (kr1, kr0)
+        rounds.append((multipliers, keys))
+    # Built on the CPU and moved: torch.tensor(..., device=) fails on a Python-written device
+    # backend when called from inside one of its kernels.
+    table = torch.tensor(rounds, dtype=torch.int64).unsqueeze(-1).to(device)
+    return tuple((row[0], row[1]) for row in table)
+
+
 def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: int, final_mask: int) -> None:
     """Eager Philox4x32-10 on the ``(4, m)`` rows ``words``, in place, with ``(2, m)`` scratch.
 
     On entry rows 0 and 1 hold the low and high counter words (rows 2 and 3, the zero
     counter words, are not read); on exit the four rows hold the output words, masked
     with ``final_mask`` (a distribution that keeps only the top bits of a word passes
-    those bits and saves a pass). Each round writes into the rows the previous round
-    freed, so nothing is allocated. Unlike :func:`philox_rounds` it multiplies the words
-    directly and lets the ``int64`` product wrap: torch's eager kernels are compiled
-    ahead of time and wrap on every backend, the wrapped product is the exact unsigned
-    64-bit one, and its high word is ``(p >> 32) & 0xFFFFFFFF`` (the mask undoes the sign
-    extension of the arithmetic shift). The masks are applied once per new word, after
-    the XORs, since garbage in the upper half of a word never reaches its low half.
+    those bits and saves a pass). Nothing is allocated. Unlike :func:`philox_rounds` it
+    multiplies the words directly and lets the ``int64`` product wrap: torch's eager
+    kernels are compiled ahead of time and wrap on every backend, the wrapped product is
+    the exact unsigned 64-bit one, its low half is the low word and ``(p >> 32) &
+    0xFFFFFFFF`` the high word (the mask undoes the sign extension of the arithmetic
+    shift). The masks are applied once per new word, after the XORs, since garbage in
+    the upper half of a word never reaches its low half.
+
+    Words move one row down each round, so that one operation serves two words: from
+    round 1 on, word ``j`` of round ``r`` is in row ``(r + 2 + j) % 4``, so words 0 and 2
+    are the rows 0 and 2 or 1 and 3, a strided view, and so are words 1 and 3 (round 0,
+    with two zero words, puts them there). A round multiplies the
+    pair (0, 2) in place: the low halves of the products are the new words 3 and 1, where
+    they are; the high halves, XORed with the pair (1, 3) and the round keys, are the
+    new words 0 and 2, where words 1 and 3 were. The high halves go through ``products``
+    in the order of that pair: one shift where the two pairs' orders agree, two where
+    they are opposite. Ten rounds end with the words in rows 0 to 3.
     """
-    c0, c1, c2, c3 = words.unbind(0)
-    p0, p1 = products.unbind(0)
-    # Round 0: words 2 and 3 are zero, so its second product is zero.
-    torch.mul(c0, PHILOX_M0, out=p0)
-    torch.bitwise_xor(c1, k0 & _MASK32, out=c0)  # high product word 0, word 1, key
-    torch.bitwise_right_shift(p0, _HALF_SHIFT, out=c2)
-    c2.bitwise_xor_(k1 & _MASK32).bitwise_and_(_MASK32)
-    p1.zero_()
-    c1, p1 = p1, c1
-    c3, p0 = p0, c3
-    for r in range(1, PHILOX_ROUNDS):
-        kr0 = (k0 + r * PHILOX_W0) & _MASK32
-        kr1 = (k1 + r * PHILOX_W1) & _MASK32
+    r0, r1, r2, _ = words.unbind(0)
+    t0, t1 = products.unbind(0)
+    pairs = (words[0::2], words[1::2])
+    # Round 0: words 2 and 3 are zero, so its second product is zero and word 1 becomes
+    # zero. It leaves word j in row (3 + j) % 4, where round 1 finds it.
+    torch.bitwise_xor(r1, k0 & _MASK32, out=words[3])  # word 0: word 1 (clean: a counter word) ^ key
+    torch.mul(r0, PHILOX_M0, out=r2)  # word 3: the low half of the product
+    torch.bitwise_right_shift(r2, _HALF_SHIFT, out=r1)
+    r1.bitwise_xor_(k1 & _MASK32).bitwise_and_(_MASK32)  # word 2: high half ^ key
+    r0.zero_()  # word 1
+    for r, (multipliers, keys) in enumerate(_round_constants(k0, k1, words.device), start=1):
+        odd = r % 2  # word 0 is in row (r + 2) % 4, so words 0 and 2 are in rows 1 and 3 in odd rounds
+        factors, targets = pairs[odd], pairs[1 - odd]
+        factors.mul_(multipliers)
+        # The product of word 0 meets word 3, that of word 2 meets word 1: in odd rounds they
+        # are in the same places of their pairs, in even rounds in opposite places.
+        if odd:
+            torch.bitwise_right_shift(factors, _HALF_SHIFT, out=products)
+        else:
+            torch.bitwise_right_shift(r2, _HALF_SHIFT, out=t0)
+            torch.bitwise_right_shift(r0, _HALF_SHIFT, out=t1)
         mask = final_mask if r == PHILOX_ROUNDS - 1 else _MASK32
-        torch.mul(c0, PHILOX_M0, out=p0)
-        torch.mul(c2, PHILOX_M1, out=p1)
-        torch.bitwise_right_shift(p1, _HALF_SHIFT, out=c0)
-        c0.bitwise_xor_(c1).bitwise_xor_(kr0).bitwise_and_(mask)
-        torch.bitwise_right_shift(p0, _HALF_SHIFT, out=c2)
-        c2.bitwise_xor_(c3).bitwise_xor_(kr1).bitwise_and_(mask)
-        # The products become words 1 and 3; their old rows hold the next products.
-        c1, p1 = p1, c1
-        c3, p0 = p0, c3
-    # Ten rounds swap each pair ten times, so words 1 and 3 are back in rows 1 and 3.
-    words[1::2].bitwise_and_(final_mask)
+        targets.bitwise_xor_(products).bitwise_xor_(keys).bitwise_and_(mask)
+    pairs[1].bitwise_and_(final_mask)  # words 1 and 3, the low halves of the last products
 
 
 # --- distributions --------------------------------------------------------------------

@@ -428,13 +428,7 @@ def _switched_refusal(refuse: Callable[..., Any], original: _Original) -> Callab
 
 
 class _Kernels:
-    """The portable kernels, registered with torch once per dispatch key and never removed.
-
-    Registering changes torch's dispatch table, so it happens at most once per key in a
-    process: when a thread first enters portable mode with a platform that needs the key.
-    Each kernel looks at a per-thread flag (:data:`THREAD`) and, outside the mode, calls
-    torch's own kernel, saved with ``torch.library.get_kernel`` just before overriding it.
-    """
+    """The (op, dispatch key) pairs registered so far: once per key, for good (see the module docstring)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

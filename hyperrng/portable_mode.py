@@ -91,8 +91,8 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng._portable_ops import PORTABLE_OPS, THREAD, Entry, register, registered, unsupported_ops
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.platforms.validate import check_seed
+from hyperrng.errors import InvalidArgumentError
+from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.sharded import ShardedRNGTracker
 
 __all__ = [
@@ -293,12 +293,6 @@ def _step_done(entry: Entry | None) -> None:
         entry.saved = None  # entered: turning the switch off leaves the generator where it is
 
 
-def _check_bool(value: object, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ArgumentTypeError(f"{what} must be a bool (True or False), got {type(value).__name__} {value!r}.")
-    return value
-
-
 def _check_optional_seed(seed: object) -> int | None:
     return None if seed is None else check_seed(seed)
 
@@ -335,7 +329,7 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
 
     def __init__(self, seed: int | None = None, *, compiled: bool = False) -> None:
         self._seed = _check_optional_seed(seed)
-        self._compiled = _check_bool(compiled, "compiled")
+        self._compiled = check_instance(compiled, bool, "compiled")
 
     def __enter__(self) -> None:
         _step_done(_enter(self, platforms.current(), self._seed, self._compiled, "portable_random"))
@@ -369,9 +363,9 @@ def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: boo
             or a ``seed`` with ``enabled=False``.
         UnsupportedPortableOpError / InvalidOperationError: as on entering :class:`portable_random`.
     """
-    on = _check_bool(enabled, "enabled")
+    on = check_instance(enabled, bool, "enabled")
     value = _check_optional_seed(seed)
-    use_compiled = _check_bool(compiled, "compiled")
+    use_compiled = check_instance(compiled, bool, "compiled")
     if not on and value is not None:
         raise InvalidArgumentError("a seed positions the generator for portable draws; pass it with enabled=True.")
     switch = next((e for e in THREAD.entries if e.owner is _SWITCH), None)
