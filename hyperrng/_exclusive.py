@@ -55,7 +55,8 @@ whose owner has ended (``is_alive()`` is false: it exited, or was killed by an e
 that skipped its context's exit, such as a generator-based caller abandoned mid-fork)
 counts as released: the next thread that asks takes the device over instead of being
 refused forever. The dead thread's generator state stays as it left it, exactly as if it
-had been a plain draw. Threads that CPython did not start (a C++ thread calling into
+had been a plain draw; a tracker whose fork it left open refuses every use until its streams
+are replaced (see :mod:`hyperrng.tracker`). Threads that CPython did not start (a C++ thread calling into
 Python, such as autograd's device threads) appear as dummy threads that always count as
 alive, so a hold such a thread never released still blocks.
 

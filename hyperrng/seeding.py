@@ -151,7 +151,7 @@ def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     """The tracker to reseed; refuse up front (an active fork, a mode the platform lacks),
     before anything is seeded."""
     chosen = resolve_tracker(tracker)
-    if chosen.active_stream is not None:
+    if chosen.active_stream is not None and not chosen._abandoned():  # an abandoned fork: the reseed replaces it
         raise InvalidOperationError(
             f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork.", reason="tracker"
         )

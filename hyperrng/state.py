@@ -160,7 +160,7 @@ def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None,
     chosen = resolve_tracker(tracker)
     if layout is not None:
         check_instance(layout, StreamLayout, "layout")
-    if chosen.active_stream is not None:
+    if chosen.active_stream is not None and not chosen._abandoned():  # abandoned: get/set_states decide
         verb = what.split()[0]
         raise InvalidArgumentError(
             f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork."

@@ -28,6 +28,13 @@ raises :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing
 for a moment to make a stream's state. A fork of the same tracker on another thread and
 another device raises :class:`InvalidOperationError` (a tracker's open forks form one chain).
 
+A fork whose thread ended without leaving it (its exit never ran) is *abandoned*: the
+tracker no longer knows what its streams hold, so every use of it raises
+:class:`InvalidOperationError` saying so, until :meth:`RNGStatesTracker.reset`,
+:meth:`~RNGStatesTracker.reseed` (and the seeding recipes) or
+:meth:`~RNGStatesTracker.set_states` replace every stream. The device generator stays as
+that thread left it, as for any hold of an ended thread.
+
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
 ``te.TransformerLayer(..., get_rng_state_tracker=hyperrng.get_rng_tracker)`` works.
@@ -107,6 +114,7 @@ class _Fork:
     # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
     # outside any fork), thread (its Thread object), held (the device's key, the hold depth before this fork).
     __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "saved", "thread", "write")
+    thread: Thread
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
@@ -123,9 +131,11 @@ class _Fork:
         state = states.get(self.name)
         if state is None:  # the tracker was reset between fork() and entering it
             raise UnknownStreamError(tracker._unknown(self.name))
+        me = current_thread()
+        if tracker._active is not None and tracker._active.thread is not me:
+            tracker._check_not_abandoned("fork a stream")
         swap = tracker._swap
         read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
-        me = current_thread()
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
             below = _exclusive.hold_key(key, me, "tracker.fork")
@@ -279,7 +289,8 @@ class RNGStatesTracker:
         Raises:
             InvalidOperationError: a fork is active (its exit would restore a stream that is gone).
         """
-        self._idle("reset the tracker")
+        self._idle("reset the tracker", replacing=True)
+        self._forget_abandoned()
         self._states = {}
         self._seeds = {}
         self._swap = None
@@ -334,7 +345,7 @@ class RNGStatesTracker:
                 current platform lacks it;
                 or as for :meth:`add`; the old streams are kept.
         """
-        self._idle("reseed the tracker")
+        self._idle("reseed the tracker", replacing=True)
         if not isinstance(seeds, Mapping):
             raise ArgumentTypeError(f"reseed() takes a mapping of stream name to seed, got {type(seeds).__name__}.")
         owners: dict[int, str] = {}
@@ -349,6 +360,7 @@ class RNGStatesTracker:
             owners[value] = name
         swap = self._target(rebind=True)
         states = {name: swap.new_state(seed) for seed, name in owners.items()}
+        self._forget_abandoned()
         self._swap = swap
         self._states = states
         self._seeds = owners
@@ -399,6 +411,7 @@ class RNGStatesTracker:
             return {}
         snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
         if active is not None and not swap.in_place:  # the generator holds the active stream's advance
+            self._check_not_abandoned("snapshot the streams")
             snapshot[active.name] = swap.export(active.read(), as_tensors)
         return snapshot
 
@@ -437,7 +450,7 @@ class RNGStatesTracker:
                 raise InvalidArgumentError(
                     f"set_states() lacks stream(s) {missing}; pass the complete mapping get_states() returned."
                 )
-        self._not_elsewhere("set the states")
+        self._not_elsewhere("set the states", replacing=True)
         swap = self._target(rebind=False)
         order = list(self._states) or list(states)
         new = {}
@@ -446,6 +459,7 @@ class RNGStatesTracker:
                 new[name] = swap.coerce(name, states[name])
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"state of stream {name!r}: {exc}") from None
+        self._forget_abandoned()
         self._swap = swap
         self._states = new
         self._initialized = True
@@ -483,20 +497,42 @@ class RNGStatesTracker:
             return self._swap
         return choose_swap(platform, self._want_graph_safe)
 
-    def _idle(self, what: str) -> None:
-        if self._active is not None:
+    def _idle(self, what: str, *, replacing: bool = False) -> None:
+        """Refuse ``what`` inside a fork, also an abandoned one unless ``what`` replaces every stream."""
+        if self._active is not None and not (replacing and self._abandoned()):
+            self._check_not_abandoned(what)
             raise InvalidOperationError(
                 f"cannot {what} inside a fork of stream {self._active.name!r}; do it outside the fork.",
                 reason="tracker",
             )
 
-    def _not_elsewhere(self, what: str) -> None:
+    def _not_elsewhere(self, what: str, *, replacing: bool = False) -> None:
         active = self._active
-        if active is not None and active.thread is not current_thread():
+        if active is not None and active.thread is not current_thread() and not (replacing and self._abandoned()):
+            self._check_not_abandoned(what)
             raise InvalidOperationError(
                 f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open.",
                 reason="tracker",
             )
+
+    def _abandoned(self) -> bool:
+        """Whether the open fork's thread ended without leaving it (see the module docstring)."""
+        return self._active is not None and not self._active.thread.is_alive()
+
+    def _check_not_abandoned(self, what: str) -> None:
+        if self._abandoned():
+            raise InvalidOperationError(
+                f"cannot {what}: a fork of stream {self.active_stream!r} was left open by thread "
+                f"{self._active.thread.ident} that has ended, so the tracker no longer knows what its streams hold; "  # type: ignore[union-attr]
+                "reset() and reseed it, or set_states() a snapshot taken before.",
+                reason="tracker",
+            )
+
+    def _forget_abandoned(self) -> None:
+        """Drop an abandoned chain of forks: the apply step of the calls that replace every stream."""
+        if self._abandoned():
+            self._active = None
+            self._claim.clear()
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
@@ -595,6 +631,6 @@ def set_rng_tracker(tracker: RNGStatesTracker) -> RNGStatesTracker:
     global _TRACKER
     if not isinstance(tracker, RNGStatesTracker):
         raise ArgumentTypeError(f"expected an RNGStatesTracker, got {type(tracker).__name__}; pass RNGStatesTracker().")
-    _TRACKER._idle("replace the process-wide tracker")
+    _TRACKER._idle("replace the process-wide tracker", replacing=True)
     previous, _TRACKER = _TRACKER, tracker
     return previous

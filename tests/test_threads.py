@@ -440,6 +440,69 @@ def test_a_fork_works_after_a_thread_died_inside_a_fork_of_another_tracker() -> 
         torch.rand(4)
 
 
+def _abandon_fork(tracker: RNGStatesTracker, name: str) -> None:
+    """Have a thread enter a fork of ``tracker`` and end without leaving it."""
+    _die_holding(lambda: tracker.fork(name).__enter__())
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        pytest.param(lambda t: t.fork("s").__enter__(), id="fork-same-stream"),
+        pytest.param(lambda t: t.fork("u").__enter__(), id="fork-other-stream"),
+        pytest.param(lambda t: t.get_states(), id="get_states"),
+        pytest.param(lambda t: t.add("v", 9), id="add"),
+        pytest.param(lambda t: hyperrng.rng_state_dict(tracker=t), id="rng_state_dict"),
+    ],
+)
+def test_a_fork_abandoned_by_an_ended_thread_refuses_every_use_with_a_typed_error_and_changes_nothing(
+    use: Callable[[RNGStatesTracker], object],
+) -> None:
+    # Before, the next fork nested inside the dead thread's fork and its exit wrote that
+    # fork's stale stream state into the generator; a snapshot read the generator as that
+    # stream's advance whatever had drawn from it since.
+    tracker = _tracker(s=1, u=2)
+    _abandon_fork(tracker, "s")
+    generator, streams = torch.get_rng_state(), dict(tracker._states)
+    with pytest.raises(InvalidOperationError, match=r"left open by thread \d+ that has ended.*reset\(\)") as info:
+        use(tracker)
+    assert info.value.reason == "tracker"
+    assert torch.equal(torch.get_rng_state(), generator)
+    assert tracker._states == streams and tracker.active_stream == "s"
+    assert _exclusive.holder("cpu", 0) is None  # a refused fork released what it held
+
+
+def test_set_states_reset_reseed_and_the_seeding_recipes_replace_the_streams_of_an_abandoned_tracker() -> None:
+    tracker = _tracker(s=1)
+    snapshot = tracker.get_states()
+    expected = _draw_in_fork(_tracker(s=1), "s")
+
+    _abandon_fork(tracker, "s")
+    tracker.set_states(snapshot)
+    assert tracker.active_stream is None and _draw_in_fork(tracker, "s") == expected
+
+    _abandon_fork(tracker, "s")
+    tracker.reset()
+    tracker.add("s", 1)
+    assert tracker.active_stream is None and _draw_in_fork(tracker, "s") == expected
+
+    _abandon_fork(tracker, "s")
+    tracker.reseed({"s": 1})
+    assert tracker.active_stream is None and _draw_in_fork(tracker, "s") == expected
+
+    hyperrng.model_parallel_manual_seed(5, 0, tracker=tracker)  # replaces "s" by "model-parallel-rng"
+    _abandon_fork(tracker, "model-parallel-rng")
+    hyperrng.model_parallel_manual_seed(5, 0, tracker=tracker)
+    assert tracker.active_stream is None
+    with tracker.fork("model-parallel-rng"):
+        torch.rand(2)
+
+
+def _draw_in_fork(tracker: RNGStatesTracker, name: str) -> list[float]:
+    with tracker.fork(name):
+        return torch.rand(4).tolist()
+
+
 # -- KeyboardInterrupt anywhere in enter/exit -----------------------------------------------------
 # CPython raises an asynchronous exception (KeyboardInterrupt from SIGINT) only where it checks
 # for pending signals: when a Python function starts, when a call into C returns, at a loop's
