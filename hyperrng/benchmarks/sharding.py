@@ -58,10 +58,10 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     )
     repeat = 2 if quick else 5
     results: list[BenchResult] = []
-    for label, mesh, placements, shape in versus_pytorch:
-        results.extend(_bench_one_rank(label, mesh, placements, shape, quick))
-    for label, mesh, placements, shape in checks:
-        results.extend(_bench_case(label, mesh, placements, shape, repeat))
+    for case in versus_pytorch:
+        results.extend(_bench_one_rank(case, quick))
+    for case in checks:
+        results.extend(_bench_case(case, repeat))
     results.extend(_bench_region(quick))
     return results
 
@@ -100,9 +100,8 @@ def _pytorch_offsets(
     return functools.partial(compute, spec)
 
 
-def _bench_one_rank(
-    label: str, mesh: tuple[int, ...], placements: Sequence[Placement], shape: tuple[int, ...], quick: bool
-) -> list[BenchResult]:
+def _bench_one_rank(case: _Case, quick: bool) -> list[BenchResult]:
+    label, mesh, placements, shape = case
     coord = tuple(size // 2 for size in mesh)
     ranks = math.prod(mesh)
     theirs = _pytorch_offsets(mesh, coord, placements, shape)
@@ -254,9 +253,8 @@ def _traced_growth(fn: Callable[[], None], warm: int, number: int) -> int:
         tracemalloc.stop()
 
 
-def _bench_case(
-    label: str, mesh: tuple[int, ...], placements: Sequence[Placement], shape: tuple[int, ...], repeat: int
-) -> list[BenchResult]:
+def _bench_case(case: _Case, repeat: int) -> list[BenchResult]:
+    label, mesh, placements, shape = case
     coords = list(itertools.product(*(range(size) for size in mesh)))
     ranks = len(coords)
 
