@@ -28,10 +28,7 @@ from importlib.metadata import EntryPoint, entry_points
 from hyperrng.platforms.base import Platform
 from hyperrng.platforms.cpu import CPUPlatform
 from hyperrng.platforms.device_module import CUDAPlatform, NPUPlatform
-from hyperrng.platforms.errors import (
-    InvalidArgumentError,
-    PlatformError,
-)
+from hyperrng.platforms.errors import InvalidArgumentError, PlatformError
 from hyperrng.platforms.simulated import SimulatedPlatform
 
 __all__ = [

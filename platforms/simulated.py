@@ -338,8 +338,6 @@ def simulated_backend(device_type: str = SIM_DEVICE_TYPE) -> SimulatedDeviceModu
 
 
 def _register(module: SimulatedDeviceModule) -> None:
-    if _Backend.module is module:
-        return
     reason = backend_conflict(module.device_type)
     if reason is None and _Backend.module is not None:
         reason = f"a simulated backend is already registered as {_Backend.module.device_type!r}"

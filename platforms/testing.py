@@ -34,11 +34,7 @@ from typing import Any
 
 import torch
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, unpack_counter_state
-from hyperrng.platforms.errors import (
-    ArgumentTypeError,
-    HyperRNGError,
-    InvalidArgumentError,
-)
+from hyperrng.platforms.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.platforms.registry import unimplemented_methods
 
 __all__ = ["CHECKS", "check_platform"]

@@ -13,6 +13,7 @@ against the early ones (flat, a build-up, or a machine too noisy to tell; see :m
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -90,11 +91,8 @@ def run_benchmarks(
         if on_suite is not None:
             on_suite(i, len(chosen), name)
         module = importlib.import_module(f"hyperrng.benchmarks.{name}")
-        if on_result is None:
+        with reporting(on_result) if on_result is not None else contextlib.nullcontext():
             results.extend(module.benchmarks(quick))
-        else:
-            with reporting(on_result):
-                results.extend(module.benchmarks(quick))
     return results
 
 

@@ -67,34 +67,6 @@ def _torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _thread_counts() -> list[int]:
-    """One thread, then the process's default when it is more."""
-    default = torch.get_num_threads()
-    return [1] if default <= 1 else [1, default]
-
-
-def _versus(
-    name: str,
-    fn: Callable[[], object],
-    baseline_name: str,
-    baseline: Callable[[], object],
-    repeat: int,
-    target: float,
-    note: str,
-) -> BenchResult:
-    # Interleaved rounds, so both see the same machine load; the warm-up call compiles.
-    t = interleaved({"base": baseline, "ours": fn}, number=1, rounds=repeat)
-    return BenchResult(
-        name=name,
-        timing=t["ours"],
-        baseline=baseline_name,
-        baseline_timing=t["base"],
-        better="higher",
-        target=target,
-        note=note,
-    )
-
-
 def benchmarks(quick: bool) -> list[BenchResult]:
     """Time float32 ``uniform`` (eager, compiled) against ``torch.rand`` and ``dropout`` against
     ``F.dropout``, at one thread and at the default thread count.
@@ -105,43 +77,41 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     n = _QUICK_ELEMENTS if quick else _FULL_ELEMENTS
     repeat = 3 if quick else 7
     x = torch.randn(n)
-    results = []
     portable_mode_here = _features.feature("portable-mode").available
-    for threads in _thread_counts():
+
+    def rand() -> torch.Tensor:
+        return torch.rand(n)
+
+    def f_dropout() -> torch.Tensor:
+        return F.dropout(x, _DROPOUT_P, training=True)
+
+    # Each line: its name, the timed call, the baseline's name, the baseline call, the target.
+    f_dropout_name = f"F.dropout(p={_DROPOUT_P}, training=True)"
+    lines: list[tuple[str, Callable[[], object], str, Callable[[], object], float]] = [
+        ("philox uniform eager", lambda: uniform(n, _KEY), "torch.rand", rand, _EAGER_TARGET),
+        ("philox uniform compiled", lambda: uniform(n, _KEY, compiled=True), "torch.rand", rand, _COMPILED_TARGET),
+        ("philox dropout eager", lambda: dropout(x, _DROPOUT_P, _KEY), f_dropout_name, f_dropout, _DROPOUT_TARGET),
+    ]
+    if portable_mode_here:  # torch's own calls inside portable mode against the same calls outside it
+        in_mode_dropout = _in_mode(f_dropout, compiled=False)
+        lines += [
+            ("portable mode torch.rand eager", _in_mode(rand, compiled=False), "torch.rand", rand, _EAGER_TARGET),
+            ("portable mode torch.rand compiled", _in_mode(rand, compiled=True), "torch.rand", rand, _COMPILED_TARGET),
+            ("portable mode F.dropout eager", in_mode_dropout, f_dropout_name, f_dropout, _DROPOUT_TARGET),
+        ]
+    results = []
+    default_threads = torch.get_num_threads()
+    for threads in [1] if default_threads <= 1 else [1, default_threads]:
         label = f"{threads} thread" + ("s" if threads > 1 else "")
         note = f"{n} float32 elements, CPU; torch threads: {threads} for both (torch.set_num_threads({threads}))"
         with _torch_threads(threads):
-            results += [
-                _versus(
-                    f"philox uniform eager, {label}",
-                    lambda: uniform(n, _KEY),
-                    "torch.rand",
-                    lambda: torch.rand(n),
-                    repeat,
-                    _EAGER_TARGET,
-                    note,
-                ),
-                _versus(
-                    f"philox uniform compiled, {label}",
-                    lambda: uniform(n, _KEY, compiled=True),
-                    "torch.rand",
-                    lambda: torch.rand(n),
-                    repeat,
-                    _COMPILED_TARGET,
-                    note,
-                ),
-                _versus(
-                    f"philox dropout eager, {label}",
-                    lambda: dropout(x, _DROPOUT_P, _KEY),
-                    f"F.dropout(p={_DROPOUT_P}, training=True)",
-                    lambda: torch.nn.functional.dropout(x, _DROPOUT_P, training=True),
-                    repeat,
-                    _DROPOUT_TARGET,
-                    note,
-                ),
-            ]
-            if portable_mode_here:
-                results += _mode_lines(n, x, repeat, label, note)
+            for name, fn, base, base_fn, target in lines:
+                # Interleaved rounds, so both see the same machine load; the warm-up call compiles.
+                t = interleaved({"base": base_fn, "ours": fn}, number=1, rounds=repeat)
+                row = BenchResult(
+                    f"{name}, {label}", t["ours"], base, t["base"], better="higher", target=target, note=note
+                )
+                results.append(row)
     if portable_mode_here:
         with _torch_threads(1):
             results.append(_training_step(repeat))
@@ -199,8 +169,6 @@ def _training_step(repeat: int) -> BenchResult:
 
 def _outside_rounds(rounds: int, number: int) -> dict[str, dict[str, list[float]]]:
     """Per op: seconds per call before and after the portable kernels are registered (this process)."""
-    import time
-
     from hyperrng.portable_mode import registered
 
     if registered():
@@ -210,24 +178,11 @@ def _outside_rounds(rounds: int, number: int) -> dict[str, dict[str, list[float]
         "torch.rand(64)": lambda: torch.rand(64),
         "F.dropout(16 elements)": lambda: F.dropout(x, 0.5),
     }
-
-    def timed() -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {name: [] for name in calls}
-        for fn in calls.values():
-            fn()
-        for _ in range(rounds):
-            for name, fn in calls.items():
-                start = time.perf_counter()
-                for _ in range(number):
-                    fn()
-                out[name].append((time.perf_counter() - start) / number)
-        return out
-
-    before = timed()
+    before = interleaved(calls, number=number, rounds=rounds)
     with portable_random():
         pass
-    after = timed()
-    return {name: {"before": before[name], "after": after[name]} for name in calls}
+    after = interleaved(calls, number=number, rounds=rounds)
+    return {name: {"before": list(before[name].rounds), "after": list(after[name].rounds)} for name in calls}
 
 
 def _outside_the_mode(repeat: int) -> list[BenchResult]:
@@ -256,36 +211,3 @@ def _in_mode(fn: Callable[[], object], compiled: bool) -> Callable[[], object]:
             return fn()
 
     return run
-
-
-def _mode_lines(n: int, x: torch.Tensor, repeat: int, label: str, note: str) -> list[BenchResult]:
-    """torch.rand and F.dropout inside portable mode against the same calls outside it."""
-    return [
-        _versus(
-            f"portable mode torch.rand eager, {label}",
-            _in_mode(lambda: torch.rand(n), compiled=False),
-            "torch.rand",
-            lambda: torch.rand(n),
-            repeat,
-            _EAGER_TARGET,
-            note,
-        ),
-        _versus(
-            f"portable mode torch.rand compiled, {label}",
-            _in_mode(lambda: torch.rand(n), compiled=True),
-            "torch.rand",
-            lambda: torch.rand(n),
-            repeat,
-            _COMPILED_TARGET,
-            note,
-        ),
-        _versus(
-            f"portable mode F.dropout eager, {label}",
-            _in_mode(lambda: torch.nn.functional.dropout(x, _DROPOUT_P, training=True), compiled=False),
-            f"F.dropout(p={_DROPOUT_P}, training=True)",
-            lambda: torch.nn.functional.dropout(x, _DROPOUT_P, training=True),
-            repeat,
-            _DROPOUT_TARGET,
-            note,
-        ),
-    ]

@@ -58,10 +58,10 @@ def benchmarks(quick: bool) -> list[BenchResult]:
     )
     repeat = 2 if quick else 5
     results: list[BenchResult] = []
-    for label, mesh, placements, shape in versus_pytorch:
-        results.extend(_bench_one_rank(label, mesh, placements, shape, quick))
-    for label, mesh, placements, shape in checks:
-        results.extend(_bench_case(label, mesh, placements, shape, repeat))
+    for case in versus_pytorch:
+        results.extend(_bench_one_rank(case, quick))
+    for case in checks:
+        results.extend(_bench_case(case, repeat))
     results.extend(_bench_region(quick))
     return results
 
@@ -100,9 +100,8 @@ def _pytorch_offsets(
     return functools.partial(compute, spec)
 
 
-def _bench_one_rank(
-    label: str, mesh: tuple[int, ...], placements: Sequence[Placement], shape: tuple[int, ...], quick: bool
-) -> list[BenchResult]:
+def _bench_one_rank(case: _Case, quick: bool) -> list[BenchResult]:
+    label, mesh, placements, shape = case
     coord = tuple(size // 2 for size in mesh)
     ranks = math.prod(mesh)
     theirs = _pytorch_offsets(mesh, coord, placements, shape)
@@ -189,30 +188,19 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     fns["rebuilt"] = rebuilt
     best = interleaved(fns, number=number, rounds=rounds)
     target = _REGION_TARGET if platform.name == "cpu" else None
+    rebuilt_note = "a new placements list and the tensor's torch.Size at each call" + (
+        f"; {why_not}" if why_not else ""
+    )
+    rows = [(f"2x2 {label}", label, "") for label in meshes] + [
+        ("2x2, args rebuilt", "rebuilt", rebuilt_note),
+        ("8192-rank mesh", "large", "offsets cached: the cost does not grow with the mesh"),
+    ]
     fork_name = "tracker.fork() enter+exit"
     results = [
         BenchResult(
-            f"{platform.name}: distribute_region, 2x2 {label}", best[label], fork_name, best["fork"], target=target
+            f"{platform.name}: distribute_region, {what}", best[key], fork_name, best["fork"], target=target, note=note
         )
-        for label in meshes
-    ]
-    results += [
-        BenchResult(
-            f"{platform.name}: distribute_region, 2x2, args rebuilt",
-            best["rebuilt"],
-            fork_name,
-            best["fork"],
-            target=target,
-            note="a new placements list and the tensor's torch.Size at each call" + (f"; {why_not}" if why_not else ""),
-        ),
-        BenchResult(
-            f"{platform.name}: distribute_region, 8192-rank mesh",
-            best["large"],
-            fork_name,
-            best["fork"],
-            target=target,
-            note="offsets cached: the cost does not grow with the mesh",
-        ),
+        for what, key, note in rows
     ]
     # Build-up shows only in a long run: 200,000 regions in rounds of 10,000, each at a new
     # position as in training (every region moves the generator on); then as many with a new
@@ -233,14 +221,8 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     warm = (platforms.POSITIONS_KEPT // 2 + OFFSETS_KEPT) if quick else 2 * (platforms.POSITIONS_KEPT + OFFSETS_KEPT)
     grown = _traced_growth(new_shape, warm, long_number)
     total = f"{long_rounds} rounds of {long_number:,} regions ({long_rounds * long_number:,} in one process)"
-    for label, run, extra in (
-        ("same shape", same, ""),
-        (
-            "new shapes",
-            fresh,
-            f"; traced memory {grown / 1024:+.0f} KiB over {long_number:,} more regions after {warm:,} traced",
-        ),
-    ):
+    traced = f"; traced memory {grown / 1024:+.0f} KiB over {long_number:,} more regions after {warm:,} traced"
+    for label, run, extra in (("same shape", same, ""), ("new shapes", fresh, traced)):
         results.append(
             BenchResult(
                 f"{platform.name}: distribute_region, slowest round, {label}",
@@ -271,9 +253,8 @@ def _traced_growth(fn: Callable[[], None], warm: int, number: int) -> int:
         tracemalloc.stop()
 
 
-def _bench_case(
-    label: str, mesh: tuple[int, ...], placements: Sequence[Placement], shape: tuple[int, ...], repeat: int
-) -> list[BenchResult]:
+def _bench_case(case: _Case, repeat: int) -> list[BenchResult]:
+    label, mesh, placements, shape = case
     coords = list(itertools.product(*(range(size) for size in mesh)))
     ranks = len(coords)
 
