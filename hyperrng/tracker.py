@@ -374,16 +374,15 @@ class RNGStatesTracker:
         state it had before. Forks nest: ``s1 -> s2 -> s1`` draws exactly what three
         sequential forks would.
 
-        While the fork is open this thread holds the device's generator, so other threads
-        are refused it, and this fork is refused while another thread holds it; nothing
-        changes on refusal (see the module docstring). Forks nest freely on one thread.
+        While the fork is open this thread holds the device's generator; see the module
+        docstring for what other threads meet. Forks nest freely on one thread.
 
         Raises:
             ArgumentTypeError: ``name`` is not a string.
             UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
             InvalidOperationError: the streams belong to another platform than the current one;
-                on entry, a fork of this tracker is open on another thread;
-                or on entry, another thread holds the device's generator.
+                on entry, a fork of this tracker is open on another thread (or was abandoned
+                by one that ended); or on entry, another thread holds the device's generator.
         """
         try:
             known = name in self._states
@@ -409,9 +408,10 @@ class RNGStatesTracker:
         swap, active = self._swap, self._active
         if swap is None:
             return {}
+        if active is not None:
+            self._check_not_abandoned("snapshot the streams")
         snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
         if active is not None and not swap.in_place:  # the generator holds the active stream's advance
-            self._check_not_abandoned("snapshot the streams")
             snapshot[active.name] = swap.export(active.read(), as_tensors)
         return snapshot
 

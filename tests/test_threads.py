@@ -498,6 +498,27 @@ def test_set_states_reset_reseed_and_the_seeding_recipes_replace_the_streams_of_
         torch.rand(2)
 
 
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["byte-copies", "graph-safe"])
+def test_an_abandoned_fork_on_a_multi_device_tracker_is_refused_and_cleared_by_reset(graph_safe: bool) -> None:
+    # Where forks may swap several devices' generators the tracker is claimed by the forking
+    # thread; the claim of an ended thread must neither be mistaken for a live one nor survive reset().
+    sim = platforms.SimulatedPlatform()
+    if sim.probe() is not None or sim.device_count() < 2:
+        pytest.skip("needs the simulated accelerator with two devices")
+    with platforms.use(sim):
+        tracker = RNGStatesTracker(graph_safe=graph_safe)
+        tracker.reseed({"s": 1})
+        _abandon_fork(tracker, "s")
+        with pytest.raises(InvalidOperationError, match="left open by thread .* that has ended"):
+            with tracker.fork("s"):
+                pass
+        tracker.reset()
+        assert tracker.active_stream is None and not tracker._claim
+        tracker.add("s", 1)
+        with tracker.fork("s"):
+            pass
+
+
 def _draw_in_fork(tracker: RNGStatesTracker, name: str) -> list[float]:
     with tracker.fork(name):
         return torch.rand(4).tolist()
