@@ -150,13 +150,7 @@ def _times(u: _Residues, v: _Residues) -> _Residues:
 def _padding(scale: int, x: _Residues) -> int:
     """Sum of ``r4(v) - v`` over the values counted by ``x``, each multiplied by ``scale`` (mod 4)."""
     x1, x2, x3 = x
-    if scale == 1:
-        return 3 * x1 + 2 * x2 + x3
-    if scale == 3:
-        return x1 + 2 * x2 + 3 * x3
-    if scale == 2:
-        return 2 * (x1 + x3)
-    return 0
+    return (-scale & 3) * x1 + (-2 * scale & 3) * x2 + (-3 * scale & 3) * x3  # residue r, times scale: -r * scale mod 4
 
 
 def tail_sums(shape: tuple[int, ...], all_residues: Sequence[_Residues]) -> tuple[list[int], list[_Residues], int]:
