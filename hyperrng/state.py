@@ -48,8 +48,7 @@ from hyperrng._exclusive import holding
 from hyperrng._state_format import (
     FORMAT,
     FORMAT_VERSION,
-    check_envelope,
-    check_metadata,
+    check_saved,
     decode,
     digest,
     saved_derivation,
@@ -217,8 +216,7 @@ def load_rng_state_dict(
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
     tracker = _idle_tracker(tracker, layout, "load an RNG state")
-    check_envelope(state)
-    check_metadata(state)
+    check_saved(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)
     if mismatches:
