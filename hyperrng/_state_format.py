@@ -246,17 +246,10 @@ def _feed(h: Any, value: Any) -> None:
 
 
 def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
-    if (
-        not isinstance(value, torch.Tensor)
-        or value.dtype != dtype
-        or value.dim() != 1
-        or value.numel() != numel
-        or value.device.type != "cpu"
-    ):
-        got = (
-            f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
-        raise _malformed(f"{what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}.")
-    return value.contiguous()
+    if not isinstance(value, torch.Tensor):
+        got = type(value).__name__
+    elif value.dtype == dtype and value.dim() == 1 and value.numel() == numel and value.device.type == "cpu":
+        return value.contiguous()
+    else:
+        got = f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    raise _malformed(f"{what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}.")

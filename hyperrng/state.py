@@ -245,11 +245,10 @@ def _mismatches(
     found = []
     if state["platform"] != p.name:
         found.append(f"platform {state['platform']!r} (now {p.name!r})")
-    comm = platforms.comm
-    if state["world_size"] != comm.world_size(group):
-        found.append(f"world size {state['world_size']} (now {comm.world_size(group)})")
-    elif state["rank"] != comm.rank(group):
-        found.append(f"rank {state['rank']} (now {comm.rank(group)})")
+    if state["world_size"] != platforms.comm.world_size(group):
+        found.append(f"world size {state['world_size']} (now {platforms.comm.world_size(group)})")
+    elif state["rank"] != platforms.comm.rank(group):
+        found.append(f"rank {state['rank']} (now {platforms.comm.rank(group)})")
     if state["platform"] == p.name and len(state["devices"]) != p.device_count():
         found.append(f"{len(state['devices'])} device(s) (now {p.device_count()})")
     if layout is not None and state["layout"] is not None and state["layout"] != layout.to_dict():
