@@ -172,14 +172,14 @@ def _exact_int(value: object, what: str, low: int, high: int) -> int:
     return value
 
 
-def _fields(value: object, what: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping) or set(value) != set(names):
-        got = sorted(value) if isinstance(value, Mapping) else value
-        raise _wrong(what, f"a mapping with exactly the keys {list(names)}", got)
+def _fields(value: Mapping[str, Any], what: str, names: tuple[str, ...]) -> Mapping[str, Any]:
+    """``value`` (a mapping: :func:`check_saved` checked) if its keys are ``names``; keys of any type are named."""
+    if set(value) != set(names):
+        raise _wrong(what, f"a mapping with exactly the keys {list(names)}", sorted(value, key=repr))
     return value
 
 
-def _python_state(value: object) -> tuple[int, tuple[int, ...], float | None]:
+def _python_state(value: Mapping[str, Any]) -> tuple[int, tuple[int, ...], float | None]:
     """CPython's ``random`` state: version 3, 624 MT19937 words below 2**32 and a position in [0, 624]."""
     py = _fields(value, "the Python random state", ("version", "state", "gauss"))
     _exact_int(py["version"], "the Python random state version", _PY_STATE_VERSION, _PY_STATE_VERSION)
@@ -192,7 +192,7 @@ def _python_state(value: object) -> tuple[int, tuple[int, ...], float | None]:
     return _PY_STATE_VERSION, tuple(words), gauss
 
 
-def _numpy_state(value: object) -> tuple[str, np.ndarray, int, int, float]:
+def _numpy_state(value: Mapping[str, Any]) -> tuple[str, np.ndarray, int, int, float]:
     """NumPy's legacy MT19937 state: 624 words below 2**32, a position in [0, 624], a cached normal."""
     npy = _fields(value, "the NumPy state", ("kind", "keys", "pos", "has_gauss", "gauss"))
     if npy["kind"] != "MT19937":
