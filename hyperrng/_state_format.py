@@ -18,15 +18,7 @@ from hyperrng.layout import Derivation, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import MAX_SEED
 from hyperrng.tracker import RNGStatesTracker
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "check_saved",
-    "decode",
-    "digest",
-    "saved_derivation",
-    "saved_layout",
-]
+__all__ = ["FORMAT", "FORMAT_VERSION", "check_saved", "decode", "digest", "saved_derivation", "saved_layout"]
 
 FORMAT = "hyperrng.rng_state"
 FORMAT_VERSION = 2

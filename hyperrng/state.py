@@ -45,24 +45,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng._state_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    check_saved,
-    decode,
-    digest,
-    saved_derivation,
-    saved_layout,
-)
+from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
-from hyperrng.layout import (
-    DEFAULT_STREAM,
-    Derivation,
-    StreamLayout,
-    _record,
-    mesh_coordinates,
-    recorded_derivation,
-)
+from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
