@@ -105,20 +105,6 @@ def dim_state(length: int, levels: list[Level], coord: Sequence[int]) -> DimStat
     """
     if not levels:
         return length, 0, _NO_RESIDUES, _RESIDUES_OF[length & 3]
-    if len(levels) == 1 and levels[0][2] == 1:  # one Shard, the common case: three runs, counted directly
-        mesh_dim, parts, _ = levels[0]
-        if not length:
-            return 0, 0, _NO_RESIDUES, _NO_RESIDUES
-        index = coord[mesh_dim]
-        size = -(-length // parts)
-        full, rest = divmod(length, size)
-        if index < full:
-            extent, before_full, before_rest = size, index, 0
-        else:
-            extent = rest if index == full else 0
-            before_full, before_rest = full, (rest if index > full else 0)
-        before_residues = _residues(((size, before_full), (before_rest, 1)))
-        return extent, before_full * size + before_rest, before_residues, _residues(((size, full), (rest, 1)))
     earlier: dict[int, int] = {}  # sizes of the pieces before the rank's one, at the current level
     every: dict[int, int] = {length: 1} if length else {}
     extent = length
@@ -150,13 +136,7 @@ def _times(u: _Residues, v: _Residues) -> _Residues:
 def _padding(scale: int, x: _Residues) -> int:
     """Sum of ``r4(v) - v`` over the values counted by ``x``, each multiplied by ``scale`` (mod 4)."""
     x1, x2, x3 = x
-    if scale == 1:
-        return 3 * x1 + 2 * x2 + x3
-    if scale == 3:
-        return x1 + 2 * x2 + 3 * x3
-    if scale == 2:
-        return 2 * (x1 + x3)
-    return 0
+    return (-scale & 3) * x1 + (-2 * scale & 3) * x2 + (-3 * scale & 3) * x3  # residue r, times scale: -r * scale mod 4
 
 
 def tail_sums(shape: tuple[int, ...], all_residues: Sequence[_Residues]) -> tuple[list[int], list[_Residues], int]:

@@ -18,16 +18,7 @@ from hyperrng.layout import Derivation, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import MAX_SEED
 from hyperrng.tracker import RNGStatesTracker
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "check_envelope",
-    "check_metadata",
-    "decode",
-    "digest",
-    "saved_derivation",
-    "saved_layout",
-]
+__all__ = ["FORMAT", "FORMAT_VERSION", "check_saved", "decode", "digest", "saved_derivation", "saved_layout"]
 
 FORMAT = "hyperrng.rng_state"
 FORMAT_VERSION = 2
@@ -41,8 +32,9 @@ _PY_STATE_VERSION = 3
 _DIGEST_BYTES = 16
 
 
-def check_envelope(state: Mapping[str, Any]) -> None:
-    """A mapping of this format and version whose digest matches its content."""
+def check_saved(state: Mapping[str, Any]) -> None:
+    """A mapping of this format and version whose digest matches its content, every top-level
+    field present with its type and range (so later reads cannot fail halfway)."""
     if not isinstance(state, Mapping):
         raise ArgumentTypeError(
             f"an RNG state is the dict rng_state_dict() returned, got {type(state).__name__}; "
@@ -66,6 +58,7 @@ def check_envelope(state: Mapping[str, Any]) -> None:
             "the RNG state's digest does not match its content: the file was modified or damaged; "
             "resume from another checkpoint."
         )
+    _check_fields(state)
 
 
 _METADATA_TYPES: dict[str, tuple[type, ...]] = {
@@ -83,25 +76,19 @@ _METADATA_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def check_metadata(state: Mapping[str, Any]) -> None:
-    """Every top-level field present with its type and range, so later reads cannot fail halfway."""
+def _check_fields(state: Mapping[str, Any]) -> None:
+    """Every top-level field present with its type, and the numbers among them in range."""
     for field, types in _METADATA_TYPES.items():
         if field not in state:
-            raise InvalidArgumentError(f"the RNG state is malformed: field {field!r} is missing.")
+            raise _malformed(f"field {field!r} is missing.")
         value = state[field]
         if not isinstance(value, types) or isinstance(value, bool):
-            raise InvalidArgumentError(
-                f"the RNG state is malformed: field {field!r} is a {type(value).__name__}, "
-                f"expected {' or '.join(t.__name__ for t in types)}."
-            )
+            expected = " or ".join(t.__name__ for t in types)
+            raise _malformed(f"field {field!r} is a {type(value).__name__}, expected {expected}.")
     if state["base_seed"] is not None and not 0 <= state["base_seed"] <= MAX_SEED:
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: base_seed {state['base_seed']} is outside [0, 2**64 - 1]."
-        )
+        raise _malformed(f"base_seed {state['base_seed']} is outside [0, 2**64 - 1].")
     if not 0 <= state["rank"] < state["world_size"]:
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: rank {state['rank']} does not lie in a world of size {state['world_size']}."
-        )
+        raise _malformed(f"rank {state['rank']} does not lie in a world of size {state['world_size']}.")
 
 
 def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> dict[str, Any]:
@@ -110,23 +97,19 @@ def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTr
     np_state = _numpy_state(state["numpy"])
     if p.device_type == "cpu":  # devices[0] carries torch's CPU state
         if state["torch_cpu"] is not None:
-            raise InvalidArgumentError(
-                "the RNG state is malformed: torch_cpu must be None on a platform whose device is the host."
-            )
+            raise _malformed("torch_cpu must be None on a platform whose device is the host.")
         cpu = None
     else:
         cpu = _tensor(state["torch_cpu"], torch.uint8, platforms.MT19937_STATE_NBYTES, "torch CPU state")
         try:
             torch.Generator().set_state(cpu)  # a scratch generator: refuses bytes MT19937 cannot take
         except RuntimeError as exc:
-            raise InvalidArgumentError(
-                f"the RNG state is malformed: the torch CPU state is not a valid MT19937 state ({exc})."
-            ) from None
+            raise _malformed(f"the torch CPU state is not a valid MT19937 state ({exc}).") from None
     devices = [_platform_state(p, d, f"device {i} state") for i, d in enumerate(state["devices"])]
     streams = {}
     for name, value in state["streams"].items():
         if not isinstance(name, str) or not name:
-            raise InvalidArgumentError(f"the RNG state is malformed: stream name {name!r} is not a non-empty string.")
+            raise _malformed(f"stream name {name!r} is not a non-empty string.")
         streams[name] = _platform_state(p, value, f"state of stream {name!r}")
     held = set(tracker.get_states()) if tracker.is_initialized() else set()
     missing = sorted(held - set(streams))
@@ -151,7 +134,7 @@ def saved_layout(state: Mapping[str, Any]) -> StreamLayout | None:
     try:
         return StreamLayout.from_dict(state["layout"])
     except HyperRNGError as exc:
-        raise InvalidArgumentError(f"the RNG state is malformed: its layout cannot be read ({exc})") from None
+        raise _malformed(f"its layout cannot be read ({exc})") from None
 
 
 def saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
@@ -163,58 +146,58 @@ def saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
         coords = mesh_coordinates(state["coords"])
         layout.seeds(state["base_seed"], coords)  # the coordinates fit the layout
     except HyperRNGError as exc:
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: its coordinates do not fit its layout ({exc})"
-        ) from None
+        raise _malformed(f"its coordinates do not fit its layout ({exc})") from None
     return Derivation(layout, state["base_seed"], {d: coords[d] for d in layout.dims})
 
 
-def _malformed(what: str, expected: str, got: object) -> InvalidArgumentError:
-    return InvalidArgumentError(f"the RNG state is malformed: {what} must be {expected}, got {got!r:.80}.")
+def _malformed(detail: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"the RNG state is malformed: {detail}")
+
+
+def _wrong(what: str, expected: str, got: object) -> InvalidArgumentError:
+    return _malformed(f"{what} must be {expected}, got {got!r:.80}.")
 
 
 def _exact_int(value: object, what: str, low: int, high: int) -> int:
     if type(value) is not int or not low <= value <= high:
-        raise _malformed(what, f"an int in [{low}, {high}]", value)
+        raise _wrong(what, f"an int in [{low}, {high}]", value)
     return value
 
 
-def _fields(value: object, what: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping) or set(value) != set(names):
-        got = sorted(value) if isinstance(value, Mapping) else value
-        raise _malformed(what, f"a mapping with exactly the keys {list(names)}", got)
+def _fields(value: Mapping[str, Any], what: str, names: tuple[str, ...]) -> Mapping[str, Any]:
+    """``value`` (a mapping: :func:`check_saved` checked) if its keys are ``names``; keys of any type are named."""
+    if set(value) != set(names):
+        raise _wrong(what, f"a mapping with exactly the keys {list(names)}", sorted(value, key=repr))
     return value
 
 
-def _python_state(value: object) -> tuple[int, tuple[int, ...], float | None]:
+def _python_state(value: Mapping[str, Any]) -> tuple[int, tuple[int, ...], float | None]:
     """CPython's ``random`` state: version 3, 624 MT19937 words below 2**32 and a position in [0, 624]."""
     py = _fields(value, "the Python random state", ("version", "state", "gauss"))
     _exact_int(py["version"], "the Python random state version", _PY_STATE_VERSION, _PY_STATE_VERSION)
     words = _tensor(py["state"], torch.int64, _PY_STATE_WORDS, "the Python random state").tolist()
     if not all(0 <= w < 2**32 for w in words[:-1]) or not 0 <= words[-1] <= _MT_WORDS:
-        raise _malformed(
-            "the Python random state", "624 words in [0, 2**32) then a position in [0, 624]", "out of range"
-        )
+        raise _wrong("the Python random state", "624 words in [0, 2**32) then a position in [0, 624]", "out of range")
     gauss = py["gauss"]
     if gauss is not None and type(gauss) is not float:
-        raise _malformed("the Python cached normal", "None or a float", gauss)
+        raise _wrong("the Python cached normal", "None or a float", gauss)
     return _PY_STATE_VERSION, tuple(words), gauss
 
 
-def _numpy_state(value: object) -> tuple[str, np.ndarray, int, int, float]:
+def _numpy_state(value: Mapping[str, Any]) -> tuple[str, np.ndarray, int, int, float]:
     """NumPy's legacy MT19937 state: 624 words below 2**32, a position in [0, 624], a cached normal."""
     npy = _fields(value, "the NumPy state", ("kind", "keys", "pos", "has_gauss", "gauss"))
     if npy["kind"] != "MT19937":
-        raise _malformed("the NumPy state's kind", "'MT19937'", npy["kind"])
+        raise _wrong("the NumPy state's kind", "'MT19937'", npy["kind"])
     keys = _tensor(npy["keys"], torch.int64, _MT_WORDS, "the NumPy state keys")
     if bool(((keys < 0) | (keys >= 2**32)).any()):
-        raise _malformed("the NumPy state keys", "624 words in [0, 2**32)", "out of range")
+        raise _wrong("the NumPy state keys", "624 words in [0, 2**32)", "out of range")
     # NumPy does not check the position: one past 624 reads outside its key array later.
     pos = _exact_int(npy["pos"], "the NumPy state position", 0, _MT_WORDS)
     has_gauss = _exact_int(npy["has_gauss"], "the NumPy has_gauss flag", 0, 1)
     gauss = npy["gauss"]
     if type(gauss) is not float or not math.isfinite(gauss):
-        raise _malformed("the NumPy cached normal", "a finite float", gauss)
+        raise _wrong("the NumPy cached normal", "a finite float", gauss)
     return "MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss
 
 
@@ -223,7 +206,7 @@ def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Te
     try:
         return p.check_rng_state(state).clone()
     except HyperRNGError as exc:
-        raise InvalidArgumentError(f"the RNG state is malformed: {what}: {exc}") from None
+        raise _malformed(f"{what}: {exc}") from None
 
 
 def digest(state: Mapping[str, Any]) -> str:
@@ -255,19 +238,10 @@ def _feed(h: Any, value: Any) -> None:
 
 
 def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
-    if (
-        not isinstance(value, torch.Tensor)
-        or value.dtype != dtype
-        or value.dim() != 1
-        or value.numel() != numel
-        or value.device.type != "cpu"
-    ):
-        got = (
-            f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
-        raise InvalidArgumentError(
-            f"the RNG state is malformed: {what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}."
-        )
-    return value.contiguous()
+    if not isinstance(value, torch.Tensor):
+        got = type(value).__name__
+    elif value.dtype == dtype and value.dim() == 1 and value.numel() == numel and value.device.type == "cpu":
+        return value.contiguous()
+    else:
+        got = f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    raise _malformed(f"{what} must be a 1-D {dtype} CPU tensor of {numel} elements, got {got}.")

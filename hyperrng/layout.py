@@ -136,16 +136,12 @@ class StreamLayout:
                 f"got {type(streams).__name__}."
             )
         table: dict[str, tuple[str, ...]] = {DEFAULT_STREAM: _stream_dims(DEFAULT_STREAM, default, dim_list)}
-        for name, varies in streams.items():
-            if not isinstance(name, str):
-                raise ArgumentTypeError(f"a stream name must be a string, got {type(name).__name__} {name!r}.")
-            if not name:
-                raise InvalidArgumentError("a stream name must be a non-empty string, got ''.")
+        for name in _names(list(streams), "stream"):
             if name == DEFAULT_STREAM:
                 raise InvalidArgumentError(
                     f"{DEFAULT_STREAM!r} is reserved for the default generator; declare its dimensions with default=."
                 )
-            table[name] = _stream_dims(name, varies, dim_list)
+            table[name] = _stream_dims(name, streams[name], dim_list)
         self._dims = tuple(dim_list)
         self._streams = table
 

@@ -37,7 +37,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import current_device_key, device_keys
 from hyperrng._exclusive import holding
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
@@ -99,10 +99,14 @@ def seed_host(seed: int) -> None:
             fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing is seeded.
     """
     value = check_seed(seed)
-    with holding(device_keys(platforms.current()), "seed_host"):
+    platform = platforms.current()
+    with holding(device_keys(platform), "seed_host"):
         random.seed(library_seed(value, PYTHON_RANDOM_DOMAIN))
         _seed_numpy(library_seed(value, NUMPY_DOMAIN))
-        _seed_torch(value)
+        if platform.device_type != "cpu":  # where the device is the host, seeding the device seeds it
+            platforms.seed_generator(torch.default_generator, value)  # all 64 bits, unlike torch.manual_seed
+        for index in range(platform.device_count()):
+            platform.manual_seed(value, index)
 
 
 def library_seed(seed: int, domain: int) -> int:
@@ -124,14 +128,6 @@ def _seed_numpy(seed: int) -> None:
         np.random.seed(np.array([seed & _WORD_MASK, seed >> _WORD_BITS], dtype=np.uint32))
 
 
-def _seed_torch(seed: int) -> None:
-    platform = platforms.current()
-    if platform.device_type != "cpu":  # where the device is the host, seeding the device seeds it
-        platforms.seed_generator(torch.default_generator, seed)  # all 64 bits, unlike torch.manual_seed
-    for index in range(platform.device_count()):
-        platform.manual_seed(seed, index)
-
-
 def _rank(value: object, what: str) -> int:
     """``value`` as a non-negative int: :class:`ArgumentTypeError` for another type,
     :class:`InvalidArgumentError` below 0."""
@@ -151,10 +147,7 @@ def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     """The tracker to reseed; refuse up front (an active fork, a mode the platform lacks),
     before anything is seeded."""
     chosen = resolve_tracker(tracker)
-    if chosen.active_stream is not None and not chosen._abandoned():  # an abandoned fork: the reseed replaces it
-        raise InvalidOperationError(
-            f"cannot reseed inside a fork of stream {chosen.active_stream!r}; seed outside any fork.", reason="tracker"
-        )
+    chosen._idle("reseed", replacing=True)  # an abandoned fork: the reseed replaces it
     chosen._target(rebind=True)  # a reseed would refuse the same way, but only after the host was seeded
     return chosen
 

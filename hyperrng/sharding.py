@@ -489,14 +489,10 @@ def _placement_types() -> dict[str, tuple[type[Any], ...]]:
     """The installed torch's placement classes by kind, imported on first use (the import takes ~1 s)."""
     try:
         from torch.distributed.tensor import placement_types as types
-    except ImportError:
-        try:  # torch < 2.4 kept DTensor private
-            from torch.distributed._tensor import placement_types as types  # type: ignore[no-redef]
-        except ImportError:  # torch built without distributed support: nothing can be placed
-            return {"shard": (), "strided": (), "replica": ()}
-    partial = getattr(types, "Partial", None) or types._Partial  # renamed in torch 2.4
-    strided = getattr(types, "_StridedShard", None)
-    return {"shard": (types.Shard,), "strided": (strided,) if strided else (), "replica": (types.Replicate, partial)}
+    except ImportError:  # torch built without distributed support: nothing can be placed
+        return {"shard": (), "strided": (), "replica": ()}
+    strided = (types._StridedShard,) if hasattr(types, "_StridedShard") else ()
+    return {"shard": (types.Shard,), "strided": strided, "replica": (types.Replicate, types.Partial)}
 
 
 def _sequence(value: object, name: str) -> Sequence[Any]:

@@ -45,25 +45,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng._state_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    check_envelope,
-    check_metadata,
-    decode,
-    digest,
-    saved_derivation,
-    saved_layout,
-)
+from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
-from hyperrng.layout import (
-    DEFAULT_STREAM,
-    Derivation,
-    StreamLayout,
-    _record,
-    mesh_coordinates,
-    recorded_derivation,
-)
+from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
@@ -217,8 +201,7 @@ def load_rng_state_dict(
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
     tracker = _idle_tracker(tracker, layout, "load an RNG state")
-    check_envelope(state)
-    check_metadata(state)
+    check_saved(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)
     if mismatches:
@@ -247,11 +230,10 @@ def _mismatches(
     found = []
     if state["platform"] != p.name:
         found.append(f"platform {state['platform']!r} (now {p.name!r})")
-    comm = platforms.comm
-    if state["world_size"] != comm.world_size(group):
-        found.append(f"world size {state['world_size']} (now {comm.world_size(group)})")
-    elif state["rank"] != comm.rank(group):
-        found.append(f"rank {state['rank']} (now {comm.rank(group)})")
+    if state["world_size"] != platforms.comm.world_size(group):
+        found.append(f"world size {state['world_size']} (now {platforms.comm.world_size(group)})")
+    elif state["rank"] != platforms.comm.rank(group):
+        found.append(f"rank {state['rank']} (now {platforms.comm.rank(group)})")
     if state["platform"] == p.name and len(state["devices"]) != p.device_count():
         found.append(f"{len(state['devices'])} device(s) (now {p.device_count()})")
     if layout is not None and state["layout"] is not None and state["layout"] != layout.to_dict():

@@ -65,17 +65,7 @@ from hyperrng.platforms.cpu import (
     seeds_all_64_bits,
 )
 from hyperrng.platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
-from hyperrng.platforms.errors import (  # noqa: F401 -- exported by __all__ += _errors.__all__
-    ArgumentTypeError,
-    HyperRNGError,
-    InvalidArgumentError,
-    InvalidOperationError,
-    PlatformError,
-    RankFailure,
-    RNGDesyncError,
-    UnknownStreamError,
-    UnsupportedPortableOpError,
-)
+from hyperrng.platforms.errors import *  # noqa: F403 -- the error classes, exported by __all__ += _errors.__all__
 from hyperrng.platforms.registry import (
     AUTO_ORDER,
     ENTRY_POINT_GROUP,

@@ -77,10 +77,6 @@ def _dtensor_takes_a_user_generator() -> bool:
     return "generator" in inspect.signature(_random._RNGStateTracker._distribute_region).parameters
 
 
-def _has_module(name: str) -> Callable[[], bool]:
-    return lambda: importlib.util.find_spec(name) is not None
-
-
 FEATURES: tuple[Feature, ...] = (
     Feature(
         "sim",
@@ -101,7 +97,7 @@ FEATURES: tuple[Feature, ...] = (
         "LocalTensor support (sharded regions under LocalTensorMode)",
         "2.10",
         "torch.distributed._local_tensor",
-        _has_module("torch.distributed._local_tensor"),
+        lambda: importlib.util.find_spec("torch.distributed._local_tensor") is not None,
     ),
     Feature(
         "user-generator",

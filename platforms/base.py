@@ -246,14 +246,9 @@ class Platform:
         """
         gen = self.default_generator(index) if self.counter_based else None
         if gen is not None:
-            return StateIO(gen.get_state, gen.set_state, torch.Tensor.clone, torch.Tensor.clone)
+            return StateIO(gen.get_state, gen.set_state)
         i = self._index(index)
-        return StateIO(
-            lambda: self.get_rng_state(i),
-            lambda state: self.set_rng_state(state, i),
-            torch.Tensor.clone,
-            torch.Tensor.clone,
-        )
+        return StateIO(lambda: self.get_rng_state(i), lambda state: self.set_rng_state(state, i))
 
     # -- shared helpers -------------------------------------------------------------------
     def _index(self, index: int | None) -> int:
@@ -295,13 +290,14 @@ class StateIO(NamedTuple):
     """What :meth:`Platform._state_io` returns: read/write of snapshots, and their conversion to state tensors.
 
     ``pack`` returns a tensor the caller may keep and modify; ``unpack`` keeps no
-    reference to the tensor it is given.
+    reference to the tensor it is given. Both default to ``torch.Tensor.clone``, which is
+    right where a snapshot is itself a state tensor.
     """
 
     read: Callable[[], Any]
     write: Callable[[Any], object]
-    pack: Callable[[Any], torch.Tensor]
-    unpack: Callable[[torch.Tensor], Any]
+    pack: Callable[[Any], torch.Tensor] = torch.Tensor.clone
+    unpack: Callable[[torch.Tensor], Any] = torch.Tensor.clone
 
 
 def _describe(value: object) -> str:

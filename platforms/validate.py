@@ -7,10 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hyperrng.platforms.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-)
+from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "MAX_SEED",
@@ -61,14 +58,11 @@ def check_int(value: object, what: str) -> int:
 
 def check_instance(value: object, types: type | tuple[type, ...], what: str) -> Any:
     """Return ``value`` if it is an instance of ``types``, else raise :class:`ArgumentTypeError` naming ``what``."""
-    if isinstance(value, types) and not (isinstance(value, bool) and bool not in _as_tuple(types)):
+    allowed = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
         return value
-    names = " or ".join(t.__name__ for t in _as_tuple(types))
+    names = " or ".join(t.__name__ for t in allowed)
     raise ArgumentTypeError(f"{what} must be a {names}, got {type(value).__name__} {value!r:.60}.")
-
-
-def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
-    return types if isinstance(types, tuple) else (types,)
 
 
 def check_seed(seed: object, what: str = "seed") -> int:

@@ -393,6 +393,11 @@ REFUSALS = [
         _set("numpy", lambda n: {**n, "extra": 1}),
         "the NumPy state must be a mapping with exactly the keys",
     ),
+    refusal(
+        "numpy-extra-field-with-a-number-for-a-name",
+        _set("numpy", lambda n: {**n, 7: 1}),
+        "the NumPy state must be a mapping with exactly the keys",
+    ),
     refusal("devices-field-missing", _drop("devices"), MALFORMED),
     refusal("platform-field-missing", _drop("platform"), MALFORMED),
     refusal("devices-not-a-list", _set("devices", lambda _: 3), MALFORMED),
