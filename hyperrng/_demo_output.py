@@ -24,7 +24,7 @@ __all__ = ["REPORT_WIDTH", "Phases", "Report", "relayed", "table", "verdict_line
 REPORT_WIDTH = 100
 """Columns the demo's report is laid out in: a verdict whose detail would pass it puts the detail below."""
 
-_QUIET_S = 15.0  # a phase that takes longer than this (starting many processes) gets a line that says so
+_QUIET_S = 15.0
 _POLL_S = 0.5
 
 
@@ -78,13 +78,11 @@ class Phases:
             if self._seen[key] == self._expected:
                 self._say(self._text[key])
 
-    def quiet_for(self) -> float:
-        """Seconds since the last line."""
-        return time.monotonic() - self._last
-
     def still_waiting(self) -> None:
+        """Say so after :data:`_QUIET_S` without a line (starting many processes takes a while)."""
         with self._lock:
-            self._say("... still running" if self._seen else "... still starting")
+            if time.monotonic() - self._last > _QUIET_S:
+                self._say("... still running" if self._seen else "... still starting")
 
     def say(self, text: str) -> None:
         """A line of the current stage that no rank reports (the parent's own)."""
@@ -113,8 +111,7 @@ def relayed(phases: Phases) -> Iterator[Report]:
             except queue_module.Empty:
                 if done.is_set():
                     return
-                if phases.quiet_for() > _QUIET_S:
-                    phases.still_waiting()
+                phases.still_waiting()
 
     thread = threading.Thread(target=relay, name="hyperrng-demo-progress", daemon=True)
     thread.start()
