@@ -35,13 +35,7 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    InvalidOperationError,
-    RankFailure,
-    RNGDesyncError,
-)
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, RankFailure, RNGDesyncError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import check_instance
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
