@@ -113,10 +113,7 @@ class DemoConfig:
             InvalidArgumentError: a mesh, step count or checkpoint step the demo cannot run.
             InvalidArgumentError, ArgumentTypeError: a seed the library refuses.
         """
-        try:
-            check_seed(self.seed)
-        except (InvalidArgumentError, ArgumentTypeError) as exc:
-            raise type(exc)(f"--seed: {exc}") from None
+        check_seed(self.seed, "--seed: seed")
         for name in ("world_size", "tp", "steps"):
             value = getattr(self, name)
             if name == "world_size" and value is None:
@@ -244,12 +241,13 @@ class _Rank:
         self.w1 = w1[rows].clone().to(self.device).requires_grad_()  # column-parallel
         self.w2 = w2[:, rows].clone().to(self.device).requires_grad_()  # row-parallel
 
-    def seed(self) -> dict[str, int]:
+    def seed(self, base: int) -> dict[str, int]:
+        """Seed every stream of the layout from ``base``; Python, NumPy and torch follow the default one."""
         from hyperrng.seeding import seed_host
 
-        seeds = LAYOUT.seeds(self.cfg.seed, self.coords)
-        seed_host(seeds[DEFAULT_STREAM])  # Python, NumPy and torch follow the default stream
-        apply_layout(LAYOUT, self.cfg.seed, self.coords)
+        seeds = LAYOUT.seeds(base, self.coords)
+        seed_host(seeds[DEFAULT_STREAM])
+        apply_layout(LAYOUT, base, self.coords)
         return seeds
 
     def run(self, steps: range, report: Report) -> list[dict[str, Any]]:
@@ -314,7 +312,7 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, re
     from hyperrng.verify import verify_rng_sync
 
     r = _Rank(cfg, rank, placement)
-    seeds = r.seed()
+    seeds = r.seed(cfg.seed)
     report(rank, "up", f"{world_size} ranks up; every stream seeded from base seed {cfg.seed}")
     sharded = r.sharded_op()
     report(rank, "sharded", f"sharded random op drawn on the {cfg.dp} x {cfg.tp} mesh")
@@ -334,22 +332,17 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, re
 
 def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, report: Report) -> list[dict[str, Any]]:
     """Phase 2, in fresh processes: scramble every generator, load the checkpoint, finish the run."""
-    from hyperrng.seeding import seed_host
     from hyperrng.state import load_rng_state, load_rng_state_dict
 
     r = _Rank(cfg, rank, placement)
-    scramble = combine64(_SCRAMBLE_SEED_DOMAIN, cfg.seed)
-    seed_host(scramble)  # whatever the new processes start with must not matter
-    apply_layout(LAYOUT, scramble, r.coords)
+    r.seed(combine64(_SCRAMBLE_SEED_DOMAIN, cfg.seed))  # whatever the new processes start with must not matter
     saved = load_rng_state(r.checkpoint_path())
     load_rng_state_dict(saved["rng"], layout=LAYOUT, coords=r.coords)
     with torch.no_grad():
         r.w1.copy_(saved["w1"])
         r.w2.copy_(saved["w2"])
     report(
-        rank,
-        "up",
-        f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded",
+        rank, "up", f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded"
     )
     steps = r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
     report.flush()
