@@ -187,26 +187,23 @@ class _ReduceFromTP(torch.autograd.Function):
     """Sum the row-parallel partial outputs over the TP group; the gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, group: Any, staged: bool) -> torch.Tensor:
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
         out = partial.clone()
-        _all_reduce(out, group, staged)
+        _all_reduce(out, group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
-def _all_reduce(tensor: torch.Tensor, group: Any, staged: bool) -> None:
-    """Sum ``tensor`` in place over ``group``, through a host copy where the backend needs one."""
+def _all_reduce(tensor: torch.Tensor, group: Any) -> None:
+    """Sum ``tensor`` in place over ``group``, through a host copy where the backend needs one (gloo)."""
     import torch.distributed as dist
 
-    if not staged:
-        dist.all_reduce(tensor, group=group)
-        return
-    host = tensor.cpu()
-    dist.all_reduce(host, group=group)
-    tensor.copy_(host)
+    buf = tensor.to(platforms.comm.comm_device(platforms.current(), group))  # ``tensor`` itself where it can be
+    dist.all_reduce(buf, group=group)
+    tensor.copy_(buf)  # a no-op when ``buf`` is ``tensor``
 
 
 def _fp(t: torch.Tensor) -> str:
@@ -222,7 +219,6 @@ class _Rank:
 
         self.cfg = cfg
         self.rank = rank
-        self.staged = placement.staged
         platform = platforms.current()
         index = placement.index(int(os.environ.get("LOCAL_RANK", rank)))
         platform.set_device(index)  # forks, seeding and positions act on this rank's device
@@ -271,7 +267,7 @@ class _Rank:
         with get_rng_tracker().fork(MODEL_PARALLEL_STREAM):
             keep_in = torch.rand_like(h) >= _DROPOUT
         h = h * keep_in / (1 - _DROPOUT)
-        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group, self.staged)
+        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group)
         keep_out = torch.rand_like(y) >= _DROPOUT
         y = y * keep_out / (1 - _DROPOUT)
         loss = ((y - target) ** 2).mean()
@@ -280,7 +276,7 @@ class _Rank:
             for w in (self.w1, self.w2):
                 assert w.grad is not None
                 if self.cfg.dp > 1:
-                    _all_reduce(w.grad, self.dp_group, self.staged)
+                    _all_reduce(w.grad, self.dp_group)
                     w.grad /= self.cfg.dp
                 w -= _LEARNING_RATE * w.grad
                 w.grad = None
