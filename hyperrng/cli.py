@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import NoReturn
 
+import torch
+
+import hyperrng
 import hyperrng.platforms as platforms
 from hyperrng.errors import HyperRNGError, PlatformError
 from hyperrng.platforms import _features
@@ -41,10 +44,6 @@ def _dist_version(name: str) -> str:
 
 
 def _version() -> str:
-    import torch
-
-    import hyperrng
-
     return f"hyperrng {hyperrng.__version__} (torch {torch.__version__}, python {sys.version.split()[0]})"
 
 
@@ -61,10 +60,8 @@ def _availability(name: str) -> str:
     try:
         platforms.load(name)
     except PlatformError as exc:
-        reason = (
-            str(exc).removeprefix(f"platform {name!r} is not available: ").removeprefix(f"plug-in platform {name!r} ")
-        )
-        return f"unavailable - {reason}"
+        reason = str(exc).removeprefix(f"platform {name!r} is not available: ")
+        return f"unavailable - {reason.removeprefix(f'plug-in platform {name!r} ')}"
     except Exception as exc:  # a plug-in's entry point that fails to import is a finding, not a crash
         return f"unavailable - failed to load: {type(exc).__name__}: {exc}"
     return "available"
@@ -76,10 +73,6 @@ def info_lines() -> list[str]:
     When no platform can be selected (a bad ``HYPERRNG_PLATFORM``, two plug-ins claiming
     the machine) the report says why in place of the platform; it never raises for that.
     """
-    import torch
-
-    import hyperrng
-
     lines = [
         f"hyperrng {hyperrng.__version__}  (python {sys.version.split()[0]})",
         f"torch {torch.__version__}; torch_npu {_dist_version('torch_npu')}",
