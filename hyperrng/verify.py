@@ -79,14 +79,10 @@ def _all_streams(layout: StreamLayout) -> dict[str, tuple[str, ...]]:
 
 def _local_vector(layout: StreamLayout, coords: Mapping[str, int], tracker: RNGStatesTracker) -> list[int]:
     states = tracker.get_states(as_tensors=True) if tracker.is_initialized() else {}
+    states = {**states, DEFAULT_STREAM: platforms.current().get_rng_state()}  # the device generator, always held
     vector = [coords[d] for d in layout.dims]
     for name in _all_streams(layout):
-        if name == DEFAULT_STREAM:
-            vector += [1, fingerprint(platforms.current().get_rng_state())]
-        elif name in states:
-            vector += [1, fingerprint(states[name])]
-        else:
-            vector += [0, 0]
+        vector += [1, fingerprint(states[name])] if name in states else [0, 0]  # 0: this rank lacks the stream
     return vector
 
 
