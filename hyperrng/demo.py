@@ -322,7 +322,6 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, re
     save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
     report(rank, "checkpoint", f"after step {cfg.save_step}: streams checked across ranks, RNG checkpoint saved")
     steps += r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
-    report.flush()
     return {"coords": r.coords, "seeds": seeds, "sharded": sharded, "steps": steps, "verify_error": verify_error}
 
 
@@ -341,7 +340,6 @@ def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, r
         rank, "up", f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded"
     )
     steps = r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
-    report.flush()
     return steps
 
 
