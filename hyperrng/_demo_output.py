@@ -8,7 +8,6 @@ has reported it (inside a torchrun job, rank 0 prints its own).
 from __future__ import annotations
 
 import multiprocessing
-import queue as queue_module
 import textwrap
 import threading
 import time
@@ -24,13 +23,18 @@ __all__ = ["REPORT_WIDTH", "Phases", "Report", "relayed", "table", "verdict_line
 REPORT_WIDTH = 100
 """Columns the demo's report is laid out in: a verdict whose detail would pass it puts the detail below."""
 
-_QUIET_S = 15.0  # a phase that takes longer than this (starting many processes) gets a line that says so
-_POLL_S = 0.5
+_QUIET_S = 15.0
+_POLL_S = 0.05  # how soon the relay thread sees a report, or the end of its block
 
 
 class Report:
     """How a rank reports a phase: onto the parent's queue, or (inside a torchrun job, where
-    there is no parent) straight to rank 0's own :class:`Phases`. Picklable with a queue."""
+    there is no parent) straight to rank 0's own :class:`Phases`. Picklable with a queue.
+
+    The queue is a ``SimpleQueue``: its ``put`` has written the report to the pipe when it
+    returns, so a rank that ends with ``os._exit`` loses none of its reports (a ``Queue``
+    hands them to a feeder thread, which such an exit would cut short).
+    """
 
     def __init__(self, events: Any = None, phases: Phases | None = None) -> None:
         self._events = events
@@ -41,13 +45,6 @@ class Report:
             self._events.put((rank, key, text))
         elif self._phases is not None and rank == 0:
             self._phases.record(rank, key, text)
-
-    def flush(self) -> None:
-        """Hand this rank's last reports to the pipe before it answers: a queue's ``put`` leaves them to
-        a feeder thread, which a rank that exits without shutting the queue down would cut short."""
-        if self._events is not None:
-            self._events.close()
-            self._events.join_thread()
 
 
 class Phases:
@@ -78,13 +75,11 @@ class Phases:
             if self._seen[key] == self._expected:
                 self._say(self._text[key])
 
-    def quiet_for(self) -> float:
-        """Seconds since the last line."""
-        return time.monotonic() - self._last
-
     def still_waiting(self) -> None:
+        """Say so after :data:`_QUIET_S` without a line (starting many processes takes a while)."""
         with self._lock:
-            self._say("... still running" if self._seen else "... still starting")
+            if time.monotonic() - self._last > _QUIET_S:
+                self._say("... still running" if self._seen else "... still starting")
 
     def say(self, text: str) -> None:
         """A line of the current stage that no rank reports (the parent's own)."""
@@ -100,21 +95,18 @@ class Phases:
 def relayed(phases: Phases) -> Iterator[Report]:
     """A report whose queue a thread of this process reads into ``phases`` while the block runs.
 
-    Every rank that answered has exited by the end of the block, so what it reported is in
+    Every rank has exited (or been killed) by the end of the block, so what it reported is in
     the queue by then; the thread reads it to the end before it stops.
     """
-    events = multiprocessing.get_context("spawn").Queue()
+    events = multiprocessing.get_context("spawn").SimpleQueue()
     done = threading.Event()
 
     def relay() -> None:
-        while True:
-            try:
-                phases.record(*events.get(timeout=_POLL_S))
-            except queue_module.Empty:
-                if done.is_set():
-                    return
-                if phases.quiet_for() > _QUIET_S:
-                    phases.still_waiting()
+        while not (done.is_set() and events.empty()):  # done first: once it is set, nothing more arrives
+            if not events.empty():
+                phases.record(*events.get())
+            elif not done.wait(_POLL_S):
+                phases.still_waiting()
 
     thread = threading.Thread(target=relay, name="hyperrng-demo-progress", daemon=True)
     thread.start()

@@ -89,10 +89,9 @@ def tp_invariance_report(
     and train ``steps`` SGD steps with dropout.
 
     Returns:
-        ``{"tp_sizes", "params_identical", "masks_identical", "max_loss_difference",
-        "losses": {tp: [...]}}``: whether every TP size gave bit-identical initial
-        parameters and dropout masks (on every rank), and how far the losses drift
-        (float reductions differ with the sharding).
+        ``{"params_identical", "masks_identical", "max_loss_difference", "losses": {tp: [...]}}``:
+        whether every TP size gave bit-identical initial parameters and dropout masks (on
+        every rank), and how far the losses drift (float reductions differ with the sharding).
 
     Raises:
         ArgumentTypeError / InvalidArgumentError: a size that is not a positive int dividing
@@ -112,7 +111,6 @@ def tp_invariance_report(
     losses = {tp: per_rank[0][tp]["losses"] for tp in sizes}
     drift = max(abs(a - b) for tp in sizes for a, b in zip(losses[tp], losses[sizes[0]]))
     return {
-        "tp_sizes": sizes,
         "params_identical": params,
         "masks_identical": masks,
         "max_loss_difference": drift,

@@ -27,6 +27,7 @@ interpreter exit, so a rank ends with ``os._exit`` once its output is flushed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -34,7 +35,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from typing import Any
@@ -68,7 +69,6 @@ class Placement:
     local_ranks: int
     backend: str
     staged: bool  # tensors go to the host for each collective (gloo with device tensors)
-    is_host: bool
 
     @classmethod
     def plan(cls, platform: platforms.Platform, local_ranks: int) -> Placement:
@@ -77,14 +77,14 @@ class Placement:
         host = platform.device_type == "cpu"
         backend = platform.dist_backend if host or devices >= local_ranks else "gloo"
         staged = backend == "gloo" and not host
-        return cls(platform.device_type, devices, local_ranks, backend, staged, host)
+        return cls(platform.device_type, devices, local_ranks, backend, staged)
 
     def index(self, local_rank: int) -> int:
         """The device of a local rank: its own where there are enough, else shared round-robin."""
         return local_rank % self.devices
 
     def describe(self) -> str:
-        if self.is_host:
+        if self.device_type == "cpu":
             return f"over {self.backend} on the host"
         if self.devices >= self.local_ranks:
             where = f"one {self.device_type!r} device each"
@@ -161,12 +161,10 @@ def _entry(
         ok, answer = True, pickle.dumps((True, fn(rank, world_size, *args)))  # an unpicklable result is a failure
     except BaseException as exc:
         ok, answer = False, pickle.dumps((False, (_first_line(exc), traceback.format_exc())))
-    try:
+    with contextlib.suppress(EOFError, OSError):  # the parent is gone: nobody waits for this rank any more
         conn.send_bytes(answer)
         if ok:
             conn.recv_bytes()  # the parent's release: every rank has answered
-    except (EOFError, OSError):
-        pass  # the parent is gone; nobody waits for this rank any more
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)  # no process group teardown, no interpreter finalisation: see the module docstring
@@ -230,7 +228,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
                 _collect(waiting, results, raised, joined, min(_POLL_S, max(settle - time.monotonic(), 0.01)))
             dead = _died(procs, results.keys() | raised.keys())
         else:
-            _release(parent_end for parent_end, _ in pipes)
+            for parent_end, _ in pipes:  # every rank has answered: each may end
+                with contextlib.suppress(OSError):  # that rank has ended already
+                    parent_end.send_bytes(b"")
     finally:
         _stop(procs, wait=len(results) == world_size)
         for parent_end, _ in pipes:
@@ -265,15 +265,6 @@ def _collect(
             results[rank] = value
         else:
             raised[rank] = value
-
-
-def _release(conns: Iterable[Any]) -> None:
-    """Tell every rank that all have answered, so that each may end."""
-    for conn in conns:
-        try:
-            conn.send_bytes(b"")
-        except OSError:
-            pass  # that rank has ended already
 
 
 def _died(procs: list[Any], answered: Collection[int]) -> dict[int, int]:

@@ -11,6 +11,7 @@ quietly with status 141, as a closed pipe ends other command-line tools.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import textwrap
@@ -20,6 +21,9 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import NoReturn
 
+import torch
+
+import hyperrng
 import hyperrng.platforms as platforms
 from hyperrng.errors import HyperRNGError, PlatformError
 from hyperrng.platforms import _features
@@ -40,22 +44,15 @@ def _dist_version(name: str) -> str:
 
 
 def _version() -> str:
-    import torch
-
-    import hyperrng
-
     return f"hyperrng {hyperrng.__version__} (torch {torch.__version__}, python {sys.version.split()[0]})"
 
 
 def _known_platforms() -> list[tuple[str, str]]:
     """Every platform that can be named: ``(name, source)`` for built-ins, registrations and entry points."""
-    names = [(name, "builtin" if name in _BUILTIN_PLATFORMS else "registered") for name in platforms.registered()]
-    taken = {name for name, _ in names}
+    names = {name: "builtin" if name in _BUILTIN_PLATFORMS else "registered" for name in platforms.registered()}
     for ep in sorted(entry_points(group=platforms.ENTRY_POINT_GROUP), key=lambda ep: ep.name):
-        if ep.name not in taken:
-            names.append((ep.name, f"plugin {ep.value}"))
-            taken.add(ep.name)
-    return names
+        names.setdefault(ep.name, f"plugin {ep.value}")  # a registration, or the first of two plug-ins, wins
+    return list(names.items())
 
 
 def _availability(name: str) -> str:
@@ -63,10 +60,8 @@ def _availability(name: str) -> str:
     try:
         platforms.load(name)
     except PlatformError as exc:
-        reason = (
-            str(exc).removeprefix(f"platform {name!r} is not available: ").removeprefix(f"plug-in platform {name!r} ")
-        )
-        return f"unavailable - {reason}"
+        reason = str(exc).removeprefix(f"platform {name!r} is not available: ")
+        return f"unavailable - {reason.removeprefix(f'plug-in platform {name!r} ')}"
     except Exception as exc:  # a plug-in's entry point that fails to import is a finding, not a crash
         return f"unavailable - failed to load: {type(exc).__name__}: {exc}"
     return "available"
@@ -78,10 +73,6 @@ def info_lines() -> list[str]:
     When no platform can be selected (a bad ``HYPERRNG_PLATFORM``, two plug-ins claiming
     the machine) the report says why in place of the platform; it never raises for that.
     """
-    import torch
-
-    import hyperrng
-
     lines = [
         f"hyperrng {hyperrng.__version__}  (python {sys.version.split()[0]})",
         f"torch {torch.__version__}; torch_npu {_dist_version('torch_npu')}",
@@ -141,14 +132,15 @@ class _Lines:
         self._lock = threading.Lock()
         self.closed = False
 
-    def __call__(self, line: str, fit: bool = True) -> None:
-        """Write ``line``; ``fit=False`` writes it whole (a Markdown table row, meant to be pasted)."""
+    def __call__(self, *lines: str, fit: bool = True) -> None:
+        """Write each line; ``fit=False`` writes them whole (Markdown table rows, meant to be pasted)."""
         with self._lock:
             if self.closed:
                 return
             try:
-                for part in _fit(line) if fit else [line]:
-                    print(part, file=getattr(sys, self._stream), flush=True)
+                for line in lines:
+                    for part in _fit(line) if fit else [line]:
+                        print(part, file=getattr(sys, self._stream), flush=True)
             except BrokenPipeError:
                 self.close()
 
@@ -165,8 +157,7 @@ class _Lines:
 
 
 def _cmd_info(args: argparse.Namespace, out: _Lines) -> int:
-    for line in info_lines():
-        out(line)
+    out(*info_lines())
     return 0
 
 
@@ -177,28 +168,20 @@ def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
     # With --markdown, stdout carries the table alone (to paste or redirect); progress goes to stderr.
     progress = _Lines("stderr") if args.markdown else out
     header = b.header_lines(args.quick)
-    for line in header + [""] + b.column_titles():
-        progress(line)
-    count = 0
+    progress(*header, "", *b.column_titles())
+    rows = itertools.count(1)
 
     def on_result(result: b.BenchResult) -> None:
-        nonlocal count
-        count += 1
-        for line in b.format_row(count, result):
-            progress(line)
+        progress(*b.format_row(next(rows), result))
 
     def on_suite(i: int, n: int, name: str) -> None:
-        for line in b.suite_lines(i, n, name):
-            progress(line)
+        progress(*b.suite_lines(i, n, name))
 
     start = time.monotonic()
     results = b.run_benchmarks(quick=args.quick, suites=suites, on_suite=on_suite, on_result=on_result)
-    progress("")
-    for line in b.summary_lines(results, time.monotonic() - start):
-        progress(line)
+    progress("", *b.summary_lines(results, time.monotonic() - start))
     if args.markdown:
-        for line in b.format_markdown(results, header[:2]).splitlines():
-            out(line, fit=False)
+        out(*b.format_markdown(results, header[:2]).splitlines(), fit=False)
     return 0
 
 
@@ -206,15 +189,8 @@ def _cmd_demo(args: argparse.Namespace, out: _Lines) -> int:
     from hyperrng.demo import DemoConfig
     from hyperrng.demo import main as demo_main
 
-    cfg = DemoConfig(
-        world_size=args.world_size,
-        tp=args.tp,
-        steps=args.steps,
-        save_step=args.save_step,
-        seed=args.seed,
-        portable=args.portable,
-    )
-    return demo_main(cfg, out=out)
+    flags = ("world_size", "tp", "steps", "save_step", "seed", "portable")  # each flag's dest is its field's name
+    return demo_main(DemoConfig(**{name: getattr(args, name) for name in flags}), out=out)
 
 
 class _Parser(argparse.ArgumentParser):

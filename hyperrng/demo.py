@@ -113,10 +113,7 @@ class DemoConfig:
             InvalidArgumentError: a mesh, step count or checkpoint step the demo cannot run.
             InvalidArgumentError, ArgumentTypeError: a seed the library refuses.
         """
-        try:
-            check_seed(self.seed)
-        except (InvalidArgumentError, ArgumentTypeError) as exc:
-            raise type(exc)(f"--seed: {exc}") from None
+        check_seed(self.seed, "--seed: seed")
         for name in ("world_size", "tp", "steps"):
             value = getattr(self, name)
             if name == "world_size" and value is None:
@@ -190,26 +187,23 @@ class _ReduceFromTP(torch.autograd.Function):
     """Sum the row-parallel partial outputs over the TP group; the gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, group: Any, staged: bool) -> torch.Tensor:
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
         out = partial.clone()
-        _all_reduce(out, group, staged)
+        _all_reduce(out, group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
-def _all_reduce(tensor: torch.Tensor, group: Any, staged: bool) -> None:
-    """Sum ``tensor`` in place over ``group``, through a host copy where the backend needs one."""
+def _all_reduce(tensor: torch.Tensor, group: Any) -> None:
+    """Sum ``tensor`` in place over ``group``, through a host copy where the backend needs one (gloo)."""
     import torch.distributed as dist
 
-    if not staged:
-        dist.all_reduce(tensor, group=group)
-        return
-    host = tensor.cpu()
-    dist.all_reduce(host, group=group)
-    tensor.copy_(host)
+    buf = tensor.to(platforms.comm.comm_device(platforms.current(), group))  # ``tensor`` itself where it can be
+    dist.all_reduce(buf, group=group)
+    tensor.copy_(buf)  # a no-op when ``buf`` is ``tensor``
 
 
 def _fp(t: torch.Tensor) -> str:
@@ -225,7 +219,6 @@ class _Rank:
 
         self.cfg = cfg
         self.rank = rank
-        self.staged = placement.staged
         platform = platforms.current()
         index = placement.index(int(os.environ.get("LOCAL_RANK", rank)))
         platform.set_device(index)  # forks, seeding and positions act on this rank's device
@@ -244,12 +237,13 @@ class _Rank:
         self.w1 = w1[rows].clone().to(self.device).requires_grad_()  # column-parallel
         self.w2 = w2[:, rows].clone().to(self.device).requires_grad_()  # row-parallel
 
-    def seed(self) -> dict[str, int]:
+    def seed(self, base: int) -> dict[str, int]:
+        """Seed every stream of the layout from ``base``; Python, NumPy and torch follow the default one."""
         from hyperrng.seeding import seed_host
 
-        seeds = LAYOUT.seeds(self.cfg.seed, self.coords)
-        seed_host(seeds[DEFAULT_STREAM])  # Python, NumPy and torch follow the default stream
-        apply_layout(LAYOUT, self.cfg.seed, self.coords)
+        seeds = LAYOUT.seeds(base, self.coords)
+        seed_host(seeds[DEFAULT_STREAM])
+        apply_layout(LAYOUT, base, self.coords)
         return seeds
 
     def run(self, steps: range, report: Report) -> list[dict[str, Any]]:
@@ -273,7 +267,7 @@ class _Rank:
         with get_rng_tracker().fork(MODEL_PARALLEL_STREAM):
             keep_in = torch.rand_like(h) >= _DROPOUT
         h = h * keep_in / (1 - _DROPOUT)
-        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group, self.staged)
+        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group)
         keep_out = torch.rand_like(y) >= _DROPOUT
         y = y * keep_out / (1 - _DROPOUT)
         loss = ((y - target) ** 2).mean()
@@ -282,7 +276,7 @@ class _Rank:
             for w in (self.w1, self.w2):
                 assert w.grad is not None
                 if self.cfg.dp > 1:
-                    _all_reduce(w.grad, self.dp_group, self.staged)
+                    _all_reduce(w.grad, self.dp_group)
                     w.grad /= self.cfg.dp
                 w -= _LEARNING_RATE * w.grad
                 w.grad = None
@@ -314,7 +308,7 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, re
     from hyperrng.verify import verify_rng_sync
 
     r = _Rank(cfg, rank, placement)
-    seeds = r.seed()
+    seeds = r.seed(cfg.seed)
     report(rank, "up", f"{world_size} ranks up; every stream seeded from base seed {cfg.seed}")
     sharded = r.sharded_op()
     report(rank, "sharded", f"sharded random op drawn on the {cfg.dp} x {cfg.tp} mesh")
@@ -328,31 +322,24 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, re
     save_rng_state(r.checkpoint_path(), {"rng": state, **weights})
     report(rank, "checkpoint", f"after step {cfg.save_step}: streams checked across ranks, RNG checkpoint saved")
     steps += r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
-    report.flush()
     return {"coords": r.coords, "seeds": seeds, "sharded": sharded, "steps": steps, "verify_error": verify_error}
 
 
 def _resume(rank: int, world_size: int, cfg: DemoConfig, placement: Placement, report: Report) -> list[dict[str, Any]]:
     """Phase 2, in fresh processes: scramble every generator, load the checkpoint, finish the run."""
-    from hyperrng.seeding import seed_host
     from hyperrng.state import load_rng_state, load_rng_state_dict
 
     r = _Rank(cfg, rank, placement)
-    scramble = combine64(_SCRAMBLE_SEED_DOMAIN, cfg.seed)
-    seed_host(scramble)  # whatever the new processes start with must not matter
-    apply_layout(LAYOUT, scramble, r.coords)
+    r.seed(combine64(_SCRAMBLE_SEED_DOMAIN, cfg.seed))  # whatever the new processes start with must not matter
     saved = load_rng_state(r.checkpoint_path())
     load_rng_state_dict(saved["rng"], layout=LAYOUT, coords=r.coords)
     with torch.no_grad():
         r.w1.copy_(saved["w1"])
         r.w2.copy_(saved["w2"])
     report(
-        rank,
-        "up",
-        f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded",
+        rank, "up", f"{world_size} ranks up; generators scrambled, then the checkpoint of step {cfg.save_step} loaded"
     )
     steps = r.run(range(cfg.save_step + 1, cfg.steps + 1), report)
-    report.flush()
     return steps
 
 

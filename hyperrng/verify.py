@@ -35,13 +35,7 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    InvalidOperationError,
-    RankFailure,
-    RNGDesyncError,
-)
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, RankFailure, RNGDesyncError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import check_instance
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
@@ -85,14 +79,10 @@ def _all_streams(layout: StreamLayout) -> dict[str, tuple[str, ...]]:
 
 def _local_vector(layout: StreamLayout, coords: Mapping[str, int], tracker: RNGStatesTracker) -> list[int]:
     states = tracker.get_states(as_tensors=True) if tracker.is_initialized() else {}
+    states = {**states, DEFAULT_STREAM: platforms.current().get_rng_state()}  # the device generator, always held
     vector = [coords[d] for d in layout.dims]
     for name in _all_streams(layout):
-        if name == DEFAULT_STREAM:
-            vector += [1, fingerprint(platforms.current().get_rng_state())]
-        elif name in states:
-            vector += [1, fingerprint(states[name])]
-        else:
-            vector += [0, 0]
+        vector += [1, fingerprint(states[name])] if name in states else [0, 0]  # 0: this rank lacks the stream
     return vector
 
 
@@ -152,10 +142,9 @@ def verify_rng_sync(
     missing_dims = [d for d in layout.dims if d not in point]
     if missing_dims:
         raise InvalidArgumentError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
-    p = platforms.current()
     deadline = None if seconds is None else time.monotonic() + seconds
     # The layouts must agree before the vectors are gathered: their length depends on it.
-    digests = [int(t) for t in _gather(p, torch.tensor([_layout_digest(layout)]), group, deadline, seconds)]
+    digests = [int(t) for t in _gather(torch.tensor([_layout_digest(layout)]), group, deadline, seconds)]
     if len(set(digests)) > 1:
         by_digest: dict[int, list[int]] = defaultdict(list)
         for rank, digest in enumerate(digests):
@@ -166,7 +155,7 @@ def verify_rng_sync(
             + "; build the same StreamLayout on every rank."
         )
     local = torch.tensor(_local_vector(layout, point, tracker), dtype=torch.int64)
-    rows = [t.tolist() for t in _gather(p, local, group, deadline, seconds)]
+    rows = [t.tolist() for t in _gather(local, group, deadline, seconds)]
     return _judge(layout, rows)
 
 
@@ -191,13 +180,11 @@ def _timeout_seconds(timeout: object) -> float | None:
     return seconds
 
 
-def _gather(
-    p: platforms.Platform, tensor: torch.Tensor, group: Any, deadline: float | None, seconds: float | None
-) -> list[torch.Tensor]:
+def _gather(tensor: torch.Tensor, group: Any, deadline: float | None, seconds: float | None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` in rank order, waiting until ``deadline`` at most (``time.monotonic()``)."""
     import torch.distributed as dist
 
-    buf = tensor.to(platforms.comm.comm_device(p, group), copy=True)  # as comm.all_gather places it
+    buf = tensor.to(platforms.comm.comm_device(platforms.current(), group), copy=True)  # as comm.all_gather places it
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(out, buf, group=group, async_op=True)
     try:
@@ -251,8 +238,7 @@ def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
                         f"stream {name!r}: ranks {groups[other]} and {state_ranks} must differ "
                         f"({_describe(dims, other)} vs {_describe(dims, key)}) but hold identical states"
                     )
-        states = {row[col + 1] for row in rows}
-        verdicts.append(StreamVerdict(name, dims, len(states), len(groups)))
+        verdicts.append(StreamVerdict(name, dims, len(owner), len(groups)))  # owner: one entry per distinct state
     if problems:
         shown = problems[:_MAX_REPORTED]
         more = len(problems) - len(shown)
