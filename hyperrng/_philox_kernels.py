@@ -294,9 +294,9 @@ def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor
 
 
 def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
-    threshold = scalars[0]
-    for lane in range(WORDS_PER_BLOCK):
-        torch.lt(words[lane], threshold, out=dst[:, lane])
+    # One comparison of the transposed rows into dst, whatever its dtype (True is 1.0): on the
+    # CPU cheaper than a comparison per lane into dst's strided columns.
+    torch.lt(words.t(), scalars[0], out=dst)
 
 
 def _box_muller(
