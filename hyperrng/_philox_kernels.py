@@ -32,7 +32,7 @@ import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -160,10 +160,23 @@ def counter_words(blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor
     return philox_rounds(blocks & _MASK32, blocks >> _HALF_SHIFT, zeros, zeros, k0, k1)
 
 
+class _Constants(NamedTuple):
+    """The operands of :func:`_rounds_inplace` for one key, final mask and device, as tensors on
+    that device: a Python int costs each operation a conversion into a tensor, on a CPU about
+    as much time as an operation on a small chunk takes."""
+
+    shift: torch.Tensor  # 32: the high half of a product down to the low one
+    mask: torch.Tensor  # 2**32 - 1
+    final_mask: torch.Tensor
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # round 0: key word 0, M0, key word 1
+    rounds: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # from round 1: (2, 1) multipliers and keys
+
+
 @functools.lru_cache(maxsize=32)
-def _round_constants(k0: int, k1: int, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """Per round from 1 on, the ``(2, 1)`` multipliers of the pair of rows :func:`_rounds_inplace`
-    multiplies and the round keys of the pair it XORs into, each in the order of its rows."""
+def _round_constants(k0: int, k1: int, final_mask: int, device: torch.device) -> _Constants:
+    """The constants of :func:`_rounds_inplace`; per round from 1 on, the ``(2, 1)`` multipliers of
+    the pair of rows it multiplies and the round keys of the pair it XORs into, each in the
+    order of its rows."""
     rounds = []
     for r in range(1, PHILOX_ROUNDS):
         s = (r + 2) % WORDS_PER_BLOCK  # the row of word 0 in round r
@@ -174,16 +187,18 @@ def _round_constants(k0: int, k1: int, device: torch.device) -> tuple[tuple[torc
     # Built on the CPU and moved: torch.tensor(..., device=) fails on a Python-written device
     # backend when called from inside one of its kernels.
     table = torch.tensor(rounds, dtype=torch.int64).unsqueeze(-1).to(device)
-    return tuple((row[0], row[1]) for row in table)
+    scalars = [_HALF_SHIFT, _MASK32, final_mask, k0 & _MASK32, PHILOX_M0, k1 & _MASK32]
+    shift, mask, final, key0, m0, key1 = torch.tensor(scalars, dtype=torch.int64).to(device).unbind(0)
+    return _Constants(shift, mask, final, (key0, m0, key1), tuple((row[0], row[1]) for row in table))
 
 
-def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: int, final_mask: int) -> None:
+def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, constants: _Constants) -> None:
     """Eager Philox4x32-10 on the ``(4, m)`` rows ``words``, in place, with ``(2, m)`` scratch.
 
     On entry rows 0 and 1 hold the low and high counter words (rows 2 and 3, the zero
     counter words, are not read); on exit the four rows hold the output words, masked
-    with ``final_mask`` (a distribution that keeps only the top bits of a word passes
-    those bits and saves a pass). Nothing is allocated. Unlike :func:`philox_rounds` it
+    with ``constants.final_mask`` (a distribution that keeps only the top bits of a word
+    passes those bits and saves a pass). Nothing is allocated. Unlike :func:`philox_rounds` it
     multiplies the words directly and lets the ``int64`` product wrap: torch's eager
     kernels are compiled ahead of time and wrap on every backend, the wrapped product is
     the exact unsigned 64-bit one, its low half is the low word and ``(p >> 32) &
@@ -201,30 +216,33 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: in
     in the order of that pair: one shift where the two pairs' orders agree, two where
     they are opposite. Ten rounds end with the words in rows 0 to 3.
     """
+    shift, mask = constants.shift, constants.mask
     r0, r1, r2, _ = words.unbind(0)
     t0, t1 = products.unbind(0)
     pairs = (words[0::2], words[1::2])
     # Round 0: words 2 and 3 are zero, so its second product is zero and word 1 becomes
     # zero. It leaves word j in row (3 + j) % 4, where round 1 finds it.
-    torch.bitwise_xor(r1, k0 & _MASK32, out=words[3])  # word 0: word 1 (clean: a counter word) ^ key
-    torch.mul(r0, PHILOX_M0, out=r2)  # word 3: the low half of the product
-    torch.bitwise_right_shift(r2, _HALF_SHIFT, out=r1)
-    r1.bitwise_xor_(k1 & _MASK32).bitwise_and_(_MASK32)  # word 2: high half ^ key
+    key0, m0, key1 = constants.first
+    torch.bitwise_xor(r1, key0, out=words[3])  # word 0: word 1 (clean: a counter word) ^ key
+    torch.mul(r0, m0, out=r2)  # word 3: the low half of the product
+    torch.bitwise_right_shift(r2, shift, out=r1)
+    r1.bitwise_xor_(key1).bitwise_and_(mask)  # word 2: high half ^ key
     r0.zero_()  # word 1
-    for r, (multipliers, keys) in enumerate(_round_constants(k0, k1, words.device), start=1):
+    for r, (multipliers, keys) in enumerate(constants.rounds, start=1):
         odd = r % 2  # word 0 is in row (r + 2) % 4, so words 0 and 2 are in rows 1 and 3 in odd rounds
         factors, targets = pairs[odd], pairs[1 - odd]
         factors.mul_(multipliers)
         # The product of word 0 meets word 3, that of word 2 meets word 1: in odd rounds they
         # are in the same places of their pairs, in even rounds in opposite places.
         if odd:
-            torch.bitwise_right_shift(factors, _HALF_SHIFT, out=products)
+            torch.bitwise_right_shift(factors, shift, out=products)
         else:
-            torch.bitwise_right_shift(r2, _HALF_SHIFT, out=t0)
-            torch.bitwise_right_shift(r0, _HALF_SHIFT, out=t1)
-        mask = final_mask if r == PHILOX_ROUNDS - 1 else _MASK32
-        targets.bitwise_xor_(products).bitwise_xor_(keys).bitwise_and_(mask)
-    pairs[1].bitwise_and_(final_mask)  # words 1 and 3, the low halves of the last products
+            torch.bitwise_right_shift(r2, shift, out=t0)
+            torch.bitwise_right_shift(r0, shift, out=t1)
+        targets.bitwise_xor_(products).bitwise_xor_(keys).bitwise_and_(
+            constants.final_mask if r == PHILOX_ROUNDS - 1 else mask
+        )
+    pairs[1].bitwise_and_(constants.final_mask)  # words 1 and 3, the low halves of the last products
 
 
 # --- distributions --------------------------------------------------------------------
@@ -561,10 +579,11 @@ class Kernel:
     def _write(self, dst: torch.Tensor, blocks: torch.Tensor, first: int) -> None:
         """Eager: write the values of the blocks ``blocks + first`` (at most a chunk) into ``dst``."""
         words, products = self._rows(dst.shape[0])
+        constants = _round_constants(self.k0, self.k1, self.final_mask, self.device)
         torch.add(blocks, first, out=words[0])
-        torch.bitwise_right_shift(words[0], _HALF_SHIFT, out=words[1])
-        words[0].bitwise_and_(_MASK32)
-        _rounds_inplace(words, products, self.k0, self.k1, self.final_mask)
+        torch.bitwise_right_shift(words[0], constants.shift, out=words[1])
+        words[0].bitwise_and_(constants.mask)
+        _rounds_inplace(words, products, constants)
         self.transform.write(words, dst, self.params, self.scalars)
 
     def _rows(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
