@@ -61,6 +61,14 @@ class ShardGeometry:
     def segments(self) -> int:
         return math.prod(self.local_shape[: self.split])
 
+    @property
+    def first(self) -> int:
+        """Global row-major index (from 0) of the block's first element."""
+        index = 0
+        for start, extent in zip(self.starts, self.global_shape):
+            index = index * extent + start
+        return index
+
     def segment_starts(self, ids: torch.Tensor) -> torch.Tensor:
         """Global row-major index (from 0) of the first element of each run in ``ids``."""
         strides = [1] * len(self.global_shape)
@@ -180,14 +188,17 @@ def fill(
             and numel > 0
             and numel % WORDS_PER_BLOCK == 0
         ):
-            start = offset + int(geometry.segment_starts(torch.zeros(1, dtype=torch.int64)).item())
+            start = offset + geometry.first
             if start % WORDS_PER_BLOCK == 0:
                 return kernel.run(start // WORDS_PER_BLOCK, numel // WORDS_PER_BLOCK).view(geometry.local_shape)
         out = torch.empty(geometry.local_shape, dtype=dtype, device=kernel.device)
     if numel == 0:
         return out
+    if geometry.segments == 1:  # one run: its start needs no tensor of run starts
+        _fill_range(out.view(-1), offset + geometry.first, kernel)
+        return out
     rows = out.view(geometry.segments, geometry.run)
-    if geometry.segments == 1 or _blocks_spanned(geometry.run) > chunk_blocks():
+    if _blocks_spanned(geometry.run) > chunk_blocks():
         ids = torch.arange(geometry.segments, dtype=torch.int64)
         for row, start in zip(rows, geometry.segment_starts(ids).tolist()):
             _fill_range(row, offset + start, kernel)
