@@ -94,7 +94,6 @@ _SCRATCH_ROWS = 6  # eager int64 rows per chunk: four words and two products
 _VALUE_ROWS = 6  # eager value rows per chunk, at most: normal's radii, angles and one lane pair
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-Params = Sequence[torch.Tensor]
 Scalars = Sequence[float | int]
 
 
@@ -247,7 +246,7 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, constants: _Con
 
 # --- distributions --------------------------------------------------------------------
 
-Writer = Callable[[torch.Tensor, torch.Tensor, Params, Scalars], None]
+Writer = Callable[[torch.Tensor, torch.Tensor, "Kernel"], None]
 Lanes = Callable[..., Sequence[torch.Tensor]]
 
 
@@ -256,11 +255,11 @@ class Transform:
     """How a distribution turns the four words of a block into its four values.
 
     ``lanes(words, *params)`` is the functional form that gets compiled: the four value
-    columns of the four word columns ``words``. ``write(words, dst, params, scalars)`` is
-    the eager form: ``words`` are the ``(4, m)`` output rows of the rounds, already masked
-    with ``final_mask(scalars)``, and it writes lane ``i`` into column ``i`` of ``dst``
-    (shape ``(m, 4)``, any dtype the values round to). ``params`` are the parameters as
-    0-d tensors, ``scalars`` the same as Python numbers.
+    columns of the four word columns ``words``. ``write(words, dst, kernel)`` is the eager
+    form: ``words`` are the ``(4, m)`` output rows of the rounds, already masked with
+    ``final_mask(scalars)``, and it writes lane ``i`` into column ``i`` of ``dst`` (shape
+    ``(m, 4)``, any dtype the values round to), reading the kernel's parameters as 0-d
+    tensors (``kernel.params``) or as Python numbers (``kernel.scalars``).
     """
 
     name: str
@@ -273,7 +272,7 @@ def _bits_lanes(words: Words) -> Words:
     return words
 
 
-def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params = (), scalars: Scalars = ()) -> None:
+def _bits_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel | None = None) -> None:
     """Row ``i`` of ``words`` (the raw words, or any ``(4, m)`` rows) into column ``i`` of ``dst``."""
     for lane in range(WORDS_PER_BLOCK):
         dst[:, lane].copy_(words[lane])
@@ -286,9 +285,9 @@ def _uniform_lanes(
     return [(w & keep) * unit * span + low for w in words]
 
 
-def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
-    _, unit, span, low = params
-    default_bounds = scalars[2] == 1.0 and scalars[3] == 0.0  # u * 1 + 0 is u exactly (u >= 0: no -0.0)
+def _uniform_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+    _, unit, span, low = kernel.params
+    default_bounds = kernel.scalars[2] == 1.0 and kernel.scalars[3] == 0.0  # u * 1 + 0 is u exactly (u >= 0: no -0.0)
     if dst.dtype == unit.dtype:
         # The masked word converts to the compute dtype exactly; then one contiguous pass
         # scales it (and applies the bounds, rounding twice as compiled code does).
@@ -311,10 +310,10 @@ def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor
     return [w < threshold for w in words]
 
 
-def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
+def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
     # One comparison of the transposed rows into dst, whatever its dtype (True is 1.0): on the
     # CPU cheaper than a comparison per lane into dst's strided columns.
-    torch.lt(words.t(), scalars[0], out=dst)
+    torch.lt(words.t(), kernel.scalars[0], out=dst)
 
 
 def _box_muller(
@@ -339,8 +338,8 @@ def _normal_lanes(
     return [v * std + mean for v in z]
 
 
-def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
-    shift, unit, two_pi, std, mean = params
+def _normal_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+    shift, unit, two_pi, std, mean = kernel.params
     # The operations of _box_muller, in place: rows (0, 2) give the radii and rows (1, 3)
     # the angles of lanes (0, 1) and (2, 3). At most six value rows are alive at once.
     radius = torch.mul(torch.bitwise_right_shift(words[0::2], shift).add_(1), unit)
@@ -523,15 +522,21 @@ class Kernel:
         self.compiled = compiled
         self.value_dtype = value_dtype
         self.scalars = tuple(params)
-        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
-        # backend when called from inside one of its kernels (a torch.library override).
-        self.params = tuple(torch.full((), v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
+        self._param_dtypes = tuple(param_dtypes)
         self.k0, self.k1 = key & _MASK32, key >> _HALF_SHIFT
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
             self._fn = _compiled(transform, device.type)
             self._keys = tuple(torch.full((), k, dtype=torch.int64, device=device) for k in (self.k0, self.k1))
+
+    @functools.cached_property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The parameters as 0-d tensors on the device, made when first read (eager bernoulli and
+        raw words never read them)."""
+        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
+        # backend when called from inside one of its kernels (a torch.library override).
+        return tuple(torch.full((), v, dtype=d, device=self.device) for v, d in zip(self.scalars, self._param_dtypes))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
         """Values of the blocks ``blocks`` (1-D ``int64``), shape ``(m, 4)``, in ``value_dtype``."""
@@ -584,7 +589,7 @@ class Kernel:
         torch.bitwise_right_shift(words[0], constants.shift, out=words[1])
         words[0].bitwise_and_(constants.mask)
         _rounds_inplace(words, products, constants)
-        self.transform.write(words, dst, self.params, self.scalars)
+        self.transform.write(words, dst, self)
 
     def _rows(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Four word rows and two product rows of ``m`` blocks, reused across chunks."""

@@ -84,7 +84,7 @@ class ShardGeometry:
 
 def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     if shard is None:
-        shard = ()
+        return [(0, extent) for extent in shape]
     if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
         raise ArgumentTypeError(
             f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
@@ -126,7 +126,8 @@ def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
     tail = n - head - whole * WORDS_PER_BLOCK
     first = (start + head) // WORDS_PER_BLOCK
     if whole:
-        kernel.fill(out[head : head + whole * WORDS_PER_BLOCK].view(whole, WORDS_PER_BLOCK), first)
+        middle = out if whole * WORDS_PER_BLOCK == n else out[head : head + whole * WORDS_PER_BLOCK]
+        kernel.fill(middle.view(whole, WORDS_PER_BLOCK), first)
     ends = ([start // WORDS_PER_BLOCK] if head else []) + ([first + whole] if tail else [])
     if ends:
         values = kernel.values(torch.tensor(ends, dtype=torch.int64).to(out.device))

@@ -136,7 +136,7 @@ def check_shape(shape: object) -> tuple[int, ...]:
         InvalidArgumentError: a negative dimension, or ``2**62`` elements or more.
     """
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
-    if not isinstance(dims, Sequence):
+    if type(dims) is not tuple and not isinstance(dims, Sequence):  # a tuple (every op's) skips the ABC check
         raise ArgumentTypeError(
             f"shape must be an int or a sequence of ints such as (4, 8), got {type(shape).__name__} {shape!r}."
         )
@@ -189,15 +189,15 @@ def check_probability(p: object) -> float:
 
 
 def _check_dtype(dtype: object, supported: Collection[torch.dtype], what: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in supported:
+        return dtype
     names = ", ".join(str(d) for d in supported)
     if not isinstance(dtype, torch.dtype):
         raise ArgumentTypeError(
             f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__} {dtype!r}; "
             f"{what} supports {names}."
         )
-    if dtype not in supported:
-        raise ArgumentTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
-    return dtype
+    raise ArgumentTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
 
 
 def _first_line(error: BaseException, limit: int = 160) -> str:
@@ -224,6 +224,8 @@ def _check_device(device: object) -> torch.device:
             f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None; "
             f"got {type(device).__name__} {device!r}."
         )
+    if target.type == "cpu":  # always there, whatever its index
+        return target
     try:
         torch.empty(0, device=target)  # names an available device: nothing else is touched first
     except _DEVICE_ERRORS as error:
