@@ -191,11 +191,14 @@ def _round_constants(k0: int, k1: int, final_mask: int, device: torch.device) ->
     return _Constants(shift, mask, final, (key0, m0, key1), tuple((row[0], row[1]) for row in table))
 
 
-def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, constants: _Constants) -> None:
-    """Eager Philox4x32-10 on the ``(4, m)`` rows ``words``, in place, with ``(2, m)`` scratch.
+def _rounds_inplace(
+    words: torch.Tensor, products: torch.Tensor, blocks: torch.Tensor, first: int, constants: _Constants
+) -> None:
+    """Eager Philox4x32-10 of the blocks ``blocks + first`` into the ``(4, m)`` rows ``words``,
+    with ``(2, m)`` scratch.
 
-    On entry rows 0 and 1 hold the low and high counter words (rows 2 and 3, the zero
-    counter words, are not read); on exit the four rows hold the output words, masked
+    The low and high counter words go to rows 0 and 1 (rows 2 and 3, the zero counter
+    words, are not written); on exit the four rows hold the output words, masked
     with ``constants.final_mask`` (a distribution that keeps only the top bits of a word
     passes those bits and saves a pass). Nothing is allocated. Unlike :func:`philox_rounds` it
     multiplies the words directly and lets the ``int64`` product wrap: torch's eager
@@ -216,13 +219,16 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, constants: _Con
     they are opposite. Ten rounds end with the words in rows 0 to 3.
     """
     shift, mask = constants.shift, constants.mask
-    r0, r1, r2, _ = words.unbind(0)
+    r0, r1, r2, r3 = words.unbind(0)
     t0, t1 = products.unbind(0)
     pairs = (words[0::2], words[1::2])
+    torch.add(blocks, first, out=r0)
+    torch.bitwise_right_shift(r0, shift, out=r1)
+    r0.bitwise_and_(mask)
     # Round 0: words 2 and 3 are zero, so its second product is zero and word 1 becomes
     # zero. It leaves word j in row (3 + j) % 4, where round 1 finds it.
     key0, m0, key1 = constants.first
-    torch.bitwise_xor(r1, key0, out=words[3])  # word 0: word 1 (clean: a counter word) ^ key
+    torch.bitwise_xor(r1, key0, out=r3)  # word 0: word 1 (clean: a counter word) ^ key
     torch.mul(r0, m0, out=r2)  # word 3: the low half of the product
     torch.bitwise_right_shift(r2, shift, out=r1)
     r1.bitwise_xor_(key1).bitwise_and_(mask)  # word 2: high half ^ key
@@ -585,15 +591,13 @@ class Kernel:
         """Eager: write the values of the blocks ``blocks + first`` (at most a chunk) into ``dst``."""
         words, products = self._rows(dst.shape[0])
         constants = _round_constants(self.k0, self.k1, self.final_mask, self.device)
-        torch.add(blocks, first, out=words[0])
-        torch.bitwise_right_shift(words[0], constants.shift, out=words[1])
-        words[0].bitwise_and_(constants.mask)
-        _rounds_inplace(words, products, constants)
+        _rounds_inplace(words, products, blocks, first, constants)
         self.transform.write(words, dst, self)
 
     def _rows(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Four word rows and two product rows of ``m`` blocks, reused across chunks."""
         if self._scratch is None or self._scratch.shape[1] < m:
             self._scratch = torch.empty((_SCRATCH_ROWS, m), dtype=torch.int64, device=self.device)
-        rows = self._scratch[:, :m]
-        return rows[:WORDS_PER_BLOCK], rows[WORDS_PER_BLOCK:]
+        rows = self._scratch if self._scratch.shape[1] == m else self._scratch[:, :m]
+        words, products = rows.split((WORDS_PER_BLOCK, _SCRATCH_ROWS - WORDS_PER_BLOCK))
+        return words, products
