@@ -16,7 +16,7 @@ implementations of the same arithmetic:
 
 * eager: the rounds run in place on a few reused rows of one chunk (no allocation per
   operation), and the distribution writes each lane directly into its strided column of
-  the result, so a chunk costs about a hundred tensor operations and no extra pass;
+  the result, so a chunk costs about sixty tensor operations and no extra pass;
 * compiled: ``torch.compile`` fuses the functional rounds and the distribution into one
   loop over the blocks, with nothing but the values in memory.
 

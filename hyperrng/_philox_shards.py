@@ -176,7 +176,7 @@ def fill(
     (``e`` row-major in ``geometry.global_shape``). Long runs are computed one range at a
     time; runs shorter than a chunk are batched, as many per kernel call as fit in a
     chunk, and their lanes gathered: that computes up to four words per element kept but
-    saves a kernel call (about a hundred tensor operations) per run. A compiled kernel
+    saves a kernel call (about sixty tensor operations) per run. A compiled kernel
     whose result is one whole-block range in its compute dtype returns that range as the
     result, with no copy. ``out`` (contiguous) is filled and returned when given.
     """
