@@ -160,9 +160,8 @@ def counter_words(blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor
 
 
 class _Constants(NamedTuple):
-    """The operands of :func:`_rounds_inplace` for one key, final mask and device, as tensors on
-    that device: a Python int costs each operation a conversion into a tensor, on a CPU about
-    as much time as an operation on a small chunk takes."""
+    """The operands of :func:`_rounds_inplace` for one key, final mask and device, as tensors there: a
+    Python int costs each operation a conversion into a tensor, as long as the operation on a small chunk."""
 
     shift: torch.Tensor  # 32: the high half of a product down to the low one
     mask: torch.Tensor  # 2**32 - 1
@@ -173,9 +172,8 @@ class _Constants(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def _round_constants(k0: int, k1: int, final_mask: int, device: torch.device) -> _Constants:
-    """The constants of :func:`_rounds_inplace`; per round from 1 on, the ``(2, 1)`` multipliers of
-    the pair of rows it multiplies and the round keys of the pair it XORs into, each in the
-    order of its rows."""
+    """The constants of :func:`_rounds_inplace`; per round from 1 on, the ``(2, 1)`` multipliers of the pair
+    of rows it multiplies and the round keys of the pair it XORs into, each in the order of its rows."""
     rounds = []
     for r in range(1, PHILOX_ROUNDS):
         s = (r + 2) % WORDS_PER_BLOCK  # the row of word 0 in round r
@@ -538,8 +536,7 @@ class Kernel:
 
     @functools.cached_property
     def params(self) -> tuple[torch.Tensor, ...]:
-        """The parameters as 0-d tensors on the device, made when first read (eager bernoulli and
-        raw words never read them)."""
+        """The parameters as 0-d tensors on the device, made on first read (eager bernoulli never reads them)."""
         # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
         # backend when called from inside one of its kernels (a torch.library override).
         return tuple(torch.full((), v, dtype=d, device=self.device) for v, d in zip(self.scalars, self._param_dtypes))
