@@ -16,7 +16,7 @@ implementations of the same arithmetic:
 
 * eager: the rounds run in place on a few reused rows of one chunk (no allocation per
   operation), and the distribution writes each lane directly into its strided column of
-  the result, so a chunk costs about a hundred tensor operations and no extra pass;
+  the result, so a chunk costs about sixty tensor operations and no extra pass;
 * compiled: ``torch.compile`` fuses the functional rounds and the distribution into one
   loop over the blocks, with nothing but the values in memory.
 
@@ -32,7 +32,7 @@ import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -94,7 +94,6 @@ _SCRATCH_ROWS = 6  # eager int64 rows per chunk: four words and two products
 _VALUE_ROWS = 6  # eager value rows per chunk, at most: normal's radii, angles and one lane pair
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-Params = Sequence[torch.Tensor]
 Scalars = Sequence[float | int]
 
 
@@ -160,10 +159,21 @@ def counter_words(blocks: torch.Tensor, k0: torch.Tensor | int, k1: torch.Tensor
     return philox_rounds(blocks & _MASK32, blocks >> _HALF_SHIFT, zeros, zeros, k0, k1)
 
 
+class _Constants(NamedTuple):
+    """The operands of :func:`_rounds_inplace` for one key, final mask and device, as tensors there: a
+    Python int costs each operation a conversion into a tensor, as long as the operation on a small chunk."""
+
+    shift: torch.Tensor  # 32: the high half of a product down to the low one
+    mask: torch.Tensor  # 2**32 - 1
+    final_mask: torch.Tensor
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # round 0: key word 0, M0, key word 1
+    rounds: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # from round 1: (2, 1) multipliers and keys
+
+
 @functools.lru_cache(maxsize=32)
-def _round_constants(k0: int, k1: int, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """Per round from 1 on, the ``(2, 1)`` multipliers of the pair of rows :func:`_rounds_inplace`
-    multiplies and the round keys of the pair it XORs into, each in the order of its rows."""
+def _round_constants(k0: int, k1: int, final_mask: int, device: torch.device) -> _Constants:
+    """The constants of :func:`_rounds_inplace`; per round from 1 on, the ``(2, 1)`` multipliers of the pair
+    of rows it multiplies and the round keys of the pair it XORs into, each in the order of its rows."""
     rounds = []
     for r in range(1, PHILOX_ROUNDS):
         s = (r + 2) % WORDS_PER_BLOCK  # the row of word 0 in round r
@@ -174,16 +184,21 @@ def _round_constants(k0: int, k1: int, device: torch.device) -> tuple[tuple[torc
     # Built on the CPU and moved: torch.tensor(..., device=) fails on a Python-written device
     # backend when called from inside one of its kernels.
     table = torch.tensor(rounds, dtype=torch.int64).unsqueeze(-1).to(device)
-    return tuple((row[0], row[1]) for row in table)
+    scalars = [_HALF_SHIFT, _MASK32, final_mask, k0 & _MASK32, PHILOX_M0, k1 & _MASK32]
+    shift, mask, final, key0, m0, key1 = torch.tensor(scalars, dtype=torch.int64).to(device).unbind(0)
+    return _Constants(shift, mask, final, (key0, m0, key1), tuple((row[0], row[1]) for row in table))
 
 
-def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: int, final_mask: int) -> None:
-    """Eager Philox4x32-10 on the ``(4, m)`` rows ``words``, in place, with ``(2, m)`` scratch.
+def _rounds_inplace(
+    words: torch.Tensor, products: torch.Tensor, blocks: torch.Tensor, first: int, constants: _Constants
+) -> None:
+    """Eager Philox4x32-10 of the blocks ``blocks + first`` into the ``(4, m)`` rows ``words``,
+    with ``(2, m)`` scratch.
 
-    On entry rows 0 and 1 hold the low and high counter words (rows 2 and 3, the zero
-    counter words, are not read); on exit the four rows hold the output words, masked
-    with ``final_mask`` (a distribution that keeps only the top bits of a word passes
-    those bits and saves a pass). Nothing is allocated. Unlike :func:`philox_rounds` it
+    The low and high counter words go to rows 0 and 1 (rows 2 and 3, the zero counter
+    words, are not written); on exit the four rows hold the output words, masked
+    with ``constants.final_mask`` (a distribution that keeps only the top bits of a word
+    passes those bits and saves a pass). Nothing is allocated. Unlike :func:`philox_rounds` it
     multiplies the words directly and lets the ``int64`` product wrap: torch's eager
     kernels are compiled ahead of time and wrap on every backend, the wrapped product is
     the exact unsigned 64-bit one, its low half is the low word and ``(p >> 32) &
@@ -201,35 +216,41 @@ def _rounds_inplace(words: torch.Tensor, products: torch.Tensor, k0: int, k1: in
     in the order of that pair: one shift where the two pairs' orders agree, two where
     they are opposite. Ten rounds end with the words in rows 0 to 3.
     """
-    r0, r1, r2, _ = words.unbind(0)
+    shift, mask = constants.shift, constants.mask
+    r0, r1, r2, r3 = words.unbind(0)
     t0, t1 = products.unbind(0)
     pairs = (words[0::2], words[1::2])
+    torch.add(blocks, first, out=r0)
+    torch.bitwise_right_shift(r0, shift, out=r1)
+    r0.bitwise_and_(mask)
     # Round 0: words 2 and 3 are zero, so its second product is zero and word 1 becomes
     # zero. It leaves word j in row (3 + j) % 4, where round 1 finds it.
-    torch.bitwise_xor(r1, k0 & _MASK32, out=words[3])  # word 0: word 1 (clean: a counter word) ^ key
-    torch.mul(r0, PHILOX_M0, out=r2)  # word 3: the low half of the product
-    torch.bitwise_right_shift(r2, _HALF_SHIFT, out=r1)
-    r1.bitwise_xor_(k1 & _MASK32).bitwise_and_(_MASK32)  # word 2: high half ^ key
+    key0, m0, key1 = constants.first
+    torch.bitwise_xor(r1, key0, out=r3)  # word 0: word 1 (clean: a counter word) ^ key
+    torch.mul(r0, m0, out=r2)  # word 3: the low half of the product
+    torch.bitwise_right_shift(r2, shift, out=r1)
+    r1.bitwise_xor_(key1).bitwise_and_(mask)  # word 2: high half ^ key
     r0.zero_()  # word 1
-    for r, (multipliers, keys) in enumerate(_round_constants(k0, k1, words.device), start=1):
+    for r, (multipliers, keys) in enumerate(constants.rounds, start=1):
         odd = r % 2  # word 0 is in row (r + 2) % 4, so words 0 and 2 are in rows 1 and 3 in odd rounds
         factors, targets = pairs[odd], pairs[1 - odd]
         factors.mul_(multipliers)
         # The product of word 0 meets word 3, that of word 2 meets word 1: in odd rounds they
         # are in the same places of their pairs, in even rounds in opposite places.
         if odd:
-            torch.bitwise_right_shift(factors, _HALF_SHIFT, out=products)
+            torch.bitwise_right_shift(factors, shift, out=products)
         else:
-            torch.bitwise_right_shift(r2, _HALF_SHIFT, out=t0)
-            torch.bitwise_right_shift(r0, _HALF_SHIFT, out=t1)
-        mask = final_mask if r == PHILOX_ROUNDS - 1 else _MASK32
-        targets.bitwise_xor_(products).bitwise_xor_(keys).bitwise_and_(mask)
-    pairs[1].bitwise_and_(final_mask)  # words 1 and 3, the low halves of the last products
+            torch.bitwise_right_shift(r2, shift, out=t0)
+            torch.bitwise_right_shift(r0, shift, out=t1)
+        targets.bitwise_xor_(products).bitwise_xor_(keys).bitwise_and_(
+            constants.final_mask if r == PHILOX_ROUNDS - 1 else mask
+        )
+    pairs[1].bitwise_and_(constants.final_mask)  # words 1 and 3, the low halves of the last products
 
 
 # --- distributions --------------------------------------------------------------------
 
-Writer = Callable[[torch.Tensor, torch.Tensor, Params, Scalars], None]
+Writer = Callable[[torch.Tensor, torch.Tensor, "Kernel"], None]
 Lanes = Callable[..., Sequence[torch.Tensor]]
 
 
@@ -238,11 +259,11 @@ class Transform:
     """How a distribution turns the four words of a block into its four values.
 
     ``lanes(words, *params)`` is the functional form that gets compiled: the four value
-    columns of the four word columns ``words``. ``write(words, dst, params, scalars)`` is
-    the eager form: ``words`` are the ``(4, m)`` output rows of the rounds, already masked
-    with ``final_mask(scalars)``, and it writes lane ``i`` into column ``i`` of ``dst``
-    (shape ``(m, 4)``, any dtype the values round to). ``params`` are the parameters as
-    0-d tensors, ``scalars`` the same as Python numbers.
+    columns of the four word columns ``words``. ``write(words, dst, kernel)`` is the eager
+    form: ``words`` are the ``(4, m)`` output rows of the rounds, already masked with
+    ``final_mask(scalars)``, and it writes lane ``i`` into column ``i`` of ``dst`` (shape
+    ``(m, 4)``, any dtype the values round to), reading the kernel's parameters as 0-d
+    tensors (``kernel.params``) or as Python numbers (``kernel.scalars``).
     """
 
     name: str
@@ -255,7 +276,7 @@ def _bits_lanes(words: Words) -> Words:
     return words
 
 
-def _bits_write(words: torch.Tensor, dst: torch.Tensor, params: Params = (), scalars: Scalars = ()) -> None:
+def _bits_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel | None = None) -> None:
     """Row ``i`` of ``words`` (the raw words, or any ``(4, m)`` rows) into column ``i`` of ``dst``."""
     for lane in range(WORDS_PER_BLOCK):
         dst[:, lane].copy_(words[lane])
@@ -268,9 +289,9 @@ def _uniform_lanes(
     return [(w & keep) * unit * span + low for w in words]
 
 
-def _uniform_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
-    _, unit, span, low = params
-    default_bounds = scalars[2] == 1.0 and scalars[3] == 0.0  # u * 1 + 0 is u exactly (u >= 0: no -0.0)
+def _uniform_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+    _, unit, span, low = kernel.params
+    default_bounds = kernel.scalars[2] == 1.0 and kernel.scalars[3] == 0.0  # u * 1 + 0 is u exactly (u >= 0: no -0.0)
     if dst.dtype == unit.dtype:
         # The masked word converts to the compute dtype exactly; then one contiguous pass
         # scales it (and applies the bounds, rounding twice as compiled code does).
@@ -293,10 +314,10 @@ def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor
     return [w < threshold for w in words]
 
 
-def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
-    threshold = scalars[0]
-    for lane in range(WORDS_PER_BLOCK):
-        torch.lt(words[lane], threshold, out=dst[:, lane])
+def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+    # One comparison of the transposed rows into dst, whatever its dtype (True is 1.0): on the
+    # CPU cheaper than a comparison per lane into dst's strided columns.
+    torch.lt(words.t(), kernel.scalars[0], out=dst)
 
 
 def _box_muller(
@@ -321,8 +342,8 @@ def _normal_lanes(
     return [v * std + mean for v in z]
 
 
-def _normal_write(words: torch.Tensor, dst: torch.Tensor, params: Params, scalars: Scalars) -> None:
-    shift, unit, two_pi, std, mean = params
+def _normal_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+    shift, unit, two_pi, std, mean = kernel.params
     # The operations of _box_muller, in place: rows (0, 2) give the radii and rows (1, 3)
     # the angles of lanes (0, 1) and (2, 3). At most six value rows are alive at once.
     radius = torch.mul(torch.bitwise_right_shift(words[0::2], shift).add_(1), unit)
@@ -505,15 +526,20 @@ class Kernel:
         self.compiled = compiled
         self.value_dtype = value_dtype
         self.scalars = tuple(params)
-        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
-        # backend when called from inside one of its kernels (a torch.library override).
-        self.params = tuple(torch.full((), v, dtype=d, device=device) for v, d in zip(params, param_dtypes))
+        self._param_dtypes = tuple(param_dtypes)
         self.k0, self.k1 = key & _MASK32, key >> _HALF_SHIFT
         self.final_mask = transform.final_mask(self.scalars)
         self._scratch: torch.Tensor | None = None
         if compiled:
             self._fn = _compiled(transform, device.type)
             self._keys = tuple(torch.full((), k, dtype=torch.int64, device=device) for k in (self.k0, self.k1))
+
+    @functools.cached_property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The parameters as 0-d tensors on the device, made on first read (eager bernoulli never reads them)."""
+        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
+        # backend when called from inside one of its kernels (a torch.library override).
+        return tuple(torch.full((), v, dtype=d, device=self.device) for v, d in zip(self.scalars, self._param_dtypes))
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
         """Values of the blocks ``blocks`` (1-D ``int64``), shape ``(m, 4)``, in ``value_dtype``."""
@@ -561,15 +587,14 @@ class Kernel:
     def _write(self, dst: torch.Tensor, blocks: torch.Tensor, first: int) -> None:
         """Eager: write the values of the blocks ``blocks + first`` (at most a chunk) into ``dst``."""
         words, products = self._rows(dst.shape[0])
-        torch.add(blocks, first, out=words[0])
-        torch.bitwise_right_shift(words[0], _HALF_SHIFT, out=words[1])
-        words[0].bitwise_and_(_MASK32)
-        _rounds_inplace(words, products, self.k0, self.k1, self.final_mask)
-        self.transform.write(words, dst, self.params, self.scalars)
+        constants = _round_constants(self.k0, self.k1, self.final_mask, self.device)
+        _rounds_inplace(words, products, blocks, first, constants)
+        self.transform.write(words, dst, self)
 
     def _rows(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Four word rows and two product rows of ``m`` blocks, reused across chunks."""
         if self._scratch is None or self._scratch.shape[1] < m:
             self._scratch = torch.empty((_SCRATCH_ROWS, m), dtype=torch.int64, device=self.device)
-        rows = self._scratch[:, :m]
-        return rows[:WORDS_PER_BLOCK], rows[WORDS_PER_BLOCK:]
+        rows = self._scratch if self._scratch.shape[1] == m else self._scratch[:, :m]
+        words, products = rows.split((WORDS_PER_BLOCK, _SCRATCH_ROWS - WORDS_PER_BLOCK))
+        return words, products

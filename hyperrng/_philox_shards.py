@@ -61,6 +61,14 @@ class ShardGeometry:
     def segments(self) -> int:
         return math.prod(self.local_shape[: self.split])
 
+    @property
+    def first(self) -> int:
+        """Global row-major index (from 0) of the block's first element."""
+        index = 0
+        for start, extent in zip(self.starts, self.global_shape):
+            index = index * extent + start
+        return index
+
     def segment_starts(self, ids: torch.Tensor) -> torch.Tensor:
         """Global row-major index (from 0) of the first element of each run in ``ids``."""
         strides = [1] * len(self.global_shape)
@@ -76,7 +84,7 @@ class ShardGeometry:
 
 def _check_shard(shard: object, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     if shard is None:
-        shard = ()
+        return [(0, extent) for extent in shape]
     if isinstance(shard, (slice, str, bytes)) or not isinstance(shard, Sequence):
         raise ArgumentTypeError(
             f"shard must be a sequence of slices, one per leading dimension, such as (slice(0, 4),); "
@@ -118,7 +126,8 @@ def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
     tail = n - head - whole * WORDS_PER_BLOCK
     first = (start + head) // WORDS_PER_BLOCK
     if whole:
-        kernel.fill(out[head : head + whole * WORDS_PER_BLOCK].view(whole, WORDS_PER_BLOCK), first)
+        middle = out if whole * WORDS_PER_BLOCK == n else out[head : head + whole * WORDS_PER_BLOCK]
+        kernel.fill(middle.view(whole, WORDS_PER_BLOCK), first)
     ends = ([start // WORDS_PER_BLOCK] if head else []) + ([first + whole] if tail else [])
     if ends:
         values = kernel.values(torch.tensor(ends, dtype=torch.int64).to(out.device))
@@ -167,7 +176,7 @@ def fill(
     (``e`` row-major in ``geometry.global_shape``). Long runs are computed one range at a
     time; runs shorter than a chunk are batched, as many per kernel call as fit in a
     chunk, and their lanes gathered: that computes up to four words per element kept but
-    saves a kernel call (about a hundred tensor operations) per run. A compiled kernel
+    saves a kernel call (about sixty tensor operations) per run. A compiled kernel
     whose result is one whole-block range in its compute dtype returns that range as the
     result, with no copy. ``out`` (contiguous) is filled and returned when given.
     """
@@ -180,14 +189,17 @@ def fill(
             and numel > 0
             and numel % WORDS_PER_BLOCK == 0
         ):
-            start = offset + int(geometry.segment_starts(torch.zeros(1, dtype=torch.int64)).item())
+            start = offset + geometry.first
             if start % WORDS_PER_BLOCK == 0:
                 return kernel.run(start // WORDS_PER_BLOCK, numel // WORDS_PER_BLOCK).view(geometry.local_shape)
         out = torch.empty(geometry.local_shape, dtype=dtype, device=kernel.device)
     if numel == 0:
         return out
+    if geometry.segments == 1:  # one run: its start needs no tensor of run starts
+        _fill_range(out.view(-1), offset + geometry.first, kernel)
+        return out
     rows = out.view(geometry.segments, geometry.run)
-    if geometry.segments == 1 or _blocks_spanned(geometry.run) > chunk_blocks():
+    if _blocks_spanned(geometry.run) > chunk_blocks():
         ids = torch.arange(geometry.segments, dtype=torch.int64)
         for row, start in zip(rows, geometry.segment_starts(ids).tolist()):
             _fill_range(row, offset + start, kernel)

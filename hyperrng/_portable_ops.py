@@ -147,9 +147,10 @@ def _check_floating(target: torch.Tensor, what: str) -> None:
 
 
 def _fill(what: str, fn: Callable[..., torch.Tensor], self: torch.Tensor, generator: Any, **kw: Any) -> torch.Tensor:
-    """Draw ``fn``'s values into ``self``: in place where it is one contiguous block of the draw,
-    which saves a second tensor and a copy (as much work as the rounds), else through a copy."""
-    if self.is_contiguous() and active_region() is None:
+    """Draw ``fn``'s values, of dtype ``kw["dtype"]``, into ``self``: in place where it is one contiguous
+    block of the draw in that dtype, which saves a second tensor and a copy (as much work as the
+    rounds), else through a copy."""
+    if kw["dtype"] == self.dtype and self.is_contiguous() and active_region() is None:
         _draw(what, fn, self, generator, out=self, **kw)
         return self
     return self.copy_(_draw(what, fn, self, generator, **kw))
@@ -170,7 +171,9 @@ def _normal_(
 
 
 def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None) -> torch.Tensor:
-    return self.copy_(_draw("bernoulli_", philox.bernoulli, self, generator, p=p))
+    # Straight into a floating-point tensor (dropout's noise): no bool mask and no copy.
+    dtype = self.dtype if self.dtype in _FLOAT_DTYPES else torch.bool
+    return _fill("bernoulli_", philox.bernoulli, self, generator, p=p, dtype=dtype)
 
 
 def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -100,6 +100,9 @@ _UNIFORM_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 11, torch.
 """Top bits of a word kept by :func:`uniform`: the significand width of the dtype
 (capped at the 32 bits of one word), so ``k * 2**-bits`` is exact for every ``k``."""
 
+_BERNOULLI_DTYPES = (torch.bool, *_UNIFORM_BITS)
+"""What :func:`bernoulli` returns: True and False, or 1.0 and 0.0."""
+
 _NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.bfloat16: 24}
 """Bits per Box–Muller uniform; half types are computed in float32 and rounded once."""
 
@@ -133,7 +136,7 @@ def check_shape(shape: object) -> tuple[int, ...]:
         InvalidArgumentError: a negative dimension, or ``2**62`` elements or more.
     """
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
-    if not isinstance(dims, Sequence):
+    if type(dims) is not tuple and not isinstance(dims, Sequence):  # a tuple (every op's) skips the ABC check
         raise ArgumentTypeError(
             f"shape must be an int or a sequence of ints such as (4, 8), got {type(shape).__name__} {shape!r}."
         )
@@ -185,16 +188,16 @@ def check_probability(p: object) -> float:
     return value
 
 
-def _check_dtype(dtype: object, supported: dict[torch.dtype, int], what: str) -> torch.dtype:
+def _check_dtype(dtype: object, supported: Collection[torch.dtype], what: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in supported:
+        return dtype
     names = ", ".join(str(d) for d in supported)
     if not isinstance(dtype, torch.dtype):
         raise ArgumentTypeError(
             f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__} {dtype!r}; "
             f"{what} supports {names}."
         )
-    if dtype not in supported:
-        raise ArgumentTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
-    return dtype
+    raise ArgumentTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
 
 
 def _first_line(error: BaseException, limit: int = 160) -> str:
@@ -221,6 +224,8 @@ def _check_device(device: object) -> torch.device:
             f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None; "
             f"got {type(device).__name__} {device!r}."
         )
+    if target.type == "cpu":  # always there, whatever its index
+        return target
     try:
         torch.empty(0, device=target)  # names an available device: nothing else is touched first
     except _DEVICE_ERRORS as error:
@@ -439,26 +444,32 @@ def bernoulli(
     key: int,
     offset: int = 0,
     *,
+    dtype: torch.dtype = torch.bool,
     shard: Sequence[slice] | None = None,
     device: DeviceLike = None,
     compiled: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return a bool tensor of ``shape`` whose elements are True with probability ``p``.
+    """Return a tensor of ``shape`` whose elements are True (1.0) with probability ``p``.
 
     Element ``i`` is ``word < round(p * 2**32)``, an integer comparison on the word of
     global index ``offset + i``: the probability is exactly ``round(p * 2**32) / 2**32``
     (within ``2**-33`` of ``p``; ``p = 0`` and ``p = 1`` are exact) and the result is
-    bit-identical on every device, eager or compiled. ``shard`` works as in
+    bit-identical on every device, eager or compiled. ``dtype`` is ``torch.bool`` or one
+    of float32, float64, float16 and bfloat16, which hold 1.0 and 0.0 (what
+    ``Tensor.bernoulli_`` writes into a floating-point tensor). ``shard`` works as in
     :func:`random_bits`.
 
     Raises:
-        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors included).
+        ArgumentTypeError: ``p`` is not a real number (bools, strings and tensors included);
+            ``dtype`` is not one of those above.
         InvalidArgumentError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
     threshold = round(check_probability(p) * _PROBABILITY_SCALE)  # p * 2**32 is exact: only this rounding is lossy
-    return _generate(shape, key, offset, shard, device, compiled, out, _k.BERNOULLI, torch.bool, params=(threshold,))
+    dtype = _check_dtype(dtype, _BERNOULLI_DTYPES, "bernoulli")
+    params = (threshold,)
+    return _generate(shape, key, offset, shard, device, compiled, out, _k.BERNOULLI, dtype, torch.bool, params)
 
 
 def dropout(

@@ -77,6 +77,7 @@ DISTRIBUTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "uniform_bf16": lambda shape, offset, **kw: uniform(shape, KEY, offset, torch.bfloat16, **kw),
     "uniform_bounds": lambda shape, offset, **kw: uniform(shape, KEY, offset, low=-2.5, high=4.0, **kw),
     "bernoulli": lambda shape, offset, **kw: bernoulli(shape, 0.3, KEY, offset, **kw),
+    "bernoulli_f32": lambda shape, offset, **kw: bernoulli(shape, 0.3, KEY, offset, dtype=torch.float32, **kw),
     "normal": lambda shape, offset, **kw: normal(shape, KEY, offset, **kw),
     "normal_f64": lambda shape, offset, **kw: normal(shape, KEY, offset, torch.float64, mean=1.0, std=2.0, **kw),
 }
@@ -282,6 +283,16 @@ def test_bernoulli_is_an_integer_threshold_on_the_word() -> None:
 @pytest.mark.parametrize("p, value", [(0.0, False), (1.0, True), (0, False), (1, True)])
 def test_bernoulli_extreme_probabilities_are_exact(p: float, value: bool) -> None:
     assert torch.equal(bernoulli(4096, p, KEY), torch.full((4096,), value))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_bernoulli_in_a_floating_dtype_is_the_bool_result_as_ones_and_zeros(dtype: torch.dtype) -> None:
+    for offset, shard in [(3, None), (5, (slice(1, 4), slice(2, 6)))]:
+        expected = bernoulli((5, 7), 0.3, KEY, offset, shard=shard).to(dtype)
+        assert same_bits(bernoulli((5, 7), 0.3, KEY, offset, dtype=dtype, shard=shard), expected)
+        out = torch.empty(expected.shape, dtype=dtype)
+        assert bernoulli((5, 7), 0.3, KEY, offset, dtype=dtype, shard=shard, out=out) is out
+        assert same_bits(out, expected)
 
 
 def test_bernoulli_frequency_matches_p() -> None:
@@ -531,6 +542,13 @@ def test_probabilities_that_are_not_real_numbers_are_a_type_error(p: Any) -> Non
 def test_unsupported_dtypes_are_refused(draw: Any, dtype: Any) -> None:
     with pytest.raises(ArgumentTypeError, match="supports dtypes") as info:
         draw(4, KEY, dtype=dtype)
+    assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.complex64, "float32", None])
+def test_bernoulli_refuses_dtypes_other_than_bool_and_floating_point(dtype: Any) -> None:
+    with pytest.raises(ArgumentTypeError, match="bernoulli supports|dtype must be a torch.dtype") as info:
+        bernoulli(4, 0.5, KEY, dtype=dtype)
     assert isinstance(info.value, TypeError)
 
 
