@@ -20,7 +20,7 @@ mode, once the portable kernels are registered, against the same op before regis
 (in a fresh process: registration is once per process; the rounds cannot interleave).
 
 Targets (higher is better, portable throughput over native throughput): eager uniform
-0.5, compiled uniform 1.5, eager dropout 0.5. Eager Philox runs about a hundred
+0.5, compiled uniform 1.5, eager dropout 0.5. Eager Philox runs about sixty
 elementwise integer operations per chunk, ten rounds of which the two 64-bit multiplies
 cost most; compiled code fuses them into one loop. Both sides allocate a fresh result
 each call, so both pay the same page faults on it.
