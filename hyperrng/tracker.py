@@ -20,20 +20,16 @@ generator-state objects) is decided once, when the tracker binds to a platform (
 stream): see :mod:`hyperrng._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
 returns byte tensors on every platform, as Megatron-core's default tracker does.
 
-One thread at a time (see :mod:`hyperrng._exclusive`): the device generator a fork swaps is
-shared by the whole process, so a fork holds the device while it is open. A fork of *any*
-tracker, a sharded region, ``fork_rng`` or a recompute entered on another thread meanwhile
-raises :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
+One thread at a time (see :mod:`hyperrng._exclusive`): an open fork holds the device
+generator, which the whole process shares. A fork of *any* tracker, a sharded region,
+``fork_rng`` or a recompute entered on another thread meanwhile raises
+:class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
 :meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
-for a moment to make a stream's state. A fork of the same tracker on another thread and
-another device raises :class:`InvalidOperationError` (a tracker's open forks form one chain).
-
-A fork whose thread ended without leaving it (its exit never ran) is *abandoned*: the
-tracker no longer knows what its streams hold, so every use of it raises
-:class:`InvalidOperationError` saying so, until :meth:`RNGStatesTracker.reset`,
-:meth:`~RNGStatesTracker.reseed` (and the seeding recipes) or
-:meth:`~RNGStatesTracker.set_states` replace every stream. The device generator stays as
-that thread left it, as for any hold of an ended thread.
+for a moment. A tracker's open forks form one chain, so they stay on one thread even across
+devices. A fork whose thread ended without leaving it is *abandoned*: every use of the
+tracker then raises :class:`InvalidOperationError` until ``reset()``, ``reseed()`` (or a
+seeding recipe) or ``set_states()`` replaces every stream; the device generator stays as
+that thread left it.
 
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
@@ -323,7 +319,7 @@ class RNGStatesTracker:
                 f"seed {value} is already used by stream {self._seeds[value]!r}; two streams with one seed "
                 "would draw identical numbers. Derive distinct seeds (see hyperrng.layout)."
             )
-        self._not_elsewhere("add a stream")
+        self._idle("add a stream", here_ok=True)
         swap = self._target(rebind=False)
         state = swap.new_state(value)
         self._swap = swap
@@ -450,7 +446,7 @@ class RNGStatesTracker:
                 raise InvalidArgumentError(
                     f"set_states() lacks stream(s) {missing}; pass the complete mapping get_states() returned."
                 )
-        self._not_elsewhere("set the states", replacing=True)
+        self._idle("set the states", replacing=True, here_ok=True)
         swap = self._target(rebind=False)
         order = list(self._states) or list(states)
         new = {}
@@ -497,23 +493,19 @@ class RNGStatesTracker:
             return self._swap
         return choose_swap(platform, self._want_graph_safe)
 
-    def _idle(self, what: str, *, replacing: bool = False) -> None:
-        """Refuse ``what`` inside a fork, also an abandoned one unless ``what`` replaces every stream."""
-        if self._active is not None and not (replacing and self._abandoned()):
-            self._check_not_abandoned(what)
-            raise InvalidOperationError(
-                f"cannot {what} inside a fork of stream {self._active.name!r}; do it outside the fork.",
-                reason="tracker",
-            )
-
-    def _not_elsewhere(self, what: str, *, replacing: bool = False) -> None:
+    def _idle(self, what: str, *, replacing: bool = False, here_ok: bool = False) -> None:
+        """Refuse ``what`` inside a fork (``here_ok``: only inside one open on another thread); refuse an
+        abandoned fork too, unless ``what`` replaces every stream."""
         active = self._active
-        if active is not None and active.thread is not current_thread() and not (replacing and self._abandoned()):
-            self._check_not_abandoned(what)
-            raise InvalidOperationError(
-                f"cannot {what} while another thread has a fork of stream {self.active_stream!r} open.",
-                reason="tracker",
-            )
+        if active is None or (here_ok and active.thread is current_thread()) or (replacing and self._abandoned()):
+            return
+        self._check_not_abandoned(what)
+        raise InvalidOperationError(
+            f"cannot {what} while another thread has a fork of stream {active.name!r} open."
+            if here_ok
+            else f"cannot {what} inside a fork of stream {active.name!r}; do it outside the fork.",
+            reason="tracker",
+        )
 
     def _abandoned(self) -> bool:
         """Whether the open fork's thread ended without leaving it (see the module docstring)."""
