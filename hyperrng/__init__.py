@@ -13,17 +13,7 @@ import contextlib as _contextlib
 
 import hyperrng.errors as _errors
 import hyperrng.platforms as _platforms
-from hyperrng.errors import (  # noqa: F401 -- exported by __all__ += _errors.__all__
-    ArgumentTypeError,
-    HyperRNGError,
-    InvalidArgumentError,
-    InvalidOperationError,
-    PlatformError,
-    RankFailure,
-    RNGDesyncError,
-    UnknownStreamError,
-    UnsupportedPortableOpError,
-)
+from hyperrng.errors import *  # noqa: F403 -- the error classes, exported by __all__ += _errors.__all__
 from hyperrng.platforms import Platform
 
 __version__ = "0.1.0"
@@ -36,7 +26,7 @@ __version__ = "0.1.0"
 # ``hyperrng`` command (``python -m hyperrng`` imports this package before its own code runs),
 # and the command must be able to report the error: ``hyperrng info`` with every probe, the
 # other commands in one line.
-with _contextlib.suppress(PlatformError):
+with _contextlib.suppress(_errors.PlatformError):
     _platforms.registry.select_at_import()
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402

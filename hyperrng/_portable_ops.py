@@ -34,12 +34,7 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import philox
-from hyperrng.errors import (
-    ArgumentTypeError,
-    HyperRNGError,
-    InvalidArgumentError,
-    UnsupportedPortableOpError,
-)
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, UnsupportedPortableOpError
 from hyperrng.platforms import _features
 from hyperrng.platforms.validate import round_up_offset
 from hyperrng.portable import assemble_blocks, draw_at_position, shard_slices

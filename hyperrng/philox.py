@@ -56,10 +56,7 @@ import torch
 
 from hyperrng import _philox_kernels as _k
 from hyperrng import _philox_shards
-from hyperrng.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-)
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [

@@ -46,12 +46,7 @@ from typing import Any, Protocol, runtime_checkable
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng._swap import Swap, choose_swap
-from hyperrng.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    InvalidOperationError,
-    UnknownStreamError,
-)
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, UnknownStreamError
 from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import check_instance, check_seed
 
