@@ -114,13 +114,18 @@ class Region(_exclusive.LeavesOnExit):
             if gen is None or gen is p.default_generator():
                 key, me = (p.device_type, p.current_device()), current_thread()
                 self._held = (key, me, _exclusive.hold_key(key, me, "a sharded region"))
-            seed, base = p.get_seed_offset(None, gen)
+            # The device's own generator goes through the platform's unchecked fast path: these
+            # ints are checked here (the offsets were checked when they were computed).
+            seed, base = p._position() if gen is None else p.get_seed_offset(None, gen)
             if base + self._end > MAX_OFFSET:
                 _check_room(base, self._end)
             self._seed, self._base = seed, base
             positioned = True
             if self._end:  # an op on an empty tensor draws nothing: the generator and its plain draws stay as they are
-                p.set_seed_offset(seed, base + self._start, None, gen, draw=True)
+                if gen is None:
+                    p._move(seed, base + self._start, True)
+                else:
+                    p.set_seed_offset(seed, base + self._start, None, gen, draw=True)
             _ACTIVE.stack.append(self)
         except BaseException:
             if positioned:  # interrupted: complete to where the exit would leave the generator
@@ -137,7 +142,10 @@ class Region(_exclusive.LeavesOnExit):
             stack.remove(self)
         end = self._consumed if self._consumed or self._cancelled else self._end
         if end or self._end:
-            self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
+            if self._generator is None:
+                self._platform._move(self._seed, self._base + end, False)
+            else:
+                self._platform.set_seed_offset(self._seed, self._base + end, None, self._generator)
         self._release()
 
     def _release(self) -> None:

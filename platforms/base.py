@@ -71,8 +71,9 @@ class Platform:
     :class:`~hyperrng.platforms.DeviceModulePlatform`. The device of a platform whose
     ``device_type`` is ``"cpu"`` is the host: its generator is torch's CPU generator.
     Everything else is private (a platform whose state is not 16 bytes sets
-    ``_state_nbytes``; one with a faster exact save/restore overrides :meth:`_state_io`),
-    or a function of :mod:`hyperrng.platforms.comm` (rank, world size, broadcast, all-gather).
+    ``_state_nbytes``; one with a faster exact save/restore overrides :meth:`_state_io`, one
+    that positions faster without checks :meth:`_position` and :meth:`_move`), or a function
+    of :mod:`hyperrng.platforms.comm` (rank, world size, broadcast, all-gather).
     """
 
     name: ClassVar[str] = "abstract"
@@ -215,6 +216,16 @@ class Platform:
             self._write_state(state, self._index(index))
         else:
             self._check_generator(generator).set_state(state)
+
+    # -- private fast paths for sharded regions (a platform may override them for speed) --
+    def _position(self) -> tuple[int, int]:
+        """The current device's (seed, offset): :meth:`get_seed_offset` for a caller on a hot path."""
+        return self.get_seed_offset()
+
+    def _move(self, seed: int, offset: int, draw: bool) -> None:
+        """:meth:`set_seed_offset` on the current device, for a caller that passes values it has checked
+        (a sharded region, twice per op): an override may skip the checks, not change the result."""
+        self.set_seed_offset(seed, offset, draw=draw)
 
     # -- hooks: a plug-in implements the first two, and may override _state_io for speed --
     def _read_state(self, index: int) -> torch.Tensor:

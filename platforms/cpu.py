@@ -18,11 +18,13 @@ torch's CPU generator is MT19937, whose state has no offset. This platform gives
   ``initial_seed()``. Where the words sit is torch's persisted state format; it is checked
   once, on a scratch generator, and if it ever differs positions fall back to the handle's
   low 32 bits (:func:`seeds_all_64_bits` says which).
-* A bounded table maps the last :data:`POSITIONS_KEPT` handles positioned in this process
-  to their (seed, offset). The position of any CPU generator is ``table[initial_seed()]``,
-  or ``(initial_seed(), 0)`` for a handle it does not hold: a plain ``torch.Generator``,
-  bytes restored by ``torch.set_rng_state``, ``torch.utils.checkpoint`` or
-  ``fork_rng`` read as the position they were saved at while the table remembers it.
+* A bounded table maps the handles positioned in this process to their (seed, offset): at
+  least the last :data:`POSITIONS_KEPT`, at most twice as many (two generations of dicts:
+  when the newer one is full it becomes the older, and the older is dropped). The position
+  of any CPU generator is ``table[initial_seed()]``, or ``(initial_seed(), 0)`` for a
+  handle it does not hold: a plain ``torch.Generator``, bytes restored by
+  ``torch.set_rng_state``, ``torch.utils.checkpoint`` or ``fork_rng`` read as the position
+  they were saved at while the table remembers it.
 * The platform's own state (:meth:`CPUPlatform.get_rng_state`) is the 5056 MT19937 bytes
   followed by the position (uint64 seed, int64 offset): :data:`CPU_STATE_NBYTES` bytes.
   Restoring it checks that the position's handle is the bytes' initial seed and enters it
@@ -39,7 +41,6 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,8 @@ CPU_STATE_NBYTES = MT19937_STATE_NBYTES + 16
 """Size of this platform's RNG state: the MT19937 bytes followed by the (seed, offset) position."""
 
 POSITIONS_KEPT = 2**16
-"""How many recently positioned handles the table keeps (about 200 bytes each); older ones are forgotten."""
+"""The table remembers at least this many of the handles positioned last, and at most twice as many
+(about 150 bytes each: at most about 20 MB); older ones are forgotten."""
 
 _MASK32 = (1 << 32) - 1
 _HANDLE_DOMAIN = 0x43505531  # "CPU1": keeps handles apart from other uses of the mixer
@@ -104,9 +106,16 @@ def _seed_mix(seed: int) -> int:
 _last_seed = (-1, 0)
 
 
-_lock = threading.Lock()
-_table: OrderedDict[int, tuple[int, int]] = OrderedDict()  # handle -> (seed, offset), least recently entered first
-_newest = -1  # the handle last entered or moved to the newest end (read without the lock: one int)
+# The table: handle -> (seed, offset), in two generations. Handles are entered in ``_young``; when
+# it holds POSITIONS_KEPT of them it becomes ``_old`` and the old one is dropped, so the table
+# holds the last POSITIONS_KEPT to 2 * POSITIONS_KEPT handles entered. Each step is one dict
+# operation or one rebinding, so readers take no lock: a lookup that races a rotation finds its
+# handle in one of the two generations unless it is older than the last POSITIONS_KEPT. Writers
+# take the lock only to rotate, or in the unlikely case that the dict they entered a handle in
+# was dropped meanwhile (a free-threaded build can run two rotations during one entry).
+_young: dict[int, tuple[int, int]] = {}
+_old: dict[int, tuple[int, int]] = {}
+_rotation = threading.Lock()
 # Bound once (torch.compile recognises the function itself, not its name): a fork asks twice.
 # Only dynamo traces Python code such as the table's lookups into a graph, so its own flag is
 # the one that matters; it is also a third of the cost of ``torch.compiler.is_compiling``.
@@ -123,25 +132,26 @@ def _entry(handle: int) -> tuple[int, int] | None:
     """The position ``handle`` was entered for, or ``None`` when the table does not hold it."""
     if _is_compiling():  # see _outside_the_graph
         return _outside_the_graph(_entry)(handle)  # type: ignore[no-any-return]
-    return _table.get(handle)
+    return _young.get(handle) or _old.get(handle)
 
 
 def _remember(handle: int, position: tuple[int, int]) -> None:
-    """Enter ``handle`` in the table (a handle names one position: an entry only moves to the newest end)."""
-    global _newest
+    """Enter ``handle`` in the newer generation (a handle names one position: entering it again only
+    keeps it there, as a fork does when it writes its saved state back)."""
+    global _old, _young
     if _is_compiling():
         _outside_the_graph(_remember)(handle, position)
         return
-    if handle == _newest and handle in _table:  # already at the newest end (a fork writes its saved state back)
+    young = _young
+    if handle in young:
         return
-    with _lock:
-        _newest = handle
-        if handle in _table:
-            _table.move_to_end(handle)
-            return
-        _table[handle] = position
-        if len(_table) > POSITIONS_KEPT:
-            _table.popitem(last=False)
+    young[handle] = position
+    if len(young) >= POSITIONS_KEPT or (young is not _young and young is not _old):
+        with _rotation:
+            if _young is young:
+                _old, _young = young, {}
+            elif _old is not young:  # entered in a dropped generation: enter it again
+                _young[handle] = position
 
 
 @functools.cache
@@ -243,6 +253,14 @@ def _seat(gen: torch.Generator, handle: int) -> None:
         _seating.seat(gen, handle)
 
 
+def _place(gen: torch.Generator, seed: int, offset: int, draw: bool) -> None:
+    """Seed ``gen`` from the handle of (seed, offset) and enter the handle in the table (ints already checked)."""
+    handle = position_handle(seed, offset, draw)
+    _seat(gen, handle)
+    if handle != seed or offset:  # (seed, 0) reads as itself without an entry
+        _remember(handle, (seed, offset))
+
+
 def seed_generator(gen: torch.Generator, seed: int) -> None:
     """Seed a CPU generator with all 64 bits of ``seed``: exactly ``gen.manual_seed(seed)`` below 2**32.
 
@@ -280,9 +298,8 @@ class CPUPlatform(Platform):
             InvalidArgumentError: ``generator`` belongs to another device type.
         """
         if index is None and generator is None:
-            handle = _initial_seed()
-        else:
-            handle = torch.Generator.initial_seed(self._target(index, generator))
+            return self._position()
+        handle = torch.Generator.initial_seed(self._target(index, generator))
         return _entry(handle) or (handle, 0)
 
     def set_seed_offset(
@@ -308,11 +325,14 @@ class CPUPlatform(Platform):
         )
         if draw is not True and draw is not False:
             check_instance(draw, bool, "draw")
-        gen = _default if index is None and generator is None else self._target(index, generator)
-        handle = position_handle(s, o, draw)
-        _seat(gen, handle)
-        if handle != s or o:  # (s, 0) reads as itself without an entry
-            _remember(handle, (s, o))
+        _place(_default if index is None and generator is None else self._target(index, generator), s, o, draw)
+
+    def _position(self) -> tuple[int, int]:
+        handle = _initial_seed()
+        return _entry(handle) or (handle, 0)
+
+    def _move(self, seed: int, offset: int, draw: bool) -> None:
+        _place(_default, seed, offset, draw)
 
     def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
         """Check the length, the MT19937 bytes (on a scratch generator) and that the position belongs
@@ -377,7 +397,7 @@ def _read() -> _Snapshot:
     if _is_compiling():  # _entry's check, made here: a fork reads twice
         return _outside_the_graph(_read)()  # type: ignore[no-any-return]
     handle = _initial_seed()
-    return _get_state(), handle, _table.get(handle)
+    return _get_state(), handle, _young.get(handle) or _old.get(handle)
 
 
 def _write(snapshot: _Snapshot) -> None:

@@ -14,12 +14,13 @@ or without pytest: ``hyperrng.platforms.testing.check_platform(MyPlatform())`` r
 ``AssertionError`` naming the first check that fails.
 
 The checks cover the interface in :class:`~hyperrng.platforms.Platform`'s docstring, row
-by row, with the call-only methods built on it and the private fast path ``_state_io``
-that forks use, and nothing else: the values describe the platform, the device
-functions enumerate and switch devices, the state functions read, write, check, seed and
-position each device (refusing bad input with nothing changed), the default generator is
-the one in use, and the state is what the device's random ops draw from. A platform that
-does not implement the methods every platform must (``device_count``, ``_read_state``,
+by row, with the call-only methods built on it and the private fast paths
+(``_state_io``, which forks use, and ``_position`` / ``_move``, which sharded regions
+use), and nothing else: the values describe the platform, the device functions enumerate
+and switch devices, the state functions read, write, check, seed and position each
+device (refusing bad input with nothing changed), the default generator is the one in
+use, and the state is what the device's random ops draw from. A platform that does not
+implement the methods every platform must (``device_count``, ``_read_state``,
 ``_write_state``) fails every check with an ``AssertionError`` that names them. Every
 check leaves the RNG state of every device, and the current device, as it found them.
 Our CPU, CUDA, NPU and simulated platforms pass it.
@@ -178,6 +179,13 @@ def seed_offset_round_trips(p: Platform) -> None:
     assert torch.equal(p.get_rng_state(), at_zero), "offset 0 must be the state manual_seed gives"
     p.set_seed_offset(99, 4)
     assert not torch.equal(p.get_rng_state(), at_zero), "different offsets must give different states"
+    for seed, offset, draw in [(11, 8, False), (11, 8, True), (2**64 - 1, 4, True)]:  # regions' fast path
+        p.set_seed_offset(seed, offset, draw=draw)
+        expected = p.get_rng_state()
+        p.manual_seed(3)
+        p._move(seed, offset, draw)
+        assert torch.equal(p.get_rng_state(), expected), f"_move({seed}, {offset}, {draw}) differs from set_seed_offset"
+        assert p._position() == (seed, offset), f"_position() after _move({seed}, {offset}, {draw}) differs"
 
 
 @_check

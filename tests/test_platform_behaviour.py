@@ -65,20 +65,26 @@ def test_cpu_bytes_restored_by_torchs_own_tools_read_as_the_position_they_were_s
     assert torch.equal(torch.rand(5), expected)
 
 
-def test_cpu_the_position_table_keeps_the_newest_handles_and_stays_bounded() -> None:
-    from hyperrng.platforms.cpu import _table
+def test_cpu_the_position_table_keeps_the_last_positions_kept_and_stays_bounded() -> None:
+    from hyperrng.platforms import cpu as cpu_module
 
+    kept = platforms.POSITIONS_KEPT
     cpu = CPUPlatform()
     cpu.set_seed_offset(1234, 8)
     first = torch.get_rng_state()
-    for k in range(1, platforms.POSITIONS_KEPT + 1):
+    for k in range(1, kept):  # the first position and the kept - 1 after it are all remembered
         cpu.set_seed_offset(99, 4 * k)
-    assert len(_table) == platforms.POSITIONS_KEPT
-    recent = torch.get_rng_state()
-    torch.set_rng_state(first)  # older than the last POSITIONS_KEPT positions: forgotten
+    last = torch.get_rng_state()
+    torch.set_rng_state(first)
+    assert cpu.get_seed_offset() == (1234, 8)
+    for k in range(kept, 3 * kept):  # two generations later the first is forgotten, the newest is not
+        cpu.set_seed_offset(99, 4 * k)
+        assert len(cpu_module._young) + len(cpu_module._old) < 2 * kept
+    assert cpu.get_seed_offset() == (99, 4 * (3 * kept - 1))
+    torch.set_rng_state(first)
     assert cpu.get_seed_offset() == (torch.initial_seed(), 0)
-    torch.set_rng_state(recent)
-    assert cpu.get_seed_offset() == (99, 4 * platforms.POSITIONS_KEPT)
+    torch.set_rng_state(last)
+    assert cpu.get_seed_offset() == (torch.initial_seed(), 0)
 
 
 def test_cpu_2_to_the_16_positions_give_2_to_the_16_distinct_streams() -> None:

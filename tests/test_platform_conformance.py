@@ -181,6 +181,18 @@ def test_the_kit_catches_state_io_accessors_that_follow_the_current_device() -> 
         check_platform(_StateIOFollowsTheDeviceCurrentWhenUsed())
 
 
+class _MoveIgnoresTheDrawDomain(platforms.CPUPlatform):
+    """A fast path that is not the checked one: regions would draw from the free domain."""
+
+    def _move(self, seed: int, offset: int, draw: bool) -> None:
+        super()._move(seed, offset, False)
+
+
+def test_the_kit_catches_a_region_fast_path_that_positions_differently() -> None:
+    with pytest.raises(AssertionError, match=r"_move\(11, 8, True\) differs from set_seed_offset"):
+        check_platform(_MoveIgnoresTheDrawDomain())
+
+
 @pytest.mark.needs_sim
 def test_the_state_io_check_leaves_every_state_and_the_current_device_as_it_found_them() -> None:
     sim = platforms.SimulatedPlatform()

@@ -18,8 +18,8 @@ Each question is answered against a baseline timed in the same run, in interleav
   8192-rank mesh to show the cost does not depend on mesh size, and with the arguments a
   layer passes (a list made at the call, the tensor's ``torch.Size``); then the slowest
   round of 10,000 regions over 200,000 in one process against the fastest (target 1.5x),
-  with the same shape and with a new shape every region, and the memory the second run
-  leaves behind, to show that nothing builds up over a run.
+  with the same shape and with a new shape every region, and the highest traced memory of
+  the second run's regions, window against window, to show that nothing builds up over a run.
 """
 
 from __future__ import annotations
@@ -214,14 +214,22 @@ def _bench_region(quick: bool) -> list[BenchResult]:
             pass
 
     fresh = time_rounds(new_shape, number=long_number, rounds=long_rounds)
-    # Traced growth is flat only once every entry of the bounded tables was made while traced:
-    # until then each replaced entry frees memory allocated before tracing, which tracemalloc
-    # never saw, and the window reads as growth (measured: +547 KiB per 10,000 regions until
-    # about 80,000 traced regions, then 0). Twice both bounds of regions is past that point.
-    warm = (platforms.POSITIONS_KEPT // 2 + OFFSETS_KEPT) if quick else 2 * (platforms.POSITIONS_KEPT + OFFSETS_KEPT)
-    grown = _traced_growth(new_shape, warm, long_number)
+    # Memory: the highest point of traced memory over one window of regions against the window
+    # before it. The positions table drops half its entries at each of its rotations (every
+    # POSITIONS_KEPT // 2 regions: a region enters two positions), so traced memory rises and
+    # falls; a window of POSITIONS_KEPT regions holds two rotations and so its highest point,
+    # and a build-up would raise the second window's. Traced from far enough back that every
+    # entry of the bounded tables was allocated while traced (else each replaced entry frees
+    # memory tracemalloc never saw). Too slow for --quick, which leaves it out.
     total = f"{long_rounds} rounds of {long_number:,} regions ({long_rounds * long_number:,} in one process)"
-    traced = f"; traced memory {grown / 1024:+.0f} KiB over {long_number:,} more regions after {warm:,} traced"
+    traced = "; traced memory: not measured with --quick"
+    if not quick:
+        warm = 2 * (platforms.POSITIONS_KEPT + OFFSETS_KEPT)
+        grown = _traced_peak_growth(new_shape, warm, platforms.POSITIONS_KEPT)
+        traced = (
+            f"; highest traced memory {grown / 1024:+.0f} KiB over {platforms.POSITIONS_KEPT:,} regions against "
+            f"the {platforms.POSITIONS_KEPT:,} before, after {warm:,} traced"
+        )
     for label, run, extra in (("same shape", same, ""), ("new shapes", fresh, traced)):
         results.append(
             BenchResult(
@@ -236,19 +244,22 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     return results
 
 
-def _traced_growth(fn: Callable[[], None], warm: int, number: int) -> int:
-    """Bytes still allocated after ``number`` calls of ``fn``, traced from ``warm`` calls before them:
-    enough for the caches to drop only what was allocated while traced."""
+def _traced_peak_growth(fn: Callable[[], None], warm: int, window: int) -> int:
+    """The highest traced memory over ``window`` calls of ``fn`` minus that over the ``window`` calls
+    before them, traced from ``warm`` calls earlier."""
     import tracemalloc
 
     tracemalloc.start()
     try:
         for _ in range(warm):
             fn()
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(number):
-            fn()
-        return tracemalloc.get_traced_memory()[0] - before
+        peaks = []
+        for _ in range(2):
+            tracemalloc.reset_peak()
+            for _ in range(window):
+                fn()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        return peaks[1] - peaks[0]
     finally:
         tracemalloc.stop()
 
