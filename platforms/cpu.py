@@ -49,9 +49,6 @@ from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import mix64
 from hyperrng.platforms.validate import (
-    MAX_OFFSET,
-    MAX_SEED,
-    OFFSET_ALIGN,
     check_instance,
     check_offset,
     check_seed,
@@ -316,15 +313,8 @@ class CPUPlatform(Platform):
         ``draw=True`` positions in the draw domain (a sharded region's op), otherwise in the
         free domain; see the module docstring.
         """
-        # Valid ints pass without a call (regions position twice per op); anything else is checked.
-        s = seed if type(seed) is int and 0 <= seed <= MAX_SEED else check_seed(seed)
-        o = (
-            offset
-            if type(offset) is int and 0 <= offset <= MAX_OFFSET and not offset % OFFSET_ALIGN
-            else check_offset(offset)
-        )
-        if draw is not True and draw is not False:
-            check_instance(draw, bool, "draw")
+        s, o = check_seed(seed), check_offset(offset)
+        check_instance(draw, bool, "draw")
         _place(_default if index is None and generator is None else self._target(index, generator), s, o, draw)
 
     def _position(self) -> tuple[int, int]:
