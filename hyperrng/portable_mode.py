@@ -112,34 +112,47 @@ class _DTensorRouting:
     """DTensor's RNG tracker (one per process) is hyperrng's while any thread is in portable mode.
 
     The first entry installs the adapter of :meth:`ShardedRNGTracker.install_dtensor` unless
-    hyperrng's is there already; the last exit puts back what was there.
+    hyperrng's is there already; the last exit puts back what was there. Entries are
+    counted per thread, and a thread that has ended counts as gone (as its hold does in
+    :mod:`hyperrng._exclusive`): one that died inside the mode does not keep the adapter
+    installed past the next entry or exit of another thread.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.users = 0
+        self.users: dict[threading.Thread, int] = {}  # thread -> its entries that routed DTensor
         self.installed: Any = None  # the adapter this routing installed, if it did
         self.previous: Any = None  # the tracker it replaced
         self.tracker: ShardedRNGTracker | None = None
+
+    def _forget_ended(self) -> None:
+        for thread in [t for t in self.users if not t.is_alive()]:
+            del self.users[thread]
 
     def acquire(self) -> bool:
         """Count one user; install the adapter if it is the first. ``False``: DTensor is not in use."""
         random_mod = _dtensor_random_module()
         if random_mod is None:
             return False
+        me = threading.current_thread()
         with self.lock:
+            self._forget_ended()
             if not self.users and not _is_hyperrng_adapter(random_mod._rng_tracker):
                 if self.tracker is None:
                     self.tracker = ShardedRNGTracker()
                 previous = self.tracker.install_dtensor()
                 self.installed, self.previous = random_mod._rng_tracker, previous
-            self.users += 1
+            self.users[me] = self.users.get(me, 0) + 1
         return True
 
     def release(self) -> None:
         """Count one user out; the last puts back the tracker the first replaced (unless someone replaced ours)."""
+        me = threading.current_thread()
         with self.lock:
-            self.users -= 1
+            left = self.users.pop(me, 1) - 1
+            if left:
+                self.users[me] = left
+            self._forget_ended()
             if self.users or self.installed is None:
                 return
             random_mod = _dtensor_random_module()

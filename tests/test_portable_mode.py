@@ -766,6 +766,25 @@ def test_entering_puts_hyperrngs_dtensor_tracker_in_place_and_the_last_exit_puts
         _random._rng_tracker = previous
 
 
+def test_a_thread_that_ended_inside_the_mode_does_not_keep_the_dtensor_tracker_installed() -> None:
+    from torch.distributed.tensor import _random
+
+    sentinel = object()
+    previous, _random._rng_tracker = _random._rng_tracker, sentinel
+    try:
+        # A thread enters and ends without exiting (an exception that skipped __exit__, an
+        # abandoned generator): its hold counts as released, and so must its routing.
+        t = threading.Thread(target=lambda: portable_random(SEED).__enter__())
+        t.start()
+        t.join()
+        assert type(_random._rng_tracker).__name__ == "HyperRNGDTensorTracker"
+        with portable_random(SEED):
+            assert type(_random._rng_tracker).__name__ == "HyperRNGDTensorTracker"
+        assert _random._rng_tracker is sentinel, "the last live user's exit put back what was there"
+    finally:
+        _random._rng_tracker = previous
+
+
 class _XlaLikePlatform(platforms.CPUPlatform):
     """A plug-in whose device type has no portable kernels."""
 
