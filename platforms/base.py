@@ -22,6 +22,7 @@ from hyperrng.platforms.validate import (
     check_seed,
     check_state,
     check_state_offset,
+    error_gist,
 )
 
 __all__ = ["Platform", "StateIO", "COUNTER_STATE_NBYTES", "pack_counter_state", "unpack_counter_state"]
@@ -278,14 +279,21 @@ class Platform:
             ArgumentTypeError: ``generator`` is not a generator.
             InvalidArgumentError: it belongs to another device type.
         """
-        if not isinstance(generator, torch.Generator) and not all(
-            callable(getattr(generator, method, None)) for method in _GENERATOR_API
-        ):
+        try:  # a look-alike's attributes may raise anything: read them here, where it becomes a typed error
+            generator_api = isinstance(generator, torch.Generator) or all(
+                callable(getattr(generator, method, None)) for method in _GENERATOR_API
+            )
+            device = getattr(generator, "device", None) if generator_api else None
+        except Exception as exc:
+            raise InvalidArgumentError(
+                f"the device of generator {type(generator).__name__} cannot be read ({error_gist(exc)}); pass a "
+                f"generator of device type {self.device_type!r} whose device module is registered, or None."
+            ) from None
+        if not generator_api:
             raise ArgumentTypeError(
                 f"generator must be a torch.Generator (or a device module's generator, with "
                 f"{', '.join(_GENERATOR_API)}), got {type(generator).__name__}; pass None for the default generator."
             )
-        device = getattr(generator, "device", None)
         if not isinstance(device, torch.device) or device.type != self.device_type:
             raise InvalidArgumentError(
                 f"generator on {device} does not belong to platform {self.name!r} (device type "

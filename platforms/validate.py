@@ -21,6 +21,7 @@ __all__ = [
     "check_state",
     "check_state_offset",
     "check_index",
+    "error_gist",
 ]
 
 MAX_SEED = 2**64 - 1
@@ -31,6 +32,13 @@ MAX_OFFSET = 2**63 - 1
 
 OFFSET_ALIGN = 4
 """Philox draws 4 numbers per counter; CUDA and NPU keep offsets multiples of 4."""
+
+
+def error_gist(exc: BaseException, limit: int = 200) -> str:
+    """``"Type: first line"`` of an exception raised by code hyperrng does not own, for a typed error's message."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else "no message"
+    return f"{type(exc).__name__}: {line if len(line) <= limit else line[: limit - 3] + '...'}"
 
 
 def round_up_offset(n: int) -> int:

@@ -64,6 +64,34 @@ def test_an_object_that_only_looks_like_a_generator_is_a_typed_error_and_changes
     assert torch.equal(cpu.get_rng_state(), before)
 
 
+def test_a_generator_whose_device_cannot_be_read_is_a_typed_error_and_changes_nothing() -> None:
+    class Broken(torch.Generator):
+        @property
+        def device(self) -> torch.device:  # type: ignore[override]
+            return torch.device("nosuchdevice", 0)  # torch raises RuntimeError
+
+    class LookAlike:  # the whole generator API, and a device that raises something else
+        get_state = set_state = manual_seed = initial_seed = staticmethod(lambda *a: None)
+
+        @property
+        def device(self) -> torch.device:
+            raise ZeroDivisionError("no device")
+
+    cpu = CPUPlatform()
+    cpu.set_seed_offset(3, 4)
+    before = cpu.get_rng_state()
+    for gen in (Broken(), LookAlike()):
+        for call in (
+            lambda g=gen: cpu.get_seed_offset(generator=g),
+            lambda g=gen: cpu.set_seed_offset(1, 0, generator=g),
+            lambda g=gen: ShardedRNGTracker().distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,), generator=g),
+        ):
+            with pytest.raises(InvalidArgumentError, match="cannot be read"):
+                with call():
+                    pass
+            assert torch.equal(cpu.get_rng_state(), before)
+
+
 def test_a_device_generator_whose_state_is_garbage_is_an_invalid_state_error() -> None:
     class Garbage(platforms.SimulatedGenerator):
         def get_state(self) -> torch.Tensor:
