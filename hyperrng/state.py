@@ -31,6 +31,7 @@ rank, so DCP never deduplicates one rank's state onto another.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import secrets
 import stat
@@ -48,7 +49,7 @@ from hyperrng._exclusive import holding
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
-from hyperrng.platforms.validate import check_instance, check_seed
+from hyperrng.platforms.validate import check_instance, check_seed, error_gist
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = [
@@ -308,8 +309,12 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping.
-        InvalidArgumentError: ``path`` is a folder, or its folder does not exist. Nothing is
-            written when it is raised.
+        ArgumentTypeError: ``state`` holds something that cannot be pickled (a lambda, a lock).
+        InvalidArgumentError: ``path`` is a folder, or its folder does not exist; or ``state``
+            holds objects that :func:`load_rng_state` would refuse (it reads with
+            ``weights_only=True``: dicts, lists, tuples, strings, numbers, tensors). Nothing is
+            written when it is raised: the file is read back, tensors memory-mapped, before
+            it replaces ``path``.
         OSError: the file system refused the write (full disk, no permission); the
             temporary file is removed and ``path`` is as it was.
     """
@@ -332,9 +337,16 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(dict(state), file)
+            try:
+                torch.save(dict(state), file)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise ArgumentTypeError(
+                    f"the state cannot be saved: {error_gist(exc)}; keep only plain data in it (dicts, lists, "
+                    f"tuples, strings, numbers, tensors). {str(target)!r} is unchanged."
+                ) from None
             file.flush()
             os.fsync(file.fileno())
+        _check_loads(temporary, target)
         if mode is not None:
             os.chmod(temporary, mode)
         os.replace(temporary, target)
@@ -342,6 +354,20 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
         temporary.unlink(missing_ok=True)
         raise
     _fsync_folder(folder)
+
+
+def _check_loads(temporary: Path, target: Path) -> None:
+    """Refuse a written file that :func:`load_rng_state` would refuse (``weights_only`` reads plain
+    data only), before it replaces a good checkpoint. Tensors are memory-mapped, not read."""
+    try:
+        torch.load(temporary, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as exc:
+        # torch's weights_only refusal names the object on a later line than its first.
+        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), error_gist(exc))
+        raise InvalidArgumentError(
+            f"the state holds data that load_rng_state cannot read back ({reason}); keep only plain "
+            f"data in it (dicts, lists, tuples, strings, numbers, tensors). {str(target)!r} is unchanged."
+        ) from None
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -674,8 +674,10 @@ def test_save_accepts_a_str_path_and_load_reads_it(tmp_path: Path) -> None:
         (lambda d: d, lambda: rng_state_dict(), InvalidArgumentError, "is a folder"),
         (lambda d: d / "missing" / "rng.pt", lambda: rng_state_dict(), InvalidArgumentError, "does not exist"),
         (lambda d: d / "rng.pt", lambda: [1, 2], ArgumentTypeError, "got list"),
+        (lambda d: d / "rng.pt", lambda: {"rng": rng_state_dict(), "f": lambda: 0}, ArgumentTypeError, "plain data"),
+        (lambda d: d / "rng.pt", lambda: {"rng": rng_state_dict(), "o": object()}, InvalidArgumentError, "read back"),
     ],
-    ids=["int-path", "bytes-path", "none-path", "folder", "no-folder", "not-a-dict"],
+    ids=["int-path", "bytes-path", "none-path", "folder", "no-folder", "not-a-dict", "unpicklable", "not-plain"],
 )
 def test_save_refuses_bad_input_and_leaves_the_folder_and_the_previous_checkpoint_as_they_were(
     tmp_path: Path, make_path: Callable[[Path], Any], make_state: Callable[[], Any], error: type, fragment: str
