@@ -54,7 +54,7 @@ def device_keys(platform: Platform, indices: Sequence[int] | None = None) -> lis
     return devices if platform.device_type == "cpu" else [HOST, *devices]
 
 
-def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
+def hold_all(targets: Sequence[Target], what: str, belows: list[int], context: Any = None) -> None:
     """Hold every target's device for the calling thread, appending each depth before to ``belows``.
 
     ``belows`` is the caller's, so that after an interrupt or a refusal it names exactly
@@ -66,7 +66,7 @@ def hold_all(targets: Sequence[Target], what: str, belows: list[int]) -> None:
     """
     me = current_thread()
     for _, _, key in targets:
-        belows.append(_exclusive.hold_key(key, me, what))
+        belows.append(_exclusive.hold_key(key, me, what, context))
 
 
 def release_all(targets: Sequence[Target], belows: Sequence[int]) -> None:

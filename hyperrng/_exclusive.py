@@ -47,7 +47,21 @@ as before the context or as after it:
 The profile-hook test in ``tests/test_threads.py`` raises at every one of those points in
 turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each.
 The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
-is refused across threads like any other but makes no claim about interrupts.
+is refused across threads like any other but makes no claim about interrupts. Portable
+mode holds the device like the others, but its enter and exit are not idempotent steps:
+it defers Ctrl-C (SIGINT on the main thread) while entering or leaving instead (see
+:mod:`hyperrng.portable_mode`), and an exception that another signal's Python handler
+raises there can leave the flag, the hold or the generator between before and after.
+
+**Nesting.** A hold records the context that took it (forks of any tracker, ``fork_rng``,
+sharded regions; ``None`` for the others) and the hold below it, so a device's holds form
+a chain, innermost first. An exit with an exception passing through it that finds holds
+of other contexts above its own knows their exits were skipped by an interrupt (the
+window below): it leaves them first, innermost first, as their exits would have
+(:func:`leave_inner`), then itself. Holds without a context (portable mode, seeding) are
+not left this way. Without an exception the exits do not look (it would cost every fork);
+forks of one tracker exited out of order are refused by the tracker, but contexts of
+different trackers interleaved on one thread (by generators or tasks) are not detected.
 
 **A thread that dies holding.** A hold records the owning ``threading.Thread`` object,
 not its ident (idents are reused by later threads, which must not inherit a hold). A hold
@@ -64,10 +78,13 @@ What pure Python cannot close, and so is not guaranteed:
 
 * CPython checks for a pending signal when ``__exit__`` starts, before its first
   instruction: a signal that arrives after the block's last check and before that one is
-  raised there, before ``__exit__`` has done anything, and the context stays entered (the
-  generator keeps the borrowed state and the thread keeps its hold, so other threads are
-  refused rather than corrupted). The window is the few instructions between a ``with``
-  block's end and ``__exit__``.
+  raised there, before ``__exit__`` has done anything, and the context stays entered. The
+  window is the few instructions between a ``with`` block's end and ``__exit__``. Inside
+  another context (a fork, ``fork_rng`` or a sharded region on the same device) that is
+  repaired: the exception passes through the outer context's exit, which finds the inner
+  one's hold still there and leaves it first (see *Nesting*), so both end as after their
+  blocks. An outermost context stays entered: the generator keeps the borrowed state and
+  the thread keeps its hold, so other threads are refused rather than corrupted.
 * A second interrupt that arrives while the first one is being undone or redone can cut
   that repair short.
 """
@@ -76,20 +93,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from threading import Lock, Thread, current_thread
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hyperrng.errors import InvalidOperationError
 
-__all__ = ["LeavesOnExit", "depth", "hold", "hold_key", "holder", "holding", "redo", "release", "release_key"]
+__all__ = [
+    "LeavesOnExit",
+    "depth",
+    "hold",
+    "hold_key",
+    "holder",
+    "holding",
+    "leave_inner",
+    "redo",
+    "release",
+    "release_key",
+]
 
 _T = TypeVar("_T")
 
-# (device type, device index) -> (holding thread, nesting depth). Entries are immutable
-# tuples replaced whole, each change one dict operation: only the holder changes its own
-# entry, and a claim is one atomic ``setdefault``, so no lock is needed (with or without the
-# GIL) and an interrupt can never find an entry half-written. The one exception, taking over
-# the hold of a thread that has ended, is a compare-and-replace made under _TAKE_OVER.
-_HOLDS: dict[tuple[str, int], tuple[Thread, int]] = {}
+# (device type, device index) -> (holding thread, nesting depth, the context that took this
+# hold or None, the entry below it or None). Entries are immutable tuples replaced whole,
+# each change one dict operation: only the holder changes its own entry, and a claim is one
+# atomic ``setdefault``, so no lock is needed (with or without the GIL) and an interrupt can
+# never find an entry half-written. The one exception, taking over the hold of a thread that
+# has ended, is a compare-and-replace made under _TAKE_OVER.
+_Entry = tuple[Thread, int, Any, Any]
+_HOLDS: dict[tuple[str, int], _Entry] = {}
 _TAKE_OVER = Lock()
 
 
@@ -127,10 +157,11 @@ def release(device_type: str, index: int, down_to: int | None = None) -> None:
     release_key(key, me, down_to)
 
 
-def hold_key(key: tuple[str, int], me: Thread, what: str) -> int:
+def hold_key(key: tuple[str, int], me: Thread, what: str, context: Any = None) -> int:
     """:func:`hold` for callers on a hot path that keep the key and know their thread ``me``
-    (``threading.current_thread()``)."""
-    mine = (me, 1)
+    (``threading.current_thread()``); ``context`` is the context taking the hold, for
+    :func:`leave_inner` (it has ``_unwind()``)."""
+    mine = (me, 1, context, None)
     try:
         entry = _HOLDS.setdefault(key, mine)
         if entry is not mine and entry[0] is not me and not entry[0].is_alive():
@@ -141,9 +172,9 @@ def hold_key(key: tuple[str, int], me: Thread, what: str) -> int:
         raise
     if entry is mine:
         return 0
-    owner, below = entry
+    owner, below = entry[0], entry[1]
     if owner is me:
-        _HOLDS[key] = (me, below + 1)
+        _HOLDS[key] = (me, below + 1, context, entry)
         return below
     raise InvalidOperationError(
         f"{what} on {key[0]}:{key[1]} was refused: thread {owner.ident} holds that device's generator (in a fork, "
@@ -154,7 +185,7 @@ def hold_key(key: tuple[str, int], me: Thread, what: str) -> int:
     )
 
 
-def _take_over(key: tuple[str, int], dead: tuple[Thread, int], mine: tuple[Thread, int]) -> tuple[Thread, int]:
+def _take_over(key: tuple[str, int], dead: _Entry, mine: _Entry) -> _Entry:
     """Replace ``dead``, the hold of a thread that has ended, by ``mine``; return the entry now held.
 
     Under a lock, so that of two threads finding the same dead hold one takes it over and
@@ -177,7 +208,24 @@ def release_key(key: tuple[str, int], me: Thread, down_to: int) -> None:
     if down_to <= 0:
         del _HOLDS[key]
     elif down_to < entry[1]:
-        _HOLDS[key] = (me, down_to)
+        while entry is not None and entry[1] > down_to:
+            entry = entry[3]
+        _HOLDS[key] = entry if entry is not None else (me, down_to, None, None)
+
+
+def leave_inner(context: Any, key: tuple[str, int]) -> None:
+    """For the exit of ``context`` with an exception passing through, when ``context`` holds
+    ``key`` on this thread below holds of other contexts: their exits were skipped by an
+    interrupt, so leave them, innermost first, as their exits would have (see *Nesting*)."""
+    inner = []
+    entry = _HOLDS.get(key)
+    while entry is not None and entry[2] is not context:
+        if entry[2] is not None and entry[2] not in inner:
+            inner.append(entry[2])
+        entry = entry[3]
+    if entry is not None:  # ``context`` does hold ``key``: the contexts above it were entered inside it
+        for other in inner:
+            other._unwind()
 
 
 class _Holding:
@@ -248,7 +296,9 @@ class LeavesOnExit:
 
     If an interrupt cuts ``_leave()`` short, ``__exit__`` runs it once more and re-raises.
     The retry is written inline here rather than through :func:`redo`: a call to a helper
-    would add a frame whose entry an interrupt could hit before any ``try``.
+    would add a frame whose entry an interrupt could hit before any ``try``. First, when an
+    exception passes, :meth:`_close_inner` leaves contexts an interrupt left open inside
+    this one (see *Nesting*).
     """
 
     __slots__ = ()
@@ -256,8 +306,17 @@ class LeavesOnExit:
     def _leave(self) -> None:
         raise NotImplementedError
 
+    def _unwind(self) -> None:
+        """Leave, for the exit of an outer context (see *Nesting*)."""
+        self._leave()
+
+    def _close_inner(self) -> None:
+        """Call :func:`leave_inner` for each device it holds."""
+
     def __exit__(self, *exc: object) -> None:
         try:
+            if exc and exc[0] is not None:  # an interrupt may have skipped the exits of contexts inside it
+                self._close_inner()
             self._leave()
         except BaseException:
             self._leave()

@@ -113,7 +113,7 @@ class Region(_exclusive.LeavesOnExit):
         try:
             if gen is None or gen is p.default_generator():
                 key, me = (p.device_type, p.current_device()), current_thread()
-                self._held = (key, me, _exclusive.hold_key(key, me, "a sharded region"))
+                self._held = (key, me, _exclusive.hold_key(key, me, "a sharded region", self))
             # The device's own generator goes through the platform's unchecked fast path: these
             # ints are checked here (the offsets were checked when they were computed).
             seed, base = p._position() if gen is None else p.get_seed_offset(None, gen)
@@ -133,6 +133,10 @@ class Region(_exclusive.LeavesOnExit):
             else:
                 self._release()
             raise
+
+    def _close_inner(self) -> None:
+        if self._held is not None:
+            _exclusive.leave_inner(self, self._held[0])
 
     def _leave(self) -> None:
         stack = _ACTIVE.stack

@@ -62,7 +62,15 @@ region for the portable kernels to draw the shard's global indices from.
 
 **Ctrl-C.** Entering and leaving run with SIGINT deferred (on the main thread, the one
 that receives it): a KeyboardInterrupt finds the mode and the generator as before the
-entry or as after the exit, never in between.
+entry or as after the exit, never in between. Only SIGINT: an exception raised by the
+Python handler of another signal (a SIGTERM handler raising ``SystemExit``, an alarm)
+while the mode is entered or left can leave the flag, the hold or the generator half
+changed; such handlers should set a flag that the training loop reads instead.
+
+**DataLoader.** Iterating a ``torch.utils.data.DataLoader`` draws its base seed with
+``random_()`` over the whole ``int64`` range and shuffles with ``randperm``, which the
+mode refuses (:class:`UnsupportedPortableOpError`): create and advance loaders outside
+the mode, entering it around the model's step rather than around the whole loop.
 
 **Kernels.** They are registered with torch once per dispatch key, when a thread first
 enters the mode, and stay: entering and leaving only set the flag and never touch torch's

@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import hyperrng.platforms as platforms
+from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng._exclusive import LeavesOnExit
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
@@ -47,7 +48,7 @@ class _ForkRNG(LeavesOnExit):
     def __enter__(self) -> None:
         targets, belows, saved = self._targets, self._belows, self._saved
         try:
-            hold_all(targets, "fork_rng", belows)
+            hold_all(targets, "fork_rng", belows, self)
             for read, _, _ in targets:
                 saved.append(read())
         except BaseException:
@@ -55,6 +56,10 @@ class _ForkRNG(LeavesOnExit):
             belows.clear()
             saved.clear()
             raise
+
+    def _close_inner(self) -> None:
+        for _, _, key in self._targets:
+            _exclusive.leave_inner(self, key)
 
     def _leave(self) -> None:
         targets, belows, saved = self._targets, self._belows, self._saved

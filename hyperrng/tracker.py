@@ -129,7 +129,7 @@ class _Fork:
         read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
-            below = _exclusive.hold_key(key, me, "tracker.fork")
+            below = _exclusive.hold_key(key, me, "tracker.fork", self)
             # A tracker's open forks form one chain, so they stay on one thread. Holding the device
             # ensures that where all of them swap one device's generator; where they may swap
             # several, the tracker is claimed too (dict.setdefault is atomic).
@@ -171,22 +171,33 @@ class _Fork:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         tracker = self._tracker
-        if tracker._active is not self:
-            raise InvalidOperationError(
-                f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse order.",
-                reason="tracker",
-            )
-        copies = not tracker._swap.in_place  # type: ignore[union-attr]
+        copies = False
         advanced = None  # the stream's state as the block left it
         try:
+            if exc_type is not None and self.entered:  # an interrupt may have skipped exits of contexts inside it
+                _exclusive.leave_inner(self, self.held[0])
+            if tracker._active is not self:
+                raise InvalidOperationError(
+                    f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse "
+                    "order.",
+                    reason="tracker",
+                )
+            copies = not tracker._swap.in_place  # type: ignore[union-attr]
             if copies:
                 advanced = self.read()
             self._leave(advanced)
+        except InvalidOperationError:  # exited out of order: nothing changed (leaving itself never raises it)
+            raise
         except BaseException:
             if copies and advanced is None and tracker._active is self:  # cut short before the read: read it now
                 advanced = self.read()
             self._leave(advanced)
             raise
+
+    def _unwind(self) -> None:
+        """Leave as ``__exit__`` would, for the exit of an outer context (see :mod:`hyperrng._exclusive`)."""
+        active = self._tracker._active is self
+        self._leave(self.read() if active and not self._tracker._swap.in_place else None)  # type: ignore[union-attr]
 
     def _leave(self, advanced: Any) -> None:
         """Keep the stream's advance, restore the generator, pop the fork, release.

@@ -592,6 +592,75 @@ def test_an_interrupt_anywhere_in_a_fork_leaves_the_stream_before_or_after_and_t
         pass
 
 
+class _InterruptFirstExit:
+    """Raise KeyboardInterrupt as the first ``__exit__`` called from ``scope`` starts: the window
+    before its first instruction, which pure Python cannot close (see hyperrng._exclusive)."""
+
+    def __init__(self, scope: Any) -> None:
+        self.scope, self.fired = scope, False
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and not self.fired and frame.f_code.co_name == "__exit__":
+            if frame.f_back is not None and frame.f_back.f_code is self.scope:
+                self.fired = True
+                raise KeyboardInterrupt
+
+
+def _run_nested(
+    outer: Callable[[], AbstractContextManager[Any]], inner: Callable[[], AbstractContextManager[Any]], interrupt: bool
+) -> bool:
+    """Draw in ``outer()``, then in ``inner()`` inside it; with ``interrupt``, the inner exit is cut
+    before its first instruction. Returns whether a KeyboardInterrupt came out."""
+    hook = _InterruptFirstExit(_run_nested.__code__)
+    try:
+        if interrupt:
+            sys.setprofile(hook)
+        with outer():
+            torch.rand(2)
+            with inner():
+                torch.rand(3)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+_NESTINGS = {
+    "fork-in-fork-of-another-tracker": lambda a, b: (lambda: a.fork("s"), lambda: b.fork("s")),
+    "fork-in-fork-of-one-tracker": lambda a, b: (lambda: a.fork("s"), lambda: a.fork("other")),
+    "region-in-fork": lambda a, b: (lambda: a.fork("s"), lambda: ShardedRNGTracker().distribute_region(*_REGION_ARGS)),
+    "fork_rng-in-fork": lambda a, b: (lambda: a.fork("s"), lambda: fork_rng(devices=[])),
+    "fork-in-fork_rng": lambda a, b: (lambda: fork_rng(devices=[]), lambda: b.fork("s")),
+    "fork-in-region": lambda a, b: (lambda: ShardedRNGTracker().distribute_region(*_REGION_ARGS), lambda: b.fork("s")),
+}
+
+
+@pytest.mark.parametrize("nesting", list(_NESTINGS))
+def test_an_interrupt_before_an_inner_exit_starts_is_repaired_by_the_outer_exit(nesting: str) -> None:
+    platform = platforms.current()
+    a, b = _tracker(s=21, other=22), _tracker(s=31)
+    start = (platform.get_rng_state(), a.get_states(), b.get_states())
+
+    def outcome() -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return platform.get_rng_state(), a.get_states(), b.get_states()
+
+    assert not _run_nested(*_NESTINGS[nesting](a, b), interrupt=False)
+    after = outcome()
+    for state, tracker in zip(start[1:], (a, b)):
+        tracker.set_states(state)
+    platform.set_rng_state(start[0])
+    # The KeyboardInterrupt comes out as itself, and everything is as after the blocks: the outer
+    # exit left the inner context first (before, the outer fork kept the inner one's borrowed
+    # state as its own stream, or raised InvalidOperationError instead of the interrupt).
+    assert _run_nested(*_NESTINGS[nesting](a, b), interrupt=True)
+    now = outcome()
+    assert torch.equal(now[0], after[0]), "the generator is as after the blocks"
+    assert _same(now[1], after[1]) and _same(now[2], after[2]), "every stream is as after the blocks"
+    assert a.active_stream is None and b.active_stream is None and active_region() is None
+    assert _no_holds()
+
+
 def test_an_interrupt_anywhere_in_fork_rng_leaves_the_generator_as_it_was_and_no_hold() -> None:
     platform = platforms.current()
     start = platform.get_rng_state()
