@@ -45,7 +45,8 @@ as before the context or as after it:
   undo releases exactly what its enter took, and releasing twice releases once.
 
 The profile-hook test in ``tests/test_threads.py`` raises at every one of those points in
-turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each.
+turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each;
+another cuts an inner context's exit before its first instruction, in six nestings.
 The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
 is refused across threads like any other but makes no claim about interrupts. Portable
 mode holds the device like the others, but its enter and exit are not idempotent steps:
