@@ -30,12 +30,15 @@ rank, so DCP never deduplicates one rank's state onto another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
 import secrets
+import socket
 import stat
 import warnings
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,9 @@ __all__ = [
 ON_MISMATCH = ("error", "reseed")
 
 _TEMP_NAME_BYTES = 8  # random hex in a temporary file's name: concurrent saves never share one
+# A temporary file's name also says which host and process wrote it, so that a later save can
+# tell the files of saves that were killed (their process has ended) from those still being written.
+_HOST_TAG = f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
 class RNGResumeWarning(UserWarning):
@@ -303,8 +309,10 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     rename itself survives a crash. A process killed at any point therefore leaves
     ``path`` holding either the previous complete checkpoint or the new one, never a
     partial file. On success or on an exception nothing else is left in the folder; a
-    process killed mid-save may leave a hidden ``.<name>.<random>.tmp`` file, which is
-    never read. An existing file's permission bits are kept.
+    process killed mid-save may leave a hidden ``.<name>.<host>-<pid>-<random>.tmp`` file,
+    which is never read, and which the next successful save of ``path`` on the same host
+    removes once that process has ended (on POSIX systems). An existing file's permission
+    bits are kept.
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
@@ -332,7 +340,7 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
         mode: int | None = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
         mode = None
-    temporary = folder / f".{target.name}.{secrets.token_hex(_TEMP_NAME_BYTES)}.tmp"
+    temporary = folder / f".{target.name}.{_HOST_TAG}-{os.getpid()}-{secrets.token_hex(_TEMP_NAME_BYTES)}.tmp"
     # O_EXCL: never write through a file (or link) someone else put there; 0o666 lets the umask decide.
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
@@ -354,6 +362,35 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
         temporary.unlink(missing_ok=True)
         raise
     _fsync_folder(folder)
+    _remove_abandoned(folder, target.name)
+
+
+def _remove_abandoned(folder: Path, name: str) -> None:
+    """Remove the temporary files that saves of ``name`` left when they were killed: those written
+    on this host by a process that has ended. Never those of a live process or of another host
+    sharing the folder; nothing on Windows, where there is no harmless probe of a process."""
+    if os.name != "posix":
+        return
+    prefix = f".{name}.{_HOST_TAG}-"
+    try:
+        entries = [entry.name for entry in os.scandir(folder) if entry.name.startswith(prefix)]
+    except OSError:
+        return
+    for entry in entries:
+        pid, _, rest = entry[len(prefix) :].partition("-")
+        if pid.isdigit() and int(pid) != os.getpid() and rest.endswith(".tmp") and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                (folder / entry).unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by another user
+        return True
+    return True
 
 
 def _check_loads(temporary: Path, target: Path) -> None:

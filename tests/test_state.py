@@ -7,6 +7,7 @@ import datetime
 import os
 import random
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -606,6 +607,7 @@ def test_a_save_killed_at_any_point_leaves_the_previous_or_the_new_checkpoint_an
         seed_host(trial)
         previous = rng_state_dict(base_seed=trial)
         save_rng_state(path, previous)
+        assert not list(tmp_path.glob(".rng.pt.*.tmp")), "a save removes what the killed one before it left"
         seed_host(1000 + trial)
         new = rng_state_dict(base_seed=1000 + trial)
         child = fork.Process(target=_save_and_die, args=(str(path), new, point, share))
@@ -618,9 +620,29 @@ def test_a_save_killed_at_any_point_leaves_the_previous_or_the_new_checkpoint_an
         if point != "folder-fsync":  # until the rename, the previous checkpoint stands
             assert loaded["digest"] == previous["digest"], f"{point} {share}"
         outcomes.append(loaded["digest"] == new["digest"])
-        for leftover in tmp_path.glob(".rng.pt.*.tmp"):  # a killed save cannot clean up after itself
-            leftover.unlink()
     assert len(outcomes) >= 25 and outcomes[-1], "the kill after the rename keeps the new checkpoint"
+
+
+def test_a_save_removes_the_files_of_killed_saves_of_this_host_and_nothing_else(tmp_path: Path) -> None:
+    import subprocess
+
+    from hyperrng import state
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    tag, other_tag = state._HOST_TAG, "0" * 8 if state._HOST_TAG != "0" * 8 else "1" * 8
+    removed = tmp_path / f".rng.pt.{tag}-{ended.pid}-00.tmp"
+    kept = [
+        tmp_path / f".rng.pt.{tag}-{os.getppid()}-00.tmp",  # a live process may still be writing it
+        tmp_path / f".rng.pt.{tag}-{os.getpid()}-00.tmp",  # this process's own
+        tmp_path / f".rng.pt.{other_tag}-{ended.pid}-00.tmp",  # another host sharing the folder
+        tmp_path / f".other.pt.{tag}-{ended.pid}-00.tmp",  # another checkpoint's
+        tmp_path / ".rng.pt.0123456789abcdef.tmp",  # a name this release does not write
+    ]
+    for file in (removed, *kept):
+        file.write_bytes(b"half a checkpoint")
+    save_rng_state(tmp_path / "rng.pt", rng_state_dict())
+    assert not removed.exists() and all(file.exists() for file in kept)
 
 
 def test_a_successful_save_leaves_only_the_checkpoint_in_its_folder(tmp_path: Path) -> None:
