@@ -42,6 +42,7 @@ from typing import Any
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import PlatformError, RankFailure
+from hyperrng.platforms.validate import error_gist
 
 __all__ = ["Placement", "RankFailure", "free_port", "run_ranks"]
 
@@ -160,7 +161,7 @@ def _entry(
         conn.send_bytes(_JOINED)
         ok, answer = True, pickle.dumps((True, fn(rank, world_size, *args)))  # an unpicklable result is a failure
     except BaseException as exc:
-        ok, answer = False, pickle.dumps((False, (_first_line(exc), traceback.format_exc())))
+        ok, answer = False, pickle.dumps((False, (error_gist(exc), traceback.format_exc())))
     with contextlib.suppress(EOFError, OSError):  # the parent is gone: nobody waits for this rank any more
         conn.send_bytes(answer)
         if ok:
@@ -168,10 +169,6 @@ def _entry(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)  # no process group teardown, no interpreter finalisation: see the module docstring
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:

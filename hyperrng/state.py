@@ -316,8 +316,8 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
-            ``state`` is not a mapping.
-        ArgumentTypeError: ``state`` holds something that cannot be pickled (a lambda, a lock).
+            ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
+            a lock).
         InvalidArgumentError: ``path`` is a folder, or its folder does not exist; or ``state``
             holds objects that :func:`load_rng_state` would refuse (it reads with
             ``weights_only=True``: dicts, lists, tuples, strings, numbers, tensors). Nothing is
