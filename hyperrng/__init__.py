@@ -30,7 +30,7 @@ with _contextlib.suppress(_errors.PlatformError):
     _platforms.registry.select_at_import()
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
-from hyperrng.portable_mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
+from hyperrng.philox.mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
 from hyperrng.random import fork_rng  # noqa: E402
 from hyperrng.recompute import checkpoint  # noqa: E402
 from hyperrng.seeding import (  # noqa: E402

@@ -17,8 +17,8 @@ from torch import nn
 
 from hyperrng._launch import run_ranks
 from hyperrng.errors import InvalidArgumentError
+from hyperrng.philox.mode import portable_random
 from hyperrng.platforms.validate import check_int, check_seed
-from hyperrng.portable_mode import portable_random
 
 __all__ = ["TinyMLP", "tp_invariance_report", "tp_rank"]
 

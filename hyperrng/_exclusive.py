@@ -51,7 +51,7 @@ The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks
 is refused across threads like any other but makes no claim about interrupts. Portable
 mode holds the device like the others, but its enter and exit are not idempotent steps:
 it defers Ctrl-C (SIGINT on the main thread) while entering or leaving instead (see
-:mod:`hyperrng.portable_mode`), and an exception that another signal's Python handler
+:mod:`hyperrng.philox.mode`), and an exception that another signal's Python handler
 raises there can leave the flag, the hold or the generator between before and after.
 
 **Nesting.** A hold records the context that took it (forks of any tracker, ``fork_rng``,

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng import _exclusive, portable_mode
+from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError
+from hyperrng.philox import mode as portable_mode
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["checkpoint"]

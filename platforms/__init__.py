@@ -22,7 +22,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
   independent ones, ``(seed, 0)`` is ``manual_seed(seed)``; the getter reads back the pair
   just set; ``get_rng_state()`` carries it (the CPU platform, :mod:`hyperrng.platforms.cpu`,
   is the worked example for a generator that is not counter-based). Only sharded regions
-  (and DTensor ops), :mod:`hyperrng.portable` and portable mode need positions; streams,
+  (and DTensor ops), :mod:`hyperrng.philox.position` and portable mode need positions; streams,
   seeding, checks and checkpoints need state bytes only.
 * **``dist_backend``:** the process-group backend when each rank has its own device (the
   demo uses it); collectives stage tensors through the host on gloo. A ``device_type`` of

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from hyperrng import philox, portable
+from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+from hyperrng.philox import position as portable
 from hyperrng.sharded import MeshInfo
 from hyperrng.tracker import RNGStatesTracker
 from tests._dist import run_ranks

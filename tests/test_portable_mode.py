@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hyperrng.platforms.validate import MAX_OFFSET
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyperrng import _exclusive, philox, portable
+from hyperrng import _exclusive, philox
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -27,8 +27,8 @@ from hyperrng.errors import (
     InvalidOperationError,
     UnsupportedPortableOpError,
 )
-from hyperrng.portable import load_portable_state_dict, portable_state_dict
-from hyperrng.portable_mode import (
+from hyperrng.philox import position as portable
+from hyperrng.philox.mode import (
     PORTABLE_OPS,
     is_portable_random_enabled,
     mode_applied,
@@ -37,6 +37,7 @@ from hyperrng.portable_mode import (
     thread_mode,
     unsupported_ops,
 )
+from hyperrng.philox.position import load_portable_state_dict, portable_state_dict
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 from hyperrng.tracker import RNGStatesTracker
 
@@ -163,7 +164,7 @@ def test_every_portable_dropout_gives_the_same_mask_values_and_next_position(
     sim: platforms.Platform, p: float, dtype: torch.dtype
 ) -> None:
     """F.dropout in portable mode (the CPU's bernoulli_ decomposition, the device's fused
-    native_dropout), hyperrng.philox.dropout and hyperrng.portable.dropout: one convention."""
+    native_dropout), hyperrng.philox.dropout and hyperrng.philox.position.dropout: one convention."""
     signs = 1.0 - 2.0 * (torch.arange(7 * 13) % 2)  # negative values too: dropped, they give -0.0
     x = (torch.linspace(0.25, 3.0, 7 * 13) * signs).to(dtype).reshape(7, 13)
     x[0, :3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype)  # dropped: NaN, as torch's dropout
@@ -324,7 +325,7 @@ def test_non_random_ops_keep_torchs_own_kernels_inside_the_mode() -> None:
         inside = [repr(torch.library.get_kernel(op, "CPU")) for op in ops]
         random_kernel = repr(torch.library.get_kernel("aten::uniform_", "CPU"))
     assert inside == before
-    assert "_portable_ops" in random_kernel
+    assert "philox/_ops.py" in random_kernel
 
 
 def test_compiled_draws_equal_eager_draws() -> None:
@@ -968,7 +969,7 @@ def _originals_outputs(device: str, labels: Sequence[str]) -> dict[str, list[lis
 
 def _originals_report() -> dict[str, Any]:
     """In a fresh process: every overridden op's values outside the mode, before and after registration."""
-    from hyperrng.portable_mode import registered
+    from hyperrng.philox.mode import registered
 
     sim = platforms.SimulatedPlatform()
     sim.device(0)
@@ -1001,7 +1002,7 @@ def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_i
 
     code = (
         "import torch, hyperrng.platforms as p; from hyperrng import philox; "
-        "from hyperrng.portable_mode import portable_random\n"
+        "from hyperrng.philox.mode import portable_random\n"
         "with p.use(p.SimulatedPlatform()), portable_random(5):\n"
         "    x = torch.rand(6, device='sim:0')\n"
         "assert torch.equal(x.cpu(), philox.uniform(6, 5, 0)), x"

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from hyperrng import philox
 from hyperrng._demo_portable import tp_invariance_report
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.portable import PORTABLE_STATE_FORMAT, load_portable_state_dict, portable_state_dict
-from hyperrng.portable_mode import (
+from hyperrng.philox.mode import (
     portable_random,
     set_portable_random,
 )
+from hyperrng.philox.position import PORTABLE_STATE_FORMAT, load_portable_state_dict, portable_state_dict
 from hyperrng.sharded import ShardedRNGTracker
 from hyperrng.tracker import RNGStatesTracker
 from tests._dist import run_ranks

@@ -240,7 +240,7 @@ def _is_int(value: object) -> bool:
 @SETTINGS
 @given(numel=st.one_of(not_ints, st.integers(max_value=-1)))
 def test_a_bad_reservation_size_is_refused_by_type_or_value(platform: platforms.Platform, numel: Any) -> None:
-    from hyperrng import portable
+    from hyperrng.philox import position as portable
 
     refused(platform, lambda: portable.reserve(numel), ValueError if _is_int(numel) else TypeError)
 
@@ -254,7 +254,7 @@ def test_a_bad_reservation_size_is_refused_by_type_or_value(platform: platforms.
     )
 )
 def test_a_bad_shape_for_a_portable_draw_is_refused_by_type_or_value(platform: platforms.Platform, dim: Any) -> None:
-    from hyperrng import portable
+    from hyperrng.philox import position as portable
 
     builtin = ValueError if _is_int(dim) else TypeError
     for draw in (portable.uniform, portable.normal):
@@ -265,7 +265,7 @@ def test_a_bad_shape_for_a_portable_draw_is_refused_by_type_or_value(platform: p
 @SETTINGS
 @given(p=st.one_of(st.text(max_size=3), st.none(), st.booleans(), st.floats().filter(lambda f: not 0 <= f <= 1)))
 def test_a_bad_probability_is_refused_by_type_or_value(platform: platforms.Platform, p: Any) -> None:
-    from hyperrng import portable
+    from hyperrng.philox import position as portable
 
     builtin = ValueError if isinstance(p, float) else TypeError
     refused(platform, lambda: portable.bernoulli((4,), p), builtin)

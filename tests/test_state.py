@@ -1067,7 +1067,7 @@ def test_a_run_resumed_in_new_processes_is_bit_identical_to_an_uninterrupted_one
 _FRESH_PROCESS_RESUME = """
 import sys, torch
 import hyperrng.platforms as platforms
-from hyperrng import portable
+from hyperrng.philox import position as portable
 from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
 from hyperrng.tracker import MODEL_PARALLEL_STREAM as MP, get_rng_tracker
 platforms.set_current(sys.argv[1])

@@ -10,7 +10,7 @@ count of the process when that is more than one (where the portable ops, which a
 elementwise, also use the other threads).
 
 The ``portable mode`` lines time torch's own ``torch.rand`` and ``F.dropout`` inside
-:class:`~hyperrng.portable_mode.portable_random` (so they include the mode's dispatch
+:class:`~hyperrng.philox.mode.portable_random` (so they include the mode's dispatch
 and position bookkeeping, the copy into torch's result tensor, and entering and leaving
 the mode on every call) against the same calls outside it. ``portable mode training
 step`` times one eager step of a small MLP with dropout (forward, backward, SGD), entering
@@ -40,8 +40,8 @@ from torch import nn
 
 from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved
 from hyperrng.philox import dropout, uniform
+from hyperrng.philox.mode import portable_random
 from hyperrng.platforms import _features
-from hyperrng.portable_mode import portable_random
 
 __all__ = ["benchmarks"]
 
@@ -169,7 +169,7 @@ def _training_step(repeat: int) -> BenchResult:
 
 def _outside_rounds(rounds: int, number: int) -> dict[str, dict[str, list[float]]]:
     """Per op: seconds per call before and after the portable kernels are registered (this process)."""
-    from hyperrng.portable_mode import registered
+    from hyperrng.philox.mode import registered
 
     if registered():
         raise RuntimeError("the portable kernels are registered already: run this in a fresh process")

@@ -78,7 +78,7 @@ dispatch table, so a program that starts threads which draw should enter the mod
 before it starts them. Outside the mode a random op pays one Python call and gets torch's
 own numbers. Entering needs torch 2.9 or newer and a ``cpu``, ``cuda`` or PrivateUse1
 device type; elsewhere it raises :class:`UnsupportedPortableOpError` and changes nothing.
-Details, and the limits of each op, in :mod:`hyperrng._portable_ops`.
+Details, and the limits of each op, in :mod:`hyperrng.philox._ops`.
 
 **Dropout.** ``F.dropout`` keeps element ``i`` where its word is below
 ``round((1 - p) * 2**32)``, the convention of every portable dropout (see
@@ -98,8 +98,8 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
-from hyperrng._portable_ops import PORTABLE_OPS, THREAD, Entry, register, registered, unsupported_ops
 from hyperrng.errors import InvalidArgumentError
+from hyperrng.philox._ops import PORTABLE_OPS, THREAD, Entry, register, registered, unsupported_ops
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.sharded import ShardedRNGTracker
 

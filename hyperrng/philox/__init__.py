@@ -16,7 +16,7 @@ Draws of different distributions with the same key and offset read the same word
 they are dependent: give independent draws different keys or disjoint index ranges.
 
 **Dropout convention.** Every portable dropout (:func:`dropout`, the functions of
-:mod:`hyperrng.portable`, and ``F.dropout`` in portable mode) *keeps* element ``i`` where
+:mod:`hyperrng.philox.position`, and ``F.dropout`` in portable mode) *keeps* element ``i`` where
 its word is below ``round((1 - p) * 2**32)``, that is where ``bernoulli(shape, 1 - p)`` is
 True, and computes the values as torch does (:func:`apply_dropout_mask`). This is torch's
 own definition: ``F.dropout`` on the CPU decomposes into ``bernoulli_(1 - p)`` and a scale,
@@ -34,7 +34,7 @@ Limits, checked before anything is allocated or computed:
   as consecutive pieces (``offset`` advanced by each piece's size).
 
 Memory: eager draws work a chunk of blocks at a time, so the working memory besides the
-result is at most :func:`~hyperrng._philox_kernels.scratch_bytes` (24 MiB) whatever the
+result is at most :func:`~hyperrng.philox._torch.scratch_bytes` (24 MiB) whatever the
 tensor size. ``compiled=True`` runs the same arithmetic through ``torch.compile`` as one
 fused loop per contiguous run, keeping nothing in memory but the values; it is compiled
 on first use, once per distribution and compute dtype, then reused for every key,
@@ -54,9 +54,9 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from hyperrng import _philox_kernels as _k
-from hyperrng import _philox_shards
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+from hyperrng.philox import _shards
+from hyperrng.philox import _torch as _k
 from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [
@@ -262,7 +262,7 @@ def _generate(
     global_shape = check_shape(shape)
     key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
-    geometry = _philox_shards.ShardGeometry.of(global_shape, shard)
+    geometry = _shards.ShardGeometry.of(global_shape, shard)
     numel = math.prod(geometry.local_shape)
     if numel > MAX_NUMEL:
         raise InvalidArgumentError(
@@ -276,7 +276,7 @@ def _generate(
     compute = dtype if value_dtype is None else value_dtype
     param_dtypes = [torch.int64] + [compute] * (len(params) - 1)
     kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, compute)
-    return _philox_shards.fill(geometry, offset_value, kernel, dtype, out=result)
+    return _shards.fill(geometry, offset_value, kernel, dtype, out=result)
 
 
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -514,7 +514,7 @@ def dropout(
     if (global_shape is None) != (shard is None):
         raise InvalidArgumentError("pass global_shape and shard together, or neither.")
     shape = tuple(x.shape) if global_shape is None else check_shape(global_shape)
-    local = _philox_shards.ShardGeometry.of(shape, shard).local_shape
+    local = _shards.ShardGeometry.of(shape, shard).local_shape
     if local != tuple(x.shape):
         raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
     check_seed(key, "key")

@@ -11,7 +11,7 @@ fit an ``int64`` tensor.
 
 A :class:`Kernel` binds a distribution (a :class:`Transform`), its parameters and a key.
 It turns block indices into values, one per lane, and writes whole runs of blocks
-straight into the result (:mod:`hyperrng._philox_shards` says which runs). There are two
+straight into the result (:mod:`hyperrng.philox._shards` says which runs). There are two
 implementations of the same arithmetic:
 
 * eager: the rounds run in place on a few reused rows of one chunk (no allocation per

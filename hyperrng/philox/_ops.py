@@ -1,8 +1,8 @@
 """The aten kernels of portable mode, their registration with torch, and the per-thread flag.
 
-:mod:`hyperrng.portable_mode` is the public face (entering, leaving, the switch); this
+:mod:`hyperrng.philox.mode` is the public face (entering, leaving, the switch); this
 module is what it switches: a kernel per random aten op (:data:`PORTABLE_OPS`) that draws
-at the current position with :func:`hyperrng.portable.draw_at_position`, or inside a
+at the current position with :func:`hyperrng.philox.position.draw_at_position`, or inside a
 sharded region fills this rank's shard from global indices; a refusal for every other
 random op (:func:`unsupported_ops`); and :data:`THREAD`, whose entries say whether the
 calling thread draws portably.
@@ -35,9 +35,9 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, UnsupportedPortableOpError
+from hyperrng.philox.position import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.platforms import _features
 from hyperrng.platforms.validate import round_up_offset
-from hyperrng.portable import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.sharded import active_region
 
 __all__ = ["PORTABLE_OPS", "THREAD", "Entry", "register", "registered", "unsupported_ops"]
@@ -47,7 +47,7 @@ __all__ = ["PORTABLE_OPS", "THREAD", "Entry", "register", "registered", "unsuppo
 class Entry:
     """One entered context (or the switch) on a thread: what its exit undoes.
 
-    :mod:`hyperrng.portable_mode` makes and removes entries; the kernels read only the
+    :mod:`hyperrng.philox.mode` makes and removes entries; the kernels read only the
     last entry's ``compiled``.
     """
 
@@ -497,6 +497,6 @@ def _supported_keys(p: platforms.Platform) -> list[str]:
         raise UnsupportedPortableOpError(
             f"portable mode has no kernels for device type {p.device_type!r} (platform {p.name!r}): it has them "
             f"for 'cpu', 'cuda' and torch's PrivateUse1 backend ({torch._C._get_privateuse1_backend_name()!r}); "
-            f"draw with hyperrng.portable's functions on that device instead."
+            f"draw with hyperrng.philox.position's functions on that device instead."
         )
     return keys

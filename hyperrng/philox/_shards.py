@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperrng._philox_kernels import WORDS_PER_BLOCK, Kernel, chunk_blocks
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+from hyperrng.philox._torch import WORDS_PER_BLOCK, Kernel, chunk_blocks
 from hyperrng.platforms.validate import check_int
 
 __all__ = ["ShardGeometry", "fill"]
