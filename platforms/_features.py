@@ -68,6 +68,16 @@ def _has_python_device_backend() -> bool:
     )
 
 
+def _has_thread_local_rng_key() -> bool:
+    # Portable mode registers its kernels on torch's CustomRNGKeyId key and includes that key in
+    # a thread's dispatch while the thread is in the mode (hyperrng.philox._ops).
+    c = torch._C
+    needed = ("_parse_dispatch_key", "_dispatch_tls_set_dispatch_key_included", "_dispatch_keyset_full_after")
+    if not all(hasattr(c, name) for name in needed) or not hasattr(torch.library.Library, "fallback"):
+        return False
+    return c._parse_dispatch_key("CustomRNGKeyId") is not None
+
+
 def _dtensor_takes_a_user_generator() -> bool:
     # torch >= 2.9 pops a random op's generator= off the op and hands it to the RNG tracker's
     # region; older DTensor leaves it on the local op, so every shard draws from the user
@@ -89,8 +99,8 @@ FEATURES: tuple[Feature, ...] = (
         "portable-mode",
         "portable mode (hyperrng.portable_random)",
         "2.9",
-        "torch.library.get_kernel",
-        lambda: hasattr(torch.library, "get_kernel"),
+        "kernels on the CustomRNGKeyId dispatch key, switched per thread",
+        _has_thread_local_rng_key,
     ),
     Feature(
         "local-tensor",

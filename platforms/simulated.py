@@ -447,6 +447,7 @@ _UNTAGGED_RANDOM_OPS = frozenset(
 """Random ops that torch does not tag ``nondeterministic_seeded`` but that draw all the same."""
 
 _PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+_RNG_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId") if hasattr(torch._C, "_parse_dispatch_key") else None
 _HAS_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
@@ -471,19 +472,37 @@ def _table_entry(func: Any) -> bool:
     return _HAS_KERNEL(name, "PrivateUse1") or _HAS_KERNEL(name, "CompositeExplicitAutograd")
 
 
+def _random_op_keys(func: Any) -> Any:
+    """The keys a random op is redispatched to before this backend draws it itself, or ``None``.
+
+    A C++ backend's random op passes through every key of the call below the tensor
+    subclass's: the device's key (``PrivateUse1``) and ``CustomRNGKeyId`` where the thread
+    includes it (portable mode does, see ``hyperrng.philox._ops``). Both are modelled here.
+    """
+    if _RNG_KEY is not None and torch._C._dispatch_tls_is_dispatch_key_included(_RNG_KEY):
+        name = func.name()
+        if _HAS_KERNEL(name, "CustomRNGKeyId") and not torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(
+            name, "CustomRNGKeyId"
+        ):
+            return _PRIVATEUSE1.add(_RNG_KEY)
+    return _PRIVATEUSE1 if _table_entry(func) else None
+
+
 def _run(func: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run ``func`` on the CPU memory behind the device tensors and wrap what it makes.
 
-    A random op goes through the kernel torch's dispatch table holds for the device's key
-    when it holds one (see :func:`_table_entry`; a kernel that calls the one it replaced,
-    i.e. this fallback, gets the device generator's draw), else draws from the device generator.
+    A random op goes through the kernels torch's dispatch table holds for the keys of the
+    call (see :func:`_random_op_keys`; a kernel that calls the one below it, in the end
+    this fallback, gets the device generator's draw), else draws from the device generator.
     """
-    if _is_random(func) and func not in _DISPATCHING.ops and _table_entry(func):
-        _DISPATCHING.ops.add(func)
-        try:
-            return func.redispatch(_PRIVATEUSE1, *args, **kwargs)
-        finally:
-            _DISPATCHING.ops.discard(func)
+    if _is_random(func) and func not in _DISPATCHING.ops:
+        keys = _random_op_keys(func)
+        if keys is not None:
+            _DISPATCHING.ops.add(func)
+            try:
+                return func.redispatch(keys, *args, **kwargs)
+            finally:
+                _DISPATCHING.ops.discard(func)
     devices: set[torch.device] = set()
     host_arrays = False
     wrappers: dict[int, _DeviceTensor] = {}

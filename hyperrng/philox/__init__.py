@@ -47,15 +47,18 @@ Bad arguments raise typed errors before any work: a wrong type or an unsupported
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox import _shards
+from hyperrng.philox import _shards, _triton, backends
 from hyperrng.philox import _torch as _k
 from hyperrng.platforms.validate import check_int, check_seed
 
@@ -72,6 +75,7 @@ __all__ = [
     "dropout",
     "normal",
     "philox4x32_10",
+    "randint",
     "random_bits",
     "uniform",
 ]
@@ -90,6 +94,7 @@ _MAX_GLOBAL_NUMEL = 2**62
 """Global shapes stay below this so row-major indices fit int64 with room for the lane arithmetic."""
 
 _WORD_BITS = 32
+_SMALL_NUMEL = 4 * _k.SMALL_BLOCKS - 6  # draws the CPU serves from the readahead buffer, whatever their lane
 _PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
 _WORD_UNIT = 2.0**-_WORD_BITS  # the weight of the lowest bit of a word
 
@@ -243,6 +248,165 @@ def _finite_in(value: float, dtype: torch.dtype) -> bool:
     return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
 
 
+# -- draws: a distribution with checked parameters, computed by a backend ----------------------
+@dataclass(frozen=True)
+class Draw:
+    """A distribution with checked parameters: what either backend computes.
+
+    ``params`` are Python numbers: the first an integer (a word mask, shift, threshold or
+    bound), the others values of ``value_dtype``, the dtype the values are computed in;
+    ``dtype`` is the result's. Made by the cached ``*_draw`` functions below, which check the
+    parameters once per distinct set, so a repeated draw (every op of portable mode) pays no
+    checks.
+    """
+
+    name: str
+    dtype: torch.dtype
+    value_dtype: torch.dtype
+    params: tuple[float | int, ...] = ()
+
+    @property
+    def transform(self) -> _k.Transform:
+        return _k.TRANSFORMS[self.name]
+
+    @property
+    def param_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.int64,) + (self.value_dtype,) * (len(self.params) - 1)
+
+
+BITS = Draw("random_bits", torch.int64, torch.int64)
+"""The raw words: what :func:`random_bits` draws."""
+
+
+def uniform_draw(dtype: object, low: object, high: object) -> Draw:
+    """:func:`uniform`'s draw, its parameters checked (the errors of :func:`uniform`)."""
+    checked = _check_dtype(dtype, _UNIFORM_BITS, "uniform")
+    return _uniform_draw(checked, _check_real(low, "low"), _check_real(high, "high"))
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_draw(dtype: torch.dtype, low: float, high: float) -> Draw:
+    if low > high:
+        raise InvalidArgumentError(f"low must be <= high, got low={low} and high={high}.")
+    compute = _compute_dtype(dtype)
+    for name, value in (("low", low), ("high", high)):
+        if not _finite_in(value, dtype):
+            raise InvalidArgumentError(
+                f"{name}={value} is outside the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); "
+                f"narrow the bounds or use a wider dtype."
+            )
+    span = high - low
+    if not _finite_in(span, compute):
+        raise InvalidArgumentError(
+            f"high - low = {span} overflows {compute}, the precision uniform computes in; narrow the bounds."
+        )
+    keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
+    # The parameters as the compute dtype holds them: what both backends multiply and add.
+    span_c, low_c = (float(torch.tensor(v, dtype=torch.float64).to(compute)) for v in (span, low))
+    return Draw("uniform", dtype, compute, (keep, _WORD_UNIT, span_c, low_c))
+
+
+def bernoulli_draw(p: object, dtype: object = torch.bool) -> Draw:
+    """:func:`bernoulli`'s draw, its parameters checked (the errors of :func:`bernoulli`)."""
+    threshold = round(check_probability(p) * _PROBABILITY_SCALE)  # p * 2**32 is exact: only this rounding is lossy
+    return _bernoulli_draw(threshold, _check_dtype(dtype, _BERNOULLI_DTYPES, "bernoulli"))
+
+
+@functools.lru_cache(maxsize=256)
+def _bernoulli_draw(threshold: int, dtype: torch.dtype) -> Draw:
+    return Draw("bernoulli", dtype, torch.bool, (threshold,))
+
+
+def normal_draw(dtype: object, mean: object, std: object) -> Draw:
+    """:func:`normal`'s draw, its parameters checked (the errors of :func:`normal`)."""
+    checked = _check_dtype(dtype, _NORMAL_BITS, "normal")
+    return _normal_draw(checked, _check_real(mean, "mean"), _check_real(std, "std"))
+
+
+@functools.lru_cache(maxsize=256)
+def _normal_draw(dtype: torch.dtype, mean: float, std: float) -> Draw:
+    if std < 0:
+        raise InvalidArgumentError(f"std must be >= 0, got {std}.")
+    bits = _NORMAL_BITS[dtype]
+    z_max = math.sqrt(-2.0 * math.log(2.0**-bits))  # |z| of the smallest u1, 2**-bits
+    if abs(mean) + z_max * std > torch.finfo(dtype).max:
+        raise InvalidArgumentError(
+            f"mean={mean} and std={std} can give samples up to mean ± {z_max:.2f} * std, beyond "
+            f"the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); use a wider dtype or smaller values."
+        )
+    compute = _compute_dtype(dtype)
+    as_compute = [float(torch.tensor(v, dtype=torch.float64).to(compute)) for v in (2.0 * math.pi, std, mean)]
+    return Draw("normal", dtype, compute, (_WORD_BITS - bits, 2.0**-bits, *as_compute))
+
+
+def randint_draw(low: object, high: object, dtype: object = torch.int64) -> Draw:
+    """:func:`randint`'s draw, its parameters checked (the errors of :func:`randint`)."""
+    low_value, high_value = check_int(low, "low"), check_int(high, "high")
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(f"dtype must be a torch.dtype such as torch.int64, got {type(dtype).__name__}.")
+    return _randint_draw(low_value, high_value, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _randint_draw(low: int, high: int, dtype: torch.dtype) -> Draw:
+    span = high - low
+    if not 1 <= span <= _PROBABILITY_SCALE:
+        raise InvalidArgumentError(
+            f"randint: the range [{low}, {high}) holds {span} values; it must hold 1 to 2**32 (one 32-bit word each)."
+        )
+    if dtype == torch.bool:
+        limits: tuple[float, float] = (0, 1)
+    elif dtype.is_floating_point:
+        limits = (-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    elif dtype.is_complex:
+        raise ArgumentTypeError(f"randint draws real numbers; got dtype {dtype}.")
+    else:
+        limits = (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if low < limits[0] or high - 1 > limits[1]:
+        raise InvalidArgumentError(f"randint: the range [{low}, {high}) does not fit {dtype}.")
+    return Draw("randint", dtype, torch.int64, (low, span))
+
+
+def dropout_draw(p: float, dtype: torch.dtype) -> Draw:
+    """The fused dropout's draw for a checked ``0 < p < 1`` and ``x``'s floating ``dtype``: the keep
+    threshold and the scale ``1 / (1 - p)`` as torch rounds it to ``dtype``."""
+    return _dropout_draw(round((1.0 - p) * _PROBABILITY_SCALE), p, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dropout_draw(threshold: int, p: float, dtype: torch.dtype) -> Draw:
+    scale = float(torch.ones((), dtype=dtype).div_(1.0 - p))  # torch's mask scale: 1 / (1 - p) in dtype
+    return Draw("dropout", dtype, _compute_dtype(dtype), (threshold, scale))
+
+
+def run(
+    draw: Draw,
+    geometry: _shards.ShardGeometry,
+    key: int,
+    offset: int,
+    device: torch.device,
+    compiled: bool,
+    out: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """Draw ``draw``'s values for the block ``geometry`` at ``(key, offset)`` with ``backend``
+    (``"torch"`` or ``"triton"``, resolved), into ``out`` if given. Nothing is checked: this is
+    the path of callers that checked everything once (portable mode's ops)."""
+    if backend == "triton":
+        target = torch.empty(geometry.local_shape, dtype=draw.dtype, device=device) if out is None else out
+        return _triton.fill(_triton.arguments(draw.name, draw.params, draw.value_dtype), geometry, key, offset, target)
+    if not compiled and device.type == "cpu" and geometry.segments == 1:
+        numel = math.prod(geometry.local_shape)
+        if 0 < numel <= _SMALL_NUMEL:  # a small draw: its words from the readahead, in a few steps
+            target = torch.empty(geometry.local_shape, dtype=draw.dtype) if out is None else out
+            _k.fill_small(draw.transform, draw.params, draw.param_dtypes, key, offset + geometry.first, target)
+            return target
+    kernel = _k.Kernel(draw.transform, draw.params, draw.param_dtypes, key, device, compiled, draw.value_dtype)
+    if out is not None and not out.is_contiguous():
+        return out.copy_(_shards.fill(geometry, offset, kernel, draw.dtype))
+    return _shards.fill(geometry, offset, kernel, draw.dtype, out=out)
+
+
 def _generate(
     shape: ShapeLike,
     key: object,
@@ -251,14 +415,10 @@ def _generate(
     device: object,
     compiled: object,
     out: object,
-    transform: _k.Transform,
-    dtype: torch.dtype,
-    value_dtype: torch.dtype | None = None,
-    params: Sequence[float | int] = (),
+    draw: Draw,
+    backend: object,
 ) -> torch.Tensor:
-    """Check every argument, then draw ``transform``'s values (computed in ``value_dtype``,
-    default ``dtype``) as a tensor of ``dtype``. The first of ``params`` is an integer (a
-    word mask, shift or threshold), the others are in ``value_dtype``."""
+    """Check the position, the block, the device, ``out`` and ``backend``, then :func:`run` ``draw``."""
     global_shape = check_shape(shape)
     key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
@@ -271,24 +431,25 @@ def _generate(
             f"piece's size."
         )
     use_compiled = _check_bool(compiled, "compiled")
+    chosen = backends.check_backend(backend)
     target = _check_device(device)
-    result = None if out is None else _check_out(out, geometry.local_shape, dtype, target)
-    compute = dtype if value_dtype is None else value_dtype
-    param_dtypes = [torch.int64] + [compute] * (len(params) - 1)
-    kernel = _k.Kernel(transform, params, param_dtypes, key_value, target, use_compiled, compute)
-    return _shards.fill(geometry, offset_value, kernel, dtype, out=result)
+    result = None if out is None else _check_out(out, geometry.local_shape, draw.dtype, target)
+    return run(draw, geometry, key_value, offset_value, target, use_compiled, result, backends.resolve(chosen, target))
 
 
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``out`` if it can hold the result as it is: a contiguous tensor of its shape, dtype and device."""
+    """``out`` if it can hold the result: a tensor of its shape, dtype and device whose elements do not
+    overlap (any strides)."""
     if not isinstance(out, torch.Tensor):
         raise ArgumentTypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}.")
     if out.dtype != dtype:
         raise ArgumentTypeError(f"out has dtype {out.dtype} but the result is {dtype}.")
-    if tuple(out.shape) != shape or not out.is_contiguous():
+    if tuple(out.shape) != shape:
+        raise InvalidArgumentError(f"out must have the result's shape {shape}, got shape {tuple(out.shape)}.")
+    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
         raise InvalidArgumentError(
-            f"out must be a contiguous tensor of the result's shape {shape}, got shape {tuple(out.shape)}"
-            f"{'' if out.is_contiguous() else ' (not contiguous)'}."
+            f"out has overlapping elements (strides {out.stride()}, an expanded tensor); pass a tensor that owns "
+            f"every element, e.g. out.clone()."
         )
     if out.device != device:
         raise InvalidArgumentError(f"out is on {out.device} but the result is drawn on {device}.")
@@ -353,6 +514,7 @@ def random_bits(
     device: DeviceLike = None,
     compiled: bool = False,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Return raw 32-bit Philox words as an int64 tensor of ``shape`` (values in ``[0, 2**32)``).
 
@@ -360,22 +522,27 @@ def random_bits(
     ``(offset + i) // 4`` under ``key``. With ``shard`` (slices of the global ``shape``,
     step 1, trailing dimensions may be omitted) only that block of the global tensor is
     computed: the result equals ``random_bits(shape, key, offset)[shard]`` bit for bit.
-    ``out`` (this and every distribution below) is a contiguous tensor of the result's
-    shape, dtype and device to write the values into and return, instead of a new one.
+    ``out`` (this and every distribution below) is a tensor of the result's shape, dtype and
+    device, any strides, to write the values into and return, instead of a new one.
+    ``backend`` (this and every function below) is ``"auto"``, ``"torch"`` or ``"triton"``: see
+    :mod:`hyperrng.philox.backends`; every backend gives the same values. ``compiled=True``
+    runs the torch backend through ``torch.compile`` (the Triton backend is fused already).
 
     Raises:
         ArgumentTypeError: ``key``, ``offset`` or a shape dimension is not an int (bools and
             floats included); ``shape`` is not an int or a sequence; ``shard`` is not a
             sequence of slices with int bounds; ``device`` is not a string, torch.device or
-            None; ``compiled`` is not a bool; ``out`` is not a tensor or has another dtype.
+            None; ``compiled`` is not a bool; ``backend`` is not a string; ``out`` is not a
+            tensor or has another dtype.
         InvalidArgumentError: ``key`` is not in ``[0, 2**64 - 1]``; ``offset`` is negative
             or ``offset + numel > 2**64``; ``shape`` has a negative dimension or ``2**62``
             elements or more; the result (the shard, with ``shard=``) has more than
             :data:`MAX_NUMEL`; ``shard`` has more slices than ``shape`` has dimensions, or
             a step other than 1; ``device`` names no device, or one this process lacks;
-            ``out`` is not contiguous, or has another shape or device.
+            ``out`` has another shape or device, or overlapping elements; ``backend`` is
+            another string, or ``"triton"`` where Triton cannot serve the device.
     """
-    return _generate(shape, key, offset, shard, device, compiled, out, _k.BITS, torch.int64)
+    return _generate(shape, key, offset, shard, device, compiled, out, BITS, backend)
 
 
 def uniform(
@@ -390,6 +557,7 @@ def uniform(
     device: DeviceLike = None,
     compiled: bool = False,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Return uniform floats of ``shape``; element ``i`` depends only on ``(key, offset + i)``.
 
@@ -397,13 +565,14 @@ def uniform(
     ``k`` of the element's word: ``b`` = 24 for float32 (interval ``[0, 1 - 2**-24]``),
     11 for float16 (``[0, 1 - 2**-11]``), 8 for bfloat16 (``[0, 1 - 2**-8]``) and 32 for
     float64 (``[0, 1 - 2**-32]``: float64 values have 32 random bits, not 53). These
-    values are bit-identical on every device, eager or compiled. Other bounds give
+    values are bit-identical on every device and backend, eager or compiled. Other bounds give
     ``low + (high - low) * u`` computed in float32 (float64 for float64) with ``high - low``
     and ``low`` rounded to that precision, then rounded once to ``dtype``; rounding can
     then produce ``high`` itself. That is a multiply and an add, identical wherever they
-    are not fused into one FMA: in eager code on any device and in compiled CPU code
-    (inductor compiles with ``-ffp-contract=off``); compiled GPU code may fuse them and
-    differ by an ulp.
+    are not fused into one FMA: in eager code on any device, in the Triton kernels (built
+    without fused multiply-adds) and in compiled CPU code (inductor compiles with
+    ``-ffp-contract=off``); compiled GPU code (``compiled=True`` with the torch backend) may
+    fuse them and differ by an ulp.
 
     ``shard`` selects a block of the global ``shape`` as in :func:`random_bits`.
 
@@ -414,25 +583,7 @@ def uniform(
             ``low > high``, or ``high - low`` overflows the compute precision.
         And the errors of :func:`random_bits`.
     """
-    dtype = _check_dtype(dtype, _UNIFORM_BITS, "uniform")
-    low_value, high_value = _check_real(low, "low"), _check_real(high, "high")
-    if low_value > high_value:
-        raise InvalidArgumentError(f"low must be <= high, got low={low_value} and high={high_value}.")
-    compute = _compute_dtype(dtype)
-    for name, value in (("low", low_value), ("high", high_value)):
-        if not _finite_in(value, dtype):
-            raise InvalidArgumentError(
-                f"{name}={value} is outside the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); "
-                f"narrow the bounds or use a wider dtype."
-            )
-    span = high_value - low_value
-    if not _finite_in(span, compute):
-        raise InvalidArgumentError(
-            f"high - low = {span} overflows {compute}, the precision uniform computes in; narrow the bounds."
-        )
-    keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
-    params = (keep, _WORD_UNIT, span, low_value)
-    return _generate(shape, key, offset, shard, device, compiled, out, _k.UNIFORM, dtype, compute, params)
+    return _generate(shape, key, offset, shard, device, compiled, out, uniform_draw(dtype, low, high), backend)
 
 
 def bernoulli(
@@ -446,14 +597,15 @@ def bernoulli(
     device: DeviceLike = None,
     compiled: bool = False,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Return a tensor of ``shape`` whose elements are True (1.0) with probability ``p``.
 
     Element ``i`` is ``word < round(p * 2**32)``, an integer comparison on the word of
     global index ``offset + i``: the probability is exactly ``round(p * 2**32) / 2**32``
     (within ``2**-33`` of ``p``; ``p = 0`` and ``p = 1`` are exact) and the result is
-    bit-identical on every device, eager or compiled. ``dtype`` is ``torch.bool`` or one
-    of float32, float64, float16 and bfloat16, which hold 1.0 and 0.0 (what
+    bit-identical on every device and backend, eager or compiled. ``dtype`` is ``torch.bool``
+    or one of float32, float64, float16 and bfloat16, which hold 1.0 and 0.0 (what
     ``Tensor.bernoulli_`` writes into a floating-point tensor). ``shard`` works as in
     :func:`random_bits`.
 
@@ -463,10 +615,39 @@ def bernoulli(
         InvalidArgumentError: ``p`` is not in ``[0, 1]`` (NaN included).
         And the errors of :func:`random_bits`.
     """
-    threshold = round(check_probability(p) * _PROBABILITY_SCALE)  # p * 2**32 is exact: only this rounding is lossy
-    dtype = _check_dtype(dtype, _BERNOULLI_DTYPES, "bernoulli")
-    params = (threshold,)
-    return _generate(shape, key, offset, shard, device, compiled, out, _k.BERNOULLI, dtype, torch.bool, params)
+    return _generate(shape, key, offset, shard, device, compiled, out, bernoulli_draw(p, dtype), backend)
+
+
+def randint(
+    shape: ShapeLike,
+    low: int,
+    high: int,
+    key: int,
+    offset: int = 0,
+    *,
+    dtype: torch.dtype = torch.int64,
+    shard: Sequence[slice] | None = None,
+    device: DeviceLike = None,
+    compiled: bool = False,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Return integers in ``[low, high)`` of ``shape``: element ``i`` is ``low + word % (high - low)``.
+
+    One 32-bit word per element, so the range holds 1 to ``2**32`` values (a range that does
+    not divide ``2**32`` is slightly uneven: by at most ``(high - low) / 2**32``). What
+    ``torch.randint`` and ``Tensor.random_(low, high)`` draw in portable mode. ``dtype`` is
+    any real dtype that holds the range (a floating dtype receives the integers, rounded as
+    torch converts them); bit-identical on every device and backend. ``shard`` works as in
+    :func:`random_bits`.
+
+    Raises:
+        ArgumentTypeError: ``low`` or ``high`` is not an int; ``dtype`` is not a real torch dtype.
+        InvalidArgumentError: the range holds fewer than 1 or more than ``2**32`` values, or
+            does not fit ``dtype``.
+        And the errors of :func:`random_bits`.
+    """
+    return _generate(shape, key, offset, shard, device, compiled, out, randint_draw(low, high, dtype), backend)
 
 
 def dropout(
@@ -479,16 +660,21 @@ def dropout(
     global_shape: ShapeLike | None = None,
     shard: Sequence[slice] | None = None,
     compiled: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Zero each element of ``x`` with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
     Element ``i`` is kept exactly where ``bernoulli(x.shape, 1 - p, key, offset)[i]`` is
     True, i.e. where its 32-bit word is below ``round((1 - p) * 2**32)`` (the dropout
-    convention of the module docstring), so the mask is identical on every device. The
-    values are :func:`apply_dropout_mask` of that mask: ``F.dropout`` in portable mode at
-    the same position gives the same bits. ``p = 1`` returns ``x * 0``; ``p = 0``,
-    ``training=False`` or an empty ``x`` return ``x`` itself. Gradients flow through the
-    kept elements.
+    convention of the module docstring), so the mask is identical on every device and
+    backend. The values are :func:`apply_dropout_mask` of that mask: ``F.dropout`` in
+    portable mode at the same position gives the same bits. ``p = 1`` returns ``x * 0``;
+    ``p = 0``, ``training=False`` or an empty ``x`` return ``x`` itself. Gradients flow through
+    the kept elements.
+
+    The Triton backend masks and scales in one pass and keeps no mask: its backward pass
+    draws the same words again, in the same single pass over the gradient. The torch backend
+    draws the mask, then multiplies (autograd keeps the scaled mask for the backward pass).
 
     For a shard of a larger tensor, pass ``global_shape`` and ``shard`` (slices as in
     :func:`random_bits`); ``x`` must have the shard's shape and is masked exactly as the
@@ -510,21 +696,43 @@ def dropout(
         raise ArgumentTypeError(f"dropout expects a floating-point torch.Tensor, got {x.dtype}.")
     p_value = check_probability(p)
     is_training = _check_bool(training, "training")
-    _check_bool(compiled, "compiled")
+    use_compiled = _check_bool(compiled, "compiled")
+    chosen = backends.check_backend(backend)
     if (global_shape is None) != (shard is None):
         raise InvalidArgumentError("pass global_shape and shard together, or neither.")
     shape = tuple(x.shape) if global_shape is None else check_shape(global_shape)
-    local = _shards.ShardGeometry.of(shape, shard).local_shape
-    if local != tuple(x.shape):
-        raise InvalidArgumentError(f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {local}.")
-    check_seed(key, "key")
-    _check_offset(offset, math.prod(shape))
+    geometry = _shards.ShardGeometry.of(shape, shard)
+    if geometry.local_shape != tuple(x.shape):
+        raise InvalidArgumentError(
+            f"x has shape {tuple(x.shape)} but shard {shard!r} of {shape} has shape {geometry.local_shape}."
+        )
+    key_value = check_seed(key, "key")
+    offset_value = _check_offset(offset, math.prod(shape))
     if not is_training or p_value == 0.0 or x.numel() == 0:
         return x
     if p_value == 1.0:
         return apply_dropout_mask(x, None, p_value)
-    keep = bernoulli(shape, 1.0 - p_value, key, offset, shard=shard, device=x.device, compiled=compiled)
+    if x.dtype in _UNIFORM_BITS and backends.resolve(chosen, x.device) == "triton":
+        return _FusedDropout.apply(x, dropout_draw(p_value, x.dtype), geometry, key_value, offset_value)
+    keep = run(bernoulli_draw(1.0 - p_value), geometry, key_value, offset_value, x.device, use_compiled, None, "torch")
     return apply_dropout_mask(x, keep, p_value)
+
+
+class _FusedDropout(torch.autograd.Function):
+    """The Triton backend's dropout: one pass forward, and one pass backward that draws the mask again."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, draw: Draw, geometry: _shards.ShardGeometry, key: int, offset: int
+    ) -> torch.Tensor:
+        ctx.position = (draw, geometry, key, offset)
+        return _triton.dropout(_triton.arguments(draw.name, draw.params, draw.value_dtype), geometry, key, offset, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        draw, geometry, key, offset = ctx.position
+        args = _triton.arguments(draw.name, draw.params, draw.value_dtype)
+        return _triton.dropout(args, geometry, key, offset, grad), None, None, None, None
 
 
 def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
@@ -554,6 +762,7 @@ def normal(
     device: DeviceLike = None,
     compiled: bool = False,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Return normal samples of ``shape``; element ``i`` depends only on ``(key, offset + i)``.
 
@@ -566,11 +775,11 @@ def normal(
     ``mean + std * z``.
 
     Exactness: shards and chunks equal slices of the full tensor bit for bit on one
-    device and path. Across device kinds the integer part is identical but ``log``,
-    ``sin``, ``cos`` (and on CPU even ``sqrt``) are each device's own implementations
-    (SLEEF on CPU, libdevice on CUDA, ...), so values agree to a few ulp, not bit for
-    bit. The same holds between eager and ``compiled=True``, whose generated code has
-    its own implementations of these functions.
+    device and backend. Across device kinds and backends the integer part is identical
+    but ``log``, ``sin``, ``cos`` (and on CPU even ``sqrt``) are each one's own
+    implementations (SLEEF on CPU, libdevice in the Triton kernels, ...), so values agree to
+    a few ulp, not bit for bit. The same holds between eager and ``compiled=True``, whose
+    generated code has its own implementations of these functions.
 
     Raises:
         ArgumentTypeError: ``dtype`` is not float32, float64, float16 or bfloat16, or
@@ -579,17 +788,4 @@ def normal(
             (up to ``mean ± 5.77 std``, ``6.67 std`` for float64) could overflow ``dtype``.
         And the errors of :func:`random_bits`.
     """
-    dtype = _check_dtype(dtype, _NORMAL_BITS, "normal")
-    mean_value, std_value = _check_real(mean, "mean"), _check_real(std, "std")
-    if std_value < 0:
-        raise InvalidArgumentError(f"std must be >= 0, got {std_value}.")
-    bits = _NORMAL_BITS[dtype]
-    z_max = math.sqrt(-2.0 * math.log(2.0**-bits))  # |z| of the smallest u1, 2**-bits
-    if abs(mean_value) + z_max * std_value > torch.finfo(dtype).max:
-        raise InvalidArgumentError(
-            f"mean={mean_value} and std={std_value} can give samples up to mean ± {z_max:.2f} * std, beyond "
-            f"the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); use a wider dtype or smaller values."
-        )
-    compute = _compute_dtype(dtype)
-    params = (_WORD_BITS - bits, 2.0**-bits, 2.0 * math.pi, std_value, mean_value)
-    return _generate(shape, key, offset, shard, device, compiled, out, _k.NORMAL, dtype, compute, params)
+    return _generate(shape, key, offset, shard, device, compiled, out, normal_draw(dtype, mean, std), backend)

@@ -1,4 +1,4 @@
-"""The aten kernels of portable mode, their registration with torch, and the per-thread flag.
+"""The aten kernels of portable mode, the dispatch key they live on, and the per-thread flag.
 
 :mod:`hyperrng.philox.mode` is the public face (entering, leaving, the switch); this
 module is what it switches: a kernel per random aten op (:data:`PORTABLE_OPS`) that draws
@@ -7,13 +7,16 @@ sharded region fills this rank's shard from global indices; a refusal for every 
 random op (:func:`unsupported_ops`); and :data:`THREAD`, whose entries say whether the
 calling thread draws portably.
 
-Registration (:func:`register`) happens once per dispatch key (the CPU's, and ``CUDA`` or
-``PrivateUse1`` for the platform's device) and is never undone, so entering and leaving
-the mode never touch torch's dispatch table. Non-random ops never pass through Python.
-Outside the mode a random op of those keys pays one Python call that reads :data:`THREAD`
-and calls torch's own kernel, saved with ``torch.library.get_kernel`` (torch 2.9 and
-newer) just before it was overridden: a few microseconds per op (``hyperrng bench --suite
-philox``), and the same numbers as before registration.
+**The mechanism, in a paragraph.** The kernels are registered once per process on torch's
+``CustomRNGKeyId`` dispatch key (:data:`KEY_NAME`), which sits below autograd and Python
+subclasses and modes, just above the device keys (``CPU``, ``CUDA``, ``PrivateUse1``...),
+and which no tensor carries. A thread in portable mode includes the key in its thread-local
+dispatch state (:func:`switch`), so its random ops reach the kernels whatever the device;
+every other op falls through the key at no cost, and other threads never see it. Outside
+the mode nothing of this is on any path: a random op runs exactly torch's kernel, at
+torch's cost. Entering and leaving flip one thread-local bit and never touch the dispatch
+table (:func:`register` writes it once, at the first entry). Meta and fake tensors (shape
+propagation in ``torch.compile`` and DTensor) pass through to torch's kernels.
 
 Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
 carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
@@ -35,12 +38,27 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, UnsupportedPortableOpError
+from hyperrng.philox import _triton, backends
+from hyperrng.philox._shards import ShardGeometry
 from hyperrng.philox.position import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.platforms import _features
 from hyperrng.platforms.validate import round_up_offset
 from hyperrng.sharded import active_region
 
-__all__ = ["PORTABLE_OPS", "THREAD", "Entry", "register", "registered", "unsupported_ops"]
+__all__ = [
+    "KEY_NAME",
+    "PORTABLE_OPS",
+    "THREAD",
+    "Entry",
+    "is_switched_on",
+    "key_available",
+    "pop",
+    "push",
+    "register",
+    "registered",
+    "switch",
+    "unsupported_ops",
+]
 
 
 # -- the per-thread flag ------------------------------------------------------------------------
@@ -57,7 +75,7 @@ class Entry:
         self.owner = owner
         self.compiled = compiled
         self.device = device  # the device whose generator this entry holds, if any
-        self.saved: torch.Tensor | None = None  # the generator state its exit restores, if any
+        self.saved: tuple[Callable[[Any], None], Any] | None = None  # (write, snapshot) its exit restores, if any
         self.dtensor = False  # whether it counts as a user of the DTensor routing
         self.ctrl_c = False  # whether it counts as a user of the Ctrl-C handler
 
@@ -67,11 +85,37 @@ class _ThreadEntries(threading.local):
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
+        self.inherited = False  # whether the thread included the key before its first entry (an autograd thread)
 
 
 THREAD = _ThreadEntries()
 """The per-thread flag: ``THREAD.entries`` (outermost first) of the calling thread; it draws
 portably while there is one."""
+
+
+def push(entry: Entry, outermost: bool = False) -> None:
+    """Add ``entry`` to this thread's mode; the first one includes the key in the thread's dispatch.
+
+    Registration (:func:`register`) must have happened."""
+    entries = THREAD.entries
+    if not entries:
+        THREAD.inherited = is_switched_on()
+        switch(True)
+    if outermost:
+        entries.insert(0, entry)
+    else:
+        entries.append(entry)
+
+
+def pop(entry: Entry) -> None:
+    """Take ``entry`` out of this thread's mode (if it is in); the last one gives the key its previous state."""
+    entries = THREAD.entries
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i] is entry:
+            del entries[i]
+            if not entries:
+                switch(THREAD.inherited)
+            return
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -83,24 +127,31 @@ _COMPILED_DEVICE_TYPES = frozenset({"cpu", "cuda"})  # where torch.compile runs 
 # -- positions ---------------------------------------------------------------------------------
 def _draw(
     what: str,
-    fn: Callable[..., torch.Tensor],
+    draw: philox.Draw,
     target: torch.Tensor,
     generator: torch.Generator | None,
-    **kw: Any,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Values of ``fn`` for ``target``'s elements at the current position; advance it past them.
+    """``draw``'s values for ``target``'s elements at the current position (into ``out`` if given);
+    advance the position past them.
 
     Inside a sharded region the values are this rank's block of the region's global
     tensor at the region's base position, and the region advances every rank on exit.
-    ``fn`` runs before any position moves, so its validation leaves everything as it was.
+    Everything is checked before any position moves, so a refusal leaves everything as it was.
     """
     device = target.device
-    kw.update(device=device, compiled=THREAD.entries[-1].compiled and device.type in _COMPILED_DEVICE_TYPES)
+    compiled = THREAD.entries[-1].compiled and device.type in _COMPILED_DEVICE_TYPES
+    backend = backends.resolve("auto", device)
     region = active_region()
-    if region is not None:  # a refusal here cancels the region (see _cancelling): every rank stays put
+    if region is not None:  # a refusal here cancels the region (see _switched): every rank stays put
         global_shape, blocks = _shard_of(region, target, what)
         key, offset = region.position
-        values = assemble_blocks(blocks, lambda block: fn(global_shape, key=key, offset=offset, shard=block, **kw))
+
+        def block_values(block: Sequence[slice]) -> torch.Tensor:
+            geometry = ShardGeometry.of(global_shape, block)
+            return philox.run(draw, geometry, key, offset, device, compiled, None, backend)
+
+        values = assemble_blocks(blocks, block_values)
         region.consume(round_up_offset(math.prod(global_shape)))
         return values
     p = platforms.current()
@@ -111,8 +162,18 @@ def _draw(
             f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
             f"or portable_random(seed) instead."
         )
-    shape = tuple(target.shape)
-    return draw_at_position(target.numel(), generator, lambda key, offset: fn(shape, key=key, offset=offset, **kw))
+    geometry = _whole(tuple(target.shape))
+    return draw_at_position(
+        target.numel(),
+        generator,
+        lambda key, offset: philox.run(draw, geometry, key, offset, device, compiled, out, backend),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _whole(shape: tuple[int, ...]) -> ShardGeometry:
+    """The geometry of a whole tensor of ``shape`` (a tensor's shape: valid by construction)."""
+    return ShardGeometry.of(shape)
 
 
 def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, ...], list[list[slice]]]:
@@ -141,34 +202,33 @@ def _check_floating(target: torch.Tensor, what: str) -> None:
         raise ArgumentTypeError(f"portable {what} fills {names} tensors; got a {target.dtype} tensor.")
 
 
-def _fill(what: str, fn: Callable[..., torch.Tensor], self: torch.Tensor, generator: Any, **kw: Any) -> torch.Tensor:
-    """Draw ``fn``'s values, of dtype ``kw["dtype"]``, into ``self``: in place where it is one contiguous
-    block of the draw in that dtype, which saves a second tensor and a copy (as much work as the
-    rounds), else through a copy."""
-    if kw["dtype"] == self.dtype and self.is_contiguous() and active_region() is None:
-        _draw(what, fn, self, generator, out=self, **kw)
-        return self
-    return self.copy_(_draw(what, fn, self, generator, **kw))
+def _fill(what: str, draw: philox.Draw, self: torch.Tensor, generator: Any) -> torch.Tensor:
+    """Draw ``draw``'s values into ``self``: in place where its dtype is the draw's (any strides;
+    that saves a second tensor and a copy, as much work as the rounds), else through a copy."""
+    if draw.dtype == self.dtype:
+        values = _draw(what, draw, self, generator, out=self)
+        return self if values is self else self.copy_(values)  # a sharded region's block comes back as a copy
+    return self.copy_(_draw(what, draw, self, generator))
 
 
 def _uniform_(
     self: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     _check_floating(self, "uniform_")
-    return _fill("uniform_", philox.uniform, self, generator, dtype=self.dtype, low=low, high=high)
+    return _fill("uniform_", philox.uniform_draw(self.dtype, low, high), self, generator)
 
 
 def _normal_(
     self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     _check_floating(self, "normal_")
-    return _fill("normal_", philox.normal, self, generator, dtype=self.dtype, mean=mean, std=std)
+    return _fill("normal_", philox.normal_draw(self.dtype, mean, std), self, generator)
 
 
 def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None) -> torch.Tensor:
     # Straight into a floating-point tensor (dropout's noise): no bool mask and no copy.
     dtype = self.dtype if self.dtype in _FLOAT_DTYPES else torch.bool
-    return _fill("bernoulli_", philox.bernoulli, self, generator, p=p, dtype=dtype)
+    return _fill("bernoulli_", philox.bernoulli_draw(p, dtype), self, generator)
 
 
 def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -186,7 +246,7 @@ def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.G
     # A word is below round(p * 2**32) with probability p: the scalar path's integer compare,
     # with p * 2**32 exact in float64 for every float32/float16/bfloat16/float64 p.
     threshold = torch.round(probabilities.to(torch.float64) * float(_MAX_RANGE)).to(torch.int64)
-    return self.copy_(_draw("bernoulli_", philox.random_bits, self, generator) < threshold)
+    return self.copy_(_draw("bernoulli_", philox.BITS, self, generator) < threshold)
 
 
 def _random_from(
@@ -197,7 +257,6 @@ def _random_from(
             f"random_({low}, None) draws the whole range of {self.dtype}; portable mode draws ranges of at most "
             f"2**32 values: pass an upper bound."
         )
-    span = high - low
     if (low, high) == _COMPILED_SEED_RANGE:
         raise UnsupportedPortableOpError(
             "a torch.compile'd function draws its random numbers from seeds it takes with randint over the "
@@ -205,20 +264,11 @@ def _random_from(
             "torch._inductor.config.fallback_random = True (compiled code then calls torch's random ops, "
             "which are portable here), or call the compiled function outside portable_random()."
         )
-    if not 1 <= span <= _MAX_RANGE:
-        raise InvalidArgumentError(
-            f"random_/randint: the range [{low}, {high}) holds {span} values; portable mode needs 1 to 2**32."
-        )
-    if self.dtype == torch.bool:
-        limits: tuple[float, float] = (0, 1)
-    elif self.is_floating_point():
-        limits = (-torch.finfo(self.dtype).max, torch.finfo(self.dtype).max)
-    else:
-        limits = (torch.iinfo(self.dtype).min, torch.iinfo(self.dtype).max)
-    if low < limits[0] or high - 1 > limits[1]:
-        raise InvalidArgumentError(f"random_/randint: the range [{low}, {high}) does not fit {self.dtype}.")
-    bits = _draw("random_", philox.random_bits, self, generator)
-    return self.copy_(bits.remainder_(span).add_(low))
+    try:
+        draw = philox.randint_draw(low, high, self.dtype)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"random_/randint: {exc}".replace("randint: ", "", 1)) from None
+    return _fill("random_", draw, self, generator)
 
 
 def _random_to(self: torch.Tensor, high: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -231,10 +281,28 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
     if not x.is_floating_point():
         raise ArgumentTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
     p_value = philox.check_probability(p)
+    if 0.0 < p_value < 1.0 and x.dtype in _FLOAT_DTYPES and active_region() is None:
+        if backends.resolve("auto", x.device) == "triton":  # mask and values in one pass
+            return _fused_dropout(x, p_value)
     # The keep mask and arithmetic of F.dropout's CPU decomposition (bernoulli_(1 - p), then
     # a scale), so fused and unfused dropout, and hyperrng.philox.dropout, give the same bits.
-    keep = _draw("native_dropout", philox.bernoulli, x, None, p=1.0 - p_value)
+    keep = _draw("native_dropout", philox.bernoulli_draw(1.0 - p_value), x, None)
     return philox.apply_dropout_mask(x, keep, p_value), keep
+
+
+def _fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``native_dropout`` of ``x`` by the Triton backend: values and keep mask from one kernel."""
+    draw = philox.dropout_draw(p, x.dtype)
+    args = _triton.arguments(draw.name, draw.params, draw.value_dtype)
+    geometry = _whole(tuple(x.shape))
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+    def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _triton.fill(args, geometry, key, offset, out, x, keep)
+        return out, keep
+
+    return draw_at_position(x.numel(), None, fused)
 
 
 PORTABLE_OPS: dict[str, Callable[..., Any]] = {
@@ -312,7 +380,7 @@ def _argument_reader(op: Any, names: Sequence[str]) -> _ArgumentReader | None:
 
 def _refusal(op: Any) -> Callable[..., Any]:
     """What portable mode does with ``op``, a random op without a portable kernel: raise, or run torch's
-    kernel (``original``, given the dispatch key set) when the arguments make the op deterministic."""
+    kernel (``original(keyset, ...)``) when the arguments make the op deterministic."""
     label = _op_label(op)
     dropout = _argument_reader(op, _DROPOUT_ARGS)
     training = _argument_reader(op, _TRAINING_ARGS)
@@ -331,26 +399,41 @@ def _refusal(op: Any) -> Callable[..., Any]:
     return refuse
 
 
-# -- registration: once per dispatch key, for good ----------------------------------------------
+# -- the dispatch key: registered once, switched per thread --------------------------------------
+KEY_NAME = "CustomRNGKeyId"
+"""The dispatch key portable mode's kernels live on. torch reserves it for random-number kernels:
+it sits just above the backend keys (``CPU``, ``CUDA``, ``PrivateUse1``, ...) and below autograd,
+and no tensor carries it, so it takes part in a call only on a thread that includes it."""
 
 
-def _portable_keys(device_type: str) -> list[str] | None:
-    """The dispatch keys whose kernels make ``device_type``'s random ops portable (with the CPU's,
-    which host tensors need), or ``None`` when portable mode has no kernels for that device type."""
-    if device_type == "cpu":
-        return ["CPU"]
-    if device_type == "cuda":
-        return ["CPU", "CUDA"]
-    if device_type == torch._C._get_privateuse1_backend_name():  # an NPU, the simulated device, a plug-in
-        return ["CPU", "PrivateUse1"]
-    return None
+def _key() -> Any:
+    return torch._C._parse_dispatch_key(KEY_NAME)
 
 
-def _has_kernel(op: Any, key: str) -> bool:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
-        return True
-    # A PrivateUse1 backend written as a fallback (the simulated device) has no kernel per op.
-    return key == "PrivateUse1" and torch._C._get_privateuse1_backend_name() != "privateuseone"
+def key_available() -> bool:
+    """Whether this torch can host portable mode's kernels: a parseable ``CustomRNGKeyId``, a thread-local
+    include switch and fallback registration from Python."""
+    return (
+        hasattr(torch._C, "_parse_dispatch_key")
+        and hasattr(torch._C, "_dispatch_tls_set_dispatch_key_included")
+        and hasattr(torch._C, "_dispatch_keyset_full_after")
+        and hasattr(torch.library.Library, "fallback")
+        and _key() is not None
+    )
+
+
+def switch(on: bool) -> None:
+    """Include the key in this thread's dispatch (``on``) or not: the whole cost of entering or leaving
+    for torch's dispatcher. Autograd hands a thread's included keys to the threads that run its
+    backward pass, which therefore reach the kernels too; with no entry on that thread, they run
+    torch's own kernels (see :func:`_switched`)."""
+    torch._C._dispatch_tls_set_dispatch_key_included(_KERNELS.key, on)
+
+
+def is_switched_on() -> bool:
+    """Whether the calling thread includes the key (entered, or inherited by an autograd thread)."""
+    key = _KERNELS.key
+    return key is not None and torch._C._dispatch_tls_is_dispatch_key_included(key)
 
 
 @functools.cache
@@ -371,132 +454,146 @@ def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class _Original:
-    """Torch's kernel for one op and dispatch key, saved before portable mode overrode it; ``call``
-    takes the dispatch key set and the op's arguments."""
-
-    __slots__ = ("call",)
-
-    def __init__(self, op: Any, key: str) -> None:
-        kernel = torch.library.get_kernel(op, key)
-        self.call: Callable[..., Any] = kernel.call_boxed
-        if key == "PrivateUse1" and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
-            self.call = functools.partial(_fallback, op, kernel)
+_META = torch._C.DispatchKey.Meta
+"""Meta tensors, and fake ones (whose kernels run on meta tensors: torch.compile's tracing, DTensor's
+sharding propagation), carry this key: they propagate shapes, draw nothing, and move no position."""
 
 
-def _fallback(op: Any, kernel: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
-    """A PrivateUse1 backend's fallback for ``op``, where it has no kernel of its own.
+def _below(op: Any, below: Any) -> Callable[..., Any]:
+    """torch's own kernel for ``op``: the call redispatched to the keys under portable mode's."""
 
-    For tensor subclasses (the simulated device) torch reaches a Python fallback through the
-    Python kernel the key holds now, which is the portable one: call the backend's
-    ``__torch_dispatch__`` instead, which is what its fallback runs. Other backends' fallbacks
-    are called as saved.
-    """
-    for arg in args:
-        kind = type(arg)
-        if isinstance(arg, torch.Tensor) and kind is not torch.Tensor and hasattr(kind, "__torch_dispatch__"):
-            return kind.__torch_dispatch__(op, (kind,), args, kwargs)
-    return kernel.call_boxed(keyset, *args, **kwargs)
+    def original(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        return op.redispatch(keyset & below, *args, **kwargs)
+
+    return original
 
 
-def _switched(portable: Callable[..., Any], original: _Original) -> Callable[..., Any]:
-    """The kernel registered for one op and key: ``portable`` on a thread in portable mode, else
-    ``original`` (torch's kernel for that key, saved before it was overridden) with torch's key set."""
-    passthrough = original.call
+def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[..., Any]:
+    """The kernel registered for ``op``: ``portable`` on a thread in portable mode, else torch's own.
+
+    A thread reaches it only while it includes the key; one that does without an entry of its own
+    is an autograd thread running the backward pass of a thread that called ``backward()`` in the
+    mode, which draws portably only under :class:`~hyperrng.philox.mode.mode_applied`."""
+    original = _below(op, below)
+    key = _key()
+    include = torch._C._dispatch_tls_set_dispatch_key_included
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if THREAD.entries:
+        if not THREAD.entries or keyset.has(_META):  # meta and fake tensors only propagate shapes: torch's kernels
+            return original(keyset, *args, **kwargs)
+        include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
+        try:
             return portable(*args, **kwargs)
-        return passthrough(keyset, *args, **kwargs)
+        except HyperRNGError:  # a refusal cancels the active sharded region: every rank stays where it was
+            region = active_region()
+            if region is not None:
+                region.cancel()
+            raise
+        finally:
+            include(key, True)
 
     return kernel
 
 
-def _switched_refusal(refuse: Callable[..., Any], original: _Original) -> Callable[..., Any]:
+def _switched_refusal(op: Any, refuse: Callable[..., Any], below: Any) -> Callable[..., Any]:
     """:func:`_switched` for an op without a portable kernel (:func:`_refusal`)."""
     refusing = _cancelling(refuse)
-    passthrough = original.call
+    original = _below(op, below)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if THREAD.entries:
-            return refusing(passthrough, keyset, *args, **kwargs)
-        return passthrough(keyset, *args, **kwargs)
+        if THREAD.entries and not keyset.has(_META):
+            return refusing(original, keyset, *args, **kwargs)
+        return original(keyset, *args, **kwargs)
 
     return kernel
+
+
+def _has_composite_on_key(name: str) -> bool:
+    """Whether op ``name`` has a kernel on the key that is not a fallthrough and that a fallthrough of its
+    own may replace (torch's default kernels, except for factory ops, see :class:`_Kernels`)."""
+    has = torch._C._dispatch_has_computed_kernel_for_dispatch_key
+    return has(name, KEY_NAME) and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "BackendSelect")
 
 
 class _Kernels:
-    """The (op, dispatch key) pairs registered so far: once per key, for good (see the module docstring)."""
+    """Portable mode's kernels on the key, registered once per process and never changed again.
+
+    The portable kernels and the refusals; a fallthrough as the key's fallback, for every op
+    without a kernel there; and a fallthrough for each op torch registers a default (composite)
+    kernel on the key for, as it does on every backend key: otherwise inside the mode such an
+    op (``add``, ``exp_``, ``empty_like``...) would run that default instead of the device's own
+    kernel, one more dispatch, and on meta tensors a loop through Python meta functions. The
+    dispatcher skips a fallthrough key at no cost, so inside the mode only random ops reach
+    Python. Factory ops keep their default there (they are redispatched from ``BackendSelect``
+    with the thread's keys, which a fallthrough of one op cannot serve): ``rand`` runs as
+    ``empty`` and ``uniform_``, as on a backend. Ops that libraries register after the first
+    entry keep their defaults too.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.library: Any = None  # kept for the life of the process: destroying it would rewrite the table
-        self.done: set[tuple[str, str]] = set()  # (op, key) pairs overridden
-        self.keys: set[str] = set()  # keys whose every op is overridden
+        self.libraries: dict[str, Any] = {}  # kept for the life of the process: destroying one rewrites the table
+        self.key: Any = None
+        self.labels: list[str] = []  # ops with a portable kernel or a refusal at the key
 
-    def ensure(self, keys: Sequence[str]) -> None:
-        if self.keys.issuperset(keys):
+    def ensure(self) -> None:
+        if self.key is not None:
             return
         with self.lock, warnings.catch_warnings():
-            # torch warns once that an override replaces its kernel: that is the point here.
+            if self.key is not None:
+                return
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            if self.library is None:
-                self.library = torch.library.Library("aten", "IMPL")
-            for key in keys:
-                if key not in self.keys:
-                    self._register(key)
-                    self.keys.add(key)
-
-    def _register(self, key: str) -> None:
-        # Every original is read before anything is overridden, so each is torch's own kernel.
-        kernels: list[tuple[str, Callable[..., Any]]] = []
-        for label, fn in PORTABLE_OPS.items():
-            if (label, key) not in self.done:
+            key = _key()
+            below = torch._C._dispatch_keyset_full_after(key)
+            kernels: dict[str, Callable[..., Any]] = {}
+            for label, fn in PORTABLE_OPS.items():
                 name, _, overload = label.partition(".")
                 op = getattr(getattr(torch.ops.aten, name), overload or "default")
-                kernels.append((label, _switched(_cancelling(fn), _Original(op, key))))
-        for op in _random_aten_ops():
-            label = _op_label(op)
-            if label not in PORTABLE_OPS and (label, key) not in self.done and _has_kernel(op, key):
-                kernels.append((label, _switched_refusal(_refusal(op), _Original(op, key))))
-        for label, kernel in kernels:
-            self.library.impl(label, kernel, key, with_keyset=True)
-            self.done.add((label, key))
+                kernels["aten::" + label] = _switched(op, fn, below)
+            for op in _random_aten_ops():
+                label = _op_label(op)
+                if label not in PORTABLE_OPS:
+                    kernels["aten::" + label] = _switched_refusal(op, _refusal(op), below)
+            self._library("_").fallback(torch.library.fallthrough_kernel, KEY_NAME)
+            for name in torch._C._dispatch_get_all_op_names():
+                if name not in kernels and _has_composite_on_key(name):
+                    self._impl(name, torch.library.fallthrough_kernel)
+            for name, kernel in kernels.items():
+                self._impl(name, kernel, with_keyset=True)
+            self.labels = sorted(name.removeprefix("aten::") for name in kernels)
+            self.key = key  # last: a thread that sees it sees every registration
+
+    def _library(self, namespace: str) -> Any:
+        library = self.libraries.get(namespace)
+        if library is None:
+            library = self.libraries[namespace] = torch.library.Library(namespace, "IMPL")
+        return library
+
+    def _impl(self, name: str, kernel: Callable[..., Any], with_keyset: bool = False) -> None:
+        namespace, _, label = name.partition("::")
+        self._library(namespace).impl(label, kernel, KEY_NAME, with_keyset=with_keyset)
 
 
 _KERNELS = _Kernels()
 
 
-def register(p: platforms.Platform) -> None:
-    """Make sure the portable kernels that platform ``p`` needs are registered (once per key, for good).
+def register() -> None:
+    """Make sure portable mode's kernels are registered (once per process, for good).
 
     Raises:
-        UnsupportedPortableOpError: torch is older than 2.9, or ``p``'s device type has no
-            portable kernels. Nothing is registered then.
+        UnsupportedPortableOpError: this torch cannot host them (see :func:`key_available`);
+            nothing is registered then.
     """
-    _KERNELS.ensure(_supported_keys(p))
+    if _KERNELS.key is None:  # asked until registered: afterwards the kernels are there for good
+        _features.require("portable-mode", UnsupportedPortableOpError)
+        _KERNELS.ensure()
 
 
-def registered() -> list[tuple[str, str]]:
-    """The ``(op, dispatch key)`` pairs this process has registered portable kernels for, sorted.
+def registered() -> list[str]:
+    """The ops (``name.overload``) with a portable kernel or a refusal on portable mode's key, sorted.
 
     Empty until a thread first enters portable mode; the kernels then stay (see the module
-    docstring), which is what outside-the-mode costs and numbers are measured against.
+    docstring). Other ops only fall through the key, and no backend's kernel is touched, so
+    outside the mode every op runs exactly as before registration.
     """
-    return sorted(_KERNELS.done)
-
-
-def _supported_keys(p: platforms.Platform) -> list[str]:
-    """The dispatch keys portable mode needs on platform ``p``; refuse, changing nothing, where it cannot run."""
-    _features.require("portable-mode", UnsupportedPortableOpError)
-    keys = _portable_keys(p.device_type)
-    if keys is None:
-        p.device()  # a backend that registers with torch on first use (the simulated device) does so now
-        keys = _portable_keys(p.device_type)
-    if keys is None:
-        raise UnsupportedPortableOpError(
-            f"portable mode has no kernels for device type {p.device_type!r} (platform {p.name!r}): it has them "
-            f"for 'cpu', 'cuda' and torch's PrivateUse1 backend ({torch._C._get_privateuse1_backend_name()!r}); "
-            f"draw with hyperrng.philox.position's functions on that device instead."
-        )
-    return keys
+    return list(_KERNELS.labels)

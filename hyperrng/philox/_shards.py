@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox._torch import WORDS_PER_BLOCK, Kernel, chunk_blocks
+from hyperrng.philox._torch import SMALL_BLOCKS, WORDS_PER_BLOCK, Kernel, chunk_blocks
 from hyperrng.platforms.validate import check_int
 
 __all__ = ["ShardGeometry", "fill"]
@@ -125,6 +125,12 @@ def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
     whole = (n - head) // WORDS_PER_BLOCK
     tail = n - head - whole * WORDS_PER_BLOCK
     first = (start + head) // WORDS_PER_BLOCK
+    if (head or tail) and not kernel.compiled and whole + 2 <= SMALL_BLOCKS and kernel.device.type == "cpu":
+        # A small range with partial blocks: its blocks in one run of the rounds, not two.
+        lane = start % WORDS_PER_BLOCK
+        blocks = (lane + n + WORDS_PER_BLOCK - 1) // WORDS_PER_BLOCK
+        out.copy_(kernel.run(start // WORDS_PER_BLOCK, blocks).view(-1)[lane : lane + n])
+        return
     if whole:
         middle = out if whole * WORDS_PER_BLOCK == n else out[head : head + whole * WORDS_PER_BLOCK]
         kernel.fill(middle.view(whole, WORDS_PER_BLOCK), first)
@@ -151,8 +157,8 @@ def _fill_short_runs(out: torch.Tensor, geometry: ShardGeometry, offset: int, ke
     """Fill ``out`` of shape ``(segments, run)`` many runs per kernel call, gathering lanes."""
     run = geometry.run
     span = _blocks_spanned(run)
-    group = max(chunk_blocks() // span, 1)
     device = out.device
+    group = max(chunk_blocks(device.type) // span, 1)
     steps = torch.arange(span, dtype=torch.int64, device=device)
     columns = torch.arange(run, dtype=torch.int64, device=device)
     base_block, base_lane = offset // WORDS_PER_BLOCK, offset % WORDS_PER_BLOCK
@@ -199,7 +205,7 @@ def fill(
         _fill_range(out.view(-1), offset + geometry.first, kernel)
         return out
     rows = out.view(geometry.segments, geometry.run)
-    if _blocks_spanned(geometry.run) > chunk_blocks():
+    if _blocks_spanned(geometry.run) > chunk_blocks(kernel.device.type):
         ids = torch.arange(geometry.segments, dtype=torch.int64)
         for row, start in zip(rows, geometry.segment_starts(ids).tolist()):
             _fill_range(row, offset + start, kernel)

@@ -1,8 +1,12 @@
-"""The Philox4x32-10 block function and the chunked engine behind :mod:`hyperrng.philox`.
+"""The torch backend of :mod:`hyperrng.philox`: Philox4x32-10 and the distributions in torch ops.
 
-Everything here is plain torch integer arithmetic, so the same code runs on any device.
-Unsigned 32-bit words live in ``int64`` tensors because torch has no ``uint32``
-arithmetic on CPU.
+Everything here is plain torch integer arithmetic, so the same code runs on any device: it
+is the reference that the Triton backend (:mod:`hyperrng.philox._triton`) is proven equal
+to. Unsigned 32-bit words live in ``int64`` tensors because torch has no ``uint32``
+arithmetic on CPU. A small draw on the CPU reads its words from a readahead buffer
+(:func:`readahead_words`): computing sixty operations for a few thousand words costs far
+more than the words, so the words of a key's next blocks are computed in one batch (with
+NumPy, whose unsigned multiply is the faster one there) and served to the draws that follow.
 
 Counter layout: global element index ``j`` lives in Philox block ``j // 4``, lane
 ``j % 4``. The block index is the 64-bit counter held in words 0 (low half) and 1 (high
@@ -34,19 +38,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = [
+    "ACCELERATOR_CHUNK_BLOCKS",
     "BERNOULLI",
     "BITS",
     "CHUNK_BLOCKS",
     "MAX_CHUNK_THREADS",
     "NORMAL",
+    "READAHEAD_BLOCKS",
+    "SMALL_BLOCKS",
     "PHILOX_M0",
     "PHILOX_M1",
     "PHILOX_ROUNDS",
     "PHILOX_W0",
     "PHILOX_W1",
+    "RANDINT",
+    "TRANSFORMS",
     "UNIFORM",
     "WORDS_PER_BLOCK",
     "Kernel",
@@ -54,6 +64,7 @@ __all__ = [
     "counter_words",
     "philox_rounds",
     "chunk_blocks",
+    "readahead_words",
     "scratch_bytes",
 ]
 
@@ -87,6 +98,22 @@ MAX_CHUNK_THREADS = 4
 and joins the threads once, so a chunk of ``CHUNK_BLOCKS`` per thread keeps that cost
 small, and the cap keeps the scratch memory bounded on many-core machines."""
 
+ACCELERATOR_CHUNK_BLOCKS = 2**20
+"""Blocks per eager step on a device that is not the CPU: four million values, so that the
+sixty operations of a chunk are few, large kernels rather than many launch-bound ones
+(96 MiB of scratch at most)."""
+
+SMALL_BLOCKS = 2**12
+"""CPU eager draws of at most this many blocks (16,384 values) read their words from the
+readahead buffer (:func:`readahead_words`); larger ones compute them in place."""
+
+READAHEAD_BLOCKS = 2**14
+"""Most blocks a key's readahead buffer computes at once (512 KiB of words)."""
+
+_READAHEAD_KEYS = 8
+"""Keys with a readahead buffer per thread, the most recently used: the default stream and a
+tracker's streams, each advancing on its own. At most 4 MiB of words per thread."""
+
 _MASK32 = 0xFFFFFFFF
 _WRAP32 = 1 << 32
 _HALF_SHIFT = 32  # bits between the low and high word of a 64-bit product or counter
@@ -97,19 +124,24 @@ Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Scalars = Sequence[float | int]
 
 
-def chunk_blocks() -> int:
-    """Blocks per eager step: :data:`CHUNK_BLOCKS` per torch thread, for up to
-    :data:`MAX_CHUNK_THREADS` threads (read when a draw starts)."""
+def chunk_blocks(device_type: str = "cpu") -> int:
+    """Blocks per eager step: on the CPU :data:`CHUNK_BLOCKS` per torch thread, for up to
+    :data:`MAX_CHUNK_THREADS` threads (read when a draw starts); elsewhere
+    :data:`ACCELERATOR_CHUNK_BLOCKS`."""
+    if device_type != "cpu":
+        return ACCELERATOR_CHUNK_BLOCKS
     return CHUNK_BLOCKS * min(max(torch.get_num_threads(), 1), MAX_CHUNK_THREADS)
 
 
-def scratch_bytes(threads: int | None = None) -> int:
+def scratch_bytes(threads: int | None = None, device_type: str = "cpu") -> int:
     """Upper bound of the working memory of one eager draw besides its result, in bytes.
 
     Six ``int64`` rows and at most six value rows (8 bytes an element at most) of one
-    chunk: 6 MiB with one thread, 24 MiB at most. Compiled draws keep nothing but the
-    result.
+    chunk: on the CPU 6 MiB with one thread, 24 MiB at most; 96 MiB on an accelerator.
+    Compiled draws keep nothing but the result.
     """
+    if device_type != "cpu":
+        return ACCELERATOR_CHUNK_BLOCKS * (_SCRATCH_ROWS + _VALUE_ROWS) * 8
     count = MAX_CHUNK_THREADS if threads is None else min(max(threads, 1), MAX_CHUNK_THREADS)
     return CHUNK_BLOCKS * count * (_SCRATCH_ROWS + _VALUE_ROWS) * 8
 
@@ -248,9 +280,101 @@ def _rounds_inplace(
     pairs[1].bitwise_and_(constants.final_mask)  # words 1 and 3, the low halves of the last products
 
 
+_NP_MASK = np.uint64(_MASK32)
+_NP_SHIFT = np.uint64(_HALF_SHIFT)
+_NP_MULTIPLIERS = np.array([[PHILOX_M0], [PHILOX_M1]], dtype=np.uint64)  # of words 0 and 2
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_keys(k0: int, k1: int) -> np.ndarray:
+    """The round keys of ``(k0, k1)``, shape ``(rounds, 2, 1)``: what each round XORs into words 0 and 2."""
+    keys = [[[(k0 + r * PHILOX_W0) & _MASK32], [(k1 + r * PHILOX_W1) & _MASK32]] for r in range(PHILOX_ROUNDS)]
+    return np.array(keys, dtype=np.uint64)
+
+
+def _numpy_words(k0: int, k1: int, first: int, m: int) -> np.ndarray:
+    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1``, computed with NumPy on ``uint64``.
+
+    The same integer operations as :func:`_rounds_inplace`, five per round on pairs of rows,
+    where NumPy's unsigned 64-bit multiply (a 32-bit word times a 32-bit multiplier never
+    overflows it) costs about half of torch's ``int64`` one: words (0, 2) times the
+    multipliers; their high halves XORed with words (3, 1), reversed, XORed with the round
+    keys, are the new words (0, 2); their low halves the new words (3, 1). The pairs are views
+    of the result's rows, so the words end where they belong.
+    """
+    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64)
+    even, odd = words[0::2], words[3::-2]  # rows (0, 2) and (3, 1)
+    products, high = _READAHEAD.scratch(m)
+    np.add(np.arange(m, dtype=np.uint64), np.uint64(first), out=even[0])
+    np.right_shift(even[0], _NP_SHIFT, out=odd[1])
+    np.bitwise_and(even[0], _NP_MASK, out=even[0])
+    even[1].fill(0)
+    odd[0].fill(0)
+    for round_keys in _numpy_keys(k0, k1):
+        np.multiply(even, _NP_MULTIPLIERS, out=products)
+        np.right_shift(products, _NP_SHIFT, out=high)
+        np.bitwise_xor(high, odd, out=high)
+        np.bitwise_xor(high[::-1], round_keys, out=even)
+        np.bitwise_and(products, _NP_MASK, out=odd)
+    return words
+
+
+class _Buffer(NamedTuple):
+    start: int  # the first block
+    words: torch.Tensor  # (n, 4) raw words of blocks start, ..., start + n - 1
+
+
+class _Readahead(threading.local):
+    """This thread's buffers, by key, least recently used first, and the scratch rows that fill them."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, int], _Buffer] = {}
+        self._scratch = np.empty((2, 2, 0), dtype=np.uint64)
+
+    def scratch(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two ``(2, m)`` scratch arrays, reused: fresh ones of this size would fault their pages in each time."""
+        if self._scratch.shape[2] < m:
+            self._scratch = np.empty((2, 2, max(m, READAHEAD_BLOCKS)), dtype=np.uint64)
+        return self._scratch[0, :, :m], self._scratch[1, :, :m]
+
+
+_READAHEAD = _Readahead()
+
+
+def readahead_words(k0: int, k1: int, first: int, m: int) -> torch.Tensor:
+    """The raw words of CPU blocks ``first, ..., first + m - 1`` under key ``(k0, k1)``: a ``(4, m)``
+    view (rows of words, as the rounds leave them) of a contiguous ``(m, 4)`` block.
+
+    Philox words are a pure function of the key and the block, so a word computed earlier is
+    the word: a thread keeps, for each of its last :data:`_READAHEAD_KEYS` keys, the words of a
+    range of blocks, and serves a draw inside that range from it. A draw outside computes a new
+    range from its first block, twice its own size, or twice the previous range's when it
+    continues that range (the sequence of draws of a generator position), up to
+    :data:`READAHEAD_BLOCKS`: draws that follow one another pay for their words in batches,
+    while a lone draw pays for at most twice its own. The view is read-only by contract.
+    """
+    buffers = _READAHEAD.buffers
+    key = (k0, k1)
+    buffer = buffers.pop(key, None)  # put back last: the dict stays in least-recently-used order
+    if buffer is not None:
+        start, held = buffer.start, buffer.words.shape[0]
+        if start <= first and first + m <= start + held:
+            buffers[key] = buffer
+            return buffer.words.narrow(0, first - start, m).t()
+        continues = start <= first <= start + held
+    size = min(max(2 * m, 2 * held if buffer is not None and continues else 0), READAHEAD_BLOCKS)
+    size = max(size, m)
+    with torch.inference_mode(False):  # a buffer made in inference mode serves draws outside it too
+        words = torch.from_numpy(np.ascontiguousarray(_numpy_words(k0, k1, first, size).T).view(np.int64))
+    if len(buffers) >= _READAHEAD_KEYS:
+        del buffers[next(iter(buffers))]
+    buffers[key] = _Buffer(first, words)
+    return words.narrow(0, 0, m).t()
+
+
 # --- distributions --------------------------------------------------------------------
 
-Writer = Callable[[torch.Tensor, torch.Tensor, "Kernel"], None]
+Writer = Callable[[torch.Tensor, torch.Tensor, "Bound"], None]
 Lanes = Callable[..., Sequence[torch.Tensor]]
 
 
@@ -270,15 +394,19 @@ class Transform:
     lanes: Lanes
     write: Writer
     final_mask: Callable[[Scalars], int] = lambda scalars: _MASK32
+    mutates: bool = False  # whether ``write`` changes ``words`` (it gets rows of its own then)
 
 
 def _bits_lanes(words: Words) -> Words:
     return words
 
 
-def _bits_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel | None = None) -> None:
+def _bits_write(words: torch.Tensor, dst: torch.Tensor, kernel: Bound | None = None) -> None:
     """Row ``i`` of ``words`` (the raw words, or any ``(4, m)`` rows) into column ``i`` of ``dst``."""
-    for lane in range(WORDS_PER_BLOCK):
+    if words.shape[1] <= SMALL_BLOCKS:  # one operation: a small chunk pays per operation, not per element
+        dst.copy_(words.t())
+        return
+    for lane in range(WORDS_PER_BLOCK):  # a row into a column: long inner loops, where one copy's would be 4
         dst[:, lane].copy_(words[lane])
 
 
@@ -289,19 +417,25 @@ def _uniform_lanes(
     return [(w & keep) * unit * span + low for w in words]
 
 
-def _uniform_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+def _uniform_write(words: torch.Tensor, dst: torch.Tensor, kernel: Bound) -> None:
     _, unit, span, low = kernel.params
     default_bounds = kernel.scalars[2] == 1.0 and kernel.scalars[3] == 0.0  # u * 1 + 0 is u exactly (u >= 0: no -0.0)
     if dst.dtype == unit.dtype:
         # The masked word converts to the compute dtype exactly; then one contiguous pass
         # scales it (and applies the bounds, rounding twice as compiled code does).
-        _bits_write(words, dst)
-        dst.mul_(unit)
+        if words.shape[1] <= SMALL_BLOCKS:
+            torch.mul(words.t(), unit, out=dst)
+        else:
+            _bits_write(words, dst)
+            dst.mul_(unit)
         if not default_bounds:
             dst.mul_(span).add_(low)
         return
     if default_bounds:
         # k * 2**-bits is exact in the half dtype too: compute in unit's dtype, round once.
+        if words.shape[1] <= SMALL_BLOCKS:
+            torch.mul(words.t(), unit, out=dst)
+            return
         for lane in range(WORDS_PER_BLOCK):
             torch.mul(words[lane], unit, out=dst[:, lane])
         return
@@ -314,10 +448,10 @@ def _bernoulli_lanes(words: Words, threshold: torch.Tensor) -> list[torch.Tensor
     return [w < threshold for w in words]
 
 
-def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+def _bernoulli_write(words: torch.Tensor, dst: torch.Tensor, kernel: Bound) -> None:
     # One comparison of the transposed rows into dst, whatever its dtype (True is 1.0): on the
     # CPU cheaper than a comparison per lane into dst's strided columns.
-    torch.lt(words.t(), kernel.scalars[0], out=dst)
+    torch.lt(words.t(), kernel.params[0], out=dst)
 
 
 def _box_muller(
@@ -342,7 +476,7 @@ def _normal_lanes(
     return [v * std + mean for v in z]
 
 
-def _normal_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> None:
+def _normal_write(words: torch.Tensor, dst: torch.Tensor, kernel: Bound) -> None:
     shift, unit, two_pi, std, mean = kernel.params
     # The operations of _box_muller, in place: rows (0, 2) give the radii and rows (1, 3)
     # the angles of lanes (0, 1) and (2, 3). At most six value rows are alive at once.
@@ -353,6 +487,15 @@ def _normal_write(words: torch.Tensor, dst: torch.Tensor, kernel: Kernel) -> Non
         z = trig(theta).mul_(radius)  # radius * trig(theta): multiplication commutes exactly
         z.mul_(std).add_(mean)
         dst[:, column::2].copy_(z.t())
+
+
+def _randint_lanes(words: Words, low: torch.Tensor, span: torch.Tensor) -> list[torch.Tensor]:
+    return [w % span + low for w in words]
+
+
+def _randint_write(words: torch.Tensor, dst: torch.Tensor, kernel: Bound) -> None:
+    low, span = kernel.scalars
+    _bits_write(words.remainder_(span).add_(low), dst)  # converted as copy_ converts int64 into dst's dtype
 
 
 BITS = Transform("random_bits", _bits_lanes, _bits_write)
@@ -367,6 +510,12 @@ BERNOULLI = Transform("bernoulli", _bernoulli_lanes, _bernoulli_write)
 
 NORMAL = Transform("normal", _normal_lanes, _normal_write)
 """Parameters ``(shift, unit, two_pi, std, mean)``: Box–Muller on word pairs (0, 1), (2, 3)."""
+
+RANDINT = Transform("randint", _randint_lanes, _randint_write, mutates=True)
+"""Parameters ``(low, span)``: ``low + word % span``, int64."""
+
+TRANSFORMS = {t.name: t for t in (BITS, UNIFORM, BERNOULLI, NORMAL, RANDINT)}
+"""Every distribution by name."""
 
 
 # --- kernels ----------------------------------------------------------------------------
@@ -501,6 +650,64 @@ def _block_offsets(device: torch.device, count: int) -> torch.Tensor:
     return torch.arange(count, dtype=torch.int64, device=device)
 
 
+class Bound(NamedTuple):
+    """A distribution's parameters as the eager writers read them: 0-d tensors on the device
+    (``params``) and Python numbers (``scalars``). A :class:`Kernel` is one too."""
+
+    params: tuple[torch.Tensor, ...]
+    scalars: tuple[float | int, ...]
+
+
+def fill_small(
+    transform: Transform, scalars: Scalars, param_dtypes: Sequence[torch.dtype], key: int, start: int, out: torch.Tensor
+) -> None:
+    """Write the values of global indices ``start, ..., start + out.numel() - 1`` into ``out`` (CPU, at most
+    ``4 * SMALL_BLOCKS - 6`` elements, any strides): the eager path of a small draw, words from the readahead.
+
+    What :class:`Kernel` and :mod:`hyperrng.philox._shards` do for a one-run draw, in a few steps: a
+    small draw's cost is its fixed cost.
+    """
+    n = out.numel()
+    lane, first = start % WORDS_PER_BLOCK, start // WORDS_PER_BLOCK
+    blocks = (lane + n + WORDS_PER_BLOCK - 1) // WORDS_PER_BLOCK
+    k0, k1 = key & _MASK32, key >> _HALF_SHIFT
+    bound, mask = _small_setup(transform, tuple(scalars), tuple(param_dtypes))
+    words = readahead_words(k0, k1, first, blocks)
+    if mask is not None:  # rows of the writer's own, masked
+        words = torch.bitwise_and(words, mask)
+    if lane == 0 and blocks * WORDS_PER_BLOCK == n and out.is_contiguous():
+        transform.write(words, out.view(blocks, WORDS_PER_BLOCK), bound)
+        return
+    dst = torch.empty((blocks, WORDS_PER_BLOCK), dtype=out.dtype)
+    transform.write(words, dst, bound)
+    out.copy_(dst.view(-1)[lane : lane + n].view(out.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _small_setup(
+    transform: Transform, scalars: tuple[float | int, ...], param_dtypes: tuple[torch.dtype, ...]
+) -> tuple[Bound, torch.Tensor | None]:
+    """A CPU draw's parameters for the writers, and the mask its words need first (``None``: none)."""
+    cpu = torch.device("cpu")
+    final_mask = transform.final_mask(scalars)
+    needs = final_mask != _MASK32 or transform.mutates
+    with torch.inference_mode(False):
+        mask = torch.full((), final_mask, dtype=torch.int64) if needs else None
+    return Bound(_param_tensors(scalars, param_dtypes, cpu), scalars), mask
+
+
+@functools.lru_cache(maxsize=256)
+def _param_tensors(
+    scalars: tuple[float | int, ...], dtypes: tuple[torch.dtype, ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """``scalars`` as 0-d tensors of ``dtypes`` on ``device``: an operation given a Python number
+    wraps it in a tensor each time, which costs as much as the operation on a small chunk."""
+    # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
+    # backend when called from inside one of its kernels (a torch.library override).
+    with torch.inference_mode(False):
+        return tuple(torch.full((), v, dtype=d, device=device) for v, d in zip(scalars, dtypes))
+
+
 class Kernel:
     """A distribution bound to its parameters, a 64-bit key and a device.
 
@@ -536,10 +743,8 @@ class Kernel:
 
     @functools.cached_property
     def params(self) -> tuple[torch.Tensor, ...]:
-        """The parameters as 0-d tensors on the device, made on first read (eager bernoulli never reads them)."""
-        # torch.full, not torch.tensor(..., device=): the latter fails on a Python-written device
-        # backend when called from inside one of its kernels (a torch.library override).
-        return tuple(torch.full((), v, dtype=d, device=self.device) for v, d in zip(self.scalars, self._param_dtypes))
+        """The parameters as 0-d tensors on the device (shared by every kernel with the same ones)."""
+        return _param_tensors(self.scalars, self._param_dtypes, self.device)
 
     def values(self, blocks: torch.Tensor) -> torch.Tensor:
         """Values of the blocks ``blocks`` (1-D ``int64``), shape ``(m, 4)``, in ``value_dtype``."""
@@ -578,7 +783,16 @@ class Kernel:
             else:
                 dst.copy_(self.run(first, m))
             return
-        chunk = chunk_blocks()
+        m = dst.shape[0]
+        if m <= SMALL_BLOCKS and self.device.type == "cpu":
+            words = readahead_words(self.k0, self.k1, first, m)
+            if self.final_mask != _MASK32 or self.transform.mutates:  # rows of the writer's own, masked
+                words = torch.bitwise_and(
+                    words, _round_constants(self.k0, self.k1, self.final_mask, self.device).final_mask
+                )
+            self.transform.write(words, dst, self)
+            return
+        chunk = chunk_blocks(self.device.type)
         offsets = _block_offsets(self.device, chunk)
         for step in range(0, dst.shape[0], chunk):
             part = dst[step : step + chunk]

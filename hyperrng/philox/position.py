@@ -95,7 +95,7 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
     if count < 0:
         raise InvalidArgumentError(f"numel must be non-negative, got {count}; it is the number of values to draw.")
     p = platforms.current()
-    seed, offset = p.get_seed_offset(generator=generator)
+    seed, offset = p._position() if generator is None else p.get_seed_offset(generator=generator)
     end = offset + round_up_offset(count)
     if end > MAX_OFFSET:
         raise InvalidArgumentError(
@@ -103,7 +103,10 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
             f"2**63 - 1: reseed it (e.g. with portable_random(seed)) before drawing."
         )
     result = draw(seed, offset)
-    p.set_seed_offset(seed, end, generator=generator)
+    if generator is None:
+        p._move(seed, end, False)  # the checked values of a position it read, moved forward
+    else:
+        p.set_seed_offset(seed, end, generator=generator)
     return result
 
 

@@ -1,0 +1,102 @@
+"""Which implementation of the Philox arithmetic serves a device, chosen once per device type.
+
+Two backends compute the same numbers (see :mod:`hyperrng.philox`):
+
+* ``"torch"``: plain torch tensor operations (:mod:`hyperrng.philox._torch`). It runs on
+  every device and is the reference. On the CPU a small draw computes its rounds with NumPy
+  (fewer, cheaper operations than torch's on a few thousand elements) and a large one a chunk
+  at a time, in cache; on an accelerator it works in large chunks, so that it is not bound by
+  kernel launches.
+* ``"triton"``: one fused Triton kernel per draw (:mod:`hyperrng.philox._triton`), as fast as
+  the device's own random ops. It serves a device type when Triton is installed, its active
+  driver targets that device type, and a test draw there (an odd offset past ``2**32``, a
+  48-bit key) equals the torch backend's: probed, not assumed, so that another Triton
+  backend (an Ascend NPU's, say) joins by passing the probe.
+
+``backend="auto"`` (every function's default) takes Triton where it serves the device and the
+torch backend everywhere else, the CPU included. ``backend="triton"`` on a CPU tensor runs the
+kernels under Triton's interpreter: exact and very slow, for tests. The probe runs at the
+first draw on a device type that is not the CPU (or at ``hyperrng info``), once per process;
+``import hyperrng`` never imports Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["BACKENDS", "check_backend", "describe", "resolve"]
+
+BACKENDS = ("auto", "torch", "triton")
+"""The values of every ``backend=`` argument."""
+
+_LOCK = threading.Lock()
+
+
+def check_backend(backend: object) -> str:
+    """``backend`` if it is one of :data:`BACKENDS`.
+
+    Raises:
+        ArgumentTypeError: it is not a string.
+        InvalidArgumentError: it is another string.
+    """
+    if not isinstance(backend, str):
+        raise ArgumentTypeError(f"backend must be one of {BACKENDS}, got {type(backend).__name__} {backend!r}.")
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    return backend
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The backend that computes a draw on ``device``: ``"torch"`` or ``"triton"`` (``backend`` checked).
+
+    Raises:
+        InvalidArgumentError: ``backend="triton"`` for a device type Triton does not serve; the
+            message says why.
+    """
+    if backend == "torch" or (backend == "auto" and device.type == "cpu"):
+        return "torch"
+    if device.type == "cpu":  # "triton" on the host: the interpreter
+        return "triton"
+    reason = _triton_refusal(device.type)
+    if reason is None:
+        return "triton"
+    if backend == "auto":
+        return "torch"
+    raise InvalidArgumentError(
+        f"backend='triton' cannot draw on {device.type}: {reason}; use backend='auto' or 'torch' there."
+    )
+
+
+def describe(device: torch.device) -> tuple[str, str]:
+    """The backend ``backend="auto"`` uses on ``device``, and why, for ``hyperrng info``."""
+    if device.type == "cpu":
+        return "torch", "the reference, on the host (Triton's CPU path is its interpreter, for tests only)"
+    reason = _triton_refusal(device.type)
+    if reason is None:
+        import triton
+
+        return "triton", f"Triton {triton.__version__} serves {device.type!r} and passed the test draw"
+    return "torch", reason
+
+
+def _triton_refusal(device_type: str) -> str | None:
+    with _LOCK:
+        return _probe(device_type)
+
+
+@functools.cache
+def _probe(device_type: str) -> str | None:
+    from hyperrng import philox
+    from hyperrng.philox import _triton
+
+    reference = philox.random_bits(_triton._PROBE_SHAPE, _triton._PROBE_KEY, _triton._PROBE_OFFSET, backend="torch")
+    try:
+        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
+    except Exception:  # a device type without a module, or none present: the draw below says so
+        device = torch.device(device_type)
+    return _triton.probe(device, reference)
