@@ -93,6 +93,7 @@ def info_lines() -> list[str]:
             lines.append(f"devices: {p.device_count()}")
         except Exception as exc:
             lines.append(f"devices: unknown ({type(exc).__name__}: {exc})")
+        lines.append(_philox_backend_line(p))
         lines.append("probes:")
         for probe in sel.probes:
             mark = "available" if probe.available else "unavailable"
@@ -108,6 +109,18 @@ def info_lines() -> list[str]:
     lines.append("known platforms (built-in, registered, plug-ins):")
     lines += [f"  {name:<8} [{source}] {_availability(name)}" for name, source in _known_platforms()]
     return lines
+
+
+def _philox_backend_line(p: platforms.Platform) -> str:
+    """Which Philox backend draws portable numbers on the platform's device, and why."""
+    from hyperrng.philox import backends
+
+    try:
+        device = p.device()
+        name, why = backends.describe(device)
+    except Exception as exc:  # a device that cannot be reached: say so, the rest of the report stands
+        return f"philox backend: unknown ({type(exc).__name__}: {exc})"
+    return f"philox backend on {device}: {name} ({why})"
 
 
 _WIDTH = 100

@@ -777,7 +777,7 @@ def normal(
     Exactness: shards and chunks equal slices of the full tensor bit for bit on one
     device and backend. Across device kinds and backends the integer part is identical
     but ``log``, ``sin``, ``cos`` (and on CPU even ``sqrt``) are each one's own
-    implementations (SLEEF on CPU, libdevice in the Triton kernels, ...), so values agree to
+    implementations (SLEEF on CPU, Triton's math functions on a GPU, ...), so values agree to
     a few ulp, not bit for bit. The same holds between eager and ``compiled=True``, whose
     generated code has its own implementations of these functions.
 

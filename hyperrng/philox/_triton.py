@@ -4,7 +4,7 @@ The kernels (:mod:`hyperrng.philox._triton_kernels`) compute the same words and 
 arithmetic as the torch backend (:mod:`hyperrng.philox._torch`), so their results are
 bit-identical wherever the distribution is exact (bits, uniform, bernoulli, randint,
 dropout); :func:`~hyperrng.philox.normal` agrees to a few ulp, its ``log``/``sin``/``cos``
-being libdevice's rather than the CPU's.
+being Triton's rather than the CPU's.
 
 A draw writes its result straight into the destination: a contiguous tensor, or any tensor
 that views as ``(runs, run length)`` with one stride per dimension (a transposed matrix, a
@@ -87,6 +87,11 @@ def _s32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
+def _halves(value: int) -> tuple[int, int]:
+    """A non-negative ``value`` below ``2**62`` as its high and low 31-bit halves."""
+    return value >> 31, value & 0x7FFFFFFF
+
+
 def _bits64(value: float) -> int:
     """The int64 bit pattern of ``value`` as a float64."""
     return int(struct.unpack("<q", struct.pack("<d", value))[0])
@@ -119,8 +124,8 @@ def arguments(name: str, params: tuple[float | int, ...], value_dtype: torch.dty
         keep, unit, span, low = params
         words, quads = (_s32(int(keep)), 0), (_bits64(unit), _bits64(span), _bits64(low), 0)
     elif name in ("bernoulli", "dropout"):
-        threshold = int(params[0])
-        words = (_s32(threshold), threshold >> 32)
+        high, low = _halves(int(params[0]))
+        words = (low, high)
         if name == "dropout":
             quads = (_bits64(params[1]), 0, 0, 0)
     elif name == "normal":
@@ -213,7 +218,7 @@ def _launch(
     block, warps = _block(run)
     chunks = -(-(run + 3) // (4 * block))
     module = kernels(out.device.type == "cpu")
-    base = start // 4
+    base_hi, base_lo = _halves(start // 4)
     module.draw_kernel[(segments * chunks,)](
         out,
         out if x is None else x,
@@ -225,8 +230,8 @@ def _launch(
         strides[1],
         x_strides[0],
         x_strides[1],
-        _s32(base),
-        base >> 32,
+        base_lo,
+        base_hi,
         start % 4,
         _s32(key),
         _s32(key >> 32),

@@ -75,7 +75,7 @@ def resolve(backend: str, device: torch.device) -> str:
 def describe(device: torch.device) -> tuple[str, str]:
     """The backend ``backend="auto"`` uses on ``device``, and why, for ``hyperrng info``."""
     if device.type == "cpu":
-        return "torch", "the reference, on the host (Triton's CPU path is its interpreter, for tests only)"
+        return "torch", "the reference; Triton serves no host device"
     reason = _triton_refusal(device.type)
     if reason is None:
         import triton
