@@ -20,7 +20,6 @@ from hyperrng.platforms.validate import MAX_OFFSET
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hyperrng import _exclusive, philox
-from hyperrng.philox import _ops
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -28,6 +27,7 @@ from hyperrng.errors import (
     InvalidOperationError,
     UnsupportedPortableOpError,
 )
+from hyperrng.philox import _ops
 from hyperrng.philox import position as portable
 from hyperrng.philox.mode import (
     PORTABLE_OPS,
@@ -387,7 +387,8 @@ def test_an_autograd_thread_that_inherits_the_key_without_an_entry_runs_torchs_o
         try:
             torch.manual_seed(3)
             results.append((_ops.is_switched_on(), is_portable_random_enabled()))
-            results.append((torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(3))), True))
+            native = torch.rand(4, generator=torch.Generator().manual_seed(3))
+            results.append((torch.equal(torch.rand(4), native), True))
         finally:
             _ops.switch(False)
 
@@ -879,7 +880,8 @@ def test_a_torch_without_the_thread_local_key_is_refused_on_entry_naming_the_ver
         "from hyperrng import _exclusive\n"
         "del torch.library.Library.fallback\n"
         "before = hyperrng.current_platform().get_seed_offset()\n"
-        "for enter in (lambda: hyperrng.portable_random(5).__enter__(), lambda: hyperrng.set_portable_random(True, 5)):\n"
+        "entries = (lambda: hyperrng.portable_random(5).__enter__(), lambda: hyperrng.set_portable_random(True, 5))\n"
+        "for enter in entries:\n"
         "    try:\n"
         "        enter()\n"
         "    except UnsupportedPortableOpError as error:\n"

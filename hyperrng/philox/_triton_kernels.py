@@ -162,9 +162,9 @@ def draw_kernel(
     * NORMAL: Box-Muller on word pairs (0, 1) and (2, 3): ``i0`` the shift to the top bits,
       ``q0`` their unit, ``q1`` 2 pi, ``q2`` std, ``q3`` mean.
     * RANDINT: ``q0 + word % q1`` (low and span, int64).
-    * DROPOUT: ``x * (word < threshold ? q0 : 0)`` in ``COMPUTE`` (threshold as for BERNOULLI) (``q0`` the scale, rounded to
-      ``x``'s dtype), ``x`` read with its own strides; with ``HAS_MASK`` the keep mask too,
-      stored with the result's strides.
+    * DROPOUT: ``x * (word < threshold ? q0 : 0)`` in ``COMPUTE`` (the threshold as for
+      BERNOULLI, ``q0`` the scale rounded to ``x``'s dtype), ``x`` read with its own strides;
+      with ``HAS_MASK`` the keep mask too, stored with the result's strides.
     """
     pid = tl.program_id(0).to(tl.int64)
     seg = pid // chunks
