@@ -50,3 +50,29 @@ def test_rounds_that_slow_down_over_a_run_are_reported_as_drift() -> None:
     assert not flat.drifted and building.drifted
     table = format_results([flat, building])
     assert table.count("build-up") == 1 and "late/early rounds 16.00x: build-up" in table
+
+
+def test_the_gpu_suite_says_in_one_line_why_it_is_skipped_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the suite runs")
+    assert run_benchmarks(quick=True, suites=["gpu"]) == []
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "gpu suite skipped" in lines[0] and "CUDA" in lines[0]
+
+
+def test_the_gpu_suites_rows_and_block_step_run_on_any_device_at_small_sizes() -> None:
+    """The suite's code paths, on the CPU: the rows compare the same calls a GPU run times."""
+    import torch
+
+    from hyperrng.benchmarks import gpu
+    from hyperrng.philox import philox4x32_10  # noqa: F401 -- the package a row draws from
+
+    rows = gpu.device_rows(torch.device("cpu"), quick=True, sizes=(2**10,))
+    names = [r.name for r in rows]
+    assert names[0] == "gpu: philox uniform f32, 2**10" and "gpu: F.dropout bf16 in portable mode, 2**10" in names
+    assert all(r.seconds > 0 and r.baseline_seconds > 0 and r.target is None for r in rows)
+    step, portable_step = gpu.block_step(torch.device("cpu"), {"batch": 1, "sequence": 8, "width": 16, "heads": 2})
+    step()
+    portable_step()

@@ -43,7 +43,7 @@ __all__ = [
     "format_markdown",
 ]
 
-SUITES = ("platform", "streams", "sharding", "philox")
+SUITES = ("platform", "streams", "sharding", "philox", "gpu")
 
 WIDTH = 100
 """No printed line is wider than this."""

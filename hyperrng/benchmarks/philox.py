@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -42,6 +43,7 @@ from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved
 from hyperrng.philox import dropout, uniform
 from hyperrng.philox.mode import portable_random
 from hyperrng.platforms import _features
+from hyperrng.tracker import RNGStatesTracker
 
 __all__ = ["benchmarks"]
 
@@ -53,6 +55,9 @@ _EAGER_TARGET = 0.5
 _COMPILED_TARGET = 1.5
 _DROPOUT_TARGET = 0.5
 _STEP_TARGET = 1.10  # portable training step over a native one
+_FIXED_TARGET = 3.0  # entering and leaving over a tracker fork; a small op inside the mode over outside it
+_OUTSIDE_TARGET = 1.2  # a random op outside the mode, kernels registered, over the same before registration
+_SMALL_DROPOUT = (32, 64)
 _MLP_WIDTH, _MLP_BATCH, _MLP_DROPOUT = 1024, 32, 0.1
 
 
@@ -114,6 +119,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
                 results.append(row)
     if portable_mode_here:
         with _torch_threads(1):
+            results += _fixed_costs(repeat)
             results.append(_training_step(repeat))
         results += _outside_the_mode(repeat)
     else:  # an older torch: say so on the bench's error stream, measure the rest
@@ -167,6 +173,76 @@ def _training_step(repeat: int) -> BenchResult:
     )
 
 
+def _fixed_costs(repeat: int) -> list[BenchResult]:
+    """What entering the mode and a small op inside it cost, against a tracker fork and the op outside."""
+    tracker = RNGStatesTracker()
+    tracker.add("bench", 1234)
+
+    def fork() -> None:
+        with tracker.fork("bench"):
+            pass
+
+    def enter_exit() -> None:
+        with portable_random():
+            pass
+
+    def enter_exit_seeded() -> None:
+        with portable_random(_KEY):
+            pass
+
+    rounds = max(3 * repeat, 15)
+    t = interleaved({"fork": fork, "plain": enter_exit, "seeded": enter_exit_seeded}, number=2_000, rounds=rounds)
+    rows = [
+        BenchResult(
+            f"portable_random({arg}) enter+exit",
+            t[name],
+            "tracker.fork() enter+exit",
+            t["fork"],
+            target=_FIXED_TARGET,
+            note="1 thread; the seeded form saves the generator's state and restores it on exit",
+        )
+        for name, arg in (("plain", ""), ("seeded", "seed"))
+    ]
+    x = torch.randn(*_SMALL_DROPOUT)
+
+    def small_dropout() -> object:
+        return F.dropout(x, _DROPOUT_P)
+
+    outside, inside = _in_and_out(small_dropout, number=500, rounds=rounds)
+    shape = "x".join(map(str, _SMALL_DROPOUT))
+    rows.append(
+        BenchResult(
+            f"F.dropout {shape} in portable mode",
+            inside,
+            "the same call outside the mode",
+            outside,
+            target=_FIXED_TARGET,
+            note="1 thread; the mode entered once per round, so consecutive draws advance one position",
+        )
+    )
+    return rows
+
+
+def _in_and_out(fn: Callable[[], object], *, number: int, rounds: int) -> tuple[Timing, Timing]:
+    """``fn`` outside portable mode and inside it (entered once per round), in interleaved rounds."""
+    fn()
+    with portable_random(_KEY):
+        fn()
+    out_rounds: list[float] = []
+    in_rounds: list[float] = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        out_rounds.append((time.perf_counter() - start) / number)
+        with portable_random(_KEY):
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            in_rounds.append((time.perf_counter() - start) / number)
+    return Timing(tuple(out_rounds)), Timing(tuple(in_rounds))
+
+
 def _outside_rounds(rounds: int, number: int) -> dict[str, dict[str, list[float]]]:
     """Per op: seconds per call before and after the portable kernels are registered (this process)."""
     from hyperrng.philox.mode import registered
@@ -198,8 +274,9 @@ def _outside_the_mode(repeat: int) -> list[BenchResult]:
             timing=Timing(tuple(rounds["after"])),
             baseline="the same before registration",
             baseline_timing=Timing(tuple(rounds["before"])),
-            note="a thread not in the mode, once the portable kernels are registered (a Python call that reads "
-            "the flag and calls torch's kernel); fresh process, 1 thread, rounds before then after",
+            target=_OUTSIDE_TARGET,
+            note="a thread not in the mode, once the portable kernels are registered (on a key only threads in "
+            "the mode include: no Python on the way); fresh process, 1 thread, rounds before then after",
         )
         for name, rounds in measured.items()
     ]

@@ -94,7 +94,8 @@ _MAX_GLOBAL_NUMEL = 2**62
 """Global shapes stay below this so row-major indices fit int64 with room for the lane arithmetic."""
 
 _WORD_BITS = 32
-_SMALL_NUMEL = 4 * _k.SMALL_BLOCKS - 6  # draws the CPU serves from the readahead buffer, whatever their lane
+SMALL_NUMEL = 4 * _k.SMALL_BLOCKS - 6
+"""Eager CPU draws of at most this many elements in one run read their words from the readahead buffer."""
 _PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
 _WORD_UNIT = 2.0**-_WORD_BITS  # the weight of the lowest bit of a word
 
@@ -397,7 +398,7 @@ def run(
         return _triton.fill(_triton.arguments(draw.name, draw.params, draw.value_dtype), geometry, key, offset, target)
     if not compiled and device.type == "cpu" and geometry.segments == 1:
         numel = math.prod(geometry.local_shape)
-        if 0 < numel <= _SMALL_NUMEL:  # a small draw: its words from the readahead, in a few steps
+        if 0 < numel <= SMALL_NUMEL:  # a small draw: its words from the readahead, in a few steps
             target = torch.empty(geometry.local_shape, dtype=draw.dtype) if out is None else out
             _k.fill_small(draw.transform, draw.params, draw.param_dtypes, key, offset + geometry.first, target)
             return target

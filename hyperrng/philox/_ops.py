@@ -38,11 +38,11 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, UnsupportedPortableOpError
-from hyperrng.philox import _triton, backends
+from hyperrng.philox import _torch, _triton, backends
 from hyperrng.philox._shards import ShardGeometry
 from hyperrng.philox.position import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.platforms import _features
-from hyperrng.platforms.validate import round_up_offset
+from hyperrng.platforms.validate import MAX_OFFSET, round_up_offset
 from hyperrng.sharded import active_region
 
 __all__ = [
@@ -170,6 +170,17 @@ def _draw(
     )
 
 
+def _small_on_the_host(target: torch.Tensor) -> bool:
+    """Whether ``target`` is a small CPU tensor drawn eagerly outside a sharded region (the fast path)."""
+    return (
+        target.device.type == "cpu"
+        and 0 < target.numel() <= philox.SMALL_NUMEL
+        and not THREAD.entries[-1].compiled
+        and active_region() is None
+        and backends.resolve("auto", target.device) == "torch"
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def _whole(shape: tuple[int, ...]) -> ShardGeometry:
     """The geometry of a whole tensor of ``shape`` (a tensor's shape: valid by construction)."""
@@ -205,6 +216,15 @@ def _check_floating(target: torch.Tensor, what: str) -> None:
 def _fill(what: str, draw: philox.Draw, self: torch.Tensor, generator: Any) -> torch.Tensor:
     """Draw ``draw``'s values into ``self``: in place where its dtype is the draw's (any strides;
     that saves a second tensor and a copy, as much work as the rounds), else through a copy."""
+    if draw.dtype == self.dtype and generator is None and _small_on_the_host(self):
+        # draw_at_position's rule in a few steps, for the small host tensors whose cost is this path
+        p = platforms.current()
+        seed, offset = p._position()
+        end = offset + round_up_offset(self.numel())
+        if end <= MAX_OFFSET:
+            _torch.fill_small(draw.transform, draw.params, draw.param_dtypes, seed, offset, self)
+            p._move(seed, end, False)
+            return self
     if draw.dtype == self.dtype:
         values = _draw(what, draw, self, generator, out=self)
         return self if values is self else self.copy_(values)  # a sharded region's block comes back as a copy
