@@ -1,5 +1,10 @@
 """The demo's portable-mode check: a tiny tensor-parallel model trained at several TP sizes.
 
+The model runs on the platform's device (a GPU, the simulated device, the CPU), split by hand
+over the TP ranks as Megatron-style code splits it, every random op inside a sharded region
+(:meth:`hyperrng.ShardedRNGTracker.distribute_region`) with the global shape of its tensor:
+portable mode then gives every TP size the numbers of the unsharded model.
+
 :func:`tp_invariance_report` spawns the ranks; :func:`tp_rank` is what each of them runs
 (spawned processes import this module to find it). It lives with the demo, not with portable
 mode: it is a harness that exercises the mode, not part of it.
@@ -7,18 +12,21 @@ mode: it is a harness that exercises the mode, not part of it.
 
 from __future__ import annotations
 
-import warnings
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
+import hyperrng.platforms as platforms
 from hyperrng._launch import run_ranks
 from hyperrng.errors import InvalidArgumentError
 from hyperrng.philox.mode import portable_random
 from hyperrng.platforms.validate import check_int, check_seed
+from hyperrng.sharded import ShardedRNGTracker
 
 __all__ = ["TinyMLP", "tp_invariance_report", "tp_rank"]
 
@@ -27,52 +35,114 @@ _DROPOUT_P = 0.3
 _LR = 0.1
 
 
-class TinyMLP(nn.Module):
-    """Linear, dropout, linear: the smallest model with a column- and a row-parallel layer."""
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce over the TP group forward, identity backward: the row-parallel layer's output."""
 
-    def __init__(self) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        _all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _all_reduce(tensor: torch.Tensor, group: Any) -> None:
+    """Sum ``tensor`` in place over ``group``, through the host where the backend needs it (gloo)."""
+    import torch.distributed as dist
+
+    buf = tensor.to(platforms.comm.comm_device(platforms.current(), group))
+    dist.all_reduce(buf, group=group)
+    tensor.copy_(buf)
+
+
+def _gather_columns(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The column blocks of every rank of ``group`` side by side (rank order), on the host."""
+    pieces = platforms.comm.all_gather(platforms.current(), tensor.detach(), group)
+    return torch.cat([piece.cpu() for piece in pieces], dim=-1)
+
+
+class TinyMLP(nn.Module):
+    """Linear, dropout, linear, split over ``tp`` ranks: the first layer by output rows (column
+    parallel), the second by input columns (row parallel), with an all-reduce after it.
+
+    Every random op draws inside a sharded region with the *global* shape of its tensor, so
+    each rank draws its block of the numbers an unsharded model draws: the initialisation of
+    each parameter, and the dropout mask of the hidden activation.
+    """
+
+    def __init__(self, tp: int, tp_rank: int, group: Any, device: torch.device) -> None:
         super().__init__()
-        self.up = nn.Linear(_IN, _HIDDEN)
-        self.down = nn.Linear(_HIDDEN, _IN)
+        self.tp, self.tp_rank, self.group = tp, tp_rank, group
+        self.tracker = ShardedRNGTracker()
+        rows = _HIDDEN // tp
+        self.up_w = nn.Parameter(torch.empty(rows, _IN, device=device))
+        self.up_b = nn.Parameter(torch.empty(rows, device=device))
+        self.down_w = nn.Parameter(torch.empty(_IN, rows, device=device))
+        self.down_b = nn.Parameter(torch.empty(_IN, device=device))
+        self.masks: list[torch.Tensor] = []
+
+    def _region(self, shard_dim: int | None, global_shape: tuple[int, ...]) -> Any:
+        placement = Replicate() if shard_dim is None else Shard(shard_dim)
+        return self.tracker.distribute_region(((self.tp,), (self.tp_rank,)), [placement], global_shape)
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation of the unsharded layers (bounds from the global fans), per block."""
+        with torch.no_grad():
+            for param, shard_dim, shape, fan_in in (
+                (self.up_w, 0, (_HIDDEN, _IN), _IN),
+                (self.up_b, 0, (_HIDDEN,), _IN),
+                (self.down_w, 1, (_IN, _HIDDEN), _HIDDEN),
+                (self.down_b, None, (_IN,), _HIDDEN),
+            ):
+                bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) and the bias bound coincide
+                with self._region(shard_dim, shape):
+                    param.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.dropout(self.up(x), _DROPOUT_P, self.training)
-        self.masks.append(_full(hidden) == 0)
-        return self.down(hidden)
+        hidden = F.linear(x, self.up_w, self.up_b)
+        with self._region(1, (x.shape[0], _HIDDEN)):
+            hidden = F.dropout(hidden, _DROPOUT_P, self.training)
+        self.masks.append(_gather_columns(hidden == 0, self.group))
+        return _SumOverTP.apply(F.linear(hidden, self.down_w), self.group) + self.down_b
 
-    masks: list[torch.Tensor]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a collective: every rank calls it
+    def global_parameters(self) -> torch.Tensor:
+        """Every parameter of the unsharded model, flattened, on the host (a collective)."""
+        up_w = _gather_columns(self.up_w.t(), self.group).t()
+        up_b = _gather_columns(self.up_b, self.group)
+        down_w = _gather_columns(self.down_w, self.group)
+        return torch.cat([t.flatten() for t in (up_w, up_b, down_w, self.down_b.detach().cpu())])
 
 
 def tp_rank(rank: int, world_size: int, tp_sizes: tuple[int, ...], steps: int, seed: int) -> dict[int, Any]:
-    """Per TP size: the initial parameters (flattened, global), the dropout masks and the losses."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Per TP size: the initial parameters (flattened, global), the dropout masks and the losses.
 
-    x = torch.linspace(-1.0, 1.0, _BATCH * _IN).reshape(_BATCH, _IN)  # the same batch on every rank
+    Runs on the platform's device: this rank's device when there is one per rank, else the
+    one every rank shares.
+    """
+    import torch.distributed as dist
+
+    p = platforms.current()
+    p.set_device(rank % p.device_count())
+    device = p.device()
+    x = torch.linspace(-1.0, 1.0, _BATCH * _IN, device=device).reshape(_BATCH, _IN)  # the same batch everywhere
     results: dict[int, Any] = {}
     for tp in tp_sizes:
-        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-        model = TinyMLP()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DTensor's notes about CPU meshes
-            parallelize_module(model, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
-            model.masks = []
-            optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
-            losses = []
-            with portable_random(seed):
-                for layer in (model.up, model.down):
-                    layer.reset_parameters()  # kaiming_uniform_ and uniform_ on DTensor parameters
-                params = torch.cat([_full(p.detach()).flatten() for p in model.parameters()])
-                for _ in range(steps):
-                    loss = model(x).pow(2).mean()
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    losses.append(float(loss))
+        groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world_size, tp)]
+        model = TinyMLP(tp, rank % tp, groups[rank // tp], device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+        losses = []
+        with portable_random(seed):
+            model.reset_parameters()
+            params = model.global_parameters()
+            for _ in range(steps):
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(float(loss))
         # Plain lists: tensors would travel back through shared memory that dies with the rank.
         results[tp] = {"params": params.tolist(), "masks": torch.stack(model.masks).tolist(), "losses": losses}
     return results
@@ -83,10 +153,9 @@ def tp_invariance_report(
 ) -> dict[str, Any]:
     """Train a tiny tensor-parallel MLP with dropout under portable mode at each TP size, on real ranks.
 
-    Spawns ``world_size`` gloo processes on the CPU; for each TP size the ranks form a
-    ``(world_size // tp, tp)`` mesh, parallelise the model over its ``tp`` dimension
-    (``torch.distributed.tensor.parallel``), initialise it inside ``portable_random(seed)``
-    and train ``steps`` SGD steps with dropout.
+    Spawns ``world_size`` gloo processes on the platform's device; for each TP size the
+    ranks form groups of ``tp`` consecutive ranks, split the model over them (:class:`TinyMLP`),
+    initialise it inside ``portable_random(seed)`` and train ``steps`` SGD steps with dropout.
 
     Returns:
         ``{"params_identical", "masks_identical", "max_loss_difference", "losses": {tp: [...]}}``:

@@ -509,7 +509,7 @@ def _silent(line: str) -> None:
 
 
 def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
-    """Train the same model under portable mode at every TP size dividing the world size (CPU, gloo)."""
+    """Train the same model under portable mode at every TP size dividing the world size, on the platform's device."""
     from hyperrng._demo_portable import tp_invariance_report
 
     world = cfg.size
@@ -519,8 +519,8 @@ def _portable_verdict(cfg: DemoConfig) -> tuple[str, bool, str]:
     drift = report["max_loss_difference"]
     holds = same and drift <= _PORTABLE_LOSS_TOLERANCE
     detail = (
-        f"TP={', '.join(map(str, sizes))} on {world} CPU processes: parameters and masks "
-        f"{'bit-identical' if same else 'DIFFER'}, losses within {drift:.1e}"
+        f"TP={', '.join(map(str, sizes))} on {world} processes on {platforms.current().device_type}: "
+        f"parameters and masks {'bit-identical' if same else 'DIFFER'}, losses within {drift:.1e}"
     )
     return _PORTABLE_PROPERTY, holds, detail
 

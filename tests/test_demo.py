@@ -253,7 +253,7 @@ def test_with_portable_the_demo_trains_every_tp_size_to_the_same_numbers_on_the_
     assert out.returncode == 0, out.stdout + out.stderr
     assert (
         "[PASS] portable mode: the same numbers at every TP size\n"
-        "         TP=1, 2, 4 on 4 CPU processes: parameters and masks bit-identical, losses within "
+        "         TP=1, 2, 4 on 4 processes on sim: parameters and masks bit-identical, losses within "
     ) in out.stdout
     assert out.stdout.count("[PASS]") == 6 and "every property holds" in out.stdout
 

@@ -163,14 +163,15 @@ def _fill_short_runs(out: torch.Tensor, geometry: ShardGeometry, offset: int, ke
     columns = torch.arange(run, dtype=torch.int64, device=device)
     base_block, base_lane = offset // WORDS_PER_BLOCK, offset % WORDS_PER_BLOCK
     for g0 in range(0, geometry.segments, group):
-        ids = torch.arange(g0, min(g0 + group, geometry.segments), dtype=torch.int64, device=device)
+        count = min(group, geometry.segments - g0)  # counted here: a device tensor's own shape may lag its data
+        ids = torch.arange(g0, g0 + count, dtype=torch.int64, device=device)
         # Split offset + start into block and lane without forming it: it may exceed int64.
         shifted = geometry.segment_starts(ids) + base_lane
         first_blocks = shifted // WORDS_PER_BLOCK + base_block
         lanes = shifted % WORDS_PER_BLOCK
         blocks = (first_blocks[:, None] + steps[None, :]).reshape(-1)
-        values = kernel.values(blocks).reshape(ids.numel(), span * WORDS_PER_BLOCK)
-        out[g0 : g0 + ids.numel()] = values.gather(1, lanes[:, None] + columns[None, :])
+        values = kernel.values(blocks).reshape(count, span * WORDS_PER_BLOCK)
+        out[g0 : g0 + count] = values.gather(1, lanes[:, None] + columns[None, :])
 
 
 def fill(
