@@ -12,7 +12,7 @@ global index ``4 * ob + ol + ((b_start + b) * H_g + h_start + h) * L_g * S + (ro
 fits ``int64``. Its word is lane ``index % 4`` of Philox4x32-10 at counter ``index // 4`` (words 0 and 1,
 low half first; words 2 and 3 zero) under the 64-bit key, low word first: :func:`hyperrng.philox.random_bits`.
 The element is kept where ``word <= thr`` (``thr = round((1 - p) * 2**32) - 1``), and kept probabilities
-are scaled by ``drop_scale``.
+are scaled by ``drop_scale`` (the caller passes 0 where that threshold is 0 and nothing is kept).
 
 When every row of the block starts at a multiple of 4 (``ALIGNED``: ``ol == 0`` and ``S % 4 == 0``) a
 tile computes one Philox block per four columns and interleaves the lanes; otherwise each element
@@ -25,6 +25,12 @@ compiled kernel. Shapes, strides and the ``tl.constexpr`` switches select varian
 The softmax runs in base 2 (``exp2``, scores scaled by ``log2(e)``); the per-row ``lse`` the forward
 stores for the backward is ``log2`` of the row's sum of ``2**score``, ``+inf`` for a row with nothing
 to attend to (so the backward's probabilities are 0 there, as torch's math path gives).
+
+Under the interpreter three things differ from the compiled code, each where marked: Triton's library
+reductions are decorated again for the interpreter, runtime loop bounds become Python ints
+(``_bound``), and bfloat16 dot operands are converted to float32 first (``UPCAST``; exact), because
+the interpreter's bfloat16 dot is wrong. Everything else, the Philox rounds and the mask included, is
+the code a GPU compiles.
 
 Launch option ``enable_fp_fusion`` stays on (:data:`FP_FUSION`): the keep mask is integer arithmetic,
 which contraction cannot change, and the values are compared with the torch implementation within a

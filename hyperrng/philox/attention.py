@@ -337,11 +337,13 @@ def _check_position(p: float, philox_key: object, offset: object, block: _Block)
 
 @functools.cache
 def _triton_import_error() -> str | None:
-    """Why Triton cannot be imported here, or None (asked once per process, never at import)."""
+    """Why Triton or the kernels module cannot be imported here, or None (asked once per process, on the
+    first call that could use them, never at import; importing decorates the kernels, it compiles nothing)."""
     try:
-        importlib.import_module("triton.language")
+        importlib.import_module(_KERNELS)
     except Exception as error:  # any failure of a foreign package's import means: not usable
-        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        gist = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"{type(error).__name__}: {gist}"
     return None
 
 
@@ -390,7 +392,7 @@ def _triton_misfit(
     """Why the Triton kernels cannot run this call, or None."""
     error = _triton_import_error()
     if error is not None:
-        return f"Triton is not importable ({error})"
+        return f"Triton is not importable, or not a version the kernels were written for (3.6) ({error})"
     if problem.device.type not in ("cuda", "cpu"):
         return f"the kernels run on CUDA tensors (CPU tensors through Triton's interpreter), not {problem.device.type}"
     if problem.dtype == torch.float64:
@@ -504,10 +506,10 @@ def _torch_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     problem = plan.problem
     dtype = problem.compute_dtype
-    out = torch.zeros((*problem.batch, problem.L, problem.Ev), dtype=problem.dtype, device=problem.device)
+    out = torch.empty((*problem.batch, problem.L, problem.Ev), dtype=problem.dtype, device=problem.device)
     lse = torch.full((*problem.compute_batch, problem.L), math.inf, dtype=dtype, device=problem.device)
     if problem.S == 0 or out.numel() == 0:
-        return out, lse
+        return out.zero_(), lse  # no keys: every row attends to nothing
     cq = _split_heads(problem, q, query_side=True)
     kt = _split_heads(problem, k, query_side=False).to(dtype).transpose(-2, -1)
     cv = _split_heads(problem, v, query_side=False).to(dtype)
@@ -775,8 +777,10 @@ def scaled_dot_product_attention(
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (module docstring).
 
     Returns:
-        The attention output ``(*batch, L, Ev)`` in the inputs' dtype, differentiable with respect to
-        ``query``, ``key``, ``value`` and an additive ``attn_mask`` (torch backend).
+        The attention output ``(*batch, L, Ev)`` in the inputs' dtype, differentiable (once: no double
+        backward) with respect to ``query``, ``key``, ``value`` and an additive ``attn_mask`` (torch
+        backend). The backward pass draws the same mask again from the position the forward was given,
+        on whatever thread it runs.
 
     Raises:
         ArgumentTypeError: an argument of the wrong type: a tensor that is not one, a dtype other than
