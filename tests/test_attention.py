@@ -474,9 +474,24 @@ def test_triton_kernels_take_any_batch_layout(shapes: tuple[tuple[int, ...], ...
 
 
 @needs_triton
+def test_the_interpreter_leaves_tritons_language_as_it_found_it() -> None:
+    """A process that interprets the kernels can still compile kernels afterwards (tests do both)."""
+    import triton.language as tl
+
+    modules = (tl, tl.core, tl.math, tl.core.tensor)
+    before = [dict(vars(m)) for m in modules]
+    q, k, v = _inputs((1, 1, 16, 16), (1, 1, 16, 16), torch.bfloat16)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=0.5, philox_key=KEY, offset=0, backend="triton")
+    out.sum().backward()
+    for module, saved in zip(modules, before):
+        changed = [name for name, value in vars(module).items() if saved.get(name, value) is not value]
+        assert not changed, f"{module} changed: {changed[:5]}"
+
+
+@needs_triton
 def test_backend_triton_refuses_calls_the_kernels_do_not_take() -> None:
     q, k, v = _inputs((1, 2, 4, 8), (1, 2, 4, 8), torch.float32)
-    with pytest.raises(InvalidArgumentError, match="head dims must be equal and one of 16, 32, 64, 128"):
+    with pytest.raises(InvalidArgumentError, match=r"head dims must be equal and one of \(16, 32, 64, 128\)"):
         scaled_dot_product_attention(q, k, v, backend="triton")
     q, k, v = _inputs((1, 2, 4, 16), (1, 2, 4, 16), torch.float32)
     mask = torch.zeros(4, 4, requires_grad=True)
@@ -487,6 +502,43 @@ def test_backend_triton_refuses_calls_the_kernels_do_not_take() -> None:
         scaled_dot_product_attention(
             q, k, v, backend="triton", global_shape=(2, 3, 2, 4, 4), shard=(slice(None), slice(1, 2))
         )
+
+
+@needs_triton
+@pytest.mark.slow
+def test_the_kernels_compile_for_an_h100_without_one() -> None:
+    """What the interpreter cannot show: Triton's compiler takes the kernels (to a cubin for sm_90, with
+    the tiles a GPU launches), which it does without a GPU. One variant, the common one (bfloat16, head
+    dim 64, causal, dropout at an aligned position: about 10 s); every variant compiled so when the
+    kernels were written."""
+    dtype, head_dim, causal, bias, aligned = "bf16", 64, True, False, True
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = attention._kernels(False)
+    if not isinstance(kernels._attn_fwd, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET is set in this process: the kernels module was decorated for the interpreter")
+    pointers = {"Q", "K", "V", "Bias", "Out", "dOut", "dK", "dV", "dQ"}
+    switches = {"CAUSAL": causal, "HAS_BIAS": bias, "DROPOUT": True, "ALIGNED": aligned, "UPCAST": False}
+    for name, fn in (("fwd", kernels._attn_fwd), ("dkdv", kernels._attn_bwd_dkdv), ("dq", kernels._attn_bwd_dq)):
+        tiles = kernels._tiles(name, head_dim, torch.bfloat16, False)
+        constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n}
+        constexprs.update(switches, IEEE=dtype == "fp32")
+        signature = {}
+        for arg in fn.arg_names:
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg in pointers:
+                signature[arg] = f"*{dtype}"
+            elif arg in ("Lse", "Delta"):
+                signature[arg] = "*fp32"
+            else:
+                signature[arg] = "fp32" if arg in ("sm_scale", "drop_scale") else "i32"
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        options = {"num_warps": tiles.warps, "num_stages": tiles.stages, "enable_fp_fusion": True}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"], name
 
 
 # -- a real GPU ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language import core as _core  # noqa: F401 -- see below
 
 FP_FUSION = True
 """``enable_fp_fusion`` of every launch (see the module docstring)."""
@@ -60,7 +61,10 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 if triton.knobs.runtime.interpret:
     # Triton's library functions (tl.sum, ...) are jit functions decorated when triton.language was imported,
     # for compiling unless TRITON_INTERPRET was set then; the interpreter cannot call those. This copy
-    # decorates their Python bodies again, for the interpreter.
+    # decorates their Python bodies again, for the interpreter. Their module names triton.language.core,
+    # which the interpreter then patches for each call and never puts back; the kernels here see it too
+    # (_core above), so that the interpreter patches it for the whole launch and restores it after:
+    # otherwise a later compile in the same process would meet the interpreter's stand-ins.
     _sum, _max = (triton.jit(f.fn) for f in (tl.sum, tl.max))
 
     def _bound(x: object) -> int:
@@ -427,23 +431,26 @@ class _Tiles:
     stages: int
 
 
-# Compiled tiles by kernel and head dim, not autotuned: sized so that a tile's scores, its Philox words
-# and the float32 accumulators fit the registers of its warps (FlashAttention's own dropout kernels
-# shrink their tiles for the same reason). The interpreter runs small tiles of the same orientations
-# (forward and dq: tall, dk/dv: wide), so that its tests cross tile edges at small sizes.
-_SMALL, _LARGE = _Tiles(64, 64, 4, 3), _Tiles(128, 64, 8, 2)
+# Compiled tiles by kernel, head dim and whether the inputs are float32, not timed on a GPU: chosen so that
+# ptxas (Triton 3.6, sm_90, dropout) reports no register spills for 16-bit inputs at head dims 64 and 128
+# without a bias and at most 56 bytes with one, with the largest tiles that do. Float32 products run
+# without tensor cores (IEEE) and need far more registers: its tiles are small (larger ones spill
+# kilobytes; these up to 1.5 KB with a bias at head dim 128). The interpreter runs small tiles of the
+# same orientations (forward and dq: tall, dk/dv: wide), so that its tests cross tile edges at small sizes.
+_SMALL = _Tiles(64, 64, 4, 3)
 _COMPILED = {
-    "fwd": {16: _SMALL, 32: _SMALL, 64: _SMALL, 128: _LARGE},
-    "dkdv": {16: _SMALL, 32: _SMALL, 64: _SMALL, 128: _Tiles(64, 64, 8, 2)},
-    "dq": {16: _SMALL, 32: _SMALL, 64: _SMALL, 128: _Tiles(64, 64, 8, 2)},
+    "fwd": {16: _SMALL, 32: _SMALL, 64: _Tiles(128, 64, 8, 3), 128: _Tiles(128, 32, 8, 2)},
+    "dkdv": {16: _Tiles(32, 64, 4, 3), 32: _Tiles(32, 64, 4, 3), 64: _Tiles(32, 128, 8, 3), 128: _Tiles(32, 64, 8, 2)},
+    "dq": {16: _SMALL, 32: _SMALL, 64: _Tiles(128, 32, 8, 3), 128: _Tiles(128, 32, 8, 2)},
 }
+_COMPILED_FLOAT32 = {"fwd": _Tiles(32, 32, 4, 2), "dkdv": _Tiles(16, 32, 4, 2), "dq": _Tiles(32, 16, 4, 2)}
 _INTERPRETED = {"fwd": _Tiles(32, 16, 1, 1), "dkdv": _Tiles(16, 32, 1, 1), "dq": _Tiles(32, 16, 1, 1)}
-HEAD_DIMS = (16, 32, 64, 128)
-"""Head dims the kernels are built for (the query/key dim equal to the value dim)."""
 
 
-def _tiles(kernel: str, head_dim: int, interpret: bool) -> _Tiles:
-    return _INTERPRETED[kernel] if interpret else _COMPILED[kernel][head_dim]
+def _tiles(kernel: str, head_dim: int, dtype: torch.dtype, interpret: bool) -> _Tiles:
+    if interpret:
+        return _INTERPRETED[kernel]
+    return _COMPILED_FLOAT32[kernel] if dtype == torch.float32 else _COMPILED[kernel][head_dim]
 
 
 def _geometry_args(call: Call) -> tuple[int, ...]:
@@ -501,7 +508,7 @@ def forward(
     S = k.shape[2]
     out = torch.empty((B, H, L, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-    tiles = _tiles("fwd", D, call.interpret)
+    tiles = _tiles("fwd", D, q.dtype, call.interpret)
     grid = (triton.cdiv(L, tiles.block_m), H, B)
     _attn_fwd[grid](
         q, k, v, _bias_tensor(bias, q), out, lse,
@@ -528,7 +535,7 @@ def backward(
     Hk, S = k.shape[1], k.shape[2]
     group = H // Hk
     delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-    tiles = _tiles("dq", D, call.interpret)
+    tiles = _tiles("dq", D, q.dtype, call.interpret)
     _attn_bwd_delta[(triton.cdiv(L, tiles.block_m), H, B)](
         out, grad, delta, *out.stride(), *grad.stride(), H, L, HEAD_DIM=D, BLOCK_M=tiles.block_m
     )
@@ -541,11 +548,11 @@ def backward(
     )  # fmt: skip
     switches = _switches(call, q, bias)
     bias_tensor = _bias_tensor(bias, q)
-    tiles = _tiles("dkdv", D, call.interpret)
+    tiles = _tiles("dkdv", D, q.dtype, call.interpret)
     _attn_bwd_dkdv[(triton.cdiv(S, tiles.block_n), Hk, B)](
         q, k, v, bias_tensor, grad, lse, delta, dk, dv, *common, HEAD_DIM=D, **switches, **_options(tiles, call)
     )
-    tiles = _tiles("dq", D, call.interpret)
+    tiles = _tiles("dq", D, q.dtype, call.interpret)
     _attn_bwd_dq[(triton.cdiv(L, tiles.block_m), H, B)](
         q, k, v, bias_tensor, grad, lse, delta, dq, *common, HEAD_DIM=D, **switches, **_options(tiles, call)
     )

@@ -96,6 +96,7 @@ _WORD_SCALE = 2**32  # a word is below round(q * 2**32) with probability ~q
 _INT32 = 2**31  # Triton kernel arguments and per-head offsets are 32-bit
 _GRID = 65535  # largest extent of grid axes 1 and 2, which hold heads and batches
 _KERNELS = "hyperrng.philox._triton_attention"
+_HEAD_DIMS = (16, 32, 64, 128)  # the head dims the kernels have tiles for
 
 
 # -- the problem ---------------------------------------------------------------------------------
@@ -397,8 +398,8 @@ def _triton_misfit(
         return f"the kernels run on CUDA tensors (CPU tensors through Triton's interpreter), not {problem.device.type}"
     if problem.dtype == torch.float64:
         return "there is no float64 kernel"
-    if problem.E != problem.Ev or problem.E not in (16, 32, 64, 128):
-        return f"head dims must be equal and one of 16, 32, 64, 128; got E = {problem.E} and Ev = {problem.Ev}"
+    if problem.E != problem.Ev or problem.E not in _HEAD_DIMS:
+        return f"head dims must be equal and one of {_HEAD_DIMS}; got E = {problem.E} and Ev = {problem.Ev}"
     if mask is not None and mask.requires_grad:
         return "the kernels do not differentiate attn_mask"
     batch, global_batch = problem.batch, block.global_shape[:-2]
