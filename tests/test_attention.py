@@ -252,6 +252,23 @@ def test_a_block_computes_the_matching_slice_of_the_unsharded_attention(block: s
             _close(a, b[kv_shard], torch.float64)
 
 
+def test_a_block_of_grouped_query_heads_is_a_slice_with_its_key_and_value_heads() -> None:
+    q, k, v = _inputs((2, 6, 5, 4), (2, 3, 7, 4))
+    full = scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True, philox_key=KEY, offset=2)
+    full_grads = _grads(full, [q, k, v])
+    heads, kv_heads = slice(2, 6), slice(1, 3)
+    parts = [q.detach()[:, heads], k.detach()[:, kv_heads], v.detach()[:, kv_heads]]
+    parts = [t.requires_grad_() for t in parts]
+    part = scaled_dot_product_attention(
+        *parts, dropout_p=0.3, enable_gqa=True, philox_key=KEY, offset=2, global_shape=(2, 6, 5, 7),
+        shard=(slice(None), heads),
+    )  # fmt: skip
+    _close(part, full[:, heads], torch.float64)
+    upstream = torch.randn(full.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for a, b, s in zip(torch.autograd.grad(part, parts, upstream[:, heads]), full_grads, (heads, kv_heads, kv_heads)):
+        _close(a, b[:, s], torch.float64)
+
+
 def test_query_blocks_sum_to_the_unsharded_key_and_value_gradients() -> None:
     q, k, v = _inputs((1, 2, 9, 4), (1, 2, 9, 4))
     full = scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, philox_key=KEY, offset=3)
@@ -349,6 +366,18 @@ def _bad_calls() -> list[tuple[str, Callable[[list[torch.Tensor]], dict[str, Any
         ("key columns", call(global_shape=(2, 2, 5, 12)), InvalidArgumentError, "every call needs all keys"),
         ("shard shape", call(global_shape=(4, 2, 5, 6)), InvalidArgumentError, "has shape (4, 2, 5, 6)"),
         ("shard step", call(global_shape=(4, 2, 5, 6), shard=(slice(0, 4, 2),)), InvalidArgumentError, "step"),
+        (
+            "gqa heads cut a group",
+            call(
+                enable_gqa=True,
+                key=lambda t: t[1][:, :1],
+                value=lambda t: t[2][:, :1],
+                global_shape=(2, 4, 5, 6),
+                shard=(slice(None), slice(1, 3)),
+            ),
+            InvalidArgumentError,
+            "starts at a multiple of 2",
+        ),
         ("backend name", call(backend="cuda"), InvalidArgumentError, "backend must be one of"),
         ("backend type", call(backend=None), ArgumentTypeError, "backend must be one of"),
         (
@@ -418,6 +447,9 @@ TRITON_CASES: dict[str, dict[str, Any]] = {
     "float32, bool mask, a row masked out, offset 2 mod 4": {"dtype": torch.float32, "mask": "bool", "offset": 6},
     "float32, grouped-query heads, additive mask": {"dtype": torch.float32, "group": 2, "mask": "float"},
     "float16, causal": {"dtype": torch.float16, "causal": True},
+    "float16, a block of grouped-query heads": {
+        "dtype": torch.float16, "group": 2, "shard": (slice(None), slice(2, 4)),
+    },
     "bfloat16": {"dtype": torch.bfloat16, "S": 24},
 }  # fmt: skip
 
@@ -431,7 +463,9 @@ def test_triton_kernels_agree_with_the_torch_implementation(name: str) -> None:
     global_shape = (B, H, L, S)
     q, k, v = _inputs((B, H, L, E), (B, H // group, S, E), dtype)
     if shard is not None:  # this block's rows of the query, its heads of the key and value
-        q, k, v = (t.detach()[shard if i == 0 else shard[:2]].requires_grad_() for i, t in enumerate((q, k, v)))
+        heads = shard[1].indices(H)
+        kv = (shard[0], slice(heads[0] // group, heads[1] // group))
+        q, k, v = (t.detach()[shard if i == 0 else kv].requires_grad_() for i, t in enumerate((q, k, v)))
     kwargs: dict[str, Any] = {"is_causal": case.get("causal", False), "enable_gqa": group > 1}
     generator = torch.Generator().manual_seed(4)
     if case.get("mask") == "bool":

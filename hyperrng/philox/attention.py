@@ -310,6 +310,11 @@ def _check_block(problem: _Problem, global_shape: object, shard: object) -> _Blo
             f"shard {shard!r} of global_shape {shape} has shape {geometry.local_shape}, but the probabilities of "
             f"these tensors have shape {local}."
         )
+    if problem.group > 1 and geometry.starts[-3] % problem.group:
+        raise InvalidArgumentError(
+            f"with enable_gqa a block of heads starts at a multiple of {problem.group} (query heads per key head), "
+            f"so that its key and value heads are whole; shard starts at head {geometry.starts[-3]}."
+        )
     return _Block(shape, geometry.starts)
 
 
