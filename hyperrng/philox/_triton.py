@@ -23,9 +23,9 @@ import importlib.util
 import math
 import os
 import struct
+import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 
 from hyperrng.philox._shards import ShardGeometry
 
-__all__ = ["Arguments", "arguments", "fill", "dropout", "kernels", "probe"]
+__all__ = ["Arguments", "arguments", "fill", "dropout", "kernels", "load", "probe"]
 
 _MASK32 = 0xFFFFFFFF
 _MAX_BLOCK = 512
@@ -47,31 +47,46 @@ _DISTS = {"random_bits": 0, "uniform": 1, "bernoulli": 2, "normal": 3, "randint"
 
 
 def kernels(interpreted: bool) -> ModuleType:
-    """The kernel module: compiled for devices Triton serves, or ``interpreted`` for CPU tensors.
-
-    Both are :mod:`hyperrng.philox._triton_kernels`, executed once each: Triton decides when a
-    function is decorated whether it compiles or interprets it, from ``TRITON_INTERPRET``, so the
-    variable is set to ``"1"`` or ``"0"`` while the module runs and restored after.
+    """The distributions' kernel module: compiled for devices Triton serves, or ``interpreted`` for CPU tensors.
 
     Raises:
         ImportError: Triton is not installed.
     """
-    return _load(bool(interpreted))
+    return load("hyperrng.philox._triton_kernels", interpreted)
 
 
 @functools.cache
-def _load(interpreted: bool) -> ModuleType:
+def load(name: str, interpreted: bool) -> ModuleType:
+    """The module of Triton kernels ``name``: imported as usual, or a second copy for Triton's interpreter.
+
+    Triton decides when a function is decorated whether it compiles or interprets it, from
+    ``TRITON_INTERPRET``: the interpreted copy is the same file executed under another module
+    name (``name + "_interpreted"``, registered in ``sys.modules`` as an import would) while the
+    variable is ``"1"``, under a lock, restored after (another thread decorating kernels meanwhile
+    would see it). Both copies can live in one process: a GPU machine runs compiled kernels on
+    CUDA tensors and the interpreted ones on CPU tensors.
+
+    Raises:
+        ImportError: Triton is not installed (or the module fails to import).
+    """
+    if not interpreted:
+        return importlib.import_module(name)
     import triton  # noqa: F401 -- the ImportError of a machine without Triton, before anything else
 
-    name = "hyperrng.philox._triton_kernels" + ("_interpreted" if interpreted else "")
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+    origin = importlib.util.find_spec(name)
+    assert origin is not None and origin.origin is not None
+    spec = importlib.util.spec_from_file_location(name + "_interpreted", origin.origin)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     with _LOAD_LOCK:
         previous = os.environ.get(_INTERPRET)
-        os.environ[_INTERPRET] = "1" if interpreted else "0"
+        os.environ[_INTERPRET] = "1"
+        sys.modules[spec.name] = module  # dataclasses and Triton look the module up by name
         try:
             spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
         finally:
             if previous is None:
                 del os.environ[_INTERPRET]

@@ -6,7 +6,10 @@ while it is decorated (the same kernels run by Triton's interpreter on CPU tenso
 how the tests prove them bit-identical to the torch backend without a GPU). Nothing here
 knows about torch. The kernels call Triton's builtins only, not the functions of its standard
 library written with ``@triton.jit`` (``tl.interleave``, ``tl.zeros``): those were
-decorated once, when Triton was imported, for one of the two modes.
+decorated once, when Triton was imported, for one of the two modes. The module names
+``triton.language.core`` (``_core``) so that the interpreter, which patches the modules a
+kernel's globals name for the length of a launch, restores it afterwards: left patched, it
+breaks the compiled kernels launched later in the same process.
 
 **Counter layout** (the project's, see :mod:`hyperrng.philox`): global index ``j`` is lane
 ``j % 4`` of the Philox block whose 64-bit counter is ``j // 4``, low half in counter word 0,
@@ -28,6 +31,7 @@ value in the compute dtype.
 
 import triton
 import triton.language as tl
+from triton.language import core as _core  # noqa: F401 -- see below
 
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)

@@ -66,9 +66,6 @@ import importlib
 import importlib.util
 import math
 import numbers
-import os
-import sys
-import threading
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -353,38 +350,11 @@ def _triton_import_error() -> str | None:
     return None
 
 
-_INTERPRET_LOCK = threading.Lock()
-
-
-@functools.cache
 def _kernels(interpret: bool) -> types.ModuleType:
-    """The kernels module: compiled, or a second copy executed with ``TRITON_INTERPRET=1``.
+    """The kernels module, compiled or for Triton's interpreter (:func:`hyperrng.philox._triton.load`)."""
+    from hyperrng.philox import _triton
 
-    Triton decides between compiling and interpreting when a kernel is decorated, from that variable; so
-    the interpreted copy is the same file executed under another module name while the variable is set
-    (and restored after, under a lock: another thread decorating kernels at that moment would see it)."""
-    if not interpret:
-        return importlib.import_module(_KERNELS)
-    spec = importlib.util.find_spec(_KERNELS)
-    assert spec is not None and spec.origin is not None
-    copy = importlib.util.spec_from_file_location(f"{_KERNELS}_interpreted", spec.origin)
-    assert copy is not None and copy.loader is not None
-    module = importlib.util.module_from_spec(copy)
-    with _INTERPRET_LOCK:
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        sys.modules[copy.name] = module  # as an import does: dataclasses and Triton look the module up
-        try:
-            copy.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[copy.name]
-            raise
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-    return module
+    return _triton.load(_KERNELS, interpret)
 
 
 def _head_extent(t: torch.Tensor) -> int:
