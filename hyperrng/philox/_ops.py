@@ -38,7 +38,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, UnsupportedPortableOpError
-from hyperrng.philox import _torch, _triton, backends
+from hyperrng.philox import _attention_ops, _torch, _triton, backends
 from hyperrng.philox._shards import ShardGeometry
 from hyperrng.philox.position import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.platforms import _features
@@ -580,6 +580,9 @@ class _Kernels:
                     self._impl(name, torch.library.fallthrough_kernel)
             for name, kernel in kernels.items():
                 self._impl(name, kernel, with_keyset=True)
+            for name, kernel in _attention_ops.kernels(lambda: bool(THREAD.entries)).items():
+                for autograd_key in _attention_ops.AUTOGRAD_KEYS:
+                    self._impl("aten::" + name, kernel, with_keyset=True, key=autograd_key)
             self.labels = sorted(name.removeprefix("aten::") for name in kernels)
             self.key = key  # last: a thread that sees it sees every registration
 
@@ -589,9 +592,9 @@ class _Kernels:
             library = self.libraries[namespace] = torch.library.Library(namespace, "IMPL")
         return library
 
-    def _impl(self, name: str, kernel: Callable[..., Any], with_keyset: bool = False) -> None:
+    def _impl(self, name: str, kernel: Callable[..., Any], with_keyset: bool = False, key: str = KEY_NAME) -> None:
         namespace, _, label = name.partition("::")
-        self._library(namespace).impl(label, kernel, KEY_NAME, with_keyset=with_keyset)
+        self._library(namespace).impl(label, kernel, key, with_keyset=with_keyset)
 
 
 _KERNELS = _Kernels()
