@@ -73,6 +73,11 @@ def test_the_gpu_suites_rows_and_block_step_run_on_any_device_at_small_sizes() -
     names = [r.name for r in rows]
     assert names[0] == "gpu: philox uniform f32, 2**10" and "gpu: F.dropout bf16 in portable mode, 2**10" in names
     assert all(r.seconds > 0 and r.baseline_seconds > 0 and r.target is None for r in rows)
-    step, portable_step = gpu.block_step(torch.device("cpu"), {"batch": 1, "sequence": 8, "width": 16, "heads": 2})
+    step, portable_step = gpu.block_step(
+        torch.device("cpu"), {"batch": 1, "sequence": 8, "width": 16, "heads": 2}, p_attn=0.1
+    )
     step()
     portable_step()
+    native, portable = gpu.attention_step(torch.device("cpu"), 1, 2, 8, 16, causal=True)
+    native()
+    portable()

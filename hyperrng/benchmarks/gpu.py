@@ -10,10 +10,16 @@ end of each round (a round times its launches and the kernels they queue):
 * a transformer block's training step (:class:`TransformerBlock`: batch 8, sequence 1024,
   width 1024, 16 heads, bfloat16, dropout 0.1 on the residuals and in the MLP, none in
   attention) in portable mode against the same step native;
-* a tracker fork, copying and graph-safe, against a Megatron-style state copy.
+* a tracker fork, copying and graph-safe, against a Megatron-style state copy;
+* portable attention: ``F.scaled_dot_product_attention`` with dropout 0.1 in portable mode,
+  forward and backward (batch 8, 16 heads, L = S = 1024 and 4096, head dims 64 and 128,
+  bfloat16, causal and not) against torch's SDPA with the same dropout, and the memory it
+  holds beyond inputs and outputs (``torch.cuda.max_memory_allocated``); the block step again
+  with attention dropout 0.1.
 
 Targets: portable uniform, bernoulli and dropout at least 1.0x torch's throughput at 2**24
-and 2**26, normal at least 0.9x; the block step at most 1.10x native.
+and 2**26, normal at least 0.9x; the block step at most 1.10x native, 1.15x with attention
+dropout; portable attention at most 1.5x torch's.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ _P = 0.1
 _BLOCK = {"batch": 8, "sequence": 1024, "width": 1024, "heads": 16}
 _QUICK_BLOCK = {"batch": 2, "sequence": 256, "width": 256, "heads": 4}
 _STEP_TARGET = 1.10
+_ATTENTION_STEP_TARGET = 1.15
+_ATTENTION_TARGET = 1.5
+_ATTENTION = [(1024, 64, False), (1024, 64, True), (1024, 128, True), (4096, 64, True), (4096, 128, False)]
+_QUICK_ATTENTION = [(256, 64, True)]
 
 
 def time_on_device(
@@ -140,9 +150,63 @@ def device_rows(device: torch.device, quick: bool, sizes: tuple[int, ...] | None
         rows += _draw_rows(device, n, number, rounds, note)
     rows.append(_in_mode_row(device, (sizes or (_QUICK_SIZES if quick else (2**24,)))[-1], number, rounds, note))
     if sizes is None:
-        rows.append(_step_row(device, _QUICK_BLOCK if quick else _BLOCK, rounds, note))
+        dims = _QUICK_BLOCK if quick else _BLOCK
+        rows.append(_step_row(device, dims, rounds, note))
+        rows.append(_step_row(device, dims, rounds, note, p_attn=_P))
         rows += _fork_rows(device, rounds)
+        batch, heads = (2, 4) if quick else (8, 16)
+        for length, head_dim, causal in _QUICK_ATTENTION if quick else _ATTENTION:
+            rows.append(_attention_row(device, batch, heads, length, head_dim, causal, rounds, note))
     return rows
+
+
+def attention_step(
+    device: torch.device, batch: int, heads: int, length: int, head_dim: int, causal: bool
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """SDPA with dropout, forward and backward: torch's, and the same call in portable mode."""
+    from hyperrng.philox.mode import portable_random
+
+    q, k, v = (
+        torch.randn(batch, heads, length, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn(batch, heads, length, head_dim, device=device, dtype=torch.bfloat16)
+
+    def native() -> None:
+        F.scaled_dot_product_attention(q, k, v, dropout_p=_P, is_causal=causal).backward(grad)
+
+    def portable() -> None:
+        with portable_random():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=_P, is_causal=causal)
+        out.backward(grad)
+
+    return native, portable
+
+
+def _attention_row(
+    device: torch.device, batch: int, heads: int, length: int, head_dim: int, causal: bool, rounds: int, note: str
+) -> BenchResult:
+    native, portable = attention_step(device, batch, heads, length, head_dim, causal)
+    t = time_on_device({"base": native, "ours": portable}, number=3, rounds=rounds, device=device)
+    memory = ""
+    if device.type == "cuda":
+        extra = []
+        for fn in (native, portable):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+            fn()
+            torch.cuda.synchronize(device)
+            extra.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
+        memory = f"; peak beyond inputs: torch {extra[0]:.0f} MiB, portable {extra[1]:.0f} MiB"
+    return BenchResult(
+        f"gpu: portable SDPA fwd+bwd, L={length}, d={head_dim}{', causal' if causal else ''}",
+        t["ours"],
+        "F.scaled_dot_product_attention, same dropout",
+        t["base"],
+        target=_ATTENTION_TARGET,
+        note=f"{note}; batch {batch}, {heads} heads, bf16, dropout {_P}{memory}",
+    )
 
 
 def _draw_rows(device: torch.device, n: int, number: int, rounds: int, note: str) -> list[BenchResult]:
@@ -219,17 +283,18 @@ def _in_mode_row(device: torch.device, n: int, number: int, rounds: int, note: s
     )
 
 
-def _step_row(device: torch.device, dims: dict[str, int], rounds: int, note: str) -> BenchResult:
-    step, portable_step = block_step(device, dims)
+def _step_row(device: torch.device, dims: dict[str, int], rounds: int, note: str, p_attn: float = 0.0) -> BenchResult:
+    step, portable_step = block_step(device, dims, p_attn)
     t = time_on_device({"base": step, "ours": portable_step}, number=3, rounds=max(rounds, 5), device=device)
     shape = "x".join(str(dims[k]) for k in ("batch", "sequence", "width"))
+    where = f"{p_attn} in attention" if p_attn else "none in attention"
     return BenchResult(
-        "gpu: transformer block step in portable mode",
+        f"gpu: transformer block step in portable mode{', attention dropout' if p_attn else ''}",
         t["ours"],
         "the same step, native",
         t["base"],
-        target=_STEP_TARGET,
-        note=f"{note}; {shape}, {dims['heads']} heads, bf16, dropout {_P} on residuals and MLP, none in attention",
+        target=_ATTENTION_STEP_TARGET if p_attn else _STEP_TARGET,
+        note=f"{note}; {shape}, {dims['heads']} heads, bf16, dropout {_P} on residuals and MLP, {where}",
     )
 
 

@@ -58,6 +58,8 @@ _STEP_TARGET = 1.10  # portable training step over a native one
 _FIXED_TARGET = 3.0  # entering and leaving over a tracker fork; a small op inside the mode over outside it
 _OUTSIDE_TARGET = 1.2  # a random op outside the mode, kernels registered, over the same before registration
 _SMALL_DROPOUT = (32, 64)
+_ATTENTION_SHAPE = (4, 8, 256, 64)  # batch, heads, L = S, head dim
+_ATTENTION_TARGET = 2.0  # portable SDPA with dropout over torch's math SDPA with dropout, on the CPU
 _MLP_WIDTH, _MLP_BATCH, _MLP_DROPOUT = 1024, 32, 0.1
 
 
@@ -121,6 +123,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
         with _torch_threads(1):
             results += _fixed_costs(repeat)
             results.append(_training_step(repeat))
+            results.append(_attention(repeat))
         results += _outside_the_mode(repeat)
     else:  # an older torch: say so on the bench's error stream, measure the rest
         print(
@@ -221,6 +224,23 @@ def _fixed_costs(repeat: int) -> list[BenchResult]:
         )
     )
     return rows
+
+
+def _attention(repeat: int) -> BenchResult:
+    """SDPA with dropout, forward and backward, in portable mode against torch's (its math path on the CPU)."""
+    from hyperrng.benchmarks.gpu import attention_step
+
+    batch, heads, length, head_dim = _ATTENTION_SHAPE
+    native, portable = attention_step(torch.device("cpu"), batch, heads, length, head_dim, causal=False)
+    t = interleaved({"base": native, "ours": portable}, number=1, rounds=max(repeat, 5))
+    return BenchResult(
+        f"portable SDPA fwd+bwd, L=S={length}, 1 thread",
+        t["ours"],
+        "F.scaled_dot_product_attention, same dropout",
+        t["base"],
+        target=_ATTENTION_TARGET,
+        note=f"batch {batch}, {heads} heads, head dim {head_dim}, bf16, dropout 0.1, CPU (torch's math path)",
+    )
 
 
 def _in_and_out(fn: Callable[[], object], *, number: int, rounds: int) -> tuple[Timing, Timing]:
