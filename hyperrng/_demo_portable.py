@@ -31,6 +31,7 @@ from hyperrng.sharded import ShardedRNGTracker
 __all__ = ["TinyMLP", "tp_invariance_report", "tp_rank"]
 
 _IN, _HIDDEN, _BATCH = 8, 12, 6
+_HEADS = 4  # attention heads of width _IN // _HEADS, split over the TP ranks
 _DROPOUT_P = 0.3
 _LR = 0.1
 
@@ -46,6 +47,22 @@ class _SumOverTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce backward: the input of a column-parallel layer, whose gradient each
+    rank has only its part of."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        _all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -65,24 +82,30 @@ def _gather_columns(tensor: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 class TinyMLP(nn.Module):
-    """Linear, dropout, linear, split over ``tp`` ranks: the first layer by output rows (column
-    parallel), the second by input columns (row parallel), with an all-reduce after it.
+    """Causal self-attention with dropout, then linear, dropout, linear; split over ``tp`` ranks as
+    Megatron splits them: attention by heads, the first linear layer by output rows (column
+    parallel), the second and the attention's output projection by input columns (row parallel),
+    each with an all-reduce after it.
 
     Every random op draws inside a sharded region with the *global* shape of its tensor, so
     each rank draws its block of the numbers an unsharded model draws: the initialisation of
-    each parameter, and the dropout mask of the hidden activation.
+    each parameter, the attention's dropout mask over the global ``(1, heads, L, L)``
+    probabilities, and the dropout mask of the hidden activation.
     """
 
     def __init__(self, tp: int, tp_rank: int, group: Any, device: torch.device) -> None:
         super().__init__()
         self.tp, self.tp_rank, self.group = tp, tp_rank, group
         self.tracker = ShardedRNGTracker()
-        rows = _HIDDEN // tp
+        rows, width = _HIDDEN // tp, _IN // tp  # this rank's hidden units and attention columns (heads)
+        self.qkv_w = nn.Parameter(torch.empty(3, width, _IN, device=device))
+        self.out_w = nn.Parameter(torch.empty(_IN, width, device=device))
         self.up_w = nn.Parameter(torch.empty(rows, _IN, device=device))
         self.up_b = nn.Parameter(torch.empty(rows, device=device))
         self.down_w = nn.Parameter(torch.empty(_IN, rows, device=device))
         self.down_b = nn.Parameter(torch.empty(_IN, device=device))
         self.masks: list[torch.Tensor] = []
+        self.attention: list[torch.Tensor] = []
 
     def _region(self, shard_dim: int | None, global_shape: tuple[int, ...]) -> Any:
         placement = Replicate() if shard_dim is None else Shard(shard_dim)
@@ -92,6 +115,8 @@ class TinyMLP(nn.Module):
         """``nn.Linear``'s initialisation of the unsharded layers (bounds from the global fans), per block."""
         with torch.no_grad():
             for param, shard_dim, shape, fan_in in (
+                (self.qkv_w, 1, (3, _IN, _IN), _IN),
+                (self.out_w, 1, (_IN, _IN), _IN),
                 (self.up_w, 0, (_HIDDEN, _IN), _IN),
                 (self.up_b, 0, (_HIDDEN,), _IN),
                 (self.down_w, 1, (_IN, _HIDDEN), _HIDDEN),
@@ -102,7 +127,14 @@ class TinyMLP(nn.Module):
                     param.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.linear(x, self.up_w, self.up_b)
+        heads = _HEADS // self.tp
+        q, k, v = (F.linear(x, w).view(1, _BATCH, heads, _IN // _HEADS).transpose(1, 2) for w in self.qkv_w)
+        with self._region(1, (1, _HEADS, _BATCH, _BATCH)):  # this rank's heads of the probabilities
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=_DROPOUT_P if self.training else 0.0, is_causal=True)
+        a = a.transpose(1, 2).reshape(_BATCH, _IN // self.tp)
+        self.attention.append(_gather_columns(a, self.group))
+        x = x + _SumOverTP.apply(F.linear(a, self.out_w), self.group)
+        hidden = F.linear(_CopyToTP.apply(x, self.group), self.up_w, self.up_b)
         with self._region(1, (x.shape[0], _HIDDEN)):
             hidden = F.dropout(hidden, _DROPOUT_P, self.training)
         self.masks.append(_gather_columns(hidden == 0, self.group))
@@ -110,10 +142,13 @@ class TinyMLP(nn.Module):
 
     def global_parameters(self) -> torch.Tensor:
         """Every parameter of the unsharded model, flattened, on the host (a collective)."""
+        qkv_w = _gather_columns(self.qkv_w.transpose(1, 2), self.group).transpose(1, 2)
+        out_w = _gather_columns(self.out_w, self.group)
         up_w = _gather_columns(self.up_w.t(), self.group).t()
         up_b = _gather_columns(self.up_b, self.group)
         down_w = _gather_columns(self.down_w, self.group)
-        return torch.cat([t.flatten() for t in (up_w, up_b, down_w, self.down_b.detach().cpu())])
+        parts = (qkv_w, out_w, up_w, up_b, down_w, self.down_b.detach().cpu())
+        return torch.cat([t.flatten() for t in parts])
 
 
 def tp_rank(rank: int, world_size: int, tp_sizes: tuple[int, ...], steps: int, seed: int) -> dict[int, Any]:
@@ -142,9 +177,14 @@ def tp_rank(rank: int, world_size: int, tp_sizes: tuple[int, ...], steps: int, s
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                losses.append(float(loss))
+                losses.append(loss.item())
         # Plain lists: tensors would travel back through shared memory that dies with the rank.
-        results[tp] = {"params": params.tolist(), "masks": torch.stack(model.masks).tolist(), "losses": losses}
+        results[tp] = {
+            "params": params.tolist(),
+            "masks": torch.stack(model.masks).tolist(),
+            "attention": torch.stack(model.attention).tolist(),
+            "losses": losses,
+        }
     return results
 
 
@@ -159,8 +199,9 @@ def tp_invariance_report(
 
     Returns:
         ``{"params_identical", "masks_identical", "max_loss_difference", "losses": {tp: [...]}}``:
-        whether every TP size gave bit-identical initial parameters and dropout masks (on
-        every rank), and how far the losses drift (float reductions differ with the sharding).
+        whether every TP size gave bit-identical initial parameters, dropout masks and first
+        attention outputs (their dropout included; on every rank), and how far the losses drift
+        (float reductions differ with the sharding).
 
     Raises:
         ArgumentTypeError / InvalidArgumentError: a size that is not a positive int dividing
@@ -176,7 +217,11 @@ def tp_invariance_report(
     per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
     reference = per_rank[0][sizes[0]]
     params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality
-    masks = all(r[tp]["masks"] == reference["masks"] for r in per_rank for tp in sizes)
+    masks = all(
+        r[tp]["masks"] == reference["masks"] and r[tp]["attention"][0] == reference["attention"][0]
+        for r in per_rank
+        for tp in sizes
+    )
     losses = {tp: per_rank[0][tp]["losses"] for tp in sizes}
     drift = max(abs(a - b) for tp in sizes for a, b in zip(losses[tp], losses[sizes[0]]))
     return {
