@@ -7,7 +7,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 **Writing a plug-in.** What a plug-in author needs to know beyond the README's example:
 
 * **The interface** is the table in :class:`Platform`'s docstring (``help(Platform)``):
-  fourteen members, each marked *must define* or *may override*. A class missing a
+  fifteen members, each marked *must define* or *may override*. A class missing a
   required one (``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``)
   is refused with :class:`PlatformError`; ``probe()`` (``None`` if usable, else why) must
   be cheap and must not initialise the device. :class:`DeviceModulePlatform` has them

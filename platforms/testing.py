@@ -303,6 +303,12 @@ def exposes_the_generator_in_use(p: Platform) -> None:
     assert not torch.equal(p.get_rng_state(), before), "seeding default_generator() did not reach the platform"
 
 
+@_check
+def is_not_capturing_outside_a_graph(p: Platform) -> None:
+    capturing = p.is_capturing()
+    assert capturing is False, f"is_capturing() returned {capturing!r} while nothing captures a graph; return False"
+
+
 def _holder(p: Platform, packed: torch.Tensor) -> str:
     """Which device holds the state ``packed`` (for messages): ``"device j"`` or ``"no device"``."""
     holders = [f"device {j}" for j, state in enumerate(_states(p)) if torch.equal(state, packed)]
