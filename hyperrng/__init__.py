@@ -32,7 +32,7 @@ with _contextlib.suppress(_errors.PlatformError):
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
 from hyperrng.portable_mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
 from hyperrng.random import fork_rng  # noqa: E402
-from hyperrng.recompute import checkpoint  # noqa: E402
+from hyperrng.recompute import checkpoint, checkpoint_context  # noqa: E402
 from hyperrng.seeding import (  # noqa: E402
     MegatronSeeds,
     is_random_seed_set,
@@ -117,6 +117,7 @@ __all__ = [
     "RNGStateful",
     "RNGResumeWarning",
     "checkpoint",
+    "checkpoint_context",
     # portable mode
     "portable_random",
     "set_portable_random",
