@@ -386,6 +386,53 @@ def test_selecting_an_incomplete_platform_instance_is_refused(
     assert platforms.current() is outer
 
 
+class _DictState(platforms.Platform):
+    """A plug-in whose ``_read_state`` hands back a dict instead of the state tensor."""
+
+    name = "dictplug"
+    counter_based = True
+
+    def __init__(self) -> None:
+        self._state = {"seed": 0, "offset": 0}
+
+    def device_count(self) -> int:
+        return 1
+
+    def _read_state(self, index: int) -> dict[str, int]:  # type: ignore[override]
+        return dict(self._state)
+
+    def _write_state(self, state: torch.Tensor, index: int) -> None:
+        seed, offset = platforms.unpack_counter_state(state)
+        self._state = {"seed": seed, "offset": offset}
+
+
+def test_a_platform_whose_state_is_not_a_tensor_is_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperrng.cli import info_lines
+
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("dictplug", _DictState)
+    outer = platforms.current()
+    with pytest.raises(PlatformError, match=r"not available: _read_state\(0\) returned a dict, not a 1-D CPU") as info:
+        platforms.load("dictplug")
+    assert info.value.reason == "unavailable"
+    with pytest.raises(PlatformError, match="cannot select platform 'dictplug': _read_state") as info:
+        platforms.set_current(_DictState())
+    assert info.value.reason == "invalid" and platforms.current() is outer
+    (line,) = [line for line in info_lines() if line.lstrip().startswith("dictplug")]
+    assert "unavailable - _read_state(0) returned a dict" in line
+
+
+def test_a_platform_whose_state_cannot_be_read_is_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Unreadable(_DictState):
+        def _read_state(self, index: int) -> dict[str, int]:
+            raise OSError("device gone")
+
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("dictplug", Unreadable)
+    with pytest.raises(PlatformError, match="reading its RNG state raised OSError: device gone"):
+        platforms.load("dictplug")
+
+
 # -- import behaviour, in fresh interpreters ------------------------------------------------
 
 

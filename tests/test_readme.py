@@ -168,3 +168,13 @@ def test_only_an_abort_after_every_rank_finished_counts_as_torchs_teardown(
 ) -> None:
     done = subprocess.CompletedProcess(["torchrun"], 1, stdout, stderr)
     assert _only_torch_teardown_aborted(done, 2) is torch_teardown_only
+
+
+def test_every_readme_section_the_code_points_to_exists() -> None:
+    # A PlatformError once sent plug-in authors to the README section 'Plugging in a device',
+    # which the README never had.
+    headings = set(re.findall(r"^#+ (.+?)\s*$", README.read_text(), re.MULTILINE))
+    sources = [*REPO.joinpath("hyperrng").rglob("*.py"), *REPO.joinpath("platforms").rglob("*.py")]
+    named = {name for path in sources for name in re.findall(r"README, '([^']+)'", path.read_text())}
+    assert named, "the code names no README section any more: drop this test"
+    assert named <= headings, f"sections named in the code but missing from the README: {named - headings}"
