@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hyperrng.platforms as platforms
 import pytest
+import torch
 
 from hyperrng._demo_output import verdict_lines as _verdict_lines
 from hyperrng._launch import Placement as _Placement
@@ -221,6 +222,21 @@ def test_configurations_the_demo_cannot_run_are_refused_before_any_process_start
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"hyperrng demo: error: {info.value}\n"
+
+
+def test_on_a_torch_without_portable_mode_the_portable_demo_is_refused_before_any_process_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hyperrng._launch as launch
+    from hyperrng import cli
+
+    monkeypatch.delattr(torch.library, "get_kernel", raising=False)  # what portable mode is detected by
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("no process may start"))
+    assert cli.main(["demo", "--portable"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("hyperrng demo: error: --portable: portable mode (hyperrng.portable_random) needs")
+    assert "torch >= 2.9" in captured.err and captured.err.count("\n") == 1
 
 
 def test_outside_torchrun_the_world_size_defaults_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
