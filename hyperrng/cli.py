@@ -131,10 +131,12 @@ class _Lines:
         self._stream = stream
         self._lock = threading.Lock()
         self.closed = False
+        self.last = time.monotonic()  # when a line was last written
 
     def __call__(self, *lines: str, fit: bool = True) -> None:
         """Write each line; ``fit=False`` writes them whole (Markdown table rows, meant to be pasted)."""
         with self._lock:
+            self.last = time.monotonic()
             if self.closed:
                 return
             try:
@@ -161,6 +163,35 @@ def _cmd_info(args: argparse.Namespace, out: _Lines) -> int:
     return 0
 
 
+_QUIET_S = 20.0
+"""Longest a running benchmark stays silent: past it, a line says that it is still measuring."""
+
+
+class _Heartbeat:
+    """While its block runs, a line ``... still measuring: <doing>`` whenever ``out`` has been quiet for ``every`` s."""
+
+    def __init__(self, out: _Lines, every: float = _QUIET_S) -> None:
+        self._out, self._every = out, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hyperrng-bench-heartbeat", daemon=True)
+        self._start = time.monotonic()
+        self.doing = ""
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(self._every, 1.0)):
+            if time.monotonic() - self._out.last >= self._every:
+                elapsed = time.monotonic() - self._start
+                self._out(f"      ... still measuring: {self.doing} ({elapsed:.0f} s into the run)")
+
+
 def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
     from hyperrng import benchmarks as b
 
@@ -171,14 +202,25 @@ def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
     progress(*header, "", *b.column_titles())
     rows = itertools.count(1)
 
-    def on_result(result: b.BenchResult) -> None:
-        progress(*b.format_row(next(rows), result))
+    with _Heartbeat(progress) as heartbeat:
 
-    def on_suite(i: int, n: int, name: str) -> None:
-        progress(*b.suite_lines(i, n, name))
+        def on_result(result: b.BenchResult) -> None:
+            index = next(rows)
+            heartbeat.doing = f"the row after #{index}"
+            progress(*b.format_row(index, result))
 
-    start = time.monotonic()
-    results = b.run_benchmarks(quick=args.quick, suites=suites, on_suite=on_suite, on_result=on_result)
+        def on_suite(i: int, n: int, name: str) -> None:
+            heartbeat.doing = f"suite {name}"
+            progress(*b.suite_lines(i, n, name))
+
+        def on_progress(text: str) -> None:
+            heartbeat.doing = text
+            progress(f"      ... {text}")
+
+        start = time.monotonic()
+        results = b.run_benchmarks(
+            quick=args.quick, suites=suites, on_suite=on_suite, on_result=on_result, on_progress=on_progress
+        )
     progress("", *b.summary_lines(results, time.monotonic() - start))
     if args.markdown:
         out(*b.format_markdown(results, header[:2]).splitlines(), fit=False)
