@@ -53,7 +53,7 @@ import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed, error_gist
@@ -112,7 +112,8 @@ def rng_state_dict(
         Plain data (tensors, numbers, strings, lists, dicts) with its digest; see the module docstring.
 
     Raises:
-        InvalidArgumentError: inside a fork of the tracker, or a base seed or coordinate out of range.
+        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``).
+        InvalidArgumentError: a base seed or coordinate out of range.
         ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.layout.StreamLayout`.
     """
     p = platforms.current()
@@ -162,8 +163,9 @@ def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None,
         check_instance(layout, StreamLayout, "layout")
     if chosen.active_stream is not None and not chosen._abandoned():  # abandoned: get/set_states decide
         verb = what.split()[0]
-        raise InvalidArgumentError(
-            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork."
+        raise InvalidOperationError(
+            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork.",
+            reason="tracker",
         )
     return chosen
 
@@ -206,8 +208,9 @@ def load_rng_state_dict(
         InvalidArgumentError: another format or version, a digest mismatch (a damaged state),
             a malformed field, a topology or platform mismatch, or a missing stream.
             Nothing has changed when it is raised.
-        InvalidOperationError: another thread holds torch's CPU generator or a device's (in a
-            fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing has changed.
+        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``), or
+            another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
+            see :mod:`hyperrng._exclusive`); nothing has changed.
     """
     if not isinstance(on_mismatch, str):
         raise ArgumentTypeError(

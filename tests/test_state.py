@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperrng._state_format import digest as _digest
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
 from hyperrng.state import (
@@ -476,9 +476,13 @@ def test_a_tracker_holding_another_stream_refuses_the_state(saved: tuple[dict[st
 
 
 def test_loading_inside_a_fork_is_refused_and_changes_nothing(saved: tuple[dict[str, Any], RNGStatesTracker]) -> None:
+    # A valid call that cannot run now: InvalidOperationError, as the README's table of errors says.
     state, tracker = saved
     with tracker.fork(MP):
-        expect_refusal(state, tracker, f"inside a fork of stream {MP!r}")
+        before = snapshot(tracker)
+        with pytest.raises(InvalidOperationError, match=f"inside a fork of stream {MP!r}") as info:
+            load_rng_state_dict(state, tracker=tracker, layout=LAYOUT, coords=COORDS)
+        assert info.value.reason == "tracker" and snapshot(tracker) == before
 
 
 def test_a_dict_of_another_format_is_refused() -> None:
@@ -1171,8 +1175,9 @@ def test_capturing_inside_a_fork_is_refused() -> None:
     tracker = get_rng_tracker()
     tracker.reseed({MODEL_PARALLEL_STREAM: 3})
     with tracker.fork(MODEL_PARALLEL_STREAM):
-        with pytest.raises(InvalidArgumentError, match="inside a fork of stream 'model-parallel-rng'"):
+        with pytest.raises(InvalidOperationError, match="inside a fork of stream 'model-parallel-rng'") as info:
             rng_state_dict()
+    assert info.value.reason == "tracker" and not isinstance(info.value, ValueError)
 
 
 @pytest.mark.needs_sim
