@@ -255,15 +255,36 @@ class _CommandParser(_Parser):
         return parsed, extras
 
 
+_PLATFORM_NOTE = (
+    f"The platform: {platforms.ENV_VAR}=cpu, cuda, npu, sim or package.module:Factory chooses it; without it, an "
+    "installed plug-in, else NPU, CUDA, CPU (hyperrng info says which and why). Exit status: 0 success, 1 a run "
+    "that failed, 2 a command line or configuration that cannot run (one line on stderr)."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     from hyperrng.benchmarks import SUITES
     from hyperrng.demo import DEFAULT_WORLD_SIZE, MAX_LOCAL_RANKS, PORTABLE_MAX_RANKS, DemoConfig
 
-    parser = _Parser(prog="hyperrng", description="Random-number state across devices and ranks for PyTorch.")
+    parser = _Parser(
+        prog="hyperrng",
+        description="Random-number state across devices and ranks for PyTorch training: named streams, "
+        "collision-free seeding, sharded-tensor offsets, cross-rank checks, exact-resume checkpoints. "
+        "'hyperrng demo' proves every property on real processes, 'hyperrng info' says which platform runs "
+        "and why, 'hyperrng bench' measures costs against baselines of the same run.",
+        epilog=_PLATFORM_NOTE,
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     demo = sub.add_parser(
-        "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
+        "demo",
+        help="train a tiny TP model on N processes and prove every RNG property, resume included",
+        description="Train a tiny tensor-parallel model with dropout on --world-size processes (or join the "
+        "torchrun job it runs in), run a sharded random op, check the streams across ranks, save an RNG "
+        "checkpoint and resume from it in fresh processes; print one [PASS] or [FAIL] line per property. "
+        f"The ranks run on the current platform: {platforms.ENV_VAR}=sim runs the accelerator code paths on "
+        "the simulated device, without a GPU.",
+        epilog=_PLATFORM_NOTE,
     )
     int_options = (  # flag, default, help
         (
@@ -291,9 +312,22 @@ def _parser() -> argparse.ArgumentParser:
         f"{PORTABLE_MAX_RANKS}, outside torchrun)",
     )
     demo.set_defaults(func=_cmd_demo)
-    info = sub.add_parser("info", help="which platform runs and why; every probe's result; every known platform")
+    info = sub.add_parser(
+        "info",
+        help="which platform runs and why; every probe's result; every known platform",
+        description="Which platform runs and why, every probe's result, the torch features this torch has, and "
+        "every platform that can be named.",
+        epilog=_PLATFORM_NOTE,
+    )
     info.set_defaults(func=_cmd_info)
-    bench = sub.add_parser("bench", help="benchmarks, as ratios against baselines measured in the same run")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks, as ratios against baselines measured in the same run",
+        description="Benchmarks of the current platform, each a ratio against a baseline timed in the same run "
+        "(the median of interleaved rounds, with their range). Rows print as they are measured, and a long "
+        "measurement says what it measures.",
+        epilog=_PLATFORM_NOTE,
+    )
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats, for CI (off by default)")
     bench.add_argument(
         "--suite",
