@@ -58,9 +58,11 @@ _PHASES = [
 
 @pytest.mark.multiproc
 def test_the_default_demo_passes_every_property(capsys: pytest.CaptureFixture[str]) -> None:
+    platform = platforms.current()  # the demo runs where the platform is: HYPERRNG_PLATFORM=cuda on a GPU
     assert main() == 0
     out = capsys.readouterr().out
-    assert "mesh dp=2 x tp=2 on platform 'cpu'\n4 processes over gloo on the host;" in out
+    placement = _Placement.plan(platform, 4).describe()
+    assert f"mesh dp=2 x tp=2 on platform {platform.name!r}\n4 processes {placement};" in out
     assert out.count("[PASS]") == 5 and "[FAIL]" not in out
     _positions(out.splitlines(), _PHASES)
     for rank in range(4):
@@ -104,7 +106,9 @@ def test_the_demo_prints_its_plan_and_each_phase_while_the_ranks_run(tmp_path: P
 
 
 def _demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), env.pop("PYTHONPATH", "")]), **env}
+    """The demo in a fresh process, with ``env`` and without the caller's HYPERRNG_PLATFORM unless ``env`` sets it."""
+    base = {k: v for k, v in os.environ.items() if k != platforms.ENV_VAR}
+    full_env = {**base, "PYTHONPATH": os.pathsep.join([str(REPO), env.pop("PYTHONPATH", "")]), **env}
     return subprocess.run([sys.executable, "-m", "hyperrng", "demo", *args], capture_output=True, text=True,
                           env=full_env, timeout=600, cwd=REPO)  # fmt: skip
 
@@ -170,7 +174,8 @@ def test_the_demo_joins_a_torchrun_job() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "joined a torchrun job of 2 ranks over gloo on the host" in out.stdout
+    placement = _Placement.plan(platforms.current(), 2).describe()  # the job runs where HYPERRNG_PLATFORM says
+    assert f"joined a torchrun job of 2 ranks {placement}" in out.stdout
     assert out.stdout.count("[PASS]") == 5
 
 
