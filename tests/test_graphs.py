@@ -177,8 +177,13 @@ def test_register_graph_refuses_an_empty_tracker_and_a_capture_already_begun(sim
 # -- real CUDA ------------------------------------------------------------------------------------
 @pytest.fixture
 def cuda() -> Iterator[platforms.Platform]:
+    """The CUDA platform, current; the device's generator as it was afterwards."""
     with platforms.use(platforms.CUDAPlatform()) as platform:
-        yield platform
+        saved = torch.cuda.get_rng_state()
+        try:
+            yield platform
+        finally:
+            torch.cuda.set_rng_state(saved)
 
 
 @pytest.mark.cuda
