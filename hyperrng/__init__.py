@@ -1,10 +1,36 @@
 """hyperrng: random-number state across devices and ranks for PyTorch training.
 
+Every random op of a model split over devices must draw the same numbers where ranks hold
+replicas, different ones where they hold shards, the same ones again on recompute and
+after a resume. hyperrng does that once, on the CPU, CUDA, an Ascend NPU or a device you
+plug in. Everything below is importable from ``hyperrng`` itself (``__all__`` lists it):
+
+* **Streams**: ``get_rng_tracker()`` (``RNGStatesTracker``, Megatron-core's and
+  TransformerEngine's ``tracker.fork(name)``), ``fork_rng``; graph-safe trackers and
+  ``tracker.register_graph(graph)`` for CUDA graphs.
+* **Seeding**: ``StreamLayout`` and ``apply_layout`` (collision-free stream seeds from mesh
+  coordinates), and the published recipes (``megatron_model_parallel_manual_seed``,
+  ``set_random_seed``, ``set_seeds``, ...).
+* **Sharded tensors**: ``ShardedRNGTracker`` (DTensor's RNG tracker, ``distribute_region``),
+  ``rng_offsets``.
+* **Across ranks**: ``verify_rng_sync``; checkpoints with ``rng_state_dict`` /
+  ``load_rng_state_dict``, ``save_rng_state`` / ``load_rng_state`` and ``RNGStateful``.
+* **Recompute**: ``checkpoint(fn, *args)``, and ``checkpoint_context`` as
+  ``torch.utils.checkpoint``'s ``context_fn``.
+* **Portable mode**: ``portable_random(seed)``, where torch's own random ops draw Philox
+  numbers that are the same on every device and mesh (:mod:`hyperrng.philox.mode`); explicit-key
+  draws in :mod:`hyperrng.philox`.
+* **Errors**: one class per kind of answer, under ``HyperRNGError`` (:mod:`hyperrng.errors`).
+* **Hardware**: ``current_platform()`` and :mod:`hyperrng.platforms`, whose docstring is
+  the guide to plugging in a device.
+
 Importing hyperrng resolves the hardware platform once (see :mod:`hyperrng.platforms.registry`):
 ``HYPERRNG_PLATFORM`` if set, else an available plug-in, else NPU, CUDA, CPU. The
 resolution touches no device. :func:`current_platform` returns the result, or raises the
 error that kept every platform from being selected (an unknown or unusable
 ``HYPERRNG_PLATFORM``, two plug-ins claiming the machine); so does every call that needs it.
+The ``hyperrng`` command (``hyperrng demo``, ``info``, ``bench``) is :mod:`hyperrng.cli`.
+Submodules whose names start with ``_`` are internal.
 """
 
 from __future__ import annotations
@@ -12,7 +38,7 @@ from __future__ import annotations
 import contextlib as _contextlib
 
 import hyperrng.errors as _errors
-import hyperrng.platforms as _platforms
+from hyperrng import platforms
 from hyperrng.errors import *  # noqa: F403 -- the error classes, exported by __all__ += _errors.__all__
 from hyperrng.platforms import Platform
 
@@ -27,12 +53,12 @@ __version__ = "0.1.0"
 # and the command must be able to report the error: ``hyperrng info`` with every probe, the
 # other commands in one line.
 with _contextlib.suppress(_errors.PlatformError):
-    _platforms.registry.select_at_import()
+    platforms.registry.select_at_import()
 
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
 from hyperrng.philox.mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
 from hyperrng.random import fork_rng  # noqa: E402
-from hyperrng.recompute import checkpoint  # noqa: E402
+from hyperrng.recompute import checkpoint, checkpoint_context  # noqa: E402
 from hyperrng.seeding import (  # noqa: E402
     MegatronSeeds,
     is_random_seed_set,
@@ -71,7 +97,7 @@ from hyperrng.verify import verify_rng_sync  # noqa: E402
 
 def current_platform() -> Platform:
     """The platform hyperrng uses now (resolved at import; see ``hyperrng.platforms.use`` to override)."""
-    return _platforms.current()
+    return platforms.current()
 
 
 __all__ = [
@@ -117,9 +143,12 @@ __all__ = [
     "RNGStateful",
     "RNGResumeWarning",
     "checkpoint",
+    "checkpoint_context",
     # portable mode
     "portable_random",
     "set_portable_random",
     "is_portable_random_enabled",
 ]
 __all__ += _errors.__all__  # the error classes: one list, in hyperrng.platforms.errors
+
+del _contextlib, _errors  # modules used above, not part of the package (help() would list them)

@@ -61,6 +61,10 @@ class Swap:
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
+        # Where copies of states would be captured into a graph (which replays none of them): the
+        # platform's question "is the current stream capturing?", asked by every fork; None where
+        # the platform has no graphs, so that a fork there asks nothing.
+        self.capturing: Callable[[], bool] | None = None
         # What bind() returns where that can never change (set by the first bind), so that a
         # fork need not ask the platform for its current device again.
         self.fixed: Bound | None = None
@@ -106,6 +110,8 @@ class _StateBytes(Swap):
         # Per device index (the platform's accessors do not change): the state I/O, and what bind() returns.
         self._io: dict[int, StateIO] = {}
         self._bound: dict[int, Bound] = {}
+        if type(platform).is_capturing is not Platform.is_capturing:
+            self.capturing = platform.is_capturing
 
     def io(self) -> StateIO:
         index = self.platform.current_device()

@@ -144,10 +144,12 @@ class _Lines:
         self._stream = stream
         self._lock = threading.Lock()
         self.closed = False
+        self.last = time.monotonic()  # when a line was last written
 
     def __call__(self, *lines: str, fit: bool = True) -> None:
         """Write each line; ``fit=False`` writes them whole (Markdown table rows, meant to be pasted)."""
         with self._lock:
+            self.last = time.monotonic()
             if self.closed:
                 return
             try:
@@ -174,6 +176,35 @@ def _cmd_info(args: argparse.Namespace, out: _Lines) -> int:
     return 0
 
 
+_QUIET_S = 20.0
+"""Longest a running benchmark stays silent: past it, a line says that it is still measuring."""
+
+
+class _Heartbeat:
+    """While its block runs, a line ``... still measuring: <doing>`` whenever ``out`` has been quiet for ``every`` s."""
+
+    def __init__(self, out: _Lines, every: float = _QUIET_S) -> None:
+        self._out, self._every = out, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hyperrng-bench-heartbeat", daemon=True)
+        self._start = time.monotonic()
+        self.doing = ""
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(self._every, 1.0)):
+            if time.monotonic() - self._out.last >= self._every:
+                elapsed = time.monotonic() - self._start
+                self._out(f"      ... still measuring: {self.doing} ({elapsed:.0f} s into the run)")
+
+
 def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
     from hyperrng import benchmarks as b
 
@@ -184,14 +215,25 @@ def _cmd_bench(args: argparse.Namespace, out: _Lines) -> int:
     progress(*header, "", *b.column_titles())
     rows = itertools.count(1)
 
-    def on_result(result: b.BenchResult) -> None:
-        progress(*b.format_row(next(rows), result))
+    with _Heartbeat(progress) as heartbeat:
 
-    def on_suite(i: int, n: int, name: str) -> None:
-        progress(*b.suite_lines(i, n, name))
+        def on_result(result: b.BenchResult) -> None:
+            index = next(rows)
+            heartbeat.doing = f"the row after #{index}"
+            progress(*b.format_row(index, result))
 
-    start = time.monotonic()
-    results = b.run_benchmarks(quick=args.quick, suites=suites, on_suite=on_suite, on_result=on_result)
+        def on_suite(i: int, n: int, name: str) -> None:
+            heartbeat.doing = f"suite {name}"
+            progress(*b.suite_lines(i, n, name))
+
+        def on_progress(text: str) -> None:
+            heartbeat.doing = text
+            progress(f"      ... {text}")
+
+        start = time.monotonic()
+        results = b.run_benchmarks(
+            quick=args.quick, suites=suites, on_suite=on_suite, on_result=on_result, on_progress=on_progress
+        )
     progress("", *b.summary_lines(results, time.monotonic() - start))
     if args.markdown:
         out(*b.format_markdown(results, header[:2]).splitlines(), fit=False)
@@ -226,15 +268,36 @@ class _CommandParser(_Parser):
         return parsed, extras
 
 
+_PLATFORM_NOTE = (
+    f"The platform: {platforms.ENV_VAR}=cpu, cuda, npu, sim or package.module:Factory chooses it; without it, an "
+    "installed plug-in, else NPU, CUDA, CPU (hyperrng info says which and why). Exit status: 0 success, 1 a run "
+    "that failed, 2 a command line or configuration that cannot run (one line on stderr)."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     from hyperrng.benchmarks import SUITES
     from hyperrng.demo import DEFAULT_WORLD_SIZE, MAX_LOCAL_RANKS, PORTABLE_MAX_RANKS, DemoConfig
 
-    parser = _Parser(prog="hyperrng", description="Random-number state across devices and ranks for PyTorch.")
+    parser = _Parser(
+        prog="hyperrng",
+        description="Random-number state across devices and ranks for PyTorch training: named streams, "
+        "collision-free seeding, sharded-tensor offsets, cross-rank checks, exact-resume checkpoints. "
+        "'hyperrng demo' proves every property on real processes, 'hyperrng info' says which platform runs "
+        "and why, 'hyperrng bench' measures costs against baselines of the same run.",
+        epilog=_PLATFORM_NOTE,
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     demo = sub.add_parser(
-        "demo", help="train a tiny TP model on N processes and prove every RNG property, resume included"
+        "demo",
+        help="train a tiny TP model on N processes and prove every RNG property, resume included",
+        description="Train a tiny tensor-parallel model with dropout on --world-size processes (or join the "
+        "torchrun job it runs in), run a sharded random op, check the streams across ranks, save an RNG "
+        "checkpoint and resume from it in fresh processes; print one [PASS] or [FAIL] line per property. "
+        f"The ranks run on the current platform: {platforms.ENV_VAR}=sim runs the accelerator code paths on "
+        "the simulated device, without a GPU.",
+        epilog=_PLATFORM_NOTE,
     )
     int_options = (  # flag, default, help
         (
@@ -262,9 +325,22 @@ def _parser() -> argparse.ArgumentParser:
         f"{PORTABLE_MAX_RANKS}, outside torchrun)",
     )
     demo.set_defaults(func=_cmd_demo)
-    info = sub.add_parser("info", help="which platform runs and why; every probe's result; every known platform")
+    info = sub.add_parser(
+        "info",
+        help="which platform runs and why; every probe's result; every known platform",
+        description="Which platform runs and why, every probe's result, the torch features this torch has, and "
+        "every platform that can be named.",
+        epilog=_PLATFORM_NOTE,
+    )
     info.set_defaults(func=_cmd_info)
-    bench = sub.add_parser("bench", help="benchmarks, as ratios against baselines measured in the same run")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks, as ratios against baselines measured in the same run",
+        description="Benchmarks of the current platform, each a ratio against a baseline timed in the same run "
+        "(the median of interleaved rounds, with their range). Rows print as they are measured, and a long "
+        "measurement says what it measures.",
+        epilog=_PLATFORM_NOTE,
+    )
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats, for CI (off by default)")
     bench.add_argument(
         "--suite",

@@ -45,6 +45,7 @@ from hyperrng._demo_output import REPORT_WIDTH, Phases, Report, relayed, table, 
 from hyperrng._launch import Placement
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
+from hyperrng.platforms import _features
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_seed
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, get_rng_tracker
@@ -110,7 +111,8 @@ class DemoConfig:
         """Raise for a configuration the demo cannot run; change nothing.
 
         Raises:
-            InvalidArgumentError: a mesh, step count or checkpoint step the demo cannot run.
+            InvalidArgumentError: a mesh, step count or checkpoint step the demo cannot run;
+                or ``portable`` on a torch without portable mode.
             InvalidArgumentError, ArgumentTypeError: a seed the library refuses.
         """
         check_seed(self.seed, "--seed: seed")
@@ -127,6 +129,10 @@ class DemoConfig:
             )
         if not isinstance(self.portable, bool):
             raise ArgumentTypeError(f"portable must be True or False, got {self.portable!r}.")
+        if self.portable and not _features.feature("portable-mode").available:  # else every rank fails it
+            raise InvalidArgumentError(
+                f"--portable: {_features.feature('portable-mode').refusal()}; or run the demo without --portable."
+            )
         if self.portable and self.world_size is not None and self.world_size > PORTABLE_MAX_RANKS:
             raise InvalidArgumentError(
                 f"--portable trains at every TP size dividing the world size on up to {PORTABLE_MAX_RANKS} "

@@ -7,11 +7,18 @@ puts exactly those states back, so dropout inside ``tracker.fork(...)`` regions 
 same masks twice; afterwards it restores the states the backward pass had found, so the
 recompute leaves no trace on the generators. It works on every platform, because it only
 uses the Platform interface and the tracker's ``get_states``/``set_states``.
+
+:func:`checkpoint_context` brings the same replay to ``torch.utils.checkpoint`` (and to
+the wrappers built on it, such as FSDP2's and TorchTitan's ``checkpoint_wrapper``):
+torch restores its own CPU and device generators around a recompute, but not the
+tracker's streams, the CPU platform's position or portable mode, so without it a fork
+inside the block draws other masks in the backward pass than in the forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -19,11 +26,11 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
-from hyperrng.errors import ArgumentTypeError
+from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.philox import mode as portable_mode
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "checkpoint_context"]
 
 
 class _RNGSnapshot:
@@ -142,3 +149,123 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
     # in, parameters inside): without it the parameters would silently get no gradient.
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
     return _Checkpoint.apply(function, resolved, anchor, *args)
+
+
+class _Recorded:
+    """What the forward pass of one ``torch.utils.checkpoint`` call found: for its recompute."""
+
+    __slots__ = ("portable", "snapshot", "tracker")
+
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        self.tracker = tracker
+        self.snapshot: _RNGSnapshot | None = None
+        self.portable: bool | None = None
+
+
+class _ForwardContext:
+    """Records every state the block may draw from, then enters the composed forward context."""
+
+    __slots__ = ("_inner", "_recorded")
+
+    def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
+        self._recorded, self._inner = recorded, inner
+
+    def __enter__(self) -> None:
+        recorded = self._recorded
+        with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
+            recorded.snapshot = _RNGSnapshot(recorded.tracker, targets)
+        recorded.portable = portable_mode.thread_mode()
+        if self._inner is not None:
+            self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._inner.__exit__(*exc) if self._inner is not None else None
+
+
+class _RecomputeContext:
+    """Holds the generators, puts the forward's states back and draws as the forward did (portable mode
+    included) while the block reruns; then restores the states it found and releases."""
+
+    __slots__ = ("_inner", "_recorded", "_stack")
+
+    def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
+        self._recorded, self._inner = recorded, inner
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> None:
+        recorded = self._recorded
+        if recorded.snapshot is None:
+            raise InvalidOperationError(
+                "the recompute context of hyperrng.checkpoint_context() was entered before its forward context; "
+                "pass checkpoint_context (or a function returning its pair) as torch.utils.checkpoint's context_fn.",
+                reason="tracker",
+            )
+        tracker = recorded.tracker
+        with ExitStack() as stack:
+            targets = stack.enter_context(_Holding())
+            now = _RNGSnapshot(tracker, targets)
+            stack.callback(_exclusive.redo, now.restore, tracker)  # runs before the holds are released
+            recorded.snapshot.restore(tracker)
+            stack.enter_context(portable_mode.mode_applied(recorded.portable))
+            if self._inner is not None:
+                stack.enter_context(self._inner)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc) if stack is not None else None
+
+
+def checkpoint_context(
+    contexts: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] | None = None,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """The ``context_fn`` that makes ``torch.utils.checkpoint`` replay hyperrng's streams on recompute.
+
+    ::
+
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context)
+        checkpoint_wrapper(block, context_fn=hyperrng.checkpoint_context)  # torch.distributed's wrapper
+
+    The forward context records torch's CPU generator, every device generator of the
+    current platform (the CPU platform's position included), the tracker's streams and
+    whether this thread draws in portable mode; the recompute context puts them back while
+    the block reruns, so forks, sharded regions and portable draws inside the block draw
+    the forward's numbers again, and afterwards restores what it found. Gradients then equal
+    those of running the block without checkpointing.
+
+    Args:
+        contexts: another ``context_fn``'s pair to compose with, such as selective
+            activation checkpointing's: ``context_fn=lambda:
+            hyperrng.checkpoint_context(create_selective_checkpoint_contexts(policy))``.
+            Its contexts are entered inside these.
+        tracker: whose streams are replayed (default: the process-wide tracker).
+
+    Returns:
+        ``(forward_context, recompute_context)``, as ``context_fn`` returns them; torch
+        calls ``context_fn`` once per checkpointed call.
+
+    Raises:
+        ArgumentTypeError: ``contexts`` is not a pair of context managers, or ``tracker``
+            is not a tracker.
+        InvalidOperationError: as for :func:`checkpoint`, another thread holds torch's CPU
+            generator or a device's, when the forward records the states or when the
+            recompute swaps them; nothing is changed then.
+    """
+    resolved = resolve_tracker(tracker)
+    if contexts is None:
+        inner: tuple[Any, Any] = (None, None)
+    elif (
+        isinstance(contexts, tuple)
+        and len(contexts) == 2
+        and all(callable(getattr(c, "__enter__", None)) and callable(getattr(c, "__exit__", None)) for c in contexts)
+    ):
+        inner = contexts
+    else:
+        raise ArgumentTypeError(
+            "checkpoint_context() composes with another context_fn's result, a pair of context managers "
+            f"(forward, recompute), got {type(contexts).__name__}; call that context_fn and pass what it returns."
+        )
+    recorded = _Recorded(resolved)
+    return _ForwardContext(recorded, inner[0]), _RecomputeContext(recorded, inner[1])

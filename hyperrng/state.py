@@ -19,10 +19,12 @@ a trust boundary.
 
 :func:`load_rng_state_dict` validates everything before applying anything. A state saved
 under another platform, world size, rank, layout or mesh position is refused by default;
-``on_mismatch="reseed"`` instead re-derives every stream from the base seed and the
-*current* layout and coordinates (those given, else those :func:`hyperrng.apply_layout`
-last gave the tracker, else the saved layout), seeds the host generators from the default
-stream, and warns that the run continues reproducibly but not bit-identically.
+``on_mismatch="reseed"`` instead re-derives every stream from the *current* layout and
+coordinates (those given, else those :func:`hyperrng.apply_layout` last gave the tracker,
+else the saved layout) and from :func:`resume_seed`: the saved base seed mixed with the
+saved progress of the default stream, so the resumed run never replays the numbers of its
+first steps. It seeds the host generators from the default stream, and warns that the run
+continues reproducibly but not bit-identically.
 
 :class:`RNGStateful` wraps both for ``torch.distributed.checkpoint``: it keys the state by
 rank, so DCP never deduplicates one rank's state onto another.
@@ -31,6 +33,7 @@ rank, so DCP never deduplicates one rank's state onto another.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import random
@@ -50,8 +53,9 @@ import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
+from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed, error_gist
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
@@ -59,15 +63,20 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "ON_MISMATCH",
+    "RESUME_DOMAIN",
     "RNGResumeWarning",
     "RNGStateful",
     "rng_state_dict",
     "load_rng_state_dict",
     "save_rng_state",
     "load_rng_state",
+    "resume_seed",
 ]
 
 ON_MISMATCH = ("error", "reseed")
+
+RESUME_DOMAIN = 0x524553554D453031  # "RESUME01": keeps resume seeds apart from other uses of combine64
+"""First value mixed into every :func:`resume_seed`."""
 
 _TEMP_NAME_BYTES = 8  # random hex in a temporary file's name: concurrent saves never share one
 # A temporary file's name also says which host and process wrote it, so that a later save can
@@ -103,7 +112,8 @@ def rng_state_dict(
         Plain data (tensors, numbers, strings, lists, dicts) with its digest; see the module docstring.
 
     Raises:
-        InvalidArgumentError: inside a fork of the tracker, or a base seed or coordinate out of range.
+        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``).
+        InvalidArgumentError: a base seed or coordinate out of range.
         ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.layout.StreamLayout`.
     """
     p = platforms.current()
@@ -153,8 +163,9 @@ def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None,
         check_instance(layout, StreamLayout, "layout")
     if chosen.active_stream is not None and not chosen._abandoned():  # abandoned: get/set_states decide
         verb = what.split()[0]
-        raise InvalidArgumentError(
-            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork."
+        raise InvalidOperationError(
+            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork.",
+            reason="tracker",
         )
     return chosen
 
@@ -197,8 +208,9 @@ def load_rng_state_dict(
         InvalidArgumentError: another format or version, a digest mismatch (a damaged state),
             a malformed field, a topology or platform mismatch, or a missing stream.
             Nothing has changed when it is raised.
-        InvalidOperationError: another thread holds torch's CPU generator or a device's (in a
-            fork, a region, ...; see :mod:`hyperrng._exclusive`); nothing has changed.
+        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``), or
+            another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
+            see :mod:`hyperrng._exclusive`); nothing has changed.
     """
     if not isinstance(on_mismatch, str):
         raise ArgumentTypeError(
@@ -288,15 +300,65 @@ def _reseed(
             f"{'given' if layout is not None and coords is not None else 'not given'}. Seed this run with "
             "apply_layout(layout, base_seed, coords) before loading, or pass layout= and coords=."
         )
-    seeds = layout.seeds(base_seed, coords)  # validates before anything changes
-    layout.seed_tracker(tracker, base_seed, coords)
+    resumed = _resume_seed(state)
+    seeds = layout.seeds(resumed, coords)  # validates before anything changes
+    layout.seed_tracker(tracker, resumed, coords)
     seed_host(seeds[DEFAULT_STREAM])
     warnings.warn(
         "RNG state saved under a different setup (" + "; ".join(mismatches) + "): streams re-derived from "
-        f"base seed {base_seed} for the current layout; the run continues reproducibly but not bit-identically.",
+        f"base seed {base_seed} and the saved progress (resume seed {resumed}) for the current layout; the run "
+        "continues reproducibly but not bit-identically.",
         RNGResumeWarning,
         stacklevel=3,
     )
+
+
+def resume_seed(state: Mapping[str, Any]) -> int:
+    """The base seed from which ``load_rng_state_dict(state, on_mismatch="reseed")`` re-derives the streams.
+
+    It is ``combine64(RESUME_DOMAIN, base_seed, progress)``
+    (:func:`hyperrng.platforms.mix.combine64`), where *progress* fingerprints how far the
+    saved default stream had gone: the saved state of torch's CPU generator (on the CPU
+    platform, its device with its position), which :func:`hyperrng.apply_layout` seeds from
+    the default stream on every platform, and, where the state records its derivation,
+    the position of each saved counter-based device generator holding the default stream's
+    seed. So the streams after a resume differ from those of the first steps, two resumes
+    of one checkpoint agree, and so do resumes of replicas' checkpoints (ranks that share
+    the default stream hold equal progress). A checkpoint taken after such a resume records
+    this seed as its base seed.
+
+    Raises:
+        ArgumentTypeError, InvalidArgumentError: ``state`` is not a valid RNG state, or has
+            no base seed.
+    """
+    check_saved(state)
+    return _resume_seed(state)
+
+
+def _resume_seed(state: Mapping[str, Any]) -> int:
+    """:func:`resume_seed` of a state :func:`check_saved` accepted."""
+    base_seed = state["base_seed"]
+    if base_seed is None:
+        raise InvalidArgumentError(
+            "the RNG state has no base seed to resume from; save it with rng_state_dict(base_seed=...) or after "
+            "apply_layout()."
+        )
+    host = state["torch_cpu"] if state["torch_cpu"] is not None else (state["devices"] or [None])[0]
+    if not isinstance(host, torch.Tensor) or host.dtype != torch.uint8 or host.dim() != 1:
+        raise InvalidArgumentError(
+            "the RNG state is malformed: it holds no state of torch's CPU generator (torch_cpu, or the first "
+            "device on a platform whose device is the host)."
+        )
+    progress = hashlib.blake2b(host.detach().cpu().contiguous().numpy().tobytes(), digest_size=8)
+    derivation = saved_derivation(state)
+    if derivation is not None:
+        default_seed = derivation.layout.seeds(derivation.base_seed, derivation.coords)[DEFAULT_STREAM]
+        for device in state["devices"]:
+            if isinstance(device, torch.Tensor) and device.dtype == torch.uint8 and device.shape == (16,):
+                seed, offset = platforms.unpack_counter_state(device)
+                if seed == default_seed:
+                    progress.update(offset.to_bytes(8, "little", signed=True))
+    return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
 
 
 # -- files --------------------------------------------------------------------------------------

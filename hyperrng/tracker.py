@@ -20,6 +20,13 @@ generator-state objects) is decided once, when the tracker binds to a platform (
 stream): see :mod:`hyperrng._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
 returns byte tensors on every platform, as Megatron-core's default tracker does.
 
+**Graphs.** Forks of a graph-safe tracker can be captured in a graph (a CUDA graph, or the
+graph of any device whose platform answers ``is_capturing()``) once
+:meth:`RNGStatesTracker.register_graph` has registered the streams with it; each replay
+then draws what eager forks would draw from the same positions. A copying tracker's fork
+while the device captures is refused with :class:`InvalidOperationError` before it copies
+anything: a graph would replay none of its copies.
+
 One thread at a time (see :mod:`hyperrng._exclusive`): an open fork holds the device
 generator, which the whole process shares. A fork of *any* tracker, a sharded region,
 ``fork_rng`` or a recompute entered on another thread meanwhile raises
@@ -126,6 +133,8 @@ class _Fork:
         if tracker._active is not None and tracker._active.thread is not me:
             tracker._check_not_abandoned("fork a stream")
         swap = tracker._swap
+        if swap.capturing is not None and swap.capturing():  # type: ignore[union-attr]
+            raise tracker._capture_refusal(self.name)
         read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
@@ -472,8 +481,9 @@ class RNGStatesTracker:
     def graph_safe_states(self) -> dict[str, Any]:
         """The live generator-state objects of every stream (graph-safe mode only).
 
-        Register them with ``torch.cuda.CUDAGraph.register_generator_state`` before
-        capturing forks in a graph. Do not draw from them directly.
+        :meth:`register_graph` registers them with a graph before capture (what
+        ``torch.cuda.CUDAGraph.register_generator_state`` does for each). Do not draw from
+        them directly.
 
         Raises:
             InvalidOperationError: the tracker copies bytes, so it has no such objects.
@@ -486,7 +496,66 @@ class RNGStatesTracker:
             )
         return dict(self._states)
 
+    def register_graph(self, graph: Any) -> None:
+        """Let ``graph`` capture forks of this tracker: register every stream's state with it.
+
+        The platform-neutral form of Megatron-core's ``graph.register_generator_state(state)``
+        over its graph-safe states: ``graph`` is the device's graph object
+        (``torch.cuda.CUDAGraph``, or any with ``register_generator_state``). Call it after
+        the streams are seeded and before capture begins; forks captured in the graph then
+        draw, at each replay, the numbers eager forks would draw from the same positions.
+        Streams made later (:meth:`add`, :meth:`reseed`, :meth:`set_states`, a checkpoint
+        load) are new states: register them with the graphs that capture them. Registering
+        a state twice, or one torch registered itself, changes nothing.
+
+        Raises:
+            ArgumentTypeError: ``graph`` has no ``register_generator_state`` method.
+            InvalidOperationError: the tracker copies bytes (build it with
+                ``RNGStatesTracker(graph_safe=True)``) or holds no streams yet; the streams
+                belong to another platform; or the device is capturing already (register
+                before capture). Nothing is registered then.
+        """
+        if not callable(getattr(graph, "register_generator_state", None)):
+            raise ArgumentTypeError(
+                f"register_graph() takes the device's graph object (torch.cuda.CUDAGraph or one with "
+                f"register_generator_state), got {type(graph).__name__}."
+            )
+        if not self._states:
+            raise InvalidOperationError(
+                "the tracker holds no streams to register; seed them first (apply_layout, a seeding recipe, or "
+                "tracker.add), then register the graph.",
+                reason="tracker",
+            )
+        if not self.graph_safe:
+            raise InvalidOperationError(
+                "register_graph() needs a graph-safe tracker, whose streams are generator states a graph can "
+                "capture; this one copies bytes. Build it with RNGStatesTracker(graph_safe=True) (Megatron-core's "
+                "use_cudagraphable_rng=True) and seed it again.",
+                reason="tracker",
+            )
+        states = dict(self._states)
+        platform = platforms.current()
+        if platform is not self._swap.platform:  # type: ignore[union-attr]  # bound: it holds a stream
+            raise self._platform_mismatch(platform)
+        if platform.is_capturing():
+            raise InvalidOperationError(
+                f"device {platform.device()} is capturing a graph already; register the graph before capture begins.",
+                reason="tracker",
+            )
+        for state in states.values():
+            graph.register_generator_state(state)
+
     # -- helpers --------------------------------------------------------------------------
+    def _capture_refusal(self, name: str) -> InvalidOperationError:
+        """The refusal of a fork of a copying tracker while the device captures a graph."""
+        return InvalidOperationError(
+            f"stream {name!r} cannot be forked while device {self.platform.device()} is capturing a graph: this "  # type: ignore[union-attr]
+            "tracker copies state bytes in and out, which a graph does not replay. Capture forks of a graph-safe "
+            "tracker instead: RNGStatesTracker(graph_safe=True) (Megatron-core's use_cudagraphable_rng=True), "
+            "with tracker.register_graph(graph) before capture.",
+            reason="tracker",
+        )
+
     def _target(self, *, rebind: bool) -> Swap:
         """The swap strategy new states are made for; raises before anything changes.
 

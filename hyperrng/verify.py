@@ -6,6 +6,10 @@ when the layouts agree, one small integer vector per rank: its mesh coordinates 
 applies the same rule to the same data, so every rank reaches the same verdict and, on a
 violation, raises the same :class:`RNGDesyncError`:
 
+* every rank must have its own point of the mesh: two ranks with equal coordinates on every
+  dimension of the layout are refused (a TP stream checked with every rank claiming ``tp=0``
+  would look shared correctly); in the whole world the coordinates must also fill a mesh,
+  each dimension's coordinates ``0..n-1`` and every point once;
 * ranks with equal coordinates on a stream's dimensions must hold identical states;
 * ranks with different coordinates on them must hold different states;
 * every rank must hold every stream of the layout.
@@ -116,7 +120,8 @@ def verify_rng_sync(
         InvalidArgumentError: ``timeout`` is not positive, not finite, or longer than a year.
         InvalidOperationError: ``torch.distributed`` has no process group yet.
         RNGDesyncError: on every rank, naming each stream that is shared wrongly or
-            missing, and the ranks on each side.
+            missing, and the ranks on each side; or naming the ranks that claim one point
+            of the mesh, or (in the whole world) coordinates outside a mesh.
         RankFailure: the other ranks did not all take part within ``timeout``, or a
             collective failed because a rank died; the process group should not be used
             again (see the module docstring). Nothing is changed by any of these errors.
@@ -156,7 +161,8 @@ def verify_rng_sync(
         )
     local = torch.tensor(_local_vector(layout, point, tracker), dtype=torch.int64)
     rows = [t.tolist() for t in _gather(local, group, deadline, seconds)]
-    return _judge(layout, rows)
+    whole_world = dist.get_world_size(group) == dist.get_world_size()  # type: ignore[arg-type]
+    return _judge(layout, rows, whole_world)
 
 
 def _timeout_seconds(timeout: object) -> float | None:
@@ -207,9 +213,50 @@ def _gather(tensor: torch.Tensor, group: Any, deadline: float | None, seconds: f
     return [t.to(tensor.device) for t in out]
 
 
-def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
-    """Apply the sharing rule to every rank's gathered vector; raise on any violation."""
+def _coordinate_problems(dims: tuple[str, ...], points: list[tuple[int, ...]], whole_world: bool) -> list[str]:
+    """Ranks that share a point of the mesh; in the whole world, coordinates that do not fill a mesh."""
+    problems = []
+    by_point: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for rank, point in enumerate(points):
+        by_point[point].append(rank)
+    for point, ranks in by_point.items():
+        if len(ranks) > 1:
+            problems.append(
+                f"ranks {ranks} all claim coordinates {{{_describe(dims, point)}}}; each rank has its own point of "
+                "the mesh: pass every rank its own coordinates, on every dimension of the mesh (declare the "
+                "dimensions no stream varies over in the layout's dims too)"
+            )
+    if not whole_world or problems:
+        return problems
+    sizes = []
+    for j, dim in enumerate(dims):
+        values = sorted({point[j] for point in points})
+        sizes.append(len(values))
+        outside = [rank for rank, point in enumerate(points) if point[j] >= len(values)]
+        if outside:
+            problems.append(
+                f"rank(s) {outside} have {dim} coordinates {[points[r][j] for r in outside]}, outside the mesh: the "
+                f"{len(values)} distinct {dim} coordinates of the ranks must be 0..{len(values) - 1}"
+            )
+    if not problems and math.prod(sizes) != len(points):
+        shape = " x ".join(f"{d}={n}" for d, n in zip(dims, sizes))
+        problems.append(
+            f"the coordinates span a mesh of {shape} ({math.prod(sizes)} points) but the world has {len(points)} "
+            "ranks; give each rank its point of the whole mesh"
+        )
+    return problems
+
+
+def _judge(layout: StreamLayout, rows: list[list[int]], whole_world: bool = False) -> list[StreamVerdict]:
+    """Apply the sharing rule to every rank's gathered vector; raise on any violation.
+
+    Coordinates come first: where ranks claim one point (or, in the whole world, points
+    outside a mesh), the streams cannot be judged by them, and only that is reported.
+    """
     ndims = len(layout.dims)
+    coordinate_problems = _coordinate_problems(layout.dims, [tuple(row[:ndims]) for row in rows], whole_world)
+    if coordinate_problems:
+        _raise(coordinate_problems, "the ranks' mesh coordinates are wrong")
     problems: list[str] = []
     verdicts: list[StreamVerdict] = []
     for i, (name, dims) in enumerate(_all_streams(layout).items()):
@@ -240,15 +287,15 @@ def _judge(layout: StreamLayout, rows: list[list[int]]) -> list[StreamVerdict]:
                     )
         verdicts.append(StreamVerdict(name, dims, len(owner), len(groups)))  # owner: one entry per distinct state
     if problems:
-        shown = problems[:_MAX_REPORTED]
-        more = len(problems) - len(shown)
-        raise RNGDesyncError(
-            "RNG streams are out of sync across ranks:\n  "
-            + "\n  ".join(shown)
-            + (f"\n  ... and {more} more" if more else "")
-        )
+        _raise(problems, "RNG streams are out of sync across ranks")
     declared = [DEFAULT_STREAM, *layout.streams]  # report in the order the layout declares them
     return sorted(verdicts, key=lambda v: declared.index(v.stream))
+
+
+def _raise(problems: list[str], headline: str) -> None:
+    shown = problems[:_MAX_REPORTED]
+    more = len(problems) - len(shown)
+    raise RNGDesyncError(f"{headline}:\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""))
 
 
 def _describe(dims: tuple[str, ...], key: tuple[int, ...]) -> str:

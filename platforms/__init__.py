@@ -7,7 +7,7 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
 **Writing a plug-in.** What a plug-in author needs to know beyond the README's example:
 
 * **The interface** is the table in :class:`Platform`'s docstring (``help(Platform)``):
-  fourteen members, each marked *must define* or *may override*. A class missing a
+  fifteen members, each marked *must define* or *may override*. A class missing a
   required one (``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``)
   is refused with :class:`PlatformError`; ``probe()`` (``None`` if usable, else why) must
   be cheap and must not initialise the device. :class:`DeviceModulePlatform` has them
@@ -45,10 +45,15 @@ platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`cur
   of states, seeding, positions, bad input and device indexing, and draws on the device:
   after ``set_rng_state(s)`` torch's random ops must draw the same numbers every time,
   other states other numbers, and a swapped-in state must not move the restored one (a
-  plug-in keeping its state in a dict fails). It draws only where this torch can create
-  tensors on the device. It does not check how far a draw advances a position,
-  collectives in a process group, ``dist_backend``, a cheap ``probe()``,
-  threads or graph-safe swaps.
+  plug-in keeping its state in a dict fails). It draws only where torch's ops on the
+  device draw from the platform's generators (not for a stand-in module over another
+  backend's device type). Any failure, an exception included, comes out as an
+  ``AssertionError`` naming the check. It does not check how far a draw advances a
+  position, collectives in a process group, ``dist_backend``, a cheap ``probe()``,
+  threads, graph-safe swaps or graph capture.
+* **Selection checks the state:** a platform whose own ``_read_state`` returns anything but
+  a 1-D CPU ``uint8`` tensor of ``_state_nbytes`` is reported unavailable, with the reason
+  (``hyperrng info``), and ``set_current`` refuses it.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ class Platform:
     ``current_device()``                   may override   index used when none is given [0]
     ``set_device(index)``                  may override   make device ``index`` current [only the current one]
     ``default_generator(index)``           may override   generator random ops on ``index`` draw from [``None``]
+    ``is_capturing(index)``                may override   device ``index`` captures a graph now [no]
     ``check_rng_state(state)``             may override†  ``state`` if ``set_rng_state`` takes it, else raise
     ``get_seed_offset(index, generator)``  may override†  (seed, offset) position [read from the 16 bytes]
     ``set_seed_offset(seed, offset, …)``   may override†  position device or generator [write the 16 bytes]
@@ -67,8 +68,8 @@ class Platform:
     ``device(index)``, ``get_rng_state(index)``, ``set_rng_state(state, index)``,
     ``manual_seed(seed, index)``.
 
-    A counter-based accelerator needs the first eleven rows, or only ``name``,
-    ``device_type`` and ``dist_backend`` when it subclasses
+    A counter-based accelerator needs the first eleven rows (twelve where it captures
+    graphs), or only ``name``, ``device_type`` and ``dist_backend`` when it subclasses
     :class:`~hyperrng.platforms.DeviceModulePlatform`. The device of a platform whose
     ``device_type`` is ``"cpu"`` is the host: its generator is torch's CPU generator.
     Everything else is private (a platform whose state is not 16 bytes sets
@@ -124,6 +125,16 @@ class Platform:
     def default_generator(self, index: int | None = None) -> torch.Generator | None:
         """The generator object that random ops on device ``index`` draw from, if exposed."""
         return None
+
+    def is_capturing(self, index: int | None = None) -> bool:
+        """Whether work on device ``index``'s current stream is being captured into a graph now.
+
+        While it is, a generator's state must not be copied in or out (a CUDA graph
+        replays the capture, not the copies): a copying tracker's fork refuses to start.
+        The default, ``False``, fits a device without graphs. Must not initialise the
+        device: a device that was never used is not capturing.
+        """
+        return False
 
     # -- RNG state ----------------------------------------------------------------------
     def get_rng_state(self, index: int | None = None) -> torch.Tensor:

@@ -76,6 +76,20 @@ class DeviceModulePlatform(Platform):
     def set_device(self, index: int) -> None:
         self.module.set_device(check_index(index, self.device_count(), self.name))
 
+    def is_capturing(self, index: int | None = None) -> bool:
+        """Whether the current stream of device ``index`` is capturing a graph (the module's
+        ``is_current_stream_capturing()``); ``False`` for a module without graphs, and for a
+        device not initialised yet, which this never initialises."""
+        module = self.module
+        is_initialized = getattr(module, "is_initialized", None)
+        capturing = getattr(module, "is_current_stream_capturing", None)
+        if capturing is None or (is_initialized is not None and not is_initialized()):
+            return False
+        if index is None or index == self.current_device():
+            return bool(capturing())
+        with module.device(check_index(index, self.device_count(), self.name)):
+            return bool(capturing())
+
     def default_generator(self, index: int | None = None) -> torch.Generator:
         return self._generator(self._index(index))
 

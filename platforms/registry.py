@@ -11,8 +11,13 @@ Resolution order (done once, by ``import hyperrng``, or lazily by :func:`current
 
 A probe that raises anything is caught and its reason recorded (``hyperrng info`` shows
 it), so a broken driver never makes ``import hyperrng`` crash unless that backend was
-forced. The registry is a plain dict from name to factory; importing this module has no
-side effects.
+forced. A platform whose probe says yes is available only if its state is what every
+caller expects: a plug-in's own ``_read_state`` is called once, and anything but a 1-D
+CPU ``uint8`` tensor of ``_state_nbytes`` makes it unavailable, with that reason, instead
+of failing later in a fork or a region (the built-in readers, including
+:class:`~hyperrng.platforms.DeviceModulePlatform`'s, which would initialise the device,
+are not called). The registry is a plain dict from name to factory; importing this module
+has no side effects.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
+import torch
 from hyperrng.platforms.base import Platform
 from hyperrng.platforms.cpu import CPUPlatform
-from hyperrng.platforms.device_module import CUDAPlatform, NPUPlatform
+from hyperrng.platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
 from hyperrng.platforms.errors import InvalidArgumentError, PlatformError
 from hyperrng.platforms.simulated import SimulatedPlatform
 
@@ -124,7 +130,7 @@ def _require_methods(platform: Platform | type[Platform], label: str) -> None:
             f"{label} ({cls.__module__}.{cls.__qualname__}) does not implement {', '.join(missing)}, which "
             "every platforms.Platform subclass must provide (the base class only raises NotImplementedError); "
             "implement them in the subclass, or subclass platforms.DeviceModulePlatform when the device has a "
-            "torch device module (see the README, 'Plugging in a device').",
+            "torch device module (see help(hyperrng.platforms) and the README, 'Platforms and plug-ins').",
             reason="invalid",
         )
 
@@ -264,11 +270,49 @@ def _plugin_entry_points() -> list[EntryPoint]:
 
 
 def _probe(platform: Platform) -> str | None:
-    """Run ``platform.probe()``, turning any exception into a reason."""
+    """Run ``platform.probe()``, then :func:`_state_problem`, turning any exception into a reason."""
     try:
-        return platform.probe()
+        reason = platform.probe()
     except Exception as exc:
         return f"probe raised {type(exc).__name__}: {exc}"
+    return reason if reason is not None else _state_problem(platform)
+
+
+# Readers whose states are right by construction; DeviceModulePlatform's would initialise the device.
+_TRUSTED_READERS = (CPUPlatform._read_state, DeviceModulePlatform._read_state)
+
+
+def _state_problem(platform: Platform) -> str | None:
+    """``None`` if the platform's state is a 1-D CPU uint8 tensor of ``_state_nbytes``, else why not.
+
+    Asks a plug-in's own ``_read_state`` for the current device's state, once, when the
+    platform is selected; the built-in readers are not called.
+    """
+    if type(platform)._read_state in _TRUSTED_READERS:
+        return None
+    try:
+        index = platform.current_device()
+        state = platform._read_state(index)
+    except Exception as exc:
+        return f"reading its RNG state raised {_one_line(exc)}"
+    nbytes = platform._state_nbytes
+    if (
+        isinstance(state, torch.Tensor)
+        and state.dtype == torch.uint8
+        and state.dim() == 1
+        and state.device.type == "cpu"
+        and state.numel() == nbytes
+    ):
+        return None
+    got = (
+        f"a {state.dtype} tensor of shape {tuple(state.shape)} on {state.device}"
+        if isinstance(state, torch.Tensor)
+        else f"a {type(state).__name__}"
+    )
+    return (
+        f"_read_state({index}) returned {got}, not a 1-D CPU uint8 tensor of {nbytes} bytes (_state_nbytes); "
+        "return the device's RNG state as such a tensor"
+    )
 
 
 def load(spec: str) -> Platform:
@@ -278,7 +322,8 @@ def load(spec: str) -> Platform:
         PlatformError: no such name, or the module/attribute does not load;
             or the factory does not return a :class:`Platform`, or returns
             one that does not implement a required method (see :data:`REQUIRED_METHODS`);
-            or the platform's probe says it cannot run here.
+            or the platform's probe says it cannot run here, or its state is not a 1-D CPU
+            uint8 tensor of ``_state_nbytes``.
     """
     spec = spec.strip()
     if ":" in spec:
@@ -382,15 +427,18 @@ def set_current(platform: Platform | str) -> Platform:
 
     Raises:
         PlatformError: ``platform`` is neither a :class:`Platform` nor a string, or
-            is a platform that does not implement a required method. The selection is
-            unchanged on error;
-            or see :func:`load`.
+            is a platform that does not implement a required method, or whose state is
+            not a 1-D CPU uint8 tensor of ``_state_nbytes``. The selection is unchanged
+            on error; or see :func:`load`.
     """
     global _selection
     if isinstance(platform, str):
         resolved = load(platform)
     elif isinstance(platform, Platform):
         _require_methods(platform, "cannot select the platform: its class")
+        problem = _state_problem(platform)
+        if problem is not None:
+            raise PlatformError(f"cannot select platform {platform.name!r}: {problem}.", reason="invalid")
         resolved = platform
     else:
         raise PlatformError(f"expected a Platform or a platform name, got {type(platform).__name__}.", reason="invalid")

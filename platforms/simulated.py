@@ -24,13 +24,16 @@ and ``"sim:1"`` then behave like tensors of an accelerator:
   ``sim`` devices, raises torch's "Expected all tensors to be on the same device".
   ``.numpy()`` and collectives of a backend that needs host memory (gloo) refuse device
   tensors: stage through the host, as with a GPU.
+* **Graph capture, as far as random ops go**: inside ``with torch.sim.graph(g):`` (a
+  :class:`SimulatedGraph`) the device reports its stream capturing, and a random op draws
+  only from a generator state registered with the graph, as on CUDA (see the class).
 
 What it does not model: speed (each op pays a Python dispatch; and because torch's Python
 backend hooks report a single device to autograd's per-device worker threads, the thread
 that registered it runs backward passes itself, while a backward through ``sim:1`` on
 another thread fails), CUDA's exact Philox numbers (a draw is a stable mix of (seed,
 offset) fed to a CPU generator: a pure function of the pair, but other numbers than a
-GPU's), streams and events, memory limits, explicit ``generator=`` arguments in torch ops
+GPU's), streams and events, graph replays, memory limits, explicit ``generator=`` arguments in torch ops
 (refused; position the device generator instead, e.g. through a tracker stream),
 DTensor/``DeviceMesh`` on the ``sim`` device type, ``torch.compile``, pickling device
 tensors, and a second ``PrivateUse1`` backend in the same process (torch has one slot:
@@ -76,6 +79,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = [
     "SIM_DEVICE_TYPE",
     "SimulatedGenerator",
+    "SimulatedGraph",
     "SimulatedDeviceModule",
     "SimulatedPlatform",
     "simulated_backend",
@@ -176,6 +180,37 @@ class SimulatedGenerator:
         return f"<SimulatedGenerator {self.device_type}:{self.index} seed={c.seed} offset={c.offset}>"
 
 
+class SimulatedGraph:
+    """A graph of a simulated device, as far as capturing random ops goes (``torch.cuda.CUDAGraph``'s part).
+
+    ``with module.graph(g):`` captures on the module's device: meanwhile the module's
+    ``is_current_stream_capturing()`` is true, and a random op may only draw from a
+    generator state registered with the graph, as on CUDA: the default generator's state
+    when capture begins is registered then, any other with :meth:`register_generator_state`
+    before capture; a draw from one that is not raises the ``RuntimeError`` CUDA raises. The
+    ops run while they are captured, as eager ops; replays are not modelled.
+    """
+
+    def __init__(self) -> None:
+        self._states: list[_Counter] = []
+        self._capturing = False
+
+    def register_generator_state(self, generator: SimulatedGenerator) -> None:
+        """Let ``generator``'s state be drawn from while this graph captures; call it before capture."""
+        if not isinstance(generator, SimulatedGenerator):
+            raise TypeError(f"expected a SimulatedGenerator, got {type(generator).__name__}")
+        if self._capturing:
+            raise RuntimeError("Cannot register the state during capturing stage.")
+        self._register(generator._counter)
+
+    def _register(self, counter: _Counter) -> None:
+        if not any(c is counter for c in self._states):
+            self._states.append(counter)
+
+    def _holds(self, counter: _Counter) -> bool:
+        return any(c is counter for c in self._states)
+
+
 class SimulatedDeviceModule:
     """A device module in the shape of ``torch.cuda`` / ``torch.npu``, for simulated devices.
 
@@ -197,6 +232,7 @@ class SimulatedDeviceModule:
         self._available = available
         self._current = 0
         self._generators: tuple[SimulatedGenerator, ...] = ()
+        self._capture: SimulatedGraph | None = None  # the graph being captured, if any
         self.lazy_init_calls = 0
 
     # -- device module API ----------------------------------------------------------------
@@ -292,6 +328,22 @@ class SimulatedDeviceModule:
 
     def initial_seed(self) -> int:
         return self._gen(None).initial_seed()
+
+    def is_current_stream_capturing(self) -> bool:
+        """Whether a :class:`SimulatedGraph` is capturing (one stream per device, shared by every thread)."""
+        return self._capture is not None
+
+    @contextlib.contextmanager
+    def graph(self, graph: SimulatedGraph) -> Iterator[SimulatedGraph]:
+        """Capture into ``graph`` inside the block, as ``torch.cuda.graph`` does (see :class:`SimulatedGraph`)."""
+        if self._capture is not None:
+            raise RuntimeError("a simulated graph is already capturing on this device module")
+        graph._register(self._gen(None)._counter)  # as CUDA registers its default generator at capture_begin
+        self._capture, graph._capturing = graph, True
+        try:
+            yield graph
+        finally:
+            self._capture, graph._capturing = None, False
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         """What autocast may use on this device (``torch.utils.checkpoint`` asks)."""
@@ -557,6 +609,12 @@ def _draw(func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) ->
     module = _Backend.module
     assert module is not None and _Backend.scratch is not None
     counter = module._gen(device.index)._counter
+    capture = module._capture
+    if capture is not None and not capture._holds(counter):
+        raise RuntimeError(
+            f"{func}: Attempt to increase offset for a {device.type} generator not in capture mode: its state is not "
+            "registered with the graph being captured (graph.register_generator_state(generator) before capture)."
+        )
     if counter.offset > MAX_OFFSET - _MAX_DRAW_ADVANCE:
         # Refused before drawing, so the generator stays where it was.
         raise InvalidArgumentError(

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from hyperrng.platforms.base import COUNTER_STATE_NBYTES, Platform, StateIO, unpack_counter_state
+from hyperrng.platforms.device_module import DeviceModulePlatform
 from hyperrng.platforms.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.platforms.registry import unimplemented_methods
 
@@ -96,6 +97,24 @@ def implements_the_required_methods(p: Platform) -> None:
 
 
 @_check
+def state_is_a_cpu_byte_copy(p: Platform) -> None:
+    # Runs second: every check after it reads states, and a state of another type would stop them
+    # at an unrelated line.
+    state = p.get_rng_state()
+    assert isinstance(state, torch.Tensor), (
+        f"get_rng_state() returned a {type(state).__name__}, not a tensor: _read_state must return the device's "
+        "state as a 1-D CPU uint8 tensor"
+    )
+    assert state.dtype == torch.uint8 and state.device.type == "cpu" and state.dim() == 1
+    assert state.numel() == p._state_nbytes, f"state has {state.numel()} bytes, _state_nbytes says {p._state_nbytes}"
+    p.manual_seed(3)  # a state with non-zero bytes, so zeroing the copy is visible
+    state = p.get_rng_state()
+    expected = state.clone()
+    state.zero_()
+    assert torch.equal(p.get_rng_state(), expected), "get_rng_state() must return a copy, not the live state"
+
+
+@_check
 def describes_itself(p: Platform) -> None:
     assert isinstance(p.name, str) and p.name, "name must be a non-empty string"
     torch.device(p.device_type)  # a valid torch device type
@@ -133,19 +152,6 @@ def switches_the_current_device(p: Platform) -> None:
         assert p.device() == p.device(i), f"device() is not device({i}) while device {i} is current"
     for index, error in _refusals([n, -1], [True, 1.0]):
         _assert_refused(p, functools.partial(p.set_device, index), error, f"set_device({index!r})")
-
-
-@_check
-def state_is_a_cpu_byte_copy(p: Platform) -> None:
-    state = p.get_rng_state()
-    assert isinstance(state, torch.Tensor)
-    assert state.dtype == torch.uint8 and state.device.type == "cpu" and state.dim() == 1
-    assert state.numel() == p._state_nbytes, f"state has {state.numel()} bytes, _state_nbytes says {p._state_nbytes}"
-    p.manual_seed(3)  # a state with non-zero bytes, so zeroing the copy is visible
-    state = p.get_rng_state()
-    expected = state.clone()
-    state.zero_()
-    assert torch.equal(p.get_rng_state(), expected), "get_rng_state() must return a copy, not the live state"
 
 
 @_check
@@ -303,6 +309,12 @@ def exposes_the_generator_in_use(p: Platform) -> None:
     assert not torch.equal(p.get_rng_state(), before), "seeding default_generator() did not reach the platform"
 
 
+@_check
+def is_not_capturing_outside_a_graph(p: Platform) -> None:
+    capturing = p.is_capturing()
+    assert capturing is False, f"is_capturing() returned {capturing!r} while nothing captures a graph; return False"
+
+
 def _holder(p: Platform, packed: torch.Tensor) -> str:
     """Which device holds the state ``packed`` (for messages): ``"device j"`` or ``"no device"``."""
     holders = [f"device {j}" for j, state in enumerate(_states(p)) if torch.equal(state, packed)]
@@ -389,8 +401,17 @@ def _draw(p: Platform) -> torch.Tensor:
 
 
 def _has_tensors(p: Platform) -> bool:
-    """Whether this torch can create a tensor on the platform's device (a test double named after a
-    device this build lacks cannot: there is nothing to draw)."""
+    """Whether torch's random ops on the platform's device draw from the platform's generators.
+
+    Not where this torch cannot create a tensor on the device (a test double named after a
+    device this build lacks), nor where the platform drives another module than the one
+    torch registered for its device type (a simulated ``torch.cuda`` stand-in on a machine
+    with a GPU: the tensors are real, their generator is not the stand-in's).
+    """
+    if isinstance(p, DeviceModulePlatform):
+        module = p.module  # first: loading it may register it with torch
+        if getattr(torch, p.device_type, None) is not module:
+            return False
     try:
         torch.empty(0, device=p.device())
     except (RuntimeError, AssertionError):  # torch says "not compiled with ..." in either form
@@ -403,8 +424,8 @@ def random_ops_draw_from_the_state(p: Platform) -> None:
     """The state is the device's: random ops on the device draw from it, and only from it.
 
     A platform that keeps its "state" anywhere else (a dict beside the device) passes the
-    byte-level checks but fails here. Where this torch cannot create a tensor on the
-    platform's device (a test double named after a device this build lacks), there is
+    byte-level checks but fails here. Where torch's ops on the platform's device do not
+    draw from the platform's generators (see :func:`_has_tensors`: a test double), there is
     nothing to draw and the check passes without drawing.
     """
     if not _has_tensors(p):
@@ -451,13 +472,16 @@ def counter_based_states_are_the_position(p: Platform) -> None:
 def _restored(p: Platform) -> Iterator[None]:
     """Run the block, then put back every device's RNG state and the current device.
 
-    A platform without the required methods has no state to save; the block then runs
-    as is (its first check says what is missing).
+    A platform without the required methods, or whose states are not tensors, has no state
+    to save; the block then runs as is (a check says what is wrong).
     """
     if unimplemented_methods(p):
         yield
         return
     saved = _states(p)
+    if not all(isinstance(state, torch.Tensor) for state in saved):  # nothing to restore with: a check says why
+        yield
+        return
     home = p.current_device()
     try:
         yield
@@ -477,14 +501,25 @@ def check_platform(platform: Platform) -> None:
     Raises:
         AssertionError: on the first check that fails, naming the check, the platform and
             what was wrong (a platform missing a required method fails the first check,
-            ``implements_the_required_methods``, which names the methods to implement).
+            ``implements_the_required_methods``, which names the methods to implement). An
+            exception of any other kind that a check, or the restoring of the states around
+            it, meets is turned into this error too, naming the check and the exception.
     """
-    for name, check in CHECKS.items():
-        with _restored(platform):
-            try:
-                check(platform)
-            except AssertionError as exc:
-                raise AssertionError(f"conformance check {name!r} failed for {platform!r}: {exc}") from exc
+    for name in CHECKS:
+        _run_check(name, platform, restore=True)
+
+
+def _run_check(name: str, platform: Platform, restore: bool) -> None:
+    """Run check ``name`` (within :func:`_restored` where ``restore``), any failure as an AssertionError naming it."""
+    try:
+        with _restored(platform) if restore else contextlib.nullcontext():
+            CHECKS[name](platform)
+    except AssertionError as exc:
+        raise AssertionError(f"conformance check {name!r} failed for {platform!r}: {exc}") from exc
+    except Exception as exc:
+        raise AssertionError(
+            f"conformance check {name!r} failed for {platform!r}: it raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 try:
@@ -504,6 +539,6 @@ else:
         @pytest.mark.parametrize("check", list(CHECKS))
         def test_conformance(self, platform: Platform, check: str) -> None:
             implements_the_required_methods(platform)  # else every check stops at a NotImplementedError
-            CHECKS[check](platform)
+            _run_check(check, platform, restore=False)  # the fixture restores
 
     __all__.append("PlatformConformance")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 
+import hyperrng.platforms as platforms
 import pytest
 
 import hyperrng.benchmarks as bench
@@ -79,7 +80,7 @@ def test_the_header_names_the_cpu_threads_torch_and_the_date() -> None:
     when = datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.timezone.utc)
     first, second, third = bench.header_lines(quick=False, when=when)
     assert first.startswith(f"hyperrng bench: {bench._cpu_model()}, ")
-    assert f"{torch.get_num_threads()} torch threads, platform 'cpu'" in first
+    assert f"{torch.get_num_threads()} torch threads, platform {platforms.current().name!r}" in first
     assert second.startswith(f"torch {torch.__version__}, python ") and second.endswith("; 2026-01-02 03:04 UTC")
     assert third.startswith("ratio: median of interleaved rounds against a baseline timed in the same run")
 
@@ -120,3 +121,56 @@ def test_each_row_is_reported_as_soon_as_it_is_measured_not_when_its_suite_ends(
     assert suites == [(1, 1, "streams")]
     BenchResult("after the run", Timing((1.0,)), "b", Timing((1.0,)))
     assert seen == ["first", "second"]  # nothing is reported outside a run
+
+
+def test_a_suite_says_what_it_measures_next_between_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hyperrng.benchmarks.streams as streams
+
+    seen: list[str] = []
+
+    def suite(quick: bool) -> list[BenchResult]:
+        bench.announce("a long run")
+        return [BenchResult("row", Timing((1.0,)), "b", Timing((1.0,)))]
+
+    monkeypatch.setattr(streams, "benchmarks", suite)
+    run_benchmarks(quick=True, suites=["streams"], on_result=lambda r: seen.append(r.name), on_progress=seen.append)
+    assert seen == ["a long run", "row"]
+    bench.announce("outside a run")  # says nothing, raises nothing
+
+
+@pytest.mark.slow
+def test_the_sharding_suite_announces_each_long_measurement_before_it_starts_and_each_row_when_made() -> None:
+    events: list[str] = []
+    run_benchmarks(
+        quick=True,
+        suites=["sharding"],
+        on_result=lambda r: events.append(f"row: {r.name}"),
+        on_progress=lambda text: events.append(f"next: {text}"),
+    )
+    same = next(i for i, e in enumerate(events) if e.endswith("slowest round, same shape"))
+    fresh = next(i for i, e in enumerate(events) if e.endswith("slowest round, new shapes"))
+    assert events[same - 1].startswith("next: a long run, same shape: 10 rounds of 2,000 regions")
+    assert events[same + 1].startswith("next: a long run, a new shape every region") and fresh == same + 2
+
+
+def test_a_quiet_bench_says_it_is_still_measuring() -> None:
+    import threading
+    import time
+
+    from hyperrng import cli
+
+    written: list[str] = []
+    said = threading.Event()
+
+    class Out:
+        last = time.monotonic()
+
+        def __call__(self, *lines: str, fit: bool = True) -> None:
+            written.extend(lines)
+            self.last = time.monotonic()
+            said.set()
+
+    with cli._Heartbeat(Out(), every=0.01) as heartbeat:  # type: ignore[arg-type]
+        heartbeat.doing = "a long run"
+        assert said.wait(60), "the heartbeat never spoke"  # a guard against a hang, not a time limit
+    assert written[0].startswith("      ... still measuring: a long run (") and written[0].endswith(" s into the run)")

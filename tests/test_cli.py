@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -392,3 +393,46 @@ def test_info_says_whether_cpu_positions_are_seeded_from_all_64_bits() -> None:
     from hyperrng.cli import info_lines
 
     assert "cpu positions: MT19937 seeded from all 64 bits of a position's handle" in info_lines()
+
+
+# -- help ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "description"),
+    [
+        (["--help"], "Random-number state across devices and ranks for PyTorch training"),
+        (["demo", "--help"], "Train a tiny tensor-parallel model with dropout on --world-size processes"),
+        (["info", "--help"], "Which platform runs and why, every probe's result"),
+        (["bench", "--help"], "Benchmarks of the current platform, each a ratio against a baseline"),
+    ],
+    ids=["hyperrng", "demo", "info", "bench"],
+)
+def test_every_help_describes_the_command_and_how_the_platform_is_chosen(
+    args: list[str], description: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert description in text
+    assert f"{platforms.ENV_VAR}=cpu, cuda, npu, sim or package.module:Factory chooses it" in text
+    if args[0] == "demo":
+        assert f"{platforms.ENV_VAR}=sim runs the accelerator code paths" in text
+
+
+def _help_sections(obj: object) -> dict[str, str]:
+    import pydoc
+    import re
+
+    text = pydoc.render_doc(obj, renderer=pydoc.plaintext)
+    parts = re.split(r"^([A-Z][A-Z ]+)$", text, flags=re.MULTILINE)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_help_of_the_package_gives_an_overview_and_names_no_private_member() -> None:
+    sections = _help_sections(hyperrng)
+    overview = sections["DESCRIPTION"]
+    for topic in ("Streams", "Seeding", "Sharded tensors", "Across ranks", "Recompute", "Portable mode", "Errors"):
+        assert f"* {topic}" in overview.replace("**", ""), topic
+    assert sections.get("SUBMODULES", "").split() == ["platforms"]
+    names = " ".join(sections[s] for s in ("CLASSES", "FUNCTIONS", "DATA") if s in sections)
+    assert not [n for n in re.findall(r"^    (\w+)", names, re.MULTILINE) if re.match(r"_(?!_)", n)]

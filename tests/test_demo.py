@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hyperrng.platforms as platforms
 import pytest
+import torch
 
 from hyperrng._demo_output import verdict_lines as _verdict_lines
 from hyperrng._launch import Placement as _Placement
@@ -57,9 +58,11 @@ _PHASES = [
 
 @pytest.mark.multiproc
 def test_the_default_demo_passes_every_property(capsys: pytest.CaptureFixture[str]) -> None:
+    platform = platforms.current()  # the demo runs where the platform is: HYPERRNG_PLATFORM=cuda on a GPU
     assert main() == 0
     out = capsys.readouterr().out
-    assert "mesh dp=2 x tp=2 on platform 'cpu'\n4 processes over gloo on the host;" in out
+    placement = _Placement.plan(platform, 4).describe()
+    assert f"mesh dp=2 x tp=2 on platform {platform.name!r}\n4 processes {placement};" in out
     assert out.count("[PASS]") == 5 and "[FAIL]" not in out
     _positions(out.splitlines(), _PHASES)
     for rank in range(4):
@@ -103,7 +106,9 @@ def test_the_demo_prints_its_plan_and_each_phase_while_the_ranks_run(tmp_path: P
 
 
 def _demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), env.pop("PYTHONPATH", "")]), **env}
+    """The demo in a fresh process, with ``env`` and without the caller's HYPERRNG_PLATFORM unless ``env`` sets it."""
+    base = {k: v for k, v in os.environ.items() if k != platforms.ENV_VAR}
+    full_env = {**base, "PYTHONPATH": os.pathsep.join([str(REPO), env.pop("PYTHONPATH", "")]), **env}
     return subprocess.run([sys.executable, "-m", "hyperrng", "demo", *args], capture_output=True, text=True,
                           env=full_env, timeout=600, cwd=REPO)  # fmt: skip
 
@@ -169,7 +174,8 @@ def test_the_demo_joins_a_torchrun_job() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "joined a torchrun job of 2 ranks over gloo on the host" in out.stdout
+    placement = _Placement.plan(platforms.current(), 2).describe()  # the job runs where HYPERRNG_PLATFORM says
+    assert f"joined a torchrun job of 2 ranks {placement}" in out.stdout
     assert out.stdout.count("[PASS]") == 5
 
 
@@ -221,6 +227,21 @@ def test_configurations_the_demo_cannot_run_are_refused_before_any_process_start
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"hyperrng demo: error: {info.value}\n"
+
+
+def test_on_a_torch_without_portable_mode_the_portable_demo_is_refused_before_any_process_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hyperrng._launch as launch
+    from hyperrng import cli
+
+    monkeypatch.delattr(torch.library, "get_kernel", raising=False)  # what portable mode is detected by
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("no process may start"))
+    assert cli.main(["demo", "--portable"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("hyperrng demo: error: --portable: portable mode (hyperrng.portable_random) needs")
+    assert "torch >= 2.9" in captured.err and captured.err.count("\n") == 1
 
 
 def test_outside_torchrun_the_world_size_defaults_to_four(monkeypatch: pytest.MonkeyPatch) -> None:

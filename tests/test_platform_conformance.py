@@ -288,6 +288,50 @@ class _DictStatePlatform(platforms.Platform):
         self._kept[index] = state.clone()
 
 
+class _StateIsADict(_DictStatePlatform):
+    """A plug-in whose ``_read_state`` hands back a dict: the restoring around every check fails too."""
+
+    def _read_state(self, index: int) -> Any:
+        return {"state": self._kept[index].clone()}
+
+
+class _ProbeRaises(platforms.CPUPlatform):
+    def probe(self) -> str | None:
+        raise RuntimeError("driver crashed")
+
+
+class _SetDeviceRaises(platforms.CPUPlatform):
+    def set_device(self, index: int) -> None:
+        raise KeyError(index)
+
+
+@pytest.mark.parametrize(
+    ("platform", "message"),
+    [
+        (_StateIsADict, "check 'state_is_a_cpu_byte_copy' failed for .*: get_rng_state\\(\\) returned a dict, not a"),
+        (_ProbeRaises, "check 'probe_finds_it_available' failed for .*: it raised RuntimeError: driver crashed"),
+        (_SetDeviceRaises, "check 'switches_the_current_device' failed for .*: it raised KeyError: 0"),
+    ],
+    ids=["state-is-a-dict", "probe-raises", "set-device-raises"],
+)
+def test_check_platform_turns_any_failure_into_an_assertion_naming_the_check(
+    platform: type[platforms.Platform], message: str
+) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_platform(platform())
+
+
+@pytest.mark.needs_sim
+def test_the_kit_draws_only_where_torchs_ops_draw_from_the_platforms_own_generators() -> None:
+    # On a GPU machine the simulated torch.cuda stand-in has real cuda tensors, whose draws come from
+    # torch.cuda's generators, not the stand-in's: drawing there would fail a conformant platform.
+    from hyperrng.platforms.testing import _has_tensors
+
+    assert _has_tensors(platforms.SimulatedPlatform())
+    stand_in = platforms.SimulatedPlatform(module=platforms.SimulatedDeviceModule())  # not the registered module
+    assert torch.empty(0, device="sim:0").device.type == "sim" and not _has_tensors(stand_in)
+
+
 def test_the_kit_fails_a_platform_whose_state_is_not_what_the_device_draws_from() -> None:
     with pytest.raises(AssertionError, match="conformance check 'random_ops_draw_from_the_state' failed"):
         check_platform(_DictStatePlatform())
@@ -310,7 +354,7 @@ def test_the_platform_docstring_tables_every_member_a_plug_in_defines_or_overrid
     public = {name for name in dir(platforms.Platform) if not name.startswith("_")}
     hooks = {name.split("(")[0] for name in registry.REQUIRED_METHODS} - public
     tabled, call_only = _tabled_members(), _call_only_members()
-    assert len(tabled) == len(set(tabled)) == 14  # what a plug-in author must know: at most about 15
+    assert len(tabled) == len(set(tabled)) == 15  # what a plug-in author must know: at most about 15
     assert call_only == ["device", "get_rng_state", "set_rng_state", "manual_seed"]
     assert set(tabled) | set(call_only) == public | hooks
     assert not set(tabled) & set(call_only)

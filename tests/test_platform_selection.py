@@ -135,9 +135,10 @@ def test_module_factory_that_raises_on_import_is_reported(tmp_path: Path, monkey
 
 def test_without_env_or_plugins_the_first_available_builtin_wins() -> None:
     sel = platforms.select({})
-    assert [p.name for p in sel.probes] == ["npu", "cuda", "cpu"]
-    assert sel.platform.name == "cpu"  # this machine has neither torch_npu nor CUDA
-    assert all(p.reason for p in sel.probes if not p.available)
+    names = [p.name for p in sel.probes]
+    assert names == list(platforms.AUTO_ORDER[: len(names)])  # probed in order, up to the first available
+    assert sel.platform.name == names[-1] == ("cuda" if torch.cuda.is_available() else "cpu")  # no NPU in CI
+    assert all(p.reason for p in sel.probes[:-1]) and sel.probes[-1].available
 
 
 @pytest.mark.parametrize(
@@ -386,6 +387,53 @@ def test_selecting_an_incomplete_platform_instance_is_refused(
     assert platforms.current() is outer
 
 
+class _DictState(platforms.Platform):
+    """A plug-in whose ``_read_state`` hands back a dict instead of the state tensor."""
+
+    name = "dictplug"
+    counter_based = True
+
+    def __init__(self) -> None:
+        self._state = {"seed": 0, "offset": 0}
+
+    def device_count(self) -> int:
+        return 1
+
+    def _read_state(self, index: int) -> dict[str, int]:  # type: ignore[override]
+        return dict(self._state)
+
+    def _write_state(self, state: torch.Tensor, index: int) -> None:
+        seed, offset = platforms.unpack_counter_state(state)
+        self._state = {"seed": seed, "offset": offset}
+
+
+def test_a_platform_whose_state_is_not_a_tensor_is_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperrng.cli import info_lines
+
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("dictplug", _DictState)
+    outer = platforms.current()
+    with pytest.raises(PlatformError, match=r"not available: _read_state\(0\) returned a dict, not a 1-D CPU") as info:
+        platforms.load("dictplug")
+    assert info.value.reason == "unavailable"
+    with pytest.raises(PlatformError, match="cannot select platform 'dictplug': _read_state") as info:
+        platforms.set_current(_DictState())
+    assert info.value.reason == "invalid" and platforms.current() is outer
+    (line,) = [line for line in info_lines() if line.lstrip().startswith("dictplug")]
+    assert "unavailable - _read_state(0) returned a dict" in line
+
+
+def test_a_platform_whose_state_cannot_be_read_is_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Unreadable(_DictState):
+        def _read_state(self, index: int) -> dict[str, int]:
+            raise OSError("device gone")
+
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("dictplug", Unreadable)
+    with pytest.raises(PlatformError, match="reading its RNG state raised OSError: device gone"):
+        platforms.load("dictplug")
+
+
 # -- import behaviour, in fresh interpreters ------------------------------------------------
 
 
@@ -422,7 +470,7 @@ def test_a_user_package_named_platforms_does_not_disturb_hyperrng(tmp_path: Path
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["the", "user", "cpu"]
+    assert out.stdout.split() == ["the", "user", registry._resolve(os.environ).platform.name]
 
 
 def test_import_hyperrng_initialises_no_device_and_loads_no_npu_runtime(tmp_path: Path) -> None:
@@ -447,9 +495,9 @@ def test_with_an_unknown_forced_platform_the_first_call_into_hyperrng_fails() ->
 
 
 def test_info_explains_the_choice_and_every_probe() -> None:
-    out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))")
+    out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))", HYPERRNG_PLATFORM="")
     assert out.returncode == 0, out.stderr
-    assert "platform: cpu" in out.stdout
+    assert f"platform: {registry._resolve({}).platform.name}  (" in out.stdout  # cuda on a GPU machine
     assert "chosen because: first available built-in" in out.stdout
     assert "npu      [builtin] unavailable - torch_npu is not installed" in out.stdout
     assert "HYPERRNG_PLATFORM=''" in out.stdout

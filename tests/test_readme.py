@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -168,3 +169,45 @@ def test_only_an_abort_after_every_rank_finished_counts_as_torchs_teardown(
 ) -> None:
     done = subprocess.CompletedProcess(["torchrun"], 1, stdout, stderr)
     assert _only_torch_teardown_aborted(done, 2) is torch_teardown_only
+
+
+def test_every_readme_section_the_code_points_to_exists() -> None:
+    # A PlatformError once sent plug-in authors to the README section 'Plugging in a device',
+    # which the README never had.
+    headings = set(re.findall(r"^#+ (.+?)\s*$", README.read_text(), re.MULTILINE))
+    sources = [*REPO.joinpath("hyperrng").rglob("*.py"), *REPO.joinpath("platforms").rglob("*.py")]
+    named = {name for path in sources for name in re.findall(r"README, '([^']+)'", path.read_text())}
+    assert named, "the code names no README section any more: drop this test"
+    assert named <= headings, f"sections named in the code but missing from the README: {named - headings}"
+
+
+GPU_SCRIPT = REPO / ".ci" / "gpu"
+
+
+def test_the_gpu_command_runs_each_step_under_a_time_limit_and_logs_it() -> None:
+    text = GPU_SCRIPT.read_text()
+    assert os.access(GPU_SCRIPT, os.X_OK) and subprocess.run(["bash", "-n", str(GPU_SCRIPT)]).returncode == 0
+    steps = re.findall(r"^(?:    )?step ([\w-]+) (\d+) (.*)$", text, re.MULTILINE)
+    assert [name for name, _, _ in steps] == [
+        "facts",
+        "cuda-tests",
+        "suite-on-cuda",
+        "portable-demo-on-cuda",
+        "bench-gpu",
+    ]
+    commands = {name: command for name, _, command in steps}
+    assert "-m cuda" in commands["cuda-tests"]
+    assert "HYPERRNG_PLATFORM=cuda" in commands["suite-on-cuda"] and "-n 14" in commands["suite-on-cuda"]
+    assert commands["bench-gpu"].endswith("-m hyperrng bench --suite gpu")
+    assert "timeout --kill-after" in text and "LOGS=${OUT:-" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run .ci/gpu itself")
+def test_the_gpu_command_gives_the_facts_then_refuses_a_machine_without_a_gpu(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([str(GPU_SCRIPT)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no CUDA device here: this command is for a machine with an NVIDIA GPU" in out.stdout
+    facts = (tmp_path / "facts.log").read_text()
+    assert f"torch {torch.__version__}" in facts and "chosen because:" in facts  # hyperrng info ran

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hyperrng
 from hyperrng.recompute import checkpoint
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each
@@ -253,3 +254,147 @@ def test_a_recompute_after_portable_mode_has_exited_draws_the_forwards_portable_
     assert torch.equal(out.detach(), expected)
     out.sum().backward()  # the recompute runs here, after the context: it must draw portably again
     assert torch.equal(x.grad, (expected != 0).float() * 2.0 * 3.0)
+
+
+# -- torch.utils.checkpoint with hyperrng.checkpoint_context ---------------------------------------
+def torch_with_context(inner: Callable[[], Any] | None = None, **kwargs: Any) -> Callable[..., Any]:
+    """``torch.utils.checkpoint`` with hyperrng's context, composed with ``inner()``'s pair where given
+    (a context_fn: a fresh pair for every call)."""
+
+    def context_fn() -> Any:
+        return hyperrng.checkpoint_context(inner() if inner is not None else None, **kwargs)
+
+    return lambda block, h: torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+
+
+def test_torch_checkpoint_with_the_context_replays_the_streams_like_no_checkpoint(
+    platform: platforms.Platform,
+) -> None:
+    plain = train_step(None)
+    recomputed = train_step(
+        lambda block, h: torch.utils.checkpoint.checkpoint(
+            block, h, use_reentrant=False, context_fn=hyperrng.checkpoint_context
+        )
+    )
+    assert recomputed["calls"] == [2, 2], "each block ran again in the backward pass"
+    assert torch.equal(recomputed["out"], plain["out"])
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_forward"], plain["after_forward"])
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
+
+
+def test_the_context_replays_the_tracker_it_is_given(platform: platforms.Platform) -> None:
+    mine = RNGStatesTracker()
+    plain = train_step(None, mine)
+    recomputed = train_step(torch_with_context(tracker=mine), mine)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
+
+
+def test_checkpoint_wrapper_with_the_context_replays_the_streams() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = train_step(None)
+    recomputed = train_step(lambda block, h: checkpoint_wrapper(block, context_fn=hyperrng.checkpoint_context)(h))
+    assert recomputed["calls"] == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+
+
+def test_the_context_composes_with_selective_activation_checkpointing(platform: platforms.Platform) -> None:
+    sac = pytest.importorskip("torch.utils.checkpoint")
+    if not hasattr(sac, "create_selective_checkpoint_contexts"):
+        pytest.skip(f"torch {torch.__version__} has no selective activation checkpointing")
+    saved_ops = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]  # the matmuls kept, the rest recomputed
+    plain = train_step(None)
+    recomputed = train_step(torch_with_context(lambda: sac.create_selective_checkpoint_contexts(saved_ops)))
+    assert recomputed["calls"] == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
+
+
+def test_the_context_replays_a_sharded_region_and_a_fork_inside_one_block(platform: platforms.Platform) -> None:
+    from torch.distributed.tensor import Shard
+
+    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+
+    sharded = ShardedRNGTracker()
+    device = tensor_device()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        with sharded.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (2 * x.shape[0], x.shape[1])):
+            x = x * device_mask(x, 0.5)
+        with get_rng_tracker().fork(MP):
+            return x * device_mask(x, 0.25)
+
+    def run(recompute: bool) -> torch.Tensor:
+        sharded.manual_seed(11)
+        get_rng_tracker().reseed({MP: 5})
+        x = torch.ones(16, 8, device=device, requires_grad=True)
+        layer(x.detach())  # the checkpointed ops start past offset 0
+        if recompute:
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context)
+        else:
+            y = layer(x)
+        y.sum().backward()
+        assert x.grad is not None
+        return x.grad.cpu()
+
+    assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.needs_portable_mode
+def test_the_context_recomputes_in_portable_mode_after_the_mode_has_exited() -> None:
+    x = torch.ones(64, requires_grad=True)
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        return F.dropout(t, p=0.5, training=True) * 3.0
+
+    with hyperrng.portable_random(11):
+        expected = layer(x.detach()).detach()
+    with hyperrng.portable_random(11):
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context)
+    out.sum().backward()  # torch's recompute, after the context: the mask must be the forward's portable one
+    assert torch.equal(x.grad, (expected != 0).float() * 2.0 * 3.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "contexts", [(), "ab", (None, None), [object(), object()]], ids=["empty", "str", "nones", "list"]
+)
+def test_the_context_refuses_what_is_not_a_pair_of_context_managers(contexts: Any) -> None:
+    from hyperrng.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="a pair of context managers"):
+        hyperrng.checkpoint_context(contexts)
+
+
+@pytest.mark.cuda
+def test_on_cuda_recompute_replays_dropout_in_a_fork_exactly() -> None:
+    def grads(recompute: Callable[..., Any] | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(64, 64).cuda()
+        get_rng_tracker().reseed({MP: 4321})
+        torch.cuda.manual_seed(99)
+
+        def block(h: torch.Tensor) -> torch.Tensor:
+            with get_rng_tracker().fork(MP):  # tensor-parallel dropout: the stream's masks
+                h = F.dropout(torch.relu(layer(h)), 0.3)
+            return F.dropout(h, 0.2)  # the default generator's mask
+
+        x = torch.randn(32, 64, device="cuda", requires_grad=True)
+        out = recompute(block, x) if recompute is not None else block(x)
+        (out**2).sum().backward()
+        return [x.grad, *(p.grad for p in layer.parameters())]  # type: ignore[list-item]
+
+    with platforms.use(platforms.CUDAPlatform()):
+        saved = torch.cuda.get_rng_state()
+        try:
+            plain = grads(None)
+            for recompute in (
+                lambda block, h: checkpoint(block, h),
+                lambda block, h: torch.utils.checkpoint.checkpoint(
+                    block, h, use_reentrant=False, context_fn=hyperrng.checkpoint_context
+                ),
+            ):
+                assert all(torch.equal(a, b) for a, b in zip(grads(recompute), plain, strict=True))
+        finally:
+            torch.cuda.set_rng_state(saved)

@@ -523,16 +523,17 @@ def test_a_tracker_the_platform_cannot_serve_is_refused_before_the_host_is_seede
     from hyperrng.tracker import RNGStatesTracker
 
     needs_graph_safe = RNGStatesTracker(graph_safe=True)  # the CPU generator has no graph-safe API
-    before = (py_random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    for call in (
-        lambda: set_random_seed(7, tp_rank=0, tracker=needs_graph_safe),
-        lambda: megatron_set_random_seed(7, tracker=needs_graph_safe),
-    ):
-        with pytest.raises(InvalidOperationError, match="graph_safe=True"):
-            call()
-        assert py_random.getstate() == before[0]
-        assert (np.random.get_state()[1] == before[1]).all()
-        assert torch.equal(torch.get_rng_state(), before[2])
+    with platforms.use(platforms.CPUPlatform()):
+        before = (py_random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+        for call in (
+            lambda: set_random_seed(7, tp_rank=0, tracker=needs_graph_safe),
+            lambda: megatron_set_random_seed(7, tracker=needs_graph_safe),
+        ):
+            with pytest.raises(InvalidOperationError, match="graph_safe=True"):
+                call()
+            assert py_random.getstate() == before[0]
+            assert (np.random.get_state()[1] == before[1]).all()
+            assert torch.equal(torch.get_rng_state(), before[2])
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"tp_rank": 0}], ids=["without-tp", "with-tp"])

@@ -247,7 +247,7 @@ def test_manual_seed_refuses_bad_seeds_and_foreign_meshes() -> None:
 
 def _sync_ranks(rank: int, world_size: int) -> tuple[bool, tuple[int, int]]:
     tracker = ShardedRNGTracker()
-    torch.manual_seed(100 + (rank % 2))  # ranks 1 and 3 disagree with rank 0
+    tracker.platform.manual_seed(100 + (rank % 2))  # ranks 1 and 3 disagree with rank 0, on any platform
     differed = tracker.sync_from_rank0()
     return differed, tracker.platform.get_seed_offset()
 
@@ -287,9 +287,15 @@ def _dtensor_random_ops(rank: int, world_size: int, install: bool) -> dict[str, 
     }
 
 
+def _on_the_cpu(fn: Any, world_size: int, *args: Any) -> list[Any]:
+    """``run_ranks`` with the CPU platform in every rank: DTensor ops on a CPU mesh draw from the CPU's generator."""
+    with platforms.use(platforms.CPUPlatform()):
+        return run_ranks(fn, world_size, *args)
+
+
 @pytest.mark.multiproc
 def test_dtensor_random_ops_on_a_cpu_mesh_go_through_our_tracker() -> None:
-    r = run_ranks(_dtensor_random_ops, 4, True)  # coordinates: rank = 2 * i + j
+    r = _on_the_cpu(_dtensor_random_ops, 4, True)  # coordinates: rank = 2 * i + j
     # Shard(0) over mesh dim 0: ranks (i, 0) and (i, 1) are replicas.
     assert r[0]["rows"] == r[1]["rows"] and r[2]["rows"] == r[3]["rows"]
     assert r[0]["rows"] != r[2]["rows"]
@@ -327,14 +333,14 @@ def _ops_with_an_explicit_default_generator(rank: int, world_size: int) -> dict[
 @pytest.mark.multiproc
 def test_dtensor_ops_given_the_default_generator_explicitly_draw_what_implicit_ones_draw() -> None:
     """DTensor hands the tracker a new wrapper of the default generator; each op must still move it on."""
-    for result in run_ranks(_ops_with_an_explicit_default_generator, 2):
+    for result in _on_the_cpu(_ops_with_an_explicit_default_generator, 2):
         assert result["explicit"] == result["implicit"]
         assert result["explicit"][0] != result["explicit"][1] != result["explicit"][2]
 
 
 @pytest.mark.multiproc
 def test_without_our_tracker_pytorch_draws_identical_shards_on_a_cpu_mesh() -> None:
-    r = run_ranks(_dtensor_random_ops, 4, False)
+    r = _on_the_cpu(_dtensor_random_ops, 4, False)
     assert r[0]["rows"] == r[2]["rows"], "PyTorch gives every shard the same numbers on CPU meshes"
 
 

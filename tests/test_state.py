@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperrng._state_format import digest as _digest
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
 from hyperrng.state import (
@@ -30,6 +30,7 @@ from hyperrng.state import (
     RNGStateful,
     load_rng_state,
     load_rng_state_dict,
+    resume_seed,
     rng_state_dict,
     save_rng_state,
 )
@@ -475,9 +476,13 @@ def test_a_tracker_holding_another_stream_refuses_the_state(saved: tuple[dict[st
 
 
 def test_loading_inside_a_fork_is_refused_and_changes_nothing(saved: tuple[dict[str, Any], RNGStatesTracker]) -> None:
+    # A valid call that cannot run now: InvalidOperationError, as the README's table of errors says.
     state, tracker = saved
     with tracker.fork(MP):
-        expect_refusal(state, tracker, f"inside a fork of stream {MP!r}")
+        before = snapshot(tracker)
+        with pytest.raises(InvalidOperationError, match=f"inside a fork of stream {MP!r}") as info:
+            load_rng_state_dict(state, tracker=tracker, layout=LAYOUT, coords=COORDS)
+        assert info.value.reason == "tracker" and snapshot(tracker) == before
 
 
 def test_a_dict_of_another_format_is_refused() -> None:
@@ -735,7 +740,7 @@ def test_reseed_rederives_the_streams_for_the_new_setup_and_warns(
     after = snapshot(tracker)
 
     expected = RNGStatesTracker()
-    seeds = apply_layout(LAYOUT, SEED, new_coords, tracker=expected)
+    seeds = apply_layout(LAYOUT, resume_seed(from_two_ranks), new_coords, tracker=expected)
     seed_host(seeds[DEFAULT_STREAM])
     assert after == snapshot(expected)
 
@@ -747,7 +752,9 @@ def test_reseed_resumes_a_state_from_another_platform() -> None:
     tracker = seeded_tracker()
     with pytest.warns(RNGResumeWarning, match="platform 'sim' \\(now 'cpu'\\)"):
         load_rng_state_dict(state, tracker=tracker, layout=LAYOUT, coords=COORDS, on_mismatch="reseed")
-    assert {k: v.tolist() for k, v in tracker.get_states().items()} == snapshot(seeded_tracker())["streams"]
+    expected = RNGStatesTracker()
+    apply_layout(LAYOUT, resume_seed(state), COORDS, tracker=expected)
+    assert {k: v.tolist() for k, v in tracker.get_states().items()} == snapshot(expected)["streams"]
 
 
 def test_reseed_is_a_plain_exact_resume_when_nothing_differs(saved: tuple[dict[str, Any], RNGStatesTracker]) -> None:
@@ -779,6 +786,56 @@ def test_reseed_without_what_it_needs_is_refused_and_changes_nothing(
     draw_everything(tracker)
     error = expect_refusal(from_two_ranks, tracker, fragment, on_mismatch="reseed", **load)
     assert "on_mismatch='reseed' needs the saved base seed and the current layout and coords" in str(error)
+
+
+_HOST_LIBRARIES = 4  # draw_everything's first numbers: Python's and NumPy's, which apply_layout leaves alone
+
+
+def _resumed_draws(state: dict[str, Any], coords: dict[str, int]) -> list[float]:
+    """What a job restarted at another world size draws from torch's generators and the streams after a
+    reseed-resume from ``state``."""
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED + 7, coords, tracker=tracker)  # the restarted job's own seeding, then the resume
+    with pytest.warns(RNGResumeWarning):
+        load_rng_state_dict(state, tracker=tracker, layout=LAYOUT, coords=coords, on_mismatch="reseed")
+    return draw_everything(tracker)[_HOST_LIBRARIES:]
+
+
+def test_a_reseed_resume_does_not_replay_the_first_steps_and_two_resumes_agree(platform: platforms.Platform) -> None:
+    coords = {"dp": 0, "tp": 0}
+    first_steps = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, coords, tracker=first_steps)  # step 0 of the run, on the rank the resume lands
+    at_step_0 = draw_everything(first_steps)[_HOST_LIBRARIES:]
+    tracker = RNGStatesTracker()
+    apply_layout(LAYOUT, SEED, COORDS, tracker=tracker)
+    draw_everything(tracker)  # a few steps of training
+    at_step_2 = resealed(rng_state_dict(tracker=tracker), _set("world_size", lambda _: 2))
+    draw_everything(tracker)
+    at_step_4 = resealed(rng_state_dict(tracker=tracker), _set("world_size", lambda _: 2))
+
+    resumed = _resumed_draws(at_step_2, coords)
+    assert resumed == _resumed_draws(at_step_2, coords), "two resumes of one checkpoint draw the same numbers"
+    assert resumed != at_step_0, "the resume replayed the numbers of step 0"
+    assert resumed != _resumed_draws(at_step_4, coords), "resumes from other steps drew the same numbers"
+
+
+def test_replicas_checkpoints_resume_into_the_same_streams() -> None:
+    # Two ranks that share the default stream (LAYOUT's default varies over no dimension) and have drawn
+    # alike hold equal progress: either one's checkpoint resumes a rank into the same streams.
+    states = []
+    for dp in (0, 1):
+        tracker = RNGStatesTracker()
+        apply_layout(LAYOUT, SEED, {"dp": dp, "tp": 0}, tracker=tracker)
+        torch.rand(5)  # the default stream moves on alike on both
+        states.append(resealed(rng_state_dict(tracker=tracker), _set("world_size", lambda _: 2)))
+    assert resume_seed(states[0]) == resume_seed(states[1])
+    assert resume_seed(states[0]) not in (SEED, resume_seed(resealed(states[0], _set("base_seed", lambda _: 1))))
+
+
+def test_resume_seed_refuses_a_state_without_a_base_seed() -> None:
+    state = rng_state_dict(tracker=hand_seeded_tracker())
+    with pytest.raises(InvalidArgumentError, match="no base seed to resume from"):
+        resume_seed(state)
 
 
 # -- elastic resume without planning: the derivation travels in the checkpoint ----------------------
@@ -857,7 +914,7 @@ def test_reseed_needs_no_layout_or_coords_after_apply_layout_for_the_new_setup()
     with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
         load_rng_state_dict(from_two_ranks, tracker=tracker, on_mismatch="reseed")
     expected = RNGStatesTracker()
-    seeds = apply_layout(LAYOUT, SEED, new_coords, tracker=expected)
+    seeds = apply_layout(LAYOUT, resume_seed(from_two_ranks), new_coords, tracker=expected)
     seed_host(seeds[DEFAULT_STREAM])
     assert snapshot(tracker) == snapshot(expected)
 
@@ -895,10 +952,11 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_without_any_planning(tmp_path:
     tracker = get_rng_tracker()
     apply_layout(LAYOUT, SEED, coords)
     draw_everything(tracker)
+    saved = load_rng_state(tmp_path / "rng-1.pt")
     with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
-        load_rng_state_dict(load_rng_state(tmp_path / "rng-1.pt"), on_mismatch="reseed")
+        load_rng_state_dict(saved, on_mismatch="reseed")
     expected = RNGStatesTracker()
-    seed_host(apply_layout(LAYOUT, SEED, coords, tracker=expected)[DEFAULT_STREAM])
+    seed_host(apply_layout(LAYOUT, resume_seed(saved), coords, tracker=expected)[DEFAULT_STREAM])
     assert snapshot(tracker) == snapshot(expected)
 
 
@@ -1117,8 +1175,9 @@ def test_capturing_inside_a_fork_is_refused() -> None:
     tracker = get_rng_tracker()
     tracker.reseed({MODEL_PARALLEL_STREAM: 3})
     with tracker.fork(MODEL_PARALLEL_STREAM):
-        with pytest.raises(InvalidArgumentError, match="inside a fork of stream 'model-parallel-rng'"):
+        with pytest.raises(InvalidOperationError, match="inside a fork of stream 'model-parallel-rng'") as info:
             rng_state_dict()
+    assert info.value.reason == "tracker" and not isinstance(info.value, ValueError)
 
 
 @pytest.mark.needs_sim

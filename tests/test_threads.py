@@ -4,6 +4,10 @@ One thread at a time holds a device's generator; the holder may nest; another th
 refused with InvalidOperationError before anything changes. Interleavings are made
 deterministic with threading.Event: thread A enters and waits inside; the main thread
 (B) tries; A leaves only when told to.
+
+The policy holds on every platform, so these tests run on the current one
+(``HYPERRNG_PLATFORM=sim`` or ``cuda`` included): draws go to its device, refusals name its
+device, and the expected numbers are what its generator draws from a seed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.distributed.tensor import Shard
 
 import hyperrng
 from hyperrng import _exclusive
+from hyperrng._device_state import HOST, device_keys
 from hyperrng.errors import InvalidOperationError
 from hyperrng.layout import StreamLayout
 from hyperrng.random import fork_rng
@@ -34,6 +39,25 @@ from hyperrng.tracker import RNGStatesTracker
 _DEADLOCK_GUARD = 60.0  # seconds: only so that a broken hold fails the test instead of hanging it
 
 _REGION_ARGS = (MeshInfo((2,), (1,)), [Shard(0)], (8,))
+
+
+def _key() -> str:
+    """How refusals name the current device's generator: ``"cpu:0"``, ``"cuda:0"``, ``"sim:0"``."""
+    platform = platforms.current()
+    return f"{platform.device_type}:{platform.current_device()}"
+
+
+def _rand(n: int) -> torch.Tensor:
+    """``n`` numbers from the current device's generator (a fork's stream inside a fork), on the host."""
+    return torch.rand(n, device=platforms.current().device()).cpu()
+
+
+def _seeded(seed: int, *sizes: int) -> torch.Tensor:
+    """What draws of ``sizes`` give from a stream seeded with ``seed`` (as a fresh stream starts)."""
+    platform = platforms.current()
+    with fork_rng():
+        platform.manual_seed(seed)
+        return torch.cat([_rand(n) for n in sizes])
 
 
 def _tracker(**seeds: int) -> RNGStatesTracker:
@@ -59,10 +83,10 @@ class _OnAnotherThread:
     def _run(self) -> None:
         try:
             with self._context():
-                self.drawn.append(torch.rand(4))
+                self.drawn.append(_rand(4))
                 self._entered.set()
                 assert self._leave.wait(_DEADLOCK_GUARD)
-                self.drawn.append(torch.rand(4))
+                self.drawn.append(_rand(4))
         except BaseException as exc:  # handed to the main thread
             self._error = exc
             self._entered.set()
@@ -83,13 +107,16 @@ class _OnAnotherThread:
 
 
 def _no_holds() -> bool:
-    return _exclusive.holder("cpu", 0) is None
+    """No thread holds torch's CPU generator or a device's generator of the current platform."""
+    return all(_exclusive.holder(*key) is None for key in device_keys(platforms.current()) + [HOST])
 
 
 @pytest.fixture(autouse=True)
 def _holds_left_clean() -> Iterator[None]:
     yield
-    assert _no_holds(), "a hold was left behind"
+    clean = _no_holds()
+    _exclusive._HOLDS.clear()  # a failed test must not make every later one fail too
+    assert clean, "a hold was left behind"
 
 
 # -- the primitive --------------------------------------------------------------------------------
@@ -144,14 +171,14 @@ def test_a_fork_of_another_tracker_is_refused_while_a_thread_has_a_fork_open_and
     platform = platforms.current()
     with _OnAnotherThread(lambda: t1.fork("s")):
         streams, device = t2.get_states(), platform.get_rng_state()
-        with pytest.raises(InvalidOperationError, match="tracker.fork on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"tracker.fork on {_key()} was refused"):
             with t2.fork("s"):
                 pytest.fail("the block of a refused fork ran")
         assert _same(t2.get_states(), streams) and t2.active_stream is None
         assert torch.equal(platform.get_rng_state(), device), "the refused fork changed the holder's generator"
     with t2.fork("s"):  # once A has left, B forks
-        drawn = torch.rand(4)
-    assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(2)))
+        drawn = _rand(4)
+    assert torch.equal(drawn, _seeded(2, 4))
 
 
 def test_the_holder_of_a_fork_draws_exactly_its_stream_while_another_thread_is_refused() -> None:
@@ -162,20 +189,19 @@ def test_the_holder_of_a_fork_draws_exactly_its_stream_while_another_thread_is_r
         for _ in range(3):
             with pytest.raises(InvalidOperationError):
                 t2.fork("s").__enter__()
-    gen = torch.Generator().manual_seed(11)
-    assert torch.equal(torch.cat(a.drawn), torch.cat([torch.rand(4, generator=gen), torch.rand(4, generator=gen)]))
+    assert torch.equal(torch.cat(a.drawn), _seeded(11, 4, 4))
     assert torch.equal(platform.get_rng_state(), before)
     ref = _tracker(s=11)
     with ref.fork("s"):
-        torch.rand(4)
-        torch.rand(4)
+        _rand(4)
+        _rand(4)
     assert _same(t1.get_states(), ref.get_states())
 
 
 def test_adding_a_stream_on_another_thread_is_refused_while_a_fork_is_open() -> None:
     t1, t2 = _tracker(s=1), RNGStatesTracker()
     with _OnAnotherThread(lambda: t1.fork("s")):
-        with pytest.raises(InvalidOperationError, match="creating a stream on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"creating a stream on {_key()} was refused"):
             t2.add("x", 5)
         assert "x" not in t2 and not t2.is_initialized()
     t2.add("x", 5)
@@ -219,7 +245,7 @@ def test_a_sharded_region_is_refused_while_another_thread_has_a_fork_open() -> N
     platform = platforms.current()
     with _OnAnotherThread(lambda: t1.fork("s")):
         device = platform.get_rng_state()
-        with pytest.raises(InvalidOperationError, match="a sharded region on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"a sharded region on {_key()} was refused"):
             with sharded.distribute_region(*_REGION_ARGS):
                 pytest.fail("the block of a refused region ran")
         assert torch.equal(platform.get_rng_state(), device) and active_region() is None
@@ -230,25 +256,26 @@ def test_a_fork_is_refused_while_another_thread_is_inside_a_sharded_region() -> 
     sharded.manual_seed(7)
     with _OnAnotherThread(lambda: sharded.distribute_region(*_REGION_ARGS)) as a:
         streams = tracker.get_states()
-        with pytest.raises(InvalidOperationError, match="tracker.fork on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"tracker.fork on {_key()} was refused"):
             with tracker.fork("s"):
                 pass
         assert _same(tracker.get_states(), streams)
     ref = ShardedRNGTracker()
     ref.manual_seed(7)
     with ref.distribute_region(*_REGION_ARGS):
-        expected = torch.cat([torch.rand(4), torch.rand(4)])
+        expected = torch.cat([_rand(4), _rand(4)])
     assert torch.equal(torch.cat(a.drawn), expected), "the region's draws were disturbed"
 
 
 def test_a_region_on_a_user_generator_does_not_hold_the_device() -> None:
     t1, sharded = _tracker(s=1), ShardedRNGTracker()
-    own = torch.Generator()
+    platform = platforms.current()
+    # A generator of the platform's device that is not the device's own (a copy of its state).
+    own = torch.Generator() if platform.device_type == "cpu" else platform.default_generator().clone_state()  # type: ignore[union-attr]
     before = own.get_state()
     with _OnAnotherThread(lambda: t1.fork("s")):
         with sharded.distribute_region(*_REGION_ARGS, generator=own):
-            assert _exclusive.depth("cpu", 0) == 0  # held by the other thread, not by this region
-            torch.rand(4, generator=own)
+            assert _exclusive.depth(platform.device_type, platform.current_device()) == 0  # the other thread's
     assert not torch.equal(own.get_state(), before), "the region did not position the user generator"
 
 
@@ -257,13 +284,13 @@ def test_fork_rng_is_refused_while_another_thread_has_a_fork_open_and_a_fork_whi
     platform = platforms.current()
     with _OnAnotherThread(lambda: tracker.fork("s")):
         device = platform.get_rng_state()
-        with pytest.raises(InvalidOperationError, match="fork_rng on cpu:0 was refused"):
-            with fork_rng(devices=[]):
+        with pytest.raises(InvalidOperationError, match=f"fork_rng on {_key()} was refused"):
+            with fork_rng():
                 pass
         assert torch.equal(platform.get_rng_state(), device)
     before = platform.get_rng_state()
-    with _OnAnotherThread(lambda: fork_rng(devices=[])):
-        with pytest.raises(InvalidOperationError, match="tracker.fork on cpu:0 was refused"):
+    with _OnAnotherThread(lambda: fork_rng()):
+        with pytest.raises(InvalidOperationError, match=f"tracker.fork on {_key()} was refused"):
             with tracker.fork("s"):
                 pass
     assert torch.equal(platform.get_rng_state(), before)
@@ -293,7 +320,9 @@ def test_a_recompute_is_refused_while_another_thread_has_a_fork_open_and_changes
     y = checkpoint(layer, x, tracker=tracker)
     with _OnAnotherThread(lambda: tracker.fork("s")):
         device = platform.get_rng_state()
-        with pytest.raises(InvalidOperationError, match=r"a recompute \(hyperrng.checkpoint\) on cpu:0 was refused"):
+        with pytest.raises(
+            InvalidOperationError, match=rf"a recompute \(hyperrng.checkpoint\) on {_key()} was refused"
+        ):
             checkpoint(layer, x, tracker=tracker)
         with pytest.raises(InvalidOperationError, match="recompute"):
             y.sum().backward()
@@ -309,28 +338,30 @@ def test_one_thread_nests_forks_of_two_trackers_regions_fork_rng_and_recompute()
     before = platform.get_rng_state()
     x = torch.ones(4, requires_grad=True)
     with t1.fork("s"):
-        with fork_rng(devices=[]):
+        with fork_rng():
             with sharded.distribute_region(*_REGION_ARGS):
                 with t2.fork("s"):
                     y = checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5), x, tracker=t2)
                     y.sum().backward()
-        assert _exclusive.depth("cpu", 0) == 1
+        assert _exclusive.depth(platform.device_type, platform.current_device()) == 1
     assert torch.equal(platform.get_rng_state(), before) and _no_holds()
 
 
 # -- calls that position a generator for good ----------------------------------------------------
 def _everything() -> tuple[object, ...]:
-    """Every state a seeding call or a restore may change: Python's, NumPy's, the platform's."""
-    return random.getstate(), np.random.get_state(legacy=False), platforms.current().get_rng_state()
+    """Every state a seeding call or a restore may change: Python's, NumPy's, torch's CPU generator, the platform's."""
+    device = platforms.current().get_rng_state()
+    return random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state(), device
 
 
 def _unchanged(before: tuple[object, ...]) -> bool:
-    python, numpy, device = _everything()
+    python, numpy, host, device = _everything()
     return (
         python == before[0]
         and numpy["state"]["key"].tobytes() == before[1]["state"]["key"].tobytes()  # type: ignore[index]
         and numpy["state"]["pos"] == before[1]["state"]["pos"]  # type: ignore[index]
-        and torch.equal(device, before[2])  # type: ignore[arg-type]
+        and torch.equal(host, before[2])  # type: ignore[arg-type]
+        and torch.equal(device, before[3])  # type: ignore[arg-type]
     )
 
 
@@ -351,12 +382,11 @@ def test_seeding_is_refused_while_another_thread_has_a_fork_open_and_seeds_nothi
     holder_tracker, seeded = _tracker(s=1), _tracker(s=2)
     with _OnAnotherThread(lambda: holder_tracker.fork("s")) as a:
         before, streams = _everything(), seeded.get_states()
-        with pytest.raises(InvalidOperationError, match=f"{what} on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"{what} on {_key()} was refused"):
             _SEEDING_CALLS[what](seeded)
         assert _unchanged(before), f"{what} changed a generator while refused"
         assert _same(seeded.get_states(), streams), f"{what} reseeded the tracker while refused"
-    gen = torch.Generator().manual_seed(1)
-    assert torch.equal(torch.cat(a.drawn), torch.rand(8, generator=gen)), "the holder's stream was disturbed"
+    assert torch.equal(torch.cat(a.drawn), _seeded(1, 4, 4)), "the holder's stream was disturbed"
     _SEEDING_CALLS[what](seeded)  # once the holder has left, the call goes through
 
 
@@ -371,11 +401,10 @@ def test_positioning_a_sharded_tracker_is_refused_while_another_thread_has_a_for
 
     with _OnAnotherThread(lambda: holder_tracker.fork("s")) as a:
         device = platform.get_rng_state()
-        with pytest.raises(InvalidOperationError, match=f"ShardedRNGTracker.{call} on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"ShardedRNGTracker.{call} on {_key()} was refused"):
             run()
         assert torch.equal(platform.get_rng_state(), device), f"a refused {call} moved the holder's generator"
-    gen = torch.Generator().manual_seed(1)
-    assert torch.equal(torch.cat(a.drawn), torch.rand(8, generator=gen)), "the holder's stream was disturbed"
+    assert torch.equal(torch.cat(a.drawn), _seeded(1, 4, 4)), "the holder's stream was disturbed"
     run()
 
 
@@ -383,12 +412,12 @@ def test_loading_a_checkpoint_is_refused_while_another_thread_has_a_fork_open_an
     holder_tracker, restored = _tracker(s=1), _tracker(s=2)
     saved = hyperrng.rng_state_dict(tracker=restored)
     with restored.fork("s"):
-        torch.rand(4)  # the streams move on from the checkpoint
+        _rand(4)  # the streams move on from the checkpoint
     random.random()
     np.random.rand()
     with _OnAnotherThread(lambda: holder_tracker.fork("s")):
         before, streams = _everything(), restored.get_states()
-        with pytest.raises(InvalidOperationError, match="load_rng_state_dict on cpu:0 was refused"):
+        with pytest.raises(InvalidOperationError, match=f"load_rng_state_dict on {_key()} was refused"):
             hyperrng.load_rng_state_dict(saved, tracker=restored)
         assert _unchanged(before) and _same(restored.get_states(), streams), "a refused load restored something"
     hyperrng.load_rng_state_dict(saved, tracker=restored)
@@ -434,10 +463,10 @@ def test_a_fork_works_after_a_thread_died_inside_a_fork_of_another_tracker() -> 
     dead_tracker, tracker = _tracker(s=1), _tracker(s=2)
     _die_holding(lambda: dead_tracker.fork("s").__enter__())  # never left: its hold is never released
     with tracker.fork("s"):
-        drawn = torch.rand(4)
-    assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(2)))
-    with fork_rng(devices=[]):
-        torch.rand(4)
+        drawn = _rand(4)
+    assert torch.equal(drawn, _seeded(2, 4))
+    with fork_rng():
+        _rand(4)
 
 
 def _abandon_fork(tracker: RNGStatesTracker, name: str) -> None:
@@ -463,13 +492,14 @@ def test_a_fork_abandoned_by_an_ended_thread_refuses_every_use_with_a_typed_erro
     # stream's advance whatever had drawn from it since.
     tracker = _tracker(s=1, u=2)
     _abandon_fork(tracker, "s")
-    generator, streams = torch.get_rng_state(), dict(tracker._states)
+    platform = platforms.current()
+    generator, streams = platform.get_rng_state(), dict(tracker._states)
     with pytest.raises(InvalidOperationError, match=r"left open by thread \d+ that has ended.*reset\(\)") as info:
         use(tracker)
     assert info.value.reason == "tracker"
-    assert torch.equal(torch.get_rng_state(), generator)
+    assert torch.equal(platform.get_rng_state(), generator)
     assert tracker._states == streams and tracker.active_stream == "s"
-    assert _exclusive.holder("cpu", 0) is None  # a refused fork released what it held
+    assert _exclusive.holder(platform.device_type, platform.current_device()) is None  # released what it held
 
 
 def test_set_states_reset_reseed_and_the_seeding_recipes_replace_the_streams_of_an_abandoned_tracker() -> None:
@@ -495,7 +525,7 @@ def test_set_states_reset_reseed_and_the_seeding_recipes_replace_the_streams_of_
     hyperrng.model_parallel_manual_seed(5, 0, tracker=tracker)
     assert tracker.active_stream is None
     with tracker.fork("model-parallel-rng"):
-        torch.rand(2)
+        _rand(2)
 
 
 @pytest.mark.parametrize("graph_safe", [False, True], ids=["byte-copies", "graph-safe"])
@@ -521,7 +551,7 @@ def test_an_abandoned_fork_on_a_multi_device_tracker_is_refused_and_cleared_by_r
 
 def _draw_in_fork(tracker: RNGStatesTracker, name: str) -> list[float]:
     with tracker.fork(name):
-        return torch.rand(4).tolist()
+        return _rand(4).tolist()
 
 
 # -- KeyboardInterrupt anywhere in enter/exit -----------------------------------------------------
@@ -530,13 +560,19 @@ def _draw_in_fork(tracker: RNGStatesTracker, name: str) -> list[float]:
 # back edge. A profile hook sees exactly the first two ('call', 'c_return'), so raising from it
 # at the k-th such event puts the interrupt at every point a real one can land. The one point
 # left out is the entry of the __exit__ a with statement calls: _exclusive's docstring names it
-# as the window pure Python cannot close.
+# as the window pure Python cannot close. The simulated device's code is left out too: it stands
+# for a device's C kernels and generator, which an interrupt reaches only around their calls.
+_SIMULATED_DEVICE_CODE = platforms.simulated.__file__
+
+
 class _Interrupt:
     def __init__(self, at: int | None) -> None:
         self.at, self.events = at, 0
         self.scope: Any = None
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if frame.f_code.co_filename == _SIMULATED_DEVICE_CODE:
+            return
         if event == "c_return" or (event == "call" and not self._with_exit(frame)):
             self.events += 1
             if self.events == self.at:
@@ -554,7 +590,7 @@ def _run_interrupted(make: Callable[[], AbstractContextManager[Any]], at: int | 
     try:
         sys.setprofile(hook)
         with make():
-            torch.rand(4)
+            _rand(4)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -616,9 +652,9 @@ def _run_nested(
         if interrupt:
             sys.setprofile(hook)
         with outer():
-            torch.rand(2)
+            _rand(2)
             with inner():
-                torch.rand(3)
+                _rand(3)
     except KeyboardInterrupt:
         return True
     finally:
@@ -630,8 +666,8 @@ _NESTINGS = {
     "fork-in-fork-of-another-tracker": lambda a, b: (lambda: a.fork("s"), lambda: b.fork("s")),
     "fork-in-fork-of-one-tracker": lambda a, b: (lambda: a.fork("s"), lambda: a.fork("other")),
     "region-in-fork": lambda a, b: (lambda: a.fork("s"), lambda: ShardedRNGTracker().distribute_region(*_REGION_ARGS)),
-    "fork_rng-in-fork": lambda a, b: (lambda: a.fork("s"), lambda: fork_rng(devices=[])),
-    "fork-in-fork_rng": lambda a, b: (lambda: fork_rng(devices=[]), lambda: b.fork("s")),
+    "fork_rng-in-fork": lambda a, b: (lambda: a.fork("s"), lambda: fork_rng()),
+    "fork-in-fork_rng": lambda a, b: (lambda: fork_rng(), lambda: b.fork("s")),
     "fork-in-region": lambda a, b: (lambda: ShardedRNGTracker().distribute_region(*_REGION_ARGS), lambda: b.fork("s")),
 }
 
@@ -665,9 +701,9 @@ def test_an_interrupt_anywhere_in_fork_rng_leaves_the_generator_as_it_was_and_no
     platform = platforms.current()
     start = platform.get_rng_state()
     landed = 0
-    for at in _interrupt_points(lambda: fork_rng(devices=[]), seed=2):
+    for at in _interrupt_points(lambda: fork_rng(), seed=2):
         platform.set_rng_state(start)
-        interrupted, _ = _run_interrupted(lambda: fork_rng(devices=[]), at)
+        interrupted, _ = _run_interrupted(lambda: fork_rng(), at)
         landed += interrupted
         assert torch.equal(platform.get_rng_state(), start), f"generator changed (interrupt at {at})"
         assert _no_holds(), f"hold left (interrupt at {at})"

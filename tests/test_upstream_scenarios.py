@@ -270,7 +270,8 @@ def _dtensor_scenarios(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def dtensor_runs() -> list[dict[str, Any]]:
-    return run_ranks(_dtensor_scenarios, WORLD)
+    with platforms.use(platforms.CPUPlatform()):  # upstream's scenarios on CPU meshes: the ranks' platform too
+        return run_ranks(_dtensor_scenarios, WORLD)
 
 
 @pytest.mark.multiproc

@@ -113,10 +113,18 @@ def _fault(rank: int, name: str) -> str | list[Any]:
         torch.rand(1)
     if name == "one-rank-uses-another-layout" and rank == 3:
         layout = StreamLayout(dims=("dp", "tp"), default=(), streams={MP: ("dp", "tp"), DP: ("dp",)})
+    if name == "every-tp-rank-claims-tp-0":  # seeded and checked with the same wrong coordinates
+        coords = {**coords, "tp": 0}
+        apply_layout(layout, SEED, coords, tracker=tracker)
+    if name == "a-coordinate-outside-the-mesh" and rank == 3:
+        coords = {**coords, "tp": 5}
+        apply_layout(layout, SEED, coords, tracker=tracker)
     return _outcome(layout, coords, tracker=tracker)
 
 
 FAULTS = (
+    "every-tp-rank-claims-tp-0",
+    "a-coordinate-outside-the-mesh",
     "one-rank-reseeded",
     "one-stream-advanced-once-more",
     "stream-missing-on-one-rank",
@@ -262,6 +270,34 @@ def test_shards_that_draw_identical_numbers_are_refused(outcomes: list[dict[str,
     message = error_on_every_rank(outcomes, "tp-stream-not-varied-over-tp")
     assert f"stream {MP!r}: ranks [0, 2] and [1, 3] must differ (tp=0 vs tp=1) but hold identical states" in message
     assert repr(DP) not in message
+
+
+@pytest.mark.multiproc
+def test_ranks_that_claim_the_same_coordinates_are_named(outcomes: list[dict[str, Any]]) -> None:
+    # Seeded and checked with one TP coordinate, every TP rank holds the same TP stream, and the
+    # streams alone look in sync: the coordinates themselves give the bug away.
+    message = error_on_every_rank(outcomes, "every-tp-rank-claims-tp-0")
+    assert message.startswith("RNGDesyncError: the ranks' mesh coordinates are wrong")
+    assert "ranks [0, 1] all claim coordinates {dp=0, tp=0}" in message
+    assert "ranks [2, 3] all claim coordinates {dp=1, tp=0}" in message
+
+
+@pytest.mark.multiproc
+def test_a_coordinate_outside_the_mesh_is_named(outcomes: list[dict[str, Any]]) -> None:
+    message = error_on_every_rank(outcomes, "a-coordinate-outside-the-mesh")
+    assert "rank(s) [3] have tp coordinates [5], outside the mesh" in message
+
+
+def test_coordinates_that_do_not_fill_the_world_s_mesh_are_refused() -> None:
+    from hyperrng.verify import _coordinate_problems
+
+    dims = ("dp", "tp")
+    assert _coordinate_problems(dims, [(0, 0), (0, 1), (1, 0), (1, 1)], whole_world=True) == []
+    assert _coordinate_problems(dims, [(1, 0), (1, 1)], whole_world=False) == []  # a subgroup: a row of the mesh
+    (gap,) = _coordinate_problems(dims, [(0, 0), (0, 1), (1, 0)], whole_world=True)
+    assert "span a mesh of dp=2 x tp=2 (4 points) but the world has 3 ranks" in gap
+    (shifted,) = _coordinate_problems(dims, [(1, 0), (1, 1)], whole_world=True)
+    assert "rank(s) [0, 1] have dp coordinates [1, 1], outside the mesh" in shifted
 
 
 @pytest.mark.multiproc

@@ -23,13 +23,14 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 
-from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved, reporting, time_rounds
+from hyperrng.benchmarks._timing import BenchResult, Timing, announce, interleaved, reporting, time_rounds
 
 __all__ = [
     "SUITES",
     "WIDTH",
     "BenchResult",
     "Timing",
+    "announce",
     "interleaved",
     "time_rounds",
     "check_suites",
@@ -73,6 +74,7 @@ def run_benchmarks(
     *,
     on_suite: Callable[[int, int, str], None] | None = None,
     on_result: Callable[[BenchResult], None] | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> list[BenchResult]:
     """Run the named suites (default: all) and return their results in order.
 
@@ -81,6 +83,7 @@ def run_benchmarks(
         suites: names from :data:`SUITES`.
         on_suite: called as ``on_suite(i, n, name)`` before the ``i``-th of ``n`` suites starts.
         on_result: called with each result as soon as it is measured.
+        on_progress: called with what a suite measures next, where that takes long (:func:`announce`).
 
     Raises:
         InvalidArgumentError: an unknown suite name; nothing runs.
@@ -91,9 +94,14 @@ def run_benchmarks(
         if on_suite is not None:
             on_suite(i, len(chosen), name)
         module = importlib.import_module(f"hyperrng.benchmarks.{name}")
-        with reporting(on_result) if on_result is not None else contextlib.nullcontext():
+        reports = on_result is not None or on_progress is not None
+        with reporting(on_result or _ignore, on_progress) if reports else contextlib.nullcontext():
             results.extend(module.benchmarks(quick))
     return results
+
+
+def _ignore(result: BenchResult) -> None:
+    """The result callback of a run that only wants progress."""
 
 
 def _cpu_model() -> str:

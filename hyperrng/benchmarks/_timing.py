@@ -11,6 +11,8 @@ noisy machine whose rounds scatter too widely to tell.
 
 A :class:`BenchResult` is reported as soon as it is made (see :func:`reporting`): every
 suite makes a row right after timing it, so a runner can print rows as they are measured.
+A suite about to measure for long says what with :func:`announce`, so that a runner can
+print progress between rows.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["BenchResult", "Timing", "DRIFT_LIMIT", "TRENDS", "time_rounds", "interleaved", "reporting"]
+__all__ = ["BenchResult", "Timing", "DRIFT_LIMIT", "TRENDS", "announce", "time_rounds", "interleaved", "reporting"]
 
 DRIFT_LIMIT = 1.25
 """Late rounds slower (or faster) than early ones by more than this factor are a trend worth a word."""
@@ -119,20 +121,32 @@ def interleaved(fns: Mapping[str, Callable[[], object]], *, number: int, rounds:
 
 
 _ON_RESULT: ContextVar[Callable[[BenchResult], None] | None] = ContextVar("hyperrng_bench_on_result", default=None)
+_ON_PROGRESS: ContextVar[Callable[[str], None] | None] = ContextVar("hyperrng_bench_on_progress", default=None)
 
 
 @contextmanager
-def reporting(on_result: Callable[[BenchResult], None]) -> Iterator[None]:
-    """Call ``on_result(result)`` for every :class:`BenchResult` made inside the block, as it is made.
+def reporting(
+    on_result: Callable[[BenchResult], None], on_progress: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """Call ``on_result(result)`` for every :class:`BenchResult` made inside the block, as it is made,
+    and ``on_progress(text)`` for every :func:`announce`.
 
     Suites make each row right after timing it and return their rows at the end; this is
     how a runner prints rows while a suite is still measuring the next ones.
     """
-    token = _ON_RESULT.set(on_result)
+    tokens = (_ON_RESULT.set(on_result), _ON_PROGRESS.set(on_progress))
     try:
         yield
     finally:
-        _ON_RESULT.reset(token)
+        _ON_PROGRESS.reset(tokens[1])
+        _ON_RESULT.reset(tokens[0])
+
+
+def announce(text: str) -> None:
+    """Say what a suite measures next, where that takes long (nothing outside :func:`reporting`)."""
+    on_progress = _ON_PROGRESS.get()
+    if on_progress is not None:
+        on_progress(text)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hyperrng import sharding
-from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved, time_rounds
+from hyperrng.benchmarks._timing import BenchResult, Timing, announce, interleaved, time_rounds
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
@@ -186,6 +186,7 @@ def _bench_region(quick: bool) -> list[BenchResult]:
         fns[label] = region((mesh, placements, (64, 64)))
     fns["large"] = region(large)
     fns["rebuilt"] = rebuilt
+    announce(f"timing {len(fns) - 1} forms of region against a fork: {rounds} rounds of {number:,} calls each")
     best = interleaved(fns, number=number, rounds=rounds)
     target = _REGION_TARGET if platform.name == "cpu" else None
     rebuilt_note = "a new placements list and the tensor's torch.Size at each call" + (
@@ -206,13 +207,28 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     # position as in training (every region moves the generator on); then as many with a new
     # shape every region, which also churns the offsets cache.
     long_number, long_rounds = (2_000, 10) if quick else (10_000, 20)
+    total = f"{long_rounds} rounds of {long_number:,} regions ({long_rounds * long_number:,} in one process)"
+
+    def slowest_round(label: str, run: Timing, extra: str = "") -> BenchResult:
+        return BenchResult(
+            f"{platform.name}: distribute_region, slowest round, {label}",
+            Timing((run.high,)),
+            "its fastest round",
+            Timing((run.low,)),
+            target=_FLAT_TARGET,
+            note=f"{total}; median {run.median * 1e6:.1f} us; late/early rounds {run.drift:.2f}{extra}",
+        )
+
+    announce(f"a long run, same shape: {total}")
     same = time_rounds(region((meshes["tuple"], placements, (64, 64))), number=long_number, rounds=long_rounds)
+    results.append(slowest_round("same shape", same))
     shapes = itertools.count(1)
 
     def new_shape() -> None:
         with sharded.distribute_region(meshes["tuple"], placements, (next(shapes), 64)):
             pass
 
+    announce(f"a long run, a new shape every region: {total}")
     fresh = time_rounds(new_shape, number=long_number, rounds=long_rounds)
     # Memory: the highest point of traced memory over one window of regions against the window
     # before it. The positions table drops half its entries at each of its rotations (every
@@ -221,26 +237,16 @@ def _bench_region(quick: bool) -> list[BenchResult]:
     # and a build-up would raise the second window's. Traced from far enough back that every
     # entry of the bounded tables was allocated while traced (else each replaced entry frees
     # memory tracemalloc never saw). Too slow for --quick, which leaves it out.
-    total = f"{long_rounds} rounds of {long_number:,} regions ({long_rounds * long_number:,} in one process)"
     traced = "; traced memory: not measured with --quick"
     if not quick:
         warm = 2 * (platforms.POSITIONS_KEPT + OFFSETS_KEPT)
+        announce(f"traced memory over {warm + 2 * platforms.POSITIONS_KEPT:,} regions with new shapes")
         grown = _traced_peak_growth(new_shape, warm, platforms.POSITIONS_KEPT)
         traced = (
             f"; highest traced memory {grown / 1024:+.0f} KiB over {platforms.POSITIONS_KEPT:,} regions against "
             f"the {platforms.POSITIONS_KEPT:,} before, after {warm:,} traced"
         )
-    for label, run, extra in (("same shape", same, ""), ("new shapes", fresh, traced)):
-        results.append(
-            BenchResult(
-                f"{platform.name}: distribute_region, slowest round, {label}",
-                Timing((run.high,)),
-                "its fastest round",
-                Timing((run.low,)),
-                target=_FLAT_TARGET,
-                note=f"{total}; median {run.median * 1e6:.1f} us; late/early rounds {run.drift:.2f}{extra}",
-            )
-        )
+    results.append(slowest_round("new shapes", fresh, traced))
     return results
 
 
