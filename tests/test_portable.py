@@ -144,12 +144,13 @@ def test_dropout_outside_training_changes_nothing(platform: platforms.Platform) 
 
 
 def test_a_passed_generator_is_used_and_advanced() -> None:
-    gen = torch.Generator().manual_seed(5)
-    before = torch.get_rng_state()
-    a = portable.uniform((6,), generator=gen)
-    assert torch.equal(a, philox.uniform((6,), key=5, offset=0))
-    assert platforms.CPUPlatform().get_seed_offset(generator=gen) != (5, 0)
-    assert torch.equal(torch.get_rng_state(), before)
+    with platforms.use(platforms.CPUPlatform()):  # a CPU torch.Generator belongs to the CPU platform only
+        gen = torch.Generator().manual_seed(5)
+        before = torch.get_rng_state()
+        a = portable.uniform((6,), generator=gen)
+        assert torch.equal(a, philox.uniform((6,), key=5, offset=0))
+        assert platforms.CPUPlatform().get_seed_offset(generator=gen) != (5, 0)
+        assert torch.equal(torch.get_rng_state(), before)
 
 
 @pytest.mark.parametrize(
@@ -246,7 +247,7 @@ def _rank_shard(rank: int, world_size: int) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(SEED)
+    platforms.current().manual_seed(SEED)  # torch.manual_seed misses a device registered later in the rank
     return portable.sharded_uniform(mesh, [Shard(1)], (3, 7)).flatten().tolist()
 
 

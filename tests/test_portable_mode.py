@@ -508,7 +508,7 @@ BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("poisson", lambda: torch.poisson(torch.ones(3)), UnsupportedPortableOpError, "poisson"),
     ("normal(tensor)", lambda: torch.normal(torch.zeros(3), 1.0), UnsupportedPortableOpError, "normal.Tensor_float"),
     ("rrelu training", lambda: F.rrelu(torch.ones(3), training=True), UnsupportedPortableOpError, "rrelu"),
-    ("random_()", lambda: torch.empty(3, dtype=torch.int64).random_(), UnsupportedPortableOpError, "random_ has"),
+    ("random_()", lambda: torch.empty(3, dtype=torch.int64).random_(), UnsupportedPortableOpError, "whole range of its dtype"),
     ("int uniform_", lambda: torch.empty(3, dtype=torch.int32).uniform_(), ArgumentTypeError, "int32"),
     ("uniform_ low > high", lambda: torch.empty(3).uniform_(2.0, 1.0), InvalidArgumentError, "low must be <= high"),
     ("normal_ std < 0", lambda: torch.empty(3).normal_(0.0, -1.0), InvalidArgumentError, "std must be >= 0"),
@@ -1083,3 +1083,17 @@ def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_i
         "assert torch.equal(x.cpu(), philox.uniform(6, 5, 0)), x"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_dataloader_iterated_in_the_mode_is_refused_with_a_message_naming_it(shuffle: bool) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=shuffle)
+    with portable_random(SEED):
+        with pytest.raises(UnsupportedPortableOpError) as info:
+            next(iter(loader))
+        assert _position() == (SEED, 0)
+    message = str(info.value)
+    assert "DataLoader" in message and "outside portable_random()" in message
+    assert "random_.from" not in message and "random_(low, high)" in message

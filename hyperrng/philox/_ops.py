@@ -411,12 +411,35 @@ def _refusal(op: Any) -> Callable[..., Any]:
         )
         if deterministic:
             return original(keyset, *args, **kwargs)
-        raise UnsupportedPortableOpError(
-            f"{label} has no portable implementation, and portable mode never falls back to a device's own "
-            f"generator; call it outside portable_random(), or use a portable op ({', '.join(PORTABLE_OPS)})."
-        )
+        raise UnsupportedPortableOpError(_refusal_message(label))
 
     return refuse
+
+
+_USER_OPS = (
+    "rand, randn, randint, rand_like, randn_like, uniform_, normal_, bernoulli_, random_(low, high), "
+    "F.dropout, F.scaled_dot_product_attention, nn.init"
+)
+"""The portable ops as users call them (the aten names of PORTABLE_OPS mean little in a message)."""
+
+_DATALOADER = (
+    "A torch.utils.data.DataLoader draws its base seed with random_() over the whole int64 range when "
+    "it is iterated, and shuffles with randperm: create and iterate loaders outside portable_random(), "
+    "entering it around the model's step."
+)
+
+
+def _refusal_message(label: str) -> str:
+    if label == "random_":
+        return (
+            "random_() without bounds draws the whole range of its dtype, which portable mode does not "
+            f"(random_(low, high) and randint are portable). {_DATALOADER}"
+        )
+    note = f" {_DATALOADER}" if label.startswith("randperm") else ""
+    return (
+        f"{label} has no portable implementation, and portable mode never falls back to a device's own "
+        f"generator; call it outside portable_random(), or use a portable op ({_USER_OPS}).{note}"
+    )
 
 
 # -- the dispatch key: registered once, switched per thread --------------------------------------

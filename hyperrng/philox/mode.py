@@ -49,7 +49,8 @@ autograd runs the backward pass on per-device threads. A recompute in backward (
 checkpointing) therefore draws portably only where it re-applies the flag its forward pass
 ran with (``thread_mode`` and ``mode_applied`` here are for that), which is also what it
 needs on the CPU when ``backward()`` runs after the context has exited;
-``torch.utils.checkpoint`` does not, so its recompute draws torch's own numbers then.
+``torch.utils.checkpoint`` does so with ``context_fn=hyperrng.checkpoint_context``, and draws
+torch's own numbers then without it.
 
 **DTensor.** While any thread is in the mode, DTensor's RNG tracker (one per process) is
 hyperrng's adapter (:meth:`hyperrng.ShardedRNGTracker.install_dtensor`), installed by the
@@ -69,8 +70,14 @@ changed; such handlers should set a flag that the training loop reads instead.
 
 **DataLoader.** Iterating a ``torch.utils.data.DataLoader`` draws its base seed with
 ``random_()`` over the whole ``int64`` range and shuffles with ``randperm``, which the
-mode refuses (:class:`UnsupportedPortableOpError`): create and advance loaders outside
-the mode, entering it around the model's step rather than around the whole loop.
+mode refuses with :class:`UnsupportedPortableOpError` naming the DataLoader: create and
+iterate loaders outside the mode, entering it around the model's step rather than around
+the whole loop.
+
+**Attention.** ``F.scaled_dot_product_attention`` with dropout draws the portable dropout
+mask of its global ``[*batch, heads, L, S]`` probabilities
+(:mod:`hyperrng.philox.attention`, wired in :mod:`hyperrng.philox._attention_ops`); without
+dropout torch's own kernels run.
 
 **Kernels.** They are registered with torch once per process, when a thread first enters
 the mode, on a dispatch key that only threads in the mode include (see
