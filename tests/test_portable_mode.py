@@ -508,7 +508,12 @@ BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("poisson", lambda: torch.poisson(torch.ones(3)), UnsupportedPortableOpError, "poisson"),
     ("normal(tensor)", lambda: torch.normal(torch.zeros(3), 1.0), UnsupportedPortableOpError, "normal.Tensor_float"),
     ("rrelu training", lambda: F.rrelu(torch.ones(3), training=True), UnsupportedPortableOpError, "rrelu"),
-    ("random_()", lambda: torch.empty(3, dtype=torch.int64).random_(), UnsupportedPortableOpError, "whole range of its dtype"),
+    (
+        "random_()",
+        lambda: torch.empty(3, dtype=torch.int64).random_(),
+        UnsupportedPortableOpError,
+        "whole range of its dtype",
+    ),
     ("int uniform_", lambda: torch.empty(3, dtype=torch.int32).uniform_(), ArgumentTypeError, "int32"),
     ("uniform_ low > high", lambda: torch.empty(3).uniform_(2.0, 1.0), InvalidArgumentError, "low must be <= high"),
     ("normal_ std < 0", lambda: torch.empty(3).normal_(0.0, -1.0), InvalidArgumentError, "std must be >= 0"),
