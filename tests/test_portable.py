@@ -60,7 +60,8 @@ def test_shards_put_together_equal_the_unsharded_tensor(
     mesh_shape: tuple[int, ...], placements: list[Any], shape: tuple[int, ...]
 ) -> None:
     def draw(mesh: MeshInfo) -> torch.Tensor:
-        torch.manual_seed(SEED)  # every rank starts from the same position
+        platforms.current().manual_seed(SEED)  # every rank starts from the same position (a device not yet
+        # registered when torch.manual_seed ran would keep its default seed)
         return portable.sharded_uniform(mesh, placements, shape)
 
     assert torch.equal(_assemble(mesh_shape, placements, shape, draw), philox.uniform(shape, key=SEED, offset=0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 import re
 import signal
@@ -897,7 +898,8 @@ def test_a_torch_without_the_thread_local_key_is_refused_on_entry_naming_the_ver
         "assert hyperrng.current_platform().get_seed_offset() == before\n"
         "print('refused')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = {**os.environ, "HYPERRNG_PLATFORM": "cpu"}  # the simulated device registers with Library.fallback too
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "refused", run.stderr
 
 
