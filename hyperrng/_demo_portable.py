@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import hyperrng.platforms as platforms
 from hyperrng._launch import run_ranks
+from hyperrng._tp import CopyToTP, ReduceFromTP
 from hyperrng.errors import InvalidArgumentError
 from hyperrng.philox.mode import portable_random
 from hyperrng.platforms.validate import check_int, check_seed
@@ -34,45 +35,6 @@ _IN, _HIDDEN, _BATCH = 8, 12, 6
 _HEADS = 4  # attention heads of width _IN // _HEADS, split over the TP ranks
 _DROPOUT_P = 0.3
 _LR = 0.1
-
-
-class _SumOverTP(torch.autograd.Function):
-    """All-reduce over the TP group forward, identity backward: the row-parallel layer's output."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.clone()
-        _all_reduce(out, group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward, all-reduce backward: the input of a column-parallel layer, whose gradient each
-    rank has only its part of."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        _all_reduce(grad, ctx.group)
-        return grad, None
-
-
-def _all_reduce(tensor: torch.Tensor, group: Any) -> None:
-    """Sum ``tensor`` in place over ``group``, through the host where the backend needs it (gloo)."""
-    import torch.distributed as dist
-
-    buf = tensor.to(platforms.comm.comm_device(platforms.current(), group))
-    dist.all_reduce(buf, group=group)
-    tensor.copy_(buf)
 
 
 def _gather_columns(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -133,12 +95,12 @@ class TinyMLP(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, dropout_p=_DROPOUT_P if self.training else 0.0, is_causal=True)
         a = a.transpose(1, 2).reshape(_BATCH, _IN // self.tp)
         self.attention.append(_gather_columns(a, self.group))
-        x = x + _SumOverTP.apply(F.linear(a, self.out_w), self.group)
-        hidden = F.linear(_CopyToTP.apply(x, self.group), self.up_w, self.up_b)
+        x = x + ReduceFromTP.apply(F.linear(a, self.out_w), self.group)
+        hidden = F.linear(CopyToTP.apply(x, self.group), self.up_w, self.up_b)
         with self._region(1, (x.shape[0], _HIDDEN)):
             hidden = F.dropout(hidden, _DROPOUT_P, self.training)
         self.masks.append(_gather_columns(hidden == 0, self.group))
-        return _SumOverTP.apply(F.linear(hidden, self.down_w), self.group) + self.down_b
+        return ReduceFromTP.apply(F.linear(hidden, self.down_w), self.group) + self.down_b
 
     def global_parameters(self) -> torch.Tensor:
         """Every parameter of the unsharded model, flattened, on the host (a collective)."""

@@ -43,6 +43,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._demo_output import REPORT_WIDTH, Phases, Report, relayed, table, verdict_lines
 from hyperrng._launch import Placement
+from hyperrng._tp import ReduceFromTP, all_reduce
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.platforms import _features
@@ -189,29 +190,6 @@ class DemoConfig:
         return self.size // self.tp
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    """Sum the row-parallel partial outputs over the TP group; the gradient passes through."""
-
-    @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
-        out = partial.clone()
-        _all_reduce(out, group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _all_reduce(tensor: torch.Tensor, group: Any) -> None:
-    """Sum ``tensor`` in place over ``group``, through a host copy where the backend needs one (gloo)."""
-    import torch.distributed as dist
-
-    buf = tensor.to(platforms.comm.comm_device(platforms.current(), group))  # ``tensor`` itself where it can be
-    dist.all_reduce(buf, group=group)
-    tensor.copy_(buf)  # a no-op when ``buf`` is ``tensor``
-
-
 def _fp(t: torch.Tensor) -> str:
     """A short fingerprint of a tensor's bytes (what the table shows)."""
     return hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=4).hexdigest()
@@ -273,7 +251,7 @@ class _Rank:
         with get_rng_tracker().fork(MODEL_PARALLEL_STREAM):
             keep_in = torch.rand_like(h) >= _DROPOUT
         h = h * keep_in / (1 - _DROPOUT)
-        y = _ReduceFromTP.apply(h @ self.w2.T, self.tp_group)
+        y = ReduceFromTP.apply(h @ self.w2.T, self.tp_group)
         keep_out = torch.rand_like(y) >= _DROPOUT
         y = y * keep_out / (1 - _DROPOUT)
         loss = ((y - target) ** 2).mean()
@@ -282,7 +260,7 @@ class _Rank:
             for w in (self.w1, self.w2):
                 assert w.grad is not None
                 if self.cfg.dp > 1:
-                    _all_reduce(w.grad, self.dp_group)
+                    all_reduce(w.grad, self.dp_group)
                     w.grad /= self.cfg.dp
                 w -= _LEARNING_RATE * w.grad
                 w.grad = None

@@ -75,7 +75,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox import COUNTER_SPACE, apply_dropout_mask, bernoulli, check_probability, check_shape
+from hyperrng.philox import COUNTER_SPACE, _check_bool, apply_dropout_mask, bernoulli, check_probability, check_shape
 from hyperrng.philox._shards import ShardGeometry
 from hyperrng.platforms.validate import check_int, check_seed
 
@@ -170,12 +170,6 @@ def _check_tensor(value: object, name: str) -> torch.Tensor:
             f"convert it with torch.as_tensor."
         )
     return value
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ArgumentTypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}.")
 
 
 def _check_problem(
