@@ -70,7 +70,10 @@ def _has_python_device_backend() -> bool:
 
 def _has_thread_local_rng_key() -> bool:
     # Portable mode registers its kernels on torch's CustomRNGKeyId key and includes that key in
-    # a thread's dispatch while the thread is in the mode (hyperrng.philox._ops).
+    # a thread's dispatch while the thread is in the mode (hyperrng.philox._ops); its attention
+    # kernels hand calls outside the mode back to torch's own, read with torch.library.get_kernel.
+    if not hasattr(torch.library, "get_kernel"):
+        return False
     c = torch._C
     needed = ("_parse_dispatch_key", "_dispatch_tls_set_dispatch_key_included", "_dispatch_keyset_full_after")
     if not all(hasattr(c, name) for name in needed) or not hasattr(torch.library.Library, "fallback"):
@@ -99,7 +102,7 @@ FEATURES: tuple[Feature, ...] = (
         "portable-mode",
         "portable mode (hyperrng.portable_random)",
         "2.9",
-        "kernels on the CustomRNGKeyId dispatch key, switched per thread",
+        "kernels on the CustomRNGKeyId dispatch key, switched per thread; torch.library.get_kernel",
         _has_thread_local_rng_key,
     ),
     Feature(
