@@ -40,7 +40,7 @@ from hyperrng._exclusive import holding
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.platforms.mix import combine64
-from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
+from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
 from hyperrng.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
@@ -184,6 +184,7 @@ def model_parallel_manual_seed(
     """
     base = check_seed(seed)
     tp = _rank(tp_rank, "tp_rank")
+    check_instance(always_enable_tp_seed, bool, "always_enable_tp_seed")
     tp_seed = _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     device_seed = tp_seed if always_enable_tp_seed else base
     _reseed(tracker, {MODEL_PARALLEL_STREAM: tp_seed}, device_seed, "model_parallel_manual_seed")
@@ -219,6 +220,7 @@ def set_random_seed(
     if dp_rank is not None:
         base += _DATA_PARALLEL_SEED_STRIDE * _rank(dp_rank, "dp_rank")
     base = _derived(base, "seed + 100 * pp_rank + 10 * dp_rank")
+    check_instance(always_enable_tp_seed, bool, "always_enable_tp_seed")
     if tp_rank is not None:
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
@@ -415,7 +417,7 @@ def megatron_set_random_seed(
         raise InvalidArgumentError("Megatron-core's seed must be a positive integer, got 0.")
     base += _PIPELINE_SEED_STRIDE * _rank(pp_rank, "pp_rank")
     dp = _rank(dp_rank, "dp_rank")
-    if data_parallel_random_init:
+    if check_instance(data_parallel_random_init, bool, "data_parallel_random_init"):
         base += _DATA_PARALLEL_SEED_STRIDE * dp
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
@@ -451,6 +453,7 @@ def set_seeds(seed: int, mesh: Mapping[str, int] | object | None = None, distinc
         InvalidOperationError: see :func:`seed_host`. Nothing changes on error.
     """
     value = check_seed(seed)
+    check_instance(distinct_dim, str, "distinct_dim")
     if mesh is not None:
         coords = mesh_coordinates(mesh)
         if distinct_dim not in coords:

@@ -111,8 +111,10 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
     Raises:
         InvalidOperationError: the rank is not part of the ``DeviceMesh`` (also a ``RuntimeError``,
             as in PyTorch).
-        InvalidArgumentError: ``mesh`` is none of the above, or a ``DeviceMesh`` coordinate differs
-            across simulated ranks and no ``rank`` was given.
+        ArgumentTypeError: ``mesh`` is none of the above, or a mesh whose shape or coordinate
+            entries are not ints.
+        InvalidArgumentError: a ``DeviceMesh`` coordinate differs across simulated ranks and no
+            ``rank`` was given.
     """
     if isinstance(mesh, MeshInfo):
         return mesh
@@ -132,8 +134,15 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
             values = [_local_ranks.value_on(c, 0) for c in coordinate]
         else:
             values = [_local_ranks.value_on(c, rank) for c in coordinate]
-        return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in values))  # type: ignore[call-overload]
-    raise InvalidArgumentError(
+        shape = getattr(mesh, "shape", None)
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise ArgumentTypeError(f"the mesh's shape must be a sequence of ints, got {type(shape).__name__}.")
+        # Each entry exactly an int (a NumPy integer too), never truncated: a shape of 2.7 is no mesh.
+        return MeshInfo(
+            tuple(check_int(s, "each entry of the mesh shape") for s in shape),
+            tuple(check_int(c, "each entry of the mesh coordinate") for c in values),
+        )
+    raise ArgumentTypeError(
         f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}."
     )
 
@@ -407,7 +416,11 @@ def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]
         if mesh_shape is None or coordinate is None:
             return None
         mesh = (mesh_shape, coordinate)
-    return (mesh, placements if type(placements) is tuple else tuple(placements), shape)
+    if type(placements) is tuple:
+        return (mesh, placements, shape)
+    if type(placements) is list:
+        return (mesh, tuple(placements), shape)
+    return None  # anything else is validated (and refused if it is no sequence) on every call
 
 
 def _forget_oldest(offsets: OrderedDict[tuple[Any, ...], tuple[int, int]]) -> None:

@@ -262,9 +262,15 @@ def seed_generator(gen: torch.Generator, seed: int) -> None:
     """Seed a CPU generator with all 64 bits of ``seed``: exactly ``gen.manual_seed(seed)`` below 2**32.
 
     Raises:
-        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1]. Nothing changes on error.
+        ArgumentTypeError: ``gen`` is not a ``torch.Generator``, or ``seed`` not an int.
+        InvalidArgumentError: ``seed`` is outside [0, 2**64 - 1], or ``gen`` is not a CPU
+            generator. Nothing changes on error.
     """
-    _seat(gen, check_seed(seed))
+    value = check_seed(seed)
+    check_instance(gen, torch.Generator, "gen")
+    if gen.device.type != "cpu":
+        raise InvalidArgumentError(f"seed_generator seeds CPU generators, got one on {gen.device}.")
+    _seat(gen, value)
 
 
 # -- the platform ------------------------------------------------------------------------------
