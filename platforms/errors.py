@@ -172,9 +172,37 @@ class RankFailure(HyperRNGError, RuntimeError):
 
 class StorageError(HyperRNGError, OSError):
     """The file system refused to write or read a checkpoint: a full disk or quota, no
-    permission, an I/O error. Construct and read it as any ``OSError``: ``StorageError(errno,
-    message, filename)``; ``errno`` (``errno.ENOSPC``, ``errno.EACCES``, ...) says which. The
-    checkpoint file it names is as it was before the call."""
+    permission, a missing file, an I/O error. The checkpoint file it names is as it was
+    before the call.
+
+    Construct and read it as any ``OSError``: ``StorageError(errno, message, filename)``;
+    ``errno`` (``errno.ENOSPC``, ``errno.EACCES``, ...) says which. As ``OSError`` itself does,
+    an errno with a builtin subclass gives an instance that is also of that subclass: a
+    ``StorageError`` for ``EACCES`` is a ``PermissionError``, one for ``ENOENT`` a
+    ``FileNotFoundError``, so ``except PermissionError`` catches it as it would the builtin's.
+    """
+
+    def __new__(cls, *args: object) -> StorageError:
+        if cls is StorageError and len(args) >= 2 and isinstance(args[0], int):
+            cls = _storage_error_for(type(OSError(args[0], "")))
+        return super().__new__(cls, *args)  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> tuple[object, ...]:  # rebuilt through __new__: the errno picks the class again
+        args = (self.errno, self.strerror) if self.filename is None else (self.errno, self.strerror, self.filename)
+        return StorageError, args if self.errno is not None else self.args
+
+
+_STORAGE_ERRORS: dict[type, type] = {}
+
+
+def _storage_error_for(builtin: type) -> type:
+    """The subclass of :class:`StorageError` that is also ``builtin`` (an ``OSError`` subclass), made once."""
+    if builtin is OSError:
+        return StorageError
+    made = _STORAGE_ERRORS.get(builtin)
+    if made is None:
+        made = _STORAGE_ERRORS[builtin] = type("StorageError", (StorageError, builtin), {"__module__": __name__})
+    return made
 
 
 class UnsupportedPortableOpError(HyperRNGError, NotImplementedError):
