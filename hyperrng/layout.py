@@ -268,7 +268,9 @@ class StreamLayout:
         missing = [key for key in ("version", "domain", "dims", "default", "streams") if key not in data]
         if missing:
             raise InvalidArgumentError(f"layout dict lacks {missing}; pass what StreamLayout.to_dict() returned.")
-        if data["version"] != LAYOUT_FORMAT_VERSION or data["domain"] != LAYOUT_DOMAIN:
+        version, domain = data["version"], data["domain"]
+        exact = type(version) is int and type(domain) is int  # a forged tensor here has no truth value
+        if not exact or (version, domain) != (LAYOUT_FORMAT_VERSION, LAYOUT_DOMAIN):
             raise InvalidArgumentError(
                 f"layout dict has version {data['version']!r} and domain {data['domain']!r}; this hyperrng "
                 f"reads version {LAYOUT_FORMAT_VERSION} with domain {LAYOUT_DOMAIN} only."
@@ -415,14 +417,20 @@ def _names(values: object, what: str) -> list[str]:
 
 def _stream_dims(name: str, varies: object, dims: Sequence[str]) -> tuple[str, ...]:
     listed = _names(varies, f"dimension of stream {name!r}")
-    unknown = [d for d in listed if d not in dims]
+    known = set(dims)  # linear in the layout's size, whatever a forged checkpoint's layout holds
+    unknown = [d for d in listed if d not in known]
     if unknown:
         raise InvalidArgumentError(
             f"stream {name!r} varies over {unknown}, which is not a mesh dimension {list(dims)}."
         )
-    repeated = sorted({d for d in listed if listed.count(d) > 1})
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for d in listed:
+        (repeated if d in seen else seen).add(d)
     if repeated:
-        raise InvalidArgumentError(f"stream {name!r} varies over {repeated} more than once; list each dimension once.")
+        raise InvalidArgumentError(
+            f"stream {name!r} varies over {sorted(repeated)} more than once; list each dimension once."
+        )
     return tuple(listed)
 
 

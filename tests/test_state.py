@@ -97,7 +97,10 @@ def resealed(state: dict[str, Any], edit: Callable[[dict[str, Any]], object]) ->
     """A copy of ``state`` changed by ``edit`` with a digest that matches (a crafted, not a damaged, state)."""
     changed = copy.deepcopy(state)
     edit(changed)
-    changed["digest"] = _digest(changed)
+    try:
+        changed["digest"] = _digest(changed)
+    except InvalidArgumentError:  # what the digest itself refuses, the load refuses the same way
+        pass
     return changed
 
 
@@ -298,11 +301,11 @@ REFUSALS = [
         load={"coords": {"dp": 0, "tp": 1}},
     ),
     refusal("other-layout", None, "a different stream layout", load={"layout": OTHER_LAYOUT}),
-    refusal("saved-with-more-devices", _set("devices", lambda d: d + d), "2 device(s) (now 1)"),
+    refusal("saved-with-more-devices", _set("devices", lambda d: d + [t.clone() for t in d]), "2 device(s) (now 1)"),
     refusal("stream-missing", _drop(f"streams.{DP}"), f"lacks stream(s) [{DP!r}] that the tracker holds"),
     refusal(
         "extra-stream",
-        _set("streams", lambda s: {**s, "expert-parallel-rng": s[MP]}),
+        _set("streams", lambda s: {**s, "expert-parallel-rng": s[MP].clone()}),
         "holds stream(s) ['expert-parallel-rng'] that the tracker does not",
     ),
     # malformed fields
@@ -397,7 +400,7 @@ REFUSALS = [
     refusal(
         "numpy-extra-field-with-a-number-for-a-name",
         _set("numpy", lambda n: {**n, 7: 1}),
-        "the NumPy state must be a mapping with exactly the keys",
+        "it has a key of type int; rng_state_dict writes string keys only",
     ),
     refusal("devices-field-missing", _drop("devices"), MALFORMED),
     refusal("platform-field-missing", _drop("platform"), MALFORMED),
@@ -440,7 +443,7 @@ REFUSALS = [
     ),
     # metadata typed and bounded
     refusal("base-seed-negative", _set("base_seed", lambda _: -5), "base_seed -5 is outside [0, 2**64 - 1]"),
-    refusal("base-seed-past-2-to-the-64", _set("base_seed", lambda _: 2**70), "is outside [0, 2**64 - 1]"),
+    refusal("base-seed-past-2-to-the-64", _set("base_seed", lambda _: 2**70), "an integer of 71 bits"),
     refusal("base-seed-a-float", _set("base_seed", lambda _: 1234.0), "field 'base_seed' is a float"),
     refusal(
         "stream-name-empty",
@@ -849,7 +852,7 @@ def test_reseed_needs_no_layout_or_coords_after_apply_layout_for_the_new_setup()
         (_set("layout", lambda _: {"dims": ["dp"]}), "its layout cannot be read"),
         (_set("layout", lambda layout: {**layout, "domain": 1}), "its layout cannot be read"),
         (_set("coords", lambda _: {"dp": 0}), "its coordinates do not fit its layout"),
-        (_set("coords", lambda _: {"dp": -1, "tp": 0}), "its coordinates do not fit its layout"),
+        (_set("coords", lambda _: {"dp": -1, "tp": 0}), "its coordinates cannot be read"),
     ],
     ids=["layout-without-fields", "layout-of-another-domain", "coords-lacking-a-dim", "negative-coord"],
 )
