@@ -92,15 +92,21 @@ What pure Python cannot close, and so is not guaranteed:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Collection, Iterable
 from threading import Lock, Thread, current_thread
 from typing import Any, TypeVar
 
+from hyperrng._interrupts import deferred
 from hyperrng.errors import InvalidOperationError
 
 __all__ = [
+    "HOLDS",
     "LeavesOnExit",
+    "alive",
     "depth",
+    "describe",
+    "held_above",
     "hold",
     "hold_key",
     "holder",
@@ -122,6 +128,36 @@ _T = TypeVar("_T")
 _Entry = tuple[Thread, int, Any, Any]
 _HOLDS: dict[tuple[str, int], _Entry] = {}
 _TAKE_OVER = Lock()
+
+HOLDS = _HOLDS
+"""The holds, for hot paths that only read them (a fork's exit checks that it is innermost)."""
+
+
+def alive(thread: Thread) -> bool:
+    """Whether ``thread`` is alive, asked so that a signal cannot mark it dead.
+
+    ``Thread.is_alive()`` takes the thread's state lock without blocking; CPython 3.11's
+    cleanup for an exception raised in that call (a signal handler's, on the main thread)
+    releases the lock whenever it is locked and marks the thread stopped, even when the
+    thread is running and the lock is its own. So the calling thread is alive without
+    asking, and another is asked with signals deferred.
+    """
+    if thread is current_thread():
+        return True
+    with deferred():
+        return thread.is_alive()
+
+
+def _after_fork_in_child() -> None:
+    """A child made by ``fork`` has one thread: the holds of its parent's threads are not its own.
+    It starts with none (and a fresh lock, which a parent's thread may have held at the fork)."""
+    global _TAKE_OVER
+    _HOLDS.clear()
+    _TAKE_OVER = Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def hold(device_type: str, index: int, what: str) -> int:
@@ -165,7 +201,7 @@ def hold_key(key: tuple[str, int], me: Thread, what: str, context: Any = None) -
     mine = (me, 1, context, None)
     try:
         entry = _HOLDS.setdefault(key, mine)
-        if entry is not mine and entry[0] is not me and not entry[0].is_alive():
+        if entry is not mine and entry[0] is not me and not alive(entry[0]):
             entry = _take_over(key, entry, mine)
     except BaseException:  # interrupted as a call returned: undo a claim it made
         if _HOLDS.get(key) is mine:
@@ -229,6 +265,27 @@ def leave_inner(context: Any, key: tuple[str, int]) -> None:
             other._unwind()
 
 
+def held_above(key: tuple[str, int], level: int, contexts: Collection[Any]) -> _Entry | None:
+    """The first of the calling thread's holds on ``key`` above depth ``level`` that none of
+    ``contexts`` took (innermost first), or ``None``."""
+    entry = _HOLDS.get(key)
+    if entry is None or entry[0] is not current_thread():
+        return None
+    while entry is not None and entry[1] > level:
+        if entry[2] is None or entry[2] not in contexts:
+            return entry
+        entry = entry[3]
+    return None
+
+
+def describe(context: Any) -> str:
+    """What a context that took a hold is, for a message (``None``: a brief hold)."""
+    if context is None:
+        return "seeding, restore or portable mode"
+    what = getattr(context, "describe", None)
+    return what() if callable(what) else type(context).__name__
+
+
 class _Holding:
     """The context manager :func:`holding` returns."""
 
@@ -278,7 +335,7 @@ def depth(device_type: str, index: int) -> int:
 def holder(device_type: str, index: int) -> int | None:
     """The ident of the thread holding device ``index``, or ``None`` (also when its holder has ended)."""
     entry = _HOLDS.get((device_type, index))
-    return entry[0].ident if entry is not None and entry[0].is_alive() else None
+    return entry[0].ident if entry is not None and alive(entry[0]) else None
 
 
 def redo(step: Callable[[_T], object], arg: _T) -> None:

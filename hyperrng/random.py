@@ -57,6 +57,10 @@ class _ForkRNG(LeavesOnExit):
             saved.clear()
             raise
 
+    def describe(self) -> str:
+        """What this context is, for the messages of the thread policy."""
+        return "fork_rng"
+
     def _close_inner(self) -> None:
         for _, _, key in self._targets:
             _exclusive.leave_inner(self, key)

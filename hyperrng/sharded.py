@@ -53,6 +53,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive, _local_ranks
 from hyperrng._device_state import current_device_key
+from hyperrng._interrupts import deferred
 from hyperrng._regions import LocalRegion, Region, active_region
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform
@@ -190,13 +191,13 @@ class ShardedRNGTracker:
         if mode is None:
             value = check_seed(seed)
             _check_member(mesh, None)
-            with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
+            with deferred(), _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
                 p.set_seed_offset(value, 0)
             return
         seeds = {rank: check_seed(_local_ranks.value_on(seed, rank)) for rank in sorted(mode.ranks)}
         for rank in seeds:
             _check_member(mesh, rank)
-        with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
+        with deferred(), _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
             _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seeds[rank], 0))
 
     def sync_from_rank0(self, group: object | None = None) -> bool:

@@ -148,17 +148,25 @@ def rng_state_dict(
     return body
 
 
-def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str) -> RNGStatesTracker:
-    """The tracker to use, refused inside a fork; ``layout`` checked to be a layout or ``None``."""
+def _idle_tracker(
+    tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str, *, replacing: bool = False
+) -> RNGStatesTracker:
+    """The tracker to use, refused inside a fork; ``layout`` checked to be a layout or ``None``.
+    ``replacing`` (a load) lets through forks it will clear (abandoned or stuck ones: see the tracker)."""
     chosen = resolve_tracker(tracker)
     if layout is not None:
         check_instance(layout, StreamLayout, "layout")
-    if chosen.active_stream is not None and not chosen._abandoned():  # abandoned: get/set_states decide
-        verb = what.split()[0]
-        raise InvalidArgumentError(
-            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork."
-        )
-    return chosen
+    if chosen.active_stream is None or chosen._abandoned():  # abandoned: get/set_states decide
+        return chosen
+    if chosen._stuck():
+        if replacing:
+            chosen._check_forks_leavable(what)
+            return chosen
+        raise chosen._stuck_error(what)
+    verb = what.split()[0]
+    raise InvalidArgumentError(
+        f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork."
+    )
 
 
 def _agrees(recorded: Derivation, layout: StreamLayout | None, point: dict[str, int] | None, base: int | None) -> bool:
@@ -180,7 +188,13 @@ def load_rng_state_dict(
     on_mismatch: str = "error",
     group: object | None = None,
 ) -> None:
-    """Restore a state from :func:`rng_state_dict`; validate everything, then apply.
+    """Restore a state from :func:`rng_state_dict`; validate everything, then apply all of it.
+
+    Nothing is written until every field has been checked, and the writes run with signals
+    deferred (see :mod:`hyperrng._interrupts`): a Ctrl-C or another signal's exception finds
+    Python's, NumPy's, torch's and the tracker's states all as before the load or all as after
+    it, and no hold left behind. Forks of ``tracker`` that their own exits can no longer leave
+    (see the tracker's *Recovery*) are cleared first.
 
     Args:
         state: the dict :func:`rng_state_dict` returned (possibly through ``torch.load``).
@@ -209,7 +223,7 @@ def load_rng_state_dict(
     if on_mismatch not in ON_MISMATCH:
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
-    tracker = _idle_tracker(tracker, layout, "load an RNG state")
+    tracker = _idle_tracker(tracker, layout, "load an RNG state", replacing=True)
     check_saved(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)
@@ -221,16 +235,21 @@ def load_rng_state_dict(
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
                 "to re-derive the streams from the saved base seed."
             )
-        with holding(device_keys(p), "load_rng_state_dict"):
-            _reseed(state, tracker, layout, coords, mismatches)
+        with deferred():
+            tracker._leave_forks()
+            with holding(device_keys(p), "load_rng_state_dict"):
+                _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = decode(state, p, tracker)
     derivation = saved_derivation(state)
-    # Held while every state is written: another thread's fork or region refuses the load
-    # (nothing written), and none starts halfway through it.
-    with holding(device_keys(p), "load_rng_state_dict"):
-        _apply(applied, p, tracker)
-    _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
+    # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
+    # meanwhile: another thread's fork or region refuses the load (nothing written), and none
+    # starts halfway through it.
+    with deferred():
+        tracker._leave_forks()  # forks their own exits can no longer leave (see the tracker's Recovery)
+        with holding(device_keys(p), "load_rng_state_dict"):
+            _apply(applied, p, tracker)
+        _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
 
 
 def _mismatches(
