@@ -371,11 +371,33 @@ class LeavesOnExit:
     def _close_inner(self) -> None:
         """Call :func:`leave_inner` for each device it holds."""
 
+    def _held_keys(self) -> Iterable[tuple[str, int]]:
+        """The devices it holds (their holds were taken with this context)."""
+        return ()
+
     def __exit__(self, *exc: object) -> None:
+        interleaved = None
         try:
             if exc and exc[0] is not None:  # an interrupt may have skipped the exits of contexts inside it
                 self._close_inner()
+            else:  # a context entered after this one still open: exits out of order (asyncio tasks, generators)
+                for key in self._held_keys():
+                    entry = _HOLDS.get(key)
+                    if entry is not None and entry[2] is not None and entry[2] is not self:
+                        interleaved = entry[2]
+                        raise out_of_order(self, interleaved)
             self._leave()
         except BaseException:
-            self._leave()
+            if interleaved is None:
+                self._leave()
             raise
+
+
+def out_of_order(context: Any, inner: Any) -> InvalidOperationError:
+    """The refusal of ``context``'s exit while ``inner``, which took a hold after it, is still open."""
+    return InvalidOperationError(
+        f"{describe(context)} exited while a {describe(inner)}, entered after it on this thread, is still open: exit "
+        "contexts in reverse order (asyncio tasks or generators that interleave forks, regions or fork_rng need "
+        "a thread each, or contexts that do not overlap). Nothing changed; it stays open.",
+        reason="tracker",
+    )

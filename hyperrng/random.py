@@ -61,6 +61,9 @@ class _ForkRNG(LeavesOnExit):
         """What this context is, for the messages of the thread policy."""
         return "fork_rng"
 
+    def _held_keys(self) -> list[tuple[str, int]]:
+        return [key for _, _, key in self._targets] if self._belows else []
+
     def _close_inner(self) -> None:
         for _, _, key in self._targets:
             _exclusive.leave_inner(self, key)

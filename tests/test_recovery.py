@@ -21,7 +21,7 @@ from hyperrng import _exclusive
 from hyperrng.errors import InvalidOperationError
 from hyperrng.layout import StreamLayout
 from hyperrng.random import fork_rng
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
 
 LAYOUT = StreamLayout(dims=("tp",), default=(), streams={"a": ("tp",), "b": ("tp",)})
@@ -142,53 +142,56 @@ def test_a_refused_fork_is_not_cleared_while_a_context_entered_inside_it_is_open
 # -- contexts of different trackers interleaved on one thread ----------------------------------------
 
 
-@pytest.mark.parametrize("second", ["fork-of-another-tracker", "sharded-region", "fork_rng"])
-def test_an_exit_before_a_context_entered_after_it_is_refused_not_drawn_wrong(second: str) -> None:
-    # Before, two trackers' forks interleaved by asyncio tasks exited without complaint, and every
-    # stream and the default generator ended wrong.
-    first, other = _tracker(a=1), _tracker(b=2)
-    default = _device()
-    contexts = {
-        "fork-of-another-tracker": lambda: other.fork("b"),
-        "sharded-region": lambda: ShardedRNGTracker().distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,)),
-        "fork_rng": lambda: fork_rng(devices=[]),
-    }
-    streams = first.get_states()
+_CONTEXTS = {
+    "fork": lambda tracker: tracker.fork("a"),
+    "sharded-region": lambda tracker: ShardedRNGTracker().distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,)),
+    "fork_rng": lambda tracker: fork_rng(devices=[]),
+}
 
-    async def run() -> list[BaseException | None]:
+
+@pytest.mark.parametrize("second", list(_CONTEXTS))
+@pytest.mark.parametrize("first", list(_CONTEXTS))
+def test_an_exit_before_a_context_entered_after_it_is_refused_and_can_be_retried_after_it(
+    first: str, second: str
+) -> None:
+    # Before, two trackers' contexts interleaved by asyncio tasks exited without complaint, and every
+    # stream and the default generator ended wrong.
+    trackers = _tracker(a=1), _tracker(a=2)
+    opened = [_CONTEXTS[first](trackers[0]), _CONTEXTS[second](trackers[1])]
+
+    async def run() -> BaseException | None:
         entered = [asyncio.Event(), asyncio.Event()]
         leave = [asyncio.Event(), asyncio.Event()]
 
-        async def hold(index: int, context: Any) -> None:
+        async def hold(index: int) -> None:
             try:
-                with context():
+                with opened[index]:
                     entered[index].set()
                     await leave[index].wait()
             finally:
                 entered[index].set()  # a context that failed to enter must not leave the test waiting
 
-        one = asyncio.ensure_future(hold(0, lambda: first.fork("a")))
+        one = asyncio.ensure_future(hold(0))
         await entered[0].wait()
-        two = asyncio.ensure_future(hold(1, contexts[second]))
+        two = asyncio.ensure_future(hold(1))
         await entered[1].wait()
         leave[0].set()
-        outcomes: list[BaseException | None] = []
+        refused = None
         try:
             await one
-            outcomes.append(None)
         except InvalidOperationError as exc:
-            outcomes.append(exc)
+            refused = exc
         leave[1].set()
         await two
-        return outcomes
+        return refused
 
-    (refused,) = asyncio.run(run())
-    assert isinstance(refused, InvalidOperationError), "the out-of-order exit must be refused"
+    refused = asyncio.run(run())
+    assert isinstance(refused, InvalidOperationError) and refused.reason == "tracker"  # type: ignore[attr-defined]
     assert "entered after it on this thread, is still open" in str(refused)
-    assert first.active_stream == "a", "the refused exit changed nothing"
-    first.reset()
-    first.set_states(streams)
-    assert torch.equal(_device(), default) and _no_hold_left()
+    assert not _no_hold_left(), "the refused context changed nothing: it is still open"
+    opened[0].__exit__(None, None, None)  # in order now: it leaves
+    assert _no_hold_left() and trackers[0].active_stream is None and trackers[1].active_stream is None
+    assert active_region() is None
 
 
 # -- a child process made by fork inside a fork ------------------------------------------------------

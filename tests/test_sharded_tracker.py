@@ -431,7 +431,7 @@ def test_a_repeated_op_with_a_rebuilt_list_and_shape_reuses_the_answer_and_a_cha
         tracker.offsets(mesh, [Shard(1), Replicate()], (True, 7))
 
 
-def test_regions_left_out_of_order_leave_no_active_region_behind() -> None:
+def test_a_region_left_out_of_order_is_refused_and_leaves_no_active_region_behind_once_retried() -> None:
     from hyperrng.sharded import active_region
 
     tracker = ShardedRNGTracker()
@@ -440,7 +440,10 @@ def test_regions_left_out_of_order_leave_no_active_region_behind() -> None:
     inner = tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (9,))
     outer.__enter__()
     inner.__enter__()
-    outer.__exit__(None, None, None)
-    assert active_region() is inner
+    position = platforms.current().get_seed_offset()
+    with pytest.raises(InvalidOperationError, match="entered after it on this thread, is still open"):
+        outer.__exit__(None, None, None)
+    assert active_region() is inner and platforms.current().get_seed_offset() == position, "nothing changed"
     inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)  # in order now
     assert active_region() is None
