@@ -60,9 +60,22 @@ a chain, innermost first. An exit with an exception passing through it that find
 of other contexts above its own knows their exits were skipped by an interrupt (the
 window below): it leaves them first, innermost first, as their exits would have
 (:func:`leave_inner`), then itself. Holds without a context (portable mode, seeding) are
-not left this way. Without an exception the exits do not look (it would cost every fork);
-forks of one tracker exited out of order are refused by the tracker, but contexts of
-different trackers interleaved on one thread (by generators or tasks) are not detected.
+not left this way. Without an exception an exit checks that its own hold is the innermost
+of the contexts on its device (one dict lookup): a fork, region or ``fork_rng`` left while
+a context entered after it on the same thread is still open (asyncio tasks or generators
+interleaving them) is refused with :class:`~hyperrng.errors.InvalidOperationError` and
+changes nothing; exited again in order, it leaves.
+
+**A child made by fork.** A process made by ``os.fork`` (``multiprocessing``'s ``fork``
+start method) has one thread; the holds its parent's threads had are not its own, so an
+at-fork handler clears them: the child starts with no holds, whatever its parent was in.
+Forks of a tracker that the child inherited open are left by ``reset()``, ``reseed()`` or
+``set_states()`` (see :mod:`hyperrng.tracker`).
+
+**Asking whether a thread lives.** CPython 3.11's ``Thread.is_alive()`` marks a running
+thread stopped, and releases its state lock, when a signal handler raises inside the call;
+:func:`alive` never asks about the calling thread and asks about others with signals
+deferred.
 
 **A thread that dies holding.** A hold records the owning ``threading.Thread`` object,
 not its ident (idents are reused by later threads, which must not inherit a hold). A hold

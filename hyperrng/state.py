@@ -14,8 +14,10 @@ refused instead of silently resumed.
 **Trust.** The digest is not keyed: it detects accidental damage, not forgery (anyone who
 edits the dict can recompute it). Every field is nevertheless typed and bounded before
 anything is applied, so a forged state can at worst resume other random numbers, never
-crash the process or leave a generator half-written. Sign the file yourself if it crosses
-a trust boundary.
+crash the process, raise an untyped error or leave a generator half-written; and the work
+is linear in the file's size (the digest visits each object once and refuses shared or
+cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes). Sign
+the file yourself if it crosses a trust boundary.
 
 :func:`load_rng_state_dict` validates everything before applying anything. A state saved
 under another platform, world size, rank, layout or mesh position is refused by default;

@@ -26,10 +26,28 @@ generator, which the whole process shares. A fork of *any* tracker, a sharded re
 :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
 :meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
 for a moment. A tracker's open forks form one chain, so they stay on one thread even across
-devices. A fork whose thread ended without leaving it is *abandoned*: every use of the
-tracker then raises :class:`InvalidOperationError` until ``reset()``, ``reseed()`` (or a
-seeding recipe) or ``set_states()`` replaces every stream; the device generator stays as
-that thread left it.
+devices.
+
+**One order per thread (asyncio).** On one thread, forks of any tracker, sharded regions and
+``fork_rng`` must be left in the reverse order of entry. asyncio tasks (or generators) that
+``await`` inside forks interleave them: the first exit out of order raises
+:class:`InvalidOperationError` and changes nothing, the fork stays open, and it leaves when
+exited again once the contexts entered after it have left. Keep ``await`` out of forks, or
+give each task a thread and a tracker of its own.
+
+**Recovery.** Some forks can no longer be left by their own exits: one whose exit was
+refused as out of order and never retried, one whose thread ended without leaving it
+(*abandoned*), and one that a child process made by ``fork`` inherited from the parent's
+thread (the child starts with no holds: :mod:`hyperrng._exclusive` clears them at the
+fork). Other uses of such a tracker are refused with :class:`InvalidOperationError`.
+:meth:`RNGStatesTracker.reset`, :meth:`RNGStatesTracker.reseed` and
+:meth:`RNGStatesTracker.set_states` (and so ``apply_layout``, the seeding recipes and
+``load_rng_state_dict``) clear them on the calling thread: an abandoned chain is dropped,
+with the device generator left as its thread left it; the others are left as their exits
+would leave them (the generator gets back the state it had before the outermost fork),
+and their exits then do nothing. A fork still open, and still exitable, on the calling
+thread is not cleared: ``reset()`` and ``reseed()`` refuse inside it, since its exit would
+restore a stream that is gone.
 
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so

@@ -476,6 +476,46 @@ def test_a_forced_factory_that_does_not_exist_fails_at_first_use_as_an_unknown_p
     )
 
 
+def _plant_a_plugin_in(folder: Path, marker: Path) -> None:
+    """A *.dist-info in ``folder`` whose entry point's module writes ``marker`` when imported."""
+    (folder / "plantedplug.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\ndef make():\n    raise RuntimeError('not a platform')\n"
+    )
+    info = folder / "plantedplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plantedplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nplanted = plantedplug:make\n")
+
+
+@pytest.mark.parametrize(
+    ("code", "env", "runs"),
+    [
+        ("import torch", {}, False),
+        ("import hyperrng", {}, True),
+        ("import hyperrng", {"HYPERRNG_PLATFORM": "cpu"}, False),
+        ("import hyperrng", {"HYPERRNG_PLATFORM": "sim"}, False),
+    ],
+    ids=["import-torch", "import-hyperrng", "forced-cpu", "forced-sim"],
+)
+def test_the_trust_boundary_is_what_the_docs_say(code: str, env: dict[str, str], runs: bool, tmp_path: Path) -> None:
+    # A *.dist-info in the working folder runs its plug-in's code at `import hyperrng` (Python puts
+    # that folder on sys.path for `python -c`); a built-in HYPERRNG_PLATFORM rules plug-ins out.
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "ran"
+    _plant_a_plugin_in(work, marker)
+    full_env = {k: v for k, v in os.environ.items() if k != platforms.ENV_VAR}
+    full_env.update(PYTHONPATH=str(REPO), **env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=work, env=full_env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert marker.exists() is runs
+    documented = (platforms.__doc__ or "") + (REPO / "README.md").read_text(encoding="utf-8")
+    for promise in ("Code that runs at `import hyperrng`", "Trust: what runs code at import", "*.dist-info"):
+        assert promise in documented, f"the trust boundary is no longer documented: {promise!r}"
+
+
 def test_info_explains_the_choice_and_every_probe() -> None:
     out = _python("from hyperrng.cli import main; raise SystemExit(main(['info']))")
     assert out.returncode == 0, out.stderr
