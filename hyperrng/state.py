@@ -226,6 +226,8 @@ def load_rng_state_dict(
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
     tracker = _idle_tracker(tracker, layout, "load an RNG state", replacing=True)
+    if coords is not None:
+        mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
     check_saved(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)

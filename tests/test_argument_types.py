@@ -86,6 +86,11 @@ CALLS: list[tuple[str, Callable[[], Any], str]] = [
     ("platforms.register('x', 42)", lambda: _P.register("x", 42), "must be callable"),
     ("platforms.seed_generator('g', 1)", lambda: _P.seed_generator("g", 1), "gen"),
     ("philox.random_bits(device=5)", lambda: _philox.random_bits(4, 1, device=5), "device"),
+    (
+        "load_rng_state_dict(coords='dp=0')",
+        lambda: _H.load_rng_state_dict(_H.rng_state_dict(), coords="dp=0"),
+        "mapping",
+    ),
 ]
 
 

@@ -259,20 +259,29 @@ def test_the_cpu_platform_refuses_an_all_zero_mt19937_state() -> None:
 # -- errors of reading pass through as themselves ---------------------------------------------------
 
 
-class _TimingOut(dict):  # type: ignore[type-arg]
-    """A mapping whose values come from storage that times out (a lazy reader of a remote checkpoint)."""
+class _Failing(dict):  # type: ignore[type-arg]
+    """A mapping whose values come from storage that fails (a lazy reader of a remote checkpoint)."""
+
+    error: OSError = OSError()
 
     def __getitem__(self, key: Any) -> Any:
-        raise TimeoutError(errno.ETIMEDOUT, "the storage timed out")
+        raise self.error
 
 
+@pytest.mark.parametrize(
+    "error",
+    [TimeoutError(errno.ETIMEDOUT, "the storage timed out"), FileNotFoundError(errno.ENOENT, "the shard is gone")],
+    ids=["TimeoutError", "FileNotFoundError"],
+)
 def test_an_error_raised_while_the_state_is_read_is_not_reported_as_a_malformed_state(
-    saved: tuple[dict[str, Any], RNGStatesTracker],
+    saved: tuple[dict[str, Any], RNGStatesTracker], error: OSError
 ) -> None:
     state, tracker = saved
-    state["streams"] = _TimingOut(state["streams"])
+    failing = _Failing(state["streams"])
+    failing.error = error
+    state["streams"] = failing
     before = _snapshot(tracker)
-    with pytest.raises(TimeoutError, match="the storage timed out"):
+    with pytest.raises(type(error), match=str(error.strerror)):
         load_rng_state_dict(state, tracker=tracker)
     assert _snapshot(tracker) == before
 
