@@ -72,7 +72,7 @@ at-fork handler clears them: the child starts with no holds, whatever its parent
 Forks of a tracker that the child inherited open are left by ``reset()``, ``reseed()`` or
 ``set_states()`` (see :mod:`hyperrng.tracker`).
 
-**Asking whether a thread lives.** CPython 3.11's ``Thread.is_alive()`` marks a running
+**Asking whether a thread lives.** Before Python 3.13, ``Thread.is_alive()`` marks a running
 thread stopped, and releases its state lock, when a signal handler raises inside the call;
 :func:`alive` never asks about the calling thread and asks about others with signals
 deferred.
@@ -149,8 +149,8 @@ HOLDS = _HOLDS
 def alive(thread: Thread) -> bool:
     """Whether ``thread`` is alive, asked so that a signal cannot mark it dead.
 
-    ``Thread.is_alive()`` takes the thread's state lock without blocking; CPython 3.11's
-    cleanup for an exception raised in that call (a signal handler's, on the main thread)
+    ``Thread.is_alive()`` tries the thread's state lock without blocking; before Python 3.13
+    its cleanup for an exception raised in that call (a signal handler's, on the main thread)
     releases the lock whenever it is locked and marks the thread stopped, even when the
     thread is running and the lock is its own. So the calling thread is alive without
     asking, and another is asked with signals deferred.
@@ -411,6 +411,7 @@ def out_of_order(context: Any, inner: Any) -> InvalidOperationError:
     return InvalidOperationError(
         f"{describe(context)} exited while a {describe(inner)}, entered after it on this thread, is still open: exit "
         "contexts in reverse order (asyncio tasks or generators that interleave forks, regions or fork_rng need "
-        "a thread each, or contexts that do not overlap). Nothing changed; it stays open.",
+        "a thread each, or contexts that do not overlap). Nothing changed: it stays open; exit it again once "
+        "the later context has left.",
         reason="tracker",
     )

@@ -125,7 +125,7 @@ def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTr
         if not isinstance(name, str) or not name:
             raise _malformed(f"stream name {name!r} is not a non-empty string.")
         streams[name] = _platform_state(p, value, f"state of stream {name!r}")
-    held = set(tracker.get_states()) if tracker.is_initialized() else set()
+    held = set(tracker._states) if tracker.is_initialized() else set()  # names only: no read of a generator
     missing = sorted(held - set(streams))
     if missing:
         raise InvalidArgumentError(

@@ -104,7 +104,7 @@ _NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.b
 """Bits per Box–Muller uniform; half types are computed in float32 and rounded once."""
 
 ShapeLike = int | Sequence[int] | torch.Size
-DeviceLike = torch.device | str | None
+DeviceLike = torch.device | str | int | None
 
 # What torch raises for a device it cannot name or reach (AssertionError: a backend this build lacks).
 _DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplementedError)
@@ -209,7 +209,7 @@ def _check_device(device: object) -> torch.device:
         return torch.device("cpu")
     if isinstance(device, torch.device):
         target = device
-    elif isinstance(device, str):  # a bare int is refused: torch reads it as an accelerator index, never the CPU
+    elif isinstance(device, str) or (isinstance(device, numbers.Integral) and not isinstance(device, bool)):
         try:
             target = torch.device(device)  # type: ignore[arg-type]
         except _DEVICE_ERRORS as error:

@@ -395,6 +395,7 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     except OSError as exc:
         raise _storage_error(exc, target, "read the permission bits of") from exc
     work = _Work(folder / f".{target.name}.{secrets.token_hex(_WORK_TOKEN_BYTES)}{_WORK_SUFFIX}")
+    replaced = False
     try:
         with deferred():
             work.create()
@@ -404,13 +405,18 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
         _check_loads(work.data, target)
         with deferred():
             os.replace(work.data, target)
+            replaced = True
             _fsync_folder(folder)
             work.remove()
     except BaseException as exc:
         with deferred():
             work.remove()
         if isinstance(exc, OSError) and not isinstance(exc, HyperRNGError):
-            raise _storage_error(exc, target, "save the checkpoint to") from exc
+            if replaced:  # the new checkpoint is in place; only its rename's durability failed
+                what, kept = "make durable the rename of the new checkpoint to", False
+            else:
+                what, kept = "save the checkpoint to", True
+            raise _storage_error(exc, target, what, kept=kept) from exc
         raise
     _remove_abandoned(folder, target.name)
 
@@ -451,7 +457,7 @@ def _write(state: Mapping[str, Any], data: Path, target: Path) -> None:
         raise _storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
 
 
-def _storage_error(exc: OSError, target: Path, what: str) -> StorageError:
+def _storage_error(exc: OSError, target: Path, what: str, *, kept: bool = True) -> StorageError:
     code = exc.errno if exc.errno is not None else errno.EIO
     reason = exc.strerror or str(exc) or os.strerror(code)
     hint = {
@@ -461,7 +467,8 @@ def _storage_error(exc: OSError, target: Path, what: str) -> StorageError:
         errno.EPERM: "make its folder writable for this user or save elsewhere",
         errno.EROFS: "save to a writable file system",
     }.get(code, "check the file system, then save again")
-    return StorageError(code, f"could not {what} {str(target)!r} ({reason}): {hint}; it is as it was", str(target))
+    outcome = "it is as it was" if kept else "it holds the new checkpoint, which a crash now may undo"
+    return StorageError(code, f"could not {what} {str(target)!r} ({reason}): {hint}; {outcome}", str(target))
 
 
 class _Work:

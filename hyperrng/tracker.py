@@ -221,7 +221,8 @@ class _Fork:
         return f"fork of stream {self.name!r}"
 
     def _out_of_order(self, top: Any) -> InvalidOperationError:
-        """Refuse this exit (nothing changes) and mark the chain, so that replacing the streams clears it."""
+        """Refuse this exit (nothing changes) and mark the chain, so that replacing the streams can
+        clear it if the exit is never retried (see *Recovery*)."""
         self.refused = True
         if self._tracker._active is not self:
             inner = f"fork of stream {self._tracker.active_stream!r} of the same tracker"
@@ -230,8 +231,8 @@ class _Fork:
         return InvalidOperationError(
             f"fork of stream {self.name!r} exited while a {inner}, entered after it on this thread, is still "
             "open: exit contexts in reverse order (asyncio tasks or generators that interleave forks need a "
-            "tracker, and a thread, each). Nothing changed; the fork stays open until reset(), reseed() or "
-            "set_states() replaces the tracker's streams.",
+            "tracker, and a thread, each). Nothing changed: the fork stays open; exit it again once the later "
+            "context has left, or reset(), reseed() or set_states() the tracker to clear it.",
             reason="tracker",
         )
 
@@ -578,8 +579,8 @@ class RNGStatesTracker:
 
     def _idle(self, what: str, *, replacing: bool = False, here_ok: bool = False) -> None:
         """Refuse ``what`` inside a fork (``here_ok``: only inside one open on another thread); refuse an
-        abandoned fork too. ``replacing`` (``what`` replaces every stream) allows forks open on this
-        thread and abandoned ones: the caller leaves them (:meth:`_leave_forks`)."""
+        abandoned fork too. ``replacing`` (``what`` replaces every stream) lets stuck forks through
+        (:meth:`_stuck`): the caller clears them (:meth:`_leave_forks`)."""
         active = self._active
         if active is None or (replacing and self._stuck()):
             return

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import hyperrng
-from hyperrng import ArgumentTypeError, HyperRNGError, StreamLayout, philox
+from hyperrng import ArgumentTypeError, HyperRNGError, StreamLayout
 
 LAYOUT = StreamLayout(dims=("dp",), default=(), streams={"s": ("dp",)})
 
@@ -19,7 +19,6 @@ LAYOUT = StreamLayout(dims=("dp",), default=(), streams={"s": ("dp",)})
 # The modules, typed as Any: the calls below pass wrong types on purpose.
 _H: Any = hyperrng
 _P: Any = platforms
-_philox: Any = philox
 
 
 def _megatron(data_parallel_random_init: object) -> None:
@@ -85,7 +84,6 @@ CALLS: list[tuple[str, Callable[[], Any], str]] = [
     ("platforms.register(7, CPUPlatform)", lambda: _P.register(7, platforms.CPUPlatform), "name must be a string"),
     ("platforms.register('x', 42)", lambda: _P.register("x", 42), "must be callable"),
     ("platforms.seed_generator('g', 1)", lambda: _P.seed_generator("g", 1), "gen"),
-    ("philox.random_bits(device=5)", lambda: _philox.random_bits(4, 1, device=5), "device"),
     (
         "load_rng_state_dict(coords='dp=0')",
         lambda: _H.load_rng_state_dict(_H.rng_state_dict(), coords="dp=0"),

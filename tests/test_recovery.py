@@ -119,6 +119,21 @@ def test_each_call_that_replaces_the_streams_clears_a_refused_fork(clear: str) -
         assert torch.equal(_device(), default)
 
 
+def test_a_checkpoint_loads_into_a_tracker_whose_fork_a_thread_that_ended_left_open() -> None:
+    tracker = get_rng_tracker()
+    tracker.reseed({"a": 1, "b": 2})
+    checkpoint = hyperrng.rng_state_dict()
+    expected = tracker.get_states()
+    thread = threading.Thread(target=lambda: tracker.fork("a").__enter__())  # ends inside the fork
+    thread.start()
+    thread.join()
+    with pytest.raises(InvalidOperationError, match="has ended"):
+        hyperrng.rng_state_dict()
+    hyperrng.load_rng_state_dict(checkpoint)
+    assert tracker.active_stream is None and _no_hold_left()
+    assert all(torch.equal(expected[k], v) for k, v in tracker.get_states().items())
+
+
 def test_a_live_fork_on_this_thread_still_refuses_reset_and_nothing_changes() -> None:
     tracker = _tracker(a=1)
     with tracker.fork("a"):
