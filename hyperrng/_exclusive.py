@@ -60,9 +60,22 @@ a chain, innermost first. An exit with an exception passing through it that find
 of other contexts above its own knows their exits were skipped by an interrupt (the
 window below): it leaves them first, innermost first, as their exits would have
 (:func:`leave_inner`), then itself. Holds without a context (portable mode, seeding) are
-not left this way. Without an exception the exits do not look (it would cost every fork);
-forks of one tracker exited out of order are refused by the tracker, but contexts of
-different trackers interleaved on one thread (by generators or tasks) are not detected.
+not left this way. Without an exception an exit checks that its own hold is the innermost
+of the contexts on its device (one dict lookup): a fork, region or ``fork_rng`` left while
+a context entered after it on the same thread is still open (asyncio tasks or generators
+interleaving them) is refused with :class:`~hyperrng.errors.InvalidOperationError` and
+changes nothing; exited again in order, it leaves.
+
+**A child made by fork.** A process made by ``os.fork`` (``multiprocessing``'s ``fork``
+start method) has one thread; the holds its parent's threads had are not its own, so an
+at-fork handler clears them: the child starts with no holds, whatever its parent was in.
+Forks of a tracker that the child inherited open are left by ``reset()``, ``reseed()`` or
+``set_states()`` (see :mod:`hyperrng.tracker`).
+
+**Asking whether a thread lives.** Before Python 3.13, ``Thread.is_alive()`` marks a running
+thread stopped, and releases its state lock, when a signal handler raises inside the call;
+:func:`alive` never asks about the calling thread and asks about others with signals
+deferred.
 
 **A thread that dies holding.** A hold records the owning ``threading.Thread`` object,
 not its ident (idents are reused by later threads, which must not inherit a hold). A hold
@@ -92,15 +105,21 @@ What pure Python cannot close, and so is not guaranteed:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Collection, Iterable
 from threading import Lock, Thread, current_thread
 from typing import Any, TypeVar
 
+from hyperrng._interrupts import deferred
 from hyperrng.errors import InvalidOperationError
 
 __all__ = [
+    "HOLDS",
     "LeavesOnExit",
+    "alive",
     "depth",
+    "describe",
+    "held_above",
     "hold",
     "hold_key",
     "holder",
@@ -122,6 +141,36 @@ _T = TypeVar("_T")
 _Entry = tuple[Thread, int, Any, Any]
 _HOLDS: dict[tuple[str, int], _Entry] = {}
 _TAKE_OVER = Lock()
+
+HOLDS = _HOLDS
+"""The holds, for hot paths that only read them (a fork's exit checks that it is innermost)."""
+
+
+def alive(thread: Thread) -> bool:
+    """Whether ``thread`` is alive, asked so that a signal cannot mark it dead.
+
+    ``Thread.is_alive()`` tries the thread's state lock without blocking; before Python 3.13
+    its cleanup for an exception raised in that call (a signal handler's, on the main thread)
+    releases the lock whenever it is locked and marks the thread stopped, even when the
+    thread is running and the lock is its own. So the calling thread is alive without
+    asking, and another is asked with signals deferred.
+    """
+    if thread is current_thread():
+        return True
+    with deferred():
+        return thread.is_alive()
+
+
+def _after_fork_in_child() -> None:
+    """A child made by ``fork`` has one thread: the holds of its parent's threads are not its own.
+    It starts with none (and a fresh lock, which a parent's thread may have held at the fork)."""
+    global _TAKE_OVER
+    _HOLDS.clear()
+    _TAKE_OVER = Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def hold(device_type: str, index: int, what: str) -> int:
@@ -165,7 +214,7 @@ def hold_key(key: tuple[str, int], me: Thread, what: str, context: Any = None) -
     mine = (me, 1, context, None)
     try:
         entry = _HOLDS.setdefault(key, mine)
-        if entry is not mine and entry[0] is not me and not entry[0].is_alive():
+        if entry is not mine and entry[0] is not me and not alive(entry[0]):
             entry = _take_over(key, entry, mine)
     except BaseException:  # interrupted as a call returned: undo a claim it made
         if _HOLDS.get(key) is mine:
@@ -229,6 +278,27 @@ def leave_inner(context: Any, key: tuple[str, int]) -> None:
             other._unwind()
 
 
+def held_above(key: tuple[str, int], level: int, contexts: Collection[Any]) -> _Entry | None:
+    """The first of the calling thread's holds on ``key`` above depth ``level`` that none of
+    ``contexts`` took (innermost first), or ``None``."""
+    entry = _HOLDS.get(key)
+    if entry is None or entry[0] is not current_thread():
+        return None
+    while entry is not None and entry[1] > level:
+        if entry[2] is None or entry[2] not in contexts:
+            return entry
+        entry = entry[3]
+    return None
+
+
+def describe(context: Any) -> str:
+    """What a context that took a hold is, for a message (``None``: a brief hold)."""
+    if context is None:
+        return "seeding, restore or portable mode"
+    what = getattr(context, "describe", None)
+    return what() if callable(what) else type(context).__name__
+
+
 class _Holding:
     """The context manager :func:`holding` returns."""
 
@@ -278,7 +348,7 @@ def depth(device_type: str, index: int) -> int:
 def holder(device_type: str, index: int) -> int | None:
     """The ident of the thread holding device ``index``, or ``None`` (also when its holder has ended)."""
     entry = _HOLDS.get((device_type, index))
-    return entry[0].ident if entry is not None and entry[0].is_alive() else None
+    return entry[0].ident if entry is not None and alive(entry[0]) else None
 
 
 def redo(step: Callable[[_T], object], arg: _T) -> None:
@@ -314,11 +384,34 @@ class LeavesOnExit:
     def _close_inner(self) -> None:
         """Call :func:`leave_inner` for each device it holds."""
 
+    def _held_keys(self) -> Iterable[tuple[str, int]]:
+        """The devices it holds (their holds were taken with this context)."""
+        return ()
+
     def __exit__(self, *exc: object) -> None:
+        interleaved = None
         try:
             if exc and exc[0] is not None:  # an interrupt may have skipped the exits of contexts inside it
                 self._close_inner()
+            else:  # a context entered after this one still open: exits out of order (asyncio tasks, generators)
+                for key in self._held_keys():
+                    entry = _HOLDS.get(key)
+                    if entry is not None and entry[2] is not None and entry[2] is not self:
+                        interleaved = entry[2]
+                        raise out_of_order(self, interleaved)
             self._leave()
         except BaseException:
-            self._leave()
+            if interleaved is None:
+                self._leave()
             raise
+
+
+def out_of_order(context: Any, inner: Any) -> InvalidOperationError:
+    """The refusal of ``context``'s exit while ``inner``, which took a hold after it, is still open."""
+    return InvalidOperationError(
+        f"{describe(context)} exited while a {describe(inner)}, entered after it on this thread, is still open: exit "
+        "contexts in reverse order (asyncio tasks or generators that interleave forks, regions or fork_rng need "
+        "a thread each, or contexts that do not overlap). Nothing changed: it stays open; exit it again once "
+        "the later context has left.",
+        reason="tracker",
+    )

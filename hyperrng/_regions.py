@@ -134,6 +134,14 @@ class Region(_exclusive.LeavesOnExit):
                 self._release()
             raise
 
+    def describe(self) -> str:
+        """What this context is, for the messages of the thread policy."""
+        return "sharded region"
+
+    def _held_keys(self) -> tuple[tuple[str, int], ...]:
+        held = self._held
+        return (held[0],) if held is not None else ()
+
     def _close_inner(self) -> None:
         if self._held is not None:
             _exclusive.leave_inner(self, self._held[0])

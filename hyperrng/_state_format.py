@@ -15,6 +15,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.layout import Derivation, StreamLayout, mesh_coordinates
+from hyperrng.platforms.cpu import check_mt19937_state, mt19937_degenerate
 from hyperrng.platforms.validate import MAX_SEED
 from hyperrng.tracker import RNGStatesTracker
 
@@ -34,26 +35,33 @@ _DIGEST_BYTES = 16
 
 def check_saved(state: Mapping[str, Any]) -> None:
     """A mapping of this format and version whose digest matches its content, every top-level
-    field present with its type and range (so later reads cannot fail halfway)."""
+    field present with its type and range (so later reads cannot fail halfway).
+
+    Bounded work on any input: the digest visits each object once and refuses shared or cyclic
+    references, nesting deeper and sizes larger than :func:`hyperrng.rng_state_dict` ever
+    writes, so a hostile file costs time linear in its size. An exception that reading the
+    state itself raises (a mapping that fetches its values, a time-out) passes through as itself.
+    """
     if not isinstance(state, Mapping):
         raise ArgumentTypeError(
             f"an RNG state is the dict rng_state_dict() returned, got {type(state).__name__}; "
             f"load a saved one with hyperrng.load_rng_state(path)."
         )
-    if state.get("format") != FORMAT:
+    found = state.get("format")
+    if type(found) is not str or found != FORMAT:
         raise InvalidArgumentError(
             f"not a hyperrng RNG state (expected format {FORMAT!r}); pass the dict rng_state_dict() returned."
         )
-    if state.get("version") != FORMAT_VERSION:
+    version = state.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        shown = version if type(version) in (int, str) else f"of type {type(version).__name__}"
         raise InvalidArgumentError(
-            f"RNG state format version {state.get('version')!r} cannot be read by this hyperrng, "
+            f"RNG state format version {shown!r} cannot be read by this hyperrng, "
             f"which reads version {FORMAT_VERSION}; load it with the hyperrng release that wrote it."
         )
-    try:
-        expected = digest(state)
-    except Exception as exc:
-        raise InvalidArgumentError(f"the RNG state is malformed ({type(exc).__name__}: {exc}).") from exc
-    if state.get("digest") != expected:
+    expected = digest(state)
+    saved = state.get("digest")
+    if type(saved) is not str or saved != expected:
         raise InvalidArgumentError(
             "the RNG state's digest does not match its content: the file was modified or damaged; "
             "resume from another checkpoint."
@@ -89,6 +97,12 @@ def _check_fields(state: Mapping[str, Any]) -> None:
         raise _malformed(f"base_seed {state['base_seed']} is outside [0, 2**64 - 1].")
     if not 0 <= state["rank"] < state["world_size"]:
         raise _malformed(f"rank {state['rank']} does not lie in a world of size {state['world_size']}.")
+    saved_layout(state)  # compared with the current layout later: checked before anything compares it
+    if state["coords"] is not None:
+        try:
+            mesh_coordinates(state["coords"])
+        except HyperRNGError as exc:
+            raise _malformed(f"its coordinates cannot be read ({exc})") from None
 
 
 def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> dict[str, Any]:
@@ -102,16 +116,16 @@ def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTr
     else:
         cpu = _tensor(state["torch_cpu"], torch.uint8, platforms.MT19937_STATE_NBYTES, "torch CPU state")
         try:
-            torch.Generator().set_state(cpu)  # a scratch generator: refuses bytes MT19937 cannot take
-        except RuntimeError as exc:
-            raise _malformed(f"the torch CPU state is not a valid MT19937 state ({exc}).") from None
+            check_mt19937_state(cpu)  # on a scratch generator: bytes MT19937 cannot take, or the all-zero state
+        except HyperRNGError as exc:
+            raise _malformed(f"the torch CPU state: {exc}") from None
     devices = [_platform_state(p, d, f"device {i} state") for i, d in enumerate(state["devices"])]
     streams = {}
     for name, value in state["streams"].items():
         if not isinstance(name, str) or not name:
             raise _malformed(f"stream name {name!r} is not a non-empty string.")
         streams[name] = _platform_state(p, value, f"state of stream {name!r}")
-    held = set(tracker.get_states()) if tracker.is_initialized() else set()
+    held = set(tracker._states) if tracker.is_initialized() else set()  # names only: no read of a generator
     missing = sorted(held - set(streams))
     if missing:
         raise InvalidArgumentError(
@@ -178,6 +192,7 @@ def _python_state(value: Mapping[str, Any]) -> tuple[int, tuple[int, ...], float
     words = _tensor(py["state"], torch.int64, _PY_STATE_WORDS, "the Python random state").tolist()
     if not all(0 <= w < 2**32 for w in words[:-1]) or not 0 <= words[-1] <= _MT_WORDS:
         raise _wrong("the Python random state", "624 words in [0, 2**32) then a position in [0, 624]", "out of range")
+    _check_not_degenerate(words[:-1], "the Python random state")
     gauss = py["gauss"]
     if gauss is not None and type(gauss) is not float:
         raise _wrong("the Python cached normal", "None or a float", gauss)
@@ -187,11 +202,12 @@ def _python_state(value: Mapping[str, Any]) -> tuple[int, tuple[int, ...], float
 def _numpy_state(value: Mapping[str, Any]) -> tuple[str, np.ndarray, int, int, float]:
     """NumPy's legacy MT19937 state: 624 words below 2**32, a position in [0, 624], a cached normal."""
     npy = _fields(value, "the NumPy state", ("kind", "keys", "pos", "has_gauss", "gauss"))
-    if npy["kind"] != "MT19937":
+    if type(npy["kind"]) is not str or npy["kind"] != "MT19937":
         raise _wrong("the NumPy state's kind", "'MT19937'", npy["kind"])
     keys = _tensor(npy["keys"], torch.int64, _MT_WORDS, "the NumPy state keys")
     if bool(((keys < 0) | (keys >= 2**32)).any()):
         raise _wrong("the NumPy state keys", "624 words in [0, 2**32)", "out of range")
+    _check_not_degenerate(keys.tolist(), "the NumPy state keys")
     # NumPy does not check the position: one past 624 reads outside its key array later.
     pos = _exact_int(npy["pos"], "the NumPy state position", 0, _MT_WORDS)
     has_gauss = _exact_int(npy["has_gauss"], "the NumPy has_gauss flag", 0, 1)
@@ -199,6 +215,16 @@ def _numpy_state(value: Mapping[str, Any]) -> tuple[str, np.ndarray, int, int, f
     if type(gauss) is not float or not math.isfinite(gauss):
         raise _wrong("the NumPy cached normal", "a finite float", gauss)
     return "MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss
+
+
+def _check_not_degenerate(words: list[int], what: str) -> None:
+    """Refuse the MT19937 state that is all zeros where it counts (the top bit of the first word and
+    every other word): it draws 0 forever, and CPython and NumPy would take it."""
+    if mt19937_degenerate(words):
+        raise _malformed(
+            f"{what} is the all-zero MT19937 state, which draws 0 forever; no generator reaches it, "
+            "so the file was forged or damaged. Resume from another checkpoint."
+        )
 
 
 def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Tensor:
@@ -209,38 +235,126 @@ def _platform_state(p: platforms.Platform, value: object, what: str) -> torch.Te
         raise _malformed(f"{what}: {exc}") from None
 
 
+_MAX_DEPTH = 8
+"""Nesting the digest follows: rng_state_dict writes four levels (state, layout, its streams, a
+stream's dimensions); a checkpoint may hold the state one or two levels down."""
+_MAX_OBJECTS = 1 << 18
+"""Containers, tensors and values the digest visits: far above the streams and layout dimensions of
+any real run (a state holds a few dozen), far below what would keep a load busy."""
+_MAX_NUMEL = 1 << 20
+"""Elements of one tensor: rng_state_dict's largest is a device state (5072 bytes on the CPU)."""
+_MAX_TEXT = 1 << 16
+"""Characters of one string (a stream, dimension or platform name)."""
+_INT_RANGE = (-(2**63), 2**64 - 1)
+"""Every integer rng_state_dict writes is a seed, a rank, a coordinate or a 64-bit domain."""
+
+
 def digest(state: Mapping[str, Any]) -> str:
-    """BLAKE2b over the state's canonical form, its own ``digest`` field left out."""
+    """BLAKE2b over the state's canonical form, its own ``digest`` field left out.
+
+    Raises:
+        InvalidArgumentError: the state holds what :func:`hyperrng.rng_state_dict` never writes:
+            one object reached twice (shared or cyclic references), nesting deeper than
+            :data:`_MAX_DEPTH`, more than :data:`_MAX_OBJECTS` objects, a tensor that is not a
+            dense CPU tensor of at most :data:`_MAX_NUMEL` elements, a key that is not a string, a
+            string or an integer out of bounds, or an object of another type. Each object is
+            visited once, so the time is linear in the state's size.
+    """
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    _feed(h, {k: v for k, v in state.items() if k != "digest"})
+    _Digest(h).feed({k: v for k, v in state.items() if k != "digest"}, 0)
     return h.hexdigest()
 
 
-def _feed(h: Any, value: Any) -> None:
-    """Hash ``value`` canonically: dict keys sorted, tensors by dtype, shape and bytes."""
-    if isinstance(value, Mapping):
-        h.update(b"{")
-        for key in sorted(value, key=str):
-            h.update(repr(key).encode())
-            _feed(h, value[key])
-        h.update(b"}")
-    elif isinstance(value, (list, tuple)):
-        h.update(b"[")
-        for item in value:
-            _feed(h, item)
-        h.update(b"]")
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu").contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    else:
-        h.update(f"{type(value).__name__}:{value!r};".encode())
+class _Digest:
+    """One walk of :func:`digest`: what it has visited, and how much."""
+
+    def __init__(self, h: Any) -> None:
+        self.h = h
+        self.seen: set[int] = set()
+        self.held: list[object] = []  # keeps every visited object alive, so no id can be reused mid-walk
+        self.count = 0
+
+    def feed(self, value: Any, depth: int) -> None:
+        """Hash ``value`` canonically: dict keys sorted, tensors by dtype, shape and bytes."""
+        h = self.h
+        self.count += 1
+        if self.count > _MAX_OBJECTS:
+            raise _malformed(f"it holds more than {_MAX_OBJECTS} objects, far more than rng_state_dict writes.")
+        if isinstance(value, (Mapping, list, tuple, torch.Tensor)):
+            self._visit(value, depth)
+        if isinstance(value, Mapping):
+            keys = list(value)
+            if not all(type(key) is str for key in keys):
+                odd = next(key for key in keys if type(key) is not str)
+                raise _malformed(f"it has a key of type {type(odd).__name__}; rng_state_dict writes string keys only.")
+            h.update(b"{")
+            for key in sorted(keys):
+                self._text(key)
+                h.update(repr(key).encode())
+                self.feed(value[key], depth + 1)
+            h.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            h.update(b"[")
+            for item in value:
+                self.feed(item, depth + 1)
+            h.update(b"]")
+        elif isinstance(value, torch.Tensor):
+            t = self._dense(value)
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif value is None or type(value) in (bool, float) or self._atom(value):
+            h.update(f"{type(value).__name__}:{value!r};".encode())
+        else:
+            raise _malformed(f"it holds a {type(value).__name__}, which rng_state_dict never writes.")
+
+    def _visit(self, value: object, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise _malformed(f"it is nested more than {_MAX_DEPTH} levels deep; rng_state_dict writes four.")
+        if isinstance(value, torch.Tensor) or len(value):  # type: ignore[arg-type]  # empty ones cannot multiply work
+            if id(value) in self.seen:
+                raise _malformed(
+                    "it reaches one object twice (shared or cyclic references), which rng_state_dict never "
+                    "writes; a forged file could make the digest walk it exponentially often."
+                )
+            self.seen.add(id(value))
+            self.held.append(value)
+
+    def _atom(self, value: object) -> bool:
+        if type(value) is int:
+            if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:  # type: ignore[operator]
+                raise _malformed(f"it holds an integer of {value.bit_length()} bits; rng_state_dict's fit in 64.")  # type: ignore[attr-defined]
+            return True
+        if type(value) is str:
+            self._text(value)
+            return True
+        return False
+
+    @staticmethod
+    def _text(value: str) -> None:
+        if len(value) > _MAX_TEXT:
+            raise _malformed(f"it holds a string of {len(value)} characters; rng_state_dict's names are short.")
+
+    @staticmethod
+    def _dense(value: torch.Tensor) -> torch.Tensor:
+        if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
+            raise _malformed(
+                f"it holds a {value.layout} tensor on {value.device}; rng_state_dict writes dense CPU tensors only."
+            )
+        if value.numel() > _MAX_NUMEL:
+            raise _malformed(f"it holds a tensor of {value.numel()} elements; rng_state_dict's have at most 5072.")
+        return value.detach().contiguous()
 
 
 def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         got = type(value).__name__
-    elif value.dtype == dtype and value.dim() == 1 and value.numel() == numel and value.device.type == "cpu":
+    elif (
+        value.dtype == dtype
+        and value.dim() == 1
+        and value.numel() == numel
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+    ):
         return value.contiguous()
     else:
         got = f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"

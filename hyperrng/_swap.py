@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hyperrng import _exclusive
+from hyperrng._interrupts import deferred
 from hyperrng.errors import InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform, StateIO
 
@@ -80,16 +81,16 @@ class Swap:
                 would change that thread's stream).
         """
         read, write, (device_type, index) = self.bind()
-        below = saved = None
-        try:
+        with deferred():  # a signal cannot cut the restore or the release short
             below = _exclusive.hold(device_type, index, "creating a stream")
-            saved = read()
-            self.platform.manual_seed(seed)
-            return read()
-        finally:
-            if saved is not None:
-                _exclusive.redo(write, saved)
-            if below is not None:
+            saved = None
+            try:
+                saved = read()
+                self.platform.manual_seed(seed)
+                return read()
+            finally:
+                if saved is not None:
+                    write(saved)
                 _exclusive.release(device_type, index, below)
 
     def coerce(self, name: str, value: object) -> Any:

@@ -16,6 +16,8 @@ from hyperrng.platforms.errors import (  # noqa: F401 -- re-exported: __all__ be
     PlatformError,
     RankFailure,
     RNGDesyncError,
+    StorageError,
+    UnknownPlatformError,
     UnknownStreamError,
     UnsupportedPortableOpError,
 )

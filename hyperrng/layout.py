@@ -65,6 +65,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
+from hyperrng._interrupts import deferred
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
@@ -228,18 +229,26 @@ class StreamLayout:
             InvalidOperationError: a fork of ``tracker`` is active;
                 or another thread holds torch's CPU generator or the current device's.
 
-        The tracker is replaced all or nothing (:meth:`RNGStatesTracker.reseed`) before
-        the default generator is seeded, so an error leaves everything as it was.
+        Everything is validated first; then the tracker is replaced (:meth:`RNGStatesTracker.reseed`)
+        and the default generator seeded with signals deferred, so an error or a Ctrl-C leaves
+        everything as it was or as after the call. Forks of ``tracker`` that their own exits can
+        no longer leave are cleared first (see the tracker's *Recovery*).
         """
         seeds = self.seeds(base_seed, coords)
         default_seed = seeds[DEFAULT_STREAM]
+        derivation = Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords))
         platform = platforms.current()
-        with holding(device_keys(platform, [platform.current_device()]), "seeding a stream layout"):
-            tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
-            platform.manual_seed(default_seed)
-            if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
-                platforms.seed_generator(torch.default_generator, default_seed)
-        _record(tracker, Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords)))
+        tracker._idle("reseed the tracker", replacing=True)  # refused before anything is seeded
+        tracker._target(rebind=True)
+        tracker._check_forks_leavable("reseed the tracker")
+        with deferred():  # the streams, the generators and the record, or none of them, under Ctrl-C too
+            tracker._leave_forks()
+            with holding(device_keys(platform, [platform.current_device()]), "seeding a stream layout"):
+                tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
+                platform.manual_seed(default_seed)
+                if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
+                    platforms.seed_generator(torch.default_generator, default_seed)
+            _record(tracker, derivation)
         return seeds
 
     # -- serialisation --------------------------------------------------------------------
@@ -268,7 +277,9 @@ class StreamLayout:
         missing = [key for key in ("version", "domain", "dims", "default", "streams") if key not in data]
         if missing:
             raise InvalidArgumentError(f"layout dict lacks {missing}; pass what StreamLayout.to_dict() returned.")
-        if data["version"] != LAYOUT_FORMAT_VERSION or data["domain"] != LAYOUT_DOMAIN:
+        version, domain = data["version"], data["domain"]
+        exact = type(version) is int and type(domain) is int  # a forged tensor here has no truth value
+        if not exact or (version, domain) != (LAYOUT_FORMAT_VERSION, LAYOUT_DOMAIN):
             raise InvalidArgumentError(
                 f"layout dict has version {data['version']!r} and domain {data['domain']!r}; this hyperrng "
                 f"reads version {LAYOUT_FORMAT_VERSION} with domain {LAYOUT_DOMAIN} only."
@@ -415,14 +426,20 @@ def _names(values: object, what: str) -> list[str]:
 
 def _stream_dims(name: str, varies: object, dims: Sequence[str]) -> tuple[str, ...]:
     listed = _names(varies, f"dimension of stream {name!r}")
-    unknown = [d for d in listed if d not in dims]
+    known = set(dims)  # linear in the layout's size, whatever a forged checkpoint's layout holds
+    unknown = [d for d in listed if d not in known]
     if unknown:
         raise InvalidArgumentError(
             f"stream {name!r} varies over {unknown}, which is not a mesh dimension {list(dims)}."
         )
-    repeated = sorted({d for d in listed if listed.count(d) > 1})
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for d in listed:
+        (repeated if d in seen else seen).add(d)
     if repeated:
-        raise InvalidArgumentError(f"stream {name!r} varies over {repeated} more than once; list each dimension once.")
+        raise InvalidArgumentError(
+            f"stream {name!r} varies over {sorted(repeated)} more than once; list each dimension once."
+        )
     return tuple(listed)
 
 

@@ -25,7 +25,7 @@ from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng._exclusive import LeavesOnExit
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.platforms.validate import check_index
+from hyperrng.platforms.validate import check_index, check_instance
 
 __all__ = ["fork_rng"]
 
@@ -56,6 +56,13 @@ class _ForkRNG(LeavesOnExit):
             belows.clear()
             saved.clear()
             raise
+
+    def describe(self) -> str:
+        """What this context is, for the messages of the thread policy."""
+        return "fork_rng"
+
+    def _held_keys(self) -> list[tuple[str, int]]:
+        return [key for _, _, key in self._targets] if self._belows else []
 
     def _close_inner(self) -> None:
         for _, _, key in self._targets:
@@ -109,6 +116,8 @@ def fork_rng(
     other threads are not stopped, and change the states this block then discards.
 
     Raises:
+        ArgumentTypeError: ``enabled`` is not a bool, ``device_type`` not a string, or ``devices``
+            not an iterable of ints.
         InvalidArgumentError: ``device_type`` is not the current platform's (select it with
             ``hyperrng.platforms.use(...)``; see the module docstring);
             or a device index is not an int in ``[0, device_count())``.
@@ -121,6 +130,8 @@ def fork_rng(
         raise ArgumentTypeError(f"enabled must be True or False, got {type(enabled).__name__} {enabled!r}.")
     if not enabled:
         return _NO_FORK
+    if device_type is not None:
+        check_instance(device_type, str, "device_type")
     platform = platforms.current()
     if device_type is not None and device_type not in (platform.device_type, platform.name):
         raise InvalidArgumentError(

@@ -7,6 +7,10 @@ prefer :mod:`hyperrng.layout`, whose seeds cannot collide the way these additive
 (Megatron-core's model-parallel stream of ``tp_rank`` 6 and expert stream of ``ep_rank``
 17, ``etp_rank`` 0 are both ``seed + 2724``).
 
+Every recipe validates all of its arguments first, then seeds with signals deferred (see
+:mod:`hyperrng._interrupts`): a Ctrl-C finds every generator and the tracker as before the
+call or as after it, never some seeded and some not.
+
 What "seed the host" means here (:func:`seed_host`): torch's CPU generator and the default
 generator of every device of the current platform get the seed itself (all 64 bits; what
 ``torch.manual_seed`` does for CUDA). Python's ``random`` and NumPy's legacy global state:
@@ -37,10 +41,11 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import current_device_key, device_keys
 from hyperrng._exclusive import holding
+from hyperrng._interrupts import deferred
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.layout import mesh_coordinates
 from hyperrng.platforms.mix import combine64
-from hyperrng.platforms.validate import MAX_SEED, check_int, check_seed
+from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
 from hyperrng.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
@@ -100,7 +105,7 @@ def seed_host(seed: int) -> None:
     """
     value = check_seed(seed)
     platform = platforms.current()
-    with holding(device_keys(platform), "seed_host"):
+    with deferred(), holding(device_keys(platform), "seed_host"):  # every generator or none, under Ctrl-C too
         random.seed(library_seed(value, PYTHON_RANDOM_DOMAIN))
         _seed_numpy(library_seed(value, NUMPY_DOMAIN))
         if platform.device_type != "cpu":  # where the device is the host, seeding the device seeds it
@@ -145,20 +150,25 @@ def _derived(value: int, formula: str) -> int:
 
 def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
     """The tracker to reseed; refuse up front (an active fork, a mode the platform lacks),
-    before anything is seeded."""
+    before anything is seeded. Forks the reseed will clear (stuck ones: see the tracker's
+    *Recovery*) pass; the caller clears them before it holds the device."""
     chosen = resolve_tracker(tracker)
-    chosen._idle("reseed", replacing=True)  # an abandoned fork: the reseed replaces it
+    chosen._idle("reseed", replacing=True)
     chosen._target(rebind=True)  # a reseed would refuse the same way, but only after the host was seeded
+    chosen._check_forks_leavable("reseed")
     return chosen
 
 
 def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_seed: int, what: str) -> None:
-    """Replace the tracker's streams and seed the current device, both under the device's hold, or neither."""
+    """Replace the tracker's streams and seed the current device, both under the device's hold, or
+    neither (signals deferred meanwhile)."""
     chosen = _idle(tracker)
     platform = platforms.current()
-    with holding([current_device_key(platform)], what):
-        chosen.reseed(streams)
-        platform.manual_seed(device_seed)
+    with deferred():
+        chosen._leave_forks()
+        with holding([current_device_key(platform)], what):
+            chosen.reseed(streams)
+            platform.manual_seed(device_seed)
 
 
 # -- slapo -----------------------------------------------------------------------------------
@@ -184,6 +194,7 @@ def model_parallel_manual_seed(
     """
     base = check_seed(seed)
     tp = _rank(tp_rank, "tp_rank")
+    check_instance(always_enable_tp_seed, bool, "always_enable_tp_seed")
     tp_seed = _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     device_seed = tp_seed if always_enable_tp_seed else base
     _reseed(tracker, {MODEL_PARALLEL_STREAM: tp_seed}, device_seed, "model_parallel_manual_seed")
@@ -219,14 +230,17 @@ def set_random_seed(
     if dp_rank is not None:
         base += _DATA_PARALLEL_SEED_STRIDE * _rank(dp_rank, "dp_rank")
     base = _derived(base, "seed + 100 * pp_rank + 10 * dp_rank")
+    check_instance(always_enable_tp_seed, bool, "always_enable_tp_seed")
     if tp_rank is not None:
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
-    _idle(tracker)  # inside a fork, seeding the device would reseed the forked stream
-    with holding(device_keys(platforms.current()), "set_random_seed"):  # held throughout: all or nothing
-        seed_host(base)
-        if tp_rank is not None:
-            model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
+    chosen = _idle(tracker)  # inside a fork, seeding the device would reseed the forked stream
+    with deferred():  # all or nothing, under Ctrl-C too
+        chosen._leave_forks()
+        with holding(device_keys(platforms.current()), "set_random_seed"):  # held throughout
+            seed_host(base)
+            if tp_rank is not None:
+                model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
     return base
 
 
@@ -415,14 +429,16 @@ def megatron_set_random_seed(
         raise InvalidArgumentError("Megatron-core's seed must be a positive integer, got 0.")
     base += _PIPELINE_SEED_STRIDE * _rank(pp_rank, "pp_rank")
     dp = _rank(dp_rank, "dp_rank")
-    if data_parallel_random_init:
+    if check_instance(data_parallel_random_init, bool, "data_parallel_random_init"):
         base += _DATA_PARALLEL_SEED_STRIDE * dp
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
-    _idle(tracker)
-    with holding(device_keys(platforms.current()), "megatron_set_random_seed"):  # held throughout: all or nothing
-        seed_host(base)
-        megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
+    chosen = _idle(tracker)
+    with deferred():  # all or nothing, under Ctrl-C too
+        chosen._leave_forks()
+        with holding(device_keys(platforms.current()), "megatron_set_random_seed"):  # held throughout
+            seed_host(base)
+            megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
     return base
 
 
@@ -451,12 +467,13 @@ def set_seeds(seed: int, mesh: Mapping[str, int] | object | None = None, distinc
         InvalidOperationError: see :func:`seed_host`. Nothing changes on error.
     """
     value = check_seed(seed)
+    check_instance(distinct_dim, str, "distinct_dim")
     if mesh is not None:
         coords = mesh_coordinates(mesh)
         if distinct_dim not in coords:
             raise InvalidArgumentError(f"the mesh has no dimension {distinct_dim!r} (it has {list(coords)}).")
         value = (value + coords[distinct_dim]) % _D9D_SEED_MODULUS
-    with holding(device_keys(platforms.current()), "set_seeds"):
+    with deferred(), holding(device_keys(platforms.current()), "set_seeds"):
         seed_host(value)
     os.environ["PYTHONHASHSEED"] = str(value % _PYTHONHASHSEED_MODULUS)
     return value

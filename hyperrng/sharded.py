@@ -53,6 +53,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive, _local_ranks
 from hyperrng._device_state import current_device_key
+from hyperrng._interrupts import deferred
 from hyperrng._regions import LocalRegion, Region, active_region
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform
@@ -111,8 +112,10 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
     Raises:
         InvalidOperationError: the rank is not part of the ``DeviceMesh`` (also a ``RuntimeError``,
             as in PyTorch).
-        InvalidArgumentError: ``mesh`` is none of the above, or a ``DeviceMesh`` coordinate differs
-            across simulated ranks and no ``rank`` was given.
+        ArgumentTypeError: ``mesh`` is none of the above, or a mesh whose shape or coordinate
+            entries are not ints.
+        InvalidArgumentError: a ``DeviceMesh`` coordinate differs across simulated ranks and no
+            ``rank`` was given.
     """
     if isinstance(mesh, MeshInfo):
         return mesh
@@ -132,8 +135,15 @@ def as_mesh_info(mesh: Any, rank: int | None = None) -> MeshInfo:
             values = [_local_ranks.value_on(c, 0) for c in coordinate]
         else:
             values = [_local_ranks.value_on(c, rank) for c in coordinate]
-        return MeshInfo(tuple(int(s) for s in mesh.shape), tuple(int(c) for c in values))  # type: ignore[call-overload]
-    raise InvalidArgumentError(
+        shape = getattr(mesh, "shape", None)
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise ArgumentTypeError(f"the mesh's shape must be a sequence of ints, got {type(shape).__name__}.")
+        # Each entry exactly an int (a NumPy integer too), never truncated: a shape of 2.7 is no mesh.
+        return MeshInfo(
+            tuple(check_int(s, "each entry of the mesh shape") for s in shape),
+            tuple(check_int(c, "each entry of the mesh coordinate") for c in values),
+        )
+    raise ArgumentTypeError(
         f"expected a DeviceMesh, a MeshInfo or a (shape, coordinate) pair, got {type(mesh).__name__}."
     )
 
@@ -181,13 +191,13 @@ class ShardedRNGTracker:
         if mode is None:
             value = check_seed(seed)
             _check_member(mesh, None)
-            with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
+            with deferred(), _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
                 p.set_seed_offset(value, 0)
             return
         seeds = {rank: check_seed(_local_ranks.value_on(seed, rank)) for rank in sorted(mode.ranks)}
         for rank in seeds:
             _check_member(mesh, rank)
-        with _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
+        with deferred(), _exclusive.holding([current_device_key(p)], "ShardedRNGTracker.manual_seed"):
             _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seeds[rank], 0))
 
     def sync_from_rank0(self, group: object | None = None) -> bool:
@@ -407,7 +417,11 @@ def _cache_key(mesh: Any, placements: Sequence[Any], global_shape: Sequence[int]
         if mesh_shape is None or coordinate is None:
             return None
         mesh = (mesh_shape, coordinate)
-    return (mesh, placements if type(placements) is tuple else tuple(placements), shape)
+    if type(placements) is tuple:
+        return (mesh, placements, shape)
+    if type(placements) is list:
+        return (mesh, tuple(placements), shape)
+    return None  # anything else is validated (and refused if it is no sequence) on every call
 
 
 def _forget_oldest(offsets: OrderedDict[tuple[Any, ...], tuple[int, int]]) -> None:

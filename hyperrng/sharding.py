@@ -406,10 +406,13 @@ def _merge(runs: list[range]) -> list[range]:
 # ------------------------------------------------------------------------------------ validation
 
 
+_NO_COORDINATE = object()  # check_disjoint's call: every coordinate of the mesh, none given
+
+
 def _validate(
-    mesh_shape: object, placements: object, global_shape: object, coordinate: object = None
+    mesh_shape: object, placements: object, global_shape: object, coordinate: object = _NO_COORDINATE
 ) -> tuple[tuple[int, ...], tuple[_Split | None, ...], tuple[int, ...], tuple[int, ...]]:
-    """The arguments checked and normalised; ``coordinate`` too unless it is ``None`` (then ``()``)."""
+    """The arguments checked and normalised; ``coordinate`` too when given (else ``()``)."""
     mesh = _int_tuple(mesh_shape, "mesh_shape", minimum=1)
     ranks = math.prod(mesh)
     if ranks > MAX_MESH_SIZE:
@@ -430,7 +433,7 @@ def _validate(
             f"dim, Replicate() where a mesh dim does not shard the tensor (DTensor requires the same)."
         )
     splits = tuple(_split_of(placement, i, shape) for i, placement in enumerate(given))
-    if coordinate is None:
+    if coordinate is _NO_COORDINATE:
         return mesh, splits, shape, ()
     coord = _int_tuple(coordinate, "coordinate", minimum=0)
     if len(coord) != len(mesh):

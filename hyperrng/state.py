@@ -14,8 +14,10 @@ refused instead of silently resumed.
 **Trust.** The digest is not keyed: it detects accidental damage, not forgery (anyone who
 edits the dict can recompute it). Every field is nevertheless typed and bounded before
 anything is applied, so a forged state can at worst resume other random numbers, never
-crash the process or leave a generator half-written. Sign the file yourself if it crosses
-a trust boundary.
+crash the process, raise an untyped error or leave a generator half-written; and the work
+is linear in the file's size (the digest visits each object once and refuses shared or
+cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes). Sign
+the file yourself if it crosses a trust boundary.
 
 :func:`load_rng_state_dict` validates everything before applying anything. A state saved
 under another platform, world size, rank, layout or mesh position is refused by default;
@@ -33,15 +35,15 @@ rank, so DCP never deduplicates one rank's state onto another.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import pickle
 import random
 import secrets
-import socket
 import stat
+import sys
 import warnings
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,8 +54,15 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
+from hyperrng._interrupts import deferred
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError
+from hyperrng.errors import (
+    ArgumentTypeError,
+    HyperRNGError,
+    InvalidArgumentError,
+    InvalidOperationError,
+    StorageError,
+)
 from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed, error_gist
@@ -77,11 +86,6 @@ ON_MISMATCH = ("error", "reseed")
 
 RESUME_DOMAIN = 0x524553554D453031  # "RESUME01": keeps resume seeds apart from other uses of combine64
 """First value mixed into every :func:`resume_seed`."""
-
-_TEMP_NAME_BYTES = 8  # random hex in a temporary file's name: concurrent saves never share one
-# A temporary file's name also says which host and process wrote it, so that a later save can
-# tell the files of saves that were killed (their process has ended) from those still being written.
-_HOST_TAG = f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
 class RNGResumeWarning(UserWarning):
@@ -156,18 +160,26 @@ def rng_state_dict(
     return body
 
 
-def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str) -> RNGStatesTracker:
-    """The tracker to use, refused inside a fork; ``layout`` checked to be a layout or ``None``."""
+def _idle_tracker(
+    tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str, *, replacing: bool = False
+) -> RNGStatesTracker:
+    """The tracker to use, refused inside a fork; ``layout`` checked to be a layout or ``None``.
+    ``replacing`` (a load) lets through forks it will clear (abandoned or stuck ones: see the tracker)."""
     chosen = resolve_tracker(tracker)
     if layout is not None:
         check_instance(layout, StreamLayout, "layout")
-    if chosen.active_stream is not None and not chosen._abandoned():  # abandoned: get/set_states decide
-        verb = what.split()[0]
-        raise InvalidOperationError(
-            f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork.",
-            reason="tracker",
-        )
-    return chosen
+    if chosen.active_stream is None or chosen._abandoned():  # abandoned: get/set_states decide
+        return chosen
+    if chosen._stuck():
+        if replacing:
+            chosen._check_forks_leavable(what)
+            return chosen
+        raise chosen._stuck_error(what)
+    verb = what.split()[0]
+    raise InvalidOperationError(
+        f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork.",
+        reason="tracker",
+    )
 
 
 def _agrees(recorded: Derivation, layout: StreamLayout | None, point: dict[str, int] | None, base: int | None) -> bool:
@@ -189,7 +201,13 @@ def load_rng_state_dict(
     on_mismatch: str = "error",
     group: object | None = None,
 ) -> None:
-    """Restore a state from :func:`rng_state_dict`; validate everything, then apply.
+    """Restore a state from :func:`rng_state_dict`; validate everything, then apply all of it.
+
+    Nothing is written until every field has been checked, and the writes run with signals
+    deferred (see :mod:`hyperrng._interrupts`): a Ctrl-C or another signal's exception finds
+    Python's, NumPy's, torch's and the tracker's states all as before the load or all as after
+    it, and no hold left behind. Forks of ``tracker`` that their own exits can no longer leave
+    (see the tracker's *Recovery*) are cleared first.
 
     Args:
         state: the dict :func:`rng_state_dict` returned (possibly through ``torch.load``).
@@ -219,7 +237,9 @@ def load_rng_state_dict(
     if on_mismatch not in ON_MISMATCH:
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
-    tracker = _idle_tracker(tracker, layout, "load an RNG state")
+    tracker = _idle_tracker(tracker, layout, "load an RNG state", replacing=True)
+    if coords is not None:
+        mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
     check_saved(state)
     p = platforms.current()
     mismatches = _mismatches(state, p, layout, coords, group)
@@ -231,16 +251,21 @@ def load_rng_state_dict(
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
                 "to re-derive the streams from the saved base seed."
             )
-        with holding(device_keys(p), "load_rng_state_dict"):
-            _reseed(state, tracker, layout, coords, mismatches)
+        with deferred():
+            tracker._leave_forks()
+            with holding(device_keys(p), "load_rng_state_dict"):
+                _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = decode(state, p, tracker)
     derivation = saved_derivation(state)
-    # Held while every state is written: another thread's fork or region refuses the load
-    # (nothing written), and none starts halfway through it.
-    with holding(device_keys(p), "load_rng_state_dict"):
-        _apply(applied, p, tracker)
-    _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
+    # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
+    # meanwhile: another thread's fork or region refuses the load (nothing written), and none
+    # starts halfway through it.
+    with deferred():
+        tracker._leave_forks()  # forks their own exits can no longer leave (see the tracker's Recovery)
+        with holding(device_keys(p), "load_rng_state_dict"):
+            _apply(applied, p, tracker)
+        _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
 
 
 def _mismatches(
@@ -362,97 +387,257 @@ def _resume_seed(state: Mapping[str, Any]) -> int:
 
 
 # -- files --------------------------------------------------------------------------------------
+# A save works in a private folder beside the checkpoint, ``.<name>.<16 hex digits>.saving``
+# (mode 0700: nobody else can plant a file or a link in it), holding two files: ``lock``, which
+# the save holds an OS lock on from before it writes _LOCK_MAGIC into it until the folder is
+# gone, and ``checkpoint``, the state, written by torch.save through its path and renamed over
+# the checkpoint at the end. The OS releases the lock when the process ends, however it ends,
+# so a later save knows a folder whose lock it can take for one left by a save that died, in any
+# PID namespace, container or host sharing the folder.
+_WORK_SUFFIX = ".saving"
+_WORK_TOKEN_BYTES = 8  # random hex in the folder's name: concurrent saves never share one
+_LOCK_NAME = "lock"
+_DATA_NAME = "checkpoint"
+_LOCK_MAGIC = b"hyperrng save_rng_state: a save in progress while this file is locked\n"
+# What torch's writer raises when a write fails (a full disk, an I/O error): a RuntimeError.
+_WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "cannot be opened")
+
+
 def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
     """Write a state from :func:`rng_state_dict` (or any dict of plain data, such as a training
     checkpoint holding one) to ``path``, atomically.
 
-    The state goes to a hidden temporary file in ``path``'s folder, which is flushed and
-    fsynced, then renamed over ``path`` (``os.replace``), and the folder is fsynced so the
-    rename itself survives a crash. A process killed at any point therefore leaves
-    ``path`` holding either the previous complete checkpoint or the new one, never a
-    partial file. On success or on an exception nothing else is left in the folder; a
-    process killed mid-save may leave a hidden ``.<name>.<host>-<pid>-<random>.tmp`` file,
-    which is never read, and which the next successful save of ``path`` on the same host
-    removes once that process has ended (on POSIX systems). An existing file's permission
-    bits are kept.
+    The state is written by ``torch.save`` into a private folder beside ``path`` (mode 0700),
+    fsynced, checked to read back with ``weights_only=True``, then renamed over ``path``
+    (``os.replace``), and the folder holding ``path`` is fsynced so the rename itself survives
+    a crash. A process killed at any point therefore leaves ``path`` holding either the
+    previous complete checkpoint or the new one, never a partial file. Ctrl-C (and any signal
+    with a Python handler) is deferred across the steps that create, seal and rename files,
+    so an interrupt leaves them as before or as after, and on any exception what the save
+    created is closed and removed. An existing file's permission bits are kept (set with
+    ``fchmod`` on the open file, never through a path).
+
+    **Leftovers.** A process killed mid-save (SIGKILL, a power cut) leaves its private folder,
+    ``.<name>.<random>.saving``. The save holds an OS lock (``flock``) on a file in it for as
+    long as it runs, and the OS drops that lock when the process ends, so the next successful
+    save of ``path`` removes exactly the folders whose lock it can take: those of saves that
+    died, never one still being written, whatever PID namespace, container or host (on a
+    shared file system with working locks) it runs in. Nothing else in the folder is touched:
+    not another checkpoint's folders, nor files that merely look like ours. Where the file
+    system offers no locks, nothing is removed. On Windows, files are locked with
+    ``msvcrt.locking`` instead.
+
+    **Symlinks.** When ``path`` is a symbolic link (``latest.pt -> step100.pt``), the link stays
+    and the file it points to is replaced, atomically, in that file's folder (a link to a
+    missing file creates it). A chain of links is followed to its end.
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
             a lock).
-        InvalidArgumentError: ``path`` is a folder, or its folder does not exist; or ``state``
-            holds objects that :func:`load_rng_state` would refuse (it reads with
-            ``weights_only=True``: dicts, lists, tuples, strings, numbers, tensors). Nothing is
-            written when it is raised: the file is read back, tensors memory-mapped, before
-            it replaces ``path``.
-        OSError: the file system refused the write (full disk, no permission); the
-            temporary file is removed and ``path`` is as it was.
+        InvalidArgumentError: ``path`` is a folder, its folder does not exist, or it is a
+            link that loops; or ``state`` holds objects that :func:`load_rng_state` would
+            refuse (it reads with ``weights_only=True``: dicts, lists, tuples, strings,
+            numbers, tensors). Nothing is written when it is raised: the file is read back,
+            tensors memory-mapped, before it replaces ``path``.
+        StorageError: the file system refused the save (a full disk or quota:
+            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error); an
+            ``OSError``. What the save created is removed and ``path`` is as it was.
     """
-    target = _file_path(path)
+    target = _save_target(path)
     if not isinstance(state, Mapping):
         raise ArgumentTypeError(
             f"save_rng_state writes the dict rng_state_dict() returned, got {type(state).__name__}."
         )
-    if target.is_dir():
-        raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
     folder = target.parent
-    if not folder.is_dir():
-        raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
     try:
         mode: int | None = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
         mode = None
-    temporary = folder / f".{target.name}.{_HOST_TAG}-{os.getpid()}-{secrets.token_hex(_TEMP_NAME_BYTES)}.tmp"
-    # O_EXCL: never write through a file (or link) someone else put there; 0o666 lets the umask decide.
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as exc:
+        raise _storage_error(exc, target, "read the permission bits of") from exc
+    work = _Work(folder / f".{target.name}.{secrets.token_hex(_WORK_TOKEN_BYTES)}{_WORK_SUFFIX}")
+    replaced = False
     try:
-        with os.fdopen(fd, "wb") as file:
-            try:
-                torch.save(dict(state), file)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                raise ArgumentTypeError(
-                    f"the state cannot be saved: {error_gist(exc)}; keep only plain data in it (dicts, lists, "
-                    f"tuples, strings, numbers, tensors). {str(target)!r} is unchanged."
-                ) from None
-            file.flush()
-            os.fsync(file.fileno())
-        _check_loads(temporary, target)
-        if mode is not None:
-            os.chmod(temporary, mode)
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+        with deferred():
+            work.create()
+        _write(state, work.data, target)  # through a path, not a file object: interruptible at any point
+        with deferred():
+            work.seal(mode)
+        _check_loads(work.data, target)
+        with deferred():
+            os.replace(work.data, target)
+            replaced = True
+            _fsync_folder(folder)
+            work.remove()
+    except BaseException as exc:
+        with deferred():
+            work.remove()
+        if isinstance(exc, OSError) and not isinstance(exc, HyperRNGError):
+            if replaced:  # the new checkpoint is in place; only its rename's durability failed
+                what, kept = "make durable the rename of the new checkpoint to", False
+            else:
+                what, kept = "save the checkpoint to", True
+            raise _storage_error(exc, target, what, kept=kept) from exc
         raise
-    _fsync_folder(folder)
     _remove_abandoned(folder, target.name)
 
 
-def _remove_abandoned(folder: Path, name: str) -> None:
-    """Remove the temporary files that saves of ``name`` left when they were killed: those written
-    on this host by a process that has ended. Never those of a live process or of another host
-    sharing the folder; nothing on Windows, where there is no harmless probe of a process."""
-    if os.name != "posix":
-        return
-    prefix = f".{name}.{_HOST_TAG}-"
+def _save_target(path: object) -> Path:
+    """The file a save of ``path`` replaces: ``path``, or the end of the links it is."""
+    target = _file_path(path)
+    if target.is_symlink():
+        resolved = Path(os.path.realpath(target))
+        if resolved.is_symlink():
+            raise InvalidArgumentError(f"{str(target)!r} is a symbolic link that loops; point it at a file.")
+        target = resolved
+    if target.is_dir():
+        raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
+    if not target.parent.is_dir():
+        raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
+    return target
+
+
+def _write(state: Mapping[str, Any], data: Path, target: Path) -> None:
     try:
-        entries = [entry.name for entry in os.scandir(folder) if entry.name.startswith(prefix)]
+        torch.save(dict(state), str(data))
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ArgumentTypeError(
+            f"the state cannot be saved: {error_gist(exc)}; keep only plain data in it (dicts, lists, "
+            f"tuples, strings, numbers, tensors). {str(target)!r} is unchanged."
+        ) from None
+    except RuntimeError as exc:
+        if not any(mark in str(exc) for mark in _WRITER_FAILURES):
+            raise
+        # torch's writer reports no errno: a file system without free blocks or inodes was full.
+        try:
+            space = os.statvfs(data.parent) if hasattr(os, "statvfs") else None
+        except OSError:
+            space = None
+        full = space is not None and (space.f_bavail == 0 or space.f_favail == 0)
+        code = errno.ENOSPC if full else errno.EIO
+        raise _storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
+
+
+def _storage_error(exc: OSError, target: Path, what: str, *, kept: bool = True) -> StorageError:
+    code = exc.errno if exc.errno is not None else errno.EIO
+    reason = exc.strerror or str(exc) or os.strerror(code)
+    hint = {
+        errno.ENOSPC: "free space on that file system or save elsewhere",
+        errno.EDQUOT: "free space within your quota or save elsewhere",
+        errno.EACCES: "make its folder writable for this user or save elsewhere",
+        errno.EPERM: "make its folder writable for this user or save elsewhere",
+        errno.EROFS: "save to a writable file system",
+    }.get(code, "check the file system, then save again")
+    outcome = "it is as it was" if kept else "it holds the new checkpoint, which a crash now may undo"
+    return StorageError(code, f"could not {what} {str(target)!r} ({reason}): {hint}; {outcome}", str(target))
+
+
+class _Work:
+    """One save's private folder: created, sealed and removed under deferred signals, each step
+    idempotent and recorded as it is made, so an exception at any point leaves nothing behind
+    once :meth:`remove` has run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data = path / _DATA_NAME
+        self.made = False
+        self.lock: int | None = None  # the locked lock file's descriptor
+
+    def create(self) -> None:
+        os.mkdir(self.path, 0o700)
+        self.made = True
+        self.lock = os.open(self.path / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600)
+        # Nobody else can hold it (a cleaner locks only a file that holds the mark); where the
+        # file system has no locks the save goes on unlocked, and no cleaner removes its folder.
+        if _try_lock(self.lock) is False:
+            raise InvalidOperationError(f"another process locked {str(self.path)!r} first; save again.")
+        os.write(self.lock, _LOCK_MAGIC)  # from now on a cleaner that can take the lock knows this save died
+
+    def seal(self, mode: int | None) -> None:
+        """Flush the checkpoint to disk and give it ``mode``, through its open descriptor."""
+        fd = os.open(self.data, os.O_RDWR | _NO_FOLLOW)
+        try:
+            os.fsync(fd)
+            if mode is not None:
+                if hasattr(os, "fchmod"):
+                    os.fchmod(fd, mode)
+                else:  # Windows before Python 3.13: the path is inside the private folder
+                    os.chmod(self.data, mode)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        """Close and remove what :meth:`create` made (idempotent; file-system errors are ignored:
+        what cannot be removed now is a dead save's folder for the next save)."""
+        if not self.made:
+            return
+        with contextlib.suppress(OSError):
+            self.data.unlink(missing_ok=True)
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                (self.path / _LOCK_NAME).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.close(self.lock)
+            self.lock = None
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path)
+        self.made = False
+
+
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take an exclusive OS lock on the open file ``fd`` without waiting: ``True`` if taken,
+    ``False`` if another process holds it, ``None`` if the file system offers no locks."""
+    try:
+        if sys.platform == "win32":
+            import msvcrt
+
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.EDEADLK) else None
+    return True
+
+
+def _remove_abandoned(folder: Path, name: str) -> None:
+    """Remove the private folders that saves of ``name`` left when they died: those named as a save
+    names them whose lock file holds the save's mark and whose lock this process can take."""
+    prefix = f".{name}."
+    try:
+        entries = [entry.name for entry in os.scandir(folder)]
     except OSError:
         return
     for entry in entries:
-        pid, _, rest = entry[len(prefix) :].partition("-")
-        if pid.isdigit() and int(pid) != os.getpid() and rest.endswith(".tmp") and not _running(int(pid)):
-            with contextlib.suppress(OSError):
-                (folder / entry).unlink()
+        token = entry[len(prefix) : -len(_WORK_SUFFIX)] if entry.startswith(prefix) else ""
+        if entry.endswith(_WORK_SUFFIX) and len(token) == 2 * _WORK_TOKEN_BYTES and _is_hex(token):
+            with deferred():
+                _remove_if_abandoned(folder / entry)
 
 
-def _running(pid: int) -> bool:
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
+def _remove_if_abandoned(work: Path) -> None:
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, owned by another user
-        return True
-    return True
+        fd = os.open(work / _LOCK_NAME, os.O_RDWR | _NO_FOLLOW)
+    except OSError:  # no lock file (not ours, or another save removing it), or a link
+        return
+    try:
+        if os.read(fd, len(_LOCK_MAGIC) + 1) != _LOCK_MAGIC or _try_lock(fd) is not True:
+            return  # not made by a save, its save is alive, or no lock can tell
+        with contextlib.suppress(OSError):
+            (work / _DATA_NAME).unlink(missing_ok=True)
+            (work / _LOCK_NAME).unlink()
+            os.rmdir(work)  # only if empty: a file someone else put there stays
+    finally:
+        os.close(fd)
 
 
 def _check_loads(temporary: Path, target: Path) -> None:
@@ -460,7 +645,7 @@ def _check_loads(temporary: Path, target: Path) -> None:
     data only), before it replaces a good checkpoint. Tensors are memory-mapped, not read."""
     try:
         torch.load(temporary, weights_only=True, mmap=True, map_location="cpu")
-    except Exception as exc:
+    except pickle.UnpicklingError as exc:  # weights_only's refusal; anything else passes through as itself
         # torch's weights_only refusal names the object on a later line than its first.
         reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), error_gist(exc))
         raise InvalidArgumentError(
@@ -488,23 +673,40 @@ def _file_path(path: object) -> Path:
     )
 
 
+# The errnos of a read that the file system refused, as opposed to a file whose content is cut off.
+_READ_FAILURES = {errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ESTALE}
+
+
+def _unreadable(path: object, exc: BaseException) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"could not read the RNG state at {str(path)!r} ({error_gist(exc)}); "
+        "the file is truncated or not written by save_rng_state."
+    )
+
+
 def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a state written by :func:`save_rng_state`, with ``weights_only=True``.
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
-        InvalidArgumentError: the file is missing, truncated, or not a torch file of plain data.
+        InvalidArgumentError: the file is truncated, or not a torch file of plain data.
+        StorageError: the file system refused the read: no such file (also a
+            ``FileNotFoundError``), no permission (also a ``PermissionError``), a time-out or
+            an I/O error; an ``OSError``.
     """
     target = _file_path(path)
     try:
+        with open(target, "rb"):  # the file system's own refusals (no such file, no permission), before torch reads
+            pass
         loaded = torch.load(target, weights_only=True)
-    except FileNotFoundError as exc:
-        raise InvalidArgumentError(f"no RNG state at {str(path)!r}.") from exc
+    except OSError as exc:
+        if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
+            raise _unreadable(path, exc) from exc
+        code = exc.errno if exc.errno is not None else errno.EIO
+        reason = exc.strerror or str(exc) or os.strerror(code)
+        raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
     except Exception as exc:
-        raise InvalidArgumentError(
-            f"could not read the RNG state at {str(path)!r} ({type(exc).__name__}: {exc}); "
-            "the file is truncated or not written by save_rng_state."
-        ) from exc
+        raise _unreadable(path, exc) from exc
     if not isinstance(loaded, dict):
         raise InvalidArgumentError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
     return loaded

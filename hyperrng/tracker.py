@@ -33,10 +33,28 @@ generator, which the whole process shares. A fork of *any* tracker, a sharded re
 :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
 :meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
 for a moment. A tracker's open forks form one chain, so they stay on one thread even across
-devices. A fork whose thread ended without leaving it is *abandoned*: every use of the
-tracker then raises :class:`InvalidOperationError` until ``reset()``, ``reseed()`` (or a
-seeding recipe) or ``set_states()`` replaces every stream; the device generator stays as
-that thread left it.
+devices.
+
+**One order per thread (asyncio).** On one thread, forks of any tracker, sharded regions and
+``fork_rng`` must be left in the reverse order of entry. asyncio tasks (or generators) that
+``await`` inside forks interleave them: the first exit out of order raises
+:class:`InvalidOperationError` and changes nothing, the fork stays open, and it leaves when
+exited again once the contexts entered after it have left. Keep ``await`` out of forks, or
+give each task a thread and a tracker of its own.
+
+**Recovery.** Some forks can no longer be left by their own exits: one whose exit was
+refused as out of order and never retried, one whose thread ended without leaving it
+(*abandoned*), and one that a child process made by ``fork`` inherited from the parent's
+thread (the child starts with no holds: :mod:`hyperrng._exclusive` clears them at the
+fork). Other uses of such a tracker are refused with :class:`InvalidOperationError`.
+:meth:`RNGStatesTracker.reset`, :meth:`RNGStatesTracker.reseed` and
+:meth:`RNGStatesTracker.set_states` (and so ``apply_layout``, the seeding recipes and
+``load_rng_state_dict``) clear them on the calling thread: an abandoned chain is dropped,
+with the device generator left as its thread left it; the others are left as their exits
+would leave them (the generator gets back the state it had before the outermost fork),
+and their exits then do nothing. A fork still open, and still exitable, on the calling
+thread is not cleared: ``reset()`` and ``reseed()`` refuse inside it, since its exit would
+restore a stream that is gone.
 
 The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
 use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
@@ -52,6 +70,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
+from hyperrng._exclusive import HOLDS as _HOLDS
+from hyperrng._interrupts import deferred
 from hyperrng._swap import Swap, choose_swap
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, UnknownStreamError
 from hyperrng.platforms import Platform
@@ -111,13 +131,14 @@ class _Fork:
 
     # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
     # outside any fork), thread (its Thread object), held (the device's key, the hold depth before this fork).
-    __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "saved", "thread", "write")
+    __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "refused", "saved", "thread", "write")
     thread: Thread
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self.name = name
         self.entered = False
+        self.refused = False  # its exit was refused (out of order): the chain is left open until replaced
 
     def __enter__(self) -> None:
         tracker = self._tracker
@@ -185,12 +206,13 @@ class _Fork:
         try:
             if exc_type is not None and self.entered:  # an interrupt may have skipped exits of contexts inside it
                 _exclusive.leave_inner(self, self.held[0])
-            if tracker._active is not self:
-                raise InvalidOperationError(
-                    f"fork of stream {self.name!r} exited while another fork is innermost; exit forks in reverse "
-                    "order.",
-                    reason="tracker",
-                )
+            # Innermost of its tracker, and of the contexts holding its device on this thread (a fork of
+            # another tracker, a region, fork_rng): else contexts were interleaved (asyncio tasks, generators).
+            top = _HOLDS.get(self.held[0])
+            if tracker._active is not self or (top is not None and top[2] is not self and top[2] is not None):
+                if not self.entered:  # reset(), reseed() or set_states() left this fork already
+                    return
+                raise self._out_of_order(top)
             copies = not tracker._swap.in_place  # type: ignore[union-attr]
             if copies:
                 advanced = self.read()
@@ -202,6 +224,26 @@ class _Fork:
                 advanced = self.read()
             self._leave(advanced)
             raise
+
+    def describe(self) -> str:
+        """What this context is, for the messages of the thread policy."""
+        return f"fork of stream {self.name!r}"
+
+    def _out_of_order(self, top: Any) -> InvalidOperationError:
+        """Refuse this exit (nothing changes) and mark the chain, so that replacing the streams can
+        clear it if the exit is never retried (see *Recovery*)."""
+        self.refused = True
+        if self._tracker._active is not self:
+            inner = f"fork of stream {self._tracker.active_stream!r} of the same tracker"
+        else:
+            inner = _exclusive.describe(top[2])
+        return InvalidOperationError(
+            f"fork of stream {self.name!r} exited while a {inner}, entered after it on this thread, is still "
+            "open: exit contexts in reverse order (asyncio tasks or generators that interleave forks need a "
+            "tracker, and a thread, each). Nothing changed: the fork stays open; exit it again once the later "
+            "context has left, or reset(), reseed() or set_states() the tracker to clear it.",
+            reason="tracker",
+        )
 
     def _unwind(self) -> None:
         """Leave as ``__exit__`` would, for the exit of an outer context (see :mod:`hyperrng._exclusive`)."""
@@ -297,15 +339,27 @@ class RNGStatesTracker:
     def reset(self) -> None:
         """Forget every stream and seed and unbind from the platform.
 
+        Forks of this tracker that can no longer be left by their own exits are cleared first
+        (see *Recovery* in the module docstring): those a thread that has ended left open are
+        dropped; those this thread left open because an exit was refused as out of order, and
+        those a child process inherited from ``fork``, are left as their exits would leave
+        them (the generator gets back the state it had before the outermost), and their exits
+        then do nothing.
+
         Raises:
-            InvalidOperationError: a fork is active (its exit would restore a stream that is gone).
+            InvalidOperationError: a fork of the tracker is open, on this thread (leave it
+                first: its exit would restore a stream that is gone) or on another live thread;
+                or a context entered inside a fork being cleared (a region, ``fork_rng``, a fork
+                of another tracker) is still open. Nothing changed.
         """
         self._idle("reset the tracker", replacing=True)
-        self._forget_abandoned()
-        self._states = {}
-        self._seeds = {}
-        self._swap = None
-        self._initialized = False
+        self._check_forks_leavable("reset the tracker")
+        with deferred():  # every step or none, under Ctrl-C too
+            self._leave_forks()
+            self._states = {}
+            self._seeds = {}
+            self._swap = None
+            self._initialized = False
 
     def add(self, name: str, seed: int) -> None:
         """Create stream ``name`` seeded with ``seed`` (offset 0) on the current platform.
@@ -350,10 +404,12 @@ class RNGStatesTracker:
         its old streams. The device generator is left as it was. The seeding recipes and
         :func:`hyperrng.layout.apply_layout` use it.
 
+        Forks that their own exits can no longer leave are cleared first, as by :meth:`reset`.
+
         Raises:
             ArgumentTypeError, InvalidArgumentError: as for :meth:`add`.
-            InvalidOperationError: a fork is active, or graph-safe mode was required and the
-                current platform lacks it;
+            InvalidOperationError: a fork is open (see :meth:`reset`), or graph-safe mode was
+                required and the current platform lacks it;
                 or as for :meth:`add`; the old streams are kept.
         """
         self._idle("reseed the tracker", replacing=True)
@@ -370,12 +426,14 @@ class RNGStatesTracker:
                 )
             owners[value] = name
         swap = self._target(rebind=True)
+        self._check_forks_leavable("reseed the tracker")
         states = {name: swap.new_state(seed) for seed, name in owners.items()}
-        self._forget_abandoned()
-        self._swap = swap
-        self._states = states
-        self._seeds = owners
-        self._initialized = True
+        with deferred():
+            self._leave_forks()
+            self._swap = swap
+            self._states = states
+            self._seeds = owners
+            self._initialized = True
 
     def fork(self, name: str = MODEL_PARALLEL_STREAM) -> _Fork:
         """Return a context manager that runs its block on stream ``name``.
@@ -429,10 +487,12 @@ class RNGStatesTracker:
     def set_states(self, states: Mapping[str, Any]) -> None:
         """Restore a snapshot from :meth:`get_states` (either form: tensors or generator objects).
 
-        Every entry is validated before any is applied. A tracker that holds streams
-        requires exactly its own names; an empty tracker adopts the names given (restoring
-        a checkpoint into a fresh process). Inside a fork, the active stream continues from
-        its restored state.
+        Every entry is validated before any is applied, and the snapshot is applied whole
+        or not at all (an interrupt while it is applied puts the previous streams back). A
+        tracker that holds streams requires exactly its own names; an empty tracker adopts
+        the names given (restoring a checkpoint into a fresh process). Inside a fork on this
+        thread, the active stream continues from its restored state; forks that their own
+        exits can no longer leave are cleared first, as by :meth:`reset`.
 
         Raises:
             ArgumentTypeError: ``states`` is not a mapping, or a key is not a string.
@@ -441,7 +501,7 @@ class RNGStatesTracker:
                 or a key is empty.
             UnknownStreamError: ``states`` names a stream the tracker does not hold.
             InvalidOperationError: the streams belong to another platform, or a fork is open
-                on another thread.
+                on another live thread.
         """
         if not isinstance(states, Mapping):
             raise ArgumentTypeError(
@@ -470,13 +530,31 @@ class RNGStatesTracker:
                 new[name] = swap.coerce(name, states[name])
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"state of stream {name!r}: {exc}") from None
-        self._forget_abandoned()
-        self._swap = swap
-        self._states = new
-        self._initialized = True
+        if self._active is not None and self._stuck():
+            self._check_forks_leavable("set the states")
+            with deferred():
+                self._leave_forks()
+                self._replace_states(swap, new)
+            return
+        self._replace_states(swap, new)
+
+    def _replace_states(self, swap: Swap, new: dict[str, Any]) -> None:
+        """The apply step of :meth:`set_states`: all of it, or (on any exception, an interrupt
+        included) none. Not under deferred signals: recompute calls it on every backward."""
+        before = self._swap, self._states, self._initialized
         active = self._active
-        if active is not None:  # the generator holds the old state of the active stream
-            active.write(new[active.name])
+        live = active.read() if active is not None else None  # the generator holds the active stream
+        try:
+            self._swap = swap
+            self._states = new
+            self._initialized = True
+            if active is not None:
+                active.write(new[active.name])
+        except BaseException:
+            self._swap, self._states, self._initialized = before
+            if active is not None:
+                _exclusive.redo(active.write, live)
+            raise
 
     def graph_safe_states(self) -> dict[str, Any]:
         """The live generator-state objects of every stream (graph-safe mode only).
@@ -570,21 +648,87 @@ class RNGStatesTracker:
 
     def _idle(self, what: str, *, replacing: bool = False, here_ok: bool = False) -> None:
         """Refuse ``what`` inside a fork (``here_ok``: only inside one open on another thread); refuse an
-        abandoned fork too, unless ``what`` replaces every stream."""
+        abandoned fork too. ``replacing`` (``what`` replaces every stream) lets stuck forks through
+        (:meth:`_stuck`): the caller clears them (:meth:`_leave_forks`)."""
         active = self._active
-        if active is None or (here_ok and active.thread is current_thread()) or (replacing and self._abandoned()):
+        if active is None or (replacing and self._stuck()):
+            return
+        mine = active.thread is current_thread()
+        if mine and here_ok:
             return
         self._check_not_abandoned(what)
+        if mine and self._stuck():
+            raise self._stuck_error(what)
         raise InvalidOperationError(
-            f"cannot {what} while another thread has a fork of stream {active.name!r} open."
-            if here_ok
-            else f"cannot {what} inside a fork of stream {active.name!r}; do it outside the fork.",
+            f"cannot {what} inside a fork of stream {active.name!r}; do it outside the fork."
+            if mine
+            else f"cannot {what} while another thread has a fork of stream {active.name!r} open.",
             reason="tracker",
         )
 
     def _abandoned(self) -> bool:
         """Whether the open fork's thread ended without leaving it (see the module docstring)."""
-        return self._active is not None and not self._active.thread.is_alive()
+        return self._active is not None and not _exclusive.alive(self._active.thread)
+
+    def _stuck(self) -> bool:
+        """Whether the open forks can no longer be left by their own exits (see *Recovery*): their
+        thread ended, an exit in the chain was refused as out of order, or this process is a child
+        made by ``fork`` inside them (it started without their holds)."""
+        if self._abandoned():
+            return True
+        fork = self._active
+        if fork is None or fork.thread is not current_thread():
+            return False
+        entry = _HOLDS.get(fork.held[0])
+        if entry is None or entry[0] is not fork.thread:  # inherited: the child's holds were cleared
+            return True
+        while fork is not None:
+            if fork.refused:
+                return True
+            fork = fork.outer
+        return False
+
+    def _stuck_error(self, what: str) -> InvalidOperationError:
+        return InvalidOperationError(
+            f"cannot {what}: the fork of stream {self.active_stream!r} is still open on this thread but its own exit "
+            "can no longer leave it (an exit was refused as out of order, or this process was made by fork inside "
+            "it); reset(), reseed() or set_states() clears it.",
+            reason="tracker",
+        )
+
+    def _check_forks_leavable(self, what: str) -> None:
+        """Refuse, before anything changes, to leave this thread's open forks while a context
+        entered inside them still holds their device: leaving them would release its hold too."""
+        chain = []
+        fork = self._active
+        while fork is not None:
+            chain.append(fork)
+            fork = fork.outer
+        if not chain or self._abandoned() or not self._stuck():
+            return
+        for key in {f.held[0] for f in chain}:
+            bottom = min(f.held[1] for f in chain if f.held[0] == key)
+            other = _exclusive.held_above(key, bottom, chain)
+            if other is not None:
+                raise InvalidOperationError(
+                    f"cannot {what}: a {_exclusive.describe(other[2])} entered inside the tracker's open fork of "
+                    f"stream {chain[-1].name!r} is still open on this thread; leave it first.",
+                    reason="tracker",
+                )
+
+    def _leave_forks(self) -> None:
+        """Clear a stuck chain of forks (:meth:`_stuck`; nothing otherwise): on this thread, leave
+        them as their exits would, innermost first (their own exits then do nothing); a chain whose
+        thread has ended is dropped, the generator left as that thread left it. Call
+        :meth:`_check_forks_leavable` first."""
+        if self._active is None or not self._stuck():
+            return
+        if self._abandoned():
+            self._active = None
+            self._claim.clear()
+            return
+        while self._active is not None:
+            self._active._unwind()
 
     def _check_not_abandoned(self, what: str) -> None:
         if self._abandoned():
@@ -594,12 +738,6 @@ class RNGStatesTracker:
                 "reset() and reseed it, or set_states() a snapshot taken before.",
                 reason="tracker",
             )
-
-    def _forget_abandoned(self) -> None:
-        """Drop an abandoned chain of forks: the apply step of the calls that replace every stream."""
-        if self._abandoned():
-            self._active = None
-            self._claim.clear()
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"

@@ -138,15 +138,15 @@ def verify_rng_sync(
             f"verify_rng_sync cannot run inside a fork of stream {tracker.active_stream!r}; call it outside any fork.",
             reason="tracker",
         )
+    point = mesh_coordinates(coords)  # a wrong type is a TypeError whether or not a group exists
+    missing_dims = [d for d in layout.dims if d not in point]
+    if missing_dims:
+        raise InvalidArgumentError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
     if not (dist.is_available() and dist.is_initialized()):
         raise InvalidOperationError(
             "verify_rng_sync needs a process group; call torch.distributed.init_process_group first.",
             reason="distributed",
         )
-    point = mesh_coordinates(coords)
-    missing_dims = [d for d in layout.dims if d not in point]
-    if missing_dims:
-        raise InvalidArgumentError(f"coords lack the layout's dimension(s) {missing_dims}; give a coordinate for each.")
     deadline = None if seconds is None else time.monotonic() + seconds
     # The layouts must agree before the vectors are gathered: their length depends on it.
     digests = [int(t) for t in _gather(torch.tensor([_layout_digest(layout)]), group, deadline, seconds)]

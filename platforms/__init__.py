@@ -4,6 +4,22 @@ Importing this package has no side effects: it resolves nothing and touches no d
 so a plug-in can ``from hyperrng.platforms import Platform`` without an import cycle. The
 platform in use is resolved once by ``import hyperrng`` (or lazily by :func:`current`).
 
+**Trust: what runs code at import.** Resolving the platform runs code that the environment
+names, in two ways only (``import torch`` alone runs neither):
+
+* ``HYPERRNG_PLATFORM=package.module:Factory`` imports ``package.module`` and calls
+  ``Factory`` (and its ``probe()``), whoever set the variable;
+* while ``HYPERRNG_PLATFORM`` is unset, every entry point of the group
+  ``hyperrng.platforms`` declared by a distribution on ``sys.path`` is loaded (its module
+  imported) and its factory and ``probe()`` called: installed packages, and a
+  ``*.dist-info`` folder in the current directory when Python puts that directory on
+  ``sys.path`` (``python -c``, ``python -m``, an interactive session).
+
+A plain ``HYPERRNG_PLATFORM`` name loads only the plug-in registered under that name, and a
+built-in name (``cpu``, ``cuda``, ``npu``, ``sim``) loads none: set one to rule plug-ins out
+where the directory or the environment is not yours. Nothing else runs foreign code: RNG
+checkpoints are read with ``weights_only=True`` (plain data, no code).
+
 **Writing a plug-in.** What a plug-in author needs to know beyond the README's example:
 
 * **The interface** is the table in :class:`Platform`'s docstring (``help(Platform)``):

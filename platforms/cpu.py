@@ -61,6 +61,8 @@ __all__ = [
     "CPU_STATE_NBYTES",
     "MT19937_STATE_NBYTES",
     "POSITIONS_KEPT",
+    "check_mt19937_state",
+    "mt19937_degenerate",
     "position_handle",
     "seed_generator",
     "seeds_all_64_bits",
@@ -262,9 +264,15 @@ def seed_generator(gen: torch.Generator, seed: int) -> None:
     """Seed a CPU generator with all 64 bits of ``seed``: exactly ``gen.manual_seed(seed)`` below 2**32.
 
     Raises:
-        InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1]. Nothing changes on error.
+        ArgumentTypeError: ``gen`` is not a ``torch.Generator``, or ``seed`` not an int.
+        InvalidArgumentError: ``seed`` is outside [0, 2**64 - 1], or ``gen`` is not a CPU
+            generator. Nothing changes on error.
     """
-    _seat(gen, check_seed(seed))
+    value = check_seed(seed)
+    check_instance(gen, torch.Generator, "gen")
+    if gen.device.type != "cpu":
+        raise InvalidArgumentError(f"seed_generator seeds CPU generators, got one on {gen.device}.")
+    _seat(gen, value)
 
 
 # -- the platform ------------------------------------------------------------------------------
@@ -325,10 +333,11 @@ class CPUPlatform(Platform):
         _place(_default, seed, offset, draw)
 
     def check_rng_state(self, state: torch.Tensor) -> torch.Tensor:
-        """Check the length, the MT19937 bytes (on a scratch generator) and that the position belongs
-        to them (its handle, in either domain, is their initial seed); change nothing."""
+        """Check the length, the MT19937 bytes (on a scratch generator; the degenerate all-zero
+        state refused) and that the position belongs to them (its handle, in either domain, is their
+        initial seed); change nothing."""
         checked = check_state(state, self._state_nbytes, self.name)
-        initial_seed = _initial_seed_of(checked, self.name)
+        initial_seed = check_mt19937_state(checked[:MT19937_STATE_NBYTES], self.name)
         seed, offset = _POSITION.unpack_from(np.from_dlpack(checked).tobytes(), MT19937_STATE_NBYTES)
         check_state_offset(offset, f"RNG state for platform {self.name!r} has a cursor offset of")
         if initial_seed not in (position_handle(seed, offset), position_handle(seed, offset, True)):
@@ -363,6 +372,45 @@ class CPUPlatform(Platform):
 
     def _write_state(self, state: torch.Tensor, index: int) -> None:
         _write(_unpack(state))
+
+
+_TOP_BIT = 1 << 31
+
+
+def mt19937_degenerate(words: Any) -> bool:
+    """Whether 624 MT19937 words (a sequence or array of ints) are the degenerate state: the top bit
+    of the first word and all other words zero. No seeding reaches it, and it draws 0 forever;
+    torch, CPython and NumPy all accept it."""
+    return not int(words[0]) & _TOP_BIT and not any(int(w) for w in words[1:])
+
+
+def _refuse_degenerate(mt: torch.Tensor, platform: str) -> None:
+    """Refuse MT19937 bytes (a state torch's generator took) that hold the degenerate words."""
+    if seeds_all_64_bits():  # torch's layout is known: read the words
+        words = np.from_dlpack(mt.contiguous())[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
+        degenerate = not int(words[0]) & _TOP_BIT and not words[1:].any()
+    else:  # a layout this module does not know: such a state draws only zeros
+        scratch = torch.Generator()
+        scratch.set_state(mt)
+        degenerate = not bool(torch.randint(0, 2**31, (8,), generator=scratch).any())
+    if degenerate:
+        raise InvalidArgumentError(
+            f"RNG state for platform {platform!r} holds the all-zero MT19937 state, which draws 0 forever and no "
+            "seeding reaches; pass a state returned by get_rng_state(), unmodified."
+        )
+
+
+def check_mt19937_state(state: torch.Tensor, platform: str = "cpu") -> int:
+    """The initial seed of torch MT19937 bytes (:data:`MT19937_STATE_NBYTES` of them, already checked to
+    be a CPU uint8 tensor) if torch's CPU generator takes them and they are not the degenerate
+    all-zero state; change nothing.
+
+    Raises:
+        InvalidArgumentError: torch refuses the bytes, or they hold the degenerate state.
+    """
+    seed = _initial_seed_of(state, platform)
+    _refuse_degenerate(state, platform)
+    return seed
 
 
 def _initial_seed_of(state: torch.Tensor, platform: str) -> int:

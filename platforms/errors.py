@@ -1,42 +1,50 @@
 """The errors of hyperrng and its platform layer: a handful of classes, one per kind of answer.
 
-Every class derives from :class:`HyperRNGError` and from exactly one builtin, the one a
-caller who does not know hyperrng would catch:
+Every class derives from :class:`HyperRNGError` and from the builtin a caller who does not
+know hyperrng would catch. The rule a Python programmer expects holds everywhere: a wrong
+*type* is a ``TypeError``, a wrong *value* a ``ValueError``, an unknown *name* a
+``KeyError``, a refused file-system operation an ``OSError``.
 
 - :class:`InvalidArgumentError` (``ValueError``): a value of the right type that is wrong:
   a seed, offset, RNG state, device index, stream name or stream already held, layout, mesh
-  or sharding, shape, distribution parameter, checkpoint contents, platform name, option.
+  or sharding, shape, distribution parameter, checkpoint contents, malformed platform name,
+  option.
 - :class:`ArgumentTypeError` (``TypeError``): an argument of the wrong type, or a dtype the
   operation cannot produce or consume.
 - :class:`UnknownStreamError` (``KeyError``): a stream name the tracker does not hold.
 - :class:`PlatformError` (``RuntimeError``): no platform can be selected or loaded
   (``reason``: ``"unknown"``, ``"unavailable"``, ``"ambiguous"``, ``"invalid"``).
+  Its subclass :class:`UnknownPlatformError` (also a ``KeyError``) is the ``"unknown"`` case:
+  a name nobody registered, a ``module:Factory`` whose module or attribute does not exist.
 - :class:`InvalidOperationError` (``RuntimeError``): a valid call that cannot run in the
   current state (``reason``: ``"busy"``, ``"tracker"``, ``"distributed"``, ``"mesh"``).
 - :class:`RNGDesyncError` (``RuntimeError``): ranks disagree on a stream they must share,
   or agree on one they must not.
 - :class:`RankFailure` (``RuntimeError``): a rank process of a local job raised or died.
+- :class:`StorageError` (``OSError``): the file system refused to write or read a
+  checkpoint (a full disk, a quota, no permission, an I/O error); ``errno`` and
+  ``filename`` are set as on any ``OSError``.
 - :class:`UnsupportedPortableOpError` (``NotImplementedError``): a random op that portable
   mode cannot draw.
 
 Why these and no more: a class exists where a caller would *handle* the case differently.
 A bad value and a bad type are programming errors the message explains; the message, not a
 subclass, says which argument and what to do. A missing platform, an operation refused in
-the current state, a desync found by a check, a failed rank and an op without a portable
-form each call for a different response (choose another platform, retry or restructure,
-stop the run, read the rank's traceback, leave portable mode). Where a program may act on
-a finer distinction, a ``reason`` attribute carries it: ``InvalidOperationError.reason ==
-"busy"`` is the one case a second thread may simply retry, and ``PlatformError.reason``
-tells a launcher whether falling back to another platform makes sense.
+the current state, a desync found by a check, a failed rank, a file system that refuses a
+checkpoint and an op without a portable form each call for a different response (choose
+another platform, retry or restructure, stop the run, read the rank's traceback, free space
+or save elsewhere, leave portable mode). Where a program may act on a finer distinction, a
+``reason`` attribute carries it: ``InvalidOperationError.reason == "busy"`` is the one case a
+second thread may simply retry, and ``PlatformError.reason`` tells a launcher whether falling
+back to another platform makes sense.
 
-Three choices a reader may wonder about. An unknown platform name is a :class:`PlatformError`,
-not a ``KeyError``: the name usually comes from ``HYPERRNG_PLATFORM``, not from a lookup the
-caller wrote, and every place that must survive an unusable platform (``import hyperrng``,
-the command line) catches that one class. A device index out of range is an
-:class:`InvalidArgumentError` (a ``ValueError``), not an ``IndexError``: it is an argument
-with a wrong value, like a negative seed, not a subscript. A rank outside the mesh it
-is asked to seed is an :class:`InvalidOperationError`, a ``RuntimeError`` as PyTorch's DTensor
-raises there, and no longer also a ``ValueError``: one builtin per class.
+Each class has one builtin, except :class:`UnknownPlatformError`, which has two on purpose:
+every place that must survive an unusable platform (``import hyperrng``, the command line)
+catches :class:`PlatformError`, and a caller looking a name up catches ``KeyError``; both
+work. A device index out of range is an :class:`InvalidArgumentError` (a ``ValueError``),
+not an ``IndexError``: it is an argument with a wrong value, like a negative seed, not a
+subscript. A rank outside the mesh it is asked to seed is an :class:`InvalidOperationError`,
+a ``RuntimeError`` as PyTorch's DTensor raises there.
 
 The classes live here, in the lowest layer, because both packages raise them and
 ``hyperrng.platforms`` imports nothing from ``hyperrng``. This module's ``__all__`` is the
@@ -52,9 +60,11 @@ __all__ = [
     "ArgumentTypeError",
     "UnknownStreamError",
     "PlatformError",
+    "UnknownPlatformError",
     "InvalidOperationError",
     "RNGDesyncError",
     "RankFailure",
+    "StorageError",
     "UnsupportedPortableOpError",
 ]
 
@@ -94,8 +104,9 @@ class PlatformError(HyperRNGError, RuntimeError):
     """No platform could be selected or loaded.
 
     Attributes:
-        reason: ``"unknown"`` (a name nobody registered, or a ``module:Factory`` that does
-            not import), ``"unavailable"`` (a known platform whose probe says it cannot run
+        reason: ``"unknown"`` (a name nobody registered, or a ``module:Factory`` whose module
+            or attribute does not exist: raised as :class:`UnknownPlatformError`, also a
+            ``KeyError``), ``"unavailable"`` (a known platform whose probe says it cannot run
             here), ``"ambiguous"`` (two or more plug-ins claim this machine; choose one with
             ``HYPERRNG_PLATFORM``), ``"invalid"`` (a factory or plug-in that does not produce
             a complete :class:`~hyperrng.platforms.Platform`), or ``""`` for other cases.
@@ -104,6 +115,17 @@ class PlatformError(HyperRNGError, RuntimeError):
     def __init__(self, *args: object, reason: str = "") -> None:
         super().__init__(*args)
         self.reason = reason
+
+
+class UnknownPlatformError(PlatformError, KeyError):
+    """A platform name nobody registered, or a ``module:Factory`` whose module or attribute does
+    not exist: a :class:`PlatformError` with ``reason == "unknown"`` that is also a ``KeyError``."""
+
+    def __init__(self, *args: object, reason: str = "unknown") -> None:
+        super().__init__(*args, reason=reason)
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message quoted
+        return str(self.args[0]) if self.args else ""
 
 
 class InvalidOperationError(HyperRNGError, RuntimeError):
@@ -146,6 +168,41 @@ class RankFailure(HyperRNGError, RuntimeError):
         super().__init__(f"{summary}\n{details}" if details else summary)
         self.summary = summary
         self.details = details
+
+
+class StorageError(HyperRNGError, OSError):
+    """The file system refused to write or read a checkpoint: a full disk or quota, no
+    permission, a missing file, an I/O error. The checkpoint file it names is as it was
+    before the call.
+
+    Construct and read it as any ``OSError``: ``StorageError(errno, message, filename)``;
+    ``errno`` (``errno.ENOSPC``, ``errno.EACCES``, ...) says which. As ``OSError`` itself does,
+    an errno with a builtin subclass gives an instance that is also of that subclass: a
+    ``StorageError`` for ``EACCES`` is a ``PermissionError``, one for ``ENOENT`` a
+    ``FileNotFoundError``, so ``except PermissionError`` catches it as it would the builtin's.
+    """
+
+    def __new__(cls, *args: object) -> StorageError:
+        if cls is StorageError and len(args) >= 2 and isinstance(args[0], int):
+            cls = _storage_error_for(type(OSError(args[0], "")))
+        return super().__new__(cls, *args)  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> tuple[object, ...]:  # rebuilt through __new__: the errno picks the class again
+        args = (self.errno, self.strerror) if self.filename is None else (self.errno, self.strerror, self.filename)
+        return StorageError, args if self.errno is not None else self.args
+
+
+_STORAGE_ERRORS: dict[type, type] = {}
+
+
+def _storage_error_for(builtin: type) -> type:
+    """The subclass of :class:`StorageError` that is also ``builtin`` (an ``OSError`` subclass), made once."""
+    if builtin is OSError:
+        return StorageError
+    made = _STORAGE_ERRORS.get(builtin)
+    if made is None:
+        made = _STORAGE_ERRORS[builtin] = type("StorageError", (StorageError, builtin), {"__module__": __name__})
+    return made
 
 
 class UnsupportedPortableOpError(HyperRNGError, NotImplementedError):

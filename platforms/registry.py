@@ -34,7 +34,7 @@ import torch
 from hyperrng.platforms.base import Platform
 from hyperrng.platforms.cpu import CPUPlatform
 from hyperrng.platforms.device_module import CUDAPlatform, DeviceModulePlatform, NPUPlatform
-from hyperrng.platforms.errors import InvalidArgumentError, PlatformError
+from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError, PlatformError, UnknownPlatformError
 from hyperrng.platforms.simulated import SimulatedPlatform
 
 __all__ = [
@@ -143,16 +143,23 @@ def register(name: str, factory: PlatformFactory, *, replace: bool = False) -> N
     it is first called (by :func:`load`, :func:`select`). Nothing is registered on error.
 
     Raises:
+        ArgumentTypeError: ``name`` is not a string, ``factory`` is not callable, or ``replace``
+            is not a bool.
         InvalidArgumentError: ``name`` is empty or contains ``:``, or is taken and ``replace`` is false.
-        PlatformError: ``factory`` is not callable, or is a :class:`Platform`
-            subclass that does not implement a required method (the message names them).
+        PlatformError: ``factory`` is a :class:`Platform` subclass that does not implement a
+            required method (the message names them).
     """
-    if not isinstance(name, str) or not name or ":" in name:
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"platform name must be a string such as 'myaccel', got {type(name).__name__}.")
+    if not name or ":" in name:
         raise InvalidArgumentError(f"platform name must be a non-empty string without ':', got {name!r}.")
     if not callable(factory):
-        raise PlatformError(
-            f"factory for platform {name!r} must be callable, got {type(factory).__name__}.", reason="invalid"
+        raise ArgumentTypeError(
+            f"factory for platform {name!r} must be callable (a Platform subclass or a function returning a "
+            f"Platform), got {type(factory).__name__}."
         )
+    if not isinstance(replace, bool):
+        raise ArgumentTypeError(f"replace must be True or False, got {type(replace).__name__}.")
     if isinstance(factory, type) and issubclass(factory, Platform):
         _require_methods(factory, f"cannot register platform {name!r}: its class")
     if name in _FACTORIES and not replace:
@@ -189,25 +196,27 @@ def _build(factory: Callable[[], object], label: str) -> Platform:
 def _import_factory(spec: str) -> Callable[[], object]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise PlatformError(
-            f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.", reason="unknown"
-        )
-    was_imported = module_name in sys.modules
+        raise UnknownPlatformError(f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UnknownPlatformError(
+                f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)}); install the "
+                "package that provides it, or check the spelling."
+            ) from exc
+        raise _broken_module(spec, module_name, exc) from exc
     except Exception as exc:
-        raise PlatformError(
-            f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)}).", reason="unknown"
-        ) from exc
+        raise _broken_module(spec, module_name, exc) from exc
     try:
         obj: object = module
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError as exc:
-        if was_imported:
+        if _initializing(module_name):
             raise _StillImporting(module_name) from exc
-        raise PlatformError(
-            f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}.", reason="unknown"
+        raise UnknownPlatformError(
+            f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}; name the factory it defines."
         ) from exc
     if not callable(obj):
         raise PlatformError(
@@ -216,9 +225,31 @@ def _import_factory(spec: str) -> Callable[[], object]:
     return obj  # type: ignore[return-value]
 
 
+def _broken_module(spec: str, module_name: str, exc: BaseException) -> PlatformError:
+    return PlatformError(
+        f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)}); fix its installation "
+        "or choose another platform.",
+        reason="unavailable",
+    )
+
+
+def _initializing(module_name: str) -> bool:
+    """Whether ``module_name`` is being imported right now: its body is still running (a plug-in that
+    imported hyperrng first, which asked for the plug-in back)."""
+    module = sys.modules.get(module_name)
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 class _StillImporting(Exception):
-    """A plug-in's module was imported before hyperrng and lacks its factory: it is most likely still
-    running its body (it imported hyperrng, which asked for the plug-in back)."""
+    """A plug-in's module lacks its factory because its body is still running (it imported
+    hyperrng, which asked for the plug-in back): resolution waits for the first use."""
+
+    def platform_error(self) -> PlatformError:
+        return PlatformError(
+            f"the plug-in module {self.args[0]!r} is still being imported (it imports hyperrng before defining its "
+            "factory); ask for the platform after its import has finished.",
+            reason="unavailable",
+        )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -228,11 +259,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _load_entry_point(ep: EntryPoint) -> Callable[[], object]:
-    was_imported = ep.module in sys.modules
     try:
         return ep.load()
     except AttributeError as exc:
-        if was_imported:
+        if _initializing(ep.module):
             raise _StillImporting(ep.module) from exc
         raise
 
@@ -241,8 +271,9 @@ def _named_factory(name: str) -> Callable[[], object]:
     """The factory registered under ``name``, else that of the plug-in whose entry point is ``name``.
 
     Raises:
-        PlatformError: no platform has that name; or the plug-in's module fails to import, or
-            lacks the factory it names (one line, as for a ``module:Factory`` that does not load).
+        UnknownPlatformError: no platform has that name.
+        PlatformError: the plug-in's module fails to import, or lacks the factory it names (one
+            line, as for a ``module:Factory`` that does not load).
     """
     factory = _FACTORIES.get(name)
     if factory is not None:
@@ -257,11 +288,11 @@ def _named_factory(name: str) -> Callable[[], object]:
                 raise PlatformError(
                     f"plug-in platform {name!r} failed to load: {_one_line(exc)} (entry point {ep.value!r}); "
                     "fix or uninstall the package that provides it, or choose another platform.",
-                    reason="unknown",
+                    reason="unavailable",
                 ) from exc
     known = ", ".join(sorted(set(_FACTORIES) | {ep.name for ep in _plugin_entry_points()}))
-    raise PlatformError(
-        f"unknown platform {name!r}; known platforms: {known} (or give 'package.module:Factory').", reason="unknown"
+    raise UnknownPlatformError(
+        f"unknown platform {name!r}; known platforms: {known} (or give 'package.module:Factory')."
     )
 
 
@@ -319,13 +350,25 @@ def load(spec: str) -> Platform:
     """Build and probe the platform named by ``spec`` (a name or ``module:Factory``).
 
     Raises:
-        PlatformError: no such name, or the module/attribute does not load;
+        ArgumentTypeError: ``spec`` is not a string.
+        UnknownPlatformError: no such name, no such module or attribute, or a ``module:Factory``
+            that lacks one part (also a ``KeyError``).
+        PlatformError: the module fails to import;
             or the factory does not return a :class:`Platform`, or returns
             one that does not implement a required method (see :data:`REQUIRED_METHODS`);
             or the platform's probe says it cannot run here, or its state is not a 1-D CPU
             uint8 tensor of ``_state_nbytes``.
     """
+    if not isinstance(spec, str):
+        raise ArgumentTypeError(f"a platform spec is a name or 'package.module:Factory', got {type(spec).__name__}.")
     spec = spec.strip()
+    try:
+        return _load(spec)
+    except _StillImporting as exc:
+        raise exc.platform_error() from None
+
+
+def _load(spec: str) -> Platform:
     if ":" in spec:
         factory, label, failed = _import_factory(spec), spec, f"{spec} could not create a platform"
     else:
@@ -347,17 +390,21 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
     """Resolve the platform (see the module docstring), remember it, and return why.
 
     Raises only when ``HYPERRNG_PLATFORM`` forces a platform that cannot be used, or when
-    two plug-ins both claim the machine.
+    two plug-ins both claim the machine (:class:`PlatformError`; an unknown name is an
+    :class:`UnknownPlatformError`, also a ``KeyError``).
     """
     global _selection
-    _selection = _resolve(os.environ if env is None else env)
+    try:
+        _selection = _resolve(os.environ if env is None else env)
+    except _StillImporting as exc:
+        raise exc.platform_error() from None
     return _selection
 
 
 def _resolve(env: Mapping[str, str]) -> Selection:
     forced = env.get(ENV_VAR, "").strip()
     if forced:
-        platform = load(forced)
+        platform = _load(forced)
         return Selection(platform, f"{ENV_VAR}={forced!r}", (ProbeResult(platform.name, "env", True),), forced)
 
     probes: list[ProbeResult] = []
@@ -402,8 +449,9 @@ def _resolve(env: Mapping[str, str]) -> Selection:
 def select_at_import() -> None:
     """What ``import hyperrng`` runs: :func:`select`, unless a plug-in it would load is still being
     imported (the plug-in imported hyperrng first); then the platform is resolved at first use."""
+    global _selection
     try:
-        select()
+        _selection = _resolve(os.environ)
     except _StillImporting:
         pass
 
@@ -426,10 +474,10 @@ def set_current(platform: Platform | str) -> Platform:
         The platform now current.
 
     Raises:
-        PlatformError: ``platform`` is neither a :class:`Platform` nor a string, or
-            is a platform that does not implement a required method, or whose state is
-            not a 1-D CPU uint8 tensor of ``_state_nbytes``. The selection is unchanged
-            on error; or see :func:`load`.
+        ArgumentTypeError: ``platform`` is neither a :class:`Platform` nor a string.
+        PlatformError: ``platform`` is a platform that does not implement a required method,
+            or whose state is not a 1-D CPU uint8 tensor of ``_state_nbytes``; or see
+            :func:`load`. The selection is unchanged on error.
     """
     global _selection
     if isinstance(platform, str):
@@ -441,7 +489,7 @@ def set_current(platform: Platform | str) -> Platform:
             raise PlatformError(f"cannot select platform {platform.name!r}: {problem}.", reason="invalid")
         resolved = platform
     else:
-        raise PlatformError(f"expected a Platform or a platform name, got {type(platform).__name__}.", reason="invalid")
+        raise ArgumentTypeError(f"expected a Platform or a platform name such as 'cpu', got {type(platform).__name__}.")
     _selection = Selection(resolved, "set programmatically", (ProbeResult(resolved.name, "override", True),))
     return resolved
 

@@ -568,7 +568,7 @@ def _run(func: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(x, torch.Tensor):
             host_arrays = host_arrays or x.dim() > 0
         elif isinstance(x, torch.device) and x.type == _Backend.module.device_type:  # type: ignore[union-attr]
-            devices.add(x if x.index is not None else torch.device(x.type, _Backend.module.current_device()))  # type: ignore[union-attr]
+            devices.add(_existing(x))
             return torch.device("cpu")
         return x
 
@@ -597,6 +597,21 @@ def _run(func: Any, /, *args: Any, **kwargs: Any) -> Any:
         return x
 
     return tree_map(wrap, out)
+
+
+def _existing(device: torch.device) -> torch.device:
+    """``device`` with its index (the current device's when it names none), if the backend has that
+    device; else the ``RuntimeError`` CUDA raises for an invalid ordinal, so that nothing is made
+    on a device that does not exist."""
+    module = _Backend.module
+    assert module is not None
+    index = device.index if device.index is not None else module.current_device()
+    if not 0 <= index < module.device_count():
+        raise RuntimeError(
+            f"{device.type} error: invalid device ordinal {index}: the simulated backend has "
+            f"{module.device_count()} device(s)."
+        )
+    return torch.device(device.type, index)
 
 
 def _draw(func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:

@@ -14,8 +14,10 @@ import hyperrng.platforms.registry as registry
 import pytest
 import torch
 from hyperrng.platforms import (
+    ArgumentTypeError,
     InvalidArgumentError,
     PlatformError,
+    UnknownPlatformError,
 )
 
 from tests._platforms import BarePlatform
@@ -91,12 +93,26 @@ def test_env_var_imports_a_module_factory(tmp_path: Path, monkeypatch: pytest.Mo
     assert sel.platform.name == "myaccel"
 
 
-def test_unknown_name_fails_listing_the_known_ones() -> None:
+def test_unknown_name_fails_listing_the_known_ones_as_a_key_error() -> None:
     before = registry._selection
     with pytest.raises(PlatformError, match="unknown platform 'tpu'; known platforms: cpu, cuda, npu, sim") as info:
         platforms.select({platforms.ENV_VAR: "tpu"})
     assert registry._selection is before
     assert info.value.reason == "unknown"
+    assert isinstance(info.value, UnknownPlatformError) and isinstance(info.value, KeyError)
+
+
+@pytest.mark.parametrize("spec", ["nonexistent", "os:nonexistent", "hyperrng_no_such_module_xyz:Factory"])
+def test_an_unknown_platform_is_a_key_error_and_a_platform_error_and_changes_nothing(spec: str) -> None:
+    # "os:nonexistent" raised the private _StillImporting: os was imported before, so its missing
+    # attribute was taken for a plug-in still running its body.
+    outer = platforms.current()
+    with pytest.raises(UnknownPlatformError) as info:
+        with platforms.use(spec):
+            pytest.fail("an unknown platform was selected")
+    assert isinstance(info.value, KeyError) and isinstance(info.value, PlatformError)
+    assert info.value.reason == "unknown" and not str(info.value).startswith("'")
+    assert platforms.current() is outer
 
 
 def test_known_but_unavailable_fails_with_the_underlying_reason() -> None:
@@ -232,9 +248,9 @@ def test_use_restores_even_when_the_block_raises() -> None:
     assert platforms.current() is outer
 
 
-def test_set_current_refuses_what_is_not_a_platform() -> None:
+def test_set_current_refuses_what_is_not_a_platform_as_a_type_error() -> None:
     outer = platforms.current()
-    with pytest.raises(PlatformError, match="expected a Platform or a platform name, got int"):
+    with pytest.raises(ArgumentTypeError, match="expected a Platform or a platform name such as 'cpu', got int"):
         platforms.set_current(3)  # type: ignore[arg-type]
     assert platforms.current() is outer
 
@@ -253,7 +269,8 @@ def test_register_adds_a_named_factory(monkeypatch: pytest.MonkeyPatch) -> None:
         ("cpu", platforms.CPUPlatform, InvalidArgumentError, "already registered; pass replace=True"),
         ("", platforms.CPUPlatform, InvalidArgumentError, "non-empty string"),
         ("a:b", platforms.CPUPlatform, InvalidArgumentError, "without ':'"),
-        ("x", 42, PlatformError, "must be callable"),
+        ("x", 42, ArgumentTypeError, "must be callable"),
+        (7, platforms.CPUPlatform, ArgumentTypeError, "platform name must be a string"),
     ],
 )
 def test_register_refuses_bad_names_and_factories(
@@ -492,6 +509,59 @@ def test_with_an_unknown_forced_platform_the_first_call_into_hyperrng_fails() ->
     out = _python("import hyperrng\nhyperrng.current_platform()", HYPERRNG_PLATFORM="tpu")
     assert out.returncode != 0
     assert "PlatformError: unknown platform 'tpu'" in out.stderr
+
+
+def test_a_forced_factory_that_does_not_exist_fails_at_first_use_as_an_unknown_platform() -> None:
+    code = (
+        "import hyperrng\n"
+        "try:\n    hyperrng.current_platform()\n"
+        "except KeyError as exc:\n    print(type(exc).__name__, exc.reason, exc)\n"
+    )
+    out = _python(code, HYPERRNG_PLATFORM="os:NoSuch")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(
+        "UnknownPlatformError unknown HYPERRNG_PLATFORM='os:NoSuch': module 'os' has no attribute"
+    )
+
+
+def _plant_a_plugin_in(folder: Path, marker: Path) -> None:
+    """A *.dist-info in ``folder`` whose entry point's module writes ``marker`` when imported."""
+    (folder / "plantedplug.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\ndef make():\n    raise RuntimeError('not a platform')\n"
+    )
+    info = folder / "plantedplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plantedplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{platforms.ENTRY_POINT_GROUP}]\nplanted = plantedplug:make\n")
+
+
+@pytest.mark.parametrize(
+    ("code", "env", "runs"),
+    [
+        ("import torch", {}, False),
+        ("import hyperrng", {}, True),
+        ("import hyperrng", {"HYPERRNG_PLATFORM": "cpu"}, False),
+        ("import hyperrng", {"HYPERRNG_PLATFORM": "sim"}, False),
+    ],
+    ids=["import-torch", "import-hyperrng", "forced-cpu", "forced-sim"],
+)
+def test_the_trust_boundary_is_what_the_docs_say(code: str, env: dict[str, str], runs: bool, tmp_path: Path) -> None:
+    # A *.dist-info in the working folder runs its plug-in's code at `import hyperrng` (Python puts
+    # that folder on sys.path for `python -c`); a built-in HYPERRNG_PLATFORM rules plug-ins out.
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "ran"
+    _plant_a_plugin_in(work, marker)
+    full_env = {k: v for k, v in os.environ.items() if k != platforms.ENV_VAR}
+    full_env.update(PYTHONPATH=str(REPO), **env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=work, env=full_env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert marker.exists() is runs
+    documented = (platforms.__doc__ or "") + (REPO / "README.md").read_text(encoding="utf-8")
+    for promise in ("Code that runs at `import hyperrng`", "Trust: what runs code at import", "*.dist-info"):
+        assert promise in documented, f"the trust boundary is no longer documented: {promise!r}"
 
 
 def test_info_explains_the_choice_and_every_probe() -> None:

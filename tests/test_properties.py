@@ -201,7 +201,10 @@ def test_a_tampered_checkpoint_is_refused_as_malformed_and_changes_nothing(
         node = node[key]
     assume(not _same(node[last], value))  # writing back the value already there is no tampering
     node[last] = value
-    state["digest"] = _digest(state)  # a forgery, not damage: the digest is recomputed
+    try:
+        state["digest"] = _digest(state)  # a forgery, not damage: the digest is recomputed
+    except InvalidArgumentError:  # a value the digest itself refuses (beyond what a state holds): so will the load
+        pass
     before = everything(platform)
     try:
         hyperrng.load_rng_state_dict(state)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import hyperrng.platforms as platforms
@@ -179,7 +180,6 @@ class _NotInMesh:
         (((2, 2), (0, 0)), [Shard(0), Replicate(), Replicate()], SHAPE, "placement"),
         (((2, 2), (0, 0)), [Shard(2), Replicate()], SHAPE, "dim"),
         (((2, 2), (0, 0)), PLACEMENTS, (-1, 6), "must be at least 0"),
-        ("2x2", PLACEMENTS, SHAPE, "expected a DeviceMesh"),
     ],
 )
 def test_bad_regions_raise_before_anything_changes(
@@ -193,6 +193,39 @@ def test_bad_regions_raise_before_anything_changes(
             pytest.fail("the region body must not run")
     assert fragment in str(info.value)
     assert isinstance(info.value, ValueError)
+    assert torch.equal(platform.get_rng_state(), before)
+
+
+class _FractionalMesh:
+    """A DeviceMesh look-alike whose shape is not made of ints."""
+
+    shape = (2.7,)
+    mesh_dim_names = ("dp",)
+
+    def get_coordinate(self) -> list[int]:
+        return [1]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "placements", "fragment"),
+    [
+        ("2x2", PLACEMENTS, "expected a DeviceMesh"),
+        ([(2, 2), (0, 0)], PLACEMENTS, "expected a DeviceMesh"),
+        (_FractionalMesh(), [Shard(0)], "each entry of the mesh shape must be an int, got float 2.7"),
+        (((2, 2), (0, 0)), 5, "placements must be a sequence"),
+    ],
+    ids=["str", "list", "fractional-shape", "placements-int"],
+)
+def test_a_region_of_the_wrong_type_is_a_type_error_and_changes_nothing(
+    platform: platforms.Platform, mesh: Any, placements: Any, fragment: str
+) -> None:
+    tracker = ShardedRNGTracker()
+    tracker.manual_seed(9)
+    before = platform.get_rng_state()
+    with pytest.raises(ArgumentTypeError, match=re.escape(fragment)) as info:
+        with tracker.distribute_region(mesh, placements, SHAPE):
+            pytest.fail("the region body must not run")
+    assert isinstance(info.value, TypeError)
     assert torch.equal(platform.get_rng_state(), before)
 
 
@@ -404,7 +437,7 @@ def test_a_repeated_op_with_a_rebuilt_list_and_shape_reuses_the_answer_and_a_cha
         tracker.offsets(mesh, [Shard(1), Replicate()], (True, 7))
 
 
-def test_regions_left_out_of_order_leave_no_active_region_behind() -> None:
+def test_a_region_left_out_of_order_is_refused_and_leaves_no_active_region_behind_once_retried() -> None:
     from hyperrng.sharded import active_region
 
     tracker = ShardedRNGTracker()
@@ -413,7 +446,10 @@ def test_regions_left_out_of_order_leave_no_active_region_behind() -> None:
     inner = tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (9,))
     outer.__enter__()
     inner.__enter__()
-    outer.__exit__(None, None, None)
-    assert active_region() is inner
+    position = platforms.current().get_seed_offset()
+    with pytest.raises(InvalidOperationError, match="entered after it on this thread, is still open"):
+        outer.__exit__(None, None, None)
+    assert active_region() is inner and platforms.current().get_seed_offset() == position, "nothing changed"
     inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)  # in order now
     assert active_region() is None

@@ -189,3 +189,19 @@ def test_collectives_stage_device_tensors_through_the_host_over_gloo() -> None:
     for got, gathered, device in run_ranks(_staged_collectives, 2):
         assert got == [1.0, 1.0] and device == "sim:0"
         assert gathered == [[0.0, 0.0], [10.0, 10.0]]
+
+
+@pytest.mark.parametrize("device", ["sim:5", 5], ids=["sim:5", "index-5"])
+def test_a_device_index_the_backend_lacks_is_refused_as_cuda_refuses_an_invalid_ordinal(
+    sim: platforms.Platform, device: object
+) -> None:
+    # Before, tensors were made on sim:5 of a two-device backend, and philox.random_bits(device=5)
+    # drew onto it.
+    from hyperrng import philox
+    from hyperrng.errors import InvalidArgumentError
+
+    with pytest.raises(RuntimeError, match="invalid device ordinal 5"):
+        torch.empty(3, device="sim:5")
+    with pytest.raises(InvalidArgumentError, match="invalid device ordinal 5"):
+        philox.random_bits(4, 1, device=device)  # type: ignore[arg-type]
+    assert philox.random_bits(4, 1, device="sim:1").device == torch.device("sim:1")

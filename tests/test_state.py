@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperrng._state_format import digest as _digest
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, StorageError
 from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
 from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
 from hyperrng.state import (
@@ -98,7 +98,10 @@ def resealed(state: dict[str, Any], edit: Callable[[dict[str, Any]], object]) ->
     """A copy of ``state`` changed by ``edit`` with a digest that matches (a crafted, not a damaged, state)."""
     changed = copy.deepcopy(state)
     edit(changed)
-    changed["digest"] = _digest(changed)
+    try:
+        changed["digest"] = _digest(changed)
+    except InvalidArgumentError:  # what the digest itself refuses, the load refuses the same way
+        pass
     return changed
 
 
@@ -299,11 +302,11 @@ REFUSALS = [
         load={"coords": {"dp": 0, "tp": 1}},
     ),
     refusal("other-layout", None, "a different stream layout", load={"layout": OTHER_LAYOUT}),
-    refusal("saved-with-more-devices", _set("devices", lambda d: d + d), "2 device(s) (now 1)"),
+    refusal("saved-with-more-devices", _set("devices", lambda d: d + [t.clone() for t in d]), "2 device(s) (now 1)"),
     refusal("stream-missing", _drop(f"streams.{DP}"), f"lacks stream(s) [{DP!r}] that the tracker holds"),
     refusal(
         "extra-stream",
-        _set("streams", lambda s: {**s, "expert-parallel-rng": s[MP]}),
+        _set("streams", lambda s: {**s, "expert-parallel-rng": s[MP].clone()}),
         "holds stream(s) ['expert-parallel-rng'] that the tracker does not",
     ),
     # malformed fields
@@ -398,7 +401,7 @@ REFUSALS = [
     refusal(
         "numpy-extra-field-with-a-number-for-a-name",
         _set("numpy", lambda n: {**n, 7: 1}),
-        "the NumPy state must be a mapping with exactly the keys",
+        "it has a key of type int; rng_state_dict writes string keys only",
     ),
     refusal("devices-field-missing", _drop("devices"), MALFORMED),
     refusal("platform-field-missing", _drop("platform"), MALFORMED),
@@ -441,7 +444,7 @@ REFUSALS = [
     ),
     # metadata typed and bounded
     refusal("base-seed-negative", _set("base_seed", lambda _: -5), "base_seed -5 is outside [0, 2**64 - 1]"),
-    refusal("base-seed-past-2-to-the-64", _set("base_seed", lambda _: 2**70), "is outside [0, 2**64 - 1]"),
+    refusal("base-seed-past-2-to-the-64", _set("base_seed", lambda _: 2**70), "an integer of 71 bits"),
     refusal("base-seed-a-float", _set("base_seed", lambda _: 1234.0), "field 'base_seed' is a float"),
     refusal(
         "stream-name-empty",
@@ -525,9 +528,12 @@ def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
         load_rng_state(path)
 
 
-def test_a_missing_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match=re.escape(f"no RNG state at {str(tmp_path / 'nope.pt')!r}")):
+def test_a_missing_file_is_a_storage_error_that_is_a_file_not_found_error(tmp_path: Path) -> None:
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"could not read the RNG state at {str(tmp_path / 'nope.pt')!r}")
+    ) as info:
         load_rng_state(tmp_path / "nope.pt")
+    assert isinstance(info.value, StorageError) and info.value.filename == str(tmp_path / "nope.pt")
 
 
 def test_a_file_of_arbitrary_objects_is_refused_without_unpickling_them(tmp_path: Path) -> None:
@@ -612,7 +618,7 @@ def test_a_save_killed_at_any_point_leaves_the_previous_or_the_new_checkpoint_an
         seed_host(trial)
         previous = rng_state_dict(base_seed=trial)
         save_rng_state(path, previous)
-        assert not list(tmp_path.glob(".rng.pt.*.tmp")), "a save removes what the killed one before it left"
+        assert [p.name for p in tmp_path.iterdir()] == ["rng.pt"], "a save removes what the killed one before it left"
         seed_host(1000 + trial)
         new = rng_state_dict(base_seed=1000 + trial)
         child = fork.Process(target=_save_and_die, args=(str(path), new, point, share))
@@ -626,28 +632,6 @@ def test_a_save_killed_at_any_point_leaves_the_previous_or_the_new_checkpoint_an
             assert loaded["digest"] == previous["digest"], f"{point} {share}"
         outcomes.append(loaded["digest"] == new["digest"])
     assert len(outcomes) >= 25 and outcomes[-1], "the kill after the rename keeps the new checkpoint"
-
-
-def test_a_save_removes_the_files_of_killed_saves_of_this_host_and_nothing_else(tmp_path: Path) -> None:
-    import subprocess
-
-    from hyperrng import state
-
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
-    tag, other_tag = state._HOST_TAG, "0" * 8 if state._HOST_TAG != "0" * 8 else "1" * 8
-    removed = tmp_path / f".rng.pt.{tag}-{ended.pid}-00.tmp"
-    kept = [
-        tmp_path / f".rng.pt.{tag}-{os.getppid()}-00.tmp",  # a live process may still be writing it
-        tmp_path / f".rng.pt.{tag}-{os.getpid()}-00.tmp",  # this process's own
-        tmp_path / f".rng.pt.{other_tag}-{ended.pid}-00.tmp",  # another host sharing the folder
-        tmp_path / f".other.pt.{tag}-{ended.pid}-00.tmp",  # another checkpoint's
-        tmp_path / ".rng.pt.0123456789abcdef.tmp",  # a name this release does not write
-    ]
-    for file in (removed, *kept):
-        file.write_bytes(b"half a checkpoint")
-    save_rng_state(tmp_path / "rng.pt", rng_state_dict())
-    assert not removed.exists() and all(file.exists() for file in kept)
 
 
 def test_a_successful_save_leaves_only_the_checkpoint_in_its_folder(tmp_path: Path) -> None:
@@ -666,8 +650,8 @@ def test_an_error_while_serialising_removes_the_temporary_file_and_keeps_the_pre
     previous = rng_state_dict(base_seed=1)
     save_rng_state(path, previous)
 
-    def fail_halfway(obj: object, file: Any) -> None:
-        file.write(b"half a checkpoint")
+    def fail_halfway(obj: object, file: str) -> None:
+        Path(file).write_bytes(b"half a checkpoint")
         raise RuntimeError("serialisation failed")
 
     monkeypatch.setattr(torch, "save", fail_halfway)
@@ -925,7 +909,7 @@ def test_reseed_needs_no_layout_or_coords_after_apply_layout_for_the_new_setup()
         (_set("layout", lambda _: {"dims": ["dp"]}), "its layout cannot be read"),
         (_set("layout", lambda layout: {**layout, "domain": 1}), "its layout cannot be read"),
         (_set("coords", lambda _: {"dp": 0}), "its coordinates do not fit its layout"),
-        (_set("coords", lambda _: {"dp": -1, "tp": 0}), "its coordinates do not fit its layout"),
+        (_set("coords", lambda _: {"dp": -1, "tp": 0}), "its coordinates cannot be read"),
     ],
     ids=["layout-without-fields", "layout-of-another-domain", "coords-lacking-a-dim", "negative-coord"],
 )
@@ -1149,7 +1133,6 @@ with tracker.fork(MP):
 def test_a_stream_position_resumes_exactly_in_a_fresh_process(name: str, tmp_path: Any) -> None:
     """A position is state kept beside the bytes: a new process has nothing else to recover it from."""
     import subprocess
-    import sys
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
