@@ -41,6 +41,7 @@ shard's window, exactly as the ranks of a real job would be (see :mod:`hyperrng.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections import OrderedDict
@@ -432,6 +433,9 @@ def _forget_oldest(offsets: OrderedDict[tuple[Any, ...], tuple[int, int]]) -> No
 
 
 def _dtensor_random_module() -> Any:
+    loaded = sys.modules.get("torch.distributed.tensor._random")  # no import statement's cost once loaded
+    if loaded is not None and hasattr(loaded, "_rng_tracker"):
+        return loaded
     try:
         from torch.distributed.tensor import _random
     except ImportError as exc:
@@ -445,7 +449,14 @@ def _dtensor_random_module() -> Any:
 
 
 def _dtensor_adapter(tracker: ShardedRNGTracker) -> Any:
-    """An object with the methods DTensor's dispatcher calls on its RNG tracker.
+    """An object with the methods DTensor's dispatcher calls on its RNG tracker, serving ``tracker``."""
+    return _adapter_class()(tracker)
+
+
+@functools.cache
+def _adapter_class() -> type:
+    """The class of :func:`_dtensor_adapter`'s objects, made once: portable mode installs an adapter at
+    every outermost entry while DTensor is loaded, and making a class costs tens of microseconds.
 
     DTensor sends CUDA ops without a user generator through a traceable path that
     requires an ``OffsetBasedRNGTracker`` and only asks it for ``_compute_rng_offsets``;
@@ -456,25 +467,26 @@ def _dtensor_adapter(tracker: ShardedRNGTracker) -> Any:
     base: type = getattr(_random, "OffsetBasedRNGTracker", object)
 
     class HyperRNGDTensorTracker(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:  # deliberately not calling the CUDA-only base constructor
+        def __init__(self, tracker: ShardedRNGTracker) -> None:  # deliberately not the CUDA-only base constructor
+            self._tracker = tracker
             self._use_distribute_region = True
             self._device = tracker.platform.device()
 
         @property
         def distribute_region_enabled(self) -> bool:
-            return self._use_distribute_region and tracker.distribute_region_enabled
+            return self._use_distribute_region and self._tracker.distribute_region_enabled
 
         @distribute_region_enabled.setter
         def distribute_region_enabled(self, value: bool) -> None:
             self._use_distribute_region = value
 
         def _compute_rng_offsets(self, spec: Any) -> tuple[int, int]:
-            return tracker.offsets(spec.mesh, spec.placements, spec.shape)
+            return self._tracker.offsets(spec.mesh, spec.placements, spec.shape)
 
         def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Any:
-            return _DTensorRegion(tracker, spec, generator)
+            return _DTensorRegion(self._tracker, spec, generator)
 
-    return HyperRNGDTensorTracker()
+    return HyperRNGDTensorTracker
 
 
 class _DTensorRegion:

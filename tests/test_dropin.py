@@ -397,3 +397,18 @@ def test_a_dtensor_op_given_the_devices_own_generator_keeps_its_advance(platform
             explicit.append(p.get_seed_offset())
     assert explicit[0] == implicit
     assert explicit == [(42, implicit[1] * k) for k in (1, 2, 3)]
+
+
+def test_adapters_share_one_class_and_each_serves_its_own_tracker() -> None:
+    """Portable mode installs an adapter at every outermost entry while DTensor is loaded: its class is made
+    once (a class statement per entry cost more than the rest of entering), each object serves its tracker."""
+    from hyperrng.sharded import _dtensor_adapter
+
+    first, second = ShardedRNGTracker(), ShardedRNGTracker()
+    second.distribute_region_enabled = False
+    a, b = _dtensor_adapter(first), _dtensor_adapter(second)
+    assert type(a) is type(b)
+    assert a.distribute_region_enabled and not b.distribute_region_enabled
+    a.distribute_region_enabled = False
+    assert not a.distribute_region_enabled
+    assert _dtensor_adapter(first).distribute_region_enabled  # a new adapter starts enabled
