@@ -204,3 +204,22 @@ def test_on_a_gpu_auto_is_the_triton_backend_and_normal_is_within_a_few_ulp() ->
     expected = philox.normal((1 << 16) + 3, 7, 2**32 + 1)
     got = philox.normal((1 << 16) + 3, 7, 2**32 + 1, device="cuda").cpu()
     assert ((got - expected).abs() <= 4 * torch.finfo(torch.float32).eps * expected.abs().clamp(min=1.0)).all()
+
+
+@pytest.mark.needs_sim
+def test_kernels_launch_with_the_tensors_device_current_and_the_previous_one_back_after() -> None:
+    """Triton launches on the current device: a launch on device 1's tensors makes device 1 current through
+    the platform for the launch only; tensors of the current device or of another type change nothing."""
+    import hyperrng.platforms as platforms
+
+    with platforms.use("sim") as p:
+        assert p.current_device() == 0
+        with _triton.launching_on(torch.device("sim", 1)):
+            assert p.current_device() == 1
+        assert p.current_device() == 0
+        for same_or_other in (torch.device("sim", 0), torch.device("cpu")):
+            with _triton.launching_on(same_or_other):
+                assert p.current_device() == 0
+        with pytest.raises(RuntimeError, match="boom"), _triton.launching_on(torch.device("sim", 1)):
+            raise RuntimeError("boom")
+        assert p.current_device() == 0

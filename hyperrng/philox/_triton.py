@@ -18,6 +18,7 @@ Which backend serves a device is decided in :mod:`hyperrng.philox.backends`, whi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -31,9 +32,10 @@ from typing import Any
 
 import torch
 
+import hyperrng.platforms as platforms
 from hyperrng.philox._shards import ShardGeometry
 
-__all__ = ["Arguments", "arguments", "fill", "dropout", "kernels", "load", "probe"]
+__all__ = ["Arguments", "arguments", "fill", "dropout", "kernels", "launching_on", "load", "probe"]
 
 _MASK32 = 0xFFFFFFFF
 _MAX_BLOCK = 512
@@ -170,6 +172,31 @@ def _as_runs(t: torch.Tensor, segments: int, run: int) -> tuple[int, int] | None
 
 
 # -- draws --------------------------------------------------------------------------------------
+def launching_on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` its type's current device while kernels launch on its tensors, and put the
+    previous one back after: Triton launches on the current device, not on the tensors'.
+
+    Through the platform, whose device type it must be; a tensor of another type (the CPU's,
+    under the interpreter) launches as it is. Costs one ``current_device()`` when nothing changes.
+    """
+    p = platforms.current()
+    if device.index is None or device.type != p.device_type:
+        return contextlib.nullcontext()
+    before = p.current_device()
+    if before == device.index:
+        return contextlib.nullcontext()
+    return _current_device(p, device.index, before)
+
+
+@contextlib.contextmanager
+def _current_device(p: platforms.Platform, index: int, before: int) -> Any:
+    p.set_device(index)
+    try:
+        yield
+    finally:
+        p.set_device(before)
+
+
 def fill(
     args: Arguments,
     geometry: ShardGeometry,
@@ -207,11 +234,12 @@ def fill(
             x = x.contiguous()
             found = (run, 1)
         x_strides = found
-    if geometry.segments > 1:  # the runs' global starts, from 0 (they include the block's first element)
-        ids = torch.arange(segments, dtype=torch.int64, device=out.device)
-        _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset)
-    else:
-        _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, offset + geometry.first)
+    with launching_on(out.device):
+        if geometry.segments > 1:  # the runs' global starts, from 0 (they include the block's first element)
+            ids = torch.arange(segments, dtype=torch.int64, device=out.device)
+            _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset)
+        else:
+            _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, offset + geometry.first)
     return out
 
 

@@ -60,7 +60,6 @@ round the probabilities to the input dtype before the product with ``v``, as fla
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -75,7 +74,15 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox import COUNTER_SPACE, _check_bool, apply_dropout_mask, bernoulli, check_probability, check_shape
+from hyperrng.philox import (
+    COUNTER_SPACE,
+    _check_bool,
+    _triton,
+    apply_dropout_mask,
+    bernoulli,
+    check_probability,
+    check_shape,
+)
 from hyperrng.philox._shards import ShardGeometry
 from hyperrng.platforms.validate import check_int, check_seed
 
@@ -346,8 +353,6 @@ def _triton_import_error() -> str | None:
 
 def _kernels(interpret: bool) -> types.ModuleType:
     """The kernels module, compiled or for Triton's interpreter (:func:`hyperrng.philox._triton.load`)."""
-    from hyperrng.philox import _triton
-
     return _triton.load(_KERNELS, interpret)
 
 
@@ -619,17 +624,12 @@ def _four_inputs(
     )
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Triton launches on the current CUDA device: make it the tensors' one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _triton_forward(
     plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     assert plan.kernels is not None
     problem = plan.problem
-    with _on_device(problem.device):
+    with _triton.launching_on(problem.device):
         out, lse = plan.kernels.forward(*_four_inputs(problem, q, k, v, bias), _call(plan))
     return out.view(*problem.batch, problem.L, problem.Ev), lse
 
@@ -650,7 +650,7 @@ def _triton_backward(
     q4, k4, v4, b4 = _four_inputs(problem, q, k, v, bias)
     o4 = _four(problem, out, H, problem.L, problem.Ev)
     g4 = _four(problem, grad, H, problem.L, problem.Ev)
-    with _on_device(problem.device):
+    with _triton.launching_on(problem.device):
         dq, dk, dv = plan.kernels.backward(q4, k4, v4, b4, o4, lse, g4, _call(plan))
     lead = problem.batch[:-1]
     heads = (H,) if problem.batch else ()
