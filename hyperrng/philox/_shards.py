@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox._torch import SMALL_BLOCKS, WORDS_PER_BLOCK, Kernel, chunk_blocks
+from hyperrng.philox._torch import WORDS_PER_BLOCK, Kernel, chunk_blocks
 from hyperrng.platforms.validate import check_int
 
 __all__ = ["ShardGeometry", "fill"]
@@ -125,12 +125,6 @@ def _fill_range(out: torch.Tensor, start: int, kernel: Kernel) -> None:
     whole = (n - head) // WORDS_PER_BLOCK
     tail = n - head - whole * WORDS_PER_BLOCK
     first = (start + head) // WORDS_PER_BLOCK
-    if (head or tail) and not kernel.compiled and whole + 2 <= SMALL_BLOCKS and kernel.device.type == "cpu":
-        # A small range with partial blocks: its blocks in one run of the rounds, not two.
-        lane = start % WORDS_PER_BLOCK
-        blocks = (lane + n + WORDS_PER_BLOCK - 1) // WORDS_PER_BLOCK
-        out.copy_(kernel.run(start // WORDS_PER_BLOCK, blocks).view(-1)[lane : lane + n])
-        return
     if whole:
         middle = out if whole * WORDS_PER_BLOCK == n else out[head : head + whole * WORDS_PER_BLOCK]
         kernel.fill(middle.view(whole, WORDS_PER_BLOCK), first)

@@ -807,15 +807,6 @@ class Kernel:
             else:
                 dst.copy_(self.run(first, m))
             return
-        m = dst.shape[0]
-        if m <= SMALL_BLOCKS and self.device.type == "cpu":
-            words = readahead_words(self.k0, self.k1, first, m)
-            if self.final_mask != _MASK32 or self.transform.mutates:  # rows of the writer's own, masked
-                words = torch.bitwise_and(
-                    words, _round_constants(self.k0, self.k1, self.final_mask, self.device).final_mask
-                )
-            self.transform.write(words, dst, self)
-            return
         chunk = chunk_blocks(self.device.type)
         offsets = _block_offsets(self.device, chunk)
         for step in range(0, dst.shape[0], chunk):
