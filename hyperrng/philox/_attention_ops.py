@@ -152,9 +152,12 @@ def _kernel(
     return kernel
 
 
+_DISPATCH_KEYS = tuple((name, getattr(torch._C.DispatchKey, name)) for name in AUTOGRAD_KEYS)
+
+
 def _autograd_key(keyset: Any) -> str:
     """Which of :data:`AUTOGRAD_KEYS` a call arrived on (the highest autograd key of its keyset)."""
-    for key in AUTOGRAD_KEYS:
-        if keyset.has(getattr(torch._C.DispatchKey, key)):
-            return key
+    for name, key in _DISPATCH_KEYS:
+        if keyset.has(key):
+            return name
     return AUTOGRAD_KEYS[0]

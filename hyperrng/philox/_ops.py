@@ -51,7 +51,6 @@ __all__ = [
     "THREAD",
     "Entry",
     "is_switched_on",
-    "key_available",
     "pop",
     "push",
     "register",
@@ -453,18 +452,6 @@ def _key() -> Any:
     return torch._C._parse_dispatch_key(KEY_NAME)
 
 
-def key_available() -> bool:
-    """Whether this torch can host portable mode's kernels: a parseable ``CustomRNGKeyId``, a thread-local
-    include switch and fallback registration from Python."""
-    return (
-        hasattr(torch._C, "_parse_dispatch_key")
-        and hasattr(torch._C, "_dispatch_tls_set_dispatch_key_included")
-        and hasattr(torch._C, "_dispatch_keyset_full_after")
-        and hasattr(torch.library.Library, "fallback")
-        and _key() is not None
-    )
-
-
 def switch(on: bool) -> None:
     """Include the key in this thread's dispatch (``on``) or not: the whole cost of entering or leaving
     for torch's dispatcher. Autograd hands a thread's included keys to the threads that run its
@@ -479,19 +466,23 @@ def is_switched_on() -> bool:
     return key is not None and torch._C._dispatch_tls_is_dispatch_key_included(key)
 
 
-@functools.cache
+def _cancel_active_region() -> None:
+    """Cancel the active sharded region, for a kernel that refuses an op (a bad dtype, an unsupported
+    op): every rank then stays where it was instead of moving past the op."""
+    region = active_region()
+    if region is not None:
+        region.cancel()
+
+
 def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``kernel``, cancelling the active sharded region when it refuses an op (a bad dtype, an
-    unsupported op): every rank then stays where it was instead of moving past the op."""
+    """``kernel``, cancelling the active sharded region when it refuses an op (:func:`_cancel_active_region`)."""
 
     @functools.wraps(kernel)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return kernel(*args, **kwargs)
         except HyperRNGError:
-            region = active_region()
-            if region is not None:
-                region.cancel()
+            _cancel_active_region()
             raise
 
     return run
@@ -527,10 +518,8 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
         include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
         try:
             return portable(*args, **kwargs)
-        except HyperRNGError:  # a refusal cancels the active sharded region: every rank stays where it was
-            region = active_region()
-            if region is not None:
-                region.cancel()
+        except HyperRNGError:
+            _cancel_active_region()
             raise
         finally:
             include(key, True)
@@ -627,8 +616,8 @@ def register() -> None:
     """Make sure portable mode's kernels are registered (once per process, for good).
 
     Raises:
-        UnsupportedPortableOpError: this torch cannot host them (see :func:`key_available`);
-            nothing is registered then.
+        UnsupportedPortableOpError: this torch cannot host them (the feature "portable-mode" of
+            ``hyperrng.platforms._features``); nothing is registered then.
     """
     if _KERNELS.key is None:  # asked until registered: afterwards the kernels are there for good
         _features.require("portable-mode", UnsupportedPortableOpError)
