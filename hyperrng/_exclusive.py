@@ -383,6 +383,8 @@ class LeavesOnExit:
 
     def _close_inner(self) -> None:
         """Call :func:`leave_inner` for each device it holds."""
+        for key in self._held_keys():
+            leave_inner(self, key)
 
     def _held_keys(self) -> Iterable[tuple[str, int]]:
         """The devices it holds (their holds were taken with this context)."""

@@ -142,10 +142,6 @@ class Region(_exclusive.LeavesOnExit):
         held = self._held
         return (held[0],) if held is not None else ()
 
-    def _close_inner(self) -> None:
-        if self._held is not None:
-            _exclusive.leave_inner(self, self._held[0])
-
     def _leave(self) -> None:
         stack = _ACTIVE.stack
         if stack and stack[-1] is self:

@@ -388,7 +388,7 @@ def _refuse_degenerate(mt: torch.Tensor, platform: str) -> None:
     """Refuse MT19937 bytes (a state torch's generator took) that hold the degenerate words."""
     if seeds_all_64_bits():  # torch's layout is known: read the words
         words = np.from_dlpack(mt.contiguous())[_WORDS_AT : _WORDS_AT + 8 * _MT_WORDS].view(np.uint64)
-        degenerate = not int(words[0]) & _TOP_BIT and not words[1:].any()
+        degenerate = mt19937_degenerate(words)  # a real state stops at its second word
     else:  # a layout this module does not know: such a state draws only zeros
         scratch = torch.Generator()
         scratch.set_state(mt)

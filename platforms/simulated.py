@@ -204,7 +204,7 @@ class SimulatedGraph:
         self._register(generator._counter)
 
     def _register(self, counter: _Counter) -> None:
-        if not any(c is counter for c in self._states):
+        if not self._holds(counter):
             self._states.append(counter)
 
     def _holds(self, counter: _Counter) -> bool:
