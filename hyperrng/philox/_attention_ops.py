@@ -62,16 +62,25 @@ output first, then placeholders for the op's other outputs (logsumexp, sequence 
 state, debug mask), which SDPA does not read and which carry no gradient."""
 
 
-def _bound_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The op's arguments by name, defaults filled in."""
+Parameters = tuple[tuple[str, bool, Any], ...]
+
+
+def _parameters(op: Any) -> Parameters:
+    """``(name, keyword-only, default)`` of each of the op's arguments (read once: reading the schema
+    costs more than the rest of binding a call)."""
+    return tuple((a.name, a.kwarg_only, a.default_value) for a in op._schema.arguments)
+
+
+def _bound_arguments(parameters: Parameters, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, defaults filled in."""
     named = {}
-    for i, argument in enumerate(op._schema.arguments):
-        if not argument.kwarg_only and i < len(args):
-            named[argument.name] = args[i]
-        elif argument.name in kwargs:
-            named[argument.name] = kwargs[argument.name]
+    for i, (name, kwarg_only, default) in enumerate(parameters):
+        if not kwarg_only and i < len(args):
+            named[name] = args[i]
+        elif name in kwargs:
+            named[name] = kwargs[name]
         else:
-            named[argument.name] = argument.default_value
+            named[name] = default
     return named
 
 
@@ -100,7 +109,6 @@ def _attend(named: dict[str, Any], mask: Any, extra: Sequence[str]) -> tuple[Any
         "scale": named.get("scale"),
         "enable_gqa": gqa,
     }
-    local = attention.probability_shape(q, k, v, gqa)
     region = active_region()
     if region is not None:
         global_shape = tuple(region.global_shape)
@@ -118,7 +126,7 @@ def _attend(named: dict[str, Any], mask: Any, extra: Sequence[str]) -> tuple[Any
         region.consume(round_up_offset(math.prod(global_shape)))
     else:
         out = draw_at_position(
-            math.prod(local),
+            math.prod(attention.probability_shape(q, k, v, gqa)),
             None,
             lambda key, offset: attention.scaled_dot_product_attention(q, k, v, **kw, philox_key=key, offset=offset),
         )
@@ -140,10 +148,11 @@ def _kernel(
     op: Any, read_mask: Callable[[dict[str, Any]], Any], extra: tuple[str, ...], in_mode: Callable[[], bool]
 ) -> Callable[..., Any]:
     originals = {key: torch.library.get_kernel(op, key) for key in AUTOGRAD_KEYS}
+    parameters = _parameters(op)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if in_mode():
-            named = _bound_arguments(op, args, kwargs)
+            named = _bound_arguments(parameters, args, kwargs)
             if _takes_over(named):
                 return _attend(named, read_mask(named), extra)
         key = _autograd_key(keyset)

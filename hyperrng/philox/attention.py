@@ -79,16 +79,17 @@ from hyperrng.philox import (
     _check_bool,
     _triton,
     apply_dropout_mask,
+    backends,
     bernoulli,
     check_probability,
     check_shape,
 )
 from hyperrng.philox._shards import ShardGeometry
-from hyperrng.platforms.validate import check_int, check_seed
+from hyperrng.platforms.validate import check_int, check_seed, error_gist
 
 __all__ = ["BACKENDS", "CHUNK_ELEMENTS", "probability_shape", "scaled_dot_product_attention"]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = backends.BACKENDS
 """Values of ``backend=``: see the module docstring."""
 
 CHUNK_ELEMENTS = 2**20
@@ -228,7 +229,7 @@ def _check_problem(
         group = hq // hk
         k_batch, v_batch = (*k_batch[:-1], hq), (*v_batch[:-1], hq)
     try:
-        batch = tuple(torch.broadcast_shapes(q.shape[:-2], k_batch, v_batch))  # type: ignore[no-untyped-call]
+        batch = _broadcast(tuple(q.shape[:-2]), k_batch, v_batch)
     except RuntimeError:
         raise InvalidArgumentError(
             f"the batch dimensions of query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} "
@@ -251,6 +252,13 @@ def _check_problem(
     return problem, mask
 
 
+@functools.lru_cache(maxsize=256)
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` of ``shapes``, remembered: it costs tens of microseconds, and a model
+    asks the same few shapes in every layer. Raises its RuntimeError where they do not broadcast."""
+    return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
+
+
 def _check_mask(attn_mask: object, q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(attn_mask, torch.Tensor):
         raise ArgumentTypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
@@ -262,7 +270,7 @@ def _check_mask(attn_mask: object, q: torch.Tensor, shape: tuple[int, ...]) -> t
     if attn_mask.device != q.device:
         raise InvalidArgumentError(f"attn_mask is on {attn_mask.device} but query is on {q.device}.")
     try:
-        fits = tuple(torch.broadcast_shapes(attn_mask.shape, shape)) == shape  # type: ignore[no-untyped-call]
+        fits = _broadcast(tuple(attn_mask.shape), shape) == shape
     except RuntimeError:
         fits = False
     if not fits:
@@ -346,8 +354,7 @@ def _triton_import_error() -> str | None:
     try:
         importlib.import_module(_KERNELS)
     except Exception as error:  # any failure of a foreign package's import means: not usable
-        gist = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return f"{type(error).__name__}: {gist}"
+        return error_gist(error)
     return None
 
 
@@ -389,13 +396,10 @@ def _triton_misfit(
 
 
 def _choose(backend: object, problem: _Problem, block: _Block, tensors: Sequence[torch.Tensor], mask: Any) -> str:
-    if not isinstance(backend, str):
-        raise ArgumentTypeError(f"backend must be one of {BACKENDS}, got {type(backend).__name__} {backend!r}.")
-    if backend not in BACKENDS:
-        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    backends.check_backend(backend)
     if backend == "torch" or math.prod(problem.shape) == 0 or problem.E == 0:
         return "torch"
-    if backend == "auto" and problem.device.type != "cuda":
+    if backend == "auto" and backends.resolve("auto", problem.device) != "triton":  # the draws' probe decides
         return "torch"
     misfit = _triton_misfit(problem, block, tensors, mask)
     if misfit is None:
@@ -562,12 +566,6 @@ def _add_mask_grad(problem: _Problem, dmask: torch.Tensor, ds: torch.Tensor, r0:
 # -- the Triton implementation -------------------------------------------------------------------
 
 
-def _to_int32(value: int) -> int:
-    """The 32-bit word ``value`` as the signed int of the same bits (one kernel argument type for all)."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
 def _call(plan: _Plan) -> Any:
     problem, block, dropout = plan.problem, plan.block, plan.dropout
     assert plan.kernels is not None
@@ -588,11 +586,11 @@ def _call(plan: _Plan) -> Any:
         causal=problem.causal,
         dropout=dropout is not None,
         drop_scale=drop_scale,
-        thr=_to_int32(max(threshold - 1, 0)),
-        k0=_to_int32(key),
-        k1=_to_int32(key >> 32),
-        ob_lo=_to_int32(offset >> 2),
-        ob_hi=_to_int32(offset >> 34),
+        thr=_triton._s32(max(threshold - 1, 0)),
+        k0=_triton._s32(key),
+        k1=_triton._s32(key >> 32),
+        ob_lo=_triton._s32(offset >> 2),
+        ob_hi=_triton._s32(offset >> 34),
         ol=offset & 3,
         b_start=b_start,
         h_start=h_start,
