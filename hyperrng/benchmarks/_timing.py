@@ -106,16 +106,27 @@ def time_rounds(fn: Callable[[], object], *, number: int, rounds: int) -> Timing
     return interleaved({"fn": fn}, number=number, rounds=rounds)["fn"]
 
 
-def interleaved(fns: Mapping[str, Callable[[], object]], *, number: int, rounds: int) -> dict[str, Timing]:
-    """Time every function in turn, ``rounds`` times over, ``number`` calls a round each."""
+def interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    number: int,
+    rounds: int,
+    sync: Callable[[], object] = lambda: None,
+) -> dict[str, Timing]:
+    """Time every function in turn, ``rounds`` times over, ``number`` calls a round each; ``sync`` is
+    called after the warm-up and around each round (a device's synchronize: a round then includes the
+    kernels its calls queued)."""
     for fn in fns.values():
         fn()  # warm-up: first calls pay for lazy initialisation and compilation
+    sync()
     per_round: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             for _ in range(number):
                 fn()
+            sync()
             per_round[name].append((time.perf_counter() - start) / number)
     return {name: Timing(tuple(values)) for name, values in per_round.items()}
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperrng.benchmarks._timing import BenchResult, Timing
+from hyperrng.benchmarks._timing import BenchResult, Timing, interleaved
 
 __all__ = ["TransformerBlock", "benchmarks", "time_on_device"]
 
@@ -56,25 +56,12 @@ def time_on_device(
 ) -> dict[str, Timing]:
     """:func:`~hyperrng.benchmarks._timing.interleaved` with the device synchronised around each round,
     so a round's time includes the kernels its calls queued (on the CPU, plain rounds)."""
-    import time
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for fn in fns.values():
-        fn()  # warm-up: Triton and cuBLAS compile or choose kernels on first use
-    sync()
-    per_round: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(number):
-                fn()
-            sync()
-            per_round[name].append((time.perf_counter() - start) / number)
-    return {name: Timing(tuple(values)) for name, values in per_round.items()}
+    return interleaved(fns, number=number, rounds=rounds, sync=sync)
 
 
 class TransformerBlock(nn.Module):
