@@ -19,6 +19,8 @@ signal that has a Python handler is recorded instead of handled, and when the ou
   swapped raises as before, and the handlers already swapped are put back first. Each
   stand-in remembers the handler it replaced and, once no deferral is open, passes a signal
   straight to it, so one that a second interrupt left in place behaves as the original.
+* A child process made by ``fork`` (on another thread) while the main thread defers starts
+  without the deferral: its handlers are put back.
 * Deferrals nest (a seeding recipe that restores the host inside ``apply_layout``): only
   the outermost one swaps and restores.
 
@@ -28,6 +30,7 @@ deferred in hyperrng are a handful of generator writes and file-system calls.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType, TracebackType
@@ -105,6 +108,18 @@ class _Deferral:
 
 
 _MAIN = _Deferral()
+
+
+def _after_fork_in_child() -> None:
+    # A child made by fork on another thread while the main thread deferred: its only thread will
+    # never leave that deferral, so it starts without one (its handlers back, nothing recorded).
+    if _MAIN.depth:
+        _MAIN.depth, _MAIN.pending = 0, []
+        _MAIN._restore()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Deferred:

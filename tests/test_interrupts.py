@@ -12,9 +12,12 @@ These are policies: they hold on whatever platform is current.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -253,3 +256,34 @@ def test_a_signal_anywhere_in_reseed_or_reset_replaces_every_stream_or_none(sign
             tracker.reset()
 
     _sweep(lambda: _seeded(5), replace, signum)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_by_another_thread_during_a_deferral_handles_its_signals() -> None:
+    """The child's only thread never leaves the main thread's deferral: it starts without one, so its
+    SIGINT raises KeyboardInterrupt instead of being recorded forever."""
+    script = textwrap.dedent(
+        """
+        import os, signal, threading, warnings
+        from hyperrng._interrupts import deferred
+        warnings.simplefilter("ignore")  # forking a process with threads
+        forked = {}
+        def fork():
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    os._exit(7)
+                os._exit(3)
+            forked["pid"] = pid
+        with deferred():
+            thread = threading.Thread(target=fork)
+            thread.start()
+            thread.join()
+        print(os.waitstatus_to_exitcode(os.waitpid(forked["pid"], 0)[1]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "7"
