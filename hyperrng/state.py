@@ -379,7 +379,11 @@ def _resume_seed(state: Mapping[str, Any]) -> int:
     if derivation is not None:
         default_seed = derivation.layout.seeds(derivation.base_seed, derivation.coords)[DEFAULT_STREAM]
         for device in state["devices"]:
-            if isinstance(device, torch.Tensor) and device.dtype == torch.uint8 and device.shape == (16,):
+            if (
+                isinstance(device, torch.Tensor)
+                and device.dtype == torch.uint8
+                and device.shape == (platforms.COUNTER_STATE_NBYTES,)
+            ):
                 seed, offset = platforms.unpack_counter_state(device)
                 if seed == default_seed:
                     progress.update(offset.to_bytes(8, "little", signed=True))

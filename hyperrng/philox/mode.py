@@ -145,7 +145,7 @@ class _DTensorRouting:
         self.tracker: ShardedRNGTracker | None = None
 
     def _forget_ended(self) -> None:
-        for thread in [t for t in self.users if not t.is_alive()]:
+        for thread in [t for t in self.users if not _exclusive.alive(t)]:  # never asked where a signal lands
             del self.users[thread]
 
     def acquire(self) -> bool:
