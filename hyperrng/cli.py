@@ -94,6 +94,7 @@ def info_lines() -> list[str]:
         except Exception as exc:
             lines.append(f"devices: unknown ({type(exc).__name__}: {exc})")
         lines.append(_philox_backend_line(p))
+        lines.append(_host_words_line())
         lines.append("probes:")
         for probe in sel.probes:
             mark = "available" if probe.available else "unavailable"
@@ -121,6 +122,18 @@ def _philox_backend_line(p: platforms.Platform) -> str:
     except Exception as exc:  # a device that cannot be reached: say so, the rest of the report stands
         return f"philox backend: unknown ({type(exc).__name__}: {exc})"
     return f"philox backend on {device}: {name} ({why})"
+
+
+def _host_words_line() -> str:
+    """What computes the Philox words of small portable draws on the host CPU."""
+    from hyperrng.philox import _torch
+
+    if _torch.HOST_WORDS == "compiled":
+        return "philox words on the host: compiled (hyperrng.philox._cphilox, built at install)"
+    return (
+        "philox words on the host: numpy (the optional compiled loop was not built: no C compiler at "
+        "install); small portable CPU draws cost more"
+    )
 
 
 _WIDTH = 100

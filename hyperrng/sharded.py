@@ -166,6 +166,7 @@ class ShardedRNGTracker:
         # (immutable) objects, as a training loop does, skips hashing and comparing them.
         self._last: tuple[Any, Any, Any, tuple[int, int]] | None = None
         self.distribute_region_enabled = True
+        self._adapter: tuple[Platform, Any] | None = None  # install_dtensor's, with the platform it serves
 
     @property
     def platform(self) -> Platform:
@@ -359,8 +360,13 @@ class ShardedRNGTracker:
             InvalidArgumentError: the installed torch has no DTensor RNG hook.
         """
         random_mod = _dtensor_random_module()
+        platform = self.platform
+        adapter = self._adapter
+        if adapter is None or adapter[0] is not platform:  # one adapter per platform (portable mode installs
+            adapter = self._adapter = (platform, _dtensor_adapter(self))  # at every outermost entry)
+        adapter[1].distribute_region_enabled = True  # as a new adapter would be
         previous = random_mod._rng_tracker
-        random_mod._rng_tracker = _dtensor_adapter(self)
+        random_mod._rng_tracker = adapter[1]
         return previous
 
     @staticmethod

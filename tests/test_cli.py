@@ -395,6 +395,14 @@ def test_info_says_whether_cpu_positions_are_seeded_from_all_64_bits() -> None:
     assert "cpu positions: MT19937 seeded from all 64 bits of a position's handle" in info_lines()
 
 
+def test_info_says_what_computes_the_philox_words_of_small_host_draws() -> None:
+    from hyperrng.cli import info_lines
+    from hyperrng.philox import _torch
+
+    lines = [line for line in info_lines() if line.startswith("philox words on the host: ")]
+    assert len(lines) == 1 and lines[0].split(": ")[1].startswith(_torch.HOST_WORDS)
+
+
 # -- help ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("args", "description"),

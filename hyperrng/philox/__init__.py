@@ -94,7 +94,7 @@ _MAX_GLOBAL_NUMEL = 2**62
 """Global shapes stay below this so row-major indices fit int64 with room for the lane arithmetic."""
 
 _WORD_BITS = 32
-SMALL_NUMEL = 4 * _k.SMALL_BLOCKS - 6
+SMALL_NUMEL = _k.SMALL_NUMEL
 """Eager CPU draws of at most this many elements in one run read their words from the readahead buffer."""
 _PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
 _WORD_UNIT = 2.0**-_WORD_BITS  # the weight of the lowest bit of a word
@@ -401,9 +401,9 @@ def run(
         return _triton.fill(_triton.arguments(draw.name, draw.params, draw.value_dtype), geometry, key, offset, target)
     if not compiled and device.type == "cpu" and geometry.segments == 1:
         numel = math.prod(geometry.local_shape)
-        if 0 < numel <= SMALL_NUMEL:  # a small draw: its words from the readahead, in a few steps
+        if 0 < numel and _k.host_fill_serves(draw.transform, draw.dtype, numel, out):  # in a few steps
             target = torch.empty(geometry.local_shape, dtype=draw.dtype) if out is None else out
-            _k.fill_small(draw.transform, draw.params, draw.param_dtypes, key, offset + geometry.first, target)
+            _k.fill_host(draw.transform, draw.params, draw.param_dtypes, key, offset + geometry.first, target)
             return target
     kernel = _k.Kernel(draw.transform, draw.params, draw.param_dtypes, key, device, compiled, draw.value_dtype)
     if out is not None and not out.is_contiguous():

@@ -169,15 +169,11 @@ def _draw(
     )
 
 
-def _small_on_the_host(target: torch.Tensor) -> bool:
-    """Whether ``target`` is a small CPU tensor drawn eagerly outside a sharded region (the fast path)."""
+def _on_the_host(target: torch.Tensor) -> bool:
+    """Whether ``target`` is a CPU tensor drawn eagerly outside a sharded region (the fast path's
+    candidates; :func:`hyperrng.philox._torch.host_fill_serves` says which it serves)."""
     # backends.resolve("auto", cpu) is "torch" by rule: the host never takes the interpreter unasked
-    return (
-        target.is_cpu
-        and 0 < target.numel() <= philox.SMALL_NUMEL
-        and not THREAD.entries[-1].compiled
-        and active_region() is None
-    )
+    return target.is_cpu and not THREAD.entries[-1].compiled and active_region() is None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -215,13 +211,20 @@ def _check_floating(target: torch.Tensor, what: str) -> None:
 def _fill(what: str, draw: philox.Draw, self: torch.Tensor, generator: Any) -> torch.Tensor:
     """Draw ``draw``'s values into ``self``: in place where its dtype is the draw's (any strides;
     that saves a second tensor and a copy, as much work as the rounds), else through a copy."""
-    if draw.dtype == self.dtype and generator is None and _small_on_the_host(self):
-        # draw_at_position's rule in a few steps, for the small host tensors whose cost is this path
+    numel = self.numel()
+    if (
+        draw.dtype == self.dtype
+        and generator is None
+        and numel
+        and _on_the_host(self)
+        and _torch.host_fill_serves(draw.transform, draw.dtype, numel, self)
+    ):
+        # draw_at_position's rule in a few steps, for the host tensors whose cost is their fixed cost
         p = platforms.current()
         seed, offset = p._position()
-        end = offset + round_up_offset(self.numel())
+        end = offset + round_up_offset(numel)
         if end <= MAX_OFFSET:
-            _torch.fill_small(draw.transform, draw.params, draw.param_dtypes, seed, offset, self)
+            _torch.fill_host(draw.transform, draw.params, draw.param_dtypes, seed, offset, self)
             p._move(seed, end, False)
             return self
     if draw.dtype == self.dtype:

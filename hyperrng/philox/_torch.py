@@ -5,8 +5,11 @@ is the reference that the Triton backend (:mod:`hyperrng.philox._triton`) is pro
 to. Unsigned 32-bit words live in ``int64`` tensors because torch has no ``uint32``
 arithmetic on CPU. A small draw on the CPU reads its words from a readahead buffer
 (:func:`readahead_words`): computing sixty operations for a few thousand words costs far
-more than the words, so the words of a key's next blocks are computed in one batch (with
-NumPy, whose unsigned multiply is the faster one there) and served to the draws that follow.
+more than the words, so the words of a key's next blocks are computed in one batch and served
+to the draws that follow. The batch is computed by a small compiled loop
+(``hyperrng/philox/_cphilox.c``, built at install where a C compiler is present: about 8 ns
+a block) or, without it, by NumPy (about 40 ns a block, sixty array operations per batch);
+:data:`HOST_WORDS` says which.
 
 Counter layout: global element index ``j`` lives in Philox block ``j // 4``, lane
 ``j % 4``. The block index is the 64-bit counter held in words 0 (low half) and 1 (high
@@ -41,15 +44,22 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+try:  # the optional compiled loop (see the module docstring); NumPy computes the same words without it
+    from hyperrng.philox import _cphilox
+except ImportError:  # not built here: no C compiler at install, or an install from source without one
+    _cphilox = None
+
 __all__ = [
     "ACCELERATOR_CHUNK_BLOCKS",
     "BERNOULLI",
+    "HOST_WORDS",
     "BITS",
     "CHUNK_BLOCKS",
     "MAX_CHUNK_THREADS",
     "NORMAL",
     "READAHEAD_BLOCKS",
     "SMALL_BLOCKS",
+    "SMALL_NUMEL",
     "PHILOX_M0",
     "PHILOX_M1",
     "PHILOX_ROUNDS",
@@ -62,6 +72,10 @@ __all__ = [
     "Kernel",
     "Transform",
     "counter_words",
+    "fill_host",
+    "host_fill_serves",
+    "host_words",
+    "numpy_words",
     "philox_rounds",
     "chunk_blocks",
     "readahead_words",
@@ -107,8 +121,16 @@ SMALL_BLOCKS = 2**12
 """CPU eager draws of at most this many blocks (16,384 values) read their words from the
 readahead buffer (:func:`readahead_words`); larger ones compute them in place."""
 
+SMALL_NUMEL = 4 * SMALL_BLOCKS - 6
+"""The most elements a CPU eager draw may have for :func:`fill_host` to serve it from the readahead
+(the worst lane alignment still fits ``SMALL_BLOCKS`` blocks)."""
+
 READAHEAD_BLOCKS = 2**14
 """Most blocks a key's readahead buffer computes at once (512 KiB of words)."""
+
+HOST_WORDS = "compiled" if _cphilox is not None else "numpy"
+"""What computes the words of small CPU draws: ``"compiled"`` (the optional C loop
+``hyperrng.philox._cphilox``, built at install where a C compiler is present) or ``"numpy"``."""
 
 _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.bool})
 """Result dtypes a small CPU Bernoulli draw writes with NumPy."""
@@ -295,8 +317,21 @@ def _numpy_keys(k0: int, k1: int) -> np.ndarray:
     return np.array(keys, dtype=np.uint64)
 
 
-def _numpy_words(k0: int, k1: int, first: int, m: int) -> np.ndarray:
-    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1``, computed with NumPy on ``uint64``.
+def host_words(k0: int, k1: int, first: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1`` of key ``(k0, k1)`` as ``uint64``
+    (row ``w`` holds word ``w`` of each block), in ``out`` (C-contiguous, ``(4, m)``) or a new array:
+    by the compiled loop where it was built (:data:`HOST_WORDS`), else by :func:`numpy_words`.
+    Both give the same words."""
+    if _cphilox is None:
+        return numpy_words(k0, k1, first, m, out)
+    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64) if out is None else out
+    _cphilox.words(words, k0, k1, first)
+    return words
+
+
+def numpy_words(k0: int, k1: int, first: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1``, computed with NumPy on ``uint64``
+    (in ``out`` if given).
 
     The same integer operations as :func:`_rounds_inplace`, five per round on pairs of rows,
     where NumPy's unsigned 64-bit multiply (a 32-bit word times a 32-bit multiplier never
@@ -305,7 +340,7 @@ def _numpy_words(k0: int, k1: int, first: int, m: int) -> np.ndarray:
     keys, are the new words (0, 2); their low halves the new words (3, 1). The pairs are views
     of the result's rows, so the words end where they belong.
     """
-    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64)
+    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64) if out is None else out
     even, odd = words[0::2], words[3::-2]  # rows (0, 2) and (3, 1)
     products, high = _READAHEAD.scratch(m)
     np.add(np.arange(m, dtype=np.uint64), np.uint64(first), out=even[0])
@@ -381,9 +416,15 @@ def _buffer(k0: int, k1: int, first: int, m: int) -> tuple[_Buffer, int]:
         continues = start <= first <= start + held
     size = min(max(2 * m, 2 * held if buffer is not None and continues else 0), READAHEAD_BLOCKS)
     size = max(size, m)
-    array = _numpy_words(k0, k1, first, size)
-    with torch.inference_mode(False):  # a buffer made in inference mode serves draws outside it too
-        words = torch.from_numpy(array.view(np.int64))
+    if buffer is not None and buffer.array.shape[1] == size:
+        # The key's next batch into the same memory: fresh memory of this size would come from the
+        # system and fault its pages in at every batch, which costs more than the words (nothing
+        # holds the old words: a draw uses its view before the next draw of the thread).
+        array, words = host_words(k0, k1, first, size, buffer.array), buffer.words
+    else:
+        array = host_words(k0, k1, first, size)
+        with torch.inference_mode(False):  # a buffer made in inference mode serves draws outside it too
+            words = torch.from_numpy(array.view(np.int64))
     if len(buffers) >= _READAHEAD_KEYS:
         del buffers[next(iter(buffers))]
     buffer = buffers[key] = _Buffer(first, words, array)
@@ -676,19 +717,43 @@ class Bound(NamedTuple):
     scalars: tuple[float | int, ...]
 
 
-def fill_small(
+def host_fill_serves(transform: Transform, dtype: torch.dtype, numel: int, out: torch.Tensor | None) -> bool:
+    """Whether :func:`fill_host` serves an eager CPU draw of ``numel > 0`` elements (into ``out``, if given).
+
+    It serves every draw of at most :data:`SMALL_NUMEL` elements (words from the readahead),
+    and, where the compiled loop was built, a Bernoulli draw of any size into a contiguous
+    float32, float64 or bool tensor (words and compare in one pass, no words in memory).
+    """
+    if numel <= SMALL_NUMEL:
+        return True
+    return (
+        transform is BERNOULLI
+        and _cphilox is not None
+        and dtype in _NUMPY_DTYPES
+        and (out is None or (out.is_contiguous() and not out.requires_grad))
+    )
+
+
+def fill_host(
     transform: Transform, scalars: Scalars, param_dtypes: Sequence[torch.dtype], key: int, start: int, out: torch.Tensor
 ) -> None:
-    """Write the values of global indices ``start, ..., start + out.numel() - 1`` into ``out`` (CPU, at most
-    ``4 * SMALL_BLOCKS - 6`` elements, any strides): the eager path of a small draw, words from the readahead.
+    """Write the values of global indices ``start, ..., start + out.numel() - 1`` into ``out``, a CPU
+    tensor that :func:`host_fill_serves` accepts: the eager path of host draws whose cost is their
+    fixed cost, and of Bernoulli draws (dropout's noise) where the compiled loop was built.
 
-    What :class:`Kernel` and :mod:`hyperrng.philox._shards` do for a one-run draw, in a few steps: a
-    small draw's cost is its fixed cost.
+    What :class:`Kernel` and :mod:`hyperrng.philox._shards` do for a one-run draw, in a few steps:
+    a Bernoulli draw into a contiguous float32, float64 or bool tensor by the compiled loop in one
+    pass; any other draw (at most :data:`SMALL_NUMEL` elements, any strides) from the readahead's
+    words (:func:`readahead_words`).
     """
     n = out.numel()
+    k0, k1 = key & _MASK32, key >> _HALF_SHIFT
+    if transform is BERNOULLI and _cphilox is not None and out.dtype in _NUMPY_DTYPES:
+        if out.is_contiguous() and not out.requires_grad:  # dropout's noise: words and compare in one pass
+            _cphilox.bernoulli(out.numpy(), k0, k1, start, scalars[0])
+            return
     lane, first = start % WORDS_PER_BLOCK, start // WORDS_PER_BLOCK
     blocks = (lane + n + WORDS_PER_BLOCK - 1) // WORDS_PER_BLOCK
-    k0, k1 = key & _MASK32, key >> _HALF_SHIFT
     bound, mask = _small_setup(transform, tuple(scalars), tuple(param_dtypes))
     whole = lane == 0 and blocks * WORDS_PER_BLOCK == n and out.is_contiguous()
     if whole and transform is BERNOULLI and out.dtype in _NUMPY_DTYPES and not out.requires_grad:

@@ -1,0 +1,235 @@
+/*
+ * Philox4x32-10 words on the host CPU, for hyperrng.philox's torch backend.
+ *
+ * words(out, k0, k1, first): block first + i of key (k0, k1) into column i of out, a
+ * C-contiguous uint64 buffer of shape (4, m) (row w holds word w of every block, each below
+ * 2**32), exactly what hyperrng.philox._torch computes with NumPy when this module is absent.
+ * bernoulli(out, k0, k1, start, threshold): element j of out (float32, float64 or bool)
+ * becomes 1 where the word of global index start + j (lane j % 4 of block j // 4, as every
+ * portable draw reads it) is below threshold: a small dropout's noise in one pass. The counter of block b is (b mod 2**32, b div 2**32, 0, 0); each round multiplies
+ * words 0 and 2 by M0 and M1, and the high halves XORed with words 3 and 1 and the round
+ * keys become words 2 and 0, the low halves words 3 and 1 (Salmon et al., SC'11; Random123).
+ *
+ * Optional: setup.py builds it where a C compiler is present, and the NumPy path serves the
+ * same words everywhere else (tests/test_philox_host.py proves the two equal).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+#define PHILOX_ROUNDS 10
+#define RELEASE_GIL_BLOCKS 4096 /* below this the loop is shorter than a GIL hand-over */
+
+/* The four words of block `block` of key (k0, k1). */
+static inline void
+philox_block(uint64_t block, uint32_t k0, uint32_t k1, uint32_t out[4])
+{
+    uint32_t c0 = (uint32_t)block, c1 = (uint32_t)(block >> 32), c2 = 0, c3 = 0;
+    for (int r = 0; r < PHILOX_ROUNDS; r++) {
+        uint64_t p0 = (uint64_t)PHILOX_M0 * c0, p1 = (uint64_t)PHILOX_M1 * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c1 = (uint32_t)p1;
+        c3 = (uint32_t)p0;
+        c0 = n0;
+        c2 = n2;
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+static void
+philox_words(uint64_t *out, Py_ssize_t m, uint32_t k0, uint32_t k1, uint64_t first)
+{
+    uint32_t w[4];
+    for (Py_ssize_t i = 0; i < m; i++) {
+        philox_block(first + (uint64_t)i, k0, k1, w);
+        out[i] = w[0];
+        out[m + i] = w[1];
+        out[2 * m + i] = w[2];
+        out[3 * m + i] = w[3];
+    }
+}
+
+/* Element j of out is 1 where the word of global index start + j is below threshold, else 0. */
+#define BERNOULLI_LOOP(type)                                                                  \
+    do {                                                                                      \
+        type *dst = (type *)out;                                                              \
+        uint32_t w[4];                                                                        \
+        uint64_t index = start;                                                               \
+        for (Py_ssize_t j = 0; j < n;) {                                                      \
+            philox_block(index >> 2, k0, k1, w);                                              \
+            for (unsigned lane = (unsigned)(index & 3); lane < 4 && j < n; lane++, j++, index++) { \
+                dst[j] = (type)(w[lane] < threshold);                                         \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+static void
+philox_bernoulli(void *out, char kind, Py_ssize_t n, uint32_t k0, uint32_t k1, uint64_t start, uint64_t threshold)
+{
+    if (kind == 'f') {
+        BERNOULLI_LOOP(float);
+    } else if (kind == 'd') {
+        BERNOULLI_LOOP(double);
+    } else {
+        BERNOULLI_LOOP(unsigned char);
+    }
+}
+
+/* Whether a buffer format names an unsigned 64-bit integer ("Q", or "L" where long has 8 bytes). */
+static int
+is_uint64_format(const char *format)
+{
+    if (format == NULL) {
+        return 0;
+    }
+    if (*format == '<' || *format == '=' || *format == '@') {
+        format++;
+    }
+    return strcmp(format, "Q") == 0 || (strcmp(format, "L") == 0 && sizeof(unsigned long) == 8);
+}
+
+static PyObject *
+words(PyObject *self, PyObject *args)
+{
+    PyObject *target;
+    unsigned long long k0, k1, first;
+    if (!PyArg_ParseTuple(args, "OKKK:words", &target, &k0, &k1, &first)) {
+        return NULL;
+    }
+    if (k0 > 0xFFFFFFFFull || k1 > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_ValueError, "words: key words must be below 2**32");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(target, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int uint64 = view.itemsize == 8 && is_uint64_format(view.format);
+    if (!uint64 || view.len % 32 != 0) {
+        PyErr_SetString(PyExc_ValueError, "words: out must be a writable C-contiguous uint64 buffer of shape (4, m)");
+        goto done;
+    }
+    Py_ssize_t m = view.len / 32;
+    if (m > 0 && first > UINT64_MAX - (unsigned long long)(m - 1)) {
+        PyErr_SetString(PyExc_ValueError, "words: block indices must stay below 2**64");
+        goto done;
+    }
+    if (m >= RELEASE_GIL_BLOCKS) {
+        Py_BEGIN_ALLOW_THREADS
+        philox_words((uint64_t *)view.buf, m, (uint32_t)k0, (uint32_t)k1, (uint64_t)first);
+        Py_END_ALLOW_THREADS
+    } else {
+        philox_words((uint64_t *)view.buf, m, (uint32_t)k0, (uint32_t)k1, (uint64_t)first);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* The element kind of a buffer format: 'f' (float32), 'd' (float64), '?' (bool), or 0. */
+static char
+element_kind(const char *format, Py_ssize_t itemsize)
+{
+    if (format == NULL) {
+        return 0;
+    }
+    if (*format == '<' || *format == '=' || *format == '@') {
+        format++;
+    }
+    if (format[0] == 0 || format[1] != 0) {
+        return 0;
+    }
+    if ((format[0] == 'f' && itemsize == 4) || (format[0] == 'd' && itemsize == 8) || (format[0] == '?' && itemsize == 1)) {
+        return format[0];
+    }
+    return 0;
+}
+
+static PyObject *
+bernoulli(PyObject *self, PyObject *args)
+{
+    PyObject *target;
+    unsigned long long k0, k1, start, threshold;
+    if (!PyArg_ParseTuple(args, "OKKKK:bernoulli", &target, &k0, &k1, &start, &threshold)) {
+        return NULL;
+    }
+    if (k0 > 0xFFFFFFFFull || k1 > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_ValueError, "bernoulli: key words must be below 2**32");
+        return NULL;
+    }
+    if (threshold > 0x100000000ull) {
+        PyErr_SetString(PyExc_ValueError, "bernoulli: the threshold must be at most 2**32");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(target, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    char kind = element_kind(view.format, view.itemsize);
+    if (kind == 0) {
+        PyErr_SetString(PyExc_ValueError, "bernoulli: out must be a writable C-contiguous float32, float64 or bool buffer");
+        goto done;
+    }
+    Py_ssize_t n = view.len / view.itemsize;
+    if (n > 0 && start > UINT64_MAX - (unsigned long long)(n - 1)) {
+        PyErr_SetString(PyExc_ValueError, "bernoulli: global indices must stay below 2**64");
+        goto done;
+    }
+    if (n >= 4 * RELEASE_GIL_BLOCKS) {
+        Py_BEGIN_ALLOW_THREADS
+        philox_bernoulli(view.buf, kind, n, (uint32_t)k0, (uint32_t)k1, (uint64_t)start, (uint64_t)threshold);
+        Py_END_ALLOW_THREADS
+    } else {
+        philox_bernoulli(view.buf, kind, n, (uint32_t)k0, (uint32_t)k1, (uint64_t)start, (uint64_t)threshold);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"words", words, METH_VARARGS,
+     "words(out, k0, k1, first): Philox4x32-10 words of blocks first, first + 1, ... of key (k0, k1) into the\n"
+     "C-contiguous uint64 buffer out of shape (4, m), row w holding word w of each block."},
+    {"bernoulli", bernoulli, METH_VARARGS,
+     "bernoulli(out, k0, k1, start, threshold): element j of the C-contiguous float32, float64 or bool\n"
+     "buffer out becomes 1 where the Philox word of global index start + j under key (k0, k1) is below\n"
+     "threshold (at most 2**32), else 0."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyModuleDef_Slot slots[] = {
+#ifdef Py_GIL_DISABLED
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED}, /* no state: each call writes only its own buffer */
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "hyperrng.philox._cphilox",
+    .m_doc = "Philox4x32-10 words on the host CPU (optional; NumPy computes the same words without it).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = slots,
+};
+
+PyMODINIT_FUNC
+PyInit__cphilox(void)
+{
+    return PyModuleDef_Init(&module);
+}
