@@ -66,7 +66,8 @@ def test_compiled_and_numpy_words_agree_on_long_runs(m: int) -> None:
         (lambda: np.zeros((4, 8), dtype=np.int64), "uint64"),  # signed words
         (lambda: np.zeros((4, 8), dtype=np.uint32), "uint64"),
         (lambda: np.zeros((8, 4), dtype=np.uint64).T, "contiguous"),  # not C-contiguous
-        (lambda: np.zeros(6, dtype=np.uint64), "uint64"),  # not a whole number of blocks
+        (lambda: np.zeros(6, dtype=np.uint64), "shape (4, m)"),  # not rows of words
+        (lambda: np.zeros((2, 8), dtype=np.uint64), "shape (4, m)"),
         (lambda: bytes(256), "writable"),  # read-only
     ],
 )

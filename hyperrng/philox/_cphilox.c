@@ -116,11 +116,11 @@ words(PyObject *self, PyObject *args)
     }
     PyObject *result = NULL;
     int uint64 = view.itemsize == 8 && is_uint64_format(view.format);
-    if (!uint64 || view.len % 32 != 0) {
+    if (!uint64 || view.ndim != 2 || view.shape == NULL || view.shape[0] != 4) {
         PyErr_SetString(PyExc_ValueError, "words: out must be a writable C-contiguous uint64 buffer of shape (4, m)");
         goto done;
     }
-    Py_ssize_t m = view.len / 32;
+    Py_ssize_t m = view.shape[1];
     if (m > 0 && first > UINT64_MAX - (unsigned long long)(m - 1)) {
         PyErr_SetString(PyExc_ValueError, "words: block indices must stay below 2**64");
         goto done;
