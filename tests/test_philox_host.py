@@ -52,7 +52,7 @@ def test_compiled_words_are_the_philox_words_of_their_blocks(k0: int, k1: int, f
 
 
 @compiled
-@pytest.mark.parametrize("m", [0, 1, 4095, 4096, 4097])  # 4096 blocks and more run without the GIL
+@pytest.mark.parametrize("m", [0, 1, 4095, 4096, 4097])  # 4096 blocks (16,384 words) and more run without the GIL
 def test_compiled_and_numpy_words_agree_on_long_runs(m: int) -> None:
     rng = random.Random(m)
     k0, k1, first = rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(40)

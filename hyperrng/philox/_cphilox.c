@@ -23,7 +23,7 @@
 #define PHILOX_W0 0x9E3779B9u
 #define PHILOX_W1 0xBB67AE85u
 #define PHILOX_ROUNDS 10
-#define RELEASE_GIL_BLOCKS 4096 /* below this the loop is shorter than a GIL hand-over */
+#define RELEASE_GIL_WORDS 16384 /* fewer take less time than handing the GIL to another thread and back */
 
 /* The four words of block `block` of key (k0, k1). */
 static inline void
@@ -85,63 +85,11 @@ philox_bernoulli(void *out, char kind, Py_ssize_t n, uint32_t k0, uint32_t k1, u
     }
 }
 
-/* Whether a buffer format names an unsigned 64-bit integer ("Q", or "L" where long has 8 bytes). */
-static int
-is_uint64_format(const char *format)
-{
-    if (format == NULL) {
-        return 0;
-    }
-    if (*format == '<' || *format == '=' || *format == '@') {
-        format++;
-    }
-    return strcmp(format, "Q") == 0 || (strcmp(format, "L") == 0 && sizeof(unsigned long) == 8);
-}
-
-static PyObject *
-words(PyObject *self, PyObject *args)
-{
-    PyObject *target;
-    unsigned long long k0, k1, first;
-    if (!PyArg_ParseTuple(args, "OKKK:words", &target, &k0, &k1, &first)) {
-        return NULL;
-    }
-    if (k0 > 0xFFFFFFFFull || k1 > 0xFFFFFFFFull) {
-        PyErr_SetString(PyExc_ValueError, "words: key words must be below 2**32");
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(target, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    int uint64 = view.itemsize == 8 && is_uint64_format(view.format);
-    if (!uint64 || view.ndim != 2 || view.shape == NULL || view.shape[0] != 4) {
-        PyErr_SetString(PyExc_ValueError, "words: out must be a writable C-contiguous uint64 buffer of shape (4, m)");
-        goto done;
-    }
-    Py_ssize_t m = view.shape[1];
-    if (m > 0 && first > UINT64_MAX - (unsigned long long)(m - 1)) {
-        PyErr_SetString(PyExc_ValueError, "words: block indices must stay below 2**64");
-        goto done;
-    }
-    if (m >= RELEASE_GIL_BLOCKS) {
-        Py_BEGIN_ALLOW_THREADS
-        philox_words((uint64_t *)view.buf, m, (uint32_t)k0, (uint32_t)k1, (uint64_t)first);
-        Py_END_ALLOW_THREADS
-    } else {
-        philox_words((uint64_t *)view.buf, m, (uint32_t)k0, (uint32_t)k1, (uint64_t)first);
-    }
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&view);
-    return result;
-}
-
-/* The element kind of a buffer format: 'f' (float32), 'd' (float64), '?' (bool), or 0. */
+/* The element kind of a buffer: 'Q' (uint64), 'f' (float32), 'd' (float64), '?' (bool), or 0. */
 static char
-element_kind(const char *format, Py_ssize_t itemsize)
+element_kind(const Py_buffer *view)
 {
+    const char *format = view->format;
     if (format == NULL) {
         return 0;
     }
@@ -151,10 +99,78 @@ element_kind(const char *format, Py_ssize_t itemsize)
     if (format[0] == 0 || format[1] != 0) {
         return 0;
     }
-    if ((format[0] == 'f' && itemsize == 4) || (format[0] == 'd' && itemsize == 8) || (format[0] == '?' && itemsize == 1)) {
-        return format[0];
+    switch (format[0]) {
+    case 'Q':
+        return view->itemsize == 8 ? 'Q' : 0;
+    case 'L':
+        return view->itemsize == 8 && sizeof(unsigned long) == 8 ? 'Q' : 0;
+    case 'f':
+        return view->itemsize == 4 ? 'f' : 0;
+    case 'd':
+        return view->itemsize == 8 ? 'd' : 0;
+    case '?':
+        return view->itemsize == 1 ? '?' : 0;
+    default:
+        return 0;
+    }
+}
+
+/* Check the key words and open `target` as a writable C-contiguous buffer of one of `kinds`; 0 with the buffer open, or -1 with an exception set and nothing open. */
+static int
+open_target(const char *name, PyObject *target, unsigned long long k0, unsigned long long k1, const char *kinds,
+            const char *expected, Py_buffer *view)
+{
+    if (k0 > 0xFFFFFFFFull || k1 > 0xFFFFFFFFull) {
+        PyErr_Format(PyExc_ValueError, "%s: key words must be below 2**32", name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(target, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    char kind = element_kind(view);
+    if (kind == 0 || strchr(kinds, kind) == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: out must be a writable C-contiguous %s", name, expected);
+        PyBuffer_Release(view);
+        return -1;
     }
     return 0;
+}
+
+/* Whether `count` items from `first` stay below 2**64, else -1 with an exception set. */
+static int
+check_end(const char *name, const char *what, unsigned long long first, Py_ssize_t count)
+{
+    if (count > 0 && first > UINT64_MAX - (unsigned long long)(count - 1)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must stay below 2**64", name, what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+words(PyObject *self, PyObject *args)
+{
+    PyObject *target;
+    unsigned long long k0, k1, first;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OKKK:words", &target, &k0, &k1, &first)
+        || open_target("words", target, k0, k1, "Q", "uint64 buffer of shape (4, m)", &view) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (view.ndim != 2 || view.shape == NULL || view.shape[0] != 4) {
+        PyErr_SetString(PyExc_ValueError, "words: out must be a writable C-contiguous uint64 buffer of shape (4, m)");
+    } else if (check_end("words", "block indices", first, view.shape[1]) == 0) {
+        Py_ssize_t m = view.shape[1];
+        PyThreadState *released = 4 * m >= RELEASE_GIL_WORDS ? PyEval_SaveThread() : NULL; /* the buffer stays held */
+        philox_words((uint64_t *)view.buf, m, (uint32_t)k0, (uint32_t)k1, (uint64_t)first);
+        if (released != NULL) {
+            PyEval_RestoreThread(released);
+        }
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&view);
+    return result;
 }
 
 static PyObject *
@@ -162,41 +178,28 @@ bernoulli(PyObject *self, PyObject *args)
 {
     PyObject *target;
     unsigned long long k0, k1, start, threshold;
+    Py_buffer view;
     if (!PyArg_ParseTuple(args, "OKKKK:bernoulli", &target, &k0, &k1, &start, &threshold)) {
-        return NULL;
-    }
-    if (k0 > 0xFFFFFFFFull || k1 > 0xFFFFFFFFull) {
-        PyErr_SetString(PyExc_ValueError, "bernoulli: key words must be below 2**32");
         return NULL;
     }
     if (threshold > 0x100000000ull) {
         PyErr_SetString(PyExc_ValueError, "bernoulli: the threshold must be at most 2**32");
         return NULL;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(target, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (open_target("bernoulli", target, k0, k1, "fd?", "float32, float64 or bool buffer", &view) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    char kind = element_kind(view.format, view.itemsize);
-    if (kind == 0) {
-        PyErr_SetString(PyExc_ValueError, "bernoulli: out must be a writable C-contiguous float32, float64 or bool buffer");
-        goto done;
-    }
     Py_ssize_t n = view.len / view.itemsize;
-    if (n > 0 && start > UINT64_MAX - (unsigned long long)(n - 1)) {
-        PyErr_SetString(PyExc_ValueError, "bernoulli: global indices must stay below 2**64");
-        goto done;
-    }
-    if (n >= 4 * RELEASE_GIL_BLOCKS) {
-        Py_BEGIN_ALLOW_THREADS
+    if (check_end("bernoulli", "global indices", start, n) == 0) {
+        char kind = element_kind(&view);
+        PyThreadState *released = n >= RELEASE_GIL_WORDS ? PyEval_SaveThread() : NULL;
         philox_bernoulli(view.buf, kind, n, (uint32_t)k0, (uint32_t)k1, (uint64_t)start, (uint64_t)threshold);
-        Py_END_ALLOW_THREADS
-    } else {
-        philox_bernoulli(view.buf, kind, n, (uint32_t)k0, (uint32_t)k1, (uint64_t)start, (uint64_t)threshold);
+        if (released != NULL) {
+            PyEval_RestoreThread(released);
+        }
+        result = Py_NewRef(Py_None);
     }
-    result = Py_NewRef(Py_None);
-done:
     PyBuffer_Release(&view);
     return result;
 }
