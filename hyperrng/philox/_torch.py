@@ -9,7 +9,9 @@ more than the words, so the words of a key's next blocks are computed in one bat
 to the draws that follow. The batch is computed by a small compiled loop
 (``hyperrng/philox/_cphilox.c``, built at install where a C compiler is present: about 8 ns
 a block) or, without it, by NumPy (about 40 ns a block, sixty array operations per batch);
-:data:`HOST_WORDS` says which.
+:data:`HOST_WORDS` says which. Where the loop was built, a Bernoulli draw of any size into a
+contiguous float32, float64 or bool tensor (dropout's noise) skips the readahead: the loop
+computes each word and writes its comparison in one pass (:func:`fill_host`).
 
 Counter layout: global element index ``j`` lives in Philox block ``j // 4``, lane
 ``j % 4``. The block index is the 64-bit counter held in words 0 (low half) and 1 (high
