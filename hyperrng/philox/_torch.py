@@ -319,21 +319,19 @@ def _numpy_keys(k0: int, k1: int) -> np.ndarray:
     return np.array(keys, dtype=np.uint64)
 
 
-def host_words(k0: int, k1: int, first: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1`` of key ``(k0, k1)`` as ``uint64``
-    (row ``w`` holds word ``w`` of each block), in ``out`` (C-contiguous, ``(4, m)``) or a new array:
-    by the compiled loop where it was built (:data:`HOST_WORDS`), else by :func:`numpy_words`.
-    Both give the same words."""
+def host_words(k0: int, k1: int, first: int, m: int) -> np.ndarray:
+    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1`` of key ``(k0, k1)``, a new ``uint64``
+    array (row ``w`` holds word ``w`` of each block): by the compiled loop where it was built
+    (:data:`HOST_WORDS`), else by :func:`numpy_words`. Both give the same words."""
     if _cphilox is None:
-        return numpy_words(k0, k1, first, m, out)
-    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64) if out is None else out
+        return numpy_words(k0, k1, first, m)
+    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64)
     _cphilox.words(words, k0, k1, first)
     return words
 
 
-def numpy_words(k0: int, k1: int, first: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1``, computed with NumPy on ``uint64``
-    (in ``out`` if given).
+def numpy_words(k0: int, k1: int, first: int, m: int) -> np.ndarray:
+    """The ``(4, m)`` words of blocks ``first, ..., first + m - 1``, computed with NumPy on ``uint64``.
 
     The same integer operations as :func:`_rounds_inplace`, five per round on pairs of rows,
     where NumPy's unsigned 64-bit multiply (a 32-bit word times a 32-bit multiplier never
@@ -342,7 +340,7 @@ def numpy_words(k0: int, k1: int, first: int, m: int, out: np.ndarray | None = N
     keys, are the new words (0, 2); their low halves the new words (3, 1). The pairs are views
     of the result's rows, so the words end where they belong.
     """
-    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64) if out is None else out
+    words = np.empty((WORDS_PER_BLOCK, m), dtype=np.uint64)
     even, odd = words[0::2], words[3::-2]  # rows (0, 2) and (3, 1)
     products, high = _READAHEAD.scratch(m)
     np.add(np.arange(m, dtype=np.uint64), np.uint64(first), out=even[0])
@@ -418,15 +416,9 @@ def _buffer(k0: int, k1: int, first: int, m: int) -> tuple[_Buffer, int]:
         continues = start <= first <= start + held
     size = min(max(2 * m, 2 * held if buffer is not None and continues else 0), READAHEAD_BLOCKS)
     size = max(size, m)
-    if buffer is not None and buffer.array.shape[1] == size:
-        # The key's next batch into the same memory: fresh memory of this size would come from the
-        # system and fault its pages in at every batch, which costs more than the words (nothing
-        # holds the old words: a draw uses its view before the next draw of the thread).
-        array, words = host_words(k0, k1, first, size, buffer.array), buffer.words
-    else:
-        array = host_words(k0, k1, first, size)
-        with torch.inference_mode(False):  # a buffer made in inference mode serves draws outside it too
-            words = torch.from_numpy(array.view(np.int64))
+    array = host_words(k0, k1, first, size)
+    with torch.inference_mode(False):  # a buffer made in inference mode serves draws outside it too
+        words = torch.from_numpy(array.view(np.int64))
     if len(buffers) >= _READAHEAD_KEYS:
         del buffers[next(iter(buffers))]
     buffer = buffers[key] = _Buffer(first, words, array)
