@@ -634,8 +634,15 @@ def _remove_if_abandoned(work: Path) -> None:
     except OSError:  # no lock file (not ours, or another save removing it), or a link
         return
     try:
-        if os.read(fd, len(_LOCK_MAGIC) + 1) != _LOCK_MAGIC or _try_lock(fd) is not True:
-            return  # not made by a save, its save is alive, or no lock can tell
+        # Lock first, at byte 0 where a save locks: on Windows the lock is mandatory and covers the
+        # bytes from the file position, so a read before it would fail on a live save's file.
+        if _try_lock(fd) is not True:
+            return  # its save is alive, or no lock can tell
+        try:
+            if os.read(fd, len(_LOCK_MAGIC) + 1) != _LOCK_MAGIC:
+                return  # not made by a save
+        except OSError:
+            return
         with contextlib.suppress(OSError):
             (work / _DATA_NAME).unlink(missing_ok=True)
             (work / _LOCK_NAME).unlink()
