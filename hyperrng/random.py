@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import hyperrng.platforms as platforms
-from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng._exclusive import LeavesOnExit
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
@@ -63,10 +62,6 @@ class _ForkRNG(LeavesOnExit):
 
     def _held_keys(self) -> list[tuple[str, int]]:
         return [key for _, _, key in self._targets] if self._belows else []
-
-    def _close_inner(self) -> None:
-        for _, _, key in self._targets:
-            _exclusive.leave_inner(self, key)
 
     def _leave(self) -> None:
         targets, belows, saved = self._targets, self._belows, self._saved

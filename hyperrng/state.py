@@ -523,9 +523,14 @@ def _write(state: Mapping[str, Any], data: Path, target: Path) -> None:
         raise _storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
 
 
-def _storage_error(exc: OSError, target: Path, what: str, *, kept: bool = True) -> StorageError:
+def _os_reason(exc: OSError) -> tuple[int, str]:
+    """The errno of a file system's refusal (``EIO`` when it gives none) and its words."""
     code = exc.errno if exc.errno is not None else errno.EIO
-    reason = exc.strerror or str(exc) or os.strerror(code)
+    return code, exc.strerror or str(exc) or os.strerror(code)
+
+
+def _storage_error(exc: OSError, target: Path, what: str, *, kept: bool = True) -> StorageError:
+    code, reason = _os_reason(exc)
     hint = {
         errno.ENOSPC: "free space on that file system or save elsewhere",
         errno.EDQUOT: "free space within your quota or save elsewhere",
@@ -713,8 +718,7 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
             raise _unreadable(path, exc) from exc
-        code = exc.errno if exc.errno is not None else errno.EIO
-        reason = exc.strerror or str(exc) or os.strerror(code)
+        code, reason = _os_reason(exc)
         raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
     except Exception as exc:
         raise _unreadable(path, exc) from exc
