@@ -81,10 +81,8 @@ class _Checkpoint(torch.autograd.Function):
         ctx: Any, function: Callable[..., Any], tracker: RNGStatesTracker, anchor: torch.Tensor, *args: Any
     ) -> Any:
         ctx.function = function
-        ctx.tracker = tracker
-        with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
-            ctx.snapshot = _RNGSnapshot(tracker, targets)
-        ctx.portable = portable_mode.thread_mode()  # the recompute draws as the forward did, on any thread
+        ctx.recorded = _Recorded(tracker)
+        ctx.recorded.record()
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_idx = tensor_idx
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
@@ -101,14 +99,8 @@ class _Checkpoint(torch.autograd.Function):
             x.requires_grad_(t.requires_grad)
             args[i] = x
             inputs.append(x)
-        with _Holding() as targets:
-            now = _RNGSnapshot(ctx.tracker, targets)
-            try:
-                ctx.snapshot.restore(ctx.tracker)
-                with torch.enable_grad(), portable_mode.mode_applied(ctx.portable):
-                    outputs = ctx.function(*args)
-            finally:
-                _exclusive.redo(now.restore, ctx.tracker)
+        with _replaying(ctx.recorded), torch.enable_grad():
+            outputs = ctx.function(*args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -161,6 +153,26 @@ class _Recorded:
         self.snapshot: _RNGSnapshot | None = None
         self.portable: bool | None = None
 
+    def record(self) -> None:
+        """Record the states the block may draw from, and whether it draws portably."""
+        with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
+            self.snapshot = _RNGSnapshot(self.tracker, targets)
+        self.portable = portable_mode.thread_mode()  # the recompute draws as the forward did, on any thread
+
+
+def _replaying(recorded: _Recorded) -> ExitStack:
+    """Entered: the generators held, the recorded states put back, drawing as the forward did (portable
+    mode included). Its exit restores the states it found, then releases the holds."""
+    assert recorded.snapshot is not None
+    tracker = recorded.tracker
+    with ExitStack() as stack:
+        targets = stack.enter_context(_Holding())
+        now = _RNGSnapshot(tracker, targets)
+        stack.callback(_exclusive.redo, now.restore, tracker)  # runs before the holds are released
+        recorded.snapshot.restore(tracker)
+        stack.enter_context(portable_mode.mode_applied(recorded.portable))
+        return stack.pop_all()
+
 
 class _ForwardContext:
     """Records every state the block may draw from, then enters the composed forward context."""
@@ -171,10 +183,7 @@ class _ForwardContext:
         self._recorded, self._inner = recorded, inner
 
     def __enter__(self) -> None:
-        recorded = self._recorded
-        with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
-            recorded.snapshot = _RNGSnapshot(recorded.tracker, targets)
-        recorded.portable = portable_mode.thread_mode()
+        self._recorded.record()
         if self._inner is not None:
             self._inner.__enter__()
 
@@ -200,13 +209,8 @@ class _RecomputeContext:
                 "pass checkpoint_context (or a function returning its pair) as torch.utils.checkpoint's context_fn.",
                 reason="tracker",
             )
-        tracker = recorded.tracker
         with ExitStack() as stack:
-            targets = stack.enter_context(_Holding())
-            now = _RNGSnapshot(tracker, targets)
-            stack.callback(_exclusive.redo, now.restore, tracker)  # runs before the holds are released
-            recorded.snapshot.restore(tracker)
-            stack.enter_context(portable_mode.mode_applied(recorded.portable))
+            stack.enter_context(_replaying(recorded))
             if self._inner is not None:
                 stack.enter_context(self._inner)
             self._stack = stack.pop_all()
