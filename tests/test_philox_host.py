@@ -93,6 +93,18 @@ def test_compiled_words_refuse_keys_and_blocks_out_of_range_and_write_nothing(ar
     assert (out == 7).all()
 
 
+@compiled
+@pytest.mark.parametrize("name", ["words", "bernoulli"])
+@pytest.mark.parametrize("bad", [-1, 2**64 + 5])
+def test_compiled_functions_refuse_numbers_outside_64_bits_instead_of_wrapping_them(name: str, bad: int) -> None:
+    out = np.full((4, 4), 7, dtype=np.uint64) if name == "words" else np.full(4, 7.0, dtype=np.float32)
+    args = [0, 0, 0] if name == "words" else [0, 0, 0, 5]
+    for i in range(len(args)):
+        with pytest.raises(OverflowError):
+            getattr(kernels._cphilox, name)(out, *args[:i], bad, *args[i + 1 :])
+    assert (out == 7).all()
+
+
 @pytest.fixture(params=["compiled", "numpy"])
 def word_source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each word source in turn, with this thread's readahead emptied so the draw computes its words."""

@@ -10,8 +10,9 @@
  * words 0 and 2 by M0 and M1, and the high halves XORed with words 3 and 1 and the round
  * keys become words 2 and 0, the low halves words 3 and 1 (Salmon et al., SC'11; Random123).
  *
- * Optional: setup.py builds it where a C compiler is present, and the NumPy path serves the
- * same words everywhere else (tests/test_philox_host.py proves the two equal).
+ * Optional: the install builds it where a C compiler is present (pyproject.toml's ext-modules),
+ * and the NumPy path serves the same words everywhere else (tests/test_philox_host.py proves the
+ * two equal).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -115,6 +116,18 @@ element_kind(const Py_buffer *view)
     }
 }
 
+/* A PyArg converter: an int in [0, 2**64 - 1], refused (OverflowError, TypeError) rather than wrapped. */
+static int
+to_u64(PyObject *obj, void *out)
+{
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        return 0;
+    }
+    *(unsigned long long *)out = value;
+    return 1;
+}
+
 /* Check the key words and open `target` as a writable C-contiguous buffer of one of `kinds`; 0 with the buffer open, or -1 with an exception set and nothing open. */
 static int
 open_target(const char *name, PyObject *target, unsigned long long k0, unsigned long long k1, const char *kinds,
@@ -153,7 +166,7 @@ words(PyObject *self, PyObject *args)
     PyObject *target;
     unsigned long long k0, k1, first;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OKKK:words", &target, &k0, &k1, &first)
+    if (!PyArg_ParseTuple(args, "OO&O&O&:words", &target, to_u64, &k0, to_u64, &k1, to_u64, &first)
         || open_target("words", target, k0, k1, "Q", "uint64 buffer of shape (4, m)", &view) < 0) {
         return NULL;
     }
@@ -179,7 +192,8 @@ bernoulli(PyObject *self, PyObject *args)
     PyObject *target;
     unsigned long long k0, k1, start, threshold;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OKKKK:bernoulli", &target, &k0, &k1, &start, &threshold)) {
+    if (!PyArg_ParseTuple(args, "OO&O&O&O&:bernoulli", &target, to_u64, &k0, to_u64, &k1, to_u64, &start, to_u64,
+                          &threshold)) {
         return NULL;
     }
     if (threshold > 0x100000000ull) {
