@@ -718,11 +718,14 @@ def host_fill_serves(transform: Transform, dtype: torch.dtype, numel: int, out: 
     and, where the compiled loop was built, a Bernoulli draw of any size into a contiguous
     float32, float64 or bool tensor (words and compare in one pass, no words in memory).
     """
-    if numel <= SMALL_NUMEL:
-        return True
+    return numel <= SMALL_NUMEL or (_cphilox is not None and _one_pass(transform, dtype, out))
+
+
+def _one_pass(transform: Transform, dtype: torch.dtype, out: torch.Tensor | None) -> bool:
+    """Whether a Bernoulli draw goes into a tensor that NumPy can write in place: contiguous
+    float32, float64 or bool, not requiring grad (``None``: a new tensor)."""
     return (
         transform is BERNOULLI
-        and _cphilox is not None
         and dtype in _NUMPY_DTYPES
         and (out is None or (out.is_contiguous() and not out.requires_grad))
     )
@@ -742,15 +745,15 @@ def fill_host(
     """
     n = out.numel()
     k0, k1 = key & _MASK32, key >> _HALF_SHIFT
-    if transform is BERNOULLI and _cphilox is not None and out.dtype in _NUMPY_DTYPES:
-        if out.is_contiguous() and not out.requires_grad:  # dropout's noise: words and compare in one pass
-            _cphilox.bernoulli(out.numpy(), k0, k1, start, scalars[0])
-            return
+    one_pass = _one_pass(transform, out.dtype, out)
+    if one_pass and _cphilox is not None:  # dropout's noise: words and compare in one pass
+        _cphilox.bernoulli(out.numpy(), k0, k1, start, scalars[0])
+        return
     lane, first = start % WORDS_PER_BLOCK, start // WORDS_PER_BLOCK
     blocks = (lane + n + WORDS_PER_BLOCK - 1) // WORDS_PER_BLOCK
     bound, mask = _small_setup(transform, tuple(scalars), tuple(param_dtypes))
     whole = lane == 0 and blocks * WORDS_PER_BLOCK == n and out.is_contiguous()
-    if whole and transform is BERNOULLI and out.dtype in _NUMPY_DTYPES and not out.requires_grad:
+    if one_pass and whole:
         # dropout's noise: one NumPy comparison straight into the result, a third of torch's cost here
         words_np = readahead_array(k0, k1, first, blocks)
         np.less(words_np.T, np.uint64(scalars[0]), out=out.numpy().reshape(blocks, WORDS_PER_BLOCK))
