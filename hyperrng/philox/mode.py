@@ -113,6 +113,7 @@ from hyperrng.errors import InvalidArgumentError
 from hyperrng.philox._ops import PORTABLE_OPS, THREAD, Entry, pop, push, register, registered, unsupported_ops
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.sharded import ShardedRNGTracker
+from hyperrng.sharded import _dtensor_random_module as dtensor_random_module
 
 __all__ = [
     "PORTABLE_OPS",
@@ -182,17 +183,13 @@ class _DTensorRouting:
 
 def _dtensor_random_module() -> Any:
     """DTensor's RNG module when DTensor is in use (imported, or a process group is up), else ``None``."""
-    loaded = sys.modules.get("torch.distributed.tensor._random")  # the usual case once DTensor is in use
-    if loaded is not None:
-        return loaded if hasattr(loaded, "_rng_tracker") else None
     dist = torch.distributed
     if "torch.distributed.tensor" not in sys.modules and not (dist.is_available() and dist.is_initialized()):
         return None
     try:
-        from torch.distributed.tensor import _random
-    except ImportError:  # a torch built without distributed tensors
+        return dtensor_random_module()
+    except InvalidArgumentError:  # a torch without DTensor's RNG hook: nothing to route
         return None
-    return _random if hasattr(_random, "_rng_tracker") else None
 
 
 def _is_hyperrng_adapter(tracker: object) -> bool:
