@@ -238,17 +238,25 @@ def test_torch_checkpoint_replays_a_sharded_regions_dropout_on_the_cpu() -> None
     assert plain[2] == recomputed[2]
 
 
+def _dropout_layer(t: torch.Tensor) -> torch.Tensor:
+    return F.dropout(t, p=0.5, training=True) * 3.0
+
+
+def _portable_first_op(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_dropout_layer` of ``x`` as the first op at portable position (11, 0)."""
+    import hyperrng
+
+    with hyperrng.portable_random(11):
+        return _dropout_layer(x.detach()).detach()
+
+
 @pytest.mark.needs_portable_mode
 def test_a_recompute_after_portable_mode_has_exited_draws_the_forwards_portable_numbers() -> None:
     import hyperrng
 
     x = torch.ones(64, requires_grad=True)
-
-    def layer(t: torch.Tensor) -> torch.Tensor:
-        return F.dropout(t, p=0.5, training=True) * 3.0
-
-    with hyperrng.portable_random(11):
-        expected = layer(x.detach()).detach()  # the portable mask of the first op at (11, 0)
+    layer = _dropout_layer
+    expected = _portable_first_op(x)  # the portable mask of the first op at (11, 0)
     with hyperrng.portable_random(11):
         out = checkpoint(layer, x)
     assert torch.equal(out.detach(), expected)
@@ -345,12 +353,8 @@ def test_the_context_replays_a_sharded_region_and_a_fork_inside_one_block(platfo
 @pytest.mark.needs_portable_mode
 def test_the_context_recomputes_in_portable_mode_after_the_mode_has_exited() -> None:
     x = torch.ones(64, requires_grad=True)
-
-    def layer(t: torch.Tensor) -> torch.Tensor:
-        return F.dropout(t, p=0.5, training=True) * 3.0
-
-    with hyperrng.portable_random(11):
-        expected = layer(x.detach()).detach()
+    layer = _dropout_layer
+    expected = _portable_first_op(x)
     with hyperrng.portable_random(11):
         out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context)
     out.sum().backward()  # torch's recompute, after the context: the mask must be the forward's portable one
