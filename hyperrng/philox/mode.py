@@ -183,6 +183,9 @@ class _DTensorRouting:
 
 def _dtensor_random_module() -> Any:
     """DTensor's RNG module when DTensor is in use (imported, or a process group is up), else ``None``."""
+    loaded = sys.modules.get("torch.distributed.tensor._random")  # every outermost entry asks: no call beyond this
+    if loaded is not None:
+        return loaded if hasattr(loaded, "_rng_tracker") else None
     dist = torch.distributed
     if "torch.distributed.tensor" not in sys.modules and not (dist.is_available() and dist.is_initialized()):
         return None
