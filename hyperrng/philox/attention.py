@@ -663,6 +663,30 @@ def _triton_backward(
 # -- autograd ------------------------------------------------------------------------------------
 
 
+def _forward(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and the per-row logsumexp of ``plan``, by the implementation it chose."""
+    if plan.kernels is None:
+        return _torch_forward(plan, q, k, v, mask)
+    return _triton_forward(plan, q, k, v, mask)
+
+
+def _backward(
+    plan: _Plan,
+    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    grad: torch.Tensor,
+    mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradients of ``q``, ``k``, ``v`` and (torch implementation, ``mask_grad``) an additive mask, from
+    ``saved = (q, k, v, mask, out, lse)``: the probabilities and the dropout mask are recomputed."""
+    q, k, v, mask, out, lse = saved
+    if plan.kernels is None:
+        return _torch_backward(plan, q, k, v, mask, out, lse, grad, mask_grad)
+    dq, dk, dv = _triton_backward(plan, q, k, v, mask, out, lse, grad)
+    return dq, dk, dv, None
+
+
 class _Attention(torch.autograd.Function):
     """Attention whose backward recomputes the probabilities and the dropout mask from the saved inputs."""
 
@@ -675,10 +699,7 @@ class _Attention(torch.autograd.Function):
         mask: torch.Tensor | None,
         plan: _Plan,
     ) -> torch.Tensor:
-        if plan.kernels is None:
-            out, lse = _torch_forward(plan, q, k, v, mask)
-        else:
-            out, lse = _triton_forward(plan, q, k, v, mask)
+        out, lse = _forward(plan, q, k, v, mask)
         ctx.save_for_backward(q, k, v, mask, out, lse)  # type: ignore[arg-type]  # None is allowed
         ctx.plan = plan  # type: ignore[attr-defined]
         return out
@@ -686,13 +707,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        plan: _Plan = ctx.plan
-        if plan.kernels is None:
-            dq, dk, dv, dmask = _torch_backward(plan, q, k, v, mask, out, lse, grad, ctx.needs_input_grad[3])
-        else:
-            dq, dk, dv = _triton_backward(plan, q, k, v, mask, out, lse, grad)
-            dmask = None
+        dq, dk, dv, dmask = _backward(ctx.plan, ctx.saved_tensors, grad, ctx.needs_input_grad[3])
         return dq, dk, dv, dmask, None
 
 
@@ -763,16 +778,50 @@ def scaled_dot_product_attention(
 
     Every argument is checked before anything is computed; on an error nothing has changed.
     """
+    plan, mask = _plan(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        philox_key,
+        offset,
+        global_shape,
+        shard,
+        backend,
+    )
+    return _Attention.apply(query, key, value, mask, plan)  # type: ignore[no-any-return]
+
+
+def _plan(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    philox_key: int | None,
+    offset: int,
+    global_shape: Sequence[int] | None,
+    shard: Sequence[slice] | None,
+    backend: str,
+) -> tuple[_Plan, torch.Tensor | None]:
+    """The checked plan of a call of :func:`scaled_dot_product_attention` and the mask its implementation
+    takes (a bool mask made additive for the Triton kernels): the same for the same arguments."""
     problem, mask = _check_problem(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     p = _check_dropout_p(dropout_p)
     block = _check_block(problem, global_shape, shard)
     dropout = _check_position(p, philox_key, offset, block)
     chosen = _choose(backend, problem, block, (query, key, value), mask)
     if chosen == "torch":
-        plan = _Plan(problem, block, dropout, None)
-        return _Attention.apply(query, key, value, mask, plan)  # type: ignore[no-any-return]
+        return _Plan(problem, block, dropout, None), mask
     interpret = problem.device.type == "cpu"
     plan = _Plan(problem, block, dropout, _kernels(interpret), interpret)
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=problem.dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-    return _Attention.apply(query, key, value, mask, plan)  # type: ignore[no-any-return]
+    return plan, mask
