@@ -62,6 +62,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_npu = _has_npu() if need_npu else False
     sim, local_tensor = _features.feature("sim"), _features.feature("local-tensor")
     portable_mode, user_generator = _features.feature("portable-mode"), _features.feature("user-generator")
+    portable_compile = _features.feature("portable-compile")
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
@@ -74,6 +75,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or item.path.name.startswith("test_portable_mode")
         ):
             item.add_marker(pytest.mark.skip(reason=portable_mode.refusal()))
+        if not portable_compile.available and item.get_closest_marker("needs_portable_compile") is not None:
+            item.add_marker(pytest.mark.skip(reason=portable_compile.refusal()))
         if not local_tensor.available and item.get_closest_marker("needs_local_tensor") is not None:
             item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
         if not user_generator.available and item.get_closest_marker("needs_user_generator") is not None:

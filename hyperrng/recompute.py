@@ -28,6 +28,7 @@ from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.philox import mode as portable_mode
+from hyperrng.philox._ops import THREAD
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["checkpoint", "checkpoint_context"]
@@ -112,8 +113,12 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, None, *arg_grads)
 
 
+@torch.compiler.disable  # its holds and snapshots are Python state Dynamo cannot trace: an eager call there
 def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
     """Run ``function(*args)`` now and again in the backward pass, with identical random numbers.
+
+    Inside ``torch.compile`` it runs as an eager call (a graph break); ``torch.utils.checkpoint``
+    compiles, and in portable mode replays the forward's numbers without a ``context_fn``.
 
     Args:
         function: the region to recompute; it may fork tracker streams and draw from any
@@ -175,20 +180,42 @@ def _replaying(recorded: _Recorded) -> ExitStack:
 
 
 class _ForwardContext:
-    """Records every state the block may draw from, then enters the composed forward context."""
+    """Records every state the block may draw from, then enters the composed forward context.
 
-    __slots__ = ("_inner", "_recorded")
+    While entered, it marks the checkpoint's saved-tensor hook (the innermost, entered just before it)
+    as one whose recompute replays portable draws, which portable mode's kernels check for
+    (:func:`hyperrng.philox._ops.refuse_unreplayed_checkpoint`)."""
+
+    __slots__ = ("_inner", "_recorded", "_hook")
 
     def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
         self._recorded, self._inner = recorded, inner
+        self._hook: object = None
 
     def __enter__(self) -> None:
         self._recorded.record()
+        top = _top_hooks(False) if _top_hooks is not None else None
+        self._hook = top[0] if top is not None else None
+        THREAD.replayed.append(self._hook)
         if self._inner is not None:
-            self._inner.__enter__()
+            try:
+                self._inner.__enter__()
+            except BaseException:
+                THREAD.replayed.pop()
+                raise
 
     def __exit__(self, *exc: Any) -> bool | None:
-        return self._inner.__exit__(*exc) if self._inner is not None else None
+        try:
+            return self._inner.__exit__(*exc) if self._inner is not None else None
+        finally:
+            replayed = THREAD.replayed
+            for i in range(len(replayed) - 1, -1, -1):
+                if replayed[i] is self._hook:
+                    del replayed[i]
+                    break
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class _RecomputeContext:
@@ -218,6 +245,14 @@ class _RecomputeContext:
     def __exit__(self, *exc: Any) -> bool | None:
         stack, self._stack = self._stack, None
         return stack.__exit__(*exc) if stack is not None else None
+
+
+def _recompute_everything() -> tuple[Any, Any]:
+    """What ``context_fn`` gives ``torch.utils.checkpoint`` inside ``torch.compile``, which takes only
+    selective-checkpoint contexts there: the policy of a plain checkpoint (recompute every op)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def checkpoint_context(
@@ -258,6 +293,8 @@ def checkpoint_context(
             recompute swaps them; nothing is changed then.
     """
     resolved = resolve_tracker(tracker)
+    if torch.compiler.is_compiling():  # compiled checkpoints restore the generators and portable draws themselves
+        return contexts if contexts is not None else _recompute_everything()
     if contexts is None:
         inner: tuple[Any, Any] = (None, None)
     elif (

@@ -81,6 +81,21 @@ def _has_thread_local_rng_key() -> bool:
     return c._parse_dispatch_key("CustomRNGKeyId") is not None
 
 
+def _can_trace_portable_ops() -> bool:
+    # torch.compile records portable ops as hyperrng custom ops (hyperrng.philox._traced): kernels the
+    # Python dispatcher runs while tracing (OpOverload.py_impl, _op_dk) on PythonTLSSnapshot, while a
+    # TracingContext is set, and custom ops with tags.
+    op = torch.ops.aten.uniform_.default
+    return (
+        _has_thread_local_rng_key()
+        and hasattr(op, "py_impl")
+        and hasattr(op, "_op_dk")
+        and hasattr(torch._C.DispatchKey, "PythonTLSSnapshot")
+        and hasattr(torch._guards.TracingContext, "try_get")
+        and "tags" in inspect.signature(torch.library.custom_op).parameters
+    )
+
+
 def _dtensor_takes_a_user_generator() -> bool:
     # torch >= 2.9 pops a random op's generator= off the op and hands it to the RNG tracker's
     # region; older DTensor leaves it on the local op, so every shard draws from the user
@@ -104,6 +119,13 @@ FEATURES: tuple[Feature, ...] = (
         "2.9",
         "kernels on the CustomRNGKeyId dispatch key, switched per thread; torch.library.get_kernel",
         _has_thread_local_rng_key,
+    ),
+    Feature(
+        "portable-compile",
+        "portable mode inside torch.compile",
+        "2.9",
+        "Python-dispatcher kernels on PythonTLSSnapshot (OpOverload.py_impl); custom ops with tags",
+        _can_trace_portable_ops,
     ),
     Feature(
         "local-tensor",

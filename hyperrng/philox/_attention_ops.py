@@ -133,19 +133,25 @@ def _attend(named: dict[str, Any], mask: Any, extra: Sequence[str]) -> tuple[Any
     return (out, *_placeholders(extra, out.device))
 
 
-def kernels(in_mode: Callable[[], bool]) -> dict[str, Callable[..., Any]]:
+def kernels(
+    in_mode: Callable[[], bool], before_draw: Callable[[str, torch.device], None]
+) -> dict[str, Callable[..., Any]]:
     """The takeover kernel of each op of :data:`OPS`, by op name, for registration ``with_keyset``;
     each calls torch's own kernel for the key (saved now) when ``in_mode()`` is false for the calling
-    thread or the call draws nothing."""
+    thread or the call draws nothing, and ``before_draw(what, device)`` (which may refuse) before it draws."""
     made = {}
     for name, (read_mask, extra) in OPS.items():
         op = getattr(torch.ops.aten, name).default
-        made[name] = _kernel(op, read_mask, extra, in_mode)
+        made[name] = _kernel(op, read_mask, extra, in_mode, before_draw)
     return made
 
 
 def _kernel(
-    op: Any, read_mask: Callable[[dict[str, Any]], Any], extra: tuple[str, ...], in_mode: Callable[[], bool]
+    op: Any,
+    read_mask: Callable[[dict[str, Any]], Any],
+    extra: tuple[str, ...],
+    in_mode: Callable[[], bool],
+    before_draw: Callable[[str, torch.device], None],
 ) -> Callable[..., Any]:
     originals = {key: torch.library.get_kernel(op, key) for key in AUTOGRAD_KEYS}
     parameters = _parameters(op)
@@ -154,6 +160,7 @@ def _kernel(
         if in_mode():
             named = _bound_arguments(parameters, args, kwargs)
             if _takes_over(named):
+                before_draw("scaled_dot_product_attention with dropout", named["query"].device)
                 return _attend(named, read_mask(named), extra)
         key = _autograd_key(keyset)
         return originals[key].call_boxed(keyset, *args, **kwargs)

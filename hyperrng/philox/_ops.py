@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 import hyperrng.platforms as platforms
 from hyperrng import philox
@@ -46,6 +49,7 @@ from hyperrng.platforms.validate import MAX_OFFSET, round_up_offset
 from hyperrng.sharded import active_region
 
 __all__ = [
+    "HOST_DRAWN",
     "KEY_NAME",
     "PORTABLE_OPS",
     "THREAD",
@@ -68,7 +72,7 @@ class Entry:
     last entry's ``compiled``.
     """
 
-    __slots__ = ("owner", "compiled", "device", "saved", "dtensor", "ctrl_c")
+    __slots__ = ("owner", "compiled", "device", "saved", "dtensor", "caches", "ctrl_c")
 
     def __init__(self, owner: object, compiled: bool, device: tuple[str, int] | None) -> None:
         self.owner = owner
@@ -76,6 +80,7 @@ class Entry:
         self.device = device  # the device whose generator this entry holds, if any
         self.saved: tuple[Callable[[Any], None], Any] | None = None  # (write, snapshot) its exit restores, if any
         self.dtensor = False  # whether it counts as a user of the DTensor routing
+        self.caches = False  # whether it holds AOTAutograd's cache off (hyperrng.philox._traced.CACHES)
         self.ctrl_c = False  # whether it counts as a user of the Ctrl-C handler
 
 
@@ -85,6 +90,7 @@ class _ThreadEntries(threading.local):
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self.inherited = False  # whether the thread included the key before its first entry (an autograd thread)
+        self.replayed: list[object] = []  # the checkpoint hooks whose recompute replays portable draws, innermost last
 
 
 THREAD = _ThreadEntries()
@@ -139,21 +145,25 @@ def _draw(
     Everything is checked before any position moves, so a refusal leaves everything as it was.
     """
     device = target.device
-    compiled = THREAD.entries[-1].compiled and device.type in _COMPILED_DEVICE_TYPES
-    backend = backends.resolve("auto", device)
+    p = platforms.current()
+    _refuse_capture(p, device, what)  # first: the backend's probe below must not run under capture either
+    on_host = device.type in HOST_DRAWN  # drawn on the host, then copied: never written through a traced view
+    where = _HOST if on_host else device
+    compiled = THREAD.entries[-1].compiled and where.type in _COMPILED_DEVICE_TYPES
+    backend = "torch" if on_host else backends.resolve("auto", device)
+
+    def values_at(geometry: ShardGeometry, key: int, offset: int, into: torch.Tensor | None) -> torch.Tensor:
+        return philox.run(draw, geometry, key, offset, where, compiled, None if on_host else into, backend)
+
     region = active_region()
     if region is not None:  # a refusal here cancels the region (see _switched): every rank stays put
         global_shape, blocks = _shard_of(region, target, what)
         key, offset = region.position
-
-        def block_values(block: Sequence[slice]) -> torch.Tensor:
-            geometry = ShardGeometry.of(global_shape, block)
-            return philox.run(draw, geometry, key, offset, device, compiled, None, backend)
-
-        values = assemble_blocks(blocks, block_values)
+        values = assemble_blocks(
+            blocks, lambda block: values_at(ShardGeometry.of(global_shape, block), key, offset, None)
+        )
         region.consume(round_up_offset(math.prod(global_shape)))
-        return values
-    p = platforms.current()
+        return values.to(device) if on_host else values
     if generator is not None and not (p.counter_based and generator.device.type == p.device_type):
         raise UnsupportedPortableOpError(
             f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
@@ -162,11 +172,26 @@ def _draw(
             f"or portable_random(seed) instead."
         )
     geometry = _whole(tuple(target.shape))
-    return draw_at_position(
-        target.numel(),
-        generator,
-        lambda key, offset: philox.run(draw, geometry, key, offset, device, compiled, out, backend),
-    )
+    values = draw_at_position(target.numel(), generator, lambda key, offset: values_at(geometry, key, offset, out))
+    if not on_host:
+        return values
+    return values.to(device) if out is None else out.copy_(values)
+
+
+HOST_DRAWN = frozenset({"xla", "lazy", "hpu"})
+"""Device types whose ops are traced and run later (torch_xla, torch's lazy tensors, Gaudi's lazy mode):
+portable draws there are computed on the host and copied over in one op. Written through views of the
+device tensor, as elsewhere, they were lost (torch_xla's tensors read zeros, or other numbers)."""
+
+_HOST = torch.device("cpu")
+
+
+def _refuse_capture(p: platforms.Platform, device: torch.device, what: str) -> None:
+    """Refuse a draw on a device whose stream is capturing a graph (see :func:`_traced.refuse_capture`)."""
+    if device.type == p.device_type and device.type != "cpu" and p.is_capturing(device.index):
+        from hyperrng.philox import _traced
+
+        raise _traced.refuse_capture(what)
 
 
 def _on_the_host(target: torch.Tensor) -> bool:
@@ -254,6 +279,9 @@ def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Gen
 
 
 def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    if self.device.type in HOST_DRAWN:  # see HOST_DRAWN: the whole draw on the host, one copy
+        host = torch.empty(self.shape, dtype=self.dtype)
+        return self.copy_(_bernoulli_tensor(host, p.cpu(), generator=generator))
     if not p.is_floating_point():
         raise ArgumentTypeError(f"bernoulli_ takes floating-point probabilities, got a {p.dtype} tensor.")
     try:
@@ -280,11 +308,14 @@ def _random_from(
             f"2**32 values: pass an upper bound."
         )
     if (low, high) == _COMPILED_SEED_RANGE:
+        from hyperrng.philox import _traced
+
+        why = _traced.installed() or "this code was compiled without it"
         raise UnsupportedPortableOpError(
-            "a torch.compile'd function draws its random numbers from seeds it takes with randint over the "
-            "whole int64 range, and compiled random ops are not portable. Set "
-            "torch._inductor.config.fallback_random = True (compiled code then calls torch's random ops, "
-            "which are portable here), or call the compiled function outside portable_random()."
+            "compiled code that draws torch's own random numbers (from seeds it takes with randint over the "
+            f"whole int64 range) ran in portable mode; compiled code draws portably only where torch.compile "
+            f"traced it in the mode ({why}). Call the compiled function outside portable_random(), or see "
+            "'hyperrng info' (portable-compile)."
         )
     try:
         draw = philox.randint_draw(low, high, self.dtype)
@@ -303,7 +334,11 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
     if not x.is_floating_point():
         raise ArgumentTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
     p_value = philox.check_probability(p)
-    if 0.0 < p_value < 1.0 and x.dtype in _FLOAT_DTYPES and active_region() is None:
+    if p_value in (0.0, 1.0):  # keeps all or nothing and draws nothing, as F.dropout on every device
+        keep = torch.full(x.shape, p_value == 0.0, dtype=torch.bool, device=x.device)
+        return philox.apply_dropout_mask(x, keep, p_value), keep
+    if x.dtype in _FLOAT_DTYPES and active_region() is None and x.device.type not in HOST_DRAWN:
+        _refuse_capture(platforms.current(), x.device, "native_dropout")  # before the backend's probe
         if backends.resolve("auto", x.device) == "triton":  # mask and values in one pass
             return _fused_dropout(x, p_value)
     # The keep mask and arithmetic of F.dropout's CPU decomposition (bernoulli_(1 - p), then
@@ -349,8 +384,8 @@ _TRAINING_ARGS = ("train", "training")
 
 
 @functools.cache
-def _random_aten_ops() -> tuple[Any, ...]:
-    """Every aten op that draws random numbers in a kernel of its own (no composite decomposition).
+def _tagged_random_ops() -> tuple[Any, ...]:
+    """Every aten op torch tags as random (``nondeterministic_seeded``), and ``random_``.
 
     Found once per process (walking aten's ops takes ~20 ms; entering the mode must not)."""
     found = []
@@ -361,12 +396,16 @@ def _random_aten_ops() -> tuple[Any, ...]:
             continue
         for overload in overloads():
             op = getattr(packet, overload)
-            random = torch.Tag.nondeterministic_seeded in op.tags or name == "random_"
-            if random and not any(
-                torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in _COMPOSITE_KEYS
-            ):
+            if torch.Tag.nondeterministic_seeded in op.tags or name == "random_":
                 found.append(op)
     return tuple(found)
+
+
+@functools.cache
+def _random_aten_ops() -> tuple[Any, ...]:
+    """Every aten op that draws random numbers in a kernel of its own (no composite decomposition)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return tuple(op for op in _tagged_random_ops() if not any(has(op.name(), k) for k in _COMPOSITE_KEYS))
 
 
 def _op_label(op: Any) -> str:
@@ -469,6 +508,57 @@ def is_switched_on() -> bool:
     return key is not None and torch._C._dispatch_tls_is_dispatch_key_included(key)
 
 
+# -- torch.utils.checkpoint without a replay ---------------------------------------------------------
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+_FRAMES = 64  # how far up the stack a reentrant checkpoint's forward is looked for
+
+
+def _unreplayed_checkpoint() -> str | None:
+    """The flavour of ``torch.utils.checkpoint`` whose forward pass the calling thread is in, when its
+    recompute would not draw portably; else ``None``.
+
+    Torch puts its generators back before a recompute, and with them the position, but the recompute
+    runs in portable mode only where ``context_fn=hyperrng.checkpoint_context`` applies it (then this
+    hook is in ``THREAD.replayed``); otherwise it draws torch's numbers and the gradients silently
+    differ. A non-reentrant checkpoint's forward runs under its saved-tensor hooks (the innermost ones);
+    a reentrant one's runs without grad inside ``CheckpointFunction.forward``, found on the stack."""
+    if torch.is_grad_enabled():
+        top = _top_hooks(False) if _top_hooks is not None else None
+        if top is None or not top[0].__qualname__.startswith("_checkpoint_hook."):
+            return None
+        replayed = THREAD.replayed
+        return None if replayed and replayed[-1] is top[0] else "use_reentrant=False"
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code is _REENTRANT_FORWARD:
+            return "use_reentrant=True"
+        frame = frame.f_back
+    return None
+
+
+def refuse_unreplayed_checkpoint(what: str) -> None:
+    """Refuse a portable draw in the forward pass of a ``torch.utils.checkpoint`` whose recompute would draw
+    other numbers (:func:`_unreplayed_checkpoint`), before anything moves."""
+    flavour = _unreplayed_checkpoint()
+    if flavour is not None:
+        raise UnsupportedPortableOpError(
+            f"{what} in portable mode inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: its "
+            "recompute in the backward pass would draw torch's numbers, not the forward's, and the gradients "
+            "would silently differ. Pass use_reentrant=False, context_fn=hyperrng.checkpoint_context (or to "
+            "checkpoint_wrapper), or use hyperrng.checkpoint(fn, *args); compiled checkpoints need nothing."
+        )
+
+
+def _before_attention(what: str, device: torch.device) -> None:
+    """The checks of a portable draw, for attention (taken over above this key): no checkpoint that would
+    recompute other numbers, no graph capture."""
+    refuse_unreplayed_checkpoint(what)
+    _refuse_capture(platforms.current(), device, what)
+
+
 def _cancel_active_region() -> None:
     """Cancel the active sharded region, for a kernel that refuses an op (a bad dtype, an unsupported
     op): every rank then stays where it was instead of moving past the op."""
@@ -515,11 +605,14 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
     key = _key()
     include = torch._C._dispatch_tls_set_dispatch_key_included
 
+    what = _op_label(op)
+
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if not THREAD.entries or keyset.has(_META):  # meta and fake tensors only propagate shapes: torch's kernels
             return original(keyset, *args, **kwargs)
         include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
         try:
+            refuse_unreplayed_checkpoint(what)
             return portable(*args, **kwargs)
         except HyperRNGError:
             _cancel_active_region()
@@ -545,9 +638,45 @@ def _switched_refusal(op: Any, refuse: Callable[..., Any], below: Any) -> Callab
 
 def _has_composite_on_key(name: str) -> bool:
     """Whether op ``name`` has a kernel on the key that is not a fallthrough and that a fallthrough of its
-    own may replace (torch's default kernels, except for factory ops, see :class:`_Kernels`)."""
+    own may replace (torch's default kernels, except for ops reached from ``BackendSelect``, see :class:`_Kernels`)."""
     has = torch._C._dispatch_has_computed_kernel_for_dispatch_key
     return has(name, KEY_NAME) and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "BackendSelect")
+
+
+@functools.cache
+def composite_random_ops() -> tuple[Any, ...]:
+    """The random aten ops whose default kernel (``CompositeExplicitAutograd``) is made of other ops: the
+    functional forms (``bernoulli.p`` is ``empty_like`` then ``bernoulli_``) and the factories (``rand``).
+
+    They keep that default on the key, where it runs first, rather than a fallthrough: a device may
+    register a kernel of its own for them (torch_xla does, for ``bernoulli``), and functionalization
+    (torch_xla's, torch.compile's) turns every in-place random op into its functional form."""
+    return tuple(op for op in _tagged_random_ops() if explicit_composite_key(op) is not None)
+
+
+def explicit_composite_key(op: Any) -> str | None:
+    """The key of ``op``'s explicit default kernel (``CompositeExplicitAutograd[NonFunctional]``), if it has one."""
+    for key in _COMPOSITE_KEYS[1:]:
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+            return key
+    return None
+
+
+def defaults_left_on_key() -> list[str]:
+    """The ops that keep torch's default kernel on the key although they take tensors: reached from
+    ``BackendSelect`` (``_to_copy``, sparse constructors...), where a fallthrough of one op cannot serve.
+    Tracing runs them with the key excluded (:mod:`hyperrng.philox._traced`)."""
+    found = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(name, "BackendSelect"):
+            continue
+        if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, KEY_NAME):
+            continue
+        base, _, overload = name.partition(".")
+        schema = torch._C._get_schema(base, overload)
+        if any(isinstance(argument.type, torch._C.TensorType) for argument in schema.arguments):
+            found.append(name)
+    return found
 
 
 class _Kernels:
@@ -559,10 +688,11 @@ class _Kernels:
     op (``add``, ``exp_``, ``empty_like``...) would run that default instead of the device's own
     kernel, one more dispatch, and on meta tensors a loop through Python meta functions. The
     dispatcher skips a fallthrough key at no cost, so inside the mode only random ops reach
-    Python. Factory ops keep their default there (they are redispatched from ``BackendSelect``
+    Python. Ops reached from ``BackendSelect`` keep their default there (they are redispatched
     with the thread's keys, which a fallthrough of one op cannot serve): ``rand`` runs as
-    ``empty`` and ``uniform_``, as on a backend. Ops that libraries register after the first
-    entry keep their defaults too.
+    ``empty`` and ``uniform_``, as on a backend. So do the random ops made of others
+    (:func:`composite_random_ops`), so that no device's own kernel for them runs in the mode.
+    Ops that libraries register after the first entry keep their defaults too.
     """
 
     def __init__(self) -> None:
@@ -590,15 +720,19 @@ class _Kernels:
                 if label not in PORTABLE_OPS:
                     kernels["aten::" + label] = _switched_refusal(op, _refusal(op), below)
             self._library("_").fallback(torch.library.fallthrough_kernel, KEY_NAME)
+            made_of_random_ops = {op.name() for op in composite_random_ops()}
             for name in torch._C._dispatch_get_all_op_names():
-                if name not in kernels and _has_composite_on_key(name):
+                if name not in kernels and name not in made_of_random_ops and _has_composite_on_key(name):
                     self._impl(name, torch.library.fallthrough_kernel)
             for name, kernel in kernels.items():
                 self._impl(name, kernel, with_keyset=True)
-            for name, kernel in _attention_ops.kernels(lambda: bool(THREAD.entries)).items():
+            for name, kernel in _attention_ops.kernels(lambda: bool(THREAD.entries), _before_attention).items():
                 for autograd_key in _attention_ops.AUTOGRAD_KEYS:
                     self._impl("aten::" + name, kernel, with_keyset=True, key=autograd_key)
             self.labels = sorted(name.removeprefix("aten::") for name in kernels)
+            from hyperrng.philox import _traced  # imports this module
+
+            _traced.install(key)  # what torch.compile records in the mode: custom ops, and no loop in tracing
             self.key = key  # last: a thread that sees it sees every registration
 
     def _library(self, namespace: str) -> Any:

@@ -16,8 +16,9 @@ Two backends compute the same numbers (see :mod:`hyperrng.philox`):
 ``backend="auto"`` (every function's default) takes Triton where it serves the device and the
 torch backend everywhere else, the CPU included. ``backend="triton"`` on a CPU tensor runs the
 kernels under Triton's interpreter: exact and very slow, for tests. The probe runs at the
-first draw on a device type that is not the CPU (or at ``hyperrng info``), once per process;
-``import hyperrng`` never imports Triton.
+first draw on a device type that is not the CPU (or at ``hyperrng info``), once per process, and
+never while the device's stream captures a graph (a draw there takes the torch backend until the
+probe has run); ``hyperrng info`` shows its answer. ``import hyperrng`` never imports Triton.
 """
 
 from __future__ import annotations
@@ -85,8 +86,23 @@ def describe(device: torch.device) -> tuple[str, str]:
 
 
 def _triton_refusal(device_type: str) -> str | None:
+    if device_type not in _PROBED and _capturing(device_type):  # a test draw cannot run, nor be read back, there
+        return f"Triton not probed yet on {device_type}: the device's stream is capturing a graph (probed later)"
     with _LOCK:
-        return _probe(device_type)
+        reason = _probe(device_type)
+        _PROBED.add(device_type)
+        return reason
+
+
+_PROBED: set[str] = set()
+"""Device types whose probe has run; its answer is kept for the process and shown by ``hyperrng info``."""
+
+
+def _capturing(device_type: str) -> bool:
+    import hyperrng.platforms as platforms
+
+    p = platforms.current()
+    return p.device_type == device_type and p.is_capturing()
 
 
 @functools.cache

@@ -110,6 +110,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng.errors import InvalidArgumentError
+from hyperrng.philox import _traced
 from hyperrng.philox._ops import PORTABLE_OPS, THREAD, Entry, pop, push, register, registered, unsupported_ops
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.sharded import ShardedRNGTracker
@@ -275,6 +276,8 @@ def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: boo
             io = p._state_io()  # exact snapshots, restored without the checks of set_rng_state
             entry.saved = (io.write, io.read())
         entry.dtensor = _DTENSOR.acquire()
+        _traced.CACHES.acquire()
+        entry.caches = True
         if seed is not None:
             p._move(seed, 0, False)
     except BaseException:
@@ -291,25 +294,47 @@ def _leave(entry: Entry) -> None:
 
 
 def _undo(entry: Entry) -> None:
-    try:
-        if entry.saved is not None:
-            write, snapshot = entry.saved
-            write(snapshot)
-            entry.saved = None
-    finally:
+    """Undo what entering did, in reverse order, every step whatever an earlier one raises."""
+    steps = (_restore_generator, _release_dtensor, _release_caches, _release_device, _release_ctrl_c)
+    failure: BaseException | None = None
+    for step in steps:  # the Ctrl-C handler last: an interrupt after it finds every step done
         try:
-            if entry.dtensor:
-                entry.dtensor = False
-                _DTENSOR.release()
-        finally:
-            try:
-                if entry.device is not None:
-                    device, entry.device = entry.device, None
-                    _exclusive.release(*device)
-            finally:
-                if entry.ctrl_c:  # last: an interrupt after it finds every step done
-                    entry.ctrl_c = False
-                    _CTRL_C.uninstall()
+            step(entry)
+        except BaseException as exc:  # noqa: BLE001 - the other steps still run; the first failure is raised
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+
+
+def _restore_generator(entry: Entry) -> None:
+    if entry.saved is not None:
+        write, snapshot = entry.saved
+        write(snapshot)
+        entry.saved = None
+
+
+def _release_dtensor(entry: Entry) -> None:
+    if entry.dtensor:
+        entry.dtensor = False
+        _DTENSOR.release()
+
+
+def _release_caches(entry: Entry) -> None:
+    if entry.caches:
+        entry.caches = False
+        _traced.CACHES.release()
+
+
+def _release_device(entry: Entry) -> None:
+    if entry.device is not None:
+        device, entry.device = entry.device, None
+        _exclusive.release(*device)
+
+
+def _release_ctrl_c(entry: Entry) -> None:
+    if entry.ctrl_c:
+        entry.ctrl_c = False
+        _CTRL_C.uninstall()
 
 
 def _step_done(entry: Entry | None) -> None:
