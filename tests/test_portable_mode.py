@@ -687,22 +687,17 @@ def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
 
 
 @pytest.mark.slow
-def test_compiled_code_is_refused_with_the_fix_and_is_portable_with_fallback_random() -> None:
+@pytest.mark.parametrize("fallback_random", [False, True])
+def test_compiled_code_draws_portably_whatever_inductors_fallback_random(fallback_random: bool) -> None:
     import torch._dynamo
     import torch._inductor.config as inductor
 
-    torch._dynamo.reset()
-    draw = torch.compile(lambda: torch.rand(8) + 0)
-    with portable_random(SEED):
-        with pytest.raises(UnsupportedPortableOpError, match="fallback_random = True"):
-            draw()
-        assert _position() == (SEED, 0)
-    # inductor's own patch: setting the attribute and deleting it afterwards would hide the option
-    with inductor.patch(fallback_random=True):
+    with inductor.patch(fallback_random=fallback_random):  # inductor's own patch restores the option
         torch._dynamo.reset()
         draw = torch.compile(lambda: torch.rand(8) + 0)
         with portable_random(SEED):
             assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=0))
+            assert torch.equal(draw(), philox.uniform((8,), key=SEED, offset=8))
 
 
 # -- threads, Ctrl-C, refusals on entry ----------------------------------------------------------
