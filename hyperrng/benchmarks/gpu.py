@@ -9,7 +9,9 @@ end of each round (a round times its launches and the kernels they queue):
 * ``F.dropout`` inside portable mode against the same call outside it;
 * a transformer block's training step (:class:`TransformerBlock`: batch 8, sequence 1024,
   width 1024, 16 heads, bfloat16, dropout 0.1 on the residuals and in the MLP, none in
-  attention) in portable mode against the same step native;
+  attention) in portable mode against the same step native; then with attention dropout,
+  eager and under ``torch.compile`` (default and ``mode="reduce-overhead"``, whose CUDA graphs
+  leave the portable ops out) against the same compiled step native;
 * a tracker fork, copying and graph-safe, against a Megatron-style state copy;
 * portable attention: ``F.scaled_dot_product_attention`` with dropout 0.1 in portable mode,
   forward and backward (batch 8, 16 heads, L = S = 1024 and 4096, head dims 64 and 128,
@@ -89,17 +91,19 @@ class TransformerBlock(nn.Module):
 
 
 def block_step(
-    device: torch.device, dims: dict[str, int], p_attn: float = 0.0
+    device: torch.device, dims: dict[str, int], p_attn: float = 0.0, compile_mode: str | None = None
 ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """A block's training step (forward, backward, SGD) native, and the same step in portable mode."""
+    """A block's training step (forward, backward, SGD) native, and the same step in portable mode;
+    with ``compile_mode`` (``"default"``, ``"reduce-overhead"``) the block runs ``torch.compile``'d."""
     from hyperrng.philox.mode import portable_random
 
     model = TransformerBlock(dims["width"], dims["heads"], _P, p_attn).to(device, torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(dims["batch"], dims["sequence"], dims["width"], device=device, dtype=torch.bfloat16)
+    forward = model if compile_mode is None else torch.compile(model, mode=compile_mode)
 
     def step() -> None:
-        loss = model(x).float().pow(2).mean()
+        loss = forward(x).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -140,6 +144,8 @@ def device_rows(device: torch.device, quick: bool, sizes: tuple[int, ...] | None
         dims = _QUICK_BLOCK if quick else _BLOCK
         rows.append(_step_row(device, dims, rounds, note))
         rows.append(_step_row(device, dims, rounds, note, p_attn=_P))
+        for compile_mode in ("default", "reduce-overhead"):
+            rows.append(_step_row(device, dims, rounds, note, p_attn=_P, compile_mode=compile_mode))
         rows += _fork_rows(device, rounds)
         batch, heads = (2, 4) if quick else (8, 16)
         for length, head_dim, causal in _QUICK_ATTENTION if quick else _ATTENTION:
@@ -270,13 +276,23 @@ def _in_mode_row(device: torch.device, n: int, number: int, rounds: int, note: s
     )
 
 
-def _step_row(device: torch.device, dims: dict[str, int], rounds: int, note: str, p_attn: float = 0.0) -> BenchResult:
-    step, portable_step = block_step(device, dims, p_attn)
+def _step_row(
+    device: torch.device,
+    dims: dict[str, int],
+    rounds: int,
+    note: str,
+    p_attn: float = 0.0,
+    compile_mode: str | None = None,
+) -> BenchResult:
+    step, portable_step = block_step(device, dims, p_attn, compile_mode)
     t = time_on_device({"base": step, "ours": portable_step}, number=3, rounds=max(rounds, 5), device=device)
     shape = "x".join(str(dims[k]) for k in ("batch", "sequence", "width"))
     where = f"{p_attn} in attention" if p_attn else "none in attention"
+    compiled = "" if compile_mode is None else f"torch.compile(mode={compile_mode!r}) "
+    if compile_mode == "reduce-overhead":
+        where += "; portable ops run outside the CUDA graphs"
     return BenchResult(
-        f"gpu: transformer block step in portable mode{', attention dropout' if p_attn else ''}",
+        f"gpu: {compiled}transformer block step in portable mode{', attention dropout' if p_attn else ''}",
         t["ours"],
         "the same step, native",
         t["base"],

@@ -14,7 +14,9 @@ The ``portable mode`` lines time torch's own ``torch.rand`` and ``F.dropout`` in
 and position bookkeeping, the copy into torch's result tensor, and entering and leaving
 the mode on every call) against the same calls outside it. ``portable mode training
 step`` times one eager step of a small MLP with dropout (forward, backward, SGD), entering
-and leaving the mode around each step, against the same step without it (target 1.10).
+and leaving the mode around each step, against the same step without it (target 1.10);
+``portable mode compiled training step`` the same step under ``torch.compile`` (target 1.10), and
+``compile time in portable mode`` its first call, compiling with the caches off (target 1.5).
 The ``outside portable mode`` lines time a small random op on a thread that is not in the
 mode, once the portable kernels are registered, against the same op before registration
 (in a fresh process: registration is once per process; the rounds cannot interleave).
@@ -28,10 +30,12 @@ each call, so both pay the same page faults on it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -55,6 +59,8 @@ _EAGER_TARGET = 0.5
 _COMPILED_TARGET = 1.5
 _DROPOUT_TARGET = 0.5
 _STEP_TARGET = 1.10  # portable training step over a native one
+_COMPILED_STEP_TARGET = 1.10  # the same, both compiled
+_COMPILE_TIME_TARGET = 1.5  # compiling that step in the mode over compiling it outside
 _FIXED_TARGET = 3.0  # entering and leaving over a tracker fork; a small op inside the mode over outside it
 _OUTSIDE_TARGET = 1.2  # a random op outside the mode, kernels registered, over the same before registration
 _SMALL_DROPOUT = (32, 64)
@@ -123,6 +129,8 @@ def benchmarks(quick: bool) -> list[BenchResult]:
         with _torch_threads(1):
             results += _fixed_costs(repeat)
             results.append(_training_step(repeat))
+            if _features.feature("portable-compile").available:
+                results += _compiled_training_step(repeat)
             results.append(_attention(repeat))
         results += _outside_the_mode(repeat)
     else:  # an older torch: say so on the bench's error stream, measure the rest
@@ -174,6 +182,64 @@ def _training_step(repeat: int) -> BenchResult:
         note=f"MLP {_MLP_WIDTH}x{_MLP_WIDTH}x3 with dropout {_MLP_DROPOUT}, batch {_MLP_BATCH}, eager, "
         "forward+backward+SGD; portable_random() entered and left around every step",
     )
+
+
+def _compiled_training_step(repeat: int) -> list[BenchResult]:
+    """The MLP's step under ``torch.compile`` (inductor) in portable mode against the same compiled step
+    outside it, and the first call's time (compiling, caches off) in the mode against outside it."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    x = torch.randn(_MLP_BATCH, _MLP_WIDTH)
+
+    def make() -> Callable[[bool], None]:
+        model = _MLP()
+        compiled = torch.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step(in_mode: bool) -> None:
+            with portable_random() if in_mode else contextlib.nullcontext():
+                compiled(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step
+
+    def first_call(in_mode: bool) -> float:
+        torch._dynamo.reset()
+        step = make()
+        with inductor.patch(force_disable_caches=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that its caches are off, which is the point
+            start = time.perf_counter()
+            step(in_mode)
+            return time.perf_counter() - start
+
+    compile_rounds = {"base": [], "ours": []}  # type: dict[str, list[float]]
+    for _ in range(3):
+        compile_rounds["base"].append(first_call(False))
+        compile_rounds["ours"].append(first_call(True))
+    torch._dynamo.reset()
+    step = make()
+    t = interleaved({"base": lambda: step(False), "ours": lambda: step(True)}, number=5, rounds=max(3 * repeat, 15))
+    shape = f"MLP {_MLP_WIDTH}x{_MLP_WIDTH}x3 with dropout {_MLP_DROPOUT}, batch {_MLP_BATCH}"
+    return [
+        BenchResult(
+            name="portable mode compiled training step, 1 thread",
+            timing=t["ours"],
+            baseline="the same compiled step, native",
+            baseline_timing=t["base"],
+            target=_COMPILED_STEP_TARGET,
+            note=f"{shape}, torch.compile (inductor), forward+backward+SGD; portable_random() around every step",
+        ),
+        BenchResult(
+            name="compile time in portable mode, 1 thread",
+            timing=Timing(tuple(compile_rounds["ours"])),
+            baseline="the same compile outside the mode",
+            baseline_timing=Timing(tuple(compile_rounds["base"])),
+            target=_COMPILE_TIME_TARGET,
+            note=f"{shape}: the first compiled step (Dynamo, AOTAutograd, inductor), caches off, 3 rounds each",
+        ),
+    ]
 
 
 def _fixed_costs(repeat: int) -> list[BenchResult]:
