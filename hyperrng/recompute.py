@@ -247,6 +247,11 @@ class _RecomputeContext:
         return stack.__exit__(*exc) if stack is not None else None
 
 
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (torch 2.9 calls a ``context_fn`` there with ``is_compiling()`` false)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
 def _recompute_everything() -> tuple[Any, Any]:
     """What ``context_fn`` gives ``torch.utils.checkpoint`` inside ``torch.compile``, which takes only
     selective-checkpoint contexts there: the policy of a plain checkpoint (recompute every op)."""
@@ -293,7 +298,7 @@ def checkpoint_context(
             recompute swaps them; nothing is changed then.
     """
     resolved = resolve_tracker(tracker)
-    if torch.compiler.is_compiling():  # compiled checkpoints restore the generators and portable draws themselves
+    if _compiling():  # compiled checkpoints restore the generators and portable draws themselves
         return contexts if contexts is not None else _recompute_everything()
     if contexts is None:
         inner: tuple[Any, Any] = (None, None)
