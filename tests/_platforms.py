@@ -15,6 +15,7 @@ __all__ = [
     "BarePlatform",
     "NoGeneratorPlatform",
     "cuda_on_sim",
+    "cuda_platform",
     "draw",
     "PLATFORMS",
     "WITH_PLUGIN",
@@ -38,6 +39,17 @@ class NoGeneratorPlatform(platforms.SimulatedPlatform):
 
     def default_generator(self, index: int | None = None) -> None:
         return None
+
+
+@pytest.fixture(name="cuda")
+def cuda_platform() -> Iterator[platforms.Platform]:
+    """The CUDA platform, current; the device's generator as it was afterwards (for ``cuda``-marked tests)."""
+    with platforms.use(platforms.CUDAPlatform()) as platform:
+        saved = torch.cuda.get_rng_state()
+        try:
+            yield platform
+        finally:
+            torch.cuda.set_rng_state(saved)
 
 
 def cuda_on_sim() -> platforms.Platform:

@@ -17,7 +17,10 @@ from hyperrng.platforms.simulated import SimulatedGraph
 from hyperrng import _exclusive
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.tracker import RNGStatesTracker
-from tests._platforms import cuda_on_sim
+from tests._platforms import (
+    cuda_on_sim,
+    cuda_platform,  # noqa: F401 - the fixture `cuda`
+)
 
 
 @pytest.fixture
@@ -175,15 +178,6 @@ def test_register_graph_refuses_an_empty_tracker_and_a_capture_already_begun(sim
 
 
 # -- real CUDA ------------------------------------------------------------------------------------
-@pytest.fixture
-def cuda() -> Iterator[platforms.Platform]:
-    """The CUDA platform, current; the device's generator as it was afterwards."""
-    with platforms.use(platforms.CUDAPlatform()) as platform:
-        saved = torch.cuda.get_rng_state()
-        try:
-            yield platform
-        finally:
-            torch.cuda.set_rng_state(saved)
 
 
 @pytest.mark.cuda

@@ -27,6 +27,7 @@ from hyperrng import philox
 from hyperrng.errors import UnsupportedPortableOpError
 from hyperrng.philox import _traced, backends
 from hyperrng.philox.mode import is_portable_random_enabled, portable_random
+from tests._platforms import cuda_platform  # noqa: F401 - the fixture `cuda`
 
 pytestmark = [pytest.mark.needs_portable_mode, pytest.mark.needs_portable_compile]
 
@@ -382,16 +383,6 @@ def test_compiled_code_reports_whether_it_draws_portably() -> None:
 
 
 # -- on a real GPU (.ci/gpu) ---------------------------------------------------------------------------
-@pytest.fixture
-def cuda() -> Iterator[platforms.Platform]:
-    with platforms.use(platforms.CUDAPlatform()) as platform:
-        saved = torch.cuda.get_rng_state()
-        try:
-            yield platform
-        finally:
-            torch.cuda.set_rng_state(saved)
-
-
 def _cuda_draws(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (F.dropout(x, 0.3), torch.rand(1000, device=x.device), torch.randint(0, 7, (33,), device=x.device))
 

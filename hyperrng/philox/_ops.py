@@ -328,15 +328,24 @@ def _random_to(self: torch.Tensor, high: int, *, generator: torch.Generator | No
     return _random_from(self, 0, high, generator=generator)
 
 
-def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+def undrawn_dropout(x: torch.Tensor, p: float, train: bool | None) -> float | tuple[torch.Tensor, torch.Tensor]:
+    """``native_dropout``'s checks, then its result where it draws nothing (not training, ``p`` 0 or 1: all
+    kept or none, as ``F.dropout`` on every device), else the checked ``p`` it draws with."""
     if train is False:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     if not x.is_floating_point():
         raise ArgumentTypeError(f"dropout expects a floating-point tensor, got {x.dtype}.")
     p_value = philox.check_probability(p)
-    if p_value in (0.0, 1.0):  # keeps all or nothing and draws nothing, as F.dropout on every device
+    if p_value in (0.0, 1.0):
         keep = torch.full(x.shape, p_value == 0.0, dtype=torch.bool, device=x.device)
         return philox.apply_dropout_mask(x, keep, p_value), keep
+    return p_value
+
+
+def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    p_value = undrawn_dropout(x, p, train)
+    if not isinstance(p_value, float):
+        return p_value
     if x.dtype in _FLOAT_DTYPES and active_region() is None and x.device.type not in HOST_DRAWN:
         _refuse_capture(platforms.current(), x.device, "native_dropout")  # before the backend's probe
         if backends.resolve("auto", x.device) == "triton":  # mask and values in one pass

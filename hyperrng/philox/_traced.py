@@ -372,17 +372,9 @@ def _check_random_to(self: torch.Tensor, high: int) -> tuple[int, int]:
 
 
 def _traced_dropout(input: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if train is False:
-        return input.clone(), torch.ones_like(input, dtype=torch.bool)
-    if not input.is_floating_point():
-        raise ArgumentTypeError(f"dropout expects a floating-point tensor, got {input.dtype}.")
-    from hyperrng import philox
-
-    p_value = philox.check_probability(p)
-    if p_value == 0.0:  # nothing dropped, nothing drawn (as eagerly); autograd passes the gradient through
-        return input.clone(), torch.ones_like(input, dtype=torch.bool)
-    if p_value == 1.0:
-        return input * 0.0, torch.zeros_like(input, dtype=torch.bool)
+    p_value = ops.undrawn_dropout(input, p, train)  # recorded as plain ops where nothing is drawn
+    if not isinstance(p_value, float):
+        return p_value
     _outside_region("dropout")
     out, keep = _ordered(torch.ops.hyperrng.native_dropout, input, p_value, train)
     return out, keep
