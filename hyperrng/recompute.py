@@ -113,12 +113,12 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, None, *arg_grads)
 
 
-@torch.compiler.disable  # its holds and snapshots are Python state Dynamo cannot trace: an eager call there
 def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
     """Run ``function(*args)`` now and again in the backward pass, with identical random numbers.
 
-    Inside ``torch.compile`` it runs as an eager call (a graph break); ``torch.utils.checkpoint``
-    compiles, and in portable mode replays the forward's numbers without a ``context_fn``.
+    Inside ``torch.compile`` the graph breaks around it (its holds and snapshots are Python state);
+    ``torch.utils.checkpoint`` compiles, and in portable mode replays the forward's numbers there
+    without a ``context_fn``.
 
     Args:
         function: the region to recompute; it may fork tracker streams and draw from any
