@@ -182,7 +182,7 @@ class _Fork:
             self.read, self.write, self.outer, self.thread = read, write, outer, me
             self.held = (key, below)
             self.saved = back if outer is None else None
-            write(state)
+            write(states[self.name])  # read now: inside a fork of the same stream, its advance just kept
             self.entered = True
             tracker._active = self
         except BaseException:
@@ -441,7 +441,8 @@ class RNGStatesTracker:
         On entry the current device generator switches to the stream; on exit (also when
         the block raises) the stream keeps its advance and the generator gets back the
         state it had before. Forks nest: ``s1 -> s2 -> s1`` draws exactly what three
-        sequential forks would.
+        sequential forks would, and a fork of the stream already forked continues it (the
+        inner block draws what the outer one would have drawn next, never its numbers again).
 
         While the fork is open this thread holds the device's generator; see the module
         docstring for what other threads meet. Forks nest freely on one thread.

@@ -178,6 +178,30 @@ def test_nested_forks_give_exactly_the_streams_of_sequential_forks(
     assert all(torch.equal(x, y) for x, y in zip([a, b, c, d, e], expected))
 
 
+def test_a_fork_inside_a_fork_of_the_same_stream_continues_it(
+    setup: tuple[platforms.Platform, RNGStatesTracker],
+) -> None:
+    """Never a replay: the inner block draws what the outer one would have drawn next, and the outer
+    one then continues after it (a copying fork used to hand the inner one the stream's start again)."""
+    platform, tracker = setup
+    tracker.add("x", 5)
+    with tracker.fork("x"):
+        a = draw(platform)
+        with tracker.fork("x"):
+            b = draw(platform)
+            with tracker.fork("x"):
+                c = draw(platform)
+        d = draw(platform)
+    nested = everything(platform, tracker)
+
+    straight = RNGStatesTracker(graph_safe=tracker.graph_safe)
+    straight.add("x", 5)
+    with straight.fork("x"):
+        expected = [draw(platform) for _ in range(4)]
+    assert all(torch.equal(x, y) for x, y in zip([a, b, c, d], expected))
+    assert everything(platform, straight) == nested
+
+
 def test_an_exception_inside_a_fork_restores_the_state_and_keeps_the_advance(
     setup: tuple[platforms.Platform, RNGStatesTracker],
 ) -> None:
