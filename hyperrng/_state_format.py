@@ -103,6 +103,20 @@ def _check_fields(state: Mapping[str, Any]) -> None:
             mesh_coordinates(state["coords"])
         except HyperRNGError as exc:
             raise _malformed(f"its coordinates cannot be read ({exc})") from None
+    _resume_bases(state)
+
+
+def _resume_bases(state: Mapping[str, Any]) -> dict[str, int] | None:
+    """The streams' own base seeds a resume re-derived them from (``resume_bases``; absent from
+    states written before they were recorded), checked, or ``None``."""
+    bases = state.get("resume_bases")
+    if bases is None:
+        return None
+    if not isinstance(bases, Mapping) or not all(
+        isinstance(name, str) and type(value) is int and 0 <= value <= MAX_SEED for name, value in bases.items()
+    ):
+        raise _malformed("resume_bases must map stream names to seeds in [0, 2**64 - 1].")
+    return dict(bases)
 
 
 def decode(state: Mapping[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> dict[str, Any]:
@@ -161,7 +175,7 @@ def saved_derivation(state: Mapping[str, Any]) -> Derivation | None:
         layout.seeds(state["base_seed"], coords)  # the coordinates fit the layout
     except HyperRNGError as exc:
         raise _malformed(f"its coordinates do not fit its layout ({exc})") from None
-    return Derivation(layout, state["base_seed"], {d: coords[d] for d in layout.dims})
+    return Derivation(layout, state["base_seed"], {d: coords[d] for d in layout.dims}, _resume_bases(state))
 
 
 def _malformed(detail: str) -> InvalidArgumentError:

@@ -176,11 +176,22 @@ class StreamLayout:
             raise InvalidArgumentError(f"the layout has no stream {stream!r}; it declares {list(self._streams)}.")
         return self.seeds(base_seed, coords)[stream]
 
-    def seeds(self, base_seed: int, coords: Mapping[str, int] | object) -> dict[str, int]:
-        """Return ``{stream: seed}`` for every stream, the default stream first (see :meth:`seed`)."""
+    def seeds(
+        self, base_seed: int, coords: Mapping[str, int] | object, *, bases: Mapping[str, int] | None = None
+    ) -> dict[str, int]:
+        """Return ``{stream: seed}`` for every stream, the default stream first (see :meth:`seed`).
+
+        ``bases`` gives some streams a base seed of their own in place of ``base_seed``: a resume
+        at another world size re-derives each stream from what the ranks that share it share
+        (:func:`hyperrng.state.resume_seed`)."""
         base = check_seed(base_seed, "base_seed")
         point = self._coords(coords)
-        return {name: self._mix(base, name, dims, point) for name, dims in self._streams.items()}
+        own = (
+            {}
+            if bases is None
+            else {name: check_seed(value, f"base seed of {name!r}") for name, value in bases.items()}
+        )
+        return {name: self._mix(own.get(name, base), name, dims, point) for name, dims in self._streams.items()}
 
     def check_distinct(self, base_seed: int, sizes: Mapping[str, int]) -> int:
         """Verify that every (stream, coordinates) of a mesh of ``sizes`` gets its own seed.
@@ -211,9 +222,15 @@ class StreamLayout:
         return len(seen)
 
     def seed_tracker(
-        self, tracker: RNGStatesTracker, base_seed: int, coords: Mapping[str, int] | object
+        self,
+        tracker: RNGStatesTracker,
+        base_seed: int,
+        coords: Mapping[str, int] | object,
+        *,
+        bases: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
-        """Reset ``tracker``, add every named stream, and seed the default generator.
+        """Reset ``tracker``, add every named stream, and seed the default generator
+        (``bases``: see :meth:`seeds`).
 
         The default stream's seed goes to the current device's default generator and, on
         a platform whose device is not the CPU, also to torch's CPU generator, so code
@@ -234,9 +251,10 @@ class StreamLayout:
         everything as it was or as after the call. Forks of ``tracker`` that their own exits can
         no longer leave are cleared first (see the tracker's *Recovery*).
         """
-        seeds = self.seeds(base_seed, coords)
+        seeds = self.seeds(base_seed, coords, bases=bases)
         default_seed = seeds[DEFAULT_STREAM]
-        derivation = Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords))
+        own = None if bases is None else {name: int(value) for name, value in bases.items() if name in self._streams}
+        derivation = Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords), own or None)
         platform = platforms.current()
         tracker._idle("reseed the tracker", replacing=True)  # refused before anything is seeded
         tracker._target(rebind=True)
@@ -322,11 +340,17 @@ class StreamLayout:
 
 @dataclass(frozen=True)
 class Derivation:
-    """How a tracker's streams were derived: ``layout.seeds(base_seed, coords)``."""
+    """How a tracker's streams were derived: ``layout.seeds(base_seed, coords, bases=bases)``
+    (``bases``: the streams' own base seeds after a resume at another world size, else ``None``)."""
 
     layout: StreamLayout
     base_seed: int
     coords: dict[str, int] = field(hash=False)
+    bases: dict[str, int] | None = field(default=None, hash=False)
+
+    def seeds(self) -> dict[str, int]:
+        """``{stream: seed}`` as derived."""
+        return self.layout.seeds(self.base_seed, self.coords, bases=self.bases)
 
 
 # Beside each tracker (never keeping one alive): its derivation, and the seeds its streams had

@@ -23,10 +23,11 @@ the file yourself if it crosses a trust boundary.
 under another platform, world size, rank, layout or mesh position is refused by default;
 ``on_mismatch="reseed"`` instead re-derives every stream from the *current* layout and
 coordinates (those given, else those :func:`hyperrng.apply_layout` last gave the tracker,
-else the saved layout) and from :func:`resume_seed`: the saved base seed mixed with the
-saved progress of the default stream, so the resumed run never replays the numbers of its
-first steps. It seeds the host generators from the default stream, and warns that the run
-continues reproducibly but not bit-identically.
+else the saved layout), each from :func:`resume_seed`: the saved base seed mixed with the
+saved progress of that stream, which every rank sharing it holds alike, so ranks that share a
+stream share it again and the resumed run never replays the numbers of its first steps. It
+seeds the host generators from the default stream, and warns that the run continues
+reproducibly but not bit-identically.
 
 :class:`RNGStateful` wraps both for ``torch.distributed.checkpoint``: it keys the state by
 rank, so DCP never deduplicates one rank's state onto another.
@@ -127,10 +128,12 @@ def rng_state_dict(
         base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
     point = dict(mesh_coordinates(coords)) if coords is not None else None
     recorded = recorded_derivation(tracker)
+    bases = None  # the streams' own base seeds, where a resume re-derived them
     if recorded is not None and _agrees(recorded, layout, point, base_seed):
         layout = recorded.layout if layout is None else layout
         point = dict(recorded.coords) if point is None else point
         base_seed = recorded.base_seed if base_seed is None else base_seed
+        bases = recorded.bases
     py_version, py_words, py_gauss = random.getstate()
     np_state: Any = np.random.get_state(legacy=True)  # the legacy 5-tuple, not the dict form
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
@@ -143,6 +146,7 @@ def rng_state_dict(
         "base_seed": base_seed,
         "layout": layout.to_dict() if layout is not None else None,
         "coords": point,
+        "resume_bases": bases,
         "python": {"version": py_version, "state": torch.tensor(py_words, dtype=torch.int64), "gauss": py_gauss},
         "numpy": {
             "kind": np_kind,
@@ -325,42 +329,48 @@ def _reseed(
             f"{'given' if layout is not None and coords is not None else 'not given'}. Seed this run with "
             "apply_layout(layout, base_seed, coords) before loading, or pass layout= and coords=."
         )
-    resumed = _resume_seed(state)
-    seeds = layout.seeds(resumed, coords)  # validates before anything changes
-    layout.seed_tracker(tracker, resumed, coords)
+    bases = {name: _resume_seed(state, name) for name in (DEFAULT_STREAM, *layout.streams)}
+    seeds = layout.seeds(base_seed, coords, bases=bases)  # validates before anything changes
+    layout.seed_tracker(tracker, base_seed, coords, bases=bases)
     seed_host(seeds[DEFAULT_STREAM])
     warnings.warn(
         "RNG state saved under a different setup (" + "; ".join(mismatches) + "): streams re-derived from "
-        f"base seed {base_seed} and the saved progress (resume seed {resumed}) for the current layout; the run "
-        "continues reproducibly but not bit-identically.",
+        f"base seed {base_seed} and each stream's saved progress for the current layout; the run continues "
+        "reproducibly but not bit-identically.",
         RNGResumeWarning,
         stacklevel=3,
     )
 
 
-def resume_seed(state: Mapping[str, Any]) -> int:
-    """The base seed from which ``load_rng_state_dict(state, on_mismatch="reseed")`` re-derives the streams.
+def resume_seed(state: Mapping[str, Any], stream: str = DEFAULT_STREAM) -> int:
+    """The base seed from which ``load_rng_state_dict(state, on_mismatch="reseed")`` re-derives ``stream``
+    (default: the default stream, whose generators the layout seeds); the layout then mixes in the
+    stream's name and this rank's coordinates on the stream's dimensions.
 
     It is ``combine64(RESUME_DOMAIN, base_seed, progress)``
-    (:func:`hyperrng.platforms.mix.combine64`), where *progress* fingerprints how far the
-    saved default stream had gone: the saved state of torch's CPU generator (on the CPU
-    platform, its device with its position), which :func:`hyperrng.apply_layout` seeds from
-    the default stream on every platform, and, where the state records its derivation,
-    the position of each saved counter-based device generator holding the default stream's
-    seed. So the streams after a resume differ from those of the first steps, two resumes
-    of one checkpoint agree, and so do resumes of replicas' checkpoints (ranks that share
-    the default stream hold equal progress). A checkpoint taken after such a resume records
-    this seed as its base seed.
+    (:func:`hyperrng.platforms.mix.combine64`), where *progress* fingerprints how far the saved
+    stream had gone, and only that: what every rank that shares the stream holds alike. For a
+    named stream, its saved state (empty where the state lacks the stream); for the default
+    stream, the saved state of torch's CPU generator (on the CPU platform, its device with its
+    position), which :func:`hyperrng.apply_layout` seeds from the default stream on every
+    platform, and, where the state records its derivation, the position of each saved
+    counter-based device generator holding the default stream's seed. So after a resume at any
+    world size the ranks that share a stream share it again (having loaded checkpoints of ranks
+    that shared it), ranks that must differ do, the streams differ from those of the first steps,
+    and two resumes of one checkpoint agree. A checkpoint taken after such a resume records these
+    seeds beside the base seed (``resume_bases``).
 
     Raises:
         ArgumentTypeError, InvalidArgumentError: ``state`` is not a valid RNG state, or has
-            no base seed.
+            no base seed; ``stream`` is not a string.
     """
     check_saved(state)
-    return _resume_seed(state)
+    if not isinstance(stream, str):
+        raise ArgumentTypeError(f"stream must be a stream's name, got {type(stream).__name__}.")
+    return _resume_seed(state, stream)
 
 
-def _resume_seed(state: Mapping[str, Any]) -> int:
+def _resume_seed(state: Mapping[str, Any], stream: str) -> int:
     """:func:`resume_seed` of a state :func:`check_saved` accepted."""
     base_seed = state["base_seed"]
     if base_seed is None:
@@ -368,16 +378,22 @@ def _resume_seed(state: Mapping[str, Any]) -> int:
             "the RNG state has no base seed to resume from; save it with rng_state_dict(base_seed=...) or after "
             "apply_layout()."
         )
+    progress = hashlib.blake2b(digest_size=8)
+    if stream != DEFAULT_STREAM:
+        saved = state["streams"].get(stream)
+        if isinstance(saved, torch.Tensor):
+            progress.update(saved.detach().cpu().contiguous().numpy().tobytes())
+        return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
     host = state["torch_cpu"] if state["torch_cpu"] is not None else (state["devices"] or [None])[0]
     if not isinstance(host, torch.Tensor) or host.dtype != torch.uint8 or host.dim() != 1:
         raise InvalidArgumentError(
             "the RNG state is malformed: it holds no state of torch's CPU generator (torch_cpu, or the first "
             "device on a platform whose device is the host)."
         )
-    progress = hashlib.blake2b(host.detach().cpu().contiguous().numpy().tobytes(), digest_size=8)
+    progress.update(host.detach().cpu().contiguous().numpy().tobytes())
     derivation = saved_derivation(state)
     if derivation is not None:
-        default_seed = derivation.layout.seeds(derivation.base_seed, derivation.coords)[DEFAULT_STREAM]
+        default_seed = derivation.seeds()[DEFAULT_STREAM]
         for device in state["devices"]:
             if (
                 isinstance(device, torch.Tensor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
 import os
 import random
 import re
@@ -721,12 +722,15 @@ def test_reseed_rederives_the_streams_for_the_new_setup_and_warns(
     new_coords = {"dp": 0, "tp": 0}
     with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
         load_rng_state_dict(from_two_ranks, tracker=tracker, layout=LAYOUT, coords=new_coords, on_mismatch="reseed")
-    after = snapshot(tracker)
+    assert snapshot(tracker) == snapshot(_resumed_tracker(from_two_ranks, new_coords))
 
+
+def _resumed_tracker(state: dict[str, Any], coords: dict[str, int]) -> RNGStatesTracker:
+    """What a reseed-resume of ``state`` at ``coords`` gives: each stream from its own resume seed."""
     expected = RNGStatesTracker()
-    seeds = apply_layout(LAYOUT, resume_seed(from_two_ranks), new_coords, tracker=expected)
-    seed_host(seeds[DEFAULT_STREAM])
-    assert after == snapshot(expected)
+    bases = {name: resume_seed(state, name) for name in (DEFAULT_STREAM, *LAYOUT.streams)}
+    seed_host(LAYOUT.seed_tracker(expected, SEED, coords, bases=bases)[DEFAULT_STREAM])
+    return expected
 
 
 @pytest.mark.needs_sim
@@ -736,9 +740,9 @@ def test_reseed_resumes_a_state_from_another_platform() -> None:
     tracker = seeded_tracker()
     with pytest.warns(RNGResumeWarning, match="platform 'sim' \\(now 'cpu'\\)"):
         load_rng_state_dict(state, tracker=tracker, layout=LAYOUT, coords=COORDS, on_mismatch="reseed")
-    expected = RNGStatesTracker()
-    apply_layout(LAYOUT, resume_seed(state), COORDS, tracker=expected)
-    assert {k: v.tolist() for k, v in tracker.get_states().items()} == snapshot(expected)["streams"]
+    assert {k: v.tolist() for k, v in tracker.get_states().items()} == snapshot(_resumed_tracker(state, COORDS))[
+        "streams"
+    ]
 
 
 def test_reseed_is_a_plain_exact_resume_when_nothing_differs(saved: tuple[dict[str, Any], RNGStatesTracker]) -> None:
@@ -814,6 +818,102 @@ def test_replicas_checkpoints_resume_into_the_same_streams() -> None:
         states.append(resealed(rng_state_dict(tracker=tracker), _set("world_size", lambda _: 2)))
     assert resume_seed(states[0]) == resume_seed(states[1])
     assert resume_seed(states[0]) not in (SEED, resume_seed(resealed(states[0], _set("base_seed", lambda _: 1))))
+
+
+def _rank_state(layout: StreamLayout, coords: dict[str, int], ranks: tuple[int, int]) -> dict[str, Any]:
+    """A rank's checkpoint after a few steps: seeded from ``layout``, every generator drawn alike on the
+    ranks that share it, saved as rank ``coords`` of a ``dp x tp`` world of ``ranks``."""
+    tracker = RNGStatesTracker()
+    apply_layout(layout, SEED, coords, tracker=tracker)
+    draw_everything(tracker)
+    world = ranks[0] * ranks[1]
+    rank = coords["dp"] * ranks[1] + coords["tp"]
+    return resealed(rng_state_dict(tracker=tracker), lambda state: state.update(world_size=world, rank=rank))
+
+
+def _stream_states(tracker: RNGStatesTracker) -> dict[str, list[int]]:
+    """Every stream's state, the default stream's being its generator's (the CPU platform's device)."""
+    return {DEFAULT_STREAM: platforms.current().get_rng_state().tolist(), **snapshot(tracker)["streams"]}
+
+
+@pytest.mark.parametrize("default", [("dp",), ()], ids=["default-per-dp", "default-shared"])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [((2, 2), (1, 2)), ((2, 2), (4, 2)), ((2, 1), (3, 1)), ((4, 2), (2, 2))],
+    ids=["4->2", "4->8", "2->3", "8->4"],
+)
+def test_a_resume_at_another_world_size_shares_each_stream_as_the_layout_says(
+    default: tuple[str, ...], old: tuple[int, int], new: tuple[int, int]
+) -> None:
+    """Every new rank loads the checkpoint of the old rank at ``(dp mod old dp, tp mod old tp)``, as a
+    restarted job does. Afterwards ranks that share a stream (equal coordinates on its dimensions)
+    hold it alike and the others do not; no stream replays the first steps; two resumes agree.
+    (Resume seeds that mixed in the default stream's progress gave a TP stream per DP rank.)"""
+    layout = StreamLayout(dims=("dp", "tp"), default=default, streams={MP: ("tp",), DP: ("dp",)})
+    grid = [{"dp": dp, "tp": tp} for dp in range(old[0]) for tp in range(old[1])]
+    states = {(c["dp"], c["tp"]): _rank_state(layout, c, old) for c in grid}
+    first_steps = []
+    for c in grid:
+        fresh = RNGStatesTracker()
+        apply_layout(layout, SEED, c, tracker=fresh)
+        first_steps.append(_stream_states(fresh))
+
+    def resume(coords: dict[str, int]) -> dict[str, list[int]]:
+        tracker = RNGStatesTracker()
+        state = states[(coords["dp"] % old[0], coords["tp"] % old[1])]
+        with pytest.warns(RNGResumeWarning):
+            load_rng_state_dict(state, tracker=tracker, layout=layout, coords=coords, on_mismatch="reseed")
+        return _stream_states(tracker)
+
+    new_grid = [{"dp": dp, "tp": tp} for dp in range(new[0]) for tp in range(new[1])]
+    resumed = [resume(c) for c in new_grid]
+    assert resume(new_grid[-1]) == resumed[-1], "two resumes of one checkpoint must agree"
+    for stream, dims in {DEFAULT_STREAM: default, MP: ("tp",), DP: ("dp",)}.items():
+        for (a, state_a), (b, state_b) in itertools.combinations(zip(new_grid, resumed), 2):
+            share = all(a[d] == b[d] for d in dims)
+            same = state_a[stream] == state_b[stream]
+            assert same == share, f"stream {stream!r} at {a} and {b}: {'must' if share else 'must not'} be shared"
+        assert not any(r[stream] == f[stream] for r in resumed for f in first_steps), f"{stream!r} replayed"
+
+
+def _elastic_rank(rank: int, world_size: int, directory: str, old_tp_ranks: int) -> list[float]:
+    """A rank of a ``dp x 2`` job (default stream per DP rank, a TP stream): at 4 ranks it seeds, draws and
+    saves; at another size it resumes from the checkpoint of the old rank at its (dp mod old dp, tp) point,
+    checks every stream's sharing across the ranks, and draws."""
+    from hyperrng.verify import verify_rng_sync
+
+    layout = StreamLayout(dims=("dp", "tp"), default=("dp",), streams={MP: ("tp",)})
+    coords = {"dp": rank // 2, "tp": rank % 2}
+    with platforms.use(platforms.CPUPlatform()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RNGResumeWarning)
+        tracker = get_rng_tracker()
+        apply_layout(layout, SEED, coords)
+        if world_size == 4:
+            draw_everything(tracker)
+            save_rng_state(f"{directory}/rng-{rank}.pt", rng_state_dict())
+        else:
+            old = (coords["dp"] % 2) * old_tp_ranks + coords["tp"]
+            load_rng_state_dict(load_rng_state(f"{directory}/rng-{old}.pt"), on_mismatch="reseed")
+        verify_rng_sync(layout, coords)  # raises RNGDesyncError on every rank where a stream is shared wrongly
+        with tracker.fork(MP):
+            tp = torch.rand(4).tolist()
+        return tp + torch.rand(2).tolist()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_job_saved_at_4_ranks_resumes_at_8_with_every_stream_in_sync(tmp_path: Path) -> None:
+    """The issue's case, over gloo: saved at dp 2 x tp 2, resumed at dp 4 x tp 2."""
+    run_ranks(_elastic_rank, 4, str(tmp_path), 2)
+    draws = run_ranks(_elastic_rank, 8, str(tmp_path), 2)
+    for rank, values in enumerate(draws):
+        same_tp = [other for other in range(8) if other % 2 == rank % 2]
+        assert all(draws[other][:4] == values[:4] for other in same_tp), "the TP stream differs within a TP rank"
+        assert draws[rank ^ 1][:4] != values[:4], "TP ranks must draw different TP streams"
+        for other in range(8):  # the default stream is the DP rank's: shared by its two TP ranks only
+            assert (draws[other][4:] == values[4:]) == (other // 2 == rank // 2), (
+                f"default stream, ranks {rank}, {other}"
+            )
 
 
 def test_resume_seed_refuses_a_state_without_a_base_seed() -> None:
@@ -897,10 +997,7 @@ def test_reseed_needs_no_layout_or_coords_after_apply_layout_for_the_new_setup()
     draw_everything(tracker)
     with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
         load_rng_state_dict(from_two_ranks, tracker=tracker, on_mismatch="reseed")
-    expected = RNGStatesTracker()
-    seeds = apply_layout(LAYOUT, resume_seed(from_two_ranks), new_coords, tracker=expected)
-    seed_host(seeds[DEFAULT_STREAM])
-    assert snapshot(tracker) == snapshot(expected)
+    assert snapshot(tracker) == snapshot(_resumed_tracker(from_two_ranks, new_coords))
 
 
 @pytest.mark.parametrize(
@@ -939,9 +1036,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_without_any_planning(tmp_path:
     saved = load_rng_state(tmp_path / "rng-1.pt")
     with pytest.warns(RNGResumeWarning, match=r"world size 2 \(now 1\).*re-derived from base seed 1234"):
         load_rng_state_dict(saved, on_mismatch="reseed")
-    expected = RNGStatesTracker()
-    seed_host(apply_layout(LAYOUT, resume_seed(saved), coords, tracker=expected)[DEFAULT_STREAM])
-    assert snapshot(tracker) == snapshot(expected)
+    assert snapshot(tracker) == snapshot(_resumed_tracker(saved, coords))
 
 
 # -- the DCP Stateful, in one process -------------------------------------------------------------
