@@ -63,6 +63,8 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from threading import Thread, current_thread
 from types import TracebackType
@@ -75,6 +77,7 @@ from hyperrng._interrupts import deferred
 from hyperrng._swap import Swap, choose_swap
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, UnknownStreamError
 from hyperrng.platforms import Platform
+from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed
 
 __all__ = [
@@ -142,6 +145,8 @@ class _Fork:
 
     def __enter__(self) -> None:
         tracker = self._tracker
+        if tracker._process is not _Process.token:  # the first fork in a child made by fork (a DataLoader worker)
+            tracker._join_process()
         if self.entered:
             raise InvalidOperationError(
                 f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.", reason="tracker"
@@ -297,6 +302,7 @@ class RNGStatesTracker:
         self._want_graph_safe = bool(graph_safe)
         self._states: dict[str, Any] = {}
         self._seeds: dict[int, str] = {}
+        self._process = _Process.token  # the process whose streams these are (see _join_process)
         self._swap: Swap | None = None
         self._initialized = False
         self._active: _Fork | None = None
@@ -731,6 +737,19 @@ class RNGStatesTracker:
         while self._active is not None:
             self._active._unwind()
 
+    def _join_process(self) -> None:
+        """Before the first fork in a child process made by ``fork``: in a DataLoader worker, re-derive
+        every stream from its seed and torch's seed for the worker (``get_worker_info().seed``, the base
+        seed the loader drew for the epoch plus the worker's id), as torch reseeds its own generator
+        there, so that workers draw distinct numbers, the same in every run and after a resume (the
+        loader's base seed comes from the restored generator). Other children continue the parent's
+        streams, as a child continues any generator it inherits."""
+        self._process = _Process.token
+        data = sys.modules.get("torch.utils.data")
+        info = data.get_worker_info() if data is not None else None
+        if info is not None and self._states:
+            self.reseed({name: combine64(WORKER_DOMAIN, seed, info.seed) for name, seed in self.seeds().items()})
+
     def _check_not_abandoned(self, what: str) -> None:
         if self._abandoned():
             raise InvalidOperationError(
@@ -754,6 +773,24 @@ class RNGStatesTracker:
     def __repr__(self) -> str:
         mode = {None: "unbound", True: "graph-safe", False: "byte copies"}[self.graph_safe]
         return f"<RNGStatesTracker streams={list(self._states)} {mode}>"
+
+
+WORKER_DOMAIN = 0x574F524B45523031  # "WORKER01": keeps a worker's stream seeds apart from other uses of combine64
+"""First value mixed into a stream's seed in a DataLoader worker (:meth:`RNGStatesTracker._join_process`)."""
+
+
+class _Process:
+    """A token that a child made by ``fork`` replaces: each tracker compares its own with it before a fork."""
+
+    token = object()
+
+
+def _after_fork_in_child() -> None:
+    _Process.token = object()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_name(name: object) -> None:
