@@ -17,6 +17,8 @@ plug in. Everything below is importable from ``hyperrng`` itself (``__all__`` li
   ``load_rng_state_dict``, ``save_rng_state`` / ``load_rng_state`` and ``RNGStateful``.
 * **Recompute**: ``checkpoint(fn, *args)``, and ``checkpoint_context`` as
   ``torch.utils.checkpoint``'s ``context_fn``.
+* **Megatron-core's names**: :mod:`hyperrng.megatron` (``from hyperrng import megatron as
+  tensor_parallel``).
 * **Portable mode**: ``portable_random(seed)``, where torch's own random ops draw Philox
   numbers that are the same on every device and mesh (:mod:`hyperrng.philox.mode`); explicit-key
   draws in :mod:`hyperrng.philox`.

@@ -131,7 +131,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
         checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
 
     Raises:
-        ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker.
+        ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker; or the first of
+            ``args`` is a bool, which is Megatron-core's ``distribute_saved_activations`` (its
+            signature is :func:`hyperrng.megatron.checkpoint`).
         InvalidOperationError: another thread holds torch's CPU generator or a device's (a
             fork, region, ``fork_rng`` or recompute is open there): now, while the states
             are recorded, or in the backward pass, while they are swapped for the rerun.
@@ -141,6 +143,12 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
     """
     if not callable(function):
         raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")
+    if args and isinstance(args[0], bool):
+        raise ArgumentTypeError(
+            "checkpoint(function, *args) got a bool first, as in Megatron-core's checkpoint(function, "
+            "distribute_saved_activations, *args): call hyperrng.megatron.checkpoint for that signature, or pass "
+            "the flag another way (functools.partial) if function really takes a bool first."
+        )
     resolved = resolve_tracker(tracker)
     # The anchor requires grad, so the output does too even when no input does (raw data
     # in, parameters inside): without it the parameters would silently get no gradient.
