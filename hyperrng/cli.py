@@ -185,7 +185,10 @@ class _Lines:
 
 
 def _cmd_info(args: argparse.Namespace, out: _Lines) -> int:
+    """The report, every probe included, also where no platform can be selected (the report says why
+    in place of the platform, the error line follows on stderr and the status is 2)."""
     out(*info_lines())
+    platforms.selection()
     return 0
 
 
@@ -395,7 +398,8 @@ def _run(argv: Sequence[str] | None, out: _Lines) -> int:
     args = _parser().parse_args(argv)
     prog = f"hyperrng {args.command}"  # every complaint after parsing names the subcommand
     try:
-        platforms.selection()  # a platform that cannot be selected is the same one line for every command
+        if args.func is not _cmd_info:  # a platform that cannot be selected: one line for every other command
+            platforms.selection()
         return int(args.func(args, out))
     except HyperRNGError as exc:
         print(f"{prog}: error: {_first_line(exc)}", file=sys.stderr)

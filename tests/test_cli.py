@@ -41,7 +41,25 @@ def test_version_names_hyperrng_and_torch() -> None:
     assert out.stdout.startswith(f"hyperrng {hyperrng.__version__} (torch ")
 
 
-@pytest.mark.parametrize("command", [["info"], ["demo"], ["bench", "--quick"]])
+_UNSELECTABLE = [
+    ("bogus", "error: unknown platform 'bogus'; known platforms: cpu, cuda, npu, sim"),
+    ("no_such_module_xyz:Factory", "module 'no_such_module_xyz' failed to import"),
+    ("npu", "error: platform 'npu' is not available: torch_npu is not installed"),
+]
+
+
+@pytest.mark.parametrize(("value", "fragment"), _UNSELECTABLE)
+def test_info_with_a_platform_that_cannot_be_selected_reports_every_probe_then_fails_with_status_2(
+    value: str, fragment: str
+) -> None:
+    out = _hyperrng("info", HYPERRNG_PLATFORM=value)
+    assert out.returncode == 2
+    line = _one_error_line(out)
+    assert line.startswith("hyperrng info: error: ") and fragment in line
+    assert "platform: none" in out.stdout and "  cpu      [builtin] available" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
