@@ -826,3 +826,18 @@ def test_every_bad_input_is_a_typed_error_raised_before_any_work(
     assert isinstance(info.value, HyperRNGError)
     expected_builtin = TypeError if issubclass(error, ArgumentTypeError) else ValueError
     assert isinstance(info.value, expected_builtin)
+
+
+def test_the_triton_backend_without_triton_is_refused_with_a_typed_error() -> None:
+    """Where Triton cannot be imported (here: made unimportable in a process of its own), backend="triton"
+    on the CPU names why instead of raising Python's ModuleNotFoundError."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from hyperrng import philox\n"
+        "from hyperrng.errors import InvalidArgumentError\n"
+        "try:\n    philox.uniform((4,), 1, backend='triton')\n"
+        "except InvalidArgumentError as exc:\n    print('refused:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("refused: backend='triton' cannot draw on the CPU: Triton's interpreter cannot")

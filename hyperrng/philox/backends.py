@@ -62,7 +62,10 @@ def resolve(backend: str, device: torch.device) -> str:
     if backend == "torch" or (backend == "auto" and device.type == "cpu"):
         return "torch"
     if device.type == "cpu":  # "triton" on the host: the interpreter
-        return "triton"
+        reason = _interpreter_refusal()
+        if reason is None:
+            return "triton"
+        raise InvalidArgumentError(f"backend='triton' cannot draw on the CPU: {reason}; use backend='auto' or 'torch'.")
     reason = _triton_refusal(device.type)
     if reason is None:
         return "triton"
@@ -92,6 +95,19 @@ def _triton_refusal(device_type: str) -> str | None:
         reason = _probe(device_type)
         _PROBED.add(device_type)
         return reason
+
+
+@functools.cache
+def _interpreter_refusal() -> str | None:
+    """Why Triton's interpreter cannot run the kernels on CPU tensors here (Triton missing, or one whose
+    API the kernels do not find), or ``None``; asked once per process, on the first such request."""
+    from hyperrng.philox import _triton
+
+    try:
+        _triton.kernels(True)
+    except Exception as exc:  # any failure of a foreign package's import means: not usable
+        return f"Triton's interpreter cannot load the kernels ({type(exc).__name__}: {_triton._gist(exc)})"
+    return None
 
 
 _PROBED: set[str] = set()
