@@ -171,5 +171,5 @@ def report_lines() -> list[str]:
     lines = [f"torch features (hyperrng supports torch >= 2.5; this is {torch.__version__}):"]
     for f in FEATURES:
         state = "available" if f.available else f"unavailable - needs torch >= {f.needs}"
-        lines.append(f"  {f.key:<14} {state}  [{f.api}]")
+        lines.append(f"  {f.key:<16} {state}  [{f.api}]")
     return lines

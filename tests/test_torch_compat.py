@@ -46,7 +46,7 @@ def _run(args: list[str], tmp_path: Path, sitecustomize: str = "", **env: str) -
 
 
 def test_every_optional_feature_names_the_torch_release_and_the_api_it_needs() -> None:
-    assert [f.key for f in FEATURES] == ["sim", "portable-mode", "local-tensor", "user-generator"]
+    assert [f.key for f in FEATURES] == ["sim", "portable-mode", "portable-compile", "local-tensor", "user-generator"]
     for f in FEATURES:
         major, minor = f.needs.split(".")
         assert (int(major), int(minor)) > (2, 5), f"{f.key}: the core runs on 2.5, so an extra needs a newer torch"

@@ -80,7 +80,7 @@ class Entry:
         self.device = device  # the device whose generator this entry holds, if any
         self.saved: tuple[Callable[[Any], None], Any] | None = None  # (write, snapshot) its exit restores, if any
         self.dtensor = False  # whether it counts as a user of the DTensor routing
-        self.caches = False  # whether it holds AOTAutograd's cache off (hyperrng.philox._traced.CACHES)
+        self.caches = False  # whether it holds AOTAutograd's cache off (see hyperrng.philox._traced)
         self.ctrl_c = False  # whether it counts as a user of the Ctrl-C handler
 
 
@@ -187,11 +187,15 @@ _HOST = torch.device("cpu")
 
 
 def _refuse_capture(p: platforms.Platform, device: torch.device, what: str) -> None:
-    """Refuse a draw on a device whose stream is capturing a graph (see :func:`_traced.refuse_capture`)."""
+    """Refuse a draw on a device whose stream is capturing a graph, before anything moves: a portable draw
+    reads its position on the host, so every replay would repeat the captured numbers."""
     if device.type == p.device_type and device.type != "cpu" and p.is_capturing(device.index):
-        from hyperrng.philox import _traced
-
-        raise _traced.refuse_capture(what)
+        raise UnsupportedPortableOpError(
+            f"{what} while the device's stream captures a graph: a portable draw reads its position on the "
+            "host, so every replay would repeat the captured numbers. Capture the step outside "
+            "portable_random(), or compile it without CUDA graphs (torch.compile's default mode; "
+            "mode='reduce-overhead' runs portable ops outside its graphs)."
+        )
 
 
 def _on_the_host(target: torch.Tensor) -> bool:
@@ -308,14 +312,11 @@ def _random_from(
             f"2**32 values: pass an upper bound."
         )
     if (low, high) == _COMPILED_SEED_RANGE:
-        from hyperrng.philox import _traced
-
-        why = _traced.installed() or "this code was compiled without it"
         raise UnsupportedPortableOpError(
             "compiled code that draws torch's own random numbers (from seeds it takes with randint over the "
-            f"whole int64 range) ran in portable mode; compiled code draws portably only where torch.compile "
-            f"traced it in the mode ({why}). Call the compiled function outside portable_random(), or see "
-            "'hyperrng info' (portable-compile)."
+            "whole int64 range) ran in portable mode; compiled code draws portably only where torch.compile "
+            "traced it in the mode, which needs the torch feature 'portable-compile' ('hyperrng info' says "
+            "whether this torch has it). Call the compiled function outside portable_random()."
         )
     try:
         draw = philox.randint_draw(low, high, self.dtype)
@@ -674,7 +675,7 @@ def explicit_composite_key(op: Any) -> str | None:
 def defaults_left_on_key() -> list[str]:
     """The ops that keep torch's default kernel on the key although they take tensors: reached from
     ``BackendSelect`` (``_to_copy``, sparse constructors...), where a fallthrough of one op cannot serve.
-    Tracing runs them with the key excluded (:mod:`hyperrng.philox._traced`)."""
+    Tracing runs them with the key excluded (see hyperrng.philox._traced)."""
     found = []
     for name in torch._C._dispatch_get_all_op_names():
         if not name.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(name, "BackendSelect"):
@@ -709,6 +710,7 @@ class _Kernels:
         self.libraries: dict[str, Any] = {}  # kept for the life of the process: destroying one rewrites the table
         self.key: Any = None
         self.labels: list[str] = []  # ops with a portable kernel or a refusal at the key
+        self.then: list[Callable[[Any], None]] = []  # called with the key once the kernels are registered
 
     def ensure(self) -> None:
         if self.key is not None:
@@ -739,9 +741,8 @@ class _Kernels:
                 for autograd_key in _attention_ops.AUTOGRAD_KEYS:
                     self._impl("aten::" + name, kernel, with_keyset=True, key=autograd_key)
             self.labels = sorted(name.removeprefix("aten::") for name in kernels)
-            from hyperrng.philox import _traced  # imports this module
-
-            _traced.install(key)  # what torch.compile records in the mode: custom ops, and no loop in tracing
+            for then in self.then:  # what builds on the kernels (hyperrng.philox._traced), before any thread uses them
+                then(key)
             self.key = key  # last: a thread that sees it sees every registration
 
     def _library(self, namespace: str) -> Any:
@@ -756,6 +757,16 @@ class _Kernels:
 
 
 _KERNELS = _Kernels()
+
+
+def register_then(then: Callable[[Any], None]) -> None:
+    """Call ``then(key)`` when the kernels are registered, before any thread sees them (now, if they are):
+    how modules that build on them, and that this one does not import, join the registration."""
+    with _KERNELS.lock:
+        if _KERNELS.key is None:
+            _KERNELS.then.append(then)
+            return
+    then(_KERNELS.key)
 
 
 def register() -> None:

@@ -25,7 +25,7 @@ Limits: enter the mode outside the compiled function (Dynamo does not trace ente
 tracing; attention with dropout recomputes its forward once in its backward pass (its output and
 logsumexp are not kept between the two custom ops). The custom ops are tagged
 ``cudagraph_unsafe`` where torch has the tag, so ``mode="reduce-overhead"`` runs them outside
-CUDA graphs rather than replaying a captured position (see :func:`refuse_capture`).
+CUDA graphs rather than replaying a captured position (an eager draw under capture is refused).
 
 Private torch hooks, detected by feature (``hyperrng.platforms._features``, key
 ``"portable-compile"``) and tested: ``OpOverload.py_impl`` and ``_op_dk`` (Python-dispatcher
@@ -49,7 +49,7 @@ from hyperrng.philox.position import draw_at_position
 from hyperrng.platforms import _features
 from hyperrng.sharded import active_region
 
-__all__ = ["CACHES", "NAMESPACE", "OPS", "install", "installed", "refuse_capture"]
+__all__ = ["CACHES", "NAMESPACE", "OPS", "installed"]
 
 NAMESPACE = "hyperrng"
 """The namespace of the custom ops: ``torch.ops.hyperrng``."""
@@ -462,7 +462,9 @@ def _overload(label: str) -> Any:
 
 
 class _Installed:
-    """The custom ops and the tracing kernels, made once per process (at the first entry into the mode)."""
+    """The custom ops and the tracing kernels, made once per process, when portable mode's kernels are
+    registered (the first entry into the mode); a torch that lacks a hook leaves eager portable mode as
+    it is, and :func:`installed` says why."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -529,12 +531,7 @@ class _Installed:
 
 
 _INSTALLED = _Installed()
-
-
-def install(key: Any) -> None:
-    """Define the custom ops and register the tracing kernels, once per process; a torch that lacks a hook
-    leaves eager portable mode as it is and :func:`installed` says why."""
-    _INSTALLED.install(key)
+ops.register_then(_INSTALLED.install)  # defined at the first entry into the mode, with the kernels
 
 
 def installed() -> str | None:
@@ -585,13 +582,3 @@ class _CacheSwitch:
 
 CACHES = _CacheSwitch()
 """Held by every entry into portable mode (:mod:`hyperrng.philox.mode`): see :class:`_CacheSwitch`."""
-
-
-def refuse_capture(what: str) -> UnsupportedPortableOpError:
-    """The error of a portable draw on a device whose stream is capturing a graph."""
-    return UnsupportedPortableOpError(
-        f"{what} while the device's stream captures a graph: a portable draw reads its position on the host, "
-        f"so every replay would repeat the captured numbers. Capture the step outside portable_random(), or "
-        f"compile it without CUDA graphs (torch.compile's default mode; mode='reduce-overhead' runs portable "
-        f"ops outside its graphs)."
-    )
