@@ -21,8 +21,8 @@ runs in it, and code compiled outside the mode keeps torch's own random ops (AOT
 which cannot tell the two apart, is off while a thread is in the mode: :data:`CACHES`).
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
-``generator=`` arguments and sharded regions opened inside compiled code are refused while
-tracing; attention with dropout recomputes its forward once in its backward pass (its output and
+``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
+refused while tracing (compiled code cannot yet draw a shard's block of a global tensor); attention with dropout recomputes its forward once in its backward pass (its output and
 logsumexp are not kept between the two custom ops). The custom ops are tagged
 ``cudagraph_unsafe`` where torch has the tag, so ``mode="reduce-overhead"`` runs them outside
 CUDA graphs rather than replaying a captured position (an eager draw under capture is refused).
@@ -35,6 +35,7 @@ kernels), ``DispatchKey.PythonTLSSnapshot`` and ``torch._guards.TracingContext``
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -295,6 +296,19 @@ def _no_generator(what: str, generator: object) -> None:
         )
 
 
+def _local(what: str, *tensors: object) -> None:
+    """Refuse a DTensor: compiled code would draw its local shard at the position tracing saw, not its
+    block of the global tensor (DTensor's random path runs while tracing, not when the code runs)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
+        raise UnsupportedPortableOpError(
+            f"{what} on a DTensor inside compiled code in portable mode: compiled code cannot draw a shard's "
+            "block of the global tensor yet. Draw it in eager code (outside the compiled function), or compile "
+            "without portable mode."
+        )
+
+
 def _outside_region(what: str) -> None:
     if active_region() is not None:
         raise UnsupportedPortableOpError(
@@ -309,6 +323,7 @@ def _fill_kernel(what: str, check: Callable[..., Any], custom: str) -> Callable[
 
     def traced(self: torch.Tensor, *args: Any, generator: object = None) -> torch.Tensor:
         _no_generator(what, generator)
+        _local(what, self, *args)
         _outside_region(what)
         params = check(self, *args)
         (values,) = _ordered(fn, self, *params)
@@ -372,6 +387,7 @@ def _check_random_to(self: torch.Tensor, high: int) -> tuple[int, int]:
 
 
 def _traced_dropout(input: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    _local("dropout", input)
     p_value = ops.undrawn_dropout(input, p, train)  # recorded as plain ops where nothing is drawn
     if not isinstance(p_value, float):
         return p_value
@@ -388,6 +404,7 @@ def _traced_attention(name: str) -> Callable[..., Any]:
         named = _attention_ops._bound_arguments(parameters, args, kwargs)
         if not named.get("dropout_p") or named.get("dropout_mask") is not None:
             return None  # draws nothing: torch's op
+        _local("scaled_dot_product_attention", named["query"], named["key"], named["value"])
         _outside_region("scaled_dot_product_attention")
         q = named["query"]
         gqa = bool(named.get("enable_gqa")) or (q.dim() >= 3 and q.shape[-3] != named["key"].shape[-3])
