@@ -22,7 +22,8 @@ which cannot tell the two apart, is off while a thread is in the mode: :data:`CA
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
 ``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
-refused while tracing (compiled code cannot yet draw a shard's block of a global tensor); attention with dropout recomputes its forward once in its backward pass (its output and
+refused while tracing (compiled code cannot yet draw a shard's block of a global tensor);
+attention with dropout recomputes its forward once in its backward pass (its output and
 logsumexp are not kept between the two custom ops). The custom ops are tagged
 ``cudagraph_unsafe`` where torch has the tag, so ``mode="reduce-overhead"`` runs them outside
 CUDA graphs rather than replaying a captured position (an eager draw under capture is refused).
