@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 from collections.abc import Iterator
@@ -57,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_fake_pg = "fake" in getattr(dist.Backend, "backend_list", ())
 
     has_cuda = torch.cuda.is_available()
-    has_triton = importlib.util.find_spec("triton") is not None
+    triton_refusal = _triton_refusal(items)
     need_npu = any("npu" in item.keywords for item in items)
     has_npu = _has_npu() if need_npu else False
     sim, local_tensor = _features.feature("sim"), _features.feature("local-tensor")
@@ -81,11 +80,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=local_tensor.refusal()))
         if not user_generator.available and item.get_closest_marker("needs_user_generator") is not None:
             item.add_marker(pytest.mark.skip(reason=user_generator.refusal()))
-        if not has_triton and item.get_closest_marker("needs_triton") is not None:
-            item.add_marker(pytest.mark.skip(reason="needs Triton (pip install triton) to run its kernels"))
+        if triton_refusal is not None and item.get_closest_marker("needs_triton") is not None:
+            item.add_marker(pytest.mark.skip(reason=f"needs a Triton that runs the kernels: {triton_refusal}"))
         if not has_fake_pg and FAKE_PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             reason = f"needs torch's built-in 'fake' process-group backend (torch >= 2.9); this is {torch.__version__}"
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _triton_refusal(items: list[pytest.Item]) -> str | None:
+    """Why Triton's interpreter cannot run the kernels here (``None``: it can), asked only where a collected
+    test needs it: a test draw costs a second."""
+    if not any(item.get_closest_marker("needs_triton") is not None for item in items):
+        return None
+    from hyperrng.philox import backends
+
+    return backends.interpreter_refusal()
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,6 @@ of accumulation.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -30,8 +29,7 @@ from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.philox import attention, bernoulli
 from hyperrng.philox.attention import probability_shape, scaled_dot_product_attention
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (pip install triton) for its interpreter")
+needs_triton = pytest.mark.needs_triton  # skipped, naming why, where Triton's interpreter cannot run the kernels
 
 KEY = 0x0123456789ABCDEF
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}

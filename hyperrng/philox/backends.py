@@ -30,7 +30,7 @@ import torch
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["BACKENDS", "check_backend", "describe", "resolve"]
+__all__ = ["BACKENDS", "check_backend", "describe", "interpreter_refusal", "resolve"]
 
 BACKENDS = ("auto", "torch", "triton")
 """The values of every ``backend=`` argument."""
@@ -62,7 +62,7 @@ def resolve(backend: str, device: torch.device) -> str:
     if backend == "torch" or (backend == "auto" and device.type == "cpu"):
         return "torch"
     if device.type == "cpu":  # "triton" on the host: the interpreter
-        reason = _interpreter_refusal()
+        reason = interpreter_refusal()
         if reason is None:
             return "triton"
         raise InvalidArgumentError(f"backend='triton' cannot draw on the CPU: {reason}; use backend='auto' or 'torch'.")
@@ -98,15 +98,25 @@ def _triton_refusal(device_type: str) -> str | None:
 
 
 @functools.cache
-def _interpreter_refusal() -> str | None:
-    """Why Triton's interpreter cannot run the kernels on CPU tensors here (Triton missing, or one whose
-    API the kernels do not find), or ``None``; asked once per process, on the first such request."""
-    from hyperrng.philox import _triton
+def interpreter_refusal() -> str | None:
+    """Why Triton's interpreter cannot run the kernels on CPU tensors here, or ``None``: Triton missing, or
+    an older one than the kernels were written for (torch 2.5's Triton 3.1 is), found by loading them and
+    by a test draw that must equal the torch backend's. Asked once per process."""
+    from hyperrng import philox
+    from hyperrng.philox import _shards, _triton
 
+    reference = philox.random_bits(_triton._PROBE_SHAPE, _triton._PROBE_KEY, _triton._PROBE_OFFSET, backend="torch")
     try:
         _triton.kernels(True)
-    except Exception as exc:  # any failure of a foreign package's import means: not usable
-        return f"Triton's interpreter cannot load the kernels ({type(exc).__name__}: {_triton._gist(exc)})"
+        _triton.load("hyperrng.philox._triton_attention", True)  # attention's kernels, on the same Triton
+        out = torch.empty(_triton._PROBE_SHAPE, dtype=torch.int64)
+        geometry = _shards.ShardGeometry.of(_triton._PROBE_SHAPE)
+        _triton.fill(_triton.arguments("random_bits", (), torch.int64), geometry, _triton._PROBE_KEY,
+                     _triton._PROBE_OFFSET, out)  # fmt: skip
+    except Exception as exc:  # any failure of a foreign package means: not usable
+        return f"Triton's interpreter cannot run the kernels ({type(exc).__name__}: {_triton._gist(exc)})"
+    if not torch.equal(out, reference):
+        return "Triton's interpreter drew other numbers than the torch backend"
     return None
 
 
