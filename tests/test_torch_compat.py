@@ -131,7 +131,7 @@ def test_hyperrng_imports_and_reports_on_a_torch_without_python_device_hooks(tmp
     assert out.returncode == 0, out.stderr
     chosen = registry._resolve({}).platform.name  # what the child chooses here: cuda on a GPU machine
     assert f"platform: {chosen}  (" in out.stdout
-    assert "  sim            unavailable - needs torch >= 2.10" in out.stdout
+    assert "  sim              unavailable - needs torch >= 2.10" in out.stdout
     assert "  sim      [builtin] unavailable - the simulated device (platform 'sim') needs torch >= 2.10" in out.stdout
 
 
