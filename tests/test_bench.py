@@ -62,6 +62,7 @@ def test_the_gpu_suite_says_in_one_line_why_it_is_skipped_without_cuda(capsys: p
     assert len(lines) == 1 and "gpu suite skipped" in lines[0] and "CUDA" in lines[0]
 
 
+@pytest.mark.needs_portable_mode
 def test_the_gpu_suites_rows_and_block_step_run_on_any_device_at_small_sizes() -> None:
     """The suite's code paths, on the CPU: the rows compare the same calls a GPU run times."""
     import torch

@@ -76,6 +76,7 @@ def test_a_feature_whose_api_is_missing_is_refused_in_one_typed_line_naming_the_
     assert f"this is torch {torch.__version__}" in message
 
 
+@pytest.mark.needs_portable_mode
 def test_a_feature_whose_api_is_present_is_not_refused() -> None:
     assert feature("portable-mode").available
     require("portable-mode", PlatformError)
