@@ -70,6 +70,8 @@ from threading import Thread, current_thread
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng._exclusive import HOLDS as _HOLDS
@@ -123,6 +125,14 @@ class RNGTrackerProtocol(Protocol):
     def set_states(self, states: Mapping[str, Any]) -> None: ...
 
 
+def _outside_dynamo(fn: Any) -> Any:
+    """``fn``, which Dynamo runs as Python behind a graph break rather than tracing into it (torch's own
+    lazy ``_disable_dynamo``: it imports Dynamo at its first call, made only while a compilation runs),
+    or ``fn`` itself on a torch without it."""
+    disable = getattr(torch, "_disable_dynamo", None)
+    return fn if disable is None else disable(fn)
+
+
 class _Fork:
     """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager.
 
@@ -134,7 +144,19 @@ class _Fork:
 
     # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
     # outside any fork), thread (its Thread object), held (the device's key, the hold depth before this fork).
-    __slots__ = ("_tracker", "entered", "held", "name", "outer", "read", "refused", "saved", "thread", "write")
+    __slots__ = (
+        "_tracker",
+        "entered",
+        "held",
+        "name",
+        "outer",
+        "outside_graph",
+        "read",
+        "refused",
+        "saved",
+        "thread",
+        "write",
+    )
     thread: Thread
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
@@ -142,8 +164,21 @@ class _Fork:
         self.name = name
         self.entered = False
         self.refused = False  # its exit was refused (out of order): the chain is left open until replaced
+        self.outside_graph = False  # entered as Python behind a graph break, while Dynamo traced the block
+
+    @_outside_dynamo
+    def _enter_outside_the_graph(self) -> None:
+        self.__enter__()  # run as Python: there is_compiling() is false
+        self.outside_graph = True
+
+    @_outside_dynamo
+    def _exit_outside_the_graph(self, *exc: Any) -> None:
+        self.outside_graph = False
+        self.__exit__(*exc)
 
     def __enter__(self) -> None:
+        if torch.compiler.is_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
+            return self._enter_outside_the_graph()
         tracker = self._tracker
         if tracker._process is not _Process.token:  # the first fork in a child made by fork (a DataLoader worker)
             tracker._join_process()
@@ -208,6 +243,8 @@ class _Fork:
         tracker = self._tracker
         copies = False
         advanced = None  # the stream's state as the block left it
+        if self.outside_graph:  # entered behind a graph break (an attribute read: no point an interrupt lands on)
+            return self._exit_outside_the_graph(exc_type, exc, tb)
         try:
             if exc_type is not None and self.entered:  # an interrupt may have skipped exits of contexts inside it
                 _exclusive.leave_inner(self, self.held[0])

@@ -729,3 +729,28 @@ def test_dataloader_workers_draw_distinct_streams_the_same_in_every_run() -> Non
     fresh.add("model-parallel-rng", 1234)
     with fresh.fork("model-parallel-rng"):
         assert torch.equal(parent, torch.rand(3))
+
+
+def test_a_compiled_function_with_a_fork_draws_the_eager_numbers_without_tracing_the_swap() -> None:
+    """The swap runs as Python behind a graph break: Dynamo never traces into it (it warned twice about
+    the tracker's internals, threading and Generator.set_state)."""
+    import warnings
+
+    def step(tracker: RNGStatesTracker, x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("model-parallel-rng"):
+            y = torch.nn.functional.dropout(x, 0.5)
+        return y * 2
+
+    def fresh() -> RNGStatesTracker:
+        tracker = RNGStatesTracker()
+        tracker.add("model-parallel-rng", 1234)
+        return tracker
+
+    x = torch.ones(64)
+    eager, compiled_tracker = step(fresh(), x), fresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(step, backend="aot_eager")(compiled_tracker, x)
+    assert torch.equal(compiled, eager)
+    assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message)[:120] for w in caught]
+    assert compiled_tracker.active_stream is None
