@@ -184,6 +184,29 @@ def test_a_function_compiled_outside_the_mode_is_compiled_again_for_it_and_stays
     assert torch.equal(compiled(x), outside), "outside the mode compiled code keeps torch's numbers"
 
 
+@pytest.mark.slow
+def test_inductors_caches_never_hand_code_compiled_outside_the_mode_to_it_or_back() -> None:
+    """A fresh process compiles with inductor outside the mode first (AOTAutograd caches the result by
+    Dynamo's graph, the same in the mode), then in it, then outside again: each draws its own numbers."""
+    script = textwrap.dedent(
+        """
+        import torch, hyperrng
+        from hyperrng import philox
+        def draw(x):
+            return x + torch.rand(4)
+        compiled, x = torch.compile(draw), torch.zeros(4)
+        torch.manual_seed(7); outside = compiled(x)
+        with hyperrng.portable_random(11):
+            assert torch.equal(compiled(x), philox.uniform((4,), key=11, offset=0)), "outside code in the mode"
+        torch._dynamo.reset()  # a new compilation outside the mode must not find the mode's code
+        torch.manual_seed(7); assert torch.equal(torch.compile(draw)(x), outside), "the mode's code outside it"
+        print("separate")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "separate" in result.stdout, result.stderr[-3000:]
+
+
 def test_a_random_op_without_a_portable_kernel_is_refused_while_tracing_before_anything_draws() -> None:
     def draw(x: torch.Tensor) -> torch.Tensor:
         return x + torch.rand(2).sum() + torch.randperm(4)[:1]

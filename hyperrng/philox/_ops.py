@@ -72,7 +72,7 @@ class Entry:
     last entry's ``compiled``.
     """
 
-    __slots__ = ("owner", "compiled", "device", "saved", "dtensor", "caches", "ctrl_c")
+    __slots__ = ("owner", "compiled", "device", "saved", "dtensor", "ctrl_c")
 
     def __init__(self, owner: object, compiled: bool, device: tuple[str, int] | None) -> None:
         self.owner = owner
@@ -80,7 +80,6 @@ class Entry:
         self.device = device  # the device whose generator this entry holds, if any
         self.saved: tuple[Callable[[Any], None], Any] | None = None  # (write, snapshot) its exit restores, if any
         self.dtensor = False  # whether it counts as a user of the DTensor routing
-        self.caches = False  # whether it holds AOTAutograd's cache off (see hyperrng.philox._traced)
         self.ctrl_c = False  # whether it counts as a user of the Ctrl-C handler
 
 

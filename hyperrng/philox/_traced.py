@@ -18,7 +18,7 @@ without one): eager code never reaches it, in the mode or out. A random op witho
 kernel is refused while it is traced, before anything runs. Dynamo guards compiled code on the
 thread's dispatch keys, so a function compiled outside the mode is compiled again when it first
 runs in it, and code compiled outside the mode keeps torch's own random ops (AOTAutograd's cache,
-which cannot tell the two apart, is off while a thread is in the mode: :data:`CACHES`).
+which cannot tell the two apart, is off from the first entry into the mode on).
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
 ``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
@@ -51,7 +51,7 @@ from hyperrng.philox.position import draw_at_position
 from hyperrng.platforms import _features
 from hyperrng.sharded import active_region
 
-__all__ = ["CACHES", "NAMESPACE", "OPS", "installed"]
+__all__ = ["NAMESPACE", "OPS", "installed"]
 
 NAMESPACE = "hyperrng"
 """The namespace of the custom ops: ``torch.ops.hyperrng``."""
@@ -500,6 +500,7 @@ class _Installed:
                 self.refusal = found.refusal()
                 return
             try:
+                _autograd_cache_off()
                 self._define()
                 self._register(key)
             except Exception as exc:  # a torch whose hooks changed: eager portable mode still works
@@ -560,43 +561,18 @@ def installed() -> str | None:
     return _INSTALLED.refusal
 
 
-class _CacheSwitch:
-    """AOTAutograd's cache of compiled code, off while any thread is in portable mode.
+def _autograd_cache_off() -> None:
+    """Switch AOTAutograd's cache of compiled code off for this process, at the first entry into the mode.
 
     That cache finds a compiled artifact by Dynamo's graph, which is the same in the mode and
     outside it (the substitution happens below it, while AOTAutograd traces): left on, a function
     compiled outside the mode would hand its code, with torch's own random ops, to the same
     function compiled in it, and code compiled in the mode, with portable ops, to a later
-    compilation outside it, in this process or, from the cache on disk, in the next. So the
-    first thread that enters the mode switches it off and the last one out switches it back on
-    (unless it was off already, or someone changed it meanwhile). Inductor's own cache keys
-    the graph after that substitution and needs nothing.
+    compilation outside it, in this process or, from the cache on disk, in the next. Switching
+    it back on at the last exit from the mode would cost every entry two writes of torch's
+    configuration (8 us); so it stays off, a cost in compile time only (inductor's own cache
+    keys the graph after the substitution and stays on).
     """
+    import torch._functorch.config as config
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0
-        self.switched = False  # whether this switch turned the cache off
-
-    def acquire(self) -> None:
-        import torch._functorch.config as config  # noqa: PLC0415 - only a thread entering the mode pays for it
-
-        with self.lock:
-            if not self.users and getattr(config, "enable_autograd_cache", False):
-                config.enable_autograd_cache = False
-                self.switched = True
-            self.users += 1
-
-    def release(self) -> None:
-        import torch._functorch.config as config  # noqa: PLC0415
-
-        with self.lock:
-            self.users -= 1
-            if not self.users and self.switched:
-                self.switched = False
-                if config.enable_autograd_cache is False:
-                    config.enable_autograd_cache = True
-
-
-CACHES = _CacheSwitch()
-"""Held by every entry into portable mode (:mod:`hyperrng.philox.mode`): see :class:`_CacheSwitch`."""
+    config.enable_autograd_cache = False

@@ -110,7 +110,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng.errors import InvalidArgumentError
-from hyperrng.philox import _traced
+from hyperrng.philox import _traced  # noqa: F401 - joins the kernels' registration (compiled code in the mode)
 from hyperrng.philox._ops import PORTABLE_OPS, THREAD, Entry, pop, push, register, registered, unsupported_ops
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.sharded import ShardedRNGTracker
@@ -276,8 +276,6 @@ def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: boo
             io = p._state_io()  # exact snapshots, restored without the checks of set_rng_state
             entry.saved = (io.write, io.read())
         entry.dtensor = _DTENSOR.acquire()
-        _traced.CACHES.acquire()
-        entry.caches = True
         if seed is not None:
             p._move(seed, 0, False)
     except BaseException:
@@ -295,7 +293,7 @@ def _leave(entry: Entry) -> None:
 
 def _undo(entry: Entry) -> None:
     """Undo what entering did, in reverse order, every step whatever an earlier one raises."""
-    steps = (_restore_generator, _release_dtensor, _release_caches, _release_device, _release_ctrl_c)
+    steps = (_restore_generator, _release_dtensor, _release_device, _release_ctrl_c)
     failure: BaseException | None = None
     for step in steps:  # the Ctrl-C handler last: an interrupt after it finds every step done
         try:
@@ -317,12 +315,6 @@ def _release_dtensor(entry: Entry) -> None:
     if entry.dtensor:
         entry.dtensor = False
         _DTENSOR.release()
-
-
-def _release_caches(entry: Entry) -> None:
-    if entry.caches:
-        entry.caches = False
-        _traced.CACHES.release()
 
 
 def _release_device(entry: Entry) -> None:
