@@ -45,7 +45,7 @@ import secrets
 import stat
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -752,7 +752,18 @@ class RNGStateful:
 
         dcp.save({"model": model, "rng": RNGStateful(layout=layout, coords=coords, base_seed=seed)}, ...)
 
-    Arguments are those of :func:`rng_state_dict` and :func:`load_rng_state_dict`.
+    Arguments are those of :func:`rng_state_dict` and :func:`load_rng_state_dict`, and:
+
+    Args:
+        load_from: for an instance given to ``dcp.load`` at another world size, the saved rank whose
+            state this rank loads: an int, or a function of this rank returning one (``None``: this
+            rank's own). DCP reads only the keys the loading instance names, so a rank beyond the
+            saved world must name one that exists; pick one that shares this rank's coordinates on
+            each stream's dimensions (for ``dp x tp``, ``lambda r: (dp(r) % old_dp) * tp + tp(r)``),
+            with ``on_mismatch="reseed"``, and every stream is shared again as the layout says.
+
+    Raises:
+        ArgumentTypeError: ``load_from`` is neither ``None``, an int nor callable.
     """
 
     def __init__(
@@ -764,14 +775,28 @@ class RNGStateful:
         base_seed: int | None = None,
         on_mismatch: str = "error",
         group: object | None = None,
+        load_from: int | Callable[[int], int] | None = None,
     ) -> None:
+        if load_from is not None and not callable(load_from) and (type(load_from) is not int or load_from < 0):
+            raise ArgumentTypeError(
+                f"load_from must be a saved rank (an int >= 0), a function of this rank returning one, or None; "
+                f"got {type(load_from).__name__} {load_from!r:.40}."
+            )
         self._group = group
+        self._load_from = load_from
         self._save: dict[str, Any] = {"tracker": tracker, "layout": layout, "coords": coords, "group": group}
         self._load = {**self._save, "on_mismatch": on_mismatch}
         self._save["base_seed"] = base_seed
 
     def _key(self) -> str:
-        return f"rank_{platforms.comm.rank(self._group)}"
+        rank = platforms.comm.rank(self._group)
+        source = self._load_from
+        if source is None:
+            return f"rank_{rank}"
+        chosen = source(rank) if callable(source) else source
+        if type(chosen) is not int or chosen < 0:
+            raise ArgumentTypeError(f"load_from({rank}) must return a saved rank (an int >= 0), got {chosen!r:.40}.")
+        return f"rank_{chosen}"
 
     def state_dict(self) -> dict[str, Any]:
         return {self._key(): rng_state_dict(**self._save)}
@@ -781,6 +806,6 @@ class RNGStateful:
         if key not in state_dict:
             raise InvalidArgumentError(
                 f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)}); "
-                "it was saved with a different world size."
+                "it was saved with a different world size: name a saved rank with load_from=."
             )
         load_rng_state_dict(state_dict[key], **self._load)

@@ -1109,6 +1109,50 @@ def test_dcp_gives_every_rank_its_own_state_back(tmp_path: Path) -> None:
     assert {k.split(".")[1] for k in r0["keys"]} == {"rank_0", "rank_1"}, "both ranks' states are in the checkpoint"
 
 
+_GROWN = StreamLayout(dims=("dp", "tp"), default=("dp",), streams={MP: ("tp",)})
+
+
+def _dcp_grow(rank: int, world_size: int, directory: str) -> list[float]:
+    """``dp x 2`` ranks: at 4 they seed, draw and save with DCP; at 8 each loads the saved rank at its
+    ``(dp mod 2, tp)`` point (``load_from``), re-derives the streams, checks their sharing, and draws."""
+    import torch.distributed.checkpoint as dcp
+
+    from hyperrng.verify import verify_rng_sync
+
+    coords = {"dp": rank // 2, "tp": rank % 2}
+    with platforms.use(platforms.CPUPlatform()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the resume warning, and DCP's own
+        apply_layout(_GROWN, SEED, coords)
+        if world_size == 4:
+            draw_everything(get_rng_tracker())
+            dcp.save({"rng": RNGStateful()}, checkpoint_id=directory)
+        else:
+            old = lambda r: (r // 2 % 2) * 2 + r % 2  # noqa: E731 - the saved rank at (dp mod 2, tp)
+            dcp.load({"rng": RNGStateful(on_mismatch="reseed", load_from=old)}, checkpoint_id=directory)
+        verify_rng_sync(_GROWN, coords)
+        with get_rng_tracker().fork(MP):
+            tp = torch.rand(3).tolist()
+        return tp + torch.rand(1).tolist()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dcp_resumes_a_checkpoint_of_4_ranks_on_8_with_every_stream_in_sync(tmp_path: Path) -> None:
+    run_ranks(_dcp_grow, 4, str(tmp_path))
+    draws = run_ranks(_dcp_grow, 8, str(tmp_path))
+    for rank in range(8):
+        for other in range(8):
+            assert (draws[rank][:3] == draws[other][:3]) == (rank % 2 == other % 2), "TP stream per TP rank"
+            assert (draws[rank][3:] == draws[other][3:]) == (rank // 2 == other // 2), "default per DP rank"
+
+
+def test_the_stateful_refuses_a_load_from_that_is_not_a_rank() -> None:
+    with pytest.raises(ArgumentTypeError, match="load_from must be a saved rank"):
+        RNGStateful(load_from=-1)
+    with pytest.raises(ArgumentTypeError, match=r"load_from\(0\) must return a saved rank"):
+        RNGStateful(load_from=lambda rank: "0").state_dict()  # type: ignore[arg-type, return-value]
+
+
 class _TinyModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
