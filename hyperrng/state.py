@@ -455,8 +455,9 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
             a lock).
-        InvalidArgumentError: ``path`` is a folder, its folder does not exist, or it is a
-            link that loops; or ``state`` holds objects that :func:`load_rng_state` would
+        InvalidArgumentError: ``path`` is a folder, a device, a FIFO or a socket (never
+            replaced), its folder does not exist, or it is a link that loops; or ``state``
+            holds objects that :func:`load_rng_state` would
             refuse (it reads with ``weights_only=True``: dicts, lists, tuples, strings,
             numbers, tensors). Nothing is written when it is raised: the file is read back,
             tensors memory-mapped, before it replaces ``path``.
@@ -513,6 +514,7 @@ def _save_target(path: object) -> Path:
         target = resolved
     if target.is_dir():
         raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
+    _refuse_special(target, "replace")
     if not target.parent.is_dir():
         raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
     return target
@@ -697,6 +699,24 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def _refuse_special(target: Path, verb: str, mode: int | None = None) -> None:
+    """Refuse ``target`` where it exists and is not a regular file (a device such as ``/dev/null``, a FIFO,
+    a socket): a save would replace it with a file, a load of a FIFO would wait forever. ``mode``: its
+    ``st_mode`` when already known (from an opened descriptor), else read without following a link."""
+    if mode is None:
+        try:
+            mode = os.stat(target).st_mode
+        except OSError:  # missing, or unreadable: the save or load itself says why
+            return
+    if not stat.S_ISREG(mode):
+        kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else (
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")  # fmt: skip
+        raise InvalidArgumentError(
+            f"{str(target)!r} is {kind}, not a regular file: hyperrng will not {verb} it. Give the path of a "
+            "checkpoint file."
+        )
+
+
 def _file_path(path: object) -> Path:
     if isinstance(path, str) or (isinstance(path, os.PathLike) and isinstance(os.fspath(path), str)):
         return Path(path)
@@ -721,16 +741,23 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
-        InvalidArgumentError: the file is truncated, or not a torch file of plain data.
+        InvalidArgumentError: the file is truncated, or not a torch file of plain data; or
+            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting.
         StorageError: the file system refused the read: no such file (also a
             ``FileNotFoundError``), no permission (also a ``PermissionError``), a time-out or
             an I/O error; an ``OSError``.
     """
     target = _file_path(path)
+    _refuse_special(target, "read")  # a socket cannot even be opened
     try:
-        with open(target, "rb"):  # the file system's own refusals (no such file, no permission), before torch reads
-            pass
-        loaded = torch.load(target, weights_only=True)
+        # Opened without waiting (a FIFO nobody writes would block), checked to be a regular file by
+        # its descriptor, and read through that descriptor: the file checked is the file read.
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(fd, "rb") as file:
+            _refuse_special(target, "read", os.fstat(file.fileno()).st_mode)
+            loaded = torch.load(file, weights_only=True)
+    except HyperRNGError:
+        raise
     except OSError as exc:
         if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
             raise _unreadable(path, exc) from exc

@@ -28,7 +28,7 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
-from hyperrng.errors import StorageError
+from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.seeding import seed_host
 from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
 
@@ -212,7 +212,7 @@ import errno, os, sys
 import torch
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.errors import StorageError
+from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.state import load_rng_state, rng_state_dict, save_rng_state
 
 folder = sys.argv[1]
@@ -254,7 +254,7 @@ _NO_PERMISSION = """
 import errno, os, sys
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.errors import StorageError
+from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.state import rng_state_dict, save_rng_state
 
 try:
@@ -449,3 +449,33 @@ def test_a_save_leaves_every_file_that_only_looks_like_what_a_killed_save_leaves
     save_rng_state(tmp_path / "rng.pt", _state(1))
     assert all(file.read_bytes() == b"someone's data" for file in look_alikes)
     assert _entries(user_folder) == ["checkpoint", "lock"]
+
+
+@pytest.fixture
+def special_files(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """A FIFO and a Unix socket bound in ``tmp_path`` (a char device cannot be made without privileges:
+    /dev/null stands for one, which the test never writes)."""
+    os.mkfifo(tmp_path / "fifo")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "sock"))
+        yield {"fifo": tmp_path / "fifo", "socket": tmp_path / "sock", "device": Path(os.devnull)}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and Unix sockets")
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+def test_a_device_fifo_or_socket_is_never_replaced_nor_waited_on(
+    tmp_path: Path, special_files: dict[str, Path], kind: str
+) -> None:
+    """A save of /dev/null replaced it with a regular file (as root); a load of a FIFO nobody writes hung."""
+    path = special_files[kind]
+    mode = os.stat(path).st_mode
+    with pytest.raises(InvalidArgumentError, match="not a regular file: hyperrng will not replace it"):
+        save_rng_state(path, rng_state_dict())
+    with pytest.raises(InvalidArgumentError, match="not a regular file: hyperrng will not read it"):
+        load_rng_state(path)  # returns at once: the FIFO is opened without waiting for a writer
+    assert os.stat(path).st_mode == mode
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        save_rng_state(link, rng_state_dict())
+    assert os.stat(path).st_mode == mode and link.is_symlink()
