@@ -88,29 +88,15 @@ def _link() -> torch.Tensor:
 
 
 # -- the custom ops' implementations: the eager op, on the thread in the mode ----------------------
-def _uniform(self: torch.Tensor, low: float, high: float, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _Portable():
-        return _fresh(self).uniform_(low, high), _link()
+def _filling(method: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The implementation of a fill's custom op: ``method`` (``uniform_``, ...) on a new tensor like
+    ``self`` with the op's parameters (its last input, ``after``, only orders it)."""
 
+    def fill(self: torch.Tensor, *params_then_after: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with _Portable():
+            return getattr(_fresh(self), method)(*params_then_after[:-1]), _link()
 
-def _normal(self: torch.Tensor, mean: float, std: float, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _Portable():
-        return _fresh(self).normal_(mean, std), _link()
-
-
-def _bernoulli(self: torch.Tensor, p: float, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _Portable():
-        return _fresh(self).bernoulli_(p), _link()
-
-
-def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _Portable():
-        return _fresh(self).bernoulli_(p), _link()
-
-
-def _random(self: torch.Tensor, low: int, high: int, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _Portable():
-        return _fresh(self).random_(low, high), _link()
+    return fill
 
 
 def _native_dropout(
@@ -238,11 +224,23 @@ def _attention_backward_rule(ctx: Any, grad: torch.Tensor, _position_grad: Any) 
 
 
 _SCHEMAS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-    "uniform": ("(Tensor self, float low, float high, Tensor after) -> (Tensor, Tensor)", _uniform, _fake_fill),
-    "normal": ("(Tensor self, float mean, float std, Tensor after) -> (Tensor, Tensor)", _normal, _fake_fill),
-    "bernoulli": ("(Tensor self, float p, Tensor after) -> (Tensor, Tensor)", _bernoulli, _fake_fill),
-    "bernoulli_tensor": ("(Tensor self, Tensor p, Tensor after) -> (Tensor, Tensor)", _bernoulli_tensor, _fake_fill),
-    "random": ("(Tensor self, int low, int high, Tensor after) -> (Tensor, Tensor)", _random, _fake_fill),
+    "uniform": (
+        "(Tensor self, float low, float high, Tensor after) -> (Tensor, Tensor)",
+        _filling("uniform_"),
+        _fake_fill,
+    ),
+    "normal": (
+        "(Tensor self, float mean, float std, Tensor after) -> (Tensor, Tensor)",
+        _filling("normal_"),
+        _fake_fill,
+    ),
+    "bernoulli": ("(Tensor self, float p, Tensor after) -> (Tensor, Tensor)", _filling("bernoulli_"), _fake_fill),
+    "bernoulli_tensor": (
+        "(Tensor self, Tensor p, Tensor after) -> (Tensor, Tensor)",
+        _filling("bernoulli_"),
+        _fake_fill,
+    ),
+    "random": ("(Tensor self, int low, int high, Tensor after) -> (Tensor, Tensor)", _filling("random_"), _fake_fill),
     "native_dropout": (
         "(Tensor input, float p, bool? train, Tensor after) -> (Tensor, Tensor, Tensor)",
         _native_dropout,
