@@ -92,6 +92,7 @@ def _can_trace_portable_ops() -> bool:
         and hasattr(op, "_op_dk")
         and hasattr(torch._C.DispatchKey, "PythonTLSSnapshot")
         and hasattr(torch._guards.TracingContext, "try_get")
+        and hasattr(torch.utils._python_dispatch, "_disable_current_modes")
         and "tags" in inspect.signature(torch.library.custom_op).parameters
     )
 

@@ -170,6 +170,22 @@ def test_compiled_attention_with_dropout_equals_eager_gradients_included() -> No
         assert _equal(step(compiled), eager[1])
 
 
+def test_parameters_never_drawn_before_are_checked_outside_the_trace_without_a_graph_break() -> None:
+    """Checking a draw's parameters rounds them with tensors; while tracing those were fake, and their
+    value a data-dependent graph break (fullgraph=True refused the function)."""
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.rand(5), torch.empty(3).normal_(0.3125, 2.71875)
+
+    philox._uniform_draw.cache_clear()  # as in a process that never drew them: the checks run while tracing
+    philox._normal_draw.cache_clear()
+    compiled = torch.compile(draw, backend="aot_eager", fullgraph=True)
+    with portable_random(SEED):
+        got = compiled()
+    with portable_random(SEED):
+        assert _equal(got, draw())
+
+
 def test_a_function_compiled_outside_the_mode_is_compiled_again_for_it_and_stays_torchs_outside() -> None:
     def draw(x: torch.Tensor) -> torch.Tensor:
         return x + torch.rand(4)

@@ -30,7 +30,8 @@ CUDA graphs rather than replaying a captured position (an eager draw under captu
 
 Private torch hooks, detected by feature (``hyperrng.platforms._features``, key
 ``"portable-compile"``) and tested: ``OpOverload.py_impl`` and ``_op_dk`` (Python-dispatcher
-kernels), ``DispatchKey.PythonTLSSnapshot`` and ``torch._guards.TracingContext``.
+kernels), ``DispatchKey.PythonTLSSnapshot``, ``torch._guards.TracingContext``, and
+``torch.utils._python_dispatch._disable_current_modes`` (checks computed outside the trace).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedPortableOpError
 from hyperrng.philox import _attention_ops, attention
@@ -324,7 +326,8 @@ def _fill_kernel(what: str, check: Callable[..., Any], custom: str) -> Callable[
         _no_generator(what, generator)
         _local(what, self, *args)
         _outside_region(what)
-        params = check(self, *args)
+        with _disable_current_modes():  # the checks round parameters with real tensors, not traced ones
+            params = check(self, *args)
         (values,) = _ordered(fn, self, *params)
         return self.copy_(values)
 
