@@ -1074,6 +1074,7 @@ def test_outside_the_mode_every_random_op_gives_torchs_numbers_once_the_kernels_
             assert report["after"][device][label] == values, f"{label} on {device} drew other numbers once registered"
 
 
+@pytest.mark.needs_sim  # the subprocess selects the simulated device
 def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_in_a_fresh_process() -> None:
     import subprocess
 

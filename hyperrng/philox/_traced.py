@@ -360,12 +360,14 @@ def _check_bernoulli_tensor(self: torch.Tensor, p: torch.Tensor) -> tuple[torch.
     if not p.is_floating_point():
         raise ArgumentTypeError(f"bernoulli_ takes floating-point probabilities, got a {p.dtype} tensor.")
     try:
-        p.expand(self.shape)
+        fits = torch.broadcast_shapes(p.shape, self.shape) == self.shape  # shapes only: p may be a traced tensor
     except RuntimeError:
+        fits = False
+    if not fits:
         raise InvalidArgumentError(
             f"bernoulli_: probabilities of shape {tuple(p.shape)} do not broadcast to the tensor's shape "
             f"{tuple(self.shape)}."
-        ) from None
+        )
     return (p,)
 
 
