@@ -16,7 +16,8 @@ every other op falls through the key at no cost, and other threads never see it.
 the mode nothing of this is on any path: a random op runs exactly torch's kernel, at
 torch's cost. Entering and leaving flip one thread-local bit and never touch the dispatch
 table (:func:`register` writes it once, at the first entry). Meta and fake tensors (shape
-propagation in ``torch.compile`` and DTensor) pass through to torch's kernels.
+propagation in ``torch.compile`` and DTensor) pass through to torch's kernels; what compiled code
+records for a random op in the mode is :mod:`hyperrng.philox._traced`'s.
 
 Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
 carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
