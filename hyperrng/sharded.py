@@ -60,6 +60,7 @@ from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOper
 from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import check_instance, check_int, check_seed
 from hyperrng.sharding import rng_offsets
+from hyperrng.tracker import _outside_dynamo
 
 __all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
@@ -510,6 +511,8 @@ class _DTensorRegion:
         self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) of the device held
 
     def __enter__(self) -> None:
+        if torch.compiler.is_compiling():
+            return self._enter_outside_the_graph()
         t, p, spec = self._tracker, self._tracker.platform, self._spec
         mode = _local_ranks.active_mode()
         if mode is not None:  # every simulated rank's generator, with the user generator's advance charged to it
@@ -536,7 +539,17 @@ class _DTensorRegion:
                 _exclusive.release(*self._held)
             raise
 
+    @_outside_dynamo
+    def _enter_outside_the_graph(self) -> None:
+        self.__enter__()
+
+    @_outside_dynamo
+    def _exit_outside_the_graph(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
     def __exit__(self, *exc: object) -> None:
+        if torch.compiler.is_compiling():
+            return self._exit_outside_the_graph(*exc)
         assert self._region is not None
         if isinstance(self._region, LocalRegion):
             self._region.__exit__(*exc)

@@ -264,3 +264,36 @@ def _desync_rank(rank: int, world_size: int) -> str:
 def test_saving_positions_that_differ_between_ranks_raises_on_every_rank() -> None:
     messages = run_ranks(_desync_rank, 2)
     assert all("ranks [1] hold other portable positions than rank 0" in m for m in messages), messages
+
+
+# -- DTensor random ops in compiled code ---------------------------------------------------------
+def _compiled_dtensor_rank(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor, rand
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def step(x: Any) -> Any:
+        return F.dropout(x, 0.5) + rand(x.shape, device_mesh=mesh, placements=[Shard(0)])
+
+    compiled = torch.compile(step, backend="aot_eager")
+    x = distribute_tensor(torch.ones(6, 5), mesh, [Shard(0)])
+    with warnings.catch_warnings(), portable_random(SEED):
+        warnings.simplefilter("ignore")
+        got = [compiled(x).full_tensor().tolist() for _ in range(2)]
+        position = platforms.current().get_seed_offset()
+    return {"tensors": got, "position": list(position)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.needs_portable_compile
+def test_dtensor_random_ops_in_compiled_code_give_every_rank_the_unsharded_tensors() -> None:
+    """Dynamo leaves a DTensor random op's sharding to eager code behind a graph break: the portable
+    draw runs there, untraced (traced, its host arithmetic failed to compile), at its position."""
+    results = run_ranks(_compiled_dtensor_rank, 2)
+    with platforms.use(platforms.CPUPlatform()), portable_random(SEED):
+        expected = [(F.dropout(torch.ones(6, 5), 0.5) + torch.rand(6, 5)).tolist() for _ in range(2)]
+        position = list(platforms.current().get_seed_offset())
+    for rank, result in enumerate(results):
+        assert result["tensors"] == expected, f"rank {rank}"
+        assert result["position"] == position, f"rank {rank}"

@@ -48,6 +48,7 @@ from hyperrng.philox.position import assemble_blocks, draw_at_position, shard_sl
 from hyperrng.platforms import _features
 from hyperrng.platforms.validate import MAX_OFFSET, round_up_offset
 from hyperrng.sharded import active_region
+from hyperrng.tracker import _outside_dynamo
 
 __all__ = [
     "HOST_DRAWN",
@@ -605,6 +606,17 @@ def _below(op: Any, below: Any) -> Callable[..., Any]:
     return original
 
 
+def _run_untraced(kernel: Callable[..., Any], keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return kernel(keyset, *args, **kwargs)
+
+
+_untraced = _outside_dynamo(_run_untraced)
+"""Runs a kernel below as Python where Dynamo would trace it. Dynamo compiles every Python frame that a
+compiled function's graph-broken parts call, our kernels too when an op runs eagerly there (a DTensor
+random op, whose sharding Dynamo leaves to eager code): traced, a draw would be recorded as the host
+arithmetic of one call, baked into a graph. Behind the break it is the eager draw, at its position."""
+
+
 def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[..., Any]:
     """The kernel registered for ``op``: ``portable`` on a thread in portable mode, else torch's own.
 
@@ -618,6 +630,8 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
     what = _op_label(op)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # Dynamo traces this frame: it runs as Python behind a graph break
+            return _untraced(kernel, keyset, args, kwargs)
         if not THREAD.entries or keyset.has(_META):  # meta and fake tensors only propagate shapes: torch's kernels
             return original(keyset, *args, **kwargs)
         include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
@@ -639,6 +653,8 @@ def _switched_refusal(op: Any, refuse: Callable[..., Any], below: Any) -> Callab
     original = _below(op, below)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _untraced(kernel, keyset, args, kwargs)
         if THREAD.entries and not keyset.has(_META):
             return refusing(original, keyset, *args, **kwargs)
         return original(keyset, *args, **kwargs)

@@ -22,9 +22,10 @@ which cannot tell the two apart, is off from the first entry into the mode on).
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
 ``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
-refused while tracing (compiled code cannot yet draw a shard's block of a global tensor; Dynamo
-turns the DTensor refusal, a ``NotImplementedError``, into a graph break unless ``fullgraph=True``,
-and then fails tracing DTensor's eager random path);
+refused while tracing (compiled code cannot yet draw a shard's block of a global tensor). Dynamo
+turns the DTensor refusal, a ``NotImplementedError``, into a graph break unless ``fullgraph=True``:
+DTensor's random path then runs as eager code, and the sharded region it enters and the portable
+kernels it reaches run behind graph breaks of their own (``_ops._untraced``), drawing as eager does;
 attention with dropout recomputes its forward once in its backward pass (its output and
 logsumexp are not kept between the two custom ops). The custom ops are tagged
 ``cudagraph_unsafe`` where torch has the tag, so ``mode="reduce-overhead"`` runs them outside
