@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import hyperrng
 from hyperrng import philox
 from hyperrng.errors import UnsupportedPortableOpError
-from hyperrng.philox import _traced, backends
+from hyperrng.philox import _traced, attention, backends
 from hyperrng.philox.mode import is_portable_random_enabled, portable_random
 from tests._platforms import cuda_platform  # noqa: F401 - the fixture `cuda`
 
@@ -148,26 +148,43 @@ def test_a_compiled_training_step_equals_the_eager_step_bit_for_bit(backend: str
         assert _equal(got, want)
 
 
-def test_compiled_attention_with_dropout_equals_eager_gradients_included() -> None:
+_ATTENTION_CASES = {
+    "bool-mask": ((2, 4, 16, 8), (2, 4, 12, 8), torch.float32, {"attn_mask": torch.rand(16, 12) > 0.3}),
+    "causal-float64": ((2, 3, 8, 4), (2, 3, 8, 4), torch.float64, {"is_causal": True}),
+    "grouped-query-heads": ((1, 4, 6, 8), (1, 2, 10, 8), torch.float32, {"enable_gqa": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(_ATTENTION_CASES))
+def test_compiled_attention_with_dropout_equals_eager_gradients_included(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q_shape, kv_shape, dtype, options = _ATTENTION_CASES[case]
     torch.manual_seed(0)
-    inputs = [torch.randn(2, 4, 16, 8), torch.randn(2, 4, 12, 8), torch.randn(2, 4, 12, 8)]
-    mask = torch.rand(16, 12) > 0.3
+    inputs = [torch.randn(q_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, **options)
+
+    forwards: list[int] = []
 
     def step(fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
         q, k, v = (t.clone().requires_grad_() for t in inputs)
         out = fn(q, k, v)
-        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        before = len(forwards)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)).sum().backward()
+        assert len(forwards) == before, "the backward pass recomputed the attention's forward"
         return [out.detach(), q.grad, k.grad, v.grad]  # type: ignore[list-item]
 
     with portable_random(SEED):
         eager = [step(attend), step(attend)]
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    counted = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *a: forwards.append(1) or counted(*a))
     with portable_random(SEED):
         assert _equal(step(compiled), eager[0])
         assert _equal(step(compiled), eager[1])
+    assert len(forwards) == 2, "one forward per compiled call"
 
 
 def test_parameters_never_drawn_before_are_checked_outside_the_trace_without_a_graph_break() -> None:

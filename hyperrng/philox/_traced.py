@@ -25,10 +25,8 @@ Limits: enter the mode outside the compiled function (Dynamo does not trace ente
 refused while tracing (compiled code cannot yet draw a shard's block of a global tensor). Dynamo
 turns the DTensor refusal, a ``NotImplementedError``, into a graph break unless ``fullgraph=True``:
 DTensor's random path then runs as eager code, and the sharded region it enters and the portable
-kernels it reaches run behind graph breaks of their own (``_ops._untraced``), drawing as eager does;
-attention with dropout recomputes its forward once in its backward pass (its output and
-logsumexp are not kept between the two custom ops). The custom ops are tagged
-``cudagraph_unsafe`` where torch has the tag, so ``mode="reduce-overhead"`` runs them outside
+kernels it reaches run behind graph breaks of their own (``_ops._untraced``), drawing as eager does.
+The custom ops are tagged ``cudagraph_unsafe`` where torch has the tag, so ``mode="reduce-overhead"`` runs them outside
 CUDA graphs rather than replaying a captured position (an eager draw under capture is refused).
 
 Private torch hooks, detected by feature (``hyperrng.platforms._features``, key
@@ -122,20 +120,24 @@ def _attention(
     scale: float | None,
     enable_gqa: bool,
     after: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Portable attention at the current position; the position it drew at, as ``[key, offset]`` (int64),
-    which is also its order output."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Portable attention at the current position: its output, its rows' logsumexp (flat, in the compute
+    dtype, for the backward) and the position it drew at, as ``[key, offset]`` (int64), which is also its
+    order output."""
     kw = _attention_kw(attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    used: list[tuple[int, int]] = []
+    used: list[tuple[int, int, torch.Tensor]] = []
 
     def draw(key: int, offset: int) -> torch.Tensor:
-        used.append((key, offset))
-        return attention.scaled_dot_product_attention(q, k, v, **kw, philox_key=key, offset=offset)
+        plan, mask = attention._plan(q, k, v, **kw, philox_key=key, offset=offset, global_shape=None, shard=None,
+                                     backend="auto")  # fmt: skip
+        out, lse = attention._forward(plan, q, k, v, mask)
+        used.append((key, offset, lse.reshape(-1).to(plan.problem.compute_dtype)))
+        return out
 
     with _Portable():
         out = draw_at_position(math.prod(attention.probability_shape(q, k, v, enable_gqa)), None, draw)
-    key, offset = used[0]
-    return out, torch.tensor([key - (1 << 64) if key >= 1 << 63 else key, offset], dtype=torch.int64)
+    key, offset, lse = used[0]
+    return out, lse, torch.tensor([key - (1 << 64) if key >= 1 << 63 else key, offset], dtype=torch.int64)
 
 
 def _attention_backward(
@@ -144,6 +146,8 @@ def _attention_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     position: torch.Tensor,
     dropout_p: float,
     is_causal: bool,
@@ -151,14 +155,19 @@ def _attention_backward(
     enable_gqa: bool,
     mask_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`_attention`'s inputs: its forward again at the position it drew at, then
-    the eager backward (an empty tensor stands for no mask gradient)."""
+    """The gradients of :func:`_attention`'s inputs from its output and logsumexp, the dropout mask drawn
+    again at the position it drew at (an empty tensor stands for no mask gradient)."""
     key, offset = (int(x) for x in position.tolist())
     kw = _attention_kw(attn_mask, dropout_p, is_causal, scale, enable_gqa)
     plan, mask = attention._plan(q, k, v, **kw, philox_key=key & _MASK64, offset=offset, global_shape=None,
                                  shard=None, backend="auto")  # fmt: skip
-    out, lse = attention._forward(plan, q, k, v, mask)
-    dq, dk, dv, dmask = attention._backward(plan, (q, k, v, mask, out, lse), grad, mask_grad)
+    problem = plan.problem
+    if plan.kernels is None:  # the layout each implementation's forward gave its logsumexp
+        rows = lse.view(*problem.compute_batch, problem.L)
+    else:
+        rows = lse.view(math.prod(problem.batch[:-1]), problem.batch[-1] if problem.batch else 1, problem.L)
+        rows = rows.to(torch.float32)
+    dq, dk, dv, dmask = attention._backward(plan, (q, k, v, mask, out, rows), grad, mask_grad)
     return dq, dk, dv, torch.empty(0, dtype=q.dtype, device=q.device) if dmask is None else dmask
 
 
@@ -186,10 +195,12 @@ def _fake_dropout(input: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.
 def _fake_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, dropout_p: float, is_causal: bool,
     scale: float | None, enable_gqa: bool, after: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     batch = attention.probability_shape(q, k, v, enable_gqa)[:-2]
     out = torch.empty((*batch, q.shape[-2], v.shape[-1]), dtype=q.dtype, device=q.device)
-    return out, torch.empty(2, dtype=torch.int64)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.empty(math.prod(batch) * q.shape[-2], dtype=compute, device=q.device)
+    return out, lse, torch.empty(2, dtype=torch.int64)
 
 
 def _fake_attention_backward(
@@ -215,16 +226,18 @@ def _dropout_backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, None,
     return torch.ops.aten.native_dropout_backward.default(grad, keep, 1.0 / (1.0 - ctx.p)), None, None, None
 
 
-def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     q, k, v, mask = inputs[:4]
-    ctx.save_for_backward(q, k, v, mask, output[1])
+    ctx.save_for_backward(q, k, v, mask, *output)  # the output, its logsumexp, the position
     ctx.args = inputs[4:8]
 
 
-def _attention_backward_rule(ctx: Any, grad: torch.Tensor, _position_grad: Any) -> tuple[Any, ...]:
-    q, k, v, mask, position = ctx.saved_tensors
+def _attention_backward_rule(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    q, k, v, mask, out, lse, position = ctx.saved_tensors
     mask_grad = bool(ctx.needs_input_grad[3])
-    dq, dk, dv, dmask = torch.ops.hyperrng.attention_backward(grad, q, k, v, mask, position, *ctx.args, mask_grad)
+    dq, dk, dv, dmask = torch.ops.hyperrng.attention_backward(
+        grad, q, k, v, mask, out, lse, position, *ctx.args, mask_grad
+    )
     return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
 
 
@@ -253,12 +266,13 @@ _SCHEMAS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     ),
     "attention": (
         "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
-        "bool enable_gqa, Tensor after) -> (Tensor, Tensor)",
+        "bool enable_gqa, Tensor after) -> (Tensor, Tensor, Tensor)",
         _attention,
         _fake_attention,
     ),
     "attention_backward": (
-        "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor position, float dropout_p, "
+        "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor out, Tensor lse, Tensor position, "
+        "float dropout_p, "
         "bool is_causal, float? scale, bool enable_gqa, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)",
         _attention_backward,
         _fake_attention_backward,
@@ -415,7 +429,7 @@ def _traced_attention(name: str) -> Callable[..., Any]:
         _outside_region("scaled_dot_product_attention")
         q = named["query"]
         gqa = bool(named.get("enable_gqa")) or (q.dim() >= 3 and q.shape[-3] != named["key"].shape[-3])
-        (out,) = _ordered(
+        out, _ = _ordered(  # the logsumexp is for the backward only
             torch.ops.hyperrng.attention, q, named["key"], named["value"], read_mask(named),
             float(named["dropout_p"]), bool(named.get("is_causal") or False), named.get("scale"), gqa,
         )  # fmt: skip
