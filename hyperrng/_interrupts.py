@@ -6,8 +6,39 @@ it is executing; a handler that raises (``KeyboardInterrupt`` from SIGINT's defa
 writes several generators, or opens a file and records its descriptor, can be cut in the
 middle. :func:`deferred` closes that window: while it is entered on the main thread, every
 signal that has a Python handler is recorded instead of handled, and when the outermost
-``with`` block leaves, the handlers are put back and each recorded signal is raised again
-(``signal.raise_signal``), so the program sees it right after the steps, never inside them.
+``with`` block leaves, each recorded signal is handled, so the program sees it right after
+the steps, never inside them.
+
+How the recorded signals are handled when the block leaves:
+
+* Every one, once per arrival, in the order they arrived. The interpreter runs a handler
+  once for arrivals of one signal number that come before it gets to run it (as the kernel
+  merges a standard signal sent again while pending); the deferral merges nothing more.
+* Each is handled by calling the handler in place for it, with the frame of the code that
+  ran the block: the handler the block replaced, or the one a handler has installed since
+  (``SIG_DFL`` there does what the operating system does, through ``signal.raise_signal``;
+  ``SIG_IGN`` nothing).
+* Every handler runs, even when some raise: each exception is kept and the next handler
+  runs. Once all have, one of the exceptions leaves the ``with`` statement: the first that is
+  not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``: a request to stop, which an
+  ``except Exception`` meant for an ordinary error must not swallow), else the first. The
+  others are named in its notes (``__notes__``). Raising the first at once and sending the
+  others again with ``signal.raise_signal`` would lose some and leave the outcome to timing:
+  the interpreter merges a signal sent again with one of the same number arriving meanwhile,
+  and each handler that raised while the first exception unwinds would replace it wherever
+  the caller's ``except`` or ``finally`` happened to be.
+* The stand-ins stay in place until the last recorded signal is handled: a signal that
+  arrives while the handlers run joins the queue behind those still waiting and is handled
+  in its turn, after the handler running returns (or raises), never inside it. So a handler
+  run here is not cut by a later signal: Ctrl-C waits for it too. Meanwhile
+  ``signal.getsignal`` shows the stand-in; a handler that a handler installs is in place at
+  once (its signal is handled as usual, and stays installed). A handler that enters a
+  deferred section itself (a hyperrng call from a handler) adds what arrives meanwhile to
+  the same queue.
+* Then the handlers are put back, exactly the objects that were replaced; a signal arriving
+  from then on is handled as usual.
+
+Also:
 
 * Only signals with a Python handler are deferred: one left to the operating system
   (``SIG_DFL``: SIGTERM and SIGKILL end the process; ``SIG_IGN``) acts as before. A process
@@ -19,10 +50,13 @@ signal that has a Python handler is recorded instead of handled, and when the ou
   swapped raises as before, and the handlers already swapped are put back first. Each
   stand-in remembers the handler it replaced and, once no deferral is open, passes a signal
   straight to it, so one that a second interrupt left in place behaves as the original.
-* A child process made by ``fork`` (on another thread) while the main thread defers starts
-  without the deferral: its handlers are put back.
+* A child process made by ``fork`` starts with nothing recorded (CPython likewise drops, in
+  the child, the signals caught but not yet handled). One made by another thread while the
+  main thread defers starts without the deferral, its handlers put back: its only thread
+  will never leave the block. One made inside the block on the main thread leaves it as the
+  parent does.
 * Deferrals nest (a seeding recipe that restores the host inside ``apply_layout``): only
-  the outermost one swaps and restores.
+  the outermost one swaps, handles and restores.
 
 Keep the deferred steps short: Ctrl-C waits for them. Nothing here blocks; the steps
 deferred in hyperrng are a handful of generator writes and file-system calls.
@@ -32,6 +66,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from types import FrameType, TracebackType
 from typing import Any
@@ -50,20 +85,30 @@ _SIGNALS = tuple(
     s for s in signal.valid_signals() if s not in {getattr(signal, "SIGKILL", None), getattr(signal, "SIGSTOP", None)}
 )
 
+# What a handler raised, with the signal it handled (None: one the interpreter ran itself).
+_Raised = tuple[int | None, BaseException]
+
 
 class _Deferral:
-    """The main thread's deferral: its depth, the handlers it replaced, the signals it recorded."""
+    """The main thread's deferral: its depth, the handlers it replaced, the signals it recorded.
+
+    The stand-ins record a signal while a block is open (``depth``) and while the recorded ones
+    are handled (``draining``); recording never raises, so the interpreter can run a stand-in
+    anywhere in this class's code without cutting it. ``pending`` only grows at its end and
+    shrinks at its start, one signal at a time.
+    """
 
     def __init__(self) -> None:
         self.depth = 0
+        self.draining = False
         self.replaced: dict[int, Any] = {}  # signal -> the handler its stand-in replaced (kept: see _stand_in)
-        self.pending: list[int] = []
+        self.pending: list[int] = []  # one entry per arrival, oldest first
+        self.thread = threading.main_thread().ident  # the thread that runs handlers (see _after_fork_in_child)
         self.stand_in = self._stand_in  # one bound method, so that getsignal() can be compared with it
 
     def _stand_in(self, signum: int, frame: FrameType | None) -> None:
-        if self.depth:
-            if signum not in self.pending:
-                self.pending.append(signum)
+        if self.depth or self.draining:
+            self.pending.append(signum)
             return
         original = self.replaced.get(signum)  # left in place by an interrupted restore: act as the original
         if callable(original):
@@ -79,43 +124,107 @@ class _Deferral:
                 if callable(handler) and handler != self.stand_in:
                     self.replaced[signum] = handler
                     _setsignal(signum, self.stand_in)
-        except BaseException:  # a signal not yet swapped fired: nothing is deferred, put back what was
-            self._restore()
-            raise
+        except BaseException as exc:  # a signal not yet swapped fired: nothing is deferred, put back what was
+            raised: list[_Raised] = [(None, exc)]
+            if not self.draining:  # else the stand-ins are the drain's, and it puts them back
+                self._restore(raised)
+            chosen = _reported(raised)
+            if chosen is exc:
+                raise
+            raise chosen  # noqa: B904 -- its context is exc already
         self.depth = 1
 
-    def leave(self) -> None:
-        self.depth -= 1
-        if self.depth:
+    def leave(self, frame: FrameType | None) -> None:
+        if self.depth > 1 or self.draining:  # nested, or a handler's own block: the outermost one handles
+            self.depth -= 1
             return
+        self.draining = True  # before the depth drops: a signal in between is recorded all the same
+        self.depth = 0
+        raised: list[_Raised] = []
         try:
-            self._restore()
+            self._drain(frame, raised)
         finally:
-            pending, self.pending = self.pending, []
-            for signum in pending:
-                signal.raise_signal(signum)  # handled now, by the handler in place again
+            self.draining = False  # (the drain has cleared it, unless a handler's exception escaped it)
+        try:
+            self._restore(raised)
+        except BaseException as exc:  # a signal handled as usual, between two restores
+            raised.append((None, exc))
+        if raised:
+            raise _reported(raised)
 
-    def _restore(self) -> None:
-        error: BaseException | None = None
+    def _drain(self, frame: FrameType | None, raised: list[_Raised]) -> None:
+        pending = self.pending
+        while pending:
+            signum = pending[0]
+            del pending[0]  # taken, with no call in between: a stand-in run meanwhile only appends
+            try:
+                self._handle(signum, frame)
+            except BaseException as exc:  # the others run all the same; one exception is raised at the end
+                raised.append((signum, exc))
+        # The queue is empty: stop recording, with no call since the test (nothing can slip in between).
+        self.draining = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        handler = _getsignal(signum)
+        if handler == self.stand_in:
+            handler = self.replaced.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler != signal.SIG_IGN:  # SIG_DFL, or a handler installed outside Python, put there meanwhile
+            signal.raise_signal(signum)
+
+    def _restore(self, raised: list[_Raised]) -> None:
         for signum, handler in list(self.replaced.items()):
             try:
                 if _getsignal(signum) == self.stand_in:
                     _setsignal(signum, handler)
             except BaseException as exc:  # a signal already restored fired: restore the others first
-                error = error or exc
-        if error is not None:
-            raise error
+                raised.append((None, exc))
+
+
+def _reported(raised: list[_Raised]) -> BaseException:
+    """The exception to raise of those the handlers raised: the first request to stop (one that
+    is not an ``Exception``), else the first; the others named in its notes."""
+    chosen = next((exc for _, exc in raised if not isinstance(exc, Exception)), raised[0][1])
+    for signum, exc in raised:
+        if exc is not chosen:
+            source = "a signal's handler" if signum is None else f"the handler of {_name(signum)}"
+            _note(chosen, f"{source} raised {exc!r} too, when the deferred signals were handled")
+    return chosen
+
+
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11
+        exc.add_note(text)
+    else:
+        notes = getattr(exc, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = []
+            exc.__notes__ = notes  # type: ignore[attr-defined]
+        notes.append(text)
 
 
 _MAIN = _Deferral()
 
 
 def _after_fork_in_child() -> None:
-    # A child made by fork on another thread while the main thread deferred: its only thread will
-    # never leave that deferral, so it starts without one (its handlers back, nothing recorded).
-    if _MAIN.depth:
-        _MAIN.depth, _MAIN.pending = 0, []
-        _MAIN._restore()
+    # CPython drops the signals caught but not handled before a fork; so do we (in place: a drain
+    # under way in this stack then ends). A child made by fork on another thread while the main
+    # thread deferred: its only thread will never leave that deferral, so it starts without one.
+    del _MAIN.pending[:]
+    forked_by = threading.get_ident()
+    if forked_by != _MAIN.thread:
+        _MAIN.thread = forked_by  # the child's main thread from now on
+        if _MAIN.depth or _MAIN.draining:
+            _MAIN.depth, _MAIN.draining = 0, False
+            _MAIN._restore([])
 
 
 if hasattr(os, "register_at_fork"):
@@ -140,10 +249,11 @@ class _Deferred:
     ) -> None:
         if self._active:
             self._active = False
-            _MAIN.leave()
+            _MAIN.leave(sys._getframe(1))
 
 
 def deferred() -> _Deferred:
     """A context manager that defers, on the main thread, every signal with a Python handler
-    until its block has run (see the module docstring); elsewhere it does nothing."""
+    until its block has run, then handles each (see the module docstring); elsewhere it does
+    nothing."""
     return _Deferred()
