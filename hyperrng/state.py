@@ -35,23 +35,18 @@ rank, so DCP never deduplicates one rank's state onto another.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import os
-import pickle
 import random
-import secrets
-import stat
-import sys
 import warnings
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+import hyperrng._files as _files
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
@@ -407,20 +402,8 @@ def _resume_seed(state: Mapping[str, Any], stream: str) -> int:
 
 
 # -- files --------------------------------------------------------------------------------------
-# A save works in a private folder beside the checkpoint, ``.<name>.<16 hex digits>.saving``
-# (mode 0700: nobody else can plant a file or a link in it), holding two files: ``lock``, which
-# the save holds an OS lock on from before it writes _LOCK_MAGIC into it until the folder is
-# gone, and ``checkpoint``, the state, written by torch.save through its path and renamed over
-# the checkpoint at the end. The OS releases the lock when the process ends, however it ends,
-# so a later save knows a folder whose lock it can take for one left by a save that died, in any
-# PID namespace, container or host sharing the folder.
-_WORK_SUFFIX = ".saving"
-_WORK_TOKEN_BYTES = 8  # random hex in the folder's name: concurrent saves never share one
-_LOCK_NAME = "lock"
-_DATA_NAME = "checkpoint"
-_LOCK_MAGIC = b"hyperrng save_rng_state: a save in progress while this file is locked\n"
-# What torch's writer raises when a write fails (a full disk, an I/O error): a RuntimeError.
-_WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "cannot be opened")
+# The save's file-system work (the walk of the path, the private folder, its lock, the removal of
+# what killed saves left) lives in hyperrng._files; its docstring gives the scheme and its invariant.
 
 
 def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
@@ -428,301 +411,56 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     checkpoint holding one) to ``path``, atomically.
 
     The state is written by ``torch.save`` into a private folder beside ``path`` (mode 0700),
-    fsynced, checked to read back with ``weights_only=True``, then renamed over ``path``
-    (``os.replace``), and the folder holding ``path`` is fsynced so the rename itself survives
-    a crash. A process killed at any point therefore leaves ``path`` holding either the
-    previous complete checkpoint or the new one, never a partial file. Ctrl-C (and any signal
-    with a Python handler) is deferred across the steps that create, seal and rename files,
-    so an interrupt leaves them as before or as after, and on any exception what the save
-    created is closed and removed. An existing file's permission bits are kept (set with
-    ``fchmod`` on the open file, never through a path).
+    fsynced, checked to read back with ``weights_only=True``, then renamed over ``path``, and the
+    folder holding ``path`` is fsynced so the rename itself survives a crash. A process killed at
+    any point therefore leaves ``path`` holding either the previous complete checkpoint or the new
+    one, never a partial file. Ctrl-C (and any signal with a Python handler) is deferred across the
+    steps that create, seal and rename files, so an interrupt leaves them as before or as after, and
+    on any exception what the save created is closed and removed. An exception raised by a signal's
+    handler during the save (a ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the
+    caller as itself. An existing file's permission bits are kept (set on the open file, never
+    through a path). Any name the file system accepts can be saved (up to its limit, 255 bytes on
+    most).
 
-    **Leftovers.** A process killed mid-save (SIGKILL, a power cut) leaves its private folder,
-    ``.<name>.<random>.saving``. The save holds an OS lock (``flock``) on a file in it for as
-    long as it runs, and the OS drops that lock when the process ends, so the next successful
-    save of ``path`` removes exactly the folders whose lock it can take: those of saves that
-    died, never one still being written, whatever PID namespace, container or host (on a
-    shared file system with working locks) it runs in. Nothing else in the folder is touched:
-    not another checkpoint's folders, nor files that merely look like ours. Where the file
-    system offers no locks, nothing is removed. On Windows, files are locked with
-    ``msvcrt.locking`` instead.
+    **Nothing another user plants is followed.** The save opens each folder of the path in turn
+    and then creates, renames and deletes relative to the open folder, never resolving a path a
+    second time, so a link swapped in while it runs redirects nothing.
 
     **Symlinks.** When ``path`` is a symbolic link (``latest.pt -> step100.pt``), the link stays
     and the file it points to is replaced, atomically, in that file's folder (a link to a
-    missing file creates it). A chain of links is followed to its end.
+    missing file creates it). A chain of links is followed to its end (40 links at most). A
+    link in a sticky world-writable folder (such as ``/tmp``) owned by another user than this
+    process's and the folder's owner is refused, as Linux's ``protected_symlinks`` refuses it:
+    anybody could have put it there.
+
+    **Leftovers.** A process killed mid-save (SIGKILL, a power cut) leaves its private folder,
+    ``.hyperrng-<random>.saving``. The save holds an OS lock (``flock``) on that folder for as long
+    as it runs, and the OS drops the lock when the process ends, so the next successful save into
+    the same folder (of any checkpoint there) removes exactly the folders whose lock it can take:
+    those of saves that died, at whatever point, never one still being written, whatever PID
+    namespace, container or host (on a shared file system with working locks) it runs in. It
+    removes only folders of that name owned by this user with mode 0700 holding nothing but what
+    a save writes, never following a link: nothing else in the folder is touched. Where the file
+    system offers no locks, and on Windows (where a folder cannot be locked), nothing is removed.
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
             a lock).
-        InvalidArgumentError: ``path`` is a folder, a device, a FIFO or a socket (never
-            replaced), its folder does not exist, or it is a link that loops; or ``state``
-            holds objects that :func:`load_rng_state` would
-            refuse (it reads with ``weights_only=True``: dicts, lists, tuples, strings,
-            numbers, tensors). Nothing is written when it is raised: the file is read back,
-            tensors memory-mapped, before it replaces ``path``.
+        InvalidArgumentError: ``path`` holds a NUL character or a character the file system's
+            encoding cannot write (a lone surrogate), or a name longer than the file system
+            allows; it is a folder, a device, a FIFO or a socket (never replaced), its folder
+            does not exist, or it is a link that loops; or ``state`` holds objects that
+            :func:`load_rng_state` would refuse (it reads with ``weights_only=True``: dicts,
+            lists, tuples, strings, numbers, tensors). Nothing is written when it is raised: the
+            file is read back, tensors memory-mapped, before it replaces ``path``.
         StorageError: the file system refused the save (a full disk or quota:
-            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error); an
-            ``OSError``. What the save created is removed and ``path`` is as it was.
+            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error), or
+            ``path`` leads through a link another user planted in a shared folder (also a
+            ``PermissionError``); an ``OSError``. What the save created is removed and ``path``
+            is as it was.
     """
-    target = _save_target(path)
-    if not isinstance(state, Mapping):
-        raise ArgumentTypeError(
-            f"save_rng_state writes the dict rng_state_dict() returned, got {type(state).__name__}."
-        )
-    folder = target.parent
-    try:
-        mode: int | None = stat.S_IMODE(target.stat().st_mode)
-    except FileNotFoundError:
-        mode = None
-    except OSError as exc:
-        raise _storage_error(exc, target, "read the permission bits of") from exc
-    work = _Work(folder / f".{target.name}.{secrets.token_hex(_WORK_TOKEN_BYTES)}{_WORK_SUFFIX}")
-    replaced = False
-    try:
-        with deferred():
-            work.create()
-        _write(state, work.data, target)  # through a path, not a file object: interruptible at any point
-        with deferred():
-            work.seal(mode)
-        _check_loads(work.data, target)
-        with deferred():
-            os.replace(work.data, target)
-            replaced = True
-            _fsync_folder(folder)
-            work.remove()
-    except BaseException as exc:
-        with deferred():
-            work.remove()
-        if isinstance(exc, OSError) and not isinstance(exc, HyperRNGError):
-            if replaced:  # the new checkpoint is in place; only its rename's durability failed
-                what, kept = "make durable the rename of the new checkpoint to", False
-            else:
-                what, kept = "save the checkpoint to", True
-            raise _storage_error(exc, target, what, kept=kept) from exc
-        raise
-    _remove_abandoned(folder, target.name)
-
-
-def _save_target(path: object) -> Path:
-    """The file a save of ``path`` replaces: ``path``, or the end of the links it is."""
-    target = _file_path(path)
-    if target.is_symlink():
-        resolved = Path(os.path.realpath(target))
-        if resolved.is_symlink():
-            raise InvalidArgumentError(f"{str(target)!r} is a symbolic link that loops; point it at a file.")
-        target = resolved
-    if target.is_dir():
-        raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
-    _refuse_special(target, "replace")
-    if not target.parent.is_dir():
-        raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
-    return target
-
-
-def _write(state: Mapping[str, Any], data: Path, target: Path) -> None:
-    try:
-        torch.save(dict(state), str(data))
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise ArgumentTypeError(
-            f"the state cannot be saved: {error_gist(exc)}; keep only plain data in it (dicts, lists, "
-            f"tuples, strings, numbers, tensors). {str(target)!r} is unchanged."
-        ) from None
-    except RuntimeError as exc:
-        if not any(mark in str(exc) for mark in _WRITER_FAILURES):
-            raise
-        # torch's writer reports no errno: a file system without free blocks or inodes was full.
-        try:
-            space = os.statvfs(data.parent) if hasattr(os, "statvfs") else None
-        except OSError:
-            space = None
-        full = space is not None and (space.f_bavail == 0 or space.f_favail == 0)
-        code = errno.ENOSPC if full else errno.EIO
-        raise _storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
-
-
-def _os_reason(exc: OSError) -> tuple[int, str]:
-    """The errno of a file system's refusal (``EIO`` when it gives none) and its words."""
-    code = exc.errno if exc.errno is not None else errno.EIO
-    return code, exc.strerror or str(exc) or os.strerror(code)
-
-
-def _storage_error(exc: OSError, target: Path, what: str, *, kept: bool = True) -> StorageError:
-    code, reason = _os_reason(exc)
-    hint = {
-        errno.ENOSPC: "free space on that file system or save elsewhere",
-        errno.EDQUOT: "free space within your quota or save elsewhere",
-        errno.EACCES: "make its folder writable for this user or save elsewhere",
-        errno.EPERM: "make its folder writable for this user or save elsewhere",
-        errno.EROFS: "save to a writable file system",
-    }.get(code, "check the file system, then save again")
-    outcome = "it is as it was" if kept else "it holds the new checkpoint, which a crash now may undo"
-    return StorageError(code, f"could not {what} {str(target)!r} ({reason}): {hint}; {outcome}", str(target))
-
-
-class _Work:
-    """One save's private folder: created, sealed and removed under deferred signals, each step
-    idempotent and recorded as it is made, so an exception at any point leaves nothing behind
-    once :meth:`remove` has run."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.data = path / _DATA_NAME
-        self.made = False
-        self.lock: int | None = None  # the locked lock file's descriptor
-
-    def create(self) -> None:
-        os.mkdir(self.path, 0o700)
-        self.made = True
-        self.lock = os.open(self.path / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600)
-        # Nobody else can hold it (a cleaner locks only a file that holds the mark); where the
-        # file system has no locks the save goes on unlocked, and no cleaner removes its folder.
-        if _try_lock(self.lock) is False:
-            raise InvalidOperationError(f"another process locked {str(self.path)!r} first; save again.")
-        os.write(self.lock, _LOCK_MAGIC)  # from now on a cleaner that can take the lock knows this save died
-
-    def seal(self, mode: int | None) -> None:
-        """Flush the checkpoint to disk and give it ``mode``, through its open descriptor."""
-        fd = os.open(self.data, os.O_RDWR | _NO_FOLLOW)
-        try:
-            os.fsync(fd)
-            if mode is not None:
-                if hasattr(os, "fchmod"):
-                    os.fchmod(fd, mode)
-                else:  # Windows before Python 3.13: the path is inside the private folder
-                    os.chmod(self.data, mode)
-        finally:
-            os.close(fd)
-
-    def remove(self) -> None:
-        """Close and remove what :meth:`create` made (idempotent; file-system errors are ignored:
-        what cannot be removed now is a dead save's folder for the next save)."""
-        if not self.made:
-            return
-        with contextlib.suppress(OSError):
-            self.data.unlink(missing_ok=True)
-        if self.lock is not None:
-            with contextlib.suppress(OSError):
-                (self.path / _LOCK_NAME).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                os.close(self.lock)
-            self.lock = None
-        with contextlib.suppress(OSError):
-            os.rmdir(self.path)
-        self.made = False
-
-
-_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def _try_lock(fd: int) -> bool | None:
-    """Take an exclusive OS lock on the open file ``fd`` without waiting: ``True`` if taken,
-    ``False`` if another process holds it, ``None`` if the file system offers no locks."""
-    try:
-        if sys.platform == "win32":
-            import msvcrt
-
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        else:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.EDEADLK) else None
-    return True
-
-
-def _remove_abandoned(folder: Path, name: str) -> None:
-    """Remove the private folders that saves of ``name`` left when they died: those named as a save
-    names them whose lock file holds the save's mark and whose lock this process can take."""
-    prefix = f".{name}."
-    try:
-        entries = [entry.name for entry in os.scandir(folder)]
-    except OSError:
-        return
-    for entry in entries:
-        token = entry[len(prefix) : -len(_WORK_SUFFIX)] if entry.startswith(prefix) else ""
-        if entry.endswith(_WORK_SUFFIX) and len(token) == 2 * _WORK_TOKEN_BYTES and _is_hex(token):
-            with deferred():
-                _remove_if_abandoned(folder / entry)
-
-
-def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
-
-
-def _remove_if_abandoned(work: Path) -> None:
-    try:
-        fd = os.open(work / _LOCK_NAME, os.O_RDWR | _NO_FOLLOW)
-    except OSError:  # no lock file (not ours, or another save removing it), or a link
-        return
-    try:
-        # Lock first, at byte 0 where a save locks: on Windows the lock is mandatory and covers the
-        # bytes from the file position, so a read before it would fail on a live save's file.
-        if _try_lock(fd) is not True:
-            return  # its save is alive, or no lock can tell
-        try:
-            if os.read(fd, len(_LOCK_MAGIC) + 1) != _LOCK_MAGIC:
-                return  # not made by a save
-        except OSError:
-            return
-        with contextlib.suppress(OSError):
-            (work / _DATA_NAME).unlink(missing_ok=True)
-            (work / _LOCK_NAME).unlink()
-            os.rmdir(work)  # only if empty: a file someone else put there stays
-    finally:
-        os.close(fd)
-
-
-def _check_loads(temporary: Path, target: Path) -> None:
-    """Refuse a written file that :func:`load_rng_state` would refuse (``weights_only`` reads plain
-    data only), before it replaces a good checkpoint. Tensors are memory-mapped, not read."""
-    try:
-        torch.load(temporary, weights_only=True, mmap=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:  # weights_only's refusal; anything else passes through as itself
-        # torch's weights_only refusal names the object on a later line than its first.
-        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), error_gist(exc))
-        raise InvalidArgumentError(
-            f"the state holds data that load_rng_state cannot read back ({reason}); keep only plain "
-            f"data in it (dicts, lists, tuples, strings, numbers, tensors). {str(target)!r} is unchanged."
-        ) from None
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable; Windows cannot open a folder, and needs no such step."""
-    if os.name == "nt":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _refuse_special(target: Path, verb: str, mode: int | None = None) -> None:
-    """Refuse ``target`` where it exists and is not a regular file (a device such as ``/dev/null``, a FIFO,
-    a socket): a save would replace it with a file, a load of a FIFO would wait forever. ``mode``: its
-    ``st_mode`` when already known (from an opened descriptor), else read without following a link."""
-    if mode is None:
-        try:
-            mode = os.stat(target).st_mode
-        except OSError:  # missing, or unreadable: the save or load itself says why
-            return
-    if not stat.S_ISREG(mode):
-        kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else (
-            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")  # fmt: skip
-        raise InvalidArgumentError(
-            f"{str(target)!r} is {kind}, not a regular file: hyperrng will not {verb} it. Give the path of a "
-            "checkpoint file."
-        )
-
-
-def _file_path(path: object) -> Path:
-    if isinstance(path, str) or (isinstance(path, os.PathLike) and isinstance(os.fspath(path), str)):
-        return Path(path)
-    raise ArgumentTypeError(
-        f"path must be a str or an os.PathLike such as pathlib.Path, got {type(path).__name__} {path!r:.80}."
-    )
+    _files.save(path, state)
 
 
 # The errnos of a read that the file system refused, as opposed to a file whose content is cut off.
@@ -739,32 +477,40 @@ def _unreadable(path: object, exc: BaseException) -> InvalidArgumentError:
 def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a state written by :func:`save_rng_state`, with ``weights_only=True``.
 
+    An exception raised by a signal's handler during the load (a ``KeyboardInterrupt``, a
+    watchdog's ``TimeoutError``) reaches the caller as itself.
+
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
         InvalidArgumentError: the file is truncated, or not a torch file of plain data; or
-            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting.
+            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting;
+            or it holds a NUL character, a character the file system's encoding cannot write (a
+            lone surrogate), or a name longer than the file system allows.
         StorageError: the file system refused the read: no such file (also a
             ``FileNotFoundError``), no permission (also a ``PermissionError``), a time-out or
             an I/O error; an ``OSError``.
     """
-    target = _file_path(path)
-    _refuse_special(target, "read")  # a socket cannot even be opened
-    try:
-        # Opened without waiting (a FIFO nobody writes would block), checked to be a regular file by
-        # its descriptor, and read through that descriptor: the file checked is the file read.
-        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        with os.fdopen(fd, "rb") as file:
-            _refuse_special(target, "read", os.fstat(file.fileno()).st_mode)
-            loaded = torch.load(file, weights_only=True)
-    except HyperRNGError:
-        raise
-    except OSError as exc:
-        if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
+    target = _files.check_path(path)
+    with _files.SignalExceptions():  # a signal handler's exception comes out as itself, never translated
+        _files.refuse_special(target, "read")  # a socket cannot even be opened
+        try:
+            # Opened without waiting (a FIFO nobody writes would block), checked to be a regular file by
+            # its descriptor, and read through that descriptor: the file checked is the file read.
+            fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+            with os.fdopen(fd, "rb") as file:
+                _files.refuse_special(target, "read", os.fstat(file.fileno()).st_mode)
+                loaded = torch.load(file, weights_only=True)
+        except HyperRNGError:
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                raise _files.name_too_long(str(path)) from None
+            if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
+                raise _unreadable(path, exc) from exc
+            code, reason = _files.os_reason(exc)
+            raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
+        except Exception as exc:
             raise _unreadable(path, exc) from exc
-        code, reason = _os_reason(exc)
-        raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
-    except Exception as exc:
-        raise _unreadable(path, exc) from exc
     if not isinstance(loaded, dict):
         raise InvalidArgumentError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
     return loaded

@@ -106,7 +106,7 @@ class _SignalAt:
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
         if event in ("call", "c_return"):
             self.events += 1
-            if frame.f_code.co_filename.endswith(("state.py", "_interrupts.py")):
+            if frame.f_code.co_filename.endswith(("state.py", "_files.py", "_interrupts.py")):
                 self.own.append(self.events)
             if self.events == self.at:
                 signal.raise_signal(self.signum)

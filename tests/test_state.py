@@ -604,7 +604,7 @@ def _save_and_die(path: str, state: dict[str, Any], point: str, share: int) -> N
         torch.save = save_part  # type: ignore[assignment]
     os.fsync = fsync
     if point == "replace":
-        os.replace = lambda *args: die()  # type: ignore[assignment]
+        os.replace = lambda *args, **kwargs: die()  # type: ignore[assignment]
     save_rng_state(path, state)
     os._exit(3)  # a save that was meant to be killed returned
 
