@@ -54,13 +54,13 @@ def check_int(value: object, what: str) -> int:
     """
     if type(value) is int:
         return value
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise ArgumentTypeError(f"{what} must be an int, got the bool {value!r}; pass an integer such as 1234.")
     try:
         return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
+    except Exception:  # TypeError, or what a tensor raises (a meta tensor has no value to read)
         raise ArgumentTypeError(
-            f"{what} must be an int, got {type(value).__name__} {value!r}; pass a Python or NumPy integer."
+            f"{what} must be an int, got {type(value).__name__} {value!r:.80}; pass a Python or NumPy integer."
         ) from None
 
 
