@@ -16,8 +16,10 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError, PlatformError
 from hyperrng.platforms.validate import (
+    MAX_OFFSET,
     check_index,
     check_instance,
+    check_int,
     check_offset,
     check_seed,
     check_state,
@@ -341,14 +343,42 @@ def unpack_counter_state(state: torch.Tensor) -> tuple[int, int]:
 
     Works on every torch version: the bytes are read in Python, never through uint64
     tensor ops (which older torch lacks).
+
+    Raises:
+        ArgumentTypeError: ``state`` is not a tensor.
+        InvalidArgumentError: a tensor that is not ``torch.uint8``, does not hold 16 elements, or
+            has no values to read (a meta tensor).
     """
-    raw = bytes(state.tolist())
+    if not isinstance(state, torch.Tensor):
+        raise ArgumentTypeError(
+            f"state must be the {COUNTER_STATE_NBYTES}-byte torch.uint8 tensor of a counter-based generator, "
+            f"got {type(state).__name__}."
+        )
+    if state.dtype != torch.uint8 or state.numel() != COUNTER_STATE_NBYTES or state.device.type == "meta":
+        raise InvalidArgumentError(
+            f"state must be the {COUNTER_STATE_NBYTES}-byte torch.uint8 tensor of a counter-based generator "
+            f"(uint64 seed, int64 offset), got {_describe(state)} on {state.device}."
+        )
+    raw = bytes(state.reshape(-1).tolist())
     seed = int.from_bytes(raw[:8], _BYTE_ORDER, signed=False)
     offset = int.from_bytes(raw[8:16], _BYTE_ORDER, signed=True)
     return seed, offset
 
 
 def pack_counter_state(seed: int, offset: int) -> torch.Tensor:
-    """Build the 16-byte state (uint64 seed, int64 offset, little-endian) that CUDA and NPU use."""
+    """Build the 16-byte state (uint64 seed, int64 offset, little-endian) that CUDA and NPU use.
+
+    Any int64 ``offset`` is packed, also one no generator accepts (negative, or not a multiple
+    of 4): :meth:`Platform.check_rng_state` refuses those when the state is set.
+
+    Raises:
+        ArgumentTypeError: ``seed`` or ``offset`` is not an int (bools refused).
+        InvalidArgumentError: ``seed`` is outside ``[0, 2**64 - 1]`` or ``offset`` outside
+            ``[-2**63, 2**63 - 1]``.
+    """
+    seed = check_seed(seed)
+    offset = check_int(offset, "offset")
+    if not -(2**63) <= offset <= MAX_OFFSET:
+        raise InvalidArgumentError(f"offset must fit an int64, in [-2**63, 2**63 - 1], got {offset}.")
     raw = seed.to_bytes(8, _BYTE_ORDER, signed=False) + offset.to_bytes(8, _BYTE_ORDER, signed=True)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
