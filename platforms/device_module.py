@@ -21,9 +21,12 @@ from typing import Any
 
 import torch
 from hyperrng.platforms.base import Platform
+from hyperrng.platforms.errors import ArgumentTypeError
 from hyperrng.platforms.validate import check_index
 
 __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
+
+_MODULE_FUNCTIONS = ("is_available", "device_count")  # what probing calls first
 
 
 class DeviceModulePlatform(Platform):
@@ -32,11 +35,18 @@ class DeviceModulePlatform(Platform):
     Args:
         module: the device module, or ``None`` to look it up lazily with
             :meth:`_load_module` (so that constructing the platform imports nothing).
+            An object without the module functions the platform calls first
+            (``is_available()``, ``device_count()``) is refused with :class:`ArgumentTypeError`.
     """
 
     counter_based = True
 
     def __init__(self, module: Any | None = None) -> None:
+        if module is not None and not all(callable(getattr(module, f, None)) for f in _MODULE_FUNCTIONS):
+            raise ArgumentTypeError(
+                f"module must be a torch device module such as torch.cuda (with is_available() and device_count()), "
+                f"got {type(module).__name__} {module!r:.60}; leave it out to use torch.{self.device_type}."
+            )
         self._module = module
 
     @property
@@ -81,13 +91,15 @@ class DeviceModulePlatform(Platform):
         ``is_current_stream_capturing()``); ``False`` for a module without graphs, and for a
         device not initialised yet, which this never initialises."""
         module = self.module
+        if index is not None:
+            index = check_index(index, self.device_count(), self.name)
         is_initialized = getattr(module, "is_initialized", None)
         capturing = getattr(module, "is_current_stream_capturing", None)
         if capturing is None or (is_initialized is not None and not is_initialized()):
             return False
         if index is None or index == self.current_device():
             return bool(capturing())
-        with module.device(check_index(index, self.device_count(), self.name)):
+        with module.device(index):
             return bool(capturing())
 
     def default_generator(self, index: int | None = None) -> torch.Generator:

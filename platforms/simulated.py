@@ -53,6 +53,7 @@ It is also the worked example of plugging in a device: see the README.
 from __future__ import annotations
 
 import contextlib
+import re
 import secrets
 import threading
 from collections.abc import Iterator, Sequence
@@ -68,6 +69,8 @@ from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
     check_index,
+    check_instance,
+    check_int,
     check_offset,
     check_seed,
     check_state_offset,
@@ -93,6 +96,25 @@ _DEFAULT_SEED = 67280421310721  # torch's default CUDA seed, so a fresh device l
 _DEFAULT_DEVICE_COUNT = 2
 _MAX_DRAW_ADVANCE = 2**40  # more elements than one op on a simulated device can produce in memory
 _BUILTIN_DEVICE_TYPES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla", "lazy"})
+_MAX_DEVICES = 128  # torch keeps a device index in 8 signed bits: torch.device("sim", 128) is "sim:-128"
+_DEVICE_TYPE = re.compile(r"[A-Za-z_]+")  # what torch.device parses as a device type
+
+
+def _check_device_type(device_type: object) -> str:
+    check_instance(device_type, str, "device_type")
+    if not _DEVICE_TYPE.fullmatch(device_type):
+        raise InvalidArgumentError(
+            f"device_type must be a torch device type name (letters and underscores, such as 'sim'), "
+            f"got {device_type!r:.80}."
+        )
+    return device_type  # type: ignore[return-value]
+
+
+def _check_device_index(index: object, what: str) -> int:
+    value = check_int(index, what)
+    if not 0 <= value < _MAX_DEVICES:
+        raise InvalidArgumentError(f"{what} must be in [0, {_MAX_DEVICES - 1}] (torch's device indices), got {value}.")
+    return value
 
 
 @dataclass(slots=True)
@@ -113,8 +135,11 @@ class SimulatedGenerator:
     """
 
     def __init__(self, index: int = 0, seed: int = _DEFAULT_SEED, device_type: str = SIM_DEVICE_TYPE) -> None:
+        """Raises :class:`ArgumentTypeError` or :class:`InvalidArgumentError` for an ``index`` outside
+        ``[0, 127]``, a ``seed`` outside ``[0, 2**64 - 1]`` or a ``device_type`` torch cannot name."""
+        index, seed = _check_device_index(index, "index"), check_seed(seed)
         self.index = index
-        self.device_type = device_type
+        self.device_type = _check_device_type(device_type)
         self._counter = _Counter(seed)
 
     @property
@@ -163,7 +188,7 @@ class SimulatedGenerator:
         return self._on(self._counter)
 
     def graphsafe_set_state(self, other: SimulatedGenerator) -> SimulatedGenerator:
-        self._counter = other._counter
+        self._counter = check_instance(other, SimulatedGenerator, "graphsafe_set_state's state")._counter
         return self
 
     def clone_state(self) -> SimulatedGenerator:
@@ -171,8 +196,8 @@ class SimulatedGenerator:
 
     def _on(self, counter: _Counter) -> SimulatedGenerator:
         """A generator of the same device over ``counter``."""
-        other = SimulatedGenerator(self.index, device_type=self.device_type)
-        other._counter = counter
+        other = SimulatedGenerator.__new__(SimulatedGenerator)  # of a checked one: no checks again (forks swap often)
+        other.index, other.device_type, other._counter = self.index, self.device_type, counter
         return other
 
     def __repr__(self) -> str:
@@ -215,21 +240,33 @@ class SimulatedDeviceModule:
     """A device module in the shape of ``torch.cuda`` / ``torch.npu``, for simulated devices.
 
     Args:
-        device_count: how many devices to simulate.
+        device_count: how many devices to simulate, an int in ``[0, 128]`` (torch's device
+            indices are 8-bit).
         available: what :meth:`is_available` answers (to simulate a missing device).
         device_type: the device type it serves. ``"sim"`` (or any name that is not a
             built-in torch device type, e.g. ``"npu"``) registers this module as torch's
             ``PrivateUse1`` backend on first use, so tensors of that type exist and draw
             from its generators; ``"cuda"`` only stands in for ``torch.cuda``'s generator
             API (no tensors).
+
+    Raises:
+        ArgumentTypeError: ``device_count`` is not an int, ``available`` not a bool or
+            ``device_type`` not a string.
+        InvalidArgumentError: ``device_count`` is outside ``[0, 128]``, or ``device_type`` is
+            not a name torch can parse as a device type (letters and underscores).
     """
 
     def __init__(
         self, device_count: int = _DEFAULT_DEVICE_COUNT, available: bool = True, device_type: str = SIM_DEVICE_TYPE
     ) -> None:
-        self.device_type = device_type
-        self._count = device_count
-        self._available = available
+        count = check_int(device_count, "device_count")
+        if not 0 <= count <= _MAX_DEVICES:
+            raise InvalidArgumentError(
+                f"device_count must be in [0, {_MAX_DEVICES}] (torch's device indices are 8-bit), got {count}."
+            )
+        self.device_type = _check_device_type(device_type)
+        self._count = count
+        self._available = check_instance(available, bool, "available")
         self._current = 0
         self._generators: tuple[SimulatedGenerator, ...] = ()
         self._capture: SimulatedGraph | None = None  # the graph being captured, if any
@@ -380,7 +417,10 @@ def simulated_backend(device_type: str = SIM_DEVICE_TYPE) -> SimulatedDeviceModu
 
     Raises:
         PlatformError: another backend holds torch's PrivateUse1 slot.
+        ArgumentTypeError, InvalidArgumentError: ``device_type`` is not a string, or not a name
+            torch can parse as a device type.
     """
+    _check_device_type(device_type)
     module = _Backend.module
     if module is not None and module.device_type == device_type:
         return module
@@ -656,7 +696,8 @@ class SimulatedPlatform(DeviceModulePlatform):
     """The simulated accelerator as a platform of its own (``HYPERRNG_PLATFORM=sim``).
 
     Args:
-        module: the device module to drive; by default the one registered with torch as
+        module: the device module to drive, a :class:`SimulatedDeviceModule` (else
+            :class:`ArgumentTypeError`); by default the one registered with torch as
             the ``"sim"`` device type (registered on first use, never at construction or
             while probing).
 
@@ -669,6 +710,8 @@ class SimulatedPlatform(DeviceModulePlatform):
     dist_backend = "gloo"
 
     def __init__(self, module: SimulatedDeviceModule | None = None) -> None:
+        if module is not None:
+            check_instance(module, SimulatedDeviceModule, "module")
         super().__init__(module)
         if module is not None:
             self.device_type = module.device_type  # type: ignore[misc]
