@@ -391,9 +391,16 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
 
     Raises only when ``HYPERRNG_PLATFORM`` forces a platform that cannot be used, or when
     two plug-ins both claim the machine (:class:`PlatformError`; an unknown name is an
-    :class:`UnknownPlatformError`, also a ``KeyError``).
+    :class:`UnknownPlatformError`, also a ``KeyError``); or :class:`ArgumentTypeError` when
+    ``env`` is not a mapping or its ``HYPERRNG_PLATFORM`` is not a string.
     """
     global _selection
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise ArgumentTypeError(f"env must be a mapping such as os.environ, got {type(env).__name__}.")
+        forced = env.get(ENV_VAR)
+        if forced is not None and not isinstance(forced, str):
+            raise ArgumentTypeError(f"env[{ENV_VAR!r}] must be a platform name (a str), got {type(forced).__name__}.")
     try:
         _selection = _resolve(os.environ if env is None else env)
     except _StillImporting as exc:
