@@ -39,8 +39,11 @@ def check_saved(state: Mapping[str, Any]) -> None:
 
     Bounded work on any input: the digest visits each object once and refuses shared or cyclic
     references, nesting deeper and sizes larger than :func:`hyperrng.rng_state_dict` ever
-    writes, so a hostile file costs time linear in its size. An exception that reading the
-    state itself raises (a mapping that fetches its values, a time-out) passes through as itself.
+    writes (see :func:`digest` for each limit), all counted before the work they bound, so a
+    hostile state costs time linear in its size and no memory beyond what it holds; the layout
+    is counted against :data:`hyperrng.layout.MAX_DIMS` and :data:`hyperrng.layout.MAX_STREAMS`
+    before it is rebuilt. An exception that reading the state itself raises (a mapping that
+    fetches its values, a time-out) passes through as itself.
     """
     if not isinstance(state, Mapping):
         raise ArgumentTypeError(
@@ -259,6 +262,15 @@ _MAX_NUMEL = 1 << 20
 """Elements of one tensor: rng_state_dict's largest is a device state (5072 bytes on the CPU)."""
 _MAX_TEXT = 1 << 16
 """Characters of one string (a stream, dimension or platform name)."""
+_MAX_TEXT_TOTAL = 1 << 22
+"""Characters of text the digest reads in all, keys included, a string counted each time it is
+reached (a file may refer to one string from many places): a state's names total a few
+thousand characters, and :data:`hyperrng.layout.MAX_STREAMS` streams with names of 1,000
+characters, each name written three times (layout, streams, resume bases), about three million."""
+_MAX_TENSOR_BYTES = 1 << 28
+"""Bytes of tensor data the digest reads in all (256 MiB): rng_state_dict writes a device state
+per device and per stream, 5072 bytes each on the CPU and 16 on a counter-based device, so
+even 10,000 streams on the CPU stay below 51 MiB."""
 _INT_RANGE = (-(2**63), 2**64 - 1)
 """Every integer rng_state_dict writes is a seed, a rank, a coordinate or a 64-bit domain."""
 
@@ -270,9 +282,14 @@ def digest(state: Mapping[str, Any]) -> str:
         InvalidArgumentError: the state holds what :func:`hyperrng.rng_state_dict` never writes:
             one object reached twice (shared or cyclic references), nesting deeper than
             :data:`_MAX_DEPTH`, more than :data:`_MAX_OBJECTS` objects, a tensor that is not a
-            dense CPU tensor of at most :data:`_MAX_NUMEL` elements, a key that is not a string, a
-            string or an integer out of bounds, or an object of another type. Each object is
-            visited once, so the time is linear in the state's size.
+            dense CPU tensor of at most :data:`_MAX_NUMEL` elements (a view whose elements repeat
+            or overlap, such as one ``expand`` made, or two tensors over one storage), more than
+            :data:`_MAX_TENSOR_BYTES` bytes of tensors, a string longer than :data:`_MAX_TEXT`
+            or more than :data:`_MAX_TEXT_TOTAL` characters of text in all, a key that is not a
+            string, an integer out of bounds, or an object of another type. Each object is
+            visited once and each limit is checked before the work it bounds (a view is refused
+            from its strides, before any of its elements is read), so the time is linear in the
+            state's size and the digest copies no tensor.
     """
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     _Digest(h).feed({k: v for k, v in state.items() if k != "digest"}, 0)
@@ -287,6 +304,9 @@ class _Digest:
         self.seen: set[int] = set()
         self.held: list[object] = []  # keeps every visited object alive, so no id can be reused mid-walk
         self.count = 0
+        self.text = 0  # characters read, each string counted every time it is reached
+        self.tensor_bytes = 0
+        self.storages: set[int] = set()  # the data pointers of the tensors' storages, each read once
 
     def feed(self, value: Any, depth: int) -> None:
         """Hash ``value`` canonically: dict keys sorted, tensors by dtype, shape and bytes."""
@@ -315,7 +335,8 @@ class _Digest:
         elif isinstance(value, torch.Tensor):
             t = self._dense(value)
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():  # the bytes in place: a dense tensor is hashed without a copy
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
         elif value is None or type(value) in (bool, float) or self._atom(value):
             h.update(f"{type(value).__name__}:{value!r};".encode())
         else:
@@ -343,20 +364,47 @@ class _Digest:
             return True
         return False
 
-    @staticmethod
-    def _text(value: str) -> None:
+    def _text(self, value: str) -> None:
         if len(value) > _MAX_TEXT:
             raise _malformed(f"it holds a string of {len(value)} characters; rng_state_dict's names are short.")
+        self.text += len(value)
+        if self.text > _MAX_TEXT_TOTAL:
+            raise _malformed(
+                f"it holds more than {_MAX_TEXT_TOTAL} characters of text in all (a string counted each time it "
+                "is reached); rng_state_dict's names total a few thousand."
+            )
 
-    @staticmethod
-    def _dense(value: torch.Tensor) -> torch.Tensor:
+    def _dense(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` detached, if it is a dense CPU tensor of its own elements within the limits;
+        read from its metadata only (a view's elements are never materialised)."""
         if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
             raise _malformed(
                 f"it holds a {value.layout} tensor on {value.device}; rng_state_dict writes dense CPU tensors only."
             )
         if value.numel() > _MAX_NUMEL:
             raise _malformed(f"it holds a tensor of {value.numel()} elements; rng_state_dict's have at most 5072.")
-        return value.detach().contiguous()
+        if not value.is_contiguous() or value.is_conj() or value.is_neg():
+            raise _malformed(
+                f"it holds a view of shape {tuple(value.shape)} with strides {value.stride()} (elements that repeat, "
+                "overlap or are skipped, as expand() makes) or a lazily conjugated or negated tensor; rng_state_dict "
+                "writes dense tensors, each element stored once."
+            )
+        nbytes = value.numel() * value.element_size()
+        if nbytes:
+            storage = value.untyped_storage().data_ptr()
+            if storage in self.storages:
+                raise _malformed(
+                    "two of its tensors share one storage (views of one buffer), which rng_state_dict never writes; "
+                    "a forged file could make the digest read one buffer many times."
+                )
+            self.storages.add(storage)
+            self.tensor_bytes += nbytes
+            if self.tensor_bytes > _MAX_TENSOR_BYTES:
+                raise _malformed(
+                    f"its tensors hold more than {_MAX_TENSOR_BYTES} bytes in all; rng_state_dict writes a few "
+                    "kilobytes per stream and device."
+                )
+        return value.detach()
 
 
 def _tensor(value: object, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
