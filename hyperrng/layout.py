@@ -75,6 +75,8 @@ __all__ = [
     "DEFAULT_STREAM",
     "LAYOUT_DOMAIN",
     "LAYOUT_FORMAT_VERSION",
+    "MAX_DIMS",
+    "MAX_STREAMS",
     "Derivation",
     "StreamLayout",
     "apply_layout",
@@ -91,6 +93,14 @@ LAYOUT_DOMAIN = 0x4C41594F55543031  # "LAYOUT01": keeps layout seeds apart from 
 
 LAYOUT_FORMAT_VERSION = 1
 """Version of the :meth:`StreamLayout.to_dict` format."""
+
+MAX_DIMS = 16
+"""Mesh dimensions a layout may name. Megatron-style meshes use at most six or seven
+(pp, dp, cp, tp, ep, etp); a mesh of 16 dimensions of size 2 already has 65,536 ranks."""
+
+MAX_STREAMS = 1024
+"""Named streams a layout may declare (the default stream not counted). Training code uses a
+handful; the limit bounds what a checkpoint's layout can make a load build."""
 
 _HASH_BYTES = 8
 _PERSONS = {"stream": b"hyperrng.stream", "dim": b"hyperrng.dim"}
@@ -124,26 +134,36 @@ class StreamLayout:
     Raises:
         InvalidArgumentError: a name is not a non-empty string, ``dims`` repeats a name, a stream
             varies over a dimension twice or over one that ``dims`` does not name, or a
-            stream is called :data:`DEFAULT_STREAM`.
+            stream is called :data:`DEFAULT_STREAM`; or ``dims`` names more than :data:`MAX_DIMS`
+            dimensions or ``streams`` declares more than :data:`MAX_STREAMS` streams (both
+            counted before anything else is read, so a forged checkpoint's layout costs time
+            linear in its size).
     """
 
     def __init__(self, dims: Sequence[str], default: Sequence[str], streams: Mapping[str, Sequence[str]]) -> None:
-        dim_list = _names(dims, "mesh dimension")
-        if len(set(dim_list)) != len(dim_list):
+        dim_list = _names(dims, "mesh dimension", limit=MAX_DIMS)
+        known = set(dim_list)
+        if len(known) != len(dim_list):
             raise InvalidArgumentError(f"mesh dimensions {dim_list} repeat a name; each dimension needs its own name.")
         if not isinstance(streams, Mapping):
             raise ArgumentTypeError(
                 f"streams must map a stream name to its dimensions, such as {{'tp-rng': ('tp',)}}, "
                 f"got {type(streams).__name__}."
             )
-        table: dict[str, tuple[str, ...]] = {DEFAULT_STREAM: _stream_dims(DEFAULT_STREAM, default, dim_list)}
+        if len(streams) > MAX_STREAMS:
+            raise InvalidArgumentError(
+                f"a layout declares at most {MAX_STREAMS} streams (hyperrng.layout.MAX_STREAMS), got {len(streams)}; "
+                "declare only the streams the run forks."
+            )
+        table: dict[str, tuple[str, ...]] = {DEFAULT_STREAM: _stream_dims(DEFAULT_STREAM, default, dim_list, known)}
         for name in _names(list(streams), "stream"):
             if name == DEFAULT_STREAM:
                 raise InvalidArgumentError(
                     f"{DEFAULT_STREAM!r} is reserved for the default generator; declare its dimensions with default=."
                 )
-            table[name] = _stream_dims(name, streams[name], dim_list)
+            table[name] = _stream_dims(name, streams[name], dim_list, known)
         self._dims = tuple(dim_list)
+        self._dim_set = frozenset(known)
         self._streams = table
 
     @property
@@ -325,7 +345,7 @@ class StreamLayout:
 
     def _coords(self, coords: object, what: str = "coordinate", minimum: int = 0) -> dict[str, int]:
         point = coords if isinstance(coords, Mapping) else mesh_coordinates(coords)
-        extra = [d for d in point if d not in self._dims]
+        extra = [d for d in point if d not in self._dim_set]
         if extra:
             raise InvalidArgumentError(
                 f"{what}s given for {extra}, which the layout does not have (dims {list(self._dims)})."
@@ -437,9 +457,14 @@ def apply_layout(
     return layout.seed_tracker(resolve_tracker(tracker), base_seed, coords)
 
 
-def _names(values: object, what: str) -> list[str]:
+def _names(values: object, what: str, limit: int | None = None) -> list[str]:
     if isinstance(values, str) or not isinstance(values, Sequence):
-        raise ArgumentTypeError(f"{what}s must be a sequence of names such as ('pp', 'tp'), got {values!r}.")
+        raise ArgumentTypeError(f"{what}s must be a sequence of names such as ('pp', 'tp'), got {values!r:.200}.")
+    if limit is not None and len(values) > limit:
+        raise InvalidArgumentError(
+            f"a layout names at most {limit} {what}s (hyperrng.layout.MAX_DIMS), got {len(values)}; "
+            "leave out dimensions no stream varies over."
+        )
     for value in values:
         if not isinstance(value, str):
             raise ArgumentTypeError(f"a {what} name must be a string, got {type(value).__name__} {value!r}.")
@@ -448,9 +473,10 @@ def _names(values: object, what: str) -> list[str]:
     return list(values)
 
 
-def _stream_dims(name: str, varies: object, dims: Sequence[str]) -> tuple[str, ...]:
+def _stream_dims(name: str, varies: object, dims: Sequence[str], known: set[str]) -> tuple[str, ...]:
+    """``varies`` checked against the layout's dimensions ``dims`` (``known``: their set, built once
+    by the caller, so that checking every stream costs time linear in the layout's size)."""
     listed = _names(varies, f"dimension of stream {name!r}")
-    known = set(dims)  # linear in the layout's size, whatever a forged checkpoint's layout holds
     unknown = [d for d in listed if d not in known]
     if unknown:
         raise InvalidArgumentError(
