@@ -112,6 +112,9 @@ _NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.b
 ShapeLike = int | Sequence[int] | torch.Size
 DeviceLike = torch.device | str | int | None
 
+_MAX_DIMS = 64
+"""The most dimensions a torch tensor has."""
+
 # What torch raises for a device it cannot name or reach (AssertionError: a backend this build lacks).
 _DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplementedError)
 
@@ -135,13 +138,21 @@ def check_shape(shape: object) -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints) as a tuple, checked as every function here checks it.
 
     Raises:
-        ArgumentTypeError: ``shape`` is not an int or a sequence of ints.
-        InvalidArgumentError: a negative dimension, or ``2**62`` elements or more.
+        ArgumentTypeError: ``shape`` is not an int or a sequence of ints (a ``str`` or ``bytes``
+            is not one).
+        InvalidArgumentError: more than 64 dimensions (torch's limit), a negative dimension, or
+            ``2**62`` elements or more.
     """
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
-    if type(dims) is not tuple and not isinstance(dims, Sequence):  # a tuple (every op's) skips the ABC check
+    if type(dims) is not tuple and (  # a tuple (every op's) skips the ABC check
+        not isinstance(dims, Sequence) or isinstance(dims, (str, bytes, bytearray, memoryview))
+    ):
         raise ArgumentTypeError(
-            f"shape must be an int or a sequence of ints such as (4, 8), got {type(shape).__name__} {shape!r}."
+            f"shape must be an int or a sequence of ints such as (4, 8), got {type(shape).__name__} {shape!r:.80}."
+        )
+    if len(dims) > _MAX_DIMS:
+        raise InvalidArgumentError(
+            f"shape has {len(dims)} dimensions, but a torch tensor has at most {_MAX_DIMS}; merge some of them."
         )
     result = tuple(check_int(d, "each shape dimension") for d in dims)
     if any(d < 0 for d in result):
@@ -739,6 +750,10 @@ class _FusedDropout(torch.autograd.Function):
         return _triton.dropout(args, geometry, key, offset, grad), None, None, None, None
 
 
+def _describe(value: object) -> str:
+    return f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
+
+
 def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
     """Dropout's values for the bool mask ``keep`` (True: kept) drawn with probability ``1 - p``.
 
@@ -746,9 +761,27 @@ def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> 
     ``x * keep.to(x.dtype).div_(1 - p)``, the mask scaled in ``x``'s dtype and then
     multiplied, and ``x * 0`` for ``p = 1`` (``keep`` is not read then). Dropped elements
     are ``x * 0``: NaN where ``x`` is inf or NaN, ``-0.0`` where it is negative, as in
-    ``F.dropout``. ``p`` must already be checked (:func:`check_probability`), ``keep``
-    must have ``x``'s shape and device.
+    ``F.dropout``. ``keep`` must be on ``x``'s device, its shape broadcast with ``x``'s.
+
+    Raises:
+        ArgumentTypeError: ``x`` is not a floating-point or complex tensor, ``keep`` not a bool
+            tensor (or ``None``), or ``p`` not a real number.
+        InvalidArgumentError: ``p`` is outside ``[0, 1]``; or ``keep`` is on another device, or
+            its shape does not broadcast to ``x``'s.
     """
+    if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+        raise ArgumentTypeError(f"x must be a floating-point tensor, got {_describe(x)}.")
+    if type(p) is not float or not 0.0 <= p <= 1.0:
+        p = check_probability(p)
+    if keep is not None:
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+            raise ArgumentTypeError(f"keep must be a bool tensor (True: kept) or None, got {_describe(keep)}.")
+        if keep.device != x.device:
+            raise InvalidArgumentError(f"keep is on {keep.device} but x is on {x.device}; put both on one device.")
+        if any(k != n and k != 1 and n != 1 for k, n in zip(reversed(keep.shape), reversed(x.shape))):
+            raise InvalidArgumentError(
+                f"keep's shape {tuple(keep.shape)} does not broadcast with x's {tuple(x.shape)}."
+            )
     if p == 1.0 or keep is None:
         return x * 0.0
     return x * keep.to(x.dtype).div_(1.0 - p)
