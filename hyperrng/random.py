@@ -141,9 +141,16 @@ def fork_rng(
             raise ArgumentTypeError(
                 f"devices must be an iterable of device indices (or None for all), got {type(devices).__name__}."
             )
+        try:
+            listed = list(devices)  # a 0-d tensor is an Iterable that refuses to iterate
+        except TypeError as exc:
+            raise ArgumentTypeError(
+                f"devices must be an iterable of device indices (or None for all), got {type(devices).__name__} "
+                f"that cannot be iterated ({exc}); pass e.g. [0, 1]."
+            ) from None
         count = platform.device_count()
         indices = []
-        for index in devices:
+        for index in listed:
             value = check_index(index, count, platform.name)
             if value not in indices:
                 indices.append(value)
