@@ -191,7 +191,9 @@ class StreamLayout:
         Raises:
             InvalidArgumentError: unknown stream, or coordinates that are missing, extra, negative or not ints;
                 or ``base_seed`` is not an int in [0, 2**64 - 1].
+            ArgumentTypeError: ``stream`` is not a string.
         """
+        check_instance(stream, str, "stream")
         if stream not in self._streams:
             raise InvalidArgumentError(f"the layout has no stream {stream!r}; it declares {list(self._streams)}.")
         return self.seeds(base_seed, coords)[stream]
@@ -203,9 +205,12 @@ class StreamLayout:
 
         ``bases`` gives some streams a base seed of their own in place of ``base_seed``: a resume
         at another world size re-derives each stream from what the ranks that share it share
-        (:func:`hyperrng.state.resume_seed`)."""
+        (:func:`hyperrng.state.resume_seed`); a mapping of stream name to seed, else
+        :class:`ArgumentTypeError`."""
         base = check_seed(base_seed, "base_seed")
         point = self._coords(coords)
+        if bases is not None and not isinstance(bases, Mapping):
+            raise ArgumentTypeError(f"bases must be a mapping of stream name to base seed, got {type(bases).__name__}.")
         own = (
             {}
             if bases is None
@@ -265,12 +270,14 @@ class StreamLayout:
                 or two of this rank's streams share a seed (probability 2**-64).
             InvalidOperationError: a fork of ``tracker`` is active;
                 or another thread holds torch's CPU generator or the current device's.
+            ArgumentTypeError: ``tracker`` is not an :class:`RNGStatesTracker`.
 
         Everything is validated first; then the tracker is replaced (:meth:`RNGStatesTracker.reseed`)
         and the default generator seeded with signals deferred, so an error or a Ctrl-C leaves
         everything as it was or as after the call. Forks of ``tracker`` that their own exits can
         no longer leave are cleared first (see the tracker's *Recovery*).
         """
+        check_instance(tracker, RNGStatesTracker, "tracker")
         seeds = self.seeds(base_seed, coords, bases=bases)
         default_seed = seeds[DEFAULT_STREAM]
         own = None if bases is None else {name: int(value) for name, value in bases.items() if name in self._streams}
