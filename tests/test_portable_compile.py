@@ -242,7 +242,7 @@ def test_inductors_caches_never_hand_code_compiled_outside_the_mode_to_it_or_bac
 
 def test_a_random_op_without_a_portable_kernel_is_refused_while_tracing_before_anything_draws() -> None:
     def draw(x: torch.Tensor) -> torch.Tensor:
-        return x + torch.rand(2).sum() + torch.randperm(4)[:1]
+        return x + torch.rand(2).sum() + torch.multinomial(torch.ones(4), 1)
 
     with portable_random(SEED):
         with pytest.raises(Exception) as caught:
@@ -251,7 +251,7 @@ def test_a_random_op_without_a_portable_kernel_is_refused_while_tracing_before_a
     cause: BaseException | None = caught.value
     while cause is not None and not isinstance(cause, UnsupportedPortableOpError):
         cause = cause.__cause__ or cause.__context__
-    assert cause is not None and "randperm" in str(cause)
+    assert cause is not None and "multinomial" in str(cause)
 
 
 def test_the_custom_ops_draw_portably_when_called_outside_the_mode() -> None:
@@ -470,3 +470,27 @@ def test_on_cuda_a_portable_draw_under_capture_is_refused_and_the_probe_waits(cu
         assert cuda.get_seed_offset() == (SEED, 0)
         assert torch.equal(F.dropout(x, 0.5).cpu(), philox.dropout(x.cpu(), 0.5, key=SEED, offset=0))
     assert backends.describe(torch.device("cuda"))[0] in ("triton", "torch")  # probed after capture, not during
+
+
+def test_wide_ranges_compile_and_randperm_is_refused_with_fullgraph_and_drawn_eagerly_without() -> None:
+    def wide() -> torch.Tensor:
+        return torch.randint(-3, 2**40, (5,)) + torch.randint(0, 7, (2,)).sum()
+
+    def permute() -> torch.Tensor:
+        return torch.randperm(6) + 0
+
+    with portable_random(SEED):
+        expected = [wide(), permute()]
+    with portable_random(SEED):
+        assert torch.equal(torch.compile(wide, backend="aot_eager", fullgraph=True)(), expected[0])
+        assert torch.equal(torch.compile(permute, backend="aot_eager")(), expected[1]), "behind a graph break"
+
+    def permute_again() -> torch.Tensor:  # another code object: Dynamo would reuse permute's compiled frames
+        return torch.randperm(6) + 0
+
+    with portable_random(SEED), pytest.raises(Exception) as caught:
+        torch.compile(permute_again, backend="aot_eager", fullgraph=True)()
+    cause: BaseException | None = caught.value
+    while cause is not None and not isinstance(cause, UnsupportedPortableOpError):
+        cause = cause.__cause__ or cause.__context__
+    assert cause is not None and "randperm inside compiled code" in str(cause)

@@ -467,7 +467,8 @@ def test_a_partial_placement_or_a_foreign_shape_in_a_region_is_refused() -> None
         (lambda: torch.zeros(2, dtype=torch.int32).uniform_(), ArgumentTypeError),
         (lambda: torch.zeros(2, dtype=torch.int64).normal_(), ArgumentTypeError),
         (lambda: torch.empty(2).exponential_(), UnsupportedPortableOpError),
-        (lambda: torch.empty(2).random_(0, 2**40), InvalidArgumentError),
+        (lambda: torch.empty(2).random_(0, 2**40), InvalidArgumentError),  # float32 holds integers to 2**24
+        (lambda: torch.empty(2, dtype=torch.int64).random_(0, 2**40), UnsupportedPortableOpError),
     ],
 )
 def test_an_op_refused_inside_a_region_leaves_every_rank_where_it_was(op: Callable[[], object], error: type) -> None:
@@ -503,18 +504,25 @@ def test_bad_arguments_of_the_mode_raise_typed_errors_and_change_nothing(
 
 
 BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
-    ("randperm", lambda: torch.randperm(5), UnsupportedPortableOpError, "randperm.*no portable implementation"),
+    (
+        "randperm generator=",
+        lambda: torch.randperm(5, generator=torch.Generator()),
+        UnsupportedPortableOpError,
+        "randperm with generator=.*DataLoader",
+    ),
+    ("randperm too long", lambda: torch.randperm(300, dtype=torch.uint8), InvalidArgumentError, "does not fit"),
     ("multinomial", lambda: torch.multinomial(torch.ones(4), 2), UnsupportedPortableOpError, "multinomial"),
     ("exponential_", lambda: torch.empty(3).exponential_(), UnsupportedPortableOpError, "exponential_"),
     ("poisson", lambda: torch.poisson(torch.ones(3)), UnsupportedPortableOpError, "poisson"),
     ("normal(tensor)", lambda: torch.normal(torch.zeros(3), 1.0), UnsupportedPortableOpError, "normal.Tensor_float"),
     ("rrelu training", lambda: F.rrelu(torch.ones(3), training=True), UnsupportedPortableOpError, "rrelu"),
     (
-        "random_()",
-        lambda: torch.empty(3, dtype=torch.int64).random_(),
-        UnsupportedPortableOpError,
-        "whole range of its dtype",
+        "random_ range over 2**62",
+        lambda: torch.empty(3, dtype=torch.int64).random_(-(2**62), 2**62 - 5),
+        InvalidArgumentError,
+        "up to 2\\*\\*62 values",
     ),
+    ("random_ complex", lambda: torch.empty(3, dtype=torch.complex64).random_(), ArgumentTypeError, "real numbers"),
     ("int uniform_", lambda: torch.empty(3, dtype=torch.int32).uniform_(), ArgumentTypeError, "int32"),
     ("uniform_ low > high", lambda: torch.empty(3).uniform_(2.0, 1.0), InvalidArgumentError, "low must be <= high"),
     ("normal_ std < 0", lambda: torch.empty(3).normal_(0.0, -1.0), InvalidArgumentError, "std must be >= 0"),
@@ -532,7 +540,7 @@ BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "floating-point probabilities",
     ),
     ("bernoulli_ shape", lambda: torch.empty(3).bernoulli_(torch.ones(4) / 2), InvalidArgumentError, "broadcast"),
-    ("randint range", lambda: torch.randint(0, 2**33, (3,)), InvalidArgumentError, "1 to 2\\*\\*32"),
+    ("randint range", lambda: torch.randint(-(2**62), 2**62 + 1, (3,)), InvalidArgumentError, "up to 2\\*\\*62"),
     ("randint dtype", lambda: torch.randint(0, 300, (3,), dtype=torch.uint8), InvalidArgumentError, "fit"),
     ("dropout p", lambda: torch.ops.aten.native_dropout(torch.ones(3), 1.5, True), InvalidArgumentError, "p must"),
 ]
@@ -640,7 +648,8 @@ def test_ops_random_only_for_some_arguments_run_torchs_kernel_when_deterministic
 
 def test_the_refused_ops_are_listed_and_the_portable_ones_are_not() -> None:
     refused = unsupported_ops()
-    assert {"randperm.generator_out", "multinomial", "exponential_", "poisson"} <= set(refused)
+    assert {"multinomial", "exponential_", "poisson"} <= set(refused)
+    assert not {"random_", "randperm.generator_out"} & set(refused)
     assert not set(refused) & set(PORTABLE_OPS)
 
 
@@ -1088,15 +1097,71 @@ def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_i
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_a_dataloader_iterated_in_the_mode_is_refused_with_a_message_naming_it(shuffle: bool) -> None:
+def test_a_shuffling_dataloader_iterated_in_the_mode_is_refused_with_a_message_naming_it() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
-    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=shuffle)
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
     with portable_random(SEED):
         with pytest.raises(UnsupportedPortableOpError) as info:
             next(iter(loader))
-        assert _position() == (SEED, 0)
     message = str(info.value)
     assert "DataLoader" in message and "outside portable_random()" in message
-    assert "random_.from" not in message and "random_(low, high)" in message
+
+
+class _Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_without_shuffling_draws_its_seed_portably_and_repeats_per_run(workers: int) -> None:
+    """It drew its base seed with random_() over the whole int64 range, which the mode refused (and torch
+    then printed an AttributeError of its half-made iterator)."""
+    from torch.utils.data import DataLoader
+
+    def run() -> torch.Tensor:
+        with portable_random(SEED):
+            return torch.cat(list(DataLoader(_Noisy(), batch_size=2, num_workers=workers)))
+
+    first, second = run(), run()
+    assert torch.equal(first, second)
+    assert len({tuple(row.tolist()) for row in first}) == 8, "every sample draws its own numbers"
+
+
+_WIDE = {  # (draw, low, high)
+    "random_() int64": (lambda: torch.empty(6, dtype=torch.int64).random_(), 0, 2**63),
+    "random_() float64": (lambda: torch.empty(6, dtype=torch.float64).random_(), 0, 2**53 + 1),
+    "randint 2**40": (lambda: torch.randint(-5, 2**40 - 5, (6,)), -5, 2**40 - 5),
+    "random_ 3 * 2**40": (lambda: torch.empty(6, dtype=torch.int64).random_(7, 7 + 3 * 2**40), 7, 7 + 3 * 2**40),
+}
+
+
+@pytest.mark.parametrize("case", list(_WIDE))
+def test_ranges_over_2_to_the_32_take_two_words_per_element(case: str) -> None:
+    """Element i is low + (words 2i | (words 2i+1 & 0x7FFFFFFF) << 32) mod span (or its bits, for 2**k values)."""
+    draw, low, high = _WIDE[case]
+    with portable_random(SEED):
+        got = draw()
+        assert _position() == (SEED, 12), "two words per element"
+    words = [int(w) for w in philox.random_bits(12, SEED, 0)]
+    values = [words[2 * i] | (words[2 * i + 1] & 0x7FFFFFFF) << 32 for i in range(6)]
+    span = high - low
+    expected = [low + (v & (span - 1) if span & (span - 1) == 0 else v % span) for v in values]
+    assert [int(x) for x in got.tolist()] == expected
+
+
+def test_randperm_is_the_order_that_sorts_wide_values_and_fits_its_dtype() -> None:
+    with portable_random(SEED):
+        got = torch.randperm(10)
+        small = torch.randperm(10, dtype=torch.int16)
+        assert _position() == (SEED, 40)
+    words = [int(w) for w in philox.random_bits(20, SEED, 0)]
+    values = [words[2 * i] | (words[2 * i + 1] & 0x7FFFFFFF) << 32 for i in range(10)]
+    assert got.tolist() == sorted(range(10), key=lambda i: values[i])
+    assert sorted(small.tolist()) == list(range(10)) and small.dtype == torch.int16
+    with portable_random(SEED):
+        assert torch.equal(torch.randperm(10), got)
+        assert torch.randperm(0).numel() == 0

@@ -238,7 +238,8 @@ def _compiled_training_step(repeat: int) -> list[BenchResult]:
             baseline="the same compile outside the mode",
             baseline_timing=Timing(tuple(compile_rounds["base"])),
             target=_COMPILE_TIME_TARGET,
-            note=f"{shape}: the first compiled step (Dynamo, AOTAutograd, inductor), caches off, 3 rounds each after an untimed one",
+            note=f"{shape}: the first compiled step (Dynamo, AOTAutograd, inductor), caches off, "
+            "3 rounds each after an untimed one",
         ),
     ]
 

@@ -20,9 +20,11 @@ propagation in ``torch.compile`` and DTensor) pass through to torch's kernels; w
 records for a random op in the mode is :mod:`hyperrng.philox._traced`'s.
 
 Limits: float32/float64/float16/bfloat16 for ``uniform_``/``normal_`` (float64 values
-carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values (one
-word each, ``low + word % range``), positions within the generator's offset range
-(``2**63 - 1``); errors are typed and raised before any position moves.
+carry 32 random bits), ``random_``/``randint`` ranges of at most ``2**32`` values take one
+word each (``low + word % range``), wider ones (up to ``2**62`` values, or ``2**63``: ``random_()``
+on ``int64``) two (:func:`_wide_words`), as does ``randperm`` (the order that sorts such values);
+positions within the generator's offset range (``2**63 - 1``); errors are typed and raised before
+any position moves.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def _draw(
             f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
             f"from counter-based generators of the platform, and {p.name!r} has "
             f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
-            f"or portable_random(seed) instead."
+            f"or portable_random(seed) instead.{' ' + _DATALOADER if what == 'randperm' else ''}"
         )
     geometry = _whole(tuple(target.shape))
     values = draw_at_position(target.numel(), generator, lambda key, offset: values_at(geometry, key, offset, out))
@@ -304,14 +306,45 @@ def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.G
     return self.copy_(_draw("bernoulli_", philox.BITS, self, generator) < threshold)
 
 
+def _float_digits_top(dtype: torch.dtype) -> int:
+    """``2**digits``: above it a floating ``dtype`` skips integers (``2**24`` for float32)."""
+    return 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)
+
+
+def random_bounds(dtype: torch.dtype, low: int, high: int | None) -> tuple[int, int]:
+    """``random_(low, high)``'s checked range ``[low, high)`` for ``dtype``; ``high=None`` is torch's top of
+    the dtype's range (its largest integer, or ``2**digits`` for a floating dtype, included)."""
+    if dtype.is_complex:
+        raise ArgumentTypeError(f"random_ draws real numbers; got a {dtype} tensor.")
+    if high is None:
+        if dtype == torch.bool:
+            high = 2
+        elif dtype.is_floating_point:
+            high = _float_digits_top(dtype) + 1
+        else:
+            high = torch.iinfo(dtype).max + 1
+    span = high - low
+    if span > _MAX_RANGE and not (span <= _MAX_WIDE_RANGE or span & (span - 1) == 0) or span > 2**63:
+        raise InvalidArgumentError(
+            f"random_/randint: the range [{low}, {high}) holds {span} values; portable mode draws ranges of up "
+            f"to 2**62 values, or of 2**63."
+        )
+    if span > _MAX_RANGE:
+        top = _float_digits_top(dtype) if dtype.is_floating_point else None  # floats: integers kept exact
+        limits = (-top, top) if top is not None else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+        if span < 1 or low < limits[0] or high - 1 > limits[1]:
+            raise InvalidArgumentError(f"random_/randint: the range [{low}, {high}) does not fit {dtype}.")
+        return low, high
+    try:
+        philox.randint_draw(low, high, dtype)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"random_/randint: {exc}".replace("randint: ", "", 1)) from None
+    return low, high
+
+
 def _random_from(
     self: torch.Tensor, low: int, high: int | None = None, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    if high is None:
-        raise InvalidArgumentError(
-            f"random_({low}, None) draws the whole range of {self.dtype}; portable mode draws ranges of at most "
-            f"2**32 values: pass an upper bound."
-        )
     if (low, high) == _COMPILED_SEED_RANGE:
         raise UnsupportedPortableOpError(
             "compiled code that draws torch's own random numbers (from seeds it takes with randint over the "
@@ -319,15 +352,55 @@ def _random_from(
             "traced it in the mode, which needs the torch feature 'portable-compile' ('hyperrng info' says "
             "whether this torch has it). Call the compiled function outside portable_random()."
         )
-    try:
-        draw = philox.randint_draw(low, high, self.dtype)
-    except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"random_/randint: {exc}".replace("randint: ", "", 1)) from None
-    return _fill("random_", draw, self, generator)
+    low, high = random_bounds(self.dtype, low, high)
+    span = high - low
+    if span <= _MAX_RANGE:
+        return _fill("random_", philox.randint_draw(low, high, self.dtype), self, generator)
+    if span & (span - 1) == 0:  # 2**k values: the low k bits
+        values = _wide_words("random_", self.shape, self.device, generator).bitwise_and_(span - 1)
+    else:
+        values = _wide_words("random_", self.shape, self.device, generator).remainder_(span)
+    return self.copy_(values.add_(low))
 
 
 def _random_to(self: torch.Tensor, high: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
     return _random_from(self, 0, high, generator=generator)
+
+
+def _random_full(self: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    return _random_from(self, 0, None, generator=generator)
+
+
+_MAX_WIDE_RANGE = 2**62  # a range of more than 2**32 values takes two words per element (_wide_words)
+
+
+def _wide_words(what: str, shape: Sequence[int], device: torch.device, generator: Any) -> torch.Tensor:
+    """One 63-bit value per element of ``shape`` (int64, in ``[0, 2**63)``), from two words each: element ``i``
+    takes words ``2 i`` (its low 32 bits) and ``2 i + 1`` (its high 31 bits) at the position, which advances
+    past ``2 * numel``. Its low ``k`` bits are a uniform draw from ``2**k`` values; its remainder by another
+    range of ``span`` values gives each value ``2**63 // span`` or one more chances in ``2**63`` (as a
+    remainder of 64 random bits does in torch's own wide ``random_``): a relative difference of at most
+    ``span / 2**62``, ``2**-9`` for ``float64``'s whole range (``2**53 + 1`` values)."""
+    if active_region() is not None:
+        raise UnsupportedPortableOpError(
+            f"{what} of a range over 2**32 values inside a sharded region: portable mode draws such ranges "
+            "(two words per element), and randperm, for whole tensors only. Draw it outside the region."
+        )
+    pairs = _draw(what, philox.BITS, torch.empty((*shape, 2), dtype=torch.int64, device=device), generator)
+    return pairs[..., 1].bitwise_and(0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(pairs[..., 0])
+
+
+def _randperm(n: int, *, generator: torch.Generator | None = None, out: torch.Tensor) -> torch.Tensor:
+    """A portable permutation of ``range(n)``: the order that sorts ``n`` values of :func:`_wide_words` (ties,
+    one chance in ``2**63`` per pair, keep index order), the same on every device."""
+    if n < 0:
+        raise InvalidArgumentError(f"randperm: n must be >= 0, got {n}.")
+    top = _float_digits_top(out.dtype) if out.dtype.is_floating_point else (
+        torch.iinfo(out.dtype).max if out.dtype != torch.bool else 1)  # fmt: skip
+    if n - 1 > top:
+        raise InvalidArgumentError(f"randperm: n={n} does not fit {out.dtype}; use a wider dtype such as int64.")
+    order = torch.argsort(_wide_words("randperm", (n,), out.device, generator), stable=True)
+    return out.resize_(n).copy_(order)
 
 
 def undrawn_dropout(x: torch.Tensor, p: float, train: bool | None) -> float | tuple[torch.Tensor, torch.Tensor]:
@@ -380,6 +453,8 @@ PORTABLE_OPS: dict[str, Callable[..., Any]] = {
     "bernoulli_.Tensor": _bernoulli_tensor,
     "random_.from": _random_from,
     "random_.to": _random_to,
+    "random_": _random_full,
+    "randperm.generator_out": _randperm,
     "native_dropout": _native_dropout,
 }
 """The aten ops portable mode implements, by ``name.overload``; torch's ``rand``, ``randn``,
@@ -469,24 +544,19 @@ def _refusal(op: Any) -> Callable[..., Any]:
 
 
 _USER_OPS = (
-    "rand, randn, randint, rand_like, randn_like, uniform_, normal_, bernoulli_, random_(low, high), "
+    "rand, randn, randint, rand_like, randn_like, uniform_, normal_, bernoulli_, random_, randperm, "
     "F.dropout, F.scaled_dot_product_attention, nn.init"
 )
 """The portable ops as users call them (the aten names of PORTABLE_OPS mean little in a message)."""
 
 _DATALOADER = (
-    "A torch.utils.data.DataLoader draws its base seed with random_() over the whole int64 range when "
-    "it is iterated, and shuffles with randperm: create and iterate loaders outside portable_random(), "
-    "entering it around the model's step."
+    "A torch.utils.data.DataLoader that shuffles draws its order with a generator of its own (generator=), "
+    "which portable mode refuses: create and iterate shuffling loaders outside portable_random(), entering "
+    "it around the model's step."
 )
 
 
 def _refusal_message(label: str) -> str:
-    if label == "random_":
-        return (
-            "random_() without bounds draws the whole range of its dtype, which portable mode does not "
-            f"(random_(low, high) and randint are portable). {_DATALOADER}"
-        )
     note = f" {_DATALOADER}" if label.startswith("randperm") else ""
     return (
         f"{label} has no portable implementation, and portable mode never falls back to a device's own "

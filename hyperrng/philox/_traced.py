@@ -390,17 +390,11 @@ def _check_bernoulli_tensor(self: torch.Tensor, p: torch.Tensor) -> tuple[torch.
 
 def _check_random(self: torch.Tensor, low: int, high: int | None = None) -> tuple[int, int]:
     if high is None:
-        raise InvalidArgumentError(
-            f"random_({low}, None) draws the whole range of {self.dtype}; portable mode draws ranges of at most "
-            f"2**32 values: pass an upper bound."
+        raise UnsupportedPortableOpError(
+            f"random_({low}, None) inside compiled code in portable mode: compiled code draws ranges with an "
+            "upper bound; pass one, or draw it in eager code."
         )
-    from hyperrng import philox
-
-    try:
-        philox.randint_draw(low, high, self.dtype)
-    except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"random_/randint: {exc}".replace("randint: ", "", 1)) from None
-    return int(low), int(high)
+    return ops.random_bounds(self.dtype, int(low), int(high))
 
 
 def _check_random_to(self: torch.Tensor, high: int) -> tuple[int, int]:
@@ -449,6 +443,18 @@ def _refused(op: Any) -> Callable[..., Any]:
         if (dropout is not None and not dropout(args, kwargs)) or (training is not None and not training(args, kwargs)):
             return None
         raise UnsupportedPortableOpError(ops._refusal_message(label))
+
+    return traced
+
+
+def _eager_only(what: str) -> Callable[..., Any]:
+    """The traced form of a portable op that compiled code does not draw (two words per element)."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedPortableOpError(
+            f"{what} inside compiled code in portable mode: it draws portably in eager code only; draw it "
+            "outside the compiled function (or, for random_, pass an upper bound)."
+        )
 
     return traced
 
@@ -551,6 +557,8 @@ class _Installed:
             _overload("random_.from"): _fill_kernel("random_", _check_random, "random"),
             _overload("random_.to"): _fill_kernel("random_", _check_random_to, "random"),
             _overload("native_dropout"): _traced_dropout,
+            _overload("random_"): _eager_only("random_() without an upper bound"),
+            _overload("randperm.generator_out"): _eager_only("randperm"),
         }
         for name in _attention_ops.OPS:
             traced[_overload(name)] = _traced_attention(name)

@@ -30,11 +30,11 @@ accelerators) and every ``torch.nn.init`` function built on them draw from
   the unsharded op, not the padded shard layout of non-portable sharded draws): no
   collective, replicas equal, the shards put together are the tensor an unsharded
   process draws, and the next op starts where it would in an unsharded process.
-* **No silent fallback.** A random op with no portable kernel (``randperm``,
-  ``multinomial``, ``exponential_``, ``poisson``, ... see :func:`unsupported_ops`)
-  raises :class:`UnsupportedPortableOpError` naming it. Ops that are random only for
-  some arguments (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu``
-  with ``training``) run torch's kernel when those make them deterministic.
+* **No silent fallback.** A random op with no portable kernel (``multinomial``,
+  ``exponential_``, ``poisson``, ... see :func:`unsupported_ops`) raises
+  :class:`UnsupportedPortableOpError` naming it. Ops that are random only for some arguments
+  (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu`` with ``training``) run
+  torch's kernel when those make them deterministic.
 
 **Per thread.** Whether a random op draws portably is a flag of the calling thread: on
 while one of its contexts is entered or its switch (:func:`set_portable_random`) is on.
@@ -68,11 +68,12 @@ Python handler of another signal (a SIGTERM handler raising ``SystemExit``, an a
 while the mode is entered or left can leave the flag, the hold or the generator half
 changed; such handlers should set a flag that the training loop reads instead.
 
-**DataLoader.** Iterating a ``torch.utils.data.DataLoader`` draws its base seed with
-``random_()`` over the whole ``int64`` range and shuffles with ``randperm``, which the
-mode refuses with :class:`UnsupportedPortableOpError` naming the DataLoader: create and
-iterate loaders outside the mode, entering it around the model's step rather than around
-the whole loop.
+**DataLoader.** Iterating a ``torch.utils.data.DataLoader`` in the mode draws its base seed
+portably (``random_()`` over the whole ``int64`` range), so a loader without shuffling gives
+the same samples in every run. A shuffling loader orders its samples with ``randperm`` and a
+``torch.Generator`` of its own, which the mode refuses (:class:`UnsupportedPortableOpError`
+naming the DataLoader): create and iterate those outside the mode, entering it around the
+model's step rather than around the whole loop.
 
 **Attention.** ``F.scaled_dot_product_attention`` with dropout draws the portable dropout
 mask of its global ``[*batch, heads, L, S]`` probabilities
