@@ -16,8 +16,9 @@ edits the dict can recompute it). Every field is nevertheless typed and bounded 
 anything is applied, so a forged state can at worst resume other random numbers, never
 crash the process, raise an untyped error or leave a generator half-written; and the work
 is linear in the file's size (the digest visits each object once and refuses shared or
-cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes). Sign
-the file yourself if it crosses a trust boundary.
+cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes), as is the
+memory: :func:`load_rng_state` checks a file's structure before torch reads it
+(:mod:`hyperrng._untrusted`). Sign the file yourself if it crosses a trust boundary.
 
 :func:`load_rng_state_dict` validates everything before applying anything. A state saved
 under another platform, world size, rank, layout or mesh position is refused by default;
@@ -52,6 +53,7 @@ from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
 from hyperrng._interrupts import deferred
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
+from hyperrng._untrusted import check_file
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -208,6 +210,16 @@ def load_rng_state_dict(
     it, and no hold left behind. Forks of ``tracker`` that their own exits can no longer leave
     (see the tracker's *Recovery*) are cleared first.
 
+    **Limits.** Whatever its source (a file, ``torch.distributed.checkpoint``), a state larger
+    than any :func:`rng_state_dict` writes is refused, each limit checked before the work it
+    bounds, so a hostile state costs time linear in its size and no copy of it: nesting of at
+    most 8 levels and 262,144 objects; tensors dense and on the CPU, each with a storage of its
+    own, of at most 2**20 elements and 256 MiB in all (a view whose elements repeat or overlap,
+    as ``expand()`` makes, is refused from its strides); strings of at most 65,536 characters
+    and 4 Mi characters in all, a string counted each time it is reached; a layout of at most
+    :data:`hyperrng.layout.MAX_DIMS` (16) dimensions and :data:`hyperrng.layout.MAX_STREAMS`
+    (1,024) streams.
+
     Args:
         state: the dict :func:`rng_state_dict` returned (possibly through ``torch.load``).
         tracker: the tracker to restore (default: the process-wide one).
@@ -223,8 +235,8 @@ def load_rng_state_dict(
 
     Raises:
         InvalidArgumentError: another format or version, a digest mismatch (a damaged state),
-            a malformed field, a topology or platform mismatch, or a missing stream.
-            Nothing has changed when it is raised.
+            a malformed field or one beyond a limit (the message names it), a topology or
+            platform mismatch, or a missing stream. Nothing has changed when it is raised.
         InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``), or
             another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
             see :mod:`hyperrng._exclusive`); nothing has changed.
@@ -480,9 +492,20 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     An exception raised by a signal's handler during the load (a ``KeyboardInterrupt``, a
     watchdog's ``TimeoutError``) reaches the caller as itself.
 
+    **Limits.** The file's structure is checked before torch reads it
+    (:mod:`hyperrng._untrusted`), so any file is read or refused in time and memory bounded by
+    its size (about half a second per megabyte, and the file's size plus 16 MiB): a zip as
+    ``torch.save`` writes it, every entry stored (not compressed) in a region of its own; a
+    pickle of at most 32,768 instructions plus one per 10 bytes of file, calling only what
+    ``torch.save`` writes (no quantized, sparse or nested tensors), whose objects fit in 16 MiB
+    beyond the file's size, about 7,000 tensors. A checkpoint beyond these that you trust can
+    be read with ``torch.load(path, weights_only=True)`` and its state passed to
+    :func:`load_rng_state_dict`, whose own limits hold for any dict.
+
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
-        InvalidArgumentError: the file is truncated, or not a torch file of plain data; or
+        InvalidArgumentError: the file is truncated, or not a torch file of plain data, or beyond
+            a limit above (the message names it, and nothing was loaded); or
             ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting;
             or it holds a NUL character, a character the file system's encoding cannot write (a
             lone surrogate), or a name longer than the file system allows.
@@ -499,6 +522,7 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
             fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
             with os.fdopen(fd, "rb") as file:
                 _files.refuse_special(target, "read", os.fstat(file.fileno()).st_mode)
+                check_file(file, str(path))  # bounded: what torch.load would make of it, read from its structure
                 loaded = torch.load(file, weights_only=True)
         except HyperRNGError:
             raise

@@ -1,0 +1,427 @@
+"""Hostile checkpoint files and states: refused with a message naming the limit, in work bounded by
+their size (counted here, never timed), and legitimate checkpoints up to the documented limits
+still load.
+
+The attacks, each at a scale that showed it before the limits: views made by ``expand`` (a few
+bytes stored, a megabyte seen), one string referred to thousands of times, a forged layout of
+thousands of dimensions and streams with its digest recomputed, an entry compressed with deflate,
+zip entries sharing one region, and pickles that make far more than their bytes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import pickle
+import struct
+import tracemalloc
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hyperrng.platforms as platforms
+import pytest
+import torch
+
+from hyperrng import _state_format, _untrusted
+from hyperrng import layout as layout_module
+from hyperrng._state_format import digest
+from hyperrng.errors import InvalidArgumentError
+from hyperrng.layout import MAX_DIMS, MAX_STREAMS, StreamLayout, apply_layout
+from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.tracker import RNGStatesTracker
+
+_MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu() -> Iterator[None]:
+    with platforms.use(platforms.CPUPlatform()):
+        yield
+
+
+def _state(layout: StreamLayout | None = None, coords: dict[str, int] | None = None) -> dict[str, Any]:
+    layout = layout or StreamLayout(dims=("dp", "tp"), default=(), streams={"mp": ("tp",)})
+    tracker = RNGStatesTracker()
+    apply_layout(layout, 1234, coords or {d: 1 for d in layout.dims}, tracker=tracker)
+    return rng_state_dict(tracker=tracker)
+
+
+def _resealed(state: dict[str, Any]) -> dict[str, Any]:
+    state["digest"] = digest(state)
+    return state
+
+
+@pytest.fixture
+def no_torch_load(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """torch.load, recording each call: a file refused by the pre-check never reaches it."""
+    calls: list[Any] = []
+    real = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    return calls
+
+
+class _CountingHash:
+    """blake2b, counting the bytes the digest feeds it."""
+
+    fed = 0
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._h = hashlib.blake2b(**kwargs)
+
+    def update(self, data: Any) -> None:
+        _CountingHash.fed += memoryview(data).nbytes
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> type[_CountingHash]:
+    class _Hashlib:
+        blake2b = _CountingHash
+
+    _CountingHash.fed = 0
+    monkeypatch.setattr(_state_format, "hashlib", _Hashlib)
+    return _CountingHash
+
+
+# -- crafted zips and pickles -----------------------------------------------------------------------
+
+
+def _zip(
+    records: list[tuple[str, bytes]],
+    aliases: tuple[tuple[str, int], ...] = (),
+    deflated: dict[str, tuple[bytes, int]] | None = None,
+) -> bytes:
+    """A zip of ``records`` (name, bytes), stored, except those ``deflated`` gives as (raw deflate
+    stream, plain size); each alias is one more directory entry pointing at record ``index``."""
+    out, directory, local = io.BytesIO(), [], []
+    for name, data in records:
+        raw, plain, method = (*deflated[name], 8) if deflated and name in deflated else (data, len(data), 0)
+        encoded, crc = name.encode(), zlib.crc32(data)
+        local.append((out.tell(), crc, len(raw), plain, method))
+        out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, crc, len(raw), plain, len(encoded), 0))
+        out.write(encoded + raw)
+        directory.append((encoded, *local[-1]))
+    directory += [(name.encode(), *local[index]) for name, index in aliases]
+    start = out.tell()
+    for encoded, offset, crc, packed, plain, method in directory:
+        out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0, crc, packed, plain,
+                              len(encoded), 0, 0, 0, 0, 0, offset) + encoded)  # fmt: skip
+    size = out.tell() - start
+    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(directory), len(directory), size, start, 0))
+    return out.getvalue()
+
+
+def _torch_file(pkl: bytes, storages: tuple[tuple[str, bytes], ...] = (), **zip_args: Any) -> bytes:
+    """A zip laid out as torch.save lays one out, holding the pickle ``pkl`` and ``storages``."""
+    records = [("archive/data.pkl", pkl), ("archive/byteorder", b"little")]
+    records += [(f"archive/data/{key}", data) for key, data in storages] + [("archive/version", b"3\n")]
+    return _zip(records, **zip_args)
+
+
+class _Storage:
+    def __init__(self, key: str, nbytes: int) -> None:
+        self.key, self.nbytes = key, nbytes
+
+
+class _Tensor:
+    """Pickles as torch.save pickles a uint8 tensor over ``storage``."""
+
+    def __init__(self, storage: _Storage, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.storage, self.size, self.stride = storage, size, stride
+
+    def __reduce__(self) -> Any:
+        return torch._utils._rebuild_tensor_v2, (
+            self.storage,
+            0,
+            self.size,
+            self.stride,
+            False,
+            collections.OrderedDict(),
+        )
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return ("storage", torch.ByteStorage, obj.key, "cpu", obj.nbytes) if isinstance(obj, _Storage) else None
+
+
+def _dumps(obj: Any) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=2).dump(obj)
+    return out.getvalue()
+
+
+def _refused_file(tmp_path: Path, data: bytes, no_torch_load: list[Any], fragment: str) -> InvalidArgumentError:
+    """``data`` written to a file and refused by the pre-check (torch.load never called), the
+    message naming ``fragment``; Python's allocations meanwhile stay under the file's size + 16 MiB."""
+    path = tmp_path / "rng.pt"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidArgumentError) as info:
+            load_rng_state(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert fragment in str(info.value), str(info.value)
+    assert not no_torch_load, "the file reached torch.load"
+    assert peak < len(data) + _untrusted.EXTRA_MEMORY, peak
+    return info.value
+
+
+# -- legitimate checkpoints load -------------------------------------------------------------------
+
+
+def test_a_default_state_and_a_full_training_checkpoint_load(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 5])  # its milestones are a Counter
+    extras = {"bytes": b"\x00\xff", "set": {1, 2}, "bytearray": bytearray(b"ab"), "complex": 1 + 2j,
+              "device": torch.device("cpu"), "size": torch.Size([2, 3]), "param": torch.nn.Parameter(torch.ones(2)),
+              "uint16": torch.zeros(3, dtype=torch.uint16), "ordered": collections.OrderedDict(a=1)}  # fmt: skip
+    state = _state()
+    checkpoint = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": state,
+                  "extras": extras}  # fmt: skip
+    save_rng_state(tmp_path / "ckpt.pt", checkpoint)
+    loaded = load_rng_state(tmp_path / "ckpt.pt")
+    assert loaded["sched"]["milestones"] == collections.Counter({3: 1, 5: 1})
+    assert loaded["extras"]["bytes"] == b"\x00\xff" and loaded["extras"]["set"] == {1, 2}
+    load_rng_state_dict(loaded["rng"], tracker=RNGStatesTracker())
+    save_rng_state(tmp_path / "rng.pt", state)
+    load_rng_state_dict(load_rng_state(tmp_path / "rng.pt"), tracker=RNGStatesTracker())
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float
+
+
+def test_a_checkpoint_holding_an_object_registered_as_a_safe_global_loads(tmp_path: Path) -> None:
+    torch.save({"config": _Config(0.5), "rng": _state()}, tmp_path / "ckpt.pt")
+    with torch.serialization.safe_globals([_Config]):
+        assert load_rng_state(tmp_path / "ckpt.pt")["config"] == _Config(0.5)
+
+
+@pytest.mark.parametrize(("dims", "streams"), [(8, 6), (MAX_DIMS, MAX_STREAMS)], ids=["8-dims", "largest"])
+def test_a_state_up_to_the_documented_layout_limits_loads(tmp_path: Path, dims: int, streams: int) -> None:
+    names = [f"dim{i}" for i in range(dims)]
+    layout = StreamLayout(dims=names, default=names[:1], streams={f"stream-{i}": names for i in range(streams)})
+    state = _state(layout, {d: 1 for d in names})
+    save_rng_state(tmp_path / "rng.pt", state)
+    tracker = RNGStatesTracker()
+    load_rng_state_dict(load_rng_state(tmp_path / "rng.pt"), tracker=tracker, layout=layout)
+    assert len(tracker.get_states()) == streams
+
+
+def test_the_largest_documented_state_on_a_counter_based_device_fits_the_instruction_limit() -> None:
+    # 16-byte device states make the smallest file for its pickle: the tightest case for the
+    # limit of instructions per byte.
+    names = [f"d{i}" for i in range(MAX_DIMS)]
+    state = _state(StreamLayout(dims=names, default=(), streams={f"s{i}": names for i in range(MAX_STREAMS)}))
+    state["streams"] = {name: torch.zeros(16, dtype=torch.uint8) for name in state["streams"]}
+    out = io.BytesIO()
+    torch.save(state, out)
+    _untrusted.check_file(io.BytesIO(out.getvalue()), "rng.pt")  # not refused
+
+
+# -- stride-0 and overlapping tensors --------------------------------------------------------------
+
+
+def test_a_file_of_expanded_tensors_is_refused_from_their_strides(tmp_path: Path, hashed: type[_CountingHash]) -> None:
+    # 50 views of one element, a megabyte of complex numbers each: the digest copied and hashed
+    # 800 MB of a 35 KB file (2.6 s).
+    state = _state()
+    state["streams"] = {f"s{i}": torch.zeros(1, dtype=torch.complex128).expand(1 << 20) for i in range(50)}
+    torch.save(state, tmp_path / "rng.pt")
+    assert (tmp_path / "rng.pt").stat().st_size < 64 * 1024
+    loaded = load_rng_state(tmp_path / "rng.pt")
+    hashed.fed = 0
+    with pytest.raises(InvalidArgumentError, match=r"strides \(0,\)"):
+        load_rng_state_dict(loaded, tracker=RNGStatesTracker())
+    assert hashed.fed < 64 * 1024, "the digest read the views' elements"
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda: torch.zeros(8, dtype=torch.uint8).as_strided((5072,), (0,)),
+        lambda: torch.zeros(5080, dtype=torch.uint8).as_strided((2, 5072), (8, 1)),  # rows overlap
+        lambda: torch.zeros(2, 5072, dtype=torch.uint8).t(),
+    ],
+    ids=["stride-0", "overlapping", "transposed"],
+)
+def test_an_in_memory_state_with_a_view_is_refused_as_from_a_file(forge: Any) -> None:
+    # A state from torch.distributed.checkpoint arrives without a file: the same checks hold.
+    state = _state()
+    state["streams"]["mp"] = forge()
+    with pytest.raises(InvalidArgumentError, match="with strides .* each element stored once"):
+        load_rng_state_dict(_resealed(state), tracker=RNGStatesTracker())
+
+
+def test_two_tensors_over_one_storage_are_refused(hashed: type[_CountingHash]) -> None:
+    state = _state()
+    buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+    state["devices"] = [buffer[:]] + [buffer.view(-1) for _ in range(99)]  # 100 MB to hash from one
+    hashed.fed = 0
+    with pytest.raises(InvalidArgumentError, match="share one storage"):
+        load_rng_state_dict(state, tracker=RNGStatesTracker())
+    assert hashed.fed < 2 * _MiB
+
+
+# -- shared objects -------------------------------------------------------------------------------
+
+
+def test_one_long_string_referred_to_many_times_is_refused_after_a_bounded_read(
+    tmp_path: Path, hashed: type[_CountingHash]
+) -> None:
+    # torch.save writes the string once and a reference for each use: 20,000 uses of 64 KB in a
+    # 129 KB file made the digest hash 1.3 GB (7 to 12 s). 2,000 show it here.
+    state = _state()
+    state["notes"] = ["x" * (1 << 16)] * 2000
+    torch.save(state, tmp_path / "rng.pt")
+    assert (tmp_path / "rng.pt").stat().st_size < 128 * 1024
+    with pytest.raises(InvalidArgumentError, match=f"more than {_state_format._MAX_TEXT_TOTAL} characters of text"):
+        load_rng_state_dict(load_rng_state(tmp_path / "rng.pt"), tracker=RNGStatesTracker())
+    assert hashed.fed < _state_format._MAX_TEXT_TOTAL + 2 * (1 << 16) + 64 * 1024
+
+
+# -- forged sizes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dims", "streams", "fragment"),
+    [(6000, 6000, f"at most {MAX_DIMS} mesh dimensions"), (MAX_DIMS, 6000, f"at most {MAX_STREAMS} streams")],
+    ids=["6000-dims", "6000-streams"],
+)
+def test_a_forged_layout_with_its_digest_recomputed_is_refused_before_a_stream_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dims: int, streams: int, fragment: str
+) -> None:
+    # It was accepted, after 5.4 s (10,000 of each: 15.8 s), each stream checked against a set of
+    # all the dimensions built anew.
+    state = _state()
+    names = [f"d{i}" for i in range(dims)]
+    state["layout"] = {"version": 1, "domain": layout_module.LAYOUT_DOMAIN, "dims": names, "default": [],
+                       "streams": {f"st{i}": [names[i % dims]] for i in range(streams)}}  # fmt: skip
+    state["coords"] = {d: 0 for d in names}
+    torch.save(_resealed(state), tmp_path / "rng.pt")
+    checked: list[str] = []
+    real = layout_module._stream_dims
+    monkeypatch.setattr(layout_module, "_stream_dims", lambda name, *args: checked.append(name) or real(name, *args))
+    with pytest.raises(InvalidArgumentError, match=fragment):
+        load_rng_state_dict(load_rng_state(tmp_path / "rng.pt"), tracker=RNGStatesTracker())
+    assert len(checked) <= 1, "streams were checked before the layout's size was"
+
+
+def test_a_layout_over_the_limits_is_refused_when_built() -> None:
+    with pytest.raises(InvalidArgumentError, match="hyperrng.layout.MAX_DIMS"):
+        StreamLayout(dims=[f"d{i}" for i in range(MAX_DIMS + 1)], default=(), streams={})
+    with pytest.raises(InvalidArgumentError, match="hyperrng.layout.MAX_STREAMS"):
+        StreamLayout(dims=["tp"], default=(), streams={f"s{i}": ("tp",) for i in range(MAX_STREAMS + 1)})
+
+
+# -- the container --------------------------------------------------------------------------------
+
+
+def test_a_deflate_bomb_is_refused_before_it_is_inflated(tmp_path: Path, no_torch_load: list[Any]) -> None:
+    # A 128 MiB storage deflated to 128 KB: torch's zip reader inflated it (+129 MB) before anything
+    # was refused.
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    zeros = bytes(_MiB)
+    bomb = b"".join(compressor.compress(zeros) for _ in range(128)) + compressor.flush()
+    pkl = _dumps({"t": _Tensor(_Storage("0", 128 * _MiB), (128 * _MiB,), (1,))})
+    data = _torch_file(pkl, (("0", b""),), deflated={"archive/data/0": (bomb, 128 * _MiB)})
+    assert len(data) < 256 * 1024
+    _refused_file(tmp_path, data, no_torch_load, "is compressed")
+
+
+def test_entries_sharing_one_region_are_refused(tmp_path: Path, no_torch_load: list[Any]) -> None:
+    # 200 directory entries over one stored megabyte: torch read it 200 times (+201 MB for 1 MB).
+    refs = [_Tensor(_Storage(str(k), _MiB), (_MiB,), (1,)) for k in range(200)]
+    aliases = tuple((f"archive/data/{k}", 2) for k in range(1, 200))
+    data = _torch_file(_dumps({"t": refs}), (("0", bytes(_MiB)),), aliases=aliases)
+    _refused_file(tmp_path, data, no_torch_load, "two of its entries share bytes")
+
+
+def test_a_legacy_torch_file_is_refused_unread(tmp_path: Path, no_torch_load: list[Any]) -> None:
+    # The format before torch 1.6 allocates each storage at the size its header declares.
+    out = io.BytesIO()
+    torch.save({"a": torch.zeros(3)}, out, _use_new_zipfile_serialization=False)
+    _refused_file(tmp_path, out.getvalue(), no_torch_load, "it is not a zip file")
+
+
+def test_a_storage_declared_larger_than_its_entry_is_refused(tmp_path: Path, no_torch_load: list[Any]) -> None:
+    pkl = _dumps({"t": _Tensor(_Storage("0", 1 << 30), (16,), (1,))})
+    _refused_file(tmp_path, _torch_file(pkl, (("0", bytes(16)),)), no_torch_load, "declared as 1073741824 bytes")
+
+
+# -- the pickle -----------------------------------------------------------------------------------
+
+
+def _program(*parts: bytes) -> bytes:
+    return b"\x80\x02" + b"".join(parts) + b"."
+
+
+@pytest.mark.parametrize(
+    ("pkl", "fragment"),
+    [
+        (_program(b"c__builtin__\nbytearray\nJ" + struct.pack("<i", 1 << 28) + b"\x85R"), "makes a bytearray"),
+        (_program(b"ctorch\nTensor\nJ" + struct.pack("<i", 1 << 28) + b"\x85R"), "calls torch.Tensor"),
+        (
+            _program(
+                b"ctorch._tensor\n_rebuild_from_type_v2\n(c__builtin__\nbytearray\nctorch\nTensor\nJ"
+                + struct.pack("<i", 1 << 28)
+                + b"\x85}tR"
+            ),
+            "other than a tensor rebuild",
+        ),  # fmt: skip
+        (_program(b"c_codecs\nencode\nX\x03\x00\x00\x00abcX\x08\x00\x00\x00punycode\x86R"), "latin1"),
+        (_program(b"ctorch._utils\n_rebuild_qtensor\n"), "names torch._utils._rebuild_qtensor"),
+        (_program(b"ctorch._utils\n_rebuild_sparse_tensor\n"), "names torch._utils._rebuild_sparse_tensor"),
+    ],
+    ids=["bytearray-of-a-size", "tensor-of-a-size", "rebuild-calling-bytearray", "punycode", "quantized", "sparse"],
+)
+def test_a_pickle_calling_what_torch_save_never_calls_is_refused(
+    tmp_path: Path, no_torch_load: list[Any], pkl: bytes, fragment: str
+) -> None:
+    # bytearray(2**28) is 17 bytes of pickle and was 256 MB of memory.
+    _refused_file(tmp_path, _torch_file(pkl), no_torch_load, fragment)
+
+
+def test_a_pickle_of_more_instructions_than_its_file_pays_for_is_refused_after_counting_them(
+    tmp_path: Path, no_torch_load: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A megabyte of one-byte instructions (empty dicts): torch's loader took 1.8 s and 79 MB.
+    monkeypatch.setattr(_untrusted, "FREE_INSTRUCTIONS", 1000)  # the limit's mechanism, at a size quick to build
+    n = 100_000
+    data = _torch_file(_program(b"](" + b"}" * n + b"e"))
+    error = _refused_file(tmp_path, data, no_torch_load, "FREE_INSTRUCTIONS")
+    limit = 1000 + len(data) // _untrusted.BYTES_PER_INSTRUCTION
+    assert f"more than {limit} instructions" in str(error)
+
+
+def test_a_pickle_whose_objects_outgrow_the_file_is_refused(
+    tmp_path: Path, no_torch_load: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_untrusted, "EXTRA_MEMORY", 64 * 1024)  # the limit's mechanism, at a size quick to build
+    data = _torch_file(_program(b"](" + b"\x8f" * 2000 + b"e"))  # 2,000 empty sets, 216 bytes each
+    _refused_file(tmp_path, data, no_torch_load, "EXTRA_MEMORY")
+
+
+def test_a_pickle_naming_a_global_torch_refuses_is_left_for_torch_to_refuse(tmp_path: Path) -> None:
+    path = tmp_path / "rng.pt"
+    path.write_bytes(_torch_file(_program(b"cos\nsystem\n")))
+    with pytest.raises(InvalidArgumentError, match="UnpicklingError"):
+        load_rng_state(path)
