@@ -37,8 +37,8 @@ empty) is one the save gives up (its lock or its check fails) for a fresh name, 
 never makes a live save fail. Every state a killed save can leave (an empty folder, one with
 a partial or a complete ``checkpoint``) is unlocked once the process is gone and meets the
 criteria, so the next save removes it. A save also removes folders that an earlier release
-left (``.<name>.<16 hex digits>.saving`` with a ``lock`` file holding :data:`LEGACY_LOCK_MAGIC`),
-where it can take the lock on that file.
+left (``.<name>.<16 hex digits>.saving``, for the checkpoint's own name, with a ``lock`` file empty
+or holding :data:`LEGACY_LOCK_MAGIC`), where it can take the lock on that file.
 
 **Signals.** An exception that a signal's Python handler raises during a save or a load (a
 ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the caller as itself, never
@@ -133,24 +133,29 @@ def check_path(path: object) -> Path:
     text = os.fspath(path)
     if "\0" in text:
         raise InvalidArgumentError(
-            f"the path {text!r:.100} holds a NUL character, which no file name can hold; remove it."
+            f"the path {_abridged(text)} holds a NUL character, which no file name can hold; remove it."
         )
     try:
         os.fsencode(text)
     except UnicodeEncodeError as exc:
         raise InvalidArgumentError(
-            f"the path {text!r:.100} cannot be written in the file system's encoding ({exc.encoding}): "
+            f"the path {_abridged(text)} cannot be written in the file system's encoding ({exc.encoding}): "
             f"{exc.object[exc.start : exc.end]!r} at position {exc.start} ({exc.reason}, such as a lone surrogate); "
             "give a path of valid characters."
         ) from None
     return Path(path)  # type: ignore[arg-type]
 
 
+def _abridged(text: str) -> str:
+    """``text`` for a message: its ``repr``, its middle left out when long."""
+    return repr(text) if len(text) <= 100 else f"{text[:60]!r}...{text[-30:]!r}"
+
+
 def name_too_long(path: str) -> InvalidArgumentError:
     """The refusal of a path the file system found too long (``ENAMETOOLONG``)."""
     longest = max((len(os.fsencode(part)) for part in path.split(os.sep)), default=0)
     return InvalidArgumentError(
-        f"the path {path!r:.100} is longer than the file system allows (its longest name has {longest} bytes; "
+        f"the path {_abridged(path)} is longer than the file system allows (its longest name has {longest} bytes; "
         "most file systems take 255 per name); give a shorter name."
     )
 
@@ -351,7 +356,10 @@ def _walk(path: str) -> _Target:
             here = os.path.join(shown, name)
             if name in (".", ".."):
                 if not parts:
-                    raise InvalidArgumentError(f"{here!r} is a folder; give the path of the checkpoint file to write.")
+                    folder = (shown or ".") if name == "." else here
+                    raise InvalidArgumentError(
+                        f"{folder!r} is a folder; give the path of the checkpoint file to write."
+                    )
                 if name == "..":
                     cur = _step(cur, os.open("..", _WALK, dir_fd=cur))
                     shown = here
@@ -724,9 +732,9 @@ def _remove_if_dead(parent: int, entry: str, *, legacy: bool) -> None:
         made = os.fstat(fd)
         if made.st_uid != os.geteuid() or made.st_mode & 0o077:
             return  # not made by a save of this user (a save's folder is 0700)
-        if legacy:  # an earlier release's save held a lock on the file ``lock``, which holds its mark
+        if legacy:  # an earlier release's save locked the file ``lock`` before it wrote its mark there
             lock = os.open(LEGACY_LOCK_NAME, os.O_RDWR | _NO_FOLLOW | _CLOEXEC, dir_fd=fd)
-            if _try_lock(lock) is not True or os.read(lock, len(LEGACY_LOCK_MAGIC) + 1) != LEGACY_LOCK_MAGIC:
+            if _try_lock(lock) is not True or os.read(lock, len(LEGACY_LOCK_MAGIC) + 1) not in (b"", LEGACY_LOCK_MAGIC):
                 return
         if not set(os.listdir(fd)) <= ({_DATA_NAME, LEGACY_LOCK_NAME} if legacy else {_DATA_NAME}):
             return  # something a save never writes: not ours to remove

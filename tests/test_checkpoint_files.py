@@ -303,7 +303,8 @@ def test_a_link_planted_over_the_file_being_written_never_changes_the_file_it_po
 
     def save_then_plant_a_link(obj: object, file: Any) -> None:
         real_save(obj, file)
-        written = Path(file) if isinstance(file, str) else next(tmp_path.glob(".rng.pt.*"))
+        (work,) = tmp_path.glob(".hyperrng-*.saving")
+        written = work / "checkpoint"
         written.unlink()
         written.symlink_to(victim)
 
