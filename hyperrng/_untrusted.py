@@ -19,9 +19,11 @@ refuses it unless what the load will do is bounded by the file's own size:
   the size it declares; and the objects it makes, estimated from their sizes in CPython, within
   :data:`EXTRA_MEMORY` plus the file's size less the storages and the pickle torch reads.
 
-A file refused here raises :class:`~hyperrng.errors.InvalidArgumentError` naming the limit;
-torch would otherwise read it. A checkpoint that legitimately exceeds a limit (more than about
-10,000 small tensors in one file, quantized or sparse tensors) can still be read with
+A file refused here raises :class:`~hyperrng.errors.InvalidArgumentError` naming the limit,
+before torch has read anything of it. Where the pickle names a global that torch's loader
+refuses, the walk stops there and leaves the refusal to torch, which makes nothing beyond what
+was counted. A checkpoint that legitimately exceeds a limit (more than about 7,000 tensors in
+one file, whose objects take some 2 KB each; quantized or sparse tensors) can still be read with
 ``torch.load(path, weights_only=True)`` directly and its state passed to
 :func:`hyperrng.load_rng_state_dict`, whose own checks hold for any dict.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -41,19 +44,22 @@ from hyperrng.errors import InvalidArgumentError
 __all__ = ["BYTES_PER_INSTRUCTION", "EXTRA_MEMORY", "FREE_INSTRUCTIONS", "check_file"]
 
 EXTRA_MEMORY = 16 << 20
-"""Bytes (16 MiB) the objects of a file's pickle may take beyond the file's size, less the
-storages and the pickle, which the load also holds: a load holds at most about the file's size
-plus this much."""
+"""Bytes (16 MiB) a load may hold beyond the file's size: the objects of its pickle (estimated
+from their sizes in CPython, a little above what they take) may fill this much plus the file's
+size less the storages it refers to and twice the pickle (torch holds its bytes and a copy)."""
 
 FREE_INSTRUCTIONS = 1 << 15
-"""Pickle instructions any file may hold: an RNG state with :data:`hyperrng.layout.MAX_STREAMS`
-streams over :data:`hyperrng.layout.MAX_DIMS` dimensions needs about 60,000."""
+"""Pickle instructions any file may hold beyond those its size pays for: an RNG state with
+:data:`hyperrng.layout.MAX_STREAMS` streams each over :data:`hyperrng.layout.MAX_DIMS`
+dimensions holds about 52,500, and its file (374 KB with a counter-based device's 16-byte
+states, the smallest) pays for 37,000 of them."""
 
 BYTES_PER_INSTRUCTION = 10
-"""Bytes of file per pickle instruction beyond :data:`FREE_INSTRUCTIONS`: ``torch.save`` writes
-about one per 10 bytes for a dict of tiny tensors (each stored in an entry of its own) and far
-fewer for larger ones. torch's loader takes 2 to 4 microseconds per instruction, so this
-bounds its time to about half a second per megabyte."""
+"""Bytes of file that pay for one pickle instruction beyond :data:`FREE_INSTRUCTIONS`:
+``torch.save`` writes about one per 10 bytes for a dict of tiny tensors (each stored in an
+entry of its own) and far fewer for larger ones. torch's loader takes 2 to 4 microseconds per
+instruction and this walk about one, so a load takes at most about half a second per megabyte
+(plus 0.1 to 0.2 s for the free instructions)."""
 
 _EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
 _EOCD_SIG = 0x06054B50
@@ -351,7 +357,7 @@ def _kinds() -> dict[str, str]:
     for cls in torch._storage_classes:
         if cls is not torch.storage.TypedStorage:
             kinds[f"{cls.__module__}.{cls.__name__}"] = "storage"
-    get = getattr(torch.serialization, "get_safe_globals", lambda: [])
+    get: Callable[[], list[Any]] = getattr(torch.serialization, "get_safe_globals", list)
     for entry in get():
         name = entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
         if isinstance(name, str) and not name.startswith("torch."):
