@@ -356,10 +356,8 @@ def _walk(path: str) -> _Target:
             here = os.path.join(shown, name)
             if name in (".", ".."):
                 if not parts:
-                    folder = (shown or ".") if name == "." else here
-                    raise InvalidArgumentError(
-                        f"{folder!r} is a folder; give the path of the checkpoint file to write."
-                    )
+                    it = (shown or ".") if name == "." else here
+                    raise InvalidArgumentError(f"{it!r} is a folder; give the path of the checkpoint file to write.")
                 if name == "..":
                     cur = _step(cur, os.open("..", _WALK, dir_fd=cur))
                     shown = here
