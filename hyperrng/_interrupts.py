@@ -144,11 +144,11 @@ class _Deferral:
         try:
             self._drain(frame, raised)
         finally:
-            self.draining = False  # (the drain has cleared it, unless a handler's exception escaped it)
-        try:
-            self._restore(raised)
-        except BaseException as exc:  # a signal handled as usual, between two restores
-            raised.append((None, exc))
+            self.draining = False  # (the drain has cleared it, unless an exception escaped it)
+            try:
+                self._restore(raised)
+            except BaseException as exc:  # a signal handled as usual, between two restores
+                raised.append((None, exc))
         if raised:
             raise _reported(raised)
 
@@ -189,7 +189,7 @@ def _reported(raised: list[_Raised]) -> BaseException:
     for signum, exc in raised:
         if exc is not chosen:
             source = "a signal's handler" if signum is None else f"the handler of {_name(signum)}"
-            _note(chosen, f"{source} raised {exc!r} too, when the deferred signals were handled")
+            _note(chosen, f"{source} raised {exc!r} as well")
     return chosen
 
 
