@@ -63,6 +63,7 @@ import errno
 import io
 import os
 import pickle
+import re
 import secrets
 import signal
 import stat
@@ -655,6 +656,14 @@ def _check_loads(work: _Work, target: str) -> None:
             with file:
                 file.seek(0)  # the descriptor torch wrote through shares its position
                 torch.load(file, weights_only=True, map_location="cpu")
+    except RuntimeError as exc:
+        # torch reports an open or a mapping the OS refused (out of descriptors or address space) with
+        # the errno at the end of its message: the file system's refusal, like any OSError here.
+        found = re.match(r"unable to (?:open|mmap) .*\((\d+)\)\s*$", str(exc).splitlines()[0] if str(exc) else "")
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code)) from exc
     except pickle.UnpicklingError as exc:  # weights_only's refusal; anything else passes through as itself
         # torch's weights_only refusal names the object on a later line than its first.
         reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), error_gist(exc))

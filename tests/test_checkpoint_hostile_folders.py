@@ -705,3 +705,23 @@ def test_a_time_out_of_the_file_system_while_saving_is_still_a_storage_error(
         save_rng_state(tmp_path / "rng.pt", _state(1))
     assert isinstance(info.value, StorageError) and info.value.errno == errno.ETIMEDOUT
     assert _entries(tmp_path) == []
+
+
+def test_a_read_back_the_os_refused_is_a_storage_error_and_the_previous_checkpoint_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, torch's RuntimeError for an open or a mapping refused (out of descriptors or address
+    # space) came out of the save's read-back check as it was.
+    path = tmp_path / "rng.pt"
+    previous = _state(1)
+    save_rng_state(path, previous)
+
+    def out_of_memory(file: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"unable to mmap 17259 bytes from file <{file}>: Cannot allocate memory (12)")
+
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(StorageError, match="could not save the checkpoint .* it is as it was") as info:
+        save_rng_state(path, _state(2))
+    assert info.value.errno == errno.ENOMEM
+    monkeypatch.undo()
+    assert _entries(tmp_path) == ["rng.pt"] and load_rng_state(path)["digest"] == previous["digest"]
