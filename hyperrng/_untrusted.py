@@ -48,18 +48,19 @@ EXTRA_MEMORY = 16 << 20
 from their sizes in CPython, a little above what they take) may fill this much plus the file's
 size less the storages it refers to and twice the pickle (torch holds its bytes and a copy)."""
 
-FREE_INSTRUCTIONS = 1 << 15
+FREE_INSTRUCTIONS = 1 << 13
 """Pickle instructions any file may hold beyond those its size pays for: an RNG state with
 :data:`hyperrng.layout.MAX_STREAMS` streams each over :data:`hyperrng.layout.MAX_DIMS`
-dimensions holds about 52,500, and its file (374 KB with a counter-based device's 16-byte
-states, the smallest) pays for 37,000 of them."""
+dimensions holds about 52,500, and its file (350 to 375 KB with a counter-based device's
+16-byte states, the smallest) pays for all but about 2,300 of them."""
 
-BYTES_PER_INSTRUCTION = 10
+BYTES_PER_INSTRUCTION = 7
 """Bytes of file that pay for one pickle instruction beyond :data:`FREE_INSTRUCTIONS`:
 ``torch.save`` writes about one per 10 bytes for a dict of tiny tensors (each stored in an
-entry of its own) and far fewer for larger ones. torch's loader takes 2 to 4 microseconds per
-instruction and this walk about one, so a load takes at most about half a second per megabyte
-(plus 0.1 to 0.2 s for the free instructions)."""
+entry of its own), one per 7 for the largest documented RNG state, far fewer for larger
+tensors. torch's loader takes 2 to 4 microseconds per instruction, this walk about one and
+the digest one or two, so a file is read or refused in well under a second per megabyte (plus
+a few hundredths of a second for the free instructions)."""
 
 _EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
 _EOCD_SIG = 0x06054B50

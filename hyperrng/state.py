@@ -494,9 +494,9 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     **Limits.** The file's structure is checked before torch reads it
     (:mod:`hyperrng._untrusted`), so any file is read or refused in time and memory bounded by
-    its size (about half a second per megabyte, and the file's size plus 16 MiB): a zip as
+    its size (under a second per megabyte, and the file's size plus 16 MiB): a zip as
     ``torch.save`` writes it, every entry stored (not compressed) in a region of its own; a
-    pickle of at most 32,768 instructions plus one per 10 bytes of file, calling only what
+    pickle of at most 8,192 instructions plus one per 7 bytes of file, calling only what
     ``torch.save`` writes (no quantized, sparse or nested tensors), whose objects fit in 16 MiB
     beyond the file's size, about 7,000 tensors. A checkpoint beyond these that you trust can
     be read with ``torch.load(path, weights_only=True)`` and its state passed to
