@@ -363,6 +363,35 @@ def test_entries_sharing_one_region_are_refused(tmp_path: Path, no_torch_load: l
     _refused_file(tmp_path, data, no_torch_load, "two of its entries share bytes")
 
 
+def _zip64(records: list[tuple[str, bytes]]) -> bytes:
+    """A zip of stored ``records`` in the zip64 form (sizes and offsets in each entry's extra field,
+    the directory's in the zip64 record), as torch.save writes past 65,535 entries or 4 GiB."""
+    out, directory = io.BytesIO(), []
+    for name, data in records:
+        encoded, crc = name.encode(), zlib.crc32(data)
+        directory.append((encoded, out.tell(), crc, len(data)))
+        out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 0, 0, 0, crc, len(data), len(data), len(encoded), 0))
+        out.write(encoded + data)
+    start = out.tell()
+    for encoded, offset, crc, size in directory:
+        extra = struct.pack("<HHQQQ", 1, 24, size, size, offset)
+        out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 0, 0, 0, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                              len(encoded), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + encoded + extra)  # fmt: skip
+    size, record = out.tell() - start, out.tell()
+    out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, len(directory), len(directory), size, start))
+    out.write(struct.pack("<IIQI", 0x07064B50, 0, record, 1))
+    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+    return out.getvalue()
+
+
+def test_a_zip64_file_is_read_as_torch_reads_it(tmp_path: Path) -> None:
+    pkl = _dumps({"t": _Tensor(_Storage("0", 4), (4,), (1,))})
+    records = [("archive/data.pkl", pkl), ("archive/byteorder", b"little"), ("archive/data/0", b"\x01\x02\x03\x04"),
+               ("archive/version", b"3\n")]  # fmt: skip
+    (tmp_path / "rng.pt").write_bytes(_zip64(records))
+    assert load_rng_state(tmp_path / "rng.pt")["t"].tolist() == [1, 2, 3, 4]
+
+
 def test_a_legacy_torch_file_is_refused_unread(tmp_path: Path, no_torch_load: list[Any]) -> None:
     # The format before torch 1.6 allocates each storage at the size its header declares.
     out = io.BytesIO()
