@@ -646,7 +646,10 @@ class _Pickle:
             return _OTHER, _STR + (_length(args[0]) if args else 0)
         if kind == "trusted":
             return _OTHER, _TRUSTED_COST
-        raise self.fail(f"calls {func.name}, which torch.save never calls")
+        raise self.fail(
+            f"calls {func.name}, which a checkpoint of dense tensors does not need and which can make more than the "
+            "file holds (a tensor of a size it names, a copy of a view)"
+        )
 
     def _storage(self, pid: Any) -> object:
         """Record a storage reference ``('storage', type, key, location, numel)``."""
