@@ -476,7 +476,10 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
 
 
 # The errnos of a read that the file system refused, as opposed to a file whose content is cut off.
-_READ_FAILURES = {errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ESTALE}
+_READ_FAILURES = {
+    errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ESTALE,
+    errno.EMFILE, errno.ENFILE, errno.ENOMEM,  # out of descriptors or memory: the OS refused, the file is whole
+}  # fmt: skip
 
 
 def _unreadable(path: object, exc: BaseException) -> InvalidArgumentError:
@@ -599,10 +602,14 @@ class RNGStateful:
         return {self._key(): rng_state_dict(**self._save)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise ArgumentTypeError(
+                f"load_state_dict takes the mapping DCP loaded (rank keys to states), got {type(state_dict).__name__}."
+            )
         key = self._key()
         if key not in state_dict:
             raise InvalidArgumentError(
-                f"the checkpoint has no RNG state for {key} (it has {sorted(state_dict)}); "
+                f"the checkpoint has no RNG state for {key} (it has {sorted(map(str, state_dict))}); "
                 "it was saved with a different world size: name a saved rank with load_from=."
             )
         load_rng_state_dict(state_dict[key], **self._load)

@@ -806,11 +806,7 @@ def fuzz_one(data: st.DataObject, target: Target) -> None:
     assert not outcome.changed, f"{target.label} refused ({outcome.error}) but changed {', '.join(outcome.changed)}"
 
 
-KNOWN: dict[str, str] = {
-    "RNGStateful.load_state_dict": "RNGStateful.load_state_dict looks its key up in state_dict (and sorts its keys "
-    "for the message) before checking that it is a mapping: None, a number or a tensor raise TypeError or "
-    "RuntimeError",
-}
+KNOWN: dict[str, str] = {}
 """Targets that still raise an untyped error, and why: each is expected to fail until it is fixed."""
 
 
@@ -937,12 +933,6 @@ sys.exit(1 if wrong else 0)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc (Linux)")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the save's read-back check (torch.load with mmap=True) lets torch's RuntimeError through when "
-    "the process is out of descriptors (EMFILE) or address space (ENOMEM), and a load out of descriptors "
-    "says the file is truncated (InvalidArgumentError); both should be a StorageError",
-)
 def test_a_save_or_load_short_of_descriptors_or_memory_is_a_storage_error_and_keeps_the_file(tmp_path: Any) -> None:
     """Out of descriptors or memory, the file system refuses: a StorageError (an OSError), the checkpoint kept."""
     import subprocess
