@@ -47,7 +47,11 @@ Also:
 * Other threads never run signal handlers, so there is nothing to defer: :func:`deferred`
   does nothing there.
 * Entering is itself interruptible: a signal that arrives while the handlers are being
-  swapped raises as before, and the handlers already swapped are put back first. Each
+  swapped, before its own, is handled as usual. If its handler raises, nothing is deferred:
+  as at the end of a block, what was recorded so far is handled, the handlers are put back,
+  and the exception is raised. If it defers signals itself, its section nests in the
+  deferral being opened, and swaps the handlers left at once (alone, its end would put back
+  the stand-ins swapped so far; unswapped, a signal could cut it short). Each
   stand-in remembers the handler it replaced and, once no deferral is open, passes a signal
   straight to it, so one that a second interrupt left in place behaves as the original.
 * A child process made by ``fork`` starts with nothing recorded (CPython likewise drops, in
@@ -100,6 +104,7 @@ class _Deferral:
 
     def __init__(self) -> None:
         self.depth = 0
+        self.swapping = False  # the outermost enter is swapping the handlers
         self.draining = False
         self.replaced: dict[int, Any] = {}  # signal -> the handler its stand-in replaced (kept: see _stand_in)
         self.pending: list[int] = []  # one entry per arrival, oldest first
@@ -115,32 +120,44 @@ class _Deferral:
             original(signum, frame)
 
     def enter(self) -> None:
-        if self.depth:
+        if self.depth and not self.swapping:
             self.depth += 1
             return
+        # The outermost deferral, or one in a handler run while the outermost swaps (for a signal not
+        # yet swapped): that one swaps the rest at once, and nests. Open before swapping: a stand-in
+        # already in place records, and a nested section does not put the stand-ins back at its end.
+        outermost = not self.swapping
+        self.depth += 1
+        self.swapping = True
         try:
             for signum in _SIGNALS:
                 handler = _getsignal(signum)
                 if callable(handler) and handler != self.stand_in:
                     self.replaced[signum] = handler
                     _setsignal(signum, self.stand_in)
-        except BaseException as exc:  # a signal not yet swapped fired: nothing is deferred, put back what was
-            raised: list[_Raised] = [(None, exc)]
-            if not self.draining:  # else the stand-ins are the drain's, and it puts them back
-                self._restore(raised)
-            chosen = _reported(raised)
-            if chosen is exc:
+        except BaseException as exc:  # a signal not yet swapped fired and its handler raised: defer nothing
+            if not outermost:  # the exception goes through the outermost's swap too
+                self.depth -= 1
                 raise
-            raise chosen  # noqa: B904 -- its context is exc already
-        self.depth = 1
+            self.swapping = False
+            if self.draining:  # in a handler being re-delivered: the drain handles the rest
+                self.depth = 0
+                raise
+            self._close(sys._getframe(2), [(None, exc)])  # what was recorded, handled; the handlers back
+            raise  # (_close raised already)
+        if outermost:
+            self.swapping = False
 
     def leave(self, frame: FrameType | None) -> None:
         if self.depth > 1 or self.draining:  # nested, or a handler's own block: the outermost one handles
             self.depth -= 1
             return
+        self._close(frame, [])
+
+    def _close(self, frame: FrameType | None, raised: list[_Raised]) -> None:
+        """Handle every signal recorded, put the handlers back, raise one exception of those raised."""
         self.draining = True  # before the depth drops: a signal in between is recorded all the same
         self.depth = 0
-        raised: list[_Raised] = []
         try:
             self._drain(frame, raised)
         finally:
@@ -223,7 +240,7 @@ def _after_fork_in_child() -> None:
     if forked_by != _MAIN.thread:
         _MAIN.thread = forked_by  # the child's main thread from now on
         if _MAIN.depth or _MAIN.draining:
-            _MAIN.depth, _MAIN.draining = 0, False
+            _MAIN.depth, _MAIN.swapping, _MAIN.draining = 0, False, False
             _MAIN._restore([])
 
 

@@ -436,6 +436,74 @@ def test_each_deferred_signal_goes_to_the_handler_in_place_at_its_turn(recorder:
     assert signal.getsignal(signal.SIGUSR1) is recorder
 
 
+def test_a_handler_run_while_a_deferral_opens_may_defer_signals_itself(recorder: _Recorder) -> None:
+    # SIGUSR2 arrives once SIGUSR1's stand-in is in place, before its own: its handler runs at once,
+    # and defers signals itself. Before, the end of that section put SIGUSR1's handler back, and the
+    # block was open to SIGUSR1 (a timed signal did so, and its handler's exception at the first
+    # instruction of the block's exit left the deferral open for good).
+    def defer_inside() -> None:
+        with deferred():
+            assert signal.getsignal(signal.SIGUSR1) is not recorder
+
+    recorder.then = {1: defer_inside}
+    sent: list[bool] = []
+
+    def send_sigusr2(frame: FrameType, event: str, arg: object) -> None:
+        if (
+            not sent
+            and event == "c_return"
+            and getattr(arg, "__name__", None) == "signal"
+            and frame.f_code.co_name == "enter"
+            and frame.f_locals.get("signum") == signal.SIGUSR1
+        ):
+            sent.append(True)
+            signal.raise_signal(signal.SIGUSR2)
+
+    sys.setprofile(send_sigusr2)
+    try:
+        with deferred():
+            sys.setprofile(None)
+            assert sent and recorder.calls == [signal.SIGUSR2]
+            signal.raise_signal(signal.SIGUSR1)
+            assert recorder.calls == [signal.SIGUSR2]  # recorded, not handled in the block
+    finally:
+        sys.setprofile(None)
+    assert recorder.calls == [signal.SIGUSR2, signal.SIGUSR1]
+    assert all(signal.getsignal(s) is recorder for s in _OURS)
+
+
+def test_a_handler_raising_while_a_deferral_opens_leaves_nothing_deferred(recorder: _Recorder) -> None:
+    # SIGUSR1 (its stand-in in place: recorded), then SIGUSR2 (not yet: handled, and raises). The
+    # block never runs; SIGUSR1 is handled, the handlers are back, and the next signal is handled at once.
+    recorder.raise_on = {1: _Interrupted("opening")}
+    ran: list[bool] = []
+
+    def send(frame: FrameType, event: str, arg: object) -> None:
+        if (
+            not ran
+            and event == "c_return"
+            and getattr(arg, "__name__", None) == "signal"
+            and frame.f_code.co_name == "enter"
+            and frame.f_locals.get("signum") == signal.SIGUSR1
+        ):
+            ran.append(False)
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGUSR2)
+
+    sys.setprofile(send)
+    try:
+        with pytest.raises(_Interrupted, match="opening"):
+            with deferred():
+                ran.append(True)
+    finally:
+        sys.setprofile(None)
+    assert ran == [False]
+    assert recorder.calls == [signal.SIGUSR2, signal.SIGUSR1]
+    assert all(signal.getsignal(s) is recorder for s in _OURS)
+    signal.raise_signal(signal.SIGWINCH)
+    assert recorder.calls[-1] == signal.SIGWINCH
+
+
 _STORM_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
 
 # The child of the storm test: loads an RNG state over and over (each load a deferred section),
