@@ -11,9 +11,9 @@ the steps, never inside them.
 
 How the recorded signals are handled when the block leaves:
 
-* Every one, once per arrival, in the order they arrived. The interpreter runs a handler
-  once for arrivals of one signal number that come before it gets to run it (as the kernel
-  merges a standard signal sent again while pending); the deferral merges nothing more.
+* Every one, once per arrival, in the order they arrived. Arrivals of one signal number
+  that come before the interpreter gets to run its handler are one arrival to it (as the
+  kernel merges a standard signal sent again while pending); the deferral merges nothing.
 * Each is handled by calling the handler in place for it, with the frame of the code that
   ran the block: the handler the block replaced, or the one a handler has installed since
   (``SIG_DFL`` there does what the operating system does, through ``signal.raise_signal``;
@@ -35,7 +35,7 @@ How the recorded signals are handled when the block leaves:
   once (its signal is handled as usual, and stays installed). A handler that enters a
   deferred section itself (a hyperrng call from a handler) adds what arrives meanwhile to
   the same queue.
-* Then the handlers are put back, exactly the objects that were replaced; a signal arriving
+* Then the handlers are put back, the very objects that were replaced; a signal arriving
   from then on is handled as usual.
 
 Also:
@@ -50,10 +50,10 @@ Also:
   swapped, before its own, is handled as usual. If its handler raises, nothing is deferred:
   as at the end of a block, what was recorded so far is handled, the handlers are put back,
   and the exception is raised. If it defers signals itself, its section nests in the
-  deferral being opened, and swaps the handlers left at once (alone, its end would put back
-  the stand-ins swapped so far; unswapped, a signal could cut it short). Each
-  stand-in remembers the handler it replaced and, once no deferral is open, passes a signal
-  straight to it, so one that a second interrupt left in place behaves as the original.
+  deferral being opened and swaps the handlers left at once (on its own, its end would put
+  back the stand-ins swapped so far; unswapped, a signal could cut it short). Each stand-in
+  remembers the handler it replaced and, once no deferral is open, passes a signal straight
+  to it, so one that a second interrupt left in place behaves as the original.
 * A child process made by ``fork`` starts with nothing recorded (CPython likewise drops, in
   the child, the signals caught but not yet handled). One made by another thread while the
   main thread defers starts without the deferral, its handlers put back: its only thread
