@@ -303,8 +303,9 @@ _OURS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH, signal.SIGINT)
 
 
 class _Recorder:
-    """A handler for several signals: records each call (its signal, and whether another of these
-    handlers was running), and raises on the calls numbered in ``raise_on`` (from 1)."""
+    """A handler for several signals: records each call (its signal, the frame it was given, whether
+    another call was running), runs ``then``'s function on a call so numbered (from 1), and raises on
+    those numbered in ``raise_on``."""
 
     def __init__(self, raise_on: dict[int, BaseException] | None = None) -> None:
         self.calls: list[int] = []
