@@ -65,7 +65,6 @@ import os
 import pickle
 import re
 import secrets
-import signal
 import stat
 import sys
 import threading
@@ -76,16 +75,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hyperrng._interrupts import deferred
+from hyperrng import _interrupts
+from hyperrng._interrupts import _SIGNALS, _getsignal, _setsignal, deferred
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, StorageError
 from hyperrng.platforms.validate import error_gist
-
-try:  # the C functions behind signal's: its wrappers turn every handler into an enum, a hundred times slower
-    from _signal import getsignal as _getsignal
-    from _signal import signal as _setsignal
-except ImportError:  # another Python implementation
-    from signal import getsignal as _getsignal
-    from signal import signal as _setsignal
 
 __all__ = ["SignalExceptions", "check_path", "name_too_long", "os_reason", "refuse_special", "save"]
 
@@ -199,9 +192,6 @@ def _storage_error(exc: OSError, target: str, what: str, *, kept: bool = True) -
 
 
 # -- signals' exceptions --------------------------------------------------------------------------
-_SIGNALS = tuple(
-    s for s in signal.valid_signals() if s not in {getattr(signal, "SIGKILL", None), getattr(signal, "SIGSTOP", None)}
-)
 
 
 class _Recording:
@@ -222,8 +212,9 @@ class _Recording:
 
 
 def _is_deferral(handler: object) -> bool:
-    """Whether ``handler`` is a stand-in of :func:`deferred`."""
-    return callable(handler) and getattr(handler, "__module__", None) == deferred.__module__
+    """Whether ``handler`` is the stand-in :func:`deferred` installs (one bound method, compared as
+    :mod:`hyperrng._interrupts` compares it)."""
+    return callable(handler) and handler == _interrupts._MAIN.stand_in
 
 
 class SignalExceptions:
