@@ -308,7 +308,7 @@ class _Target(NamedTuple):
     folder: _Dir  # open for reading: listed, fsynced
     name: str  # the file's name in it
     shown: str  # its path, for messages
-    mode: int | None  # the permission bits of the file replaced (None: there is none yet)
+    mode: int | None  # the permission bits kept from the file replaced (None: a new file's, see _kept_mode)
 
 
 def _parts(text: str) -> list[str]:
@@ -378,7 +378,7 @@ def _walk(path: str) -> _Target:
                 if st is not None:
                     refuse_special(here, "replace", st.st_mode)
                 folder = _Dir(os.open(".", _READ_FOLDER, dir_fd=cur), shown or ".")
-                return _Target(folder, name, here, stat.S_IMODE(st.st_mode) if st is not None else None)
+                return _Target(folder, name, here, _kept_mode(st))
             if not stat.S_ISDIR(st.st_mode):  # type: ignore[union-attr]
                 raise InvalidArgumentError(
                     f"the folder of {path!r} does not exist ({here!r} is not a folder); create it before saving."
@@ -387,6 +387,19 @@ def _walk(path: str) -> _Target:
             shown = here
     finally:
         os.close(cur)
+
+
+def _kept_mode(replaced: os.stat_result | None) -> int | None:
+    """The permission bits the new checkpoint takes over from the file it replaces: its read, write
+    and execute bits where this effective user owns it (never setuid, setgid or sticky); ``None``
+    (those of a new file) where there is none or another user owns it, whose bits say what that
+    user allowed, not what the new file of this user should allow."""
+    if replaced is None:
+        return None
+    euid = os.geteuid() if hasattr(os, "geteuid") else None
+    if euid is not None and replaced.st_uid != euid:
+        return None
+    return stat.S_IMODE(replaced.st_mode) & 0o777
 
 
 def _step(old: int, new: int) -> int:
@@ -423,7 +436,7 @@ def _open_target_by_path(path: str) -> _Target:
     if not target.parent.is_dir():
         raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
     try:
-        mode: int | None = stat.S_IMODE(target.stat().st_mode)
+        mode = _kept_mode(target.stat())
     except FileNotFoundError:
         mode = None
     except OSError as exc:

@@ -150,6 +150,27 @@ def test_a_link_or_a_folder_another_user_planted_as_a_leftover_is_never_followed
     assert load_rng_state(shared / "rng.pt")["base_seed"] == 2
 
 
+def test_a_replaced_files_special_bits_never_pass_to_the_new_checkpoint_nor_another_users_bits(
+    tmp_path: Path, shared: Path, as_nobody: tuple[str, ...]
+) -> None:
+    # Before, the file's whole mode passed on: nobody's 06777 file at the path became root's
+    # -rwsrwsrwx checkpoint.
+    theirs = shared / "rng.pt"
+    _run(*as_nobody, "sh", "-c", 'echo theirs > "$1" && chmod 06777 "$1"', "sh", str(theirs))
+    umask = os.umask(0o022)
+    try:
+        save_rng_state(theirs, _state(1))
+    finally:
+        os.umask(umask)
+    st = theirs.stat()
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o644, oct(st.st_mode)
+    mine = tmp_path / "rng.pt"  # a file of this user's own keeps its read, write and execute bits only
+    save_rng_state(mine, _state(1))
+    mine.chmod(0o6770)
+    save_rng_state(mine, _state(2))
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o770 and load_rng_state(mine)["base_seed"] == 2
+
+
 _SWAPPER = """
 import os, sys
 shared, go = sys.argv[1], sys.argv[2]
