@@ -77,6 +77,7 @@ import torch
 
 from hyperrng import _interrupts
 from hyperrng._interrupts import _SIGNALS, _getsignal, _setsignal, deferred
+from hyperrng._untrusted import check_file
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, StorageError
 from hyperrng.platforms.validate import error_gist
 
@@ -629,14 +630,13 @@ def _write(state: Mapping[str, Any], work: _Work, target: str) -> None:
             # Closed only after a save that returned: on an exception torch's writer, alive as long as the
             # traceback, writes its end when it goes (into a closed file, it would abort the process).
             file.close()
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise ArgumentTypeError(
-            f"the state cannot be saved: {error_gist(exc)}; keep only plain data in it (dicts, lists, "
-            f"tuples, strings, numbers, tensors). {target!r} is unchanged."
-        ) from None
+    except HyperRNGError:  # one of hyperrng's objects refused (a ValueError, an OSError): as it is
+        raise
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError, NotImplementedError) as exc:
+        raise _cannot_pickle(exc, target) from None
     except RuntimeError as exc:
-        if not any(mark in str(exc) for mark in _WRITER_FAILURES):
-            raise
+        if not any(mark in str(exc) for mark in _WRITER_FAILURES):  # torch's or pickle's, of an object
+            raise _cannot_pickle(exc, target) from None
         # torch's writer reports no errno: a file system without free blocks or inodes was full.
         try:
             space = os.fstatvfs(work.data) if hasattr(os, "fstatvfs") else None
@@ -647,34 +647,53 @@ def _write(state: Mapping[str, Any], work: _Work, target: str) -> None:
         raise _storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
 
 
+def _cannot_pickle(exc: BaseException, target: str) -> ArgumentTypeError:
+    """The refusal of a state that pickle or torch cannot write: an object whose ``__reduce__``
+    raises, a tensor whose storage torch cannot reach (MKL-DNN's), a state nested too deeply."""
+    return ArgumentTypeError(
+        f"the state cannot be saved: {error_gist(exc)}; keep only plain data in it (dicts, lists, "
+        f"tuples, strings, numbers, dense tensors). {target!r} is unchanged."
+    )
+
+
 def _check_loads(work: _Work, target: str) -> None:
-    """Refuse a written file that :func:`hyperrng.load_rng_state` would refuse (``weights_only`` reads
-    plain data only), before it replaces a good checkpoint. Tensors are memory-mapped, not read."""
+    """Refuse a written file that :func:`hyperrng.load_rng_state` would refuse, before it replaces
+    anything: its structure checked as the load checks it (:func:`hyperrng._untrusted.check_file`,
+    reading through the written descriptor), then the file loaded with ``weights_only=True`` (plain
+    data only), tensors memory-mapped where torch can reopen the file by ``/proc/self/fd`` (the
+    file's permission bits let its owner read it), else read through the descriptor."""
     assert work.data is not None
-    try:
-        if _PROC_FD:
-            torch.load(f"/proc/self/fd/{work.data}", weights_only=True, mmap=True, map_location="cpu")
-        else:
-            with deferred():
-                file = io.FileIO(os.dup(work.data), "rb")
-            with file:
-                file.seek(0)  # the descriptor torch wrote through shares its position
+    by_path = _PROC_FD and (work.mode is None or work.mode & stat.S_IRUSR)
+    with deferred():
+        file = io.FileIO(os.dup(work.data), "rb")
+    with file:
+        try:
+            check_file(file, target)  # leaves the file at its start
+            if by_path:
+                torch.load(f"/proc/self/fd/{work.data}", weights_only=True, mmap=True, map_location="cpu")
+            else:
                 torch.load(file, weights_only=True, map_location="cpu")
-    except RuntimeError as exc:
-        # torch reports an open or a mapping the OS refused (out of descriptors or address space) with
-        # the errno at the end of its message: the file system's refusal, like any OSError here.
-        found = re.match(r"unable to (?:open|mmap) .*\((\d+)\)\s*$", str(exc).splitlines()[0] if str(exc) else "")
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code)) from exc
-    except pickle.UnpicklingError as exc:  # weights_only's refusal; anything else passes through as itself
-        # torch's weights_only refusal names the object on a later line than its first.
-        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), error_gist(exc))
-        raise InvalidArgumentError(
-            f"the state holds data that load_rng_state cannot read back ({reason}); keep only plain "
-            f"data in it (dicts, lists, tuples, strings, numbers, tensors). {target!r} is unchanged."
-        ) from None
+        except InvalidArgumentError as exc:  # beyond the load's limits: the load's own words
+            raise InvalidArgumentError(
+                f"the state makes a file that load_rng_state would refuse to read back, so it is not saved and "
+                f"{target!r} is unchanged: {exc}"
+            ) from None
+        except RuntimeError as exc:
+            # torch reports an open or a mapping the OS refused (out of descriptors or address space) with
+            # the errno at the end of its message: the file system's refusal, like any OSError here.
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            found = re.match(r"unable to (?:open|mmap) .*\((\d+)\)\s*$", first)
+            if found is None:
+                raise
+            code = int(found.group(1))
+            raise OSError(code, os.strerror(code)) from exc
+        except pickle.UnpicklingError as exc:  # weights_only's refusal; anything else passes through as itself
+            # torch's weights_only refusal names the object on a later line than its first.
+            reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), error_gist(exc))
+            raise InvalidArgumentError(
+                f"the state holds data that load_rng_state cannot read back ({reason}); keep only plain "
+                f"data in it (dicts, lists, tuples, strings, numbers, tensors). {target!r} is unchanged."
+            ) from None
 
 
 def _fsync_folder(folder: _Dir) -> None:

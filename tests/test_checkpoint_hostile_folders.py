@@ -715,6 +715,24 @@ def test_a_handlers_exception_that_torch_swallows_or_translates_comes_out_as_its
     assert type(info.value) is TimeoutError
 
 
+def test_a_handlers_value_error_inside_torchs_writer_is_not_taken_for_an_object_that_cannot_be_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The save calls a ValueError out of torch.save a state that cannot be pickled (ArgumentTypeError);
+    # one that a signal's handler raised there is the handler's, and comes out as itself.
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise ValueError("the handler's")
+
+    previous_handler = signal.signal(signal.SIGUSR1, handler)
+    try:
+        monkeypatch.setattr(torch, "save", lambda obj, file: signal.raise_signal(signal.SIGUSR1))
+        with pytest.raises(ValueError, match="the handler's") as info:
+            save_rng_state(tmp_path / "rng.pt", _state(1))
+        assert type(info.value) is ValueError and _entries(tmp_path) == []
+    finally:
+        signal.signal(signal.SIGUSR1, previous_handler)
+
+
 def test_a_time_out_of_the_file_system_while_saving_is_still_a_storage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

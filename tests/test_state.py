@@ -677,6 +677,29 @@ def test_save_accepts_a_str_path_and_load_reads_it(tmp_path: Path) -> None:
     assert load_rng_state(str(tmp_path / "rng.pt"))["digest"] == state["digest"]
 
 
+class _ReduceRaises:
+    def __init__(self, error: type[Exception]) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        raise self.error("nope")
+
+
+def _mkldnn() -> torch.Tensor:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch is built without MKL-DNN")
+    return torch.zeros(2).to_mkldnn()
+
+
+def _nested(depth: int) -> list[Any]:
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
 @pytest.mark.parametrize(
     ("make_path", "make_state", "error", "fragment"),
     [
@@ -688,8 +711,45 @@ def test_save_accepts_a_str_path_and_load_reads_it(tmp_path: Path) -> None:
         (lambda d: d / "rng.pt", lambda: [1, 2], ArgumentTypeError, "got list"),
         (lambda d: d / "rng.pt", lambda: {"rng": rng_state_dict(), "f": lambda: 0}, ArgumentTypeError, "plain data"),
         (lambda d: d / "rng.pt", lambda: {"rng": rng_state_dict(), "o": object()}, InvalidArgumentError, "read back"),
+        # Before, these were saved and then refused by load_rng_state (beyond its limits).
+        (
+            lambda d: d / "rng.pt",
+            lambda: {"perm": list(range(100_000))},
+            InvalidArgumentError,
+            "read back.*instructions",
+        ),
+        (lambda d: d / "rng.pt", lambda: {f"p{i}": torch.zeros(2) for i in range(8000)}, InvalidArgumentError, "MiB"),
+        (lambda d: d / "rng.pt", lambda: {"s": torch.zeros(3).to_sparse()}, InvalidArgumentError, "sparse"),
+        (lambda d: d / "rng.pt", lambda: {"v": [f"w{i}" for i in range(100_000)]}, InvalidArgumentError, "read back"),
+        # Before, a bare ValueError and a bare NotImplementedError.
+        (lambda d: d / "rng.pt", lambda: {"o": _ReduceRaises(ValueError)}, ArgumentTypeError, "ValueError: nope"),
+        (
+            lambda d: d / "rng.pt",
+            lambda: {"o": _ReduceRaises(NotImplementedError)},
+            ArgumentTypeError,
+            "cannot be saved",
+        ),
+        (lambda d: d / "rng.pt", lambda: {"t": _mkldnn()}, ArgumentTypeError, "cannot be saved"),
+        (lambda d: d / "rng.pt", lambda: {"deep": _nested(5000)}, ArgumentTypeError, "RecursionError"),
     ],
-    ids=["int-path", "bytes-path", "none-path", "folder", "no-folder", "not-a-dict", "unpicklable", "not-plain"],
+    ids=[
+        "int-path",
+        "bytes-path",
+        "none-path",
+        "folder",
+        "no-folder",
+        "not-a-dict",
+        "unpicklable",
+        "not-plain",
+        "100k-ints",
+        "8000-tensors",
+        "sparse",
+        "100k-strings",
+        "reduce-valueerror",
+        "reduce-notimplemented",
+        "mkldnn",
+        "too-deep",
+    ],
 )
 def test_save_refuses_bad_input_and_leaves_the_folder_and_the_previous_checkpoint_as_they_were(
     tmp_path: Path, make_path: Callable[[Path], Any], make_state: Callable[[], Any], error: type, fragment: str
