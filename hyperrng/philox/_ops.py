@@ -473,18 +473,42 @@ _TRAINING_ARGS = ("train", "training")
 def _tagged_random_ops() -> tuple[Any, ...]:
     """Every aten op torch tags as random (``nondeterministic_seeded``), and ``random_``.
 
-    Found once per process (walking aten's ops takes ~20 ms; entering the mode must not)."""
+    Walks the dispatcher's list of every registered op: ``dir(torch.ops.aten)`` lists only the ops
+    this process has looked up so far, which left ``binomial``, ``_sample_dirichlet`` (and on torch
+    2.5 to 2.9 ``_standard_gamma``) unrefused in the mode, drawing from the device's generator.
+    Found once per process (about 20 ms reading the tags from the dispatcher; entering the mode
+    must not)."""
     found = []
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        overloads = getattr(packet, "overloads", None)
-        if overloads is None:
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, label = qualified.partition("::")
+        if namespace != "aten":
             continue
-        for overload in overloads():
-            op = getattr(packet, overload)
-            if torch.Tag.nondeterministic_seeded in op.tags or name == "random_":
-                found.append(op)
+        name, _, overload = label.partition(".")
+        if name != "random_" and torch.Tag.nondeterministic_seeded not in _tags(qualified, name, overload):
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is not None:
+            found.append(op)
     return tuple(found)
+
+
+def _tags(qualified: str, name: str, overload: str) -> Sequence[Any]:
+    """The tags of the aten op ``name.overload`` (``qualified``: ``aten::name.overload``), read from the
+    dispatcher without building its Python op (the walk over every op then costs ~20 ms, not ~150);
+    where this torch's dispatcher does not answer so, from the op that ``torch.ops`` builds."""
+    read = getattr(torch._C, "_get_operation_overload", None)
+    if read is not None:
+        try:
+            found = read(f"aten::{name}", overload)
+        except Exception:  # an op torch lists but cannot hand out: then the slow path decides
+            found = None
+        if isinstance(found, tuple) and len(found) == 3 and isinstance(found[2], list):
+            return found[2]
+    try:
+        return getattr(getattr(torch.ops.aten, name), overload or "default").tags
+    except (AttributeError, RuntimeError):  # listed by the dispatcher, but no Python op for it
+        return ()
 
 
 @functools.cache
