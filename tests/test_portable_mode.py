@@ -653,6 +653,32 @@ def test_the_refused_ops_are_listed_and_the_portable_ones_are_not() -> None:
     assert not set(refused) & set(PORTABLE_OPS)
 
 
+def test_in_a_fresh_process_every_tagged_random_op_is_refused_not_only_those_looked_up_before() -> None:
+    # The ops were once found by dir(torch.ops.aten), which lists only the ops a process has looked up:
+    # in a fresh process binomial and _sample_dirichlet (and _standard_gamma before torch 2.10) drew
+    # from torch's generator inside the mode.
+    import subprocess
+
+    code = (
+        "import torch\n"
+        "from hyperrng.errors import UnsupportedPortableOpError\n"
+        "from hyperrng.philox.mode import portable_random, unsupported_ops\n"
+        "calls = {'binomial': lambda: torch.binomial(torch.full((4,), 9.0), torch.full((4,), 0.5)),\n"
+        "         '_sample_dirichlet': lambda: torch._sample_dirichlet(torch.ones(4)),\n"
+        "         '_standard_gamma': lambda: torch._standard_gamma(torch.ones(4))}\n"
+        "assert set(calls) <= set(unsupported_ops()), unsupported_ops()\n"
+        "for name, call in calls.items():\n"
+        "    try:\n"
+        "        with portable_random(5):\n"
+        "            call()\n"
+        "    except UnsupportedPortableOpError as exc:\n"
+        "        assert name in str(exc), exc\n"
+        "    else:\n"
+        "        raise AssertionError(f'{name} drew in portable mode')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_philox_writes_into_a_given_tensor_the_values_it_would_return(compiled: bool) -> None:
     for dtype in (torch.float32, torch.float16):
@@ -1056,16 +1082,24 @@ def _originals_outputs(device: str, labels: Sequence[str]) -> dict[str, list[lis
 
 
 def _originals_report() -> dict[str, Any]:
-    """In a fresh process: every overridden op's values outside the mode, before and after registration."""
+    """In a fresh process: every overridden op's values outside the mode, before and after registration, on
+    the CPU and, where this torch can host it, the simulated device."""
+    from hyperrng.platforms import _features
+
     from hyperrng.philox.mode import registered
 
-    sim = platforms.SimulatedPlatform()
-    sim.device(0)
-    before = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
-    for platform in (platforms.CPUPlatform(), sim):
+    chosen: list[platforms.Platform] = [platforms.CPUPlatform()]
+    devices = {"cpu": list(ORIGINALS)}
+    if _features.feature("sim").available:
+        sim = platforms.SimulatedPlatform()
+        sim.device(0)
+        chosen.append(sim)
+        devices["sim"] = list(SIM_ORIGINALS)
+    before = {device: _originals_outputs(device, labels) for device, labels in devices.items()}
+    for platform in chosen:
         with platforms.use(platform), portable_random():
             pass
-    after = {"cpu": _originals_outputs("cpu", list(ORIGINALS)), "sim": _originals_outputs("sim", SIM_ORIGINALS)}
+    after = {device: _originals_outputs(device, labels) for device, labels in devices.items()}
     return {"registered": registered(), "before": before, "after": after}
 
 
@@ -1078,7 +1112,8 @@ def test_outside_the_mode_every_random_op_gives_torchs_numbers_once_the_kernels_
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     report = json.loads(run.stdout.splitlines()[-1])
     assert set(report["registered"]) >= set(ORIGINALS) | set(SIM_ORIGINALS), "a sample call per kernel"
-    for device in ("cpu", "sim"):
+    assert "cpu" in report["before"] and report["before"].keys() == report["after"].keys()
+    for device in report["before"]:  # the simulated device too, where this torch hosts it
         for label, values in report["before"][device].items():
             assert report["after"][device][label] == values, f"{label} on {device} drew other numbers once registered"
 
