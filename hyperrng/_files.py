@@ -95,6 +95,11 @@ _CREATE_ATTEMPTS = 64  # fresh names a save tries when cleaners keep taking its 
 LEGACY_LOCK_NAME = "lock"
 LEGACY_LOCK_MAGIC = b"hyperrng save_rng_state: a save in progress while this file is locked\n"
 """What an earlier release wrote in the ``lock`` file of its private folders."""
+LEGACY_GRACE_NS = 600 * 10**9
+"""How much older than a save's own rename (by the file system's clock) an earlier release's folder
+must be for that save to remove it while it holds nothing, or only an empty ``lock`` file: an earlier
+release's save goes from ``mkdir`` to locking that file within microseconds, so such a folder is a
+killed save's, unless its save was stopped in between (then it fails, and its checkpoint stays)."""
 
 # What torch's writer raises when a write fails (a full disk, an I/O error): a RuntimeError.
 _WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "cannot be opened")
@@ -103,9 +108,12 @@ _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _BINARY = getattr(os, "O_BINARY", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_PATH = getattr(os, "O_PATH", 0)
 # Folders walked through: O_PATH needs only the permission to search them, as the kernel's own walk.
-_WALK = _DIRECTORY | _NO_FOLLOW | _CLOEXEC | getattr(os, "O_PATH", os.O_RDONLY)
+_WALK = _DIRECTORY | _NO_FOLLOW | _CLOEXEC | (_O_PATH or os.O_RDONLY)
 _READ_FOLDER = os.O_RDONLY | _DIRECTORY | _NO_FOLLOW | _CLOEXEC  # listed, fsynced, locked
+# An earlier release's lock file: read and locked, opened without waiting whatever it is (a FIFO, a tty).
+_READ_LEGACY_LOCK = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | _NO_FOLLOW | _CLOEXEC
 
 # Whether the OS takes every path relative to an open folder that a save needs (not on Windows).
 _AT = (
@@ -467,7 +475,7 @@ def save(path: object, state: object) -> None:
 
 
 def _save(target: _Target, state: Mapping[str, Any]) -> None:
-    work = _Work(target.folder)
+    work = _Work(target.folder, target.shown)
     replaced = False
     try:
         with deferred():
@@ -498,16 +506,22 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+class _Replaced(Exception):
+    """The private folder's name leads to something else than the folder this save's ``mkdir`` made."""
+
+
 class _Work:
     """One save's private folder: created, sealed and removed under deferred signals, each step
     recorded as it is made, so an exception at any point leaves nothing behind once :meth:`remove`
     has run (a process killed leaves it for the next save: see the module docstring)."""
 
-    def __init__(self, folder: _Dir) -> None:
+    def __init__(self, folder: _Dir, shown: str) -> None:
         self.folder = folder
+        self.shown = shown  # the checkpoint's path, for messages
         self.name: str | None = None  # its name in ``folder``, once held
         self.dir: _Dir | None = None  # the folder itself, open and locked (by its path where the OS cannot)
         self.data: int | None = None  # the checkpoint's descriptor
+        self.written: os.stat_result | None = None  # the checkpoint file this save created: only it is removed
         self.mode: int | None = None  # the permission bits seal gives the checkpoint
 
     def create(self, replaced_mode: int | None) -> None:
@@ -532,38 +546,130 @@ class _Work:
             created,
             dir_fd=self.dir.fd,
         )
+        self.written = os.fstat(self.data)
+        if self.mode is not None and stat.S_IMODE(self.written.st_mode) != created and hasattr(os, "fchmod"):
+            os.fchmod(self.data, created)  # the umask took the owner's bits torch's reopening needs
 
     def _hold(self, name: str) -> bool:
-        """Open the folder just made and take its lock; ``False`` where a cleaner took it first (it
-        removes it, or has: see the module docstring)."""
+        """Make the folder ``name``, just made, this save's: open it (its owner given every
+        permission first where the umask took some from mkdir's 0700), take its lock, and check,
+        lock held, that its name still leads to it and that it is the empty folder ``mkdir`` made.
+        ``False`` where a cleaner removed it first (the caller makes another). Where it cannot be
+        held for any other reason it raises :class:`StorageError`, having removed the folder where
+        its name still leads to the empty folder made: the file system gives it another owner
+        (NFS's ``root_squash``, a ``uid=`` mount), refuses to open it, or another process put
+        something else in its place (then nothing is removed or changed)."""
         if self.folder.fd is None:  # no folder locks here, and no cleaner either
             self.name, self.dir = name, _Dir(None, self.folder.at(name))
             return True
+        parent = self.folder.fd
         try:
-            fd = os.open(name, _READ_FOLDER, dir_fd=self.folder.fd)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # replaced by a link: not ours any more
-                return False
-            raise
-        try:
-            # None: the file system has no locks, and no cleaner can take one either.
-            held = _try_lock(fd) is not False
-            made = os.fstat(fd)  # still our folder under its name: not removed, nor swapped for another's
-            held = held and made.st_uid == os.geteuid()
-            held = held and _same(made, os.stat(name, dir_fd=self.folder.fd, follow_symlinks=False))
+            made = os.stat(name, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
-            held = False
+            return False  # a cleaner took the empty, unlocked folder for a dead save's
+        except OSError as exc:
+            raise self._cannot_hold(name, exc) from exc
+        # mkdir's 0700 makes an empty folder with no bits for others: anything else was put in its place.
+        if not stat.S_ISDIR(made.st_mode) or made.st_mode & 0o077 or made.st_nlink > 2:
+            raise self._replaced(name)
+        if made.st_uid != os.geteuid():
+            self._discard(name, made)
+            raise self._cannot_hold(name, None, owner=made.st_uid)
+        try:
+            fd = self._open(name, made)
+        except FileNotFoundError:
+            return False
+        except _Replaced:
+            raise self._replaced(name) from None
+        except OSError as exc:
+            self._discard(name, made)
+            raise self._cannot_hold(name, exc) from exc
+        try:
+            if _try_lock(fd) is False:  # None: the file system has no locks, and no cleaner can take one either
+                os.close(fd)
+                return False
+            try:
+                now = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:  # a cleaner removed it while this save opened it
+                os.close(fd)
+                return False
+            if not _same(now, made) or os.listdir(fd):
+                if stat.S_IMODE(os.fstat(fd).st_mode) != stat.S_IMODE(made.st_mode):
+                    os.fchmod(fd, stat.S_IMODE(made.st_mode))  # put back what _open changed: not ours
+                raise _Replaced
+            if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
+                os.fchmod(fd, 0o700)  # the umask took some of mkdir's bits (and _open had no need to give them)
+        except _Replaced:
+            os.close(fd)
+            raise self._replaced(name) from None
+        except OSError as exc:
+            os.close(fd)
+            self._discard(name, made)
+            raise self._cannot_hold(name, exc) from exc
         except BaseException:
             os.close(fd)
             raise
-        if not held:
-            os.close(fd)
-            return False
         self.name, self.dir = name, _Dir(fd, name)
-        os.fchmod(fd, 0o700)  # writable whatever the umask took from mkdir's mode
         return True
+
+    def _open(self, name: str, made: os.stat_result) -> int:
+        """The folder ``name`` of :attr:`folder`, checked to be ``made``, open for reading; first
+        given mode 0700 where mkdir's 0700 less the umask left its owner without some permission
+        (through ``/proc/self/fd`` on a descriptor that needs none)."""
+        parent = self.folder.fd
+        try:
+            if stat.S_IMODE(made.st_mode) == 0o700 or not (_PROC_FD and _O_PATH):
+                fd = os.open(name, _READ_FOLDER, dir_fd=parent)
+            else:
+                path = os.open(name, _WALK, dir_fd=parent)
+                try:
+                    if not _same(os.fstat(path), made):
+                        raise _Replaced
+                    os.chmod(f"/proc/self/fd/{path}", 0o700)
+                    fd = os.open(".", _READ_FOLDER, dir_fd=path)
+                finally:
+                    os.close(path)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a link or a file in its place
+                raise _Replaced from None
+            raise
+        if not _same(os.fstat(fd), made):
+            os.close(fd)
+            raise _Replaced
+        return fd
+
+    def _discard(self, name: str, made: os.stat_result) -> None:
+        """Remove the folder ``name`` where it still is ``made`` (``rmdir`` removes it only if empty)."""
+        with contextlib.suppress(OSError):
+            if _same(os.stat(name, dir_fd=self.folder.fd, follow_symlinks=False), made):
+                os.rmdir(name, dir_fd=self.folder.fd)
+
+    def _replaced(self, name: str) -> StorageError:
+        return StorageError(
+            errno.EACCES,
+            f"could not save the checkpoint to {self.shown!r}: another process put something else in place of "
+            f"the save's new private folder {name!r} (nothing of it was changed): other users can rename entries "
+            "in that folder. Save to a folder only you can write to; it is as it was",
+            self.shown,
+        )
+
+    def _cannot_hold(self, name: str, exc: OSError | None, *, owner: int | None = None) -> StorageError:
+        if exc is None:
+            code = errno.EPERM
+            why = (
+                f"the file system gives the folders this process makes there to uid {owner}, not to its effective "
+                f"uid {os.geteuid()} (NFS with root_squash, a mount with a uid= option), so a save cannot tell its "
+                "private folder from another user's. Save to a file system that keeps its owner, or as that user"
+            )
+        else:
+            code, reason = os_reason(exc)
+            why = f"{reason}. Make the folder readable and writable for this user, or save elsewhere"
+        return StorageError(
+            code,
+            f"could not save the checkpoint to {self.shown!r}: the save's new private folder {name!r} could not be "
+            f"held ({why}); it was removed, and the checkpoint is as it was",
+            self.shown,
+        )
 
     def seal(self) -> None:
         """Give the checkpoint its permission bits and flush it to disk, through its descriptor."""
@@ -586,17 +692,21 @@ class _Work:
     def remove(self) -> None:
         """Close and remove what :meth:`create` made (idempotent; file-system errors are ignored:
         what cannot be removed now is a dead save's folder for the next save). The checkpoint goes
-        through the folder's descriptor, wherever the folder has been moved; the folder goes by its
-        name only where that name still leads to it; the lock goes last."""
+        through the folder's descriptor, wherever the folder has been moved, and only where it is
+        still the file this save created; the folder goes by its name only where that name still
+        leads to it; the lock goes last."""
         if self.data is not None:
             fd, self.data = self.data, None
             with contextlib.suppress(OSError):
                 os.close(fd)
-        work, name, self.dir, self.name = self.dir, self.name, None, None
+        work, name, written, self.dir, self.name, self.written = self.dir, self.name, self.written, None, None, None
         if work is None or name is None:
             return
         with contextlib.suppress(OSError):
-            os.unlink(work.at(_DATA_NAME), dir_fd=work.fd)
+            if written is not None and _same(
+                os.stat(work.at(_DATA_NAME), dir_fd=work.fd, follow_symlinks=False), written
+            ):
+                os.unlink(work.at(_DATA_NAME), dir_fd=work.fd)
         with contextlib.suppress(OSError):
             if work.fd is None or _same(os.fstat(work.fd), os.stat(name, dir_fd=self.folder.fd, follow_symlinks=False)):
                 os.rmdir(self.folder.at(name), dir_fd=self.folder.fd)
@@ -664,9 +774,10 @@ def _check_loads(work: _Work, target: str) -> None:
     file's permission bits let its owner read it), else read through the descriptor."""
     assert work.data is not None
     by_path = _PROC_FD and (work.mode is None or work.mode & stat.S_IRUSR)
-    with deferred():
-        file = io.FileIO(os.dup(work.data), "rb")
-    with file:
+    file = None
+    try:
+        with deferred():  # the descriptor is recorded before a signal can raise
+            file = io.FileIO(os.dup(work.data), "rb")
         try:
             check_file(file, target)  # leaves the file at its start
             if by_path:
@@ -694,6 +805,9 @@ def _check_loads(work: _Work, target: str) -> None:
                 f"the state holds data that load_rng_state cannot read back ({reason}); keep only plain "
                 f"data in it (dicts, lists, tuples, strings, numbers, tensors). {target!r} is unchanged."
             ) from None
+    finally:  # one call into C: no Python frame for a signal to raise in before the descriptor is closed
+        if file is not None:
+            file.close()
 
 
 def _fsync_folder(folder: _Dir) -> None:
@@ -731,11 +845,23 @@ def _is_work_name(entry: str, prefix: str = WORK_PREFIX) -> bool:
     )
 
 
+def _others_can_rename(folder: os.stat_result) -> bool:
+    """Whether users other than this effective user and root can rename entries of ``folder``: it is
+    another user's, or writable by its group or by others without being sticky. There a folder shaped
+    like a dead save's may be one of this user's that another renamed to that name."""
+    if folder.st_uid not in (os.geteuid(), 0):
+        return True
+    return bool(folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH)) and not folder.st_mode & stat.S_ISVTX
+
+
 def _remove_abandoned(folder: _Dir, name: str) -> None:
     """Remove the private folders that saves left when they died, in ``folder``: see the module docstring."""
     if folder.fd is None:  # no folder locks: nothing tells a dead save's folder from a live one
         return
     try:
+        here = os.fstat(folder.fd)  # its modification time: this save's rename and rmdir, by the file system's clock
+        if _others_can_rename(here):
+            return
         entries = os.listdir(folder.fd)
     except OSError:
         return
@@ -743,14 +869,15 @@ def _remove_abandoned(folder: _Dir, name: str) -> None:
     for entry in entries:
         if _is_work_name(entry):
             with deferred():
-                _remove_if_dead(folder.fd, entry, legacy=False)
+                _remove_if_dead(folder.fd, entry, legacy=None)
         elif _is_work_name(entry, legacy):
             with deferred():
-                _remove_if_dead(folder.fd, entry, legacy=True)
+                _remove_if_dead(folder.fd, entry, legacy=here.st_mtime_ns)
 
 
-def _remove_if_dead(parent: int, entry: str, *, legacy: bool) -> None:
-    """Remove the folder ``entry`` of ``parent`` if a save made it and died; every step by descriptor."""
+def _remove_if_dead(parent: int, entry: str, *, legacy: int | None) -> None:
+    """Remove the folder ``entry`` of ``parent`` if a save made it and died; every step by descriptor.
+    ``legacy``: for an earlier release's folder, the file system's time now (nanoseconds)."""
     try:
         fd = os.open(entry, _READ_FOLDER, dir_fd=parent)
     except OSError:  # gone, a link, or not a folder
@@ -762,15 +889,22 @@ def _remove_if_dead(parent: int, entry: str, *, legacy: bool) -> None:
         made = os.fstat(fd)
         if made.st_uid != os.geteuid() or made.st_mode & 0o077:
             return  # not made by a save of this user (a save's folder is 0700)
-        if legacy:  # an earlier release's save locked the file ``lock`` before it wrote its mark there
-            lock = os.open(LEGACY_LOCK_NAME, os.O_RDWR | _NO_FOLLOW | _CLOEXEC, dir_fd=fd)
-            if _try_lock(lock) is not True or os.read(lock, len(LEGACY_LOCK_MAGIC) + 1) not in (b"", LEGACY_LOCK_MAGIC):
-                return
-        if not set(os.listdir(fd)) <= ({_DATA_NAME, LEGACY_LOCK_NAME} if legacy else {_DATA_NAME}):
+        inside = set(os.listdir(fd))
+        if legacy is not None:
+            if LEGACY_LOCK_NAME in inside:  # opened without waiting, whatever it is (a FIFO would block a read)
+                lock = os.open(LEGACY_LOCK_NAME, _READ_LEGACY_LOCK, dir_fd=fd)
+                if not stat.S_ISREG(os.fstat(lock).st_mode) or _try_lock(lock) is not True:
+                    return  # not a lock file, or a live save of an earlier release holds it
+                mark = os.read(lock, len(LEGACY_LOCK_MAGIC) + 1)
+                if mark != LEGACY_LOCK_MAGIC and (mark or legacy - made.st_mtime_ns < LEGACY_GRACE_NS):
+                    return  # not the mark, or empty and young: its save may be about to lock it
+            elif inside or legacy - made.st_mtime_ns < LEGACY_GRACE_NS:
+                return  # empty and young: its save may be about to create its lock file
+        if not inside <= ({_DATA_NAME, LEGACY_LOCK_NAME} if legacy is not None else {_DATA_NAME}):
             return  # something a save never writes: not ours to remove
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_DATA_NAME, dir_fd=fd)
-        if legacy:
+        if lock is not None:
             os.unlink(LEGACY_LOCK_NAME, dir_fd=fd)
         if _same(made, os.stat(entry, dir_fd=parent, follow_symlinks=False)):
             os.rmdir(entry, dir_fd=parent)

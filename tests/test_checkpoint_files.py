@@ -313,6 +313,11 @@ def test_a_link_planted_over_the_file_being_written_never_changes_the_file_it_po
         save_rng_state(path, _state(2))
     monkeypatch.undo()
     assert victim.stat().st_mode & 0o777 == 0o600 and victim.read_bytes() == b"someone else's file"
+    # The save removes only the file it created: the link stays in its folder, which the next save removes.
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".hyperrng-")]
+    assert _entries(left) == ["checkpoint"] and (left / "checkpoint").is_symlink()
+    save_rng_state(tmp_path / "other.pt", _state(3))
+    (tmp_path / "other.pt").unlink()
     assert _entries(tmp_path) == ["rng.pt", "victim"]
     assert load_rng_state(path)["digest"] == previous["digest"] and path.stat().st_mode & 0o777 == 0o666
 

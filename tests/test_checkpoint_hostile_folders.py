@@ -67,6 +67,15 @@ def shared() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture
+def open_to_all(shared: Path) -> Path:
+    """A folder anyone may write to, not sticky: anyone may rename anything in it."""
+    folder = shared / "open"
+    folder.mkdir()
+    folder.chmod(0o777)
+    return folder
+
+
 def _run(*command: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{command}: {done.stderr}"
@@ -169,6 +178,126 @@ def test_a_replaced_files_special_bits_never_pass_to_the_new_checkpoint_nor_anot
     mine.chmod(0o6770)
     save_rng_state(mine, _state(2))
     assert stat.S_IMODE(mine.stat().st_mode) == 0o770 and load_rng_state(mine)["base_seed"] == 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "contents"),
+    [(0o700, {"checkpoint": b"root's"}), (0o700, {"notes": b"root's"}), (0o755, {"notes": b"root's"})],
+    ids=["0700-checkpoint", "0700-other-file", "0755-other-file"],
+)
+def test_a_folder_another_user_renames_over_the_saves_new_folder_is_left_as_it_was(
+    open_to_all: Path,
+    as_nobody: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: int,
+    contents: dict[str, bytes],
+) -> None:
+    # Before, the save took root's folder, renamed in over its new empty one, for its own: it failed
+    # on a checkpoint there and then deleted it with the folder, or chmodded the folder 0700 and saved.
+    theirs = _private_folder(open_to_all / "X", contents)
+    theirs.chmod(mode)
+    real_mkdir = os.mkdir
+
+    def mkdir_then_swap(path: Any, *args: Any, **kwargs: Any) -> None:
+        real_mkdir(path, *args, **kwargs)
+        if str(path).startswith(files.WORK_PREFIX):
+            _run(*as_nobody, "mv", "-T", str(theirs), str(open_to_all / path))
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    with pytest.raises(PermissionError, match="put something else in place of the save's new private folder"):
+        save_rng_state(open_to_all / "rng.pt", _state(1))
+    monkeypatch.undo()
+    (moved,) = _entries(open_to_all)
+    assert _snapshot(open_to_all / moved) == contents and stat.S_IMODE((open_to_all / moved).stat().st_mode) == mode
+
+
+@pytest.mark.parametrize("where", ["open-to-all", "another-users"])
+def test_a_folder_of_this_users_renamed_as_a_dead_saves_is_left_where_others_can_rename_entries(
+    open_to_all: Path, shared: Path, as_nobody: tuple[str, ...], where: str
+) -> None:
+    # Before, root's own private folder holding a checkpoint, renamed by nobody to a save's folder
+    # name, was emptied and removed by root's next save.
+    if where == "another-users":
+        folder = shared / "nobodys"
+        _run(*as_nobody, "mkdir", "-m", "755", str(folder))
+    else:
+        folder = open_to_all
+    mine = _private_folder(folder / "mine", {"checkpoint": b"root's own checkpoint"})
+    as_saves = folder / _work_name("0123456789abcdef")
+    _run(*as_nobody, "mv", "-T", str(mine), str(as_saves))
+    save_rng_state(folder / "rng.pt", _state(1))
+    assert _snapshot(as_saves) == {"checkpoint": b"root's own checkpoint"}
+
+
+def test_a_failed_save_removes_only_the_checkpoint_file_it_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a save that could not create its file (one there already) unlinked the file there.
+    real_hold = files._Work._hold
+
+    def hold_then_plant(work: Any, name: str) -> bool:
+        held = real_hold(work, name)
+        (tmp_path / name / "checkpoint").write_bytes(b"not the save's")
+        return held
+
+    monkeypatch.setattr(files._Work, "_hold", hold_then_plant)
+    with pytest.raises(FileExistsError, match="could not save the checkpoint"):
+        save_rng_state(tmp_path / "rng.pt", _state(1))
+    monkeypatch.undo()
+    (left,) = _entries(tmp_path)
+    assert _snapshot(tmp_path / left) == {"checkpoint": b"not the save's"}
+
+
+def test_a_file_system_that_gives_new_folders_another_owner_fails_the_save_at_once_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before (NFS root_squash, a vfat or cifs uid= mount), 64 tries, 64 folders left, and a message
+    # blaming other saves.
+    if not hasattr(os, "geteuid"):
+        pytest.skip("POSIX owners")
+    owner = os.geteuid()
+    made: list[str] = []
+    real_mkdir = os.mkdir
+
+    def counted_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(str(path))
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", counted_mkdir)
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 4321)
+    with pytest.raises(PermissionError, match=f"to uid {owner}, not to its effective uid {owner + 4321}"):
+        save_rng_state(tmp_path / "rng.pt", _state(1))
+    monkeypatch.undo()
+    assert len(made) == 1 and _entries(tmp_path) == []
+
+
+_UMASK_SAVER = """
+import os, sys
+import hyperrng.platforms as platforms
+platforms.set_current("cpu")
+from hyperrng.state import rng_state_dict, save_rng_state
+
+os.umask(0o477)
+for seed in (1, 2):
+    save_rng_state(sys.argv[1], rng_state_dict(base_seed=seed))
+print(sorted(os.listdir(os.path.dirname(sys.argv[1]))), oct(os.stat(sys.argv[1]).st_mode & 0o777))
+"""
+
+
+def test_a_umask_that_takes_the_owners_read_bit_still_saves_and_leaves_nothing(tmp_path: Path) -> None:
+    # Before, mkdir's 0700 less umask 0477 made a d-wx------ folder a process without root's
+    # override could not open: every save failed and left one no later save could remove.
+    prefix: tuple[str, ...] = ()
+    if os.geteuid() == 0:
+        why = _permitted("setpriv", "--bounding-set=-all", "--inh-caps=-all", "true")
+        if why:
+            pytest.skip(f"runs as root and cannot drop its file-permission override: {why}")
+        prefix = ("setpriv", "--bounding-set=-all", "--inh-caps=-all")
+    code, out, err = _finish(_python(_UMASK_SAVER, str(tmp_path / "rng.pt"), prefix=prefix))
+    assert code == 0, err[-3000:]
+    assert out.split() == ["['rng.pt']", "0o200"], out
+    (tmp_path / "rng.pt").chmod(0o600)
+    assert load_rng_state(tmp_path / "rng.pt")["base_seed"] == 2
 
 
 _SWAPPER = """
@@ -294,9 +423,16 @@ def test_saves_of_one_path_in_several_processes_at_once_all_succeed_and_leave_on
 # -- what saves killed at any point leave -----------------------------------------------------------------
 
 
+def _age(folder: Path, seconds: int) -> None:
+    """Make ``folder`` ``seconds`` older than its file system says it is (its modification time)."""
+    made = folder.stat().st_mtime_ns
+    os.utime(folder, ns=(made - seconds * 10**9, made - seconds * 10**9))
+
+
 def test_a_save_removes_every_shape_of_folder_a_killed_save_leaves(tmp_path: Path) -> None:
     # Before, a save killed after its mkdir, before its lock file held the mark, or between its last
-    # unlink and its rmdir left a folder that no later save removed.
+    # unlink and its rmdir left a folder that no later save removed; an earlier release's killed
+    # between its mkdir and its lock file stayed for good.
     full = b"a whole checkpoint"
     shapes: dict[str, dict[str, bytes]] = {
         _work_name("c1"): {},  # killed after mkdir (or after the rename, before rmdir)
@@ -304,13 +440,55 @@ def test_a_save_removes_every_shape_of_folder_a_killed_save_leaves(tmp_path: Pat
         _work_name("c3"): {"checkpoint": full},  # before the rename
         ".rng.pt.00000000000000c4.saving": {"lock": b""},  # an earlier release's: before its mark
         ".rng.pt.00000000000000c5.saving": {"lock": files.LEGACY_LOCK_MAGIC, "checkpoint": full},
+        ".rng.pt.00000000000000c6.saving": {},  # an earlier release's: before its lock file
     }
     for name, contents in shapes.items():
         _private_folder(tmp_path / name, contents)
+    grace = files.LEGACY_GRACE_NS // 10**9
+    for name in (".rng.pt.00000000000000c4.saving", ".rng.pt.00000000000000c6.saving"):
+        _age(tmp_path / name, grace + 60)  # killed long ago: no live save of an earlier release is that slow
     save_rng_state(tmp_path / "other.pt", _state(1))  # any checkpoint's save in the folder removes them
-    assert _entries(tmp_path) == [".rng.pt.00000000000000c4.saving", ".rng.pt.00000000000000c5.saving", "other.pt"]
+    legacy = [name for name in shapes if name.startswith(".rng.pt.")]
+    assert _entries(tmp_path) == [*legacy, "other.pt"]
     save_rng_state(tmp_path / "rng.pt", _state(2))  # an earlier release's: a save of their checkpoint
     assert _entries(tmp_path) == ["other.pt", "rng.pt"]
+
+
+def test_an_earlier_releases_folder_its_save_may_be_about_to_lock_stays_until_it_is_old(tmp_path: Path) -> None:
+    # An earlier release's save makes its folder, then its lock file, then locks it: a cleaner that
+    # removed an empty one made a live save of that release fail.
+    young = {".rng.pt.00000000000000f1.saving": {}, ".rng.pt.00000000000000f2.saving": {"lock": b""}}
+    for name, contents in young.items():
+        _private_folder(tmp_path / name, contents)
+        _age(tmp_path / name, files.LEGACY_GRACE_NS // 10**9 - 60)
+    save_rng_state(tmp_path / "rng.pt", _state(1))
+    assert _entries(tmp_path) == [*young, "rng.pt"]
+    for name in young:
+        _age(tmp_path / name, 120)
+    save_rng_state(tmp_path / "rng.pt", _state(2))
+    assert _entries(tmp_path) == ["rng.pt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+def test_a_fifo_named_as_an_earlier_releases_lock_file_never_blocks_a_save(tmp_path: Path) -> None:
+    # Before, the cleaner opened it and read it: the save waited forever, deaf to Ctrl-C (the read
+    # ran with signals deferred).
+    folder = _private_folder(tmp_path / ".rng.pt.00000000000000f3.saving", {})
+    os.mkfifo(folder / "lock")
+    _age(folder, files.LEGACY_GRACE_NS // 10**9 + 60)
+    saver = _python(
+        "import sys, hyperrng.platforms as p; p.set_current('cpu')\n"
+        "from hyperrng.state import rng_state_dict, save_rng_state\n"
+        "save_rng_state(sys.argv[1], rng_state_dict(base_seed=5)); print('saved')",
+        str(tmp_path / "rng.pt"),
+    )
+    try:
+        out, err = saver.communicate(timeout=120)  # a hung save ends the test here
+    finally:
+        saver.kill()
+    code = saver.returncode
+    assert code == 0 and out.strip() == "saved", err[-3000:]
+    assert _entries(tmp_path) == [folder.name, "rng.pt"] and stat.S_ISFIFO((folder / "lock").lstat().st_mode)
 
 
 def test_a_save_leaves_every_folder_that_only_looks_like_a_killed_saves(tmp_path: Path) -> None:
