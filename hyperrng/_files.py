@@ -1,30 +1,46 @@
 """Checkpoint files on disk: the save behind :func:`hyperrng.save_rng_state`, and the checks of
 paths and of signals' exceptions it shares with :func:`hyperrng.load_rng_state`.
 
-**Nothing another user plants is followed.** A save walks the path itself, one component at a
-time, each folder opened relative to the one before with ``O_NOFOLLOW``, and then works
-relative to the open folder that holds the checkpoint: it creates, renames, deletes and
-re-checks by descriptor (``openat``, ``renameat``, ``unlinkat``), never by resolving a path a
-second time, so a link swapped in while it runs redirects nothing. Where the walk meets a
-symbolic link it reads it and goes on from the link's folder (at most
-:data:`MAX_LINKS` links, as the kernel), except that it refuses, as Linux's
-``protected_symlinks`` does, a link in a sticky world-writable folder (``/tmp``) whose owner
-is neither this process's effective user nor the folder's owner: anybody could have put it
-there. A link the user made is followed: ``latest.pt -> step100.pt`` keeps the link and
-replaces ``step100.pt`` in its own folder.
+**A link is followed only where no other user could have put it.** A save walks the path
+itself, one component at a time, each folder opened relative to the one before with
+``O_NOFOLLOW``, and then works relative to the open folder that holds the checkpoint: it
+creates, renames, deletes and re-checks by descriptor (``openat``, ``renameat``, ``unlinkat``),
+never by resolving a path a second time, so a link swapped in while it runs redirects nothing.
+Where the walk meets a symbolic link it reads it and goes on from the link's folder (at most
+:data:`MAX_LINKS` links, as the kernel) if this process's effective user or root owns the link,
+or if the folder holding it is this user's or root's and no one else may write to it (no write
+bit for group or others: only they could have put it there, or copied it there with its owner).
+Any other link is refused (:class:`~hyperrng.errors.StorageError`, ``EACCES``): another user's
+link in their own folder, in a shared sticky folder (``/tmp``), or in a folder others may write
+to, since its owner could point the save at any file this user may write (as root, any file).
+That is stricter than the kernel, which as root follows a link of the folder's owner, and outside
+sticky world-writable folders any link. A link the user made is followed: ``latest.pt ->
+step100.pt`` keeps the link and replaces ``step100.pt`` in its own folder. (A load opens its path
+as the kernel resolves it.)
 
 **The private folder.** A save writes into a folder of its own beside the checkpoint,
 ``.hyperrng-<16 hex digits>.saving`` (the same length whatever the checkpoint's name, so every
-name the file system accepts can be saved), mode 0700, holding one file, ``checkpoint``,
-renamed over the checkpoint at the end. The save holds an OS lock (``flock``) on the folder
-itself, taken on the folder's own descriptor; the OS drops it when the process ends, however
-it ends, in any PID namespace, container or host that shares the folder with working locks.
+name the file system accepts can be saved), mode 0700 (given on the folder's descriptor where the
+umask took some of ``mkdir``'s bits), holding one file, ``checkpoint``, renamed over the
+checkpoint at the end. The save holds an OS lock (``flock``) on the folder itself, taken on the
+folder's own descriptor; the OS drops it when the process ends, however it ends, in any PID
+namespace, container or host that shares the folder with working locks. It holds the folder only
+once it has checked, lock taken, that the folder is the one its ``mkdir`` made (the same device
+and inode as right after ``mkdir``, this user's, empty, no bits for others), so a folder another
+user renames over the new one is never written, changed or removed; a save that cannot hold its
+folder for another reason than a cleaner (the file system gives it another owner, as NFS's
+``root_squash`` or a ``uid=`` mount does; it cannot be opened) removes it where it is still the
+empty folder made, and fails at once, saying why. On failure a save removes only the
+``checkpoint`` file it created itself (the same device and inode).
 
 **Which folders a save removes, and why that never harms a live one.** After a successful save,
-the save removes every folder of that name pattern in the checkpoint's folder (those of other
-checkpoints too) that it can open without following a link, whose lock it can take, that is
-owned by this effective user with no permission bits for group or others, and that holds
-nothing but a ``checkpoint`` file. The invariant that makes this safe:
+in a folder where no other user can rename entries (one this user or root owns, with no write
+bit for group or others unless it is sticky), the save removes every folder of that name
+pattern in the checkpoint's folder (those of other checkpoints too) that it can open without
+following a link, whose lock it can take, that is owned by this effective user with no
+permission bits for group or others, and that holds nothing but a ``checkpoint`` file. Where
+other users can rename entries, one of them could give a folder of this user's that name, and
+nothing is removed. The invariant that makes this safe:
 
 * a save writes into its folder only while it holds the folder's lock, having checked, after
   taking the lock, that the folder's name still leads to the folder it holds; it keeps the
@@ -37,8 +53,12 @@ empty) is one the save gives up (its lock or its check fails) for a fresh name, 
 never makes a live save fail. Every state a killed save can leave (an empty folder, one with
 a partial or a complete ``checkpoint``) is unlocked once the process is gone and meets the
 criteria, so the next save removes it. A save also removes folders that an earlier release
-left (``.<name>.<16 hex digits>.saving``, for the checkpoint's own name, with a ``lock`` file empty
-or holding :data:`LEGACY_LOCK_MAGIC`), where it can take the lock on that file.
+left (``.<name>.<16 hex digits>.saving``, for the checkpoint's own name) where it can take the
+lock on their ``lock`` file, a regular file (opened without waiting, whatever it is) holding
+:data:`LEGACY_LOCK_MAGIC`. An earlier release's save locked that file after creating it and
+before writing the mark, so one that is empty, or a folder without it, may be a live save of
+that release about to lock it: such a folder is removed only once it is ten minutes
+(:data:`LEGACY_GRACE_NS`) older than this save's rename, by the file system's own clock.
 
 **Signals.** An exception that a signal's Python handler raises during a save or a load (a
 ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the caller as itself, never
@@ -375,8 +395,8 @@ def _walk(path: str) -> _Target:
                 links += 1
                 if links > MAX_LINKS:
                     raise InvalidArgumentError(f"{path!r} is a symbolic link that loops; point it at a file.")
-                _refuse_planted(cur, st, here)
                 text = os.readlink(name, dir_fd=cur)
+                _refuse_planted(cur, st, here, text)
                 if text.startswith("/"):
                     cur, shown = _step(cur, os.open("/", _WALK)), "/"
                 parts = _parts(text) + parts
@@ -416,19 +436,32 @@ def _step(old: int, new: int) -> int:
     return new
 
 
-def _refuse_planted(folder_fd: int, link: os.stat_result, shown: str) -> None:
-    """Refuse a link that anybody could have planted: in a sticky world-writable folder, owned by
-    neither this process's effective user nor the folder's owner."""
+def _refuse_planted(folder_fd: int, link: os.stat_result, shown: str, text: str) -> None:
+    """Refuse a link that another user could have put where it is: followed only where this
+    effective user or root owns it, or where its folder is this user's or root's and no one else
+    may write to it (then only they could have put it there, or copied it there, owner and all)."""
+    euid = os.geteuid()
+    if link.st_uid in (euid, 0):
+        return
     folder = os.fstat(folder_fd)
-    shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
-    if shared and link.st_uid not in (os.geteuid(), folder.st_uid):
-        raise StorageError(
-            errno.EACCES,
-            f"{shown!r} is a symbolic link that another user (uid {link.st_uid}) owns, in a folder anyone may "
-            "write to (sticky and world-writable, such as /tmp): hyperrng does not follow it, since anybody could "
-            "have put it there. Remove the link, or save to a folder of your own",
-            shown,
-        )
+    others_write = folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if folder.st_uid in (euid, 0) and not others_write:
+        return
+    if folder.st_uid == link.st_uid:
+        where = "in that user's folder"
+    elif folder.st_uid not in (euid, 0):
+        where = f"in a folder of another user's (uid {folder.st_uid})"
+    elif folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH:
+        where = "in a folder anyone may write to (sticky and world-writable, such as /tmp)"
+    else:
+        where = "in a folder other users may write to"
+    raise StorageError(
+        errno.EACCES,
+        f"{shown!r} is a symbolic link that another user (uid {link.st_uid}) owns, {where}: hyperrng does not "
+        f"follow it, since that user could point it at any file you may write. Save to the file it names "
+        f"({_abridged(text)}) by its own path, or remove the link",
+        shown,
+    )
 
 
 def _open_target_by_path(path: str) -> _Target:

@@ -123,7 +123,7 @@ def test_a_link_another_user_planted_in_a_shared_folder_is_refused_and_the_file_
     assert _entries(tmp_path) == ["shadow"]
 
 
-def test_links_in_a_shared_folder_made_by_this_user_or_by_the_folders_owner_are_followed(
+def test_links_this_user_made_or_in_a_folder_only_this_user_may_write_to_are_followed(
     tmp_path: Path, shared: Path, as_nobody: tuple[str, ...]
 ) -> None:
     target = tmp_path / "step1.pt"
@@ -131,11 +131,31 @@ def test_links_in_a_shared_folder_made_by_this_user_or_by_the_folders_owner_are_
     mine.symlink_to(target)
     save_rng_state(mine, _state(1))
     assert mine.is_symlink() and load_rng_state(target)["base_seed"] == 1
-    theirs = shared / "theirs"  # a sticky world-writable folder of nobody's, and a link nobody made there
-    _run(*as_nobody, "mkdir", "-m", "1777", str(theirs))
-    _run(*as_nobody, "ln", "-s", str(target), str(theirs / "latest.pt"))
-    save_rng_state(theirs / "latest.pt", _state(2))
-    assert load_rng_state(target)["base_seed"] == 2 and _entries(tmp_path) == ["step1.pt"]
+    # Another user's link in a folder of this user's that no one else may write to: put there by this
+    # user (a backup restored with its owners), as nobody else could have.
+    restored = tmp_path / "restored.pt"
+    restored.symlink_to("step1.pt")
+    os.chown(restored, 65534, 65534, follow_symlinks=False)
+    save_rng_state(restored, _state(2))
+    assert load_rng_state(target)["base_seed"] == 2 and _entries(tmp_path) == ["restored.pt", "step1.pt"]
+
+
+@pytest.mark.parametrize("mode", ["755", "1777"], ids=["their-folder", "their-sticky-folder"])
+def test_a_link_another_user_made_in_their_own_folder_is_refused_and_the_file_it_names_unchanged(
+    tmp_path: Path, shared: Path, as_nobody: tuple[str, ...], mode: str
+) -> None:
+    # Before, root followed nobody's link in nobody's folder (the kernel does, as root): a save of
+    # /tmp/rvatk/ck.pt replaced root's file the link named, which nobody could not write.
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root's own file")
+    theirs = shared / "theirs"
+    _run(*as_nobody, "mkdir", "-m", mode, str(theirs))
+    _run(*as_nobody, "ln", "-s", str(secret), str(theirs / "ck.pt"))
+    with pytest.raises(PermissionError, match="another user .* owns, in that user's folder.*'.*secret'"):
+        save_rng_state(theirs / "ck.pt", _state(1))
+    assert secret.read_bytes() == b"root's own file" and _entries(theirs) == ["ck.pt"]
+    save_rng_state(secret, _state(1))  # by its own path, as the message says
+    assert load_rng_state(secret)["base_seed"] == 1
 
 
 def test_a_link_or_a_folder_another_user_planted_as_a_leftover_is_never_followed_nor_emptied(
