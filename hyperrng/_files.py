@@ -145,15 +145,23 @@ _PROC_FD = sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd")
 
 
 # -- paths --------------------------------------------------------------------------------------
-def check_path(path: object) -> Path:
-    """``path`` as a :class:`~pathlib.Path`, refused where no file system could take it: not a
-    ``str`` or ``os.PathLike`` of ``str`` (:class:`ArgumentTypeError`), a NUL character, or a
-    character the file system's encoding cannot write (:class:`InvalidArgumentError`)."""
-    if not (isinstance(path, str) or (isinstance(path, os.PathLike) and isinstance(os.fspath(path), str))):
+def check_path(path: object) -> str:
+    """``path`` as the text the OS is given (``os.fspath``, so that a trailing ``/`` or ``/.``,
+    which names a folder, is kept), refused where no file system could take it: not a ``str`` or
+    ``os.PathLike`` of ``str`` (:class:`ArgumentTypeError`), a NUL character, or a character the
+    file system's encoding cannot write (:class:`InvalidArgumentError`)."""
+    text: object = path
+    if isinstance(path, os.PathLike):
+        try:
+            text = os.fspath(path)
+        except Exception as exc:  # noqa: BLE001 - whatever a caller's __fspath__ raises
+            raise ArgumentTypeError(
+                f"path {type(path).__name__} could not give its text: its __fspath__ raised {error_gist(exc)}."
+            ) from None
+    if not isinstance(text, str):
         raise ArgumentTypeError(
             f"path must be a str or an os.PathLike such as pathlib.Path, got {type(path).__name__} {path!r:.80}."
         )
-    text = os.fspath(path)
     if "\0" in text:
         raise InvalidArgumentError(
             f"the path {_abridged(text)} holds a NUL character, which no file name can hold; remove it."
@@ -166,7 +174,38 @@ def check_path(path: object) -> Path:
             f"{exc.object[exc.start : exc.end]!r} at position {exc.start} ({exc.reason}, such as a lone surrogate); "
             "give a path of valid characters."
         ) from None
-    return Path(path)  # type: ignore[arg-type]
+    return text
+
+
+_SEPARATORS = tuple({"/", os.sep, os.altsep or "/"})
+_DOT_SEPARATORS = tuple(sep + "." for sep in _SEPARATORS)
+
+
+def _names_a_folder(text: str) -> bool:
+    """Whether ``text`` ends with a separator or a separator and ``.``: the name before is a folder's."""
+    return text.endswith(_SEPARATORS) or text.endswith(_DOT_SEPARATORS)
+
+
+def _folder_named(text: str) -> str:
+    """``text`` less its trailing separators and ``.`` names: ``a/b`` for ``a/b/``, ``a/b/.``, ``a/b/./``."""
+    bare = text
+    while len(bare) > 1 and _names_a_folder(bare):
+        bare = bare[:-1] if bare.endswith(_SEPARATORS) else bare[:-2]
+    return bare or text
+
+
+def _missing_folder(shown: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{shown!r} does not exist, and the path names it as a folder (a path ending in '/' names a folder); "
+        "give the path of the checkpoint file, without the trailing '/'."
+    )
+
+
+def _not_a_folder(shown: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{shown!r} is not a folder, yet the path names it as one (a path ending in '/' names a folder); "
+        "give the path of the checkpoint file, without the trailing '/'."
+    )
 
 
 def _abridged(text: str) -> str:
@@ -187,18 +226,26 @@ def refuse_special(target: str | os.PathLike[str], verb: str, mode: int | None =
     """Refuse ``target`` where it exists and is not a regular file (a device such as ``/dev/null``, a FIFO,
     a socket): a save would replace it with a file, a load of a FIFO would wait forever. ``mode``: its
     ``st_mode`` when already known, else read following links."""
+    text = os.fspath(target)
     if mode is None:
         try:
-            mode = os.stat(target).st_mode
+            mode = os.stat(text).st_mode
         except (OSError, ValueError):  # missing, unreadable or unnamable: the save or load itself says why
+            if _names_a_folder(text):  # "file/": is the file a folder?
+                bare = _folder_named(text)
+                try:
+                    named = os.stat(bare).st_mode
+                except (OSError, ValueError):
+                    return
+                if not stat.S_ISDIR(named):
+                    raise _not_a_folder(bare) from None
             return
     if not stat.S_ISREG(mode):
-        kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else (
-            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")  # fmt: skip
-        raise InvalidArgumentError(
-            f"{str(target)!r} is {kind}, not a regular file: hyperrng will not {verb} it. Give the path of a "
-            "checkpoint file."
-        )
+        kinds = {stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
+        kinds.update({stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"})
+        kind = next((what for test, what in kinds.items() if test(mode)), None)
+        what = f"is {kind}, not a regular file" if kind else "is not a regular file"
+        raise InvalidArgumentError(f"{text!r} {what}: hyperrng will not {verb} it. Give the path of a checkpoint file.")
 
 
 def os_reason(exc: OSError) -> tuple[int, str]:
@@ -386,6 +433,8 @@ def _walk(path: str) -> _Target:
             try:
                 st: os.stat_result | None = os.stat(name, dir_fd=cur, follow_symlinks=False)
             except FileNotFoundError:
+                if parts == ["."]:  # "sub/": named as a folder
+                    raise _missing_folder(here) from None
                 if parts:
                     raise InvalidArgumentError(
                         f"the folder of {path!r} does not exist ({here!r} is missing); create it before saving."
@@ -409,6 +458,8 @@ def _walk(path: str) -> _Target:
                 folder = _Dir(os.open(".", _READ_FOLDER, dir_fd=cur), shown or ".")
                 return _Target(folder, name, here, _kept_mode(st))
             if not stat.S_ISDIR(st.st_mode):  # type: ignore[union-attr]
+                if parts == ["."]:  # "file/" or "file/.": never the file itself
+                    raise _not_a_folder(here)
                 raise InvalidArgumentError(
                     f"the folder of {path!r} does not exist ({here!r} is not a folder); create it before saving."
                 )
@@ -467,6 +518,10 @@ def _refuse_planted(folder_fd: int, link: os.stat_result, shown: str, text: str)
 def _open_target_by_path(path: str) -> _Target:
     """Where the OS takes no paths relative to a folder: links resolved with ``realpath``."""
     target = Path(path)
+    if _names_a_folder(path):  # Path() drops a trailing separator: "file/" must not replace "file"
+        if target.is_dir():
+            raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
+        raise _not_a_folder(str(target)) if target.exists() else _missing_folder(str(target))
     if target.is_symlink():
         resolved = Path(os.path.realpath(target))
         if resolved.is_symlink():
@@ -492,7 +547,7 @@ def _open_target_by_path(path: str) -> _Target:
 def save(path: object, state: object) -> None:
     """:func:`hyperrng.save_rng_state` (documented there)."""
     with SignalExceptions():
-        text = str(check_path(path))
+        text = check_path(path)  # as given: a trailing '/' names a folder
         if not isinstance(state, Mapping):
             raise ArgumentTypeError(
                 f"save_rng_state writes the dict rng_state_dict() returned, got {type(state).__name__}."

@@ -731,6 +731,10 @@ def _nested(depth: int) -> list[Any]:
         ),
         (lambda d: d / "rng.pt", lambda: {"t": _mkldnn()}, ArgumentTypeError, "cannot be saved"),
         (lambda d: d / "rng.pt", lambda: {"deep": _nested(5000)}, ArgumentTypeError, "RecursionError"),
+        # Before, a trailing '/' was dropped: the file was replaced, or a file made where a folder was named.
+        (lambda d: f"{d}/rng.pt/.", lambda: rng_state_dict(), InvalidArgumentError, "/rng.pt' is not a folder"),
+        (lambda d: f"{d}/rng.pt/", lambda: rng_state_dict(), InvalidArgumentError, "/rng.pt' is not a folder"),
+        (lambda d: f"{d}/sub/", lambda: rng_state_dict(), InvalidArgumentError, "/sub' does not exist, and the path"),
     ],
     ids=[
         "int-path",
@@ -749,6 +753,9 @@ def _nested(depth: int) -> list[Any]:
         "reduce-notimplemented",
         "mkldnn",
         "too-deep",
+        "file-slash-dot",
+        "file-slash",
+        "missing-folder-slash",
     ],
 )
 def test_save_refuses_bad_input_and_leaves_the_folder_and_the_previous_checkpoint_as_they_were(
@@ -763,6 +770,31 @@ def test_save_refuses_bad_input_and_leaves_the_folder_and_the_previous_checkpoin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rng.pt"]
     assert load_rng_state(tmp_path / "rng.pt")["digest"] == previous["digest"]
     assert (random.getstate(), torch.get_rng_state().tolist()) == rng_before
+
+
+def test_load_refuses_a_file_named_as_a_folder_and_a_folder_saying_which(tmp_path: Path) -> None:
+    # Before, a trailing '/' was dropped and the file read; a folder "is not a regular file, not a
+    # regular file".
+    save_rng_state(tmp_path / "rng.pt", rng_state_dict())
+    for suffix in ("/", "/.", "/./"):
+        with pytest.raises(InvalidArgumentError, match="/rng.pt' is not a folder, yet the path names it as one"):
+            load_rng_state(f"{tmp_path}/rng.pt{suffix}")
+    for path in (str(tmp_path), f"{tmp_path}/"):
+        with pytest.raises(InvalidArgumentError, match=r"is a folder, not a regular file: hyperrng will not read it\."):
+            load_rng_state(path)
+
+
+class _BrokenPath(os.PathLike):  # type: ignore[type-arg]
+    def __fspath__(self) -> str:
+        raise RuntimeError("boom")
+
+
+def test_a_path_whose_fspath_raises_is_an_argument_type_error_for_save_and_load() -> None:
+    # Before, its RuntimeError came out as it was.
+    with pytest.raises(ArgumentTypeError, match="its __fspath__ raised RuntimeError: boom"):
+        save_rng_state(_BrokenPath(), rng_state_dict())
+    with pytest.raises(ArgumentTypeError, match="its __fspath__ raised RuntimeError: boom"):
+        load_rng_state(_BrokenPath())
 
 
 @pytest.mark.parametrize("path", [7, b"rng.pt", None], ids=["int", "bytes", "none"])
