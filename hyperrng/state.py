@@ -430,20 +430,27 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     steps that create, seal and rename files, so an interrupt leaves them as before or as after, and
     on any exception what the save created is closed and removed. An exception raised by a signal's
     handler during the save (a ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the
-    caller as itself. An existing file's permission bits are kept (set on the open file, never
-    through a path). Any name the file system accepts can be saved (up to its limit, 255 bytes on
-    most).
+    caller as itself. A file of this user's that is replaced passes on its read, write and
+    execute bits (set on the open file, never through a path); setuid, setgid and sticky bits,
+    and the bits of another user's file, are not passed on: the new file gets a new file's bits
+    (0666 less the umask). Any name the file system accepts can be saved (up to its limit, 255
+    bytes on most); a path ending in ``/`` or ``/.`` names a folder, and is refused.
 
-    **Nothing another user plants is followed.** The save opens each folder of the path in turn
-    and then creates, renames and deletes relative to the open folder, never resolving a path a
-    second time, so a link swapped in while it runs redirects nothing.
+    **A link is followed only where no other user could have put it.** The save opens each
+    folder of the path in turn and then creates, renames and deletes relative to the open
+    folder, never resolving a path a second time, so a link swapped in while it runs redirects
+    nothing. Its private folder is used only once checked to be the empty folder it made, so a
+    folder another user renames in its place is never written, changed or removed.
 
     **Symlinks.** When ``path`` is a symbolic link (``latest.pt -> step100.pt``), the link stays
     and the file it points to is replaced, atomically, in that file's folder (a link to a
     missing file creates it). A chain of links is followed to its end (40 links at most). A
-    link in a sticky world-writable folder (such as ``/tmp``) owned by another user than this
-    process's and the folder's owner is refused, as Linux's ``protected_symlinks`` refuses it:
-    anybody could have put it there.
+    link is followed where this process's effective user or root owns it, or where the folder
+    holding it is this user's or root's and no one else may write to it; any other link is
+    refused (another user's link in their own folder, in a sticky shared folder such as
+    ``/tmp``, or in a folder others may write to), since its owner could point the save at any
+    file this user may write. That is stricter than the kernel, which as root follows the links
+    of a folder's owner, and any link outside sticky world-writable folders.
 
     **Leftovers.** A process killed mid-save (SIGKILL, a power cut) leaves its private folder,
     ``.hyperrng-<random>.saving``. The save holds an OS lock (``flock``) on that folder for as long
@@ -452,25 +459,30 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
     those of saves that died, at whatever point, never one still being written, whatever PID
     namespace, container or host (on a shared file system with working locks) it runs in. It
     removes only folders of that name owned by this user with mode 0700 holding nothing but what
-    a save writes, never following a link: nothing else in the folder is touched. Where the file
-    system offers no locks, and on Windows (where a folder cannot be locked), nothing is removed.
+    a save writes, never following a link: nothing else in the folder is touched. Where other
+    users can rename entries of the folder (it is another user's, or writable by group or others
+    and not sticky), where the file system offers no locks, and on Windows (where a folder
+    cannot be locked), nothing is removed.
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
             ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
-            a lock).
+            a lock, an object whose ``__reduce__`` raises, an MKL-DNN tensor, nesting deeper
+            than Python's recursion limit).
         InvalidArgumentError: ``path`` holds a NUL character or a character the file system's
             encoding cannot write (a lone surrogate), or a name longer than the file system
-            allows; it is a folder, a device, a FIFO or a socket (never replaced), its folder
-            does not exist, or it is a link that loops; or ``state`` holds objects that
-            :func:`load_rng_state` would refuse (it reads with ``weights_only=True``: dicts,
-            lists, tuples, strings, numbers, tensors). Nothing is written when it is raised: the
-            file is read back, tensors memory-mapped, before it replaces ``path``.
+            allows; it is a folder, a device, a FIFO or a socket (never replaced), ends in ``/``,
+            its folder does not exist, or it is a link that loops; or ``state`` makes a file
+            that :func:`load_rng_state` would refuse (it reads with ``weights_only=True``: dicts,
+            lists, tuples, strings, numbers, dense tensors; and within its limits, checked as it
+            checks them). Nothing is written when it is raised: the file is checked and read
+            back, tensors memory-mapped, before it replaces ``path``.
         StorageError: the file system refused the save (a full disk or quota:
-            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error), or
-            ``path`` leads through a link another user planted in a shared folder (also a
-            ``PermissionError``); an ``OSError``. What the save created is removed and ``path``
-            is as it was.
+            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error; new
+            folders given another owner, as NFS's ``root_squash`` does), or ``path`` leads
+            through a link another user could have put there, or another process put something
+            in place of the save's private folder (both also a ``PermissionError``); an
+            ``OSError``. What the save created is removed and ``path`` is as it was.
     """
     _files.save(path, state)
 
