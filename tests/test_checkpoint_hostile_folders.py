@@ -4,8 +4,9 @@ once; what saves killed at any point leave; names at the file system's limits; a
 of signals' handlers during saves and loads.
 
 Real processes and a real second user: ``setpriv`` runs a planter or a swapper as ``nobody`` in a
-sticky world-writable folder made under /tmp (pytest's own folders are root's alone), SIGKILL ends
-savers, timers and threads send real signals. Where the machine does not permit one of those, its
+sticky world-writable folder made under /tmp (pytest's own folders are root's alone), in a folder
+anyone may write to that is not sticky, or in a folder of nobody's own; SIGKILL ends savers, timers
+and threads send real signals. Where the machine does not permit one of those, its
 test is skipped and says why.
 """
 
@@ -574,7 +575,8 @@ def _resume(saver: subprocess.Popen[str]) -> None:
 
 
 _STEPS = {"_save", "create", "_hold", "_write", "seal", "_check_loads", "replace", "_fsync_folder", "remove"}
-_STEPS |= {"_remove_abandoned", "_remove_if_dead", "_try_lock", "_same", "at", "close", "_new_file_mode"}
+_STEPS |= {"_remove_abandoned", "_remove_if_dead", "_try_lock", "_same", "at", "close", "_new_file_mode", "_open"}
+_STEPS |= {"_others_can_rename"}
 """The save's functions from its private folder's creation on (a kill before leaves nothing on disk)."""
 
 
