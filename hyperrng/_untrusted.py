@@ -13,18 +13,33 @@ refuses it unless what the load will do is bounded by the file's own size:
   the entries hold at most the file's bytes in all.
 * **the pickle** (``data.pkl``), walked once without building anything: at most
   :data:`FREE_INSTRUCTIONS` instructions plus one per :data:`BYTES_PER_INSTRUCTION` bytes of the
-  file; only the globals a checkpoint of tensors, numbers, strings, lists and dicts needs (and
-  those registered with ``torch.serialization.add_safe_globals`` by other packages than torch),
-  called only in the ways ``torch.save`` writes them; every storage it refers to present with
-  the size it declares; and the objects it makes, estimated from their sizes in CPython, within
-  :data:`EXTRA_MEMORY` plus the file's size less the storages and the pickle torch reads.
+  file, a tensor rebuilt over a storage an earlier one used counted as
+  :data:`TENSOR_INSTRUCTIONS` more; only the globals a checkpoint of tensors, numbers, strings,
+  lists and dicts needs (and those registered with ``torch.serialization.add_safe_globals`` by
+  other packages than torch), called only in the ways ``torch.save`` writes them, each argument
+  of the kind it writes there (``set(list)``, ``Counter(dict)``, ``OrderedDict()``,
+  ``torch.Size(ints)``, a tensor rebuild's storage, sizes and dict of flags, an object's state as
+  a dict or a pair of dicts): the loader iterates, hashes, copies or prints what these calls are
+  given, and a tensor iterated makes an object per element it declares (a view of one stored
+  byte declares any number), a tuple hashed or printed visits every item it reaches (64 levels
+  of a tuple holding its inner one twice is a kilobyte); dict keys and set items only strings,
+  ints below 2**61 - 1 in size, floats, bools and None (a tuple key is refused: its hash is
+  computed anew at each use, and tuples or large ints can be made to share one hash, which makes
+  a dict quadratic to build; at most a few hundred floats share one); every storage it refers to
+  present with the size it declares; and the objects it makes, estimated from their sizes in
+  CPython (a tensor's sizes and strides, and each copy of a dict an object takes as its state,
+  included), within :data:`EXTRA_MEMORY` plus the file's size less the storages and twice the
+  pickle (torch holds its bytes and a copy). The walk itself compares no value of the file but
+  strings and ints, and hashes none but those and the bytes naming a global. What a global registered by another
+  package does with its arguments, or with a state its own ``__setstate__`` takes, is that
+  package's: the walk counts a fixed size for it.
 
 A file refused here raises :class:`~hyperrng.errors.InvalidArgumentError` naming the limit,
 before torch has read anything of it. Where the pickle names a global that torch's loader
 refuses, the walk stops there and leaves the refusal to torch, which makes nothing beyond what
 was counted. A checkpoint that legitimately exceeds a limit (more than about 7,000 tensors in
-one file, whose objects take some 2 KB each; quantized or sparse tensors) can still be read with
-``torch.load(path, weights_only=True)`` directly and its state passed to
+one file, whose objects take some 2 KB each; quantized or sparse tensors; tuple dict keys) can
+still be read with ``torch.load(path, weights_only=True)`` directly and its state passed to
 :func:`hyperrng.load_rng_state_dict`, whose own checks hold for any dict.
 """
 
@@ -41,7 +56,7 @@ import torch
 
 from hyperrng.errors import InvalidArgumentError
 
-__all__ = ["BYTES_PER_INSTRUCTION", "EXTRA_MEMORY", "FREE_INSTRUCTIONS", "check_file"]
+__all__ = ["BYTES_PER_INSTRUCTION", "EXTRA_MEMORY", "FREE_INSTRUCTIONS", "TENSOR_INSTRUCTIONS", "check_file"]
 
 EXTRA_MEMORY = 16 << 20
 """Bytes (16 MiB) a load may hold beyond the file's size: the objects of its pickle (estimated
@@ -54,13 +69,24 @@ FREE_INSTRUCTIONS = 1 << 13
 dimensions holds about 52,500, and its file (350 to 375 KB with a counter-based device's
 16-byte states, the smallest) pays for all but about 2,300 of them."""
 
+TENSOR_INSTRUCTIONS = 12
+"""Instructions a tensor rebuilt over a storage that an earlier one used (or over none: a meta
+tensor) counts as, beyond its own: torch takes 20 to 40 microseconds to rebuild a tensor (a plain
+instruction takes it one to four), and a pickle that gives one memoized tuple of arguments to each
+rebuild makes a tensor every three instructions. The first tensor over each storage is not
+counted: the storage's entry in the zip (over 100 bytes) pays for it, as in what torch.save
+writes, one storage for each tensor that is not a view."""
+
 BYTES_PER_INSTRUCTION = 7
 """Bytes of file that pay for one pickle instruction beyond :data:`FREE_INSTRUCTIONS`:
 ``torch.save`` writes about one per 10 bytes for a dict of tiny tensors (each stored in an
 entry of its own), one per 7 for the largest documented RNG state, far fewer for larger
-tensors. torch's loader takes 2 to 4 microseconds per instruction, this walk about one and
-the digest one or two, so a file is read or refused in well under a second per megabyte (plus
-a few hundredths of a second for the free instructions)."""
+tensors. torch's loader takes one to four microseconds of processor time per instruction (a
+tensor 20 to 40, see :data:`TENSOR_INSTRUCTIONS`; a storage's entry about 50) and this walk
+about one, so a file is read or refused in under half a second of processor time per megabyte
+(0.2 to 0.45 s for the costliest files built to test this: a tiny tensor over a storage of its
+own every 140 bytes, a tensor every three instructions, a tuple nested 150,000 deep), plus a
+few hundredths of a second for the free instructions."""
 
 _EOCD = struct.Struct("<IHHHHIIH")  # end of central directory
 _EOCD_SIG = 0x06054B50
@@ -100,8 +126,9 @@ def check_file(file: IO[bytes], path: str) -> None:
     budget = EXTRA_MEMORY + size - 2 * length - stored  # torch holds the pickle twice (its bytes, a copy to read)
     if pickle.cost > budget:
         raise archive.refuse(
-            f"its pickle makes objects of about {pickle.cost >> 20} MiB and {stored >> 20} MiB of storages: a load "
-            f"would hold more than the file's size plus {EXTRA_MEMORY >> 20} MiB (hyperrng._untrusted.EXTRA_MEMORY)"
+            f"its pickle makes objects of about {_mib(pickle.cost)} and refers to {_mib(stored)} of storages: with "
+            f"the pickle's {_mib(length)}, which torch holds twice, a load would hold more than the file's size plus "
+            f"{_mib(EXTRA_MEMORY)} (hyperrng._untrusted.EXTRA_MEMORY)"
         )
     file.seek(0)
 
@@ -140,9 +167,10 @@ class _Archive:
     def refuse(self, detail: str) -> InvalidArgumentError:
         """A file beyond what the load reads safely (see the module's docstring)."""
         return InvalidArgumentError(
-            f"refused the RNG state at {self.path!r} before loading it: {detail}. torch.save never writes such a file "
-            "for an RNG state; a checkpoint you trust can be read with torch.load(path, weights_only=True) and its "
-            "state passed to hyperrng.load_rng_state_dict."
+            f"refused the RNG state at {self.path!r} before loading it: {detail}. load_rng_state reads only files "
+            "whose load it can bound by their size (its documentation lists the limits), whoever wrote them; a "
+            "checkpoint you trust can be read with torch.load(path, weights_only=True) and its state passed to "
+            "hyperrng.load_rng_state_dict."
         )
 
     def damaged(self, detail: str) -> InvalidArgumentError:
@@ -288,21 +316,27 @@ def _shown(name: bytes) -> str:
 
 
 class _Global:
-    """A global the pickle names: its name, and what calling it may do (its kind)."""
+    """A global the pickle names: its name, what calling it may do (its kind), and for a class
+    registered by another package, whether it takes the state ``BUILD`` gives it in code of its
+    own (``__setstate__``) rather than torch's."""
 
-    __slots__ = ("kind", "name")
+    __slots__ = ("kind", "name", "own_state")
 
-    def __init__(self, name: str, kind: str) -> None:
-        self.name, self.kind = name, kind
+    def __init__(self, name: str, kind: str, own_state: bool = True) -> None:
+        self.name, self.kind, self.own_state = name, kind, own_state
 
 
 class _Box:
-    """A list, dict or set the pickle makes, with the number of items put into it."""
+    """A list, dict or set the pickle makes, with the number of items put into it; for a list, what
+    the first of them that does not hash in bounded time is (:func:`_hashes_fast`; ``set(list)``
+    hashes them), or ``None``; for a dict, whether each item set maps a string to a bool, as a
+    tensor's metadata does (torch's refusal of other metadata prints it whole)."""
 
-    __slots__ = ("items", "kind")
+    __slots__ = ("flags", "items", "kind", "slow")
 
     def __init__(self, kind: str) -> None:
-        self.kind, self.items = kind, 0
+        self.kind, self.items, self.flags = kind, 0, True
+        self.slow: str | None = None
 
 
 class _Text:
@@ -314,8 +348,36 @@ class _Text:
         self.length = length
 
 
-_TENSOR = object()  # what a tensor rebuild or a storage reference makes
+class _Bytes(_Text):
+    """A ``bytes`` object (``_codecs.encode``'s), by its length."""
+
+    __slots__ = ()
+
+
+class _Made:
+    """An object a registered global's call made: :attr:`_Global.own_state` of that global."""
+
+    __slots__ = ("own_state",)
+
+    def __init__(self, own_state: bool) -> None:
+        self.own_state = own_state
+
+
+_TENSOR = object()  # what a tensor rebuild makes
+
+
+class _StorageRef:
+    """What a storage reference makes: the storage's key."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+_A_FLOAT = object()  # a float
 _OTHER = object()  # another object whose value the scan does not need
+_HASH_MODULUS = sys.hash_info.modulus  # 2**61 - 1: ints hash to themselves modulo it
 _SHORT = 64  # strings up to this many bytes are kept as themselves (keys, locations, encodings)
 
 # Approximate sizes, in bytes, of what the loader makes (CPython on 64 bits; a tensor with its
@@ -346,6 +408,21 @@ _KINDS: dict[str, str] = {
 }
 _LATIN1 = {"latin1", "latin-1"}
 _NEW_KINDS = {"parameter", "odict", "counter", "set", "trusted"}  # what NEWOBJ may create
+_MAPPINGS = ("dict", "odict", "counter")
+
+# The arguments of each tensor rebuild, as torch.save writes them, and how many are required:
+# S a storage, t a tensor, i an int, T a tuple of ints (sizes, strides), b a bool, d a dtype, H
+# the hooks (an OrderedDict, a dict or None), M the metadata (None or a dict of strings to bools),
+# s an object's state (see _Pickle._state).
+_REBUILDS = {
+    "torch._utils._rebuild_tensor": ("SiTT", 4),
+    "torch._utils._rebuild_tensor_v2": ("SiTTbHM", 6),
+    "torch._utils._rebuild_tensor_v3": ("SiTTbHdM", 7),
+    "torch._utils._rebuild_parameter": ("tbH", 3),
+    "torch._utils._rebuild_parameter_with_state": ("tbHs", 4),
+    "torch._utils._rebuild_meta_tensor_no_storage": ("dTTb", 4),
+    "torch.nn.parameter.Parameter": ("tb", 0),
+}
 
 
 def _kinds() -> dict[str, str]:
@@ -364,6 +441,18 @@ def _kinds() -> dict[str, str]:
         if isinstance(name, str) and not name.startswith("torch."):
             kinds.setdefault(name, "trusted")
     return kinds
+
+
+def _own_state(name: str) -> bool:
+    """Whether what the registered global ``name`` makes takes a ``BUILD``'s state in code of its
+    own (a class with ``__setstate__``, or a function, whose result's class the scan cannot know),
+    rather than in torch's, which copies a dict (or a pair of them) into the object."""
+    for entry in getattr(torch.serialization, "get_safe_globals", list)():
+        obj = entry[0] if isinstance(entry, tuple) else entry
+        if (entry[1] if isinstance(entry, tuple) else f"{obj.__module__}.{obj.__qualname__}") == name:
+            own = getattr(obj, "__setstate__", None) if isinstance(obj, type) else _OTHER
+            return own is not None and own is not torch.Tensor.__setstate__
+    return True
 
 
 def _torch_allows(name: str) -> bool:
@@ -395,12 +484,20 @@ class _Pickle:
         self.budget = EXTRA_MEMORY + file_size - 2 * len(data)  # the storages' share is taken off later
         self.cost = 0
         self.storages: dict[str, int] = {}
+        self.rebuilt: set[str] = set()  # the storages a tensor was rebuilt over
+        self.work = 0  # the instructions the last call counts as, beyond its own
 
     def fail(self, detail: str) -> InvalidArgumentError:
         return self.archive.refuse(f"its pickle {detail}")
 
     def damaged(self, detail: str) -> InvalidArgumentError:
         return self.archive.damaged(f"its pickle {detail}")
+
+    def over_budget(self) -> InvalidArgumentError:
+        return self.fail(
+            f"makes objects of more than {_mib(self.budget)}: {_mib(EXTRA_MEMORY)} (hyperrng._untrusted.EXTRA_MEMORY) "
+            "plus the file's size less twice its pickle's (torch holds the pickle's bytes and a copy of them)"
+        )
 
     def walk(self) -> None:  # noqa: C901 - one loop over the instructions, as the unpickler's
         data, n = self.data, len(self.data)
@@ -422,15 +519,13 @@ class _Pickle:
                 count += 1
                 if count > limit:
                     raise self.fail(
-                        f"holds more than {limit} instructions: {FREE_INSTRUCTIONS} plus one per "
-                        f"{BYTES_PER_INSTRUCTION} bytes of the file (hyperrng._untrusted.FREE_INSTRUCTIONS, "
-                        "BYTES_PER_INSTRUCTION), which bounds the time torch's loader takes"
+                        f"holds more than {limit} instructions (each tensor counted as {TENSOR_INSTRUCTIONS} more): "
+                        f"{FREE_INSTRUCTIONS} plus one per {BYTES_PER_INSTRUCTION} bytes of the file "
+                        "(hyperrng._untrusted.FREE_INSTRUCTIONS, BYTES_PER_INSTRUCTION, TENSOR_INSTRUCTIONS), which "
+                        "bounds the time torch's loader takes"
                     )
                 if cost > budget:
-                    raise self.fail(
-                        f"makes objects of more than {budget >> 20} MiB: the file's size plus "
-                        f"{EXTRA_MEMORY >> 20} MiB (hyperrng._untrusted.EXTRA_MEMORY)"
-                    )
+                    raise self.over_budget()
                 if op == 0x71:  # BINPUT
                     memo[data[i]] = stack[-1]
                     i += 1
@@ -483,18 +578,23 @@ class _Pickle:
                     if op == 0x75:
                         items = stack
                         stack = metastack.pop()
-                        pairs = len(items) // 2
                     else:
                         if len(stack) < 3:
                             raise self.damaged("sets an item without a dict and its key and value")
+                        items = stack[-2:]
                         del stack[-2:]
-                        pairs = 1
-                    target = stack[-1]
-                    per = _DICT_ITEM
-                    if isinstance(target, _Box):
-                        target.items += pairs
-                        per = _ODICT_ITEM if target.kind in ("odict", "counter") else _DICT_ITEM
-                    cost += per * pairs
+                    target, keys = stack[-1], items[0::2]
+                    if not isinstance(target, _Box) or target.kind not in _MAPPINGS:
+                        raise self.fail(f"sets an item of {_named(target)}, which torch's loader refuses")
+                    for key in keys:
+                        if not _hashes_fast(key):
+                            raise self.fail(_SLOW_HASH.format(what="a dict key", value=_named(key)))
+                    if target.flags:
+                        target.flags = all(type(key) is str for key in keys) and all(
+                            type(value) is bool for value in items[1::2]
+                        )
+                    target.items += len(keys)
+                    cost += (_DICT_ITEM if target.kind == "dict" else _ODICT_ITEM) * len(keys)
                 elif op == 0x65 or op == 0x61:  # APPENDS, APPEND
                     if op == 0x65:
                         items = stack
@@ -503,16 +603,20 @@ class _Pickle:
                     else:
                         if len(stack) < 2:
                             raise self.damaged("appends without a list and an item")
-                        stack.pop()
+                        items = [stack.pop()]
                         added = 1
                     target = stack[-1]
-                    if isinstance(target, _Box):
-                        target.items += added
+                    if not isinstance(target, _Box) or target.kind != "list":
+                        raise self.fail(f"appends to {_named(target)}, which torch's loader refuses")
+                    target.items += added
+                    if target.slow is None:
+                        target.slow = next((_named(item) for item in items if not _hashes_fast(item)), None)
                     cost += (_SLOT + 1) * added
                 elif op == 0x52:  # REDUCE
                     args = stack.pop()
                     stack[-1], made = self._call(stack[-1], args)
                     cost += made
+                    count, self.work = count + self.work, 0
                 elif op == 0x81:  # NEWOBJ
                     args = stack.pop()
                     cls = stack.pop()
@@ -521,10 +625,10 @@ class _Pickle:
                     value, made = self._call(cls, args)
                     stack.append(value)
                     cost += made
+                    count, self.work = count + self.work, 0
                 elif op == 0x62:  # BUILD
-                    stack.pop()
-                    if not stack:
-                        raise self.damaged("builds from an empty stack")
+                    state = stack.pop()
+                    cost += self._build(stack[-1], state)
                 elif op == 0x51:  # BINPERSID
                     stack[-1] = self._storage(stack[-1])
                     cost += _STORAGE_COST
@@ -550,7 +654,8 @@ class _Pickle:
                                 f"names {full}, which a checkpoint of tensors, numbers, strings, lists and dicts does "
                                 "not need (quantized, sparse and nested tensors are among what is refused)"
                             )
-                        found = globals_seen[data[start:last]] = _Global(full, kind)
+                        own = _own_state(full) if kind == "trusted" else False
+                        found = globals_seen[data[start:last]] = _Global(full, kind, own)
                     stack.append(found)
                     cost += _SLOT
                 elif op == 0x4A:  # BININT
@@ -563,7 +668,7 @@ class _Pickle:
                     cost += _INT
                 elif op == 0x47:  # BINFLOAT
                     i += 8
-                    stack.append(_OTHER)
+                    stack.append(_A_FLOAT)
                     cost += _FLOAT
                 elif op == 0x8A:  # LONG1
                     length = data[i]
@@ -602,65 +707,154 @@ class _Pickle:
         except (IndexError, KeyError, struct.error, UnicodeDecodeError):
             raise self.damaged(f"is malformed at byte {i} (an instruction without its argument or stack)") from None
         if cost > budget:
-            raise self.fail(f"makes objects of more than {budget >> 20} MiB")
+            raise self.over_budget()
         self.cost = cost
 
-    def _call(self, func: Any, args: Any) -> tuple[Any, int]:
+    def _call(self, func: Any, args: Any) -> tuple[Any, int]:  # noqa: C901 - one case per kind
         """What calling ``func`` with ``args`` makes, and its estimated size; refused unless it is a
-        call ``torch.save`` writes."""
+        call ``torch.save`` writes, with arguments of the shapes it writes: the loader iterates,
+        hashes, copies or prints what these calls are given, and an argument of another shape (a
+        tensor, whose iteration makes an object per element it declares; a tuple, whose hash or
+        text visits each item it reaches, again at each reference) costs what the file does not
+        bound."""
         if not isinstance(func, _Global):
             raise self.fail(f"calls {_named(func)}, which is not a global")
-        if not isinstance(args, tuple):
+        if type(args) is not tuple:
             raise self.fail(f"calls {func.name} with arguments that are not a tuple")
-        kind = func.kind
+        kind, n = func.kind, len(args)
         if kind in ("tensor", "parameter"):
-            return _TENSOR, _TENSOR_COST
+            return _TENSOR, self._rebuild(func, args)
         if kind == "from_type":  # _rebuild_from_type_v2(func, type, args, state) calls func(*args)
-            if len(args) != 4 or not isinstance(args[0], _Global) or args[0].kind != "tensor":
+            if n != 4 or not isinstance(args[0], _Global) or args[0].kind != "tensor":
                 raise self.fail("rebuilds a tensor subclass with a function other than a tensor rebuild")
-            if not isinstance(args[1], _Global) or args[1].kind not in ("tensor_type", "parameter", "trusted"):
-                raise self.fail(f"rebuilds a tensor as {_named(args[1])}, which is not a tensor type")
-            return _TENSOR, _TENSOR_COST
-        if kind in ("odict", "counter", "set"):
-            items = sum(_length(a) for a in args)
-            per = _SET_ITEM if kind == "set" else _ODICT_ITEM
+            cls = args[1]
+            if not isinstance(cls, _Global) or cls.kind not in ("tensor_type", "parameter", "trusted"):
+                raise self.fail(f"rebuilds a tensor as {_named(cls)}, which is not a tensor type")
+            if type(args[2]) is not tuple:
+                raise self.fail(self._shape(args[0].name, args[2]))
+            return _TENSOR, self._rebuild(args[0], args[2]) + self._state(args[3], cls.own_state)
+        if kind == "odict" and n == 0:  # its items follow, set one by one
+            return _Box(kind), _DICT
+        if kind == "counter" and (n == 0 or (n == 1 and _is_box(args[0], _MAPPINGS))):  # Counter(dict)
             box = _Box(kind)
-            box.items = items
-            return box, _DICT + per * items + (_STR * items if any(isinstance(a, (str, _Text)) for a in args) else 0)
-        if kind == "size":
-            return _OTHER, _TUPLE + (_SLOT + _INT) * sum(_length(a) for a in args)
-        if kind in ("device", "layout", "complex"):
-            if any(isinstance(a, (_Text, _Box, tuple)) for a in args):
-                raise self.fail(f"calls {func.name} with an argument torch.save never gives it")
+            box.items = args[0].items if n else 0
+            return box, _DICT + _ODICT_ITEM * box.items
+        if kind == "set" and (n == 0 or (n == 1 and _is_box(args[0], ("list",)))):  # set(list)
+            if n and args[0].slow is not None:
+                raise self.fail(_SLOW_HASH.format(what="a set item", value=args[0].slow))
+            box = _Box(kind)
+            box.items = args[0].items if n else 0
+            return box, _SET + _SET_ITEM * box.items
+        if kind == "size" and n == 1 and _ints(args[0]):  # torch.Size(tuple of ints)
+            return _OTHER, _TUPLE + (_SLOT + _INT) * len(args[0])
+        if kind == "device" and 1 <= n <= 2 and type(args[0]) is str and (n == 1 or type(args[1]) is int):
+            return _OTHER, _DICT  # torch.device(type) or torch.device(type, index)
+        if kind == "layout" and n == 1 and type(args[0]) is str:  # _get_layout(name)
             return _OTHER, _DICT
-        if kind == "encode":
-            if len(args) != 2 or args[1] not in _LATIN1 or not isinstance(args[0], (str, _Text)):
+        if kind == "complex" and n <= 2 and all(a is _A_FLOAT or type(a) is int for a in args):
+            return _OTHER, _DICT
+        if kind == "encode":  # _codecs.encode(text, "latin1"): bytes
+            if n != 2 or not _is_latin1(args[1]) or not (type(args[0]) is str or type(args[0]) is _Text):
                 raise self.fail("encodes text other than as torch.save does (latin1)")
-            return _Text(_length(args[0])), _STR + _length(args[0])
-        if kind == "bytearray":
-            if args and not (
-                (len(args) == 2 and args[1] in _LATIN1 and isinstance(args[0], (str, _Text)))
-                or (len(args) == 1 and isinstance(args[0], _Text))
+            return _Bytes(_length(args[0])), _STR + _length(args[0])
+        if kind == "bytearray":  # bytearray(bytes), bytearray(text, "latin1") or bytearray()
+            if not (
+                n == 0
+                or (n == 1 and type(args[0]) is _Bytes)
+                or (n == 2 and _is_latin1(args[1]) and (type(args[0]) is str or type(args[0]) is _Text))
             ):
                 raise self.fail("makes a bytearray other than from its bytes, as torch.save writes it")
             return _OTHER, _STR + (_length(args[0]) if args else 0)
         if kind == "trusted":
-            return _OTHER, _TRUSTED_COST
+            return _Made(func.own_state), _TRUSTED_COST
+        if kind in ("odict", "counter", "set", "size", "device", "layout", "complex"):
+            raise self.fail(self._shape(func.name, args))
         raise self.fail(
             f"calls {func.name}, which a checkpoint of dense tensors does not need and which can make more than the "
             "file holds (a tensor of a size it names, a copy of a view)"
         )
 
+    def _shape(self, name: str, args: Any) -> str:
+        kinds = ", ".join(_named(a) for a in args[:8]) if type(args) is tuple else _named(args)
+        return (
+            f"calls {name} with ({kinds}), arguments of a shape torch.save never gives it (the loader would iterate, "
+            "hash, copy or print them, in work the file's size does not bound)"
+        )
+
+    def _rebuild(self, func: _Global, args: tuple[Any, ...]) -> int:
+        """The estimated size of the tensor ``func(*args)`` makes (its sizes and strides included),
+        refused unless each argument is of the kind torch.save writes there (:data:`_REBUILDS`);
+        :attr:`work` made :data:`TENSOR_INSTRUCTIONS` unless it is the first over its storage."""
+        spec, required = _REBUILDS.get(func.name, ("", 0))
+        if not spec or not required <= len(args) <= len(spec):
+            raise self.fail(self._shape(func.name, args))
+        cost, work = _TENSOR_COST, TENSOR_INSTRUCTIONS
+        for code, arg in zip(spec, args):
+            if code == "S":
+                ok = type(arg) is _StorageRef
+                if ok and arg.key not in self.rebuilt:
+                    self.rebuilt.add(arg.key)  # its entry's bytes pay for it
+                    work = 0
+            elif code == "t":
+                ok = arg is _TENSOR
+            elif code == "i":
+                ok = type(arg) is int
+            elif code == "b":
+                ok = type(arg) is bool
+            elif code == "d":
+                ok = isinstance(arg, _Global) and arg.kind == "dtype"
+            elif code == "T":
+                ok = _ints(arg)
+                cost += 2 * _SLOT * len(arg) if ok else 0  # each dimension's size and stride, held by the tensor
+            elif code == "H":
+                ok = arg is None or _is_box(arg, ("odict", "dict"))
+            elif code == "M":
+                ok = arg is None or (_is_box(arg, ("dict",)) and arg.flags)
+                cost += _DICT_ITEM * arg.items if ok and arg is not None else 0  # read into a map at each use
+            else:  # "s"
+                cost += self._state(arg, own=False)
+                ok = True
+            if not ok:
+                raise self.fail(self._shape(func.name, args))
+        self.work += work
+        return cost
+
+    def _state(self, state: Any, own: bool) -> int:
+        """The estimated size of what an object's state adds to it: torch copies a dict, or a pair
+        of (dict, slots' dict), into the object, and prints anything else in its refusal, so only
+        those are accepted, unless ``own`` (a registered class's own ``__setstate__`` takes it)."""
+        if own:
+            return _TRUSTED_COST
+        parts = state if type(state) is tuple and len(state) == 2 else (state,)
+        if not all(part is None or _is_box(part, _MAPPINGS) for part in parts):
+            raise self.fail(
+                f"gives an object a state of {_named(state)}, which torch.save never writes (a dict, or a pair of "
+                "dicts, copied into the object; torch's refusal of another would print it whole)"
+            )
+        return sum(_DICT_ITEM * part.items for part in parts if part is not None)
+
+    def _build(self, target: Any, state: Any) -> int:
+        """The estimated size of what ``BUILD`` adds to ``target``: an OrderedDict's attributes (a
+        module's state dict has ``_metadata``), or the state of an object of a registered class."""
+        if _is_box(target, ("odict",)):  # torch: target.__dict__.update(state)
+            if not _is_box(state, _MAPPINGS):
+                raise self.fail(f"builds an OrderedDict from {_named(state)}, which torch.save never writes")
+            return _DICT_ITEM * state.items
+        if isinstance(target, _Made):
+            return self._state(state, target.own_state)
+        raise self.fail(f"builds {_named(target)} from a state, which torch.save never writes")
+
     def _storage(self, pid: Any) -> object:
         """Record a storage reference ``('storage', type, key, location, numel)``."""
         if not (
-            isinstance(pid, tuple)
+            type(pid) is tuple
             and len(pid) == 5
+            and type(pid[0]) is str
             and pid[0] == "storage"
             and isinstance(pid[1], _Global)
             and pid[1].kind == "storage"
-            and isinstance(pid[2], str)
-            and isinstance(pid[3], str)
+            and type(pid[2]) is str
+            and type(pid[3]) is str
             and type(pid[4]) is int
             and pid[4] >= 0
         ):
@@ -668,21 +862,67 @@ class _Pickle:
         nbytes = pid[4] * _itemsize(pid[1].name)
         if self.storages.setdefault(pid[2], nbytes) != nbytes:
             raise self.fail(f"declares storage {pid[2]!r} with two sizes")
-        return _TENSOR
+        return _StorageRef(pid[2])
+
+
+_SLOW_HASH = (
+    "holds {what} that is {value}: only strings, ints below 2**61 - 1 in size, floats, bools and None are accepted "
+    "(a tuple's hash visits every item it reaches, anew at each use, and ints or tuples can be made to share one "
+    "hash, so that building the dict or set takes time quadratic in its size)"
+)
+
+
+def _hashes_fast(value: Any) -> bool:
+    """Whether the loader hashes ``value`` in bounded time and few values share its hash: a string
+    (hashed once, with a per-process key), an int that hashes to itself, a float (at most a few
+    hundred share a hash), a bool or None. The check reads types only: it hashes nothing."""
+    kind = type(value)
+    return (
+        kind is str
+        or kind is _Text
+        or value is _A_FLOAT
+        or value is None
+        or kind is bool
+        or (kind is int and -_HASH_MODULUS < value < _HASH_MODULUS)
+    )
+
+
+def _is_box(value: Any, kinds: tuple[str, ...]) -> bool:
+    return type(value) is _Box and value.kind in kinds
+
+
+def _is_latin1(value: Any) -> bool:
+    return type(value) is str and value in _LATIN1  # a string is hashed in its length, once
+
+
+def _ints(value: Any) -> bool:
+    """Whether ``value`` is a tuple of ints (a size or stride)."""
+    return type(value) is tuple and all(type(item) is int for item in value)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _length(value: Any) -> int:
-    """Items (or characters) of an argument, as far as the scan knows them."""
-    if isinstance(value, _Box):
-        return value.items
+    """Characters of a string (or bytes of bytes), as far as the scan knows them."""
     if isinstance(value, _Text):
         return value.length
-    if isinstance(value, (str, tuple)):
-        return len(value)
-    if type(value) is int:
-        return max(value, 0)
-    return 1
+    return len(value) if type(value) is str else 0
 
 
 def _named(value: object) -> str:
-    return value.name if isinstance(value, _Global) else f"a {type(value).__name__.strip('_').lower()}"
+    """What ``value`` is, in a few words (never its text: a file's value may be of any size)."""
+    if isinstance(value, _Global):
+        return value.name
+    if type(value) is _Box:
+        return {"odict": "an OrderedDict", "counter": "a Counter"}.get(value.kind, f"a {value.kind}")
+    if type(value) is int:
+        return "an int" if -_HASH_MODULUS < value < _HASH_MODULUS else "an int of 2**61 - 1 or more in size"
+    if type(value) is _StorageRef:
+        return "a storage"
+    for marker, name in ((_TENSOR, "a tensor"), (_A_FLOAT, "a float"), (None, "None")):
+        if value is marker:
+            return name
+    names = {str: "a str", _Text: "a str", _Bytes: "a bytes", bool: "a bool", tuple: "a tuple"}
+    return names.get(type(value), "an object")

@@ -9,6 +9,7 @@ zip entries sharing one region, and pickles that make far more than their bytes.
 
 from __future__ import annotations
 
+import _codecs
 import collections
 import dataclasses
 import hashlib
@@ -470,7 +471,11 @@ def test_a_pickle_whose_objects_outgrow_the_file_is_refused(
 ) -> None:
     monkeypatch.setattr(_untrusted, "EXTRA_MEMORY", 64 * 1024)  # the limit's mechanism, at a size quick to build
     data = _torch_file(_program(b"](" + b"\x8f" * 2000 + b"e"))  # 2,000 empty sets, 216 bytes each
-    _refused_file(tmp_path, data, no_torch_load, "EXTRA_MEMORY")
+    error = str(_refused_file(tmp_path, data, no_torch_load, "EXTRA_MEMORY"))
+    # The message states the rule the check applies: the pickle's bytes count twice.
+    budget = 64 * 1024 + len(data) - 2 * len(_program(b"](" + b"\x8f" * 2000 + b"e"))
+    assert f"more than {budget / _MiB:.1f} MiB: 0.1 MiB" in error and "less twice its pickle's" in error, error
+    assert "torch.save never writes such a file" not in error  # save_rng_state may have written it
 
 
 def test_a_pickle_naming_a_global_torch_refuses_is_left_for_torch_to_refuse(tmp_path: Path) -> None:
@@ -478,3 +483,183 @@ def test_a_pickle_naming_a_global_torch_refuses_is_left_for_torch_to_refuse(tmp_
     path.write_bytes(_torch_file(_program(b"cos\nsystem\n")))
     with pytest.raises(InvalidArgumentError, match="UnpicklingError"):
         load_rng_state(path)
+
+
+# -- what the loader's calls iterate, hash or copy -------------------------------------------------
+
+
+class _Call:
+    """Pickles as ``func(*args)``, then ``BUILD`` with ``state`` where one is given."""
+
+    def __init__(self, func: Any, args: tuple[Any, ...], state: Any = None) -> None:
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self) -> Any:
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+def _view(n: int, rows: int = 0) -> _Tensor:
+    """``n`` elements (``rows`` of 2 where given) seen over one stored byte, by stride 0."""
+    return _Tensor(_Storage("0", 1), (rows, 2) if rows else (n,), (0, 0) if rows else (0,))
+
+
+def _shared_tuple(levels: int) -> Any:
+    """A tuple of ``levels`` levels, each level its inner one twice: pickled in a few bytes per level,
+    hashed or printed in 2**levels steps."""
+    value: Any = 0
+    for _ in range(levels):
+        value = (value, value)
+    return value
+
+
+_ODICT = collections.OrderedDict
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (_Call(set, (_view(1 << 16),)), "calls builtins.set with"),
+        (_Call(collections.Counter, (_view(1 << 16),)), "calls collections.Counter with"),
+        (_Call(_ODICT, (_view(0, rows=1 << 16),)), "calls collections.OrderedDict with"),
+        (_Call(torch.Size, (_view(1 << 16),)), "calls torch.Size with"),
+        (_Call(torch.serialization._get_layout, (_view(1 << 16),)), "calls torch.serialization._get_layout with"),
+        (_Call(_ODICT, (), _view(0, rows=1 << 16)), "builds an OrderedDict from"),
+        (
+            _Call(torch._utils._rebuild_tensor_v2, (_Storage("0", 1), 0, (1,), (1,), False, _ODICT()), _view(1 << 16)),
+            "builds a tensor",
+        ),
+        (
+            _Call(
+                torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_tensor_v2, torch.Tensor, _view(1 << 16), {})
+            ),
+            "calls torch._utils._rebuild_tensor_v2 with",
+        ),
+    ],  # fmt: skip
+    ids=["set", "Counter", "OrderedDict", "Size", "layout", "OrderedDict-state", "tensor-state", "subclass-args"],
+)
+def test_a_call_that_would_iterate_a_tensor_is_refused(
+    tmp_path: Path, no_torch_load: list[Any], value: Any, fragment: str
+) -> None:
+    # Iterating a tensor makes an object per element, and a stride-0 view of one stored byte
+    # declares any number: set(<2**20 elements>) in a 1 KB file took 918 MB; printing one (the
+    # KeyError of torch.serialization._get_layout) took 29 s and 870 MB for 2**20 elements.
+    _refused_file(tmp_path, _torch_file(_dumps({"k": value}), (("0", b"\x00"),)), no_torch_load, fragment)
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ({_shared_tuple(20): 1}, "a dict key"),
+        (_Call(set, ([_shared_tuple(20)],)), "a set item"),
+        ({(1, 2): 1}, "a dict key"),
+        ({k * ((1 << 61) - 1): 0 for k in range(1, 4)}, "a dict key"),
+        (_Call(set, ([1 << 61],)), "a set item"),
+    ],
+    ids=["shared-tuple-key", "shared-tuple-item", "tuple-key", "colliding-int-keys", "large-int-item"],
+)
+def test_a_dict_key_or_set_item_whose_hash_is_not_bounded_is_refused(
+    tmp_path: Path, no_torch_load: list[Any], value: Any, fragment: str
+) -> None:
+    # A tuple is hashed anew at each use, over every item it reaches: 64 levels of shared tuples
+    # (1.2 KB) never finished hashing, and a key 300,000 tuples deep crashed CPython's recursive
+    # hash. Ints that are multiples of 2**61 - 1 all hash to 0: 20,000 such keys (280 KB) took
+    # 6.6 s to insert.
+    _refused_file(tmp_path, _torch_file(_dumps({"k": value})), no_torch_load, fragment)
+
+
+_PRINTED = _shared_tuple(20)  # 2**20 steps to print
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (
+            _Call(
+                torch._utils._rebuild_parameter_with_state,
+                (_Tensor(_Storage("0", 1), (1,), (1,)), False, _ODICT(), (_PRINTED, 0, 0)),
+            ),
+            "gives an object a state of a tuple",
+        ),
+        (
+            _Call(
+                torch._tensor._rebuild_from_type_v2,
+                (
+                    torch._utils._rebuild_tensor_v2,
+                    torch.Tensor,
+                    (_Storage("0", 1), 0, (1,), (1,), False, _ODICT()),
+                    (_PRINTED, 0, 0),
+                ),
+            ),
+            "gives an object a state of a tuple",
+        ),
+        (
+            _Call(
+                torch._utils._rebuild_tensor_v2, (_Storage("0", 1), 0, (1,), (1,), False, _ODICT(), {"conj": _PRINTED})
+            ),
+            "calls torch._utils._rebuild_tensor_v2 with",
+        ),
+    ],
+    ids=["parameter-state", "subclass-state", "metadata"],
+)
+def test_what_torch_would_print_in_its_refusal_is_refused_first(
+    tmp_path: Path, no_torch_load: list[Any], value: Any, fragment: str
+) -> None:
+    # torch refuses an object's state that is not a dict or a pair of dicts, and metadata that is not
+    # a dict of strings to bools, by printing it in its error: 2**22 steps took 3.3 s, and 64
+    # shared levels (1.2 KB) never end.
+    _refused_file(tmp_path, _torch_file(_dumps({"k": value}), (("0", b"\x00"),)), no_torch_load, fragment)
+
+
+def test_keys_and_set_items_of_every_kind_the_check_accepts_load(tmp_path: Path) -> None:
+    keys = {"s": 0, -1: 1, -2: 2, (1 << 61) - 2: 3, 0.5: 4, float("inf"): 5, None: 6, True: 7}
+    value: dict[str, Any] = {"keys": keys, "counter": collections.Counter("aab")}
+    if _round_trips({1}):  # torch 2.5's loader refuses sets
+        value["set"] = {"a", 1, -(1 << 61) + 2, 2.5, None, False}
+    torch.save(value, tmp_path / "rng.pt")
+    assert load_rng_state(tmp_path / "rng.pt") == value
+
+
+def test_the_walk_compares_no_value_of_the_file_but_strings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `args[1] in {"latin1", ...}` hashed the file's tuple before refusing it: 2**24 steps took
+    # 0.3 s in the check itself, and a deep one would crash it.
+    looked_up: list[type] = []
+
+    class Latin1(set[str]):
+        def __contains__(self, value: object) -> bool:
+            looked_up.append(type(value))
+            return super().__contains__(value)
+
+    monkeypatch.setattr(_untrusted, "_LATIN1", Latin1(_untrusted._LATIN1))
+    pkl = _dumps({"k": _Call(_codecs.encode, ("x", _shared_tuple(3)))})
+    path = tmp_path / "rng.pt"
+    path.write_bytes(_torch_file(pkl))
+    with pytest.raises(InvalidArgumentError, match="latin1"):
+        load_rng_state(path)
+    assert set(looked_up) <= {str}, looked_up
+
+
+@pytest.mark.parametrize("kind", ["tensor-dims", "shared-state", "shared-build", "shared-metadata"])
+def test_what_each_tensor_or_object_copies_is_counted(
+    tmp_path: Path, no_torch_load: list[Any], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # One memoized size of 3,000 dimensions given to 20,000 tensors over one byte: each holds its
+    # sizes and strides (48 KB), 930 MB and 8 s for a 1.7 MB file. One memoized dict given as the
+    # state of many objects is copied into each. Shown at 1 MiB of EXTRA_MEMORY, quick to build.
+    monkeypatch.setattr(_untrusted, "EXTRA_MEMORY", _MiB)
+    shared = {f"a{i}": False for i in range(1000)}
+    if kind == "tensor-dims":
+        size, stride = (1,) * 1000, (0,) * 1000  # one object each, pickled once
+        items: list[Any] = [_Tensor(_Storage("0", 1), size, stride) for _ in range(100)]
+    elif kind == "shared-state":
+        param = _Tensor(_Storage("0", 1), (1,), (1,))
+        items = [
+            _Call(torch._utils._rebuild_parameter_with_state, (param, False, _ODICT(), shared)) for _ in range(100)
+        ]
+    elif kind == "shared-build":
+        items = [_Call(_ODICT, (), shared) for _ in range(100)]
+    else:
+        items = [_Call(torch._utils._rebuild_tensor_v2, (_Storage("0", 1), 0, (1,), (1,), False, _ODICT(), shared))
+                 for _ in range(100)]  # fmt: skip
+    data = _torch_file(_dumps({"k": items}), (("0", b"\x00"),))
+    assert len(data) < 64 * 1024
+    _refused_file(tmp_path, data, no_torch_load, "EXTRA_MEMORY")
