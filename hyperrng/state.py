@@ -511,11 +511,17 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     (:mod:`hyperrng._untrusted`), so any file is read or refused in time and memory bounded by
     its size (under a second per megabyte, and the file's size plus 16 MiB): a zip as
     ``torch.save`` writes it, every entry stored (not compressed) in a region of its own; a
-    pickle of at most 8,192 instructions plus one per 7 bytes of file, calling only what
-    ``torch.save`` writes (no quantized, sparse or nested tensors), whose objects fit in 16 MiB
-    beyond the file's size, about 7,000 tensors. A checkpoint beyond these that you trust can
-    be read with ``torch.load(path, weights_only=True)`` and its state passed to
-    :func:`load_rng_state_dict`, whose own limits hold for any dict.
+    pickle of at most 8,192 instructions plus one per 7 bytes of file (a tensor over a storage
+    another one used counts as 12 more), calling only what ``torch.save`` writes with the
+    arguments it writes (no quantized, sparse or nested tensors), with dict keys and set items
+    that are strings, ints below 2**61 - 1 in size, floats, bools or None (no tuples), whose
+    objects fit in 16 MiB beyond the file's size, about 7,000 tensors. A checkpoint beyond these
+    that you trust can be read with ``torch.load(path, weights_only=True)`` and its state passed
+    to :func:`load_rng_state_dict`, whose own limits hold for any dict.
+
+    A file that another user owns, or that its group or others may write, is read into memory
+    once, and both checked and loaded from that copy: whoever can write it cannot change it
+    between the check and the load (it then holds the file's size once more).
 
     Raises:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
@@ -533,12 +539,20 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         _files.refuse_special(target, "read")  # a socket cannot even be opened
         try:
             # Opened without waiting (a FIFO nobody writes would block), checked to be a regular file by
-            # its descriptor, and read through that descriptor: the file checked is the file read.
+            # its descriptor, and read through that descriptor: the file checked is the file read (and,
+            # where another user could rewrite it meanwhile, the bytes checked are the bytes loaded).
             fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
             with os.fdopen(fd, "rb") as file:
-                _files.refuse_special(target, "read", os.fstat(file.fileno()).st_mode)
-                check_file(file, str(path))  # bounded: what torch.load would make of it, read from its structure
-                loaded = torch.load(file, weights_only=True)
+                info = os.fstat(file.fileno())
+                _files.refuse_special(target, "read", info.st_mode)
+                source: Any = file
+                if info.st_uid != getattr(os, "geteuid", lambda: -1)() or info.st_mode & 0o022:
+                    # Another user could rewrite it between the check and torch's read: both read one copy.
+                    from io import BytesIO
+
+                    source = BytesIO(file.read(info.st_size))
+                check_file(source, str(path))  # bounded: what torch.load would make of it, read from its structure
+                loaded = torch.load(source, weights_only=True)
         except HyperRNGError:
             raise
         except OSError as exc:

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import hashlib
 import io
+import os
 import pickle
 import struct
 import tracemalloc
@@ -26,6 +27,7 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
+import hyperrng.state as state_module
 from hyperrng import _state_format, _untrusted
 from hyperrng import layout as layout_module
 from hyperrng._state_format import digest
@@ -675,3 +677,40 @@ def test_what_each_tensor_or_object_copies_is_counted(
     data = _torch_file(_dumps({"k": items}), (("0", b"\x00"),))
     assert len(data) < 64 * 1024
     _refused_file(tmp_path, data, no_torch_load, "EXTRA_MEMORY")
+
+
+# -- a file rewritten while it loads ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner"),
+    [(0o644, None), (0o666, None), (0o620, None), (0o644, 65534)],
+    ids=["own", "writable-by-others", "writable-by-group", "another-users"],
+)
+def test_a_file_another_user_can_write_is_checked_and_loaded_from_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, owner: int | None
+) -> None:
+    # Whoever can write the file could rewrite it between the check and torch's read of the same
+    # descriptor: a file checked as plain data could then load as anything the check refuses (a set
+    # of a 2**20-element view: 918 MB from 1 KB).
+    if owner is not None and getattr(os, "geteuid", lambda: 1)() != 0:
+        pytest.skip("giving a file to another user needs root")
+    path = tmp_path / "rng.pt"
+    save_rng_state(path, {"k": 1})
+    path.chmod(mode)
+    if owner is not None:
+        os.chown(path, owner, -1)
+    hostile = _torch_file(_dumps({"k": 2}))
+    real, checked = state_module.check_file, []
+
+    def check_then_rewrite(file: Any, shown: str) -> None:
+        real(file, shown)
+        checked.append(file)
+        path.write_bytes(hostile)  # its owner, or whoever may write it, rewrites it now
+
+    monkeypatch.setattr(state_module, "check_file", check_then_rewrite)
+    loaded = load_rng_state(path)
+    if mode == 0o644 and owner is None and hasattr(os, "geteuid"):  # only this user writes it: read in place
+        assert not isinstance(checked[0], io.BytesIO) and loaded == {"k": 2}
+    else:
+        assert isinstance(checked[0], io.BytesIO) and loaded == {"k": 1}
