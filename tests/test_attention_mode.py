@@ -109,12 +109,18 @@ def test_a_transformer_layer_with_dropout_trains_in_portable_mode_with_no_change
 
 
 # -- DTensor inputs on a 2-rank mesh ---------------------------------------------------------------
-def _dtensor_rank(rank: int, world_size: int, placement_dim: int) -> list[Any]:
+def _dtensor_rank(rank: int, world_size: int, placement_dim: int) -> list[Any] | None:
+    """The rank's attention and position; ``None`` where this torch's DTensor cannot run the math
+    attention (what portable mode hands a DTensor) on these placements at all."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     q, k, v = _qkv(grad=False)
+    try:  # the math attention views (batch, heads) as one; torch 2.9's DTensor refuses it over sharded heads
+        distribute_tensor(q, mesh, [Shard(placement_dim)]).view(-1, *q.shape[2:])
+    except RuntimeError:
+        return None
     with warnings.catch_warnings(), hyperrng.portable_random(SEED):
         warnings.simplefilter("ignore")
         placements = [Shard(placement_dim)]
@@ -131,7 +137,13 @@ def test_batch_and_head_sharded_dtensor_inputs_give_the_unsharded_attention(plac
     with hyperrng.portable_random(SEED):
         whole = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
         position = list(hyperrng.current_platform().get_seed_offset())
-    for got, got_position in run_ranks(_dtensor_rank, 2, placement_dim):
+    results = run_ranks(_dtensor_rank, 2, placement_dim)
+    if None in results:
+        pytest.skip(
+            f"torch {torch.__version__}'s DTensor cannot view a tensor sharded on dimension {placement_dim} with that "
+            "dimension merged into another, as the math attention does (outside portable mode too)"
+        )
+    for got, got_position in results:
         assert torch.allclose(torch.tensor(got), whole, rtol=1e-5, atol=1e-6)
         assert got_position == position
 
