@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language import core as _core  # noqa: F401 -- see below
+from triton.language import core as _core  # see below, and the Philox rounds
 
 FP_FUSION = True
 """``enable_fp_fusion`` of every launch (see the module docstring)."""
@@ -90,10 +90,11 @@ def _philox(c0, c1, k0, k1):
         _c0, _c2 = c0, c2
         c0 = tl.umulhi(_M1, _c2) ^ c1 ^ k0
         c2 = tl.umulhi(_M0, _c0) ^ c3 ^ k1
-        c1 = tl.mul(_M1, _c2, sanitize_overflow=False)
-        c3 = tl.mul(_M0, _c0, sanitize_overflow=False)
-        k0 = tl.add(k0, _W0, sanitize_overflow=False)
-        k1 = tl.add(k1, _W1, sanitize_overflow=False)
+        # The products and sums wrap by design. Triton before 3.6 exports no tl.mul: its core module has both.
+        c1 = _core.mul(_M1, _c2, sanitize_overflow=False)
+        c3 = _core.mul(_M0, _c0, sanitize_overflow=False)
+        k0 = _core.add(k0, _W0, sanitize_overflow=False)
+        k1 = _core.add(k1, _W1, sanitize_overflow=False)
     return c0, c1, c2, c3
 
 
