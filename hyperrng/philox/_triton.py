@@ -26,6 +26,7 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -171,6 +172,35 @@ def _as_runs(t: torch.Tensor, segments: int, run: int) -> tuple[int, int] | None
     return view.stride(0), view.stride(1)
 
 
+@contextlib.contextmanager
+def language_restored(interpreted: bool) -> Iterator[None]:
+    """Around a launch: where ``interpreted``, put back afterwards what Triton's interpreter patched in
+    ``triton.language`` (its modules and the classes of its core module).
+
+    Triton 3.6 restores its patches itself after each launch; earlier releases (3.5, torch 2.9's)
+    leave the interpreter's stand-ins in place, and every later compile in the process, of these
+    kernels or of torch.compile's, then fails ("Unsupported function referenced"). Where nothing
+    was left patched this only compares (a few hundred attributes)."""
+    if not interpreted:
+        yield
+        return
+    import triton.language as tl
+
+    core = tl.core
+    classes = (v for v in vars(core).values() if isinstance(v, type) and v.__module__ == core.__name__)
+    owners = [tl, core, tl.math, *dict.fromkeys(classes)]
+    saved = [dict(vars(owner)) for owner in owners]
+    try:
+        yield
+    finally:
+        for owner, before in zip(owners, saved):
+            for name, value in list(vars(owner).items()):
+                if name not in before:
+                    delattr(owner, name)
+                elif value is not before[name]:
+                    setattr(owner, name, before[name])
+
+
 # -- draws --------------------------------------------------------------------------------------
 def launching_on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Make ``device`` its type's current device while kernels launch on its tensors, and put the
@@ -260,35 +290,37 @@ def _launch(
     ``start + starts[s]`` (``start + s * run`` without ``starts``)."""
     block, warps = _block(run)
     chunks = -(-(run + 3) // (4 * block))
-    module = kernels(out.device.type == "cpu")
+    interpreted = out.device.type == "cpu"
+    module = kernels(interpreted)
     base_hi, base_lo = _halves(start // 4)
-    module.draw_kernel[(segments * chunks,)](
-        out,
-        out if x is None else x,
-        out if mask is None else mask,
-        out if starts is None else starts,
-        run,
-        chunks,
-        strides[0],
-        strides[1],
-        x_strides[0],
-        x_strides[1],
-        base_lo,
-        base_hi,
-        start % 4,
-        _s32(key),
-        _s32(key >> 32),
-        args.words[0],
-        args.words[1],
-        *args.quads,
-        DIST=args.dist,
-        COMPUTE=args.compute,
-        HAS_STARTS=starts is not None,
-        HAS_MASK=mask is not None,
-        BLOCK=block,
-        num_warps=warps,
-        enable_fp_fusion=False,  # a * b + c rounds twice, as the torch backend computes it
-    )
+    with language_restored(interpreted):
+        module.draw_kernel[(segments * chunks,)](
+            out,
+            out if x is None else x,
+            out if mask is None else mask,
+            out if starts is None else starts,
+            run,
+            chunks,
+            strides[0],
+            strides[1],
+            x_strides[0],
+            x_strides[1],
+            base_lo,
+            base_hi,
+            start % 4,
+            _s32(key),
+            _s32(key >> 32),
+            args.words[0],
+            args.words[1],
+            *args.quads,
+            DIST=args.dist,
+            COMPUTE=args.compute,
+            HAS_STARTS=starts is not None,
+            HAS_MASK=mask is not None,
+            BLOCK=block,
+            num_warps=warps,
+            enable_fp_fusion=False,  # a * b + c rounds twice, as the torch backend computes it
+        )
 
 
 def dropout(args: Arguments, geometry: ShardGeometry, key: int, offset: int, x: torch.Tensor) -> torch.Tensor:

@@ -627,7 +627,7 @@ def _triton_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     assert plan.kernels is not None
     problem = plan.problem
-    with _triton.launching_on(problem.device):
+    with _triton.launching_on(problem.device), _triton.language_restored(plan.interpret):
         out, lse = plan.kernels.forward(*_four_inputs(problem, q, k, v, bias), _call(plan))
     return out.view(*problem.batch, problem.L, problem.Ev), lse
 
@@ -648,7 +648,7 @@ def _triton_backward(
     q4, k4, v4, b4 = _four_inputs(problem, q, k, v, bias)
     o4 = _four(problem, out, H, problem.L, problem.Ev)
     g4 = _four(problem, grad, H, problem.L, problem.Ev)
-    with _triton.launching_on(problem.device):
+    with _triton.launching_on(problem.device), _triton.language_restored(plan.interpret):
         dq, dk, dv = plan.kernels.backward(q4, k4, v4, b4, o4, lse, g4, _call(plan))
     lead = problem.batch[:-1]
     heads = (H,) if problem.batch else ()
