@@ -133,6 +133,13 @@ def check_file(file: IO[bytes], path: str) -> None:
     file.seek(0)
 
 
+def unreadable(path: str, detail: str) -> InvalidArgumentError:
+    """The refusal of a checkpoint file that is not whole or not a torch file (``detail``: what is wrong)."""
+    return InvalidArgumentError(
+        f"could not read the RNG state at {path!r} ({detail}); the file is truncated or not written by save_rng_state."
+    )
+
+
 class _Archive:
     """The zip's central directory, checked entry by entry as miniz (torch's zip reader) reads it."""
 
@@ -175,10 +182,7 @@ class _Archive:
 
     def damaged(self, detail: str) -> InvalidArgumentError:
         """A file that is not whole or not a torch file."""
-        return InvalidArgumentError(
-            f"could not read the RNG state at {self.path!r} ({detail}); the file is truncated or not written by "
-            "save_rng_state."
-        )
+        return unreadable(self.path, detail)
 
     def _zip64(self, eocd: int) -> tuple[int, ...] | None:
         """The zip64 record's (disk, directory disk, entries on disk, entries, directory size and

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import os
 import random
 import warnings
@@ -53,7 +54,7 @@ from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
 from hyperrng._interrupts import deferred
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
-from hyperrng._untrusted import check_file
+from hyperrng._untrusted import check_file, unreadable
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -494,13 +495,6 @@ _READ_FAILURES = {
 }  # fmt: skip
 
 
-def _unreadable(path: object, exc: BaseException) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"could not read the RNG state at {str(path)!r} ({error_gist(exc)}); "
-        "the file is truncated or not written by save_rng_state."
-    )
-
-
 def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a state written by :func:`save_rng_state`, with ``weights_only=True``.
 
@@ -548,9 +542,7 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
                 source: Any = file
                 if info.st_uid != getattr(os, "geteuid", lambda: -1)() or info.st_mode & 0o022:
                     # Another user could rewrite it between the check and torch's read: both read one copy.
-                    from io import BytesIO
-
-                    source = BytesIO(file.read(info.st_size))
+                    source = io.BytesIO(file.read(info.st_size))
                 check_file(source, str(path))  # bounded: what torch.load would make of it, read from its structure
                 loaded = torch.load(source, weights_only=True)
         except HyperRNGError:
@@ -559,11 +551,11 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
             if exc.errno == errno.ENAMETOOLONG:
                 raise _files.name_too_long(str(path)) from None
             if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
-                raise _unreadable(path, exc) from exc
+                raise unreadable(str(path), error_gist(exc)) from exc
             code, reason = _files.os_reason(exc)
             raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
         except Exception as exc:
-            raise _unreadable(path, exc) from exc
+            raise unreadable(str(path), error_gist(exc)) from exc
     if not isinstance(loaded, dict):
         raise InvalidArgumentError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
     return loaded
