@@ -99,6 +99,13 @@ def _work_name(token: str) -> str:
     return f"{files.WORK_PREFIX}{token:0>16}{files.WORK_SUFFIX}"
 
 
+def _root_only_file(path: Path) -> Path:
+    """A file only its owner (root, running the tests) may read: what a planted link points a save at."""
+    path.write_bytes(b"root's own file")
+    path.chmod(0o600)
+    return path
+
+
 # -- links another user planted in a shared folder ----------------------------------------------------
 
 
@@ -107,9 +114,7 @@ def test_a_link_another_user_planted_in_a_shared_folder_is_refused_and_the_file_
 ) -> None:
     # Before, the save resolved the link itself (realpath), so the kernel's protection of sticky
     # folders never saw it: root's save replaced a root-only file another user pointed it at.
-    secret = tmp_path / "shadow"
-    secret.write_bytes(b"root's own file")
-    secret.chmod(0o600)
+    secret = _root_only_file(tmp_path / "shadow")
     link = shared / "rng.pt"
     _run(*as_nobody, "ln", "-s", str(secret), str(link))
     with pytest.raises(PermissionError, match="a symbolic link that another user .* owns") as info:
@@ -359,9 +364,7 @@ def test_links_swapped_in_while_saves_run_and_remove_leftovers_never_reach_outsi
 ) -> None:
     # Before, the cleaner checked a folder's mark through a link, then resolved the path again to
     # delete: swapped in between, a link had root delete a file in a private folder (25 saves).
-    secret = tmp_path / "shadow"
-    secret.write_bytes(b"root's own file")
-    secret.chmod(0o600)
+    secret = _root_only_file(tmp_path / "shadow")
     victims = [
         _private_folder(tmp_path / "victim", {"checkpoint": b"another run's checkpoint"}),
         _private_folder(tmp_path / "victim-legacy", {"lock": files.LEGACY_LOCK_MAGIC, "checkpoint": b"another's"}),

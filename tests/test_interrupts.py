@@ -437,6 +437,17 @@ def test_each_deferred_signal_goes_to_the_handler_in_place_at_its_turn(recorder:
     assert signal.getsignal(signal.SIGUSR1) is recorder
 
 
+def _sigusr1_stand_in_installed(frame: FrameType, event: str, arg: object) -> bool:
+    """For a profile hook: whether the deferral's opening has just put SIGUSR1's stand-in in place (the
+    ``signal.signal`` call of ``enter`` for SIGUSR1 returned), before the other signals' stand-ins."""
+    return (
+        event == "c_return"
+        and getattr(arg, "__name__", None) == "signal"
+        and frame.f_code.co_name == "enter"
+        and frame.f_locals.get("signum") == signal.SIGUSR1
+    )
+
+
 def test_a_handler_run_while_a_deferral_opens_may_defer_signals_itself(recorder: _Recorder) -> None:
     # SIGUSR2 arrives once SIGUSR1's stand-in is in place, before its own: its handler runs at once,
     # and defers signals itself. Before, the end of that section put SIGUSR1's handler back, and the
@@ -450,13 +461,7 @@ def test_a_handler_run_while_a_deferral_opens_may_defer_signals_itself(recorder:
     sent: list[bool] = []
 
     def send_sigusr2(frame: FrameType, event: str, arg: object) -> None:
-        if (
-            not sent
-            and event == "c_return"
-            and getattr(arg, "__name__", None) == "signal"
-            and frame.f_code.co_name == "enter"
-            and frame.f_locals.get("signum") == signal.SIGUSR1
-        ):
+        if not sent and _sigusr1_stand_in_installed(frame, event, arg):
             sent.append(True)
             signal.raise_signal(signal.SIGUSR2)
 
@@ -480,13 +485,7 @@ def test_a_handler_raising_while_a_deferral_opens_leaves_nothing_deferred(record
     ran: list[bool] = []
 
     def send(frame: FrameType, event: str, arg: object) -> None:
-        if (
-            not ran
-            and event == "c_return"
-            and getattr(arg, "__name__", None) == "signal"
-            and frame.f_code.co_name == "enter"
-            and frame.f_locals.get("signum") == signal.SIGUSR1
-        ):
+        if not ran and _sigusr1_stand_in_installed(frame, event, arg):
             ran.append(False)
             signal.raise_signal(signal.SIGUSR1)
             signal.raise_signal(signal.SIGUSR2)
