@@ -438,6 +438,56 @@ def test_compiled_code_reports_whether_it_draws_portably() -> None:
     assert _traced.installed() is None
 
 
+def _fake_and_real(name: str, *args: Any) -> tuple[Any, Any]:
+    """``torch.ops.hyperrng.<name>``'s fake outputs (what compiled code is built on) and its real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = getattr(torch.ops.hyperrng, name).default
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = op(*args)
+    with portable_random(SEED):
+        real = op(*args)
+    return fake, real
+
+
+def _layouts(outputs: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(tuple(t.shape), t.stride()) for t in outputs]
+
+
+def _transposed_attention_inputs() -> tuple[torch.Tensor, ...]:
+    """q, k, v laid out (batch, sequence, heads, dim) and viewed as (batch, heads, sequence, dim), as a
+    model's projections give them: not contiguous."""
+    q, k, v = (torch.randn(2, 8, 2, 16, dtype=torch.float32).transpose(1, 2) for _ in range(3))
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.needs_triton)])
+def test_every_custom_op_returns_the_layout_its_fake_promises(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled code lays out buffers by the fake implementation and checks the real outputs against it
+    (inductor's assert_size_stride): attention's backward on the Triton kernels (contiguous gradients for
+    transposed inputs) once failed every compiled training step with attention dropout on a GPU."""
+    if backend == "triton":  # the kernels through Triton's interpreter, on CPU tensors
+        real_resolve = backends.resolve
+        monkeypatch.setattr(backends, "resolve", lambda b, d: "triton" if b == "auto" else real_resolve(b, d))
+    with portable_random(SEED):  # the first entry registers the custom ops
+        pass
+    q, k, v = _transposed_attention_inputs()
+    link = torch.empty(0, dtype=torch.int64)
+    fake, real = _fake_and_real("attention", q, k, v, None, 0.25, False, None, False, link)
+    assert _layouts(fake[:2]) == _layouts(real[:2])
+    out, lse, position = real
+    grad = torch.randn(out.shape).transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous either
+    args = (grad, q, k, v, None, out, lse, position, 0.25, False, None, False, False)
+    fake, real = _fake_and_real("attention_backward", *args)
+    assert _layouts(fake) == _layouts(real)
+    x = torch.randn(6, 4).t()
+    fake, real = _fake_and_real("native_dropout", x, 0.5, True, link)
+    assert _layouts(fake[:2]) == _layouts(real[:2])
+    for name, params in [("uniform", (0.0, 1.0)), ("normal", (0.0, 1.0)), ("bernoulli", (0.5,)), ("random", (0, 7))]:
+        fake, real = _fake_and_real(name, x, *params, link)
+        assert _layouts(fake[:1]) == _layouts(real[:1]), name
+
+
 # -- on a real GPU (.ci/gpu) ---------------------------------------------------------------------------
 def _cuda_draws(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (F.dropout(x, 0.3), torch.rand(1000, device=x.device), torch.randint(0, 7, (33,), device=x.device))
@@ -457,6 +507,31 @@ def test_on_cuda_compiled_code_draws_what_eager_draws(cuda: platforms.Platform, 
             assert _equal(compiled(x), want)
         got = torch.compile(lambda: torch.randn(4096, device="cuda"), mode=mode)()
     assert torch.allclose(got, normal, rtol=0, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_on_cuda_compiled_attention_with_dropout_trains_on_projections_laid_out_as_models_do(
+    cuda: platforms.Platform, mode: str
+) -> None:
+    """q, k, v as (batch, sequence, heads, dim) projections viewed per head: the Triton kernels' gradients
+    have the layout the compiled graph was built for (this once failed every compiled step)."""
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = ((x * s).view(2, 128, 4, 64).transpose(1, 2) for s in (1.0, 0.5, 0.25))
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1).transpose(1, 2).sum()
+
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for fn in (attend, torch.compile(attend, mode=mode)):
+        with portable_random(SEED):
+            for _ in range(2):
+                leaf = x.clone().requires_grad_(True)
+                fn(leaf).backward()
+                grads.append(leaf.grad.float())
+    for eager, compiled in zip(grads[:2], grads[2:]):
+        assert torch.allclose(eager, compiled, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(grads[0], grads[1])  # a fresh mask at each call
 
 
 @pytest.mark.cuda

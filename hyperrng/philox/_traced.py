@@ -107,7 +107,7 @@ def _native_dropout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _Portable():
         out, keep = torch.ops.aten.native_dropout.default(input, p, train)
-    return out, keep, _link()
+    return out.contiguous(), keep.contiguous(), _link()  # the fake's layout, whatever the input's
 
 
 def _attention(
@@ -137,7 +137,7 @@ def _attention(
     with _Portable():
         out = draw_at_position(math.prod(attention.probability_shape(q, k, v, enable_gqa)), None, draw)
     key, offset, lse = used[0]
-    return out, lse, torch.tensor([key - (1 << 64) if key >= 1 << 63 else key, offset], dtype=torch.int64)
+    return out.contiguous(), lse, torch.tensor([key - (1 << 64) if key >= 1 << 63 else key, offset], dtype=torch.int64)
 
 
 def _attention_backward(
@@ -168,7 +168,10 @@ def _attention_backward(
         rows = lse.view(math.prod(problem.batch[:-1]), problem.batch[-1] if problem.batch else 1, problem.L)
         rows = rows.to(torch.float32)
     dq, dk, dv, dmask = attention._backward(plan, (q, k, v, mask, out, rows), grad, mask_grad)
-    return dq, dk, dv, torch.empty(0, dtype=q.dtype, device=q.device) if dmask is None else dmask
+    # contiguous, as the fake says: each implementation has a layout of its own (the Triton kernels
+    # write contiguous gradients, the torch path the inputs' layout), and compiled code trusts the fake
+    dmask = torch.empty(0, dtype=q.dtype, device=q.device) if dmask is None else dmask.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
 
 
 def _attention_kw(
@@ -208,8 +211,8 @@ def _fake_attention_backward(
     *args: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     mask_grad = args[-1]
-    dmask = torch.empty_like(attn_mask) if mask_grad and attn_mask is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad and attn_mask is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 # -- autograd: dropout's backward as eager computes it, attention's from the position it drew at ----
