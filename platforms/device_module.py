@@ -20,13 +20,17 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from hyperrng.platforms.base import Platform
+from hyperrng.platforms.base import Platform, unpack_counter_state
 from hyperrng.platforms.errors import ArgumentTypeError
 from hyperrng.platforms.validate import check_index
 
 __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
 
 _MODULE_FUNCTIONS = ("is_available", "device_count")  # what probing calls first
+
+
+_OFFSET_ACCESSORS: dict[type, bool] = {}
+"""Per generator type: whether its seed and offset accessors agree with its state (see ``_offsets_agree``)."""
 
 
 class DeviceModulePlatform(Platform):
@@ -116,6 +120,33 @@ class DeviceModulePlatform(Platform):
     def _read_state(self, index: int) -> torch.Tensor:
         return self._generator(index).get_state()
 
+    # -- a portable draw's position, read and moved through the generator's seed and offset accessors:
+    # two method calls instead of a 16-byte state tensor built, read and written (a GPU draw's host
+    # time is mostly Python); used once a first comparison shows they agree with the state's bytes
+    def _position(self) -> tuple[int, int]:
+        gen = self._generator(self.current_device())
+        if self._offsets_agree(gen):
+            return gen.initial_seed(), gen.get_offset()
+        return super()._position()
+
+    def _move(self, seed: int, offset: int, draw: bool) -> None:
+        gen = self._generator(self.current_device())
+        if self._offsets_agree(gen) and gen.initial_seed() == seed:
+            gen.set_offset(offset)  # offsets passed here are whole Philox blocks, as set_offset requires
+        else:
+            super()._move(seed, offset, draw)
+
+    def _offsets_agree(self, gen: Any) -> bool:
+        """Whether ``gen``'s ``initial_seed()``/``get_offset()``/``set_offset()`` are its state's seed and
+        offset (checked once per generator type; a device module may lack them or mean other things)."""
+        kind = type(gen)
+        known = _OFFSET_ACCESSORS.get(kind)
+        if known is None:
+            if self.is_capturing():  # the check moves the offset and back: not while a graph records that
+                return False
+            known = _OFFSET_ACCESSORS[kind] = _accessors_agree(gen)
+        return known
+
     def _write_state(self, state: torch.Tensor, index: int) -> None:
         # Straight into the default generator: no clone, no lazy-call queue (the
         # module's own set_rng_state clones when the device is not initialised yet).
@@ -153,3 +184,21 @@ class NPUPlatform(DeviceModulePlatform):
 
     def _unavailable_reason(self) -> str:
         return "torch.npu.is_available() returned False (no Ascend NPU visible, or CANN not set up)"
+
+
+def _accessors_agree(gen: Any) -> bool:
+    """Read ``gen``'s seed and offset both ways, move the offset by one block with ``set_offset`` and read
+    the state again; then put the state back exactly as it was."""
+    if not all(callable(getattr(gen, name, None)) for name in ("initial_seed", "get_offset", "set_offset")):
+        return False
+    before = gen.get_state()
+    try:
+        seed, offset = unpack_counter_state(before)
+        if (gen.initial_seed(), gen.get_offset()) != (seed, offset) or offset + 4 > 2**63 - 1:
+            return False
+        gen.set_offset(offset + 4)
+        return bool(unpack_counter_state(gen.get_state()) == (seed, offset + 4) == (seed, gen.get_offset()))
+    except Exception:  # an accessor the device does not implement, or a state of another format
+        return False
+    finally:
+        gen.set_state(before)

@@ -205,3 +205,38 @@ def test_a_device_index_the_backend_lacks_is_refused_as_cuda_refuses_an_invalid_
     with pytest.raises(InvalidArgumentError, match="invalid device ordinal 5"):
         philox.random_bits(4, 1, device=device)  # type: ignore[arg-type]
     assert philox.random_bits(4, 1, device="sim:1").device == torch.device("sim:1")
+
+
+def test_positions_use_the_generators_offset_accessors_only_where_they_agree_with_its_state(
+    sim: platforms.Platform,
+) -> None:
+    """A portable draw reads and moves its position through initial_seed()/get_offset()/set_offset() (no
+    state tensor built), after one check that they mean the state's seed and offset; a generator whose
+    accessors mean something else, or which has none, keeps the state's bytes. The check leaves every
+    generator's state as it found it."""
+    from hyperrng.platforms import device_module
+
+    gen = sim.default_generator()
+    before = gen.get_state().clone()
+    assert device_module._accessors_agree(gen) and torch.equal(gen.get_state(), before)
+
+    class Doubling:  # get_offset in other units than the state's offset
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def get_offset(self) -> int:
+            return 2 * self.inner.get_offset()  # type: ignore[attr-defined]
+
+    for offset in (0, 40):  # at 0 the two agree until the offset moves
+        sim.set_seed_offset(9, offset)
+        assert not device_module._accessors_agree(Doubling(gen)) and sim.get_seed_offset() == (9, offset)
+    host = torch.Generator().manual_seed(3)
+    host_state = host.get_state()
+    assert not device_module._accessors_agree(host) and torch.equal(host.get_state(), host_state)
+    sim._move(9, 64, True)
+    assert sim._position() == sim.get_seed_offset() == (9, 64)
+    sim._move(10, 8, True)  # another seed: through the state
+    assert sim._position() == sim.get_seed_offset() == (10, 8)
