@@ -274,13 +274,37 @@ def test_a_tracker_stream_is_the_position_inside_its_fork_and_keeps_the_advance(
     assert _position() == (5, 4)
 
 
-def test_an_explicit_cpu_generator_is_refused_because_it_carries_no_position() -> None:
-    gen = torch.Generator().manual_seed(3)
-    before, gen_state = _position(), gen.get_state()
-    with portable_random(), pytest.raises(UnsupportedPortableOpError, match="generator=.*tracker stream"):
-        torch.rand(5, generator=gen)
-    assert _position() == before
-    assert torch.equal(gen.get_state(), gen_state)
+def test_a_cpu_generator_of_its_own_draws_torchs_numbers_from_it_and_moves_no_position() -> None:
+    """generator= a CPU torch.Generator of the caller's: torch's kernel draws from it (host numbers from that
+    generator alone, the same on every machine), for portable ops and for ops without a portable kernel."""
+    gen, twin = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    probs = torch.tensor([0.1, 0.2, 0.7])
+
+    def draws(g: torch.Generator) -> list[torch.Tensor]:
+        return [torch.rand(5, generator=g), torch.randperm(6, generator=g), torch.multinomial(probs, 2, generator=g)]
+
+    with portable_random(SEED):
+        got = draws(gen)
+        assert _position() == (SEED, 0)
+    want = draws(twin)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(gen.get_state(), twin.get_state())
+
+
+def test_torchs_default_cpu_generator_named_is_where_the_cpu_platform_keeps_positions() -> None:
+    """Named as generator=, torch's default generator draws portably, as without it; a copy of it with the
+    same state is a generator of its own (the check that tells them apart puts both states back)."""
+    with portable_random(SEED):
+        named = torch.rand(5, generator=torch.default_generator)
+        assert _position() == (SEED, 8)
+        copy = torch.Generator()
+        copy.set_state(torch.default_generator.get_state())
+        default_state, copy_state = torch.default_generator.get_state(), copy.get_state()
+        from_copy = torch.rand(3, generator=copy)
+        assert _position() == (SEED, 8) and torch.equal(torch.default_generator.get_state(), default_state)
+    assert torch.equal(named, philox.uniform(5, SEED, 0))
+    twin = torch.Generator()
+    twin.set_state(copy_state)
+    assert torch.equal(from_copy, torch.rand(3, generator=twin))
 
 
 def test_contexts_nest_and_reenter_and_the_outermost_exit_gives_torch_its_numbers_back() -> None:
@@ -504,12 +528,6 @@ def test_bad_arguments_of_the_mode_raise_typed_errors_and_change_nothing(
 
 
 BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
-    (
-        "randperm generator=",
-        lambda: torch.randperm(5, generator=torch.Generator()),
-        UnsupportedPortableOpError,
-        "randperm with generator=.*DataLoader",
-    ),
     ("randperm too long", lambda: torch.randperm(300, dtype=torch.uint8), InvalidArgumentError, "does not fit"),
     ("multinomial", lambda: torch.multinomial(torch.ones(4), 2), UnsupportedPortableOpError, "multinomial"),
     ("exponential_", lambda: torch.empty(3).exponential_(), UnsupportedPortableOpError, "exponential_"),
@@ -1132,15 +1150,23 @@ def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_i
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_a_shuffling_dataloader_iterated_in_the_mode_is_refused_with_a_message_naming_it() -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shuffling_dataloader_draws_its_seed_portably_and_its_order_from_that_seed(workers: int) -> None:
+    """Its sampler seeds a CPU generator of its own with a portable random_() and draws the order from it:
+    the same order in every run with the same seed, a new one each epoch (it was refused)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
-    with portable_random(SEED):
-        with pytest.raises(UnsupportedPortableOpError) as info:
-            next(iter(loader))
-    message = str(info.value)
-    assert "DataLoader" in message and "outside portable_random()" in message
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True, num_workers=workers)
+
+    def epochs() -> list[list[int]]:
+        with portable_random(SEED):
+            return [torch.cat([batch[0] for batch in loader]).tolist() for _ in range(2)]
+
+    first, second = epochs(), epochs()
+    assert first == second and first[0] != first[1]
+    with portable_random(SEED):  # the iterator draws its workers' base seed, then the sampler its own
+        seeds = [int(torch.empty((), dtype=torch.int64).random_().item()) for _ in range(2)]
+    assert first[0] == torch.randperm(8, generator=torch.Generator().manual_seed(seeds[1])).tolist()
 
 
 class _Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -167,12 +167,14 @@ def _draw(
         )
         region.consume(round_up_offset(math.prod(global_shape)))
         return values.to(device) if on_host else values
+    if generator is not None and generator.device.type == p.device_type == "cpu" and _is_host_default(generator):
+        generator = None  # the CPU platform's own generator, named: where its positions are
     if generator is not None and not (p.counter_based and generator.device.type == p.device_type):
         raise UnsupportedPortableOpError(
             f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
             f"from counter-based generators of the platform, and {p.name!r} has "
             f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
-            f"or portable_random(seed) instead.{' ' + _DATALOADER if what == 'randperm' else ''}"
+            f"or portable_random(seed) instead."
         )
     geometry = _whole(tuple(target.shape))
     values = draw_at_position(target.numel(), generator, lambda key, offset: values_at(geometry, key, offset, out))
@@ -573,19 +575,41 @@ _USER_OPS = (
 )
 """The portable ops as users call them (the aten names of PORTABLE_OPS mean little in a message)."""
 
-_DATALOADER = (
-    "A torch.utils.data.DataLoader that shuffles draws its order with a generator of its own (generator=), "
-    "which portable mode refuses: create and iterate shuffling loaders outside portable_random(), entering "
-    "it around the model's step."
-)
-
 
 def _refusal_message(label: str) -> str:
-    note = f" {_DATALOADER}" if label.startswith("randperm") else ""
     return (
         f"{label} has no portable implementation, and portable mode never falls back to a device's own "
-        f"generator; call it outside portable_random(), or use a portable op ({_USER_OPS}).{note}"
+        f"generator; call it outside portable_random(), or use a portable op ({_USER_OPS})."
     )
+
+
+def _own_host_generator(kwargs: dict[str, Any]) -> bool:
+    """Whether a call in the mode runs torch's own kernel because it names, as ``generator=``, a CPU
+    ``torch.Generator`` of its own: one that is not where the platform keeps portable positions (torch's
+    default CPU generator, on the ``cpu`` platform). Its numbers are computed on the host from that
+    generator's state alone, so they are the same on every machine, as portable numbers are; a shuffling
+    DataLoader's sampler draws its order that way (with a seed it draws portably). Not inside a sharded
+    region, which positions the generator it was given and draws its block of the global tensor."""
+    gen = kwargs.get("generator")
+    if gen is None or gen.device.type != "cpu" or active_region() is not None:
+        return False
+    return platforms.current().device_type != "cpu" or not _is_host_default(gen)
+
+
+def _is_host_default(gen: torch.Generator) -> bool:
+    """Whether ``gen`` is torch's default CPU generator (a generator passed through the dispatcher arrives as
+    a new Python object): its state equals the default's, and reseeding it changes the default's. Both
+    states are put back."""
+    default = torch.default_generator
+    state = default.get_state()
+    if not torch.equal(gen.get_state(), state):
+        return False
+    try:
+        gen.manual_seed((default.initial_seed() + 1) & (2**64 - 1))
+        return not torch.equal(default.get_state(), state)
+    finally:
+        default.set_state(state)
+        gen.set_state(state)
 
 
 # -- the dispatch key: registered once, switched per thread --------------------------------------
@@ -726,8 +750,8 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # Dynamo traces this frame: it runs as Python behind a graph break
             return _untraced(kernel, keyset, args, kwargs)
-        if not THREAD.entries or keyset.has(_META):  # meta and fake tensors only propagate shapes: torch's kernels
-            return original(keyset, *args, **kwargs)
+        if not THREAD.entries or keyset.has(_META) or _own_host_generator(kwargs):  # torch's kernels: meta and
+            return original(keyset, *args, **kwargs)  # fake tensors only propagate shapes; see _own_host_generator
         include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
         try:
             refuse_unreplayed_checkpoint(what)
@@ -749,7 +773,7 @@ def _switched_refusal(op: Any, refuse: Callable[..., Any], below: Any) -> Callab
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return _untraced(kernel, keyset, args, kwargs)
-        if THREAD.entries and not keyset.has(_META):
+        if THREAD.entries and not keyset.has(_META) and not _own_host_generator(kwargs):
             return refusing(original, keyset, *args, **kwargs)
         return original(keyset, *args, **kwargs)
 

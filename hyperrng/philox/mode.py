@@ -20,8 +20,11 @@ accelerators) and every ``torch.nn.init`` function built on them draw from
   the stream inside ``tracker.fork(name)``, or the generator passed as ``generator=``.
   The position is the platform's, whatever device a tensor is on. An explicit
   ``generator=`` is honoured where it is one of the platform's counter-based
-  generators (CUDA, NPU); elsewhere (a CPU ``torch.Generator``, which has no position
-  that survives torch's dispatcher) it is refused with :class:`UnsupportedPortableOpError`.
+  generators (CUDA, NPU). A CPU ``torch.Generator`` of the caller's own (not torch's
+  default one on the ``cpu`` platform, which holds that platform's positions) draws
+  torch's own numbers from it: computed on the host from that generator alone, they are
+  the same on every machine. A shuffling ``DataLoader`` works that way: its sampler
+  seeds a generator of its own with a portable draw and takes its order from it.
 * **Sharded tensors.** Inside a sharded region (a random op on a DTensor with the
   adapter of :meth:`hyperrng.ShardedRNGTracker.install_dtensor`, or
   :meth:`~hyperrng.ShardedRNGTracker.distribute_region`) an op fills this rank's shard
