@@ -29,8 +29,8 @@ __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
 _MODULE_FUNCTIONS = ("is_available", "device_count")  # what probing calls first
 
 
-_OFFSET_ACCESSORS: dict[type, bool] = {}
-"""Per generator type: whether its seed and offset accessors agree with its state (see ``_offsets_agree``)."""
+_OFFSET_ACCESSORS: dict[tuple[type, str], bool] = {}
+"""Per generator type and device: whether its seed and offset accessors agree with its state (``_offsets_agree``)."""
 
 
 class DeviceModulePlatform(Platform):
@@ -138,8 +138,8 @@ class DeviceModulePlatform(Platform):
 
     def _offsets_agree(self, gen: Any) -> bool:
         """Whether ``gen``'s ``initial_seed()``/``get_offset()``/``set_offset()`` are its state's seed and
-        offset (checked once per generator type; a device module may lack them or mean other things)."""
-        kind = type(gen)
+        offset (checked once per generator type and device; a device module may lack them or mean other things)."""
+        kind = (type(gen), str(getattr(gen, "device", "")))  # every device's torch generator is a torch.Generator
         known = _OFFSET_ACCESSORS.get(kind)
         if known is None:
             if self.is_capturing():  # the check moves the offset and back: not while a graph records that
