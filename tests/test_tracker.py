@@ -54,6 +54,14 @@ def setup(request: pytest.FixtureRequest) -> Iterator[tuple[platforms.Platform, 
 
 
 @pytest.fixture
+def cpu() -> Iterator[platforms.Platform]:
+    """The CPU platform, whatever HYPERRNG_PLATFORM chose: for tests whose draws are CPU tensors (a fork on a
+    device platform swaps the device's generator, which CPU tensors never read)."""
+    with platforms.use(platforms.CPUPlatform()) as platform:
+        yield platform
+
+
+@pytest.fixture
 def sim() -> Iterator[platforms.Platform]:
     with platforms.use(platforms.SimulatedPlatform()) as platform:
         yield platform
@@ -707,7 +715,7 @@ class _Noise(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
-def test_dataloader_workers_draw_distinct_streams_the_same_in_every_run() -> None:
+def test_dataloader_workers_draw_distinct_streams_the_same_in_every_run(cpu: platforms.Platform) -> None:
     """A worker made by fork inherits the tracker; at its first fork each stream is re-derived from torch's
     seed for the worker, as torch reseeds its own generator (before, 4 of 8 samples repeated)."""
     tracker = RNGStatesTracker()
@@ -731,7 +739,9 @@ def test_dataloader_workers_draw_distinct_streams_the_same_in_every_run() -> Non
         assert torch.equal(parent, torch.rand(3))
 
 
-def test_a_compiled_function_with_a_fork_draws_the_eager_numbers_without_tracing_the_swap() -> None:
+def test_a_compiled_function_with_a_fork_draws_the_eager_numbers_without_tracing_the_swap(
+    cpu: platforms.Platform,
+) -> None:
     """The swap runs as Python behind a graph break: Dynamo never traces into it (it warned twice about
     the tracker's internals, threading and Generator.set_state)."""
     import warnings
