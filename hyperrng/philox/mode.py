@@ -72,11 +72,10 @@ while the mode is entered or left can leave the flag, the hold or the generator 
 changed; such handlers should set a flag that the training loop reads instead.
 
 **DataLoader.** Iterating a ``torch.utils.data.DataLoader`` in the mode draws its base seed
-portably (``random_()`` over the whole ``int64`` range), so a loader without shuffling gives
-the same samples in every run. A shuffling loader orders its samples with ``randperm`` and a
-``torch.Generator`` of its own, which the mode refuses (:class:`UnsupportedPortableOpError`
-naming the DataLoader): create and iterate those outside the mode, entering it around the
-model's step rather than around the whole loop.
+portably (``random_()`` over the whole ``int64`` range), so its workers' seeds are the same in
+every run. A shuffling loader orders its samples with ``randperm`` and a CPU ``torch.Generator``
+of its own, seeded by another portable ``random_()``: that generator draws torch's numbers (see
+*Positions*), so the order too repeats with the mode's seed, on every machine.
 
 **Attention.** ``F.scaled_dot_product_attention`` with dropout draws the portable dropout
 mask of its global ``[*batch, heads, L, S]`` probabilities
