@@ -167,8 +167,6 @@ def _draw(
         )
         region.consume(round_up_offset(math.prod(global_shape)))
         return values.to(device) if on_host else values
-    if generator is not None and generator.device.type == p.device_type == "cpu" and _is_host_default(generator):
-        generator = None  # the CPU platform's own generator, named: where its positions are
     if generator is not None and not (p.counter_based and generator.device.type == p.device_type):
         raise UnsupportedPortableOpError(
             f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
@@ -586,14 +584,18 @@ def _refusal_message(label: str) -> str:
 def _own_host_generator(kwargs: dict[str, Any]) -> bool:
     """Whether a call in the mode runs torch's own kernel because it names, as ``generator=``, a CPU
     ``torch.Generator`` of its own: one that is not where the platform keeps portable positions (torch's
-    default CPU generator, on the ``cpu`` platform). Its numbers are computed on the host from that
+    default CPU generator, on the ``cpu`` platform, which is taken out of ``kwargs`` here: the call draws
+    at the platform's position, as without it). Its numbers are computed on the host from that
     generator's state alone, so they are the same on every machine, as portable numbers are; a shuffling
     DataLoader's sampler draws its order that way (with a seed it draws portably). Not inside a sharded
     region, which positions the generator it was given and draws its block of the global tensor."""
     gen = kwargs.get("generator")
     if gen is None or gen.device.type != "cpu" or active_region() is not None:
         return False
-    return platforms.current().device_type != "cpu" or not _is_host_default(gen)
+    if platforms.current().device_type == "cpu" and _is_host_default(gen):
+        kwargs["generator"] = None
+        return False
+    return True
 
 
 def _is_host_default(gen: torch.Generator) -> bool:
