@@ -541,6 +541,12 @@ BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "up to 2\\*\\*62 values",
     ),
     ("random_ complex", lambda: torch.empty(3, dtype=torch.complex64).random_(), ArgumentTypeError, "real numbers"),
+    (  # a wide range on bool: torch.iinfo's TypeError came out as it was
+        "random_ bool 2**40",
+        lambda: torch.zeros(3, dtype=torch.bool).random_(0, 2**40),
+        InvalidArgumentError,
+        "does not fit torch.bool",
+    ),
     ("int uniform_", lambda: torch.empty(3, dtype=torch.int32).uniform_(), ArgumentTypeError, "int32"),
     ("uniform_ low > high", lambda: torch.empty(3).uniform_(2.0, 1.0), InvalidArgumentError, "low must be <= high"),
     ("normal_ std < 0", lambda: torch.empty(3).normal_(0.0, -1.0), InvalidArgumentError, "std must be >= 0"),

@@ -306,9 +306,16 @@ def _bernoulli_tensor(self: torch.Tensor, p: torch.Tensor, *, generator: torch.G
     return self.copy_(_draw("bernoulli_", philox.BITS, self, generator) < threshold)
 
 
-def _float_digits_top(dtype: torch.dtype) -> int:
-    """``2**digits``: above it a floating ``dtype`` skips integers (``2**24`` for float32)."""
-    return 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)
+def _integer_limits(dtype: torch.dtype) -> tuple[int, int]:
+    """The smallest and largest integers a real ``dtype`` holds, every one between them exactly: ``2**digits``
+    for a floating dtype (``2**24`` for float32; above it, it skips integers), ``1`` for bool."""
+    if dtype == torch.bool:
+        return 0, 1
+    if dtype.is_floating_point:
+        top = 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)
+        return -top, top
+    info = torch.iinfo(dtype)
+    return info.min, info.max
 
 
 def random_bounds(dtype: torch.dtype, low: int, high: int | None) -> tuple[int, int]:
@@ -316,23 +323,17 @@ def random_bounds(dtype: torch.dtype, low: int, high: int | None) -> tuple[int, 
     the dtype's range (its largest integer, or ``2**digits`` for a floating dtype, included)."""
     if dtype.is_complex:
         raise ArgumentTypeError(f"random_ draws real numbers; got a {dtype} tensor.")
+    limits = _integer_limits(dtype)
     if high is None:
-        if dtype == torch.bool:
-            high = 2
-        elif dtype.is_floating_point:
-            high = _float_digits_top(dtype) + 1
-        else:
-            high = torch.iinfo(dtype).max + 1
+        high = limits[1] + 1
     span = high - low
     if span > _MAX_RANGE and not (span <= _MAX_WIDE_RANGE or span & (span - 1) == 0) or span > 2**63:
         raise InvalidArgumentError(
             f"random_/randint: the range [{low}, {high}) holds {span} values; portable mode draws ranges of up "
             f"to 2**62 values, or of 2**63."
         )
-    if span > _MAX_RANGE:
-        top = _float_digits_top(dtype) if dtype.is_floating_point else None  # floats: integers kept exact
-        limits = (-top, top) if top is not None else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-        if span < 1 or low < limits[0] or high - 1 > limits[1]:
+    if span > _MAX_RANGE:  # floats: integers kept exact
+        if low < limits[0] or high - 1 > limits[1]:
             raise InvalidArgumentError(f"random_/randint: the range [{low}, {high}) does not fit {dtype}.")
         return low, high
     try:
@@ -395,9 +396,7 @@ def _randperm(n: int, *, generator: torch.Generator | None = None, out: torch.Te
     one chance in ``2**63`` per pair, keep index order), the same on every device."""
     if n < 0:
         raise InvalidArgumentError(f"randperm: n must be >= 0, got {n}.")
-    top = _float_digits_top(out.dtype) if out.dtype.is_floating_point else (
-        torch.iinfo(out.dtype).max if out.dtype != torch.bool else 1)  # fmt: skip
-    if n - 1 > top:
+    if n - 1 > _integer_limits(out.dtype)[1]:
         raise InvalidArgumentError(f"randperm: n={n} does not fit {out.dtype}; use a wider dtype such as int64.")
     order = torch.argsort(_wide_words("randperm", (n,), out.device, generator), stable=True)
     return out.resize_(n).copy_(order)
