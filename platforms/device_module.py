@@ -29,10 +29,6 @@ __all__ = ["DeviceModulePlatform", "CUDAPlatform", "NPUPlatform"]
 _MODULE_FUNCTIONS = ("is_available", "device_count")  # what probing calls first
 
 
-_OFFSET_ACCESSORS: dict[tuple[type, str], bool] = {}
-"""Per generator type and device: whether its seed and offset accessors agree with its state (``_offsets_agree``)."""
-
-
 class DeviceModulePlatform(Platform):
     """A counter-based accelerator driven through a torch device module.
 
@@ -124,27 +120,30 @@ class DeviceModulePlatform(Platform):
     # two method calls instead of a 16-byte state tensor built, read and written (a GPU draw's host
     # time is mostly Python); used once a first comparison shows they agree with the state's bytes
     def _position(self) -> tuple[int, int]:
-        gen = self._generator(self.current_device())
-        if self._offsets_agree(gen):
+        index = self.current_device()
+        gen = self._generator(index)
+        if self._offsets_agree(index, gen):
             return gen.initial_seed(), gen.get_offset()
         return super()._position()
 
     def _move(self, seed: int, offset: int, draw: bool) -> None:
-        gen = self._generator(self.current_device())
-        if self._offsets_agree(gen) and gen.initial_seed() == seed:
+        index = self.current_device()
+        gen = self._generator(index)
+        if self._offsets_agree(index, gen) and gen.initial_seed() == seed:
             gen.set_offset(offset)  # offsets passed here are whole Philox blocks, as set_offset requires
         else:
             super()._move(seed, offset, draw)
 
-    def _offsets_agree(self, gen: Any) -> bool:
-        """Whether ``gen``'s ``initial_seed()``/``get_offset()``/``set_offset()`` are its state's seed and
-        offset (checked once per generator type and device; a device module may lack them or mean other things)."""
-        kind = (type(gen), str(getattr(gen, "device", "")))  # every device's torch generator is a torch.Generator
-        known = _OFFSET_ACCESSORS.get(kind)
+    def _offsets_agree(self, index: int, gen: Any) -> bool:
+        """Whether device ``index``'s generator ``gen`` has ``initial_seed()``/``get_offset()``/``set_offset()``
+        that are its state's seed and offset (a device module may lack them or mean other things): checked at
+        the first use on that device, remembered by this platform."""
+        verdicts: dict[int, bool] = self.__dict__.setdefault("_accessor_verdicts", {})
+        known = verdicts.get(index)
         if known is None:
             if self.is_capturing():  # the check moves the offset and back: not while a graph records that
                 return False
-            known = _OFFSET_ACCESSORS[kind] = _accessors_agree(gen)
+            known = verdicts[index] = _accessors_agree(gen)
         return known
 
     def _write_state(self, state: torch.Tensor, index: int) -> None:
