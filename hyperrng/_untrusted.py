@@ -238,6 +238,8 @@ class _Archive:
         at = 0
         while at + 4 <= len(extra):
             kind, length = struct.unpack_from("<HH", extra, at)
+            if at + 4 + length > len(extra):  # a field claiming more than the entry holds
+                break
             if kind == 1:
                 values = list(struct.unpack_from(f"<{length // 8}Q", extra, at + 4))
                 out = []

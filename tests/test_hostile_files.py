@@ -382,9 +382,10 @@ def test_entries_sharing_one_region_are_refused(tmp_path: Path, no_torch_load: l
     _refused_file(tmp_path, data, no_torch_load, "two of its entries share bytes")
 
 
-def _zip64(records: list[tuple[str, bytes]]) -> bytes:
+def _zip64(records: list[tuple[str, bytes]], claimed: int = 24) -> bytes:
     """A zip of stored ``records`` in the zip64 form (sizes and offsets in each entry's extra field,
-    the directory's in the zip64 record), as torch.save writes past 65,535 entries or 4 GiB."""
+    the directory's in the zip64 record), as torch.save writes past 65,535 entries or 4 GiB; each
+    extra field says it holds ``claimed`` bytes (it holds 24)."""
     out, directory = io.BytesIO(), []
     for name, data in records:
         encoded, crc = name.encode(), zlib.crc32(data)
@@ -393,7 +394,7 @@ def _zip64(records: list[tuple[str, bytes]]) -> bytes:
         out.write(encoded + data)
     start = out.tell()
     for encoded, offset, crc, size in directory:
-        extra = struct.pack("<HHQQQ", 1, 24, size, size, offset)
+        extra = struct.pack("<HHQQQ", 1, claimed, size, size, offset)
         out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 0, 0, 0, crc, 0xFFFFFFFF, 0xFFFFFFFF,
                               len(encoded), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + encoded + extra)  # fmt: skip
     size, record = out.tell() - start, out.tell()
@@ -409,6 +410,14 @@ def test_a_zip64_file_is_read_as_torch_reads_it(tmp_path: Path) -> None:
                ("archive/version", b"3\n")]  # fmt: skip
     (tmp_path / "rng.pt").write_bytes(_zip64(records))
     assert load_rng_state(tmp_path / "rng.pt")["t"].tolist() == [1, 2, 3, 4]
+
+
+def test_a_zip64_field_claiming_more_bytes_than_it_holds_is_refused_as_damaged() -> None:
+    # Its sizes were unpacked at the length it claimed: struct.error, not a typed refusal.
+    pkl = _dumps({"t": _Tensor(_Storage("0", 4), (4,), (1,))})
+    data = _zip64([("archive/data.pkl", pkl), ("archive/data/0", b"\x01\x02\x03\x04")], claimed=64)
+    with pytest.raises(InvalidArgumentError, match="lacks its sizes"):
+        _untrusted.check_file(io.BytesIO(data), "rng.pt")
 
 
 def test_a_legacy_torch_file_is_refused_unread(tmp_path: Path, no_torch_load: list[Any]) -> None:
