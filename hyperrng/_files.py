@@ -823,7 +823,8 @@ def _write(state: Mapping[str, Any], work: _Work, target: str) -> None:
         if _PROC_FD:
             torch.save(dict(state), f"/proc/self/fd/{work.data}")
         else:
-            file = io.FileIO(os.dup(work.data), "wb")
+            with deferred():  # the descriptor is recorded before a signal can raise
+                file = io.FileIO(os.dup(work.data), "wb")
             torch.save(dict(state), file)
             # Closed only after a save that returned: on an exception torch's writer, alive as long as the
             # traceback, writes its end when it goes (into a closed file, it would abort the process).
@@ -881,9 +882,10 @@ def _check_loads(work: _Work, target: str) -> None:
             # torch reports an open or a mapping the OS refused (out of descriptors or address space) with
             # the errno at the end of its message: the file system's refusal, like any OSError here.
             first = str(exc).splitlines()[0] if str(exc) else ""
+            # Any other: the file just written does not read back (changed under it, a failing disk).
             found = re.match(r"unable to (?:open|mmap) .*\((\d+)\)\s*$", first)
             if found is None:
-                raise
+                raise OSError(errno.EIO, error_gist(exc)) from exc
             code = int(found.group(1))
             raise OSError(code, os.strerror(code)) from exc
         except pickle.UnpicklingError as exc:  # weights_only's refusal; anything else passes through as itself

@@ -950,21 +950,28 @@ def test_a_time_out_of_the_file_system_while_saving_is_still_a_storage_error(
     assert _entries(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("unable to mmap 17259 bytes from file <{file}>: Cannot allocate memory (12)", errno.ENOMEM),
+        ("PytorchStreamReader failed reading zip archive: failed finding central directory", errno.EIO),
+    ],
+)
 def test_a_read_back_the_os_refused_is_a_storage_error_and_the_previous_checkpoint_stays(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: str, code: int
 ) -> None:
     # Before, torch's RuntimeError for an open or a mapping refused (out of descriptors or address
-    # space) came out of the save's read-back check as it was.
+    # space), or for a file it could not read back, came out of the save's read-back check as it was.
     path = tmp_path / "rng.pt"
     previous = _state(1)
     save_rng_state(path, previous)
 
-    def out_of_memory(file: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"unable to mmap 17259 bytes from file <{file}>: Cannot allocate memory (12)")
+    def unreadable(file: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(message.format(file=file))
 
-    monkeypatch.setattr(torch, "load", out_of_memory)
+    monkeypatch.setattr(torch, "load", unreadable)
     with pytest.raises(StorageError, match="could not save the checkpoint .* it is as it was") as info:
         save_rng_state(path, _state(2))
-    assert info.value.errno == errno.ENOMEM
+    assert info.value.errno == code
     monkeypatch.undo()
     assert _entries(tmp_path) == ["rng.pt"] and load_rng_state(path)["digest"] == previous["digest"]
