@@ -28,7 +28,7 @@ from hyperrng import _exclusive
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.philox import mode as portable_mode
-from hyperrng.philox._ops import THREAD
+from hyperrng.philox._ops import CHECKPOINT_FORWARDS, THREAD
 from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["checkpoint", "checkpoint_context"]
@@ -111,6 +111,9 @@ class _Checkpoint(torch.autograd.Function):
         for i, x in zip(ctx.tensor_idx, inputs):
             arg_grads[i] = x.grad
         return (None, None, None, *arg_grads)
+
+
+CHECKPOINT_FORWARDS[id(_Checkpoint.forward.__code__)] = _Checkpoint.forward.__code__  # see _ops._checkpoint_forward
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:

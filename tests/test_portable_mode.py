@@ -290,6 +290,34 @@ def test_a_cpu_generator_of_its_own_draws_torchs_numbers_from_it_and_moves_no_po
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(gen.get_state(), twin.get_state())
 
 
+@pytest.mark.parametrize("flavour", ["hyperrng", "context_fn", "non-reentrant", "reentrant"])
+def test_a_cpu_generator_of_its_own_inside_an_activation_checkpoint_is_refused(flavour: str) -> None:
+    """No checkpoint puts a caller's generator back before its recompute, which would draw its next
+    numbers: the gradients silently differed under every flavour."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    import hyperrng
+
+    gen = torch.Generator().manual_seed(3)
+    gen_state = gen.get_state()
+    x = torch.ones(4, requires_grad=True)
+
+    def noisy(t: torch.Tensor) -> torch.Tensor:
+        return t * torch.rand(4, generator=gen)
+
+    run = {
+        "hyperrng": lambda: hyperrng.checkpoint(noisy, x),
+        "context_fn": lambda: torch_checkpoint(noisy, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context),
+        "non-reentrant": lambda: torch_checkpoint(noisy, x, use_reentrant=False),
+        "reentrant": lambda: torch_checkpoint(noisy, x, use_reentrant=True),
+    }[flavour]
+    with portable_random(SEED):
+        with pytest.raises(UnsupportedPortableOpError, match="inside an activation checkpoint"):
+            run()
+        assert _position() == (SEED, 0)
+    assert torch.equal(gen.get_state(), gen_state)
+
+
 def test_torchs_default_cpu_generator_named_is_where_the_cpu_platform_keeps_positions() -> None:
     """Named as generator=, torch's default generator draws portably, as without it; a copy of it with the
     same state is a generator of its own (the check that tells them apart puts both states back)."""

@@ -594,6 +594,13 @@ def _own_host_generator(kwargs: dict[str, Any]) -> bool:
     if platforms.current().device_type == "cpu" and _is_host_default(gen):
         kwargs["generator"] = None
         return False
+    if _checkpoint_forward() is not None:  # no checkpoint puts a generator of the caller's back
+        raise UnsupportedPortableOpError(
+            "a random op given generator= a torch.Generator of your own inside an activation checkpoint: its "
+            "recompute in the backward pass would draw that generator's next numbers, not the forward's, and "
+            "the gradients would silently differ. Draw it outside the checkpointed function, or without "
+            "generator= (portable draws are replayed)."
+        )
     return True
 
 
@@ -644,6 +651,30 @@ _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _FRAMES = 64  # how far up the stack a reentrant checkpoint's forward is looked for
 
 
+CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
+"""The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
+is looked up by identity: comparing code objects compares their contents): torch's reentrant
+checkpoint's, and :mod:`hyperrng.recompute` adds ``hyperrng.checkpoint``'s."""
+
+
+def _checkpoint_forward() -> Any:
+    """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
+    ``torch.utils.checkpoint``'s saved-tensor hook (its hooks are the innermost ones), or for one that runs
+    its forward without grad, the code of the function it runs it in (found on the stack)."""
+    if torch.is_grad_enabled():
+        top = _top_hooks(False) if _top_hooks is not None else None
+        return top[0] if top is not None and top[0].__qualname__.startswith("_checkpoint_hook.") else None
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return None
+        found = CHECKPOINT_FORWARDS.get(id(frame.f_code))
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None
+
+
 def _unreplayed_checkpoint() -> str | None:
     """The flavour of ``torch.utils.checkpoint`` whose forward pass the calling thread is in, when its
     recompute would not draw portably; else ``None``.
@@ -651,22 +682,14 @@ def _unreplayed_checkpoint() -> str | None:
     Torch puts its generators back before a recompute, and with them the position, but the recompute
     runs in portable mode only where ``context_fn=hyperrng.checkpoint_context`` applies it (then this
     hook is in ``THREAD.replayed``); otherwise it draws torch's numbers and the gradients silently
-    differ. A non-reentrant checkpoint's forward runs under its saved-tensor hooks (the innermost ones);
-    a reentrant one's runs without grad inside ``CheckpointFunction.forward``, found on the stack."""
-    if torch.is_grad_enabled():
-        top = _top_hooks(False) if _top_hooks is not None else None
-        if top is None or not top[0].__qualname__.startswith("_checkpoint_hook."):
-            return None
-        replayed = THREAD.replayed
-        return None if replayed and replayed[-1] is top[0] else "use_reentrant=False"
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(_FRAMES):
-        if frame is None:
-            return None
-        if frame.f_code is _REENTRANT_FORWARD:
-            return "use_reentrant=True"
-        frame = frame.f_back
-    return None
+    differ. A reentrant checkpoint never replays; ``hyperrng.checkpoint`` always does."""
+    found = _checkpoint_forward()
+    if found is _REENTRANT_FORWARD:
+        return "use_reentrant=True"
+    if found is None or isinstance(found, types.CodeType):
+        return None
+    replayed = THREAD.replayed
+    return None if replayed and replayed[-1] is found else "use_reentrant=False"
 
 
 def refuse_unreplayed_checkpoint(what: str) -> None:
