@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +14,11 @@ import pytest
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
+
+# A shell starts background jobs with Ctrl-C (SIGINT) ignored, and Python then installs no handler of
+# its own: the tests of Ctrl-C during saves, loads and seeding need the one a terminal's Python has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _has_npu() -> bool:
