@@ -3,12 +3,15 @@
 The kernels (:mod:`hyperrng.philox._triton_kernels`) compute the same words and the same
 arithmetic as the torch backend (:mod:`hyperrng.philox._torch`), so their results are
 bit-identical wherever the distribution is exact (bits, uniform, bernoulli, randint,
-dropout); :func:`~hyperrng.philox.normal` agrees to a few ulp, its ``log``/``sin``/``cos``
-being Triton's rather than the CPU's.
+dropout); :func:`~hyperrng.philox.normal` agrees to a few ulp, its ``log`` being Triton's
+and its ``sin``/``cos`` the kernels' own rather than the CPU's.
 
 A draw writes its result straight into the destination: a contiguous tensor, or any tensor
 that views as ``(runs, run length)`` with one stride per dimension (a transposed matrix, a
-shard's rows). Other layouts are filled through a contiguous copy.
+shard's rows). Other layouts are filled through a contiguous copy. Runs that are contiguous
+and whole Philox blocks from a block boundary launch the kernels' aligned variant (vector
+stores); a long contiguous run that ends inside a block takes two launches, its whole blocks
+aligned and its last elements apart.
 
 Triton is imported on first use, never by ``import hyperrng``. On CPU tensors the same
 kernels run under Triton's interpreter (see :func:`kernels`): slow, and meant for tests.
@@ -19,9 +22,9 @@ Which backend serves a device is decided in :mod:`hyperrng.philox.backends`, whi
 from __future__ import annotations
 
 import contextlib
+import fractions
 import functools
 import importlib.util
-import math
 import os
 import struct
 import sys
@@ -47,6 +50,8 @@ _LOAD_LOCK = threading.Lock()
 _INTERPRET = "TRITON_INTERPRET"
 
 _DISTS = {"random_bits": 0, "uniform": 1, "bernoulli": 2, "normal": 3, "randint": 4, "dropout": 5}
+_UNIFORM_TINY = 6  # uniform whose span times 2**-32 is not exact in the compute dtype (see the kernel)
+_UNIFORM_FROM_ZERO = 7  # uniform from low = 0: no addition
 
 
 def kernels(interpreted: bool) -> ModuleType:
@@ -105,23 +110,35 @@ def _s32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _halves(value: int) -> tuple[int, int]:
-    """A non-negative ``value`` below ``2**62`` as its high and low 31-bit halves."""
-    return value >> 31, value & 0x7FFFFFFF
-
-
 def _bits64(value: float) -> int:
     """The int64 bit pattern of ``value`` as a float64."""
     return int(struct.unpack("<q", struct.pack("<d", value))[0])
 
 
+@functools.lru_cache(maxsize=1024)
+def divisor(d: int) -> tuple[int, int]:
+    """The magic number and shifts (both below ``2**32``) of the kernels' ``quotient``: ``a // d`` for every
+    32-bit ``a``, ``1 <= d <= 2**32``, with one 32-bit high multiply (Granlund and Montgomery, 1994).
+
+    With ``l = ceil(log2 d)``: ``m = floor(2**32 * (2**l - d) / d) + 1``, the shifts ``min(l, 1)`` (bit 0)
+    and ``max(l - 1, 0)`` (above). ``d = 2**32`` takes ``m = 0`` and the shifts 1 and 31: a quotient of 0.
+    """
+    if not 1 <= d <= 1 << 32:
+        raise ValueError(f"divisor {d} is outside [1, 2**32]")
+    if d == 1 << 32:
+        return 0, 1 | 31 << 1
+    log = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << log) - d)) // d + 1, min(log, 1) | max(log - 1, 0) << 1
+
+
 @dataclass(frozen=True)
 class Arguments:
-    """A distribution's kernel arguments: its code, compute dtype, 32-bit and 64-bit parameters."""
+    """A distribution's kernel arguments: its code, compute dtype, 32-bit parameters (``i0`` to ``i2``) and
+    64-bit ones (``q0`` to ``q3``), as the kernel's docstring names them."""
 
     dist: int
     compute: Any  # tl.float32 or tl.float64
-    words: tuple[int, int]
+    words: tuple[int, int, int]
     quads: tuple[int, int, int, int]
 
 
@@ -137,28 +154,59 @@ def arguments(name: str, params: tuple[float | int, ...], value_dtype: torch.dty
 
     compute = tl.float64 if value_dtype == torch.float64 else tl.float32
     dist = _DISTS[name]
-    words, quads = (0, 0), (0, 0, 0, 0)
+    words, quads = (0, 0, 0), (0, 0, 0, 0)
     if name == "uniform":
         keep, unit, span, low = params
-        words, quads = (_s32(int(keep)), 0), (_bits64(unit), _bits64(span), _bits64(low), 0)
+        # One multiply where unit * span is exact in the compute dtype (every span but the tiniest):
+        # (word & keep) * unit is exact, so rounding it times span is rounding word & keep times the product.
+        exact_in = torch.float64 if value_dtype == torch.float64 else torch.float32
+        scale = float(torch.tensor(unit * span, dtype=torch.float64).to(exact_in))
+        if fractions.Fraction(scale) == fractions.Fraction(unit) * fractions.Fraction(span):
+            dist = _UNIFORM_FROM_ZERO if low == 0.0 else dist  # + 0.0 or + -0.0 changes no value here (>= +0.0)
+            words, quads = (_s32(int(keep)), 0, 0), (_bits64(scale), _bits64(low), 0, 0)
+        else:
+            dist = _UNIFORM_TINY
+            words, quads = (_s32(int(keep)), 0, 0), (_bits64(unit), _bits64(span), _bits64(low), 0)
     elif name in ("bernoulli", "dropout"):
-        high, low = _halves(int(params[0]))
-        words = (low, high)
+        threshold = int(params[0])  # word < threshold, 0 to 2**32: word <= threshold - 1, unless 0
+        words = (_s32(threshold - 1) if threshold else 0, 1 if threshold else 0, 0)
         if name == "dropout":
             quads = (_bits64(params[1]), 0, 0, 0)
     elif name == "normal":
         shift, unit, two_pi, std, mean = params
-        words, quads = (int(shift), 0), (_bits64(unit), _bits64(two_pi), _bits64(std), _bits64(mean))
+        words, quads = (int(shift), 0, 0), (_bits64(unit), _bits64(two_pi), _bits64(std), _bits64(mean))
     elif name == "randint":
         low, span = params
-        quads = (int(low), int(span), 0, 0)
+        magic, shifts = divisor(int(span))
+        words, quads = (_s32(magic), _s32(int(span)), shifts), (int(low), 0, 0, 0)
     return Arguments(dist, compute, words, quads)
 
 
-def _block(run: int) -> tuple[int, int]:
-    """Philox blocks per program for runs of ``run`` elements, and the warps that compute them."""
-    block = min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max((run + 6) // 4 - 1, 0).bit_length()))
+def _block(run: int, aligned: bool = False) -> tuple[int, int]:
+    """Philox blocks per program for runs of ``run`` elements, and the warps that compute them: enough for a
+    whole run, up to :data:`_MAX_BLOCK`, whichever lane it starts at (lane 0 where ``aligned``)."""
+    blocks = (run + 3) // 4 if aligned else (run + 6) // 4
+    block = min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(blocks - 1, 0).bit_length()))
     return block, 4 if block >= 256 else (2 if block >= 64 else 1)
+
+
+def _chunks(run: int, block: int, aligned: bool = False) -> int:
+    """Programs per run of ``run`` elements, ``4 * block`` elements each (from lane 3 at worst unless ``aligned``)."""
+    return -(-(run if aligned else run + 3) // (4 * block))
+
+
+def _aligned(geometry: ShardGeometry, start: int) -> bool:
+    """Whether every run of ``geometry`` drawn from global index ``start`` (its first element's) begins at a
+    Philox block: the first does, and the runs step by multiples of 4 along every dimension that indexes
+    more than one of them."""
+    if start % 4:
+        return False
+    stride = 1
+    for d in range(len(geometry.global_shape) - 1, -1, -1):
+        if d < geometry.split and geometry.local_shape[d] > 1 and stride % 4:
+            return False
+        stride *= geometry.global_shape[d]
+    return True
 
 
 def _as_runs(t: torch.Tensor, segments: int, run: int) -> tuple[int, int] | None:
@@ -237,7 +285,8 @@ def fill(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the values of the block ``geometry`` of the global tensor drawn at ``(key, offset)`` into
-    ``out`` (the block's shape), in one launch; return ``out``.
+    ``out`` (the block's shape), in one launch (two for a long contiguous run that ends inside a Philox
+    block); return ``out``.
 
     For dropout ``x`` is the input (the block's shape) and ``mask``, if given, receives the keep
     mask (bool, ``out``'s layout). Arguments must be checked: nothing is validated here.
@@ -267,10 +316,34 @@ def fill(
     with launching_on(out.device):
         if geometry.segments > 1:  # the runs' global starts, from 0 (they include the block's first element)
             ids = torch.arange(segments, dtype=torch.int64, device=out.device)
-            _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset)
-        else:
-            _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, offset + geometry.first)
+            aligned = run % 4 == 0 and _aligned(geometry, offset + geometry.first)
+            _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset,
+                    aligned)  # fmt: skip
+            return out
+        start = offset + geometry.first
+        tail = run % 4
+        if segments == 1 and tail and start % 4 == 0 and run > 4 * _MAX_BLOCK and _unit(strides, x, x_strides):
+            # One long contiguous run whose last block is partial: its whole blocks in an aligned launch,
+            # the last block's elements in a second, small one (rather than every element unaligned).
+            body = run - tail
+            for lo, n in ((0, body), (body, tail)):
+                part = out.view(-1)[lo : lo + n]
+                _launch(args, part, _piece(x, lo, n), _piece(mask, lo, n), None, n, 1, (n, 1), (n, 1), key, start + lo,
+                        n % 4 == 0)  # fmt: skip
+            return out
+        aligned = start % 4 == 0 and run % 4 == 0
+        _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, start, aligned)
     return out
+
+
+def _piece(t: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    """Elements ``start`` to ``start + n`` of a tensor that views as one contiguous run (``None``: none)."""
+    return None if t is None else t.view(-1)[start : start + n]
+
+
+def _unit(strides: tuple[int, int], x: torch.Tensor | None, x_strides: tuple[int, int]) -> bool:
+    """Whether the runs of the result (and of ``x``, if any) have unit element strides."""
+    return strides[1] == 1 and (x is None or x_strides[1] == 1)
 
 
 def _launch(
@@ -285,14 +358,24 @@ def _launch(
     x_strides: tuple[int, int],
     key: int,
     start: int,
+    runs_aligned: bool,
 ) -> None:
     """One launch over ``segments`` runs of ``run`` elements; run ``s`` starts at global index
-    ``start + starts[s]`` (``start + s * run`` without ``starts``)."""
-    block, warps = _block(run)
-    chunks = -(-(run + 3) // (4 * block))
+    ``start + starts[s]`` (``start + s * run`` without ``starts``); ``runs_aligned``: each run is whole
+    Philox blocks.
+
+    The launch is ``ALIGNED`` (vector stores) where moreover every run is contiguous in ``out`` and ``x``
+    and the runs are multiples of 4 elements apart there."""
+    rows = [strides[0]] if x is None else [strides[0], x_strides[0]]
+    aligned = runs_aligned and _unit(strides, x, x_strides) and (segments == 1 or all(r % 4 == 0 for r in rows))
+    block, warps = _block(run, aligned)
+    chunks = _chunks(run, block, aligned)
+    magic, shifts = divisor(chunks)
+    (seg_stride, elem_stride), (x_seg_stride, x_elem_stride) = strides, x_strides
+    if aligned:  # the row strides in fours of elements (any of one run: never used)
+        seg_stride, x_seg_stride = (seg_stride // 4, x_seg_stride // 4) if segments > 1 else (0, 0)
     interpreted = out.device.type == "cpu"
     module = kernels(interpreted)
-    base_hi, base_lo = _halves(start // 4)
     with language_restored(interpreted):
         module.draw_kernel[(segments * chunks,)](
             out,
@@ -301,22 +384,24 @@ def _launch(
             out if starts is None else starts,
             run,
             chunks,
-            strides[0],
-            strides[1],
-            x_strides[0],
-            x_strides[1],
-            base_lo,
-            base_hi,
+            _s32(magic),
+            shifts,
+            seg_stride,
+            elem_stride,
+            x_seg_stride,
+            x_elem_stride,
+            start // 4,
             start % 4,
             _s32(key),
             _s32(key >> 32),
-            args.words[0],
-            args.words[1],
+            *args.words,
             *args.quads,
             DIST=args.dist,
             COMPUTE=args.compute,
+            ONE_RUN=segments == 1,
             HAS_STARTS=starts is not None,
             HAS_MASK=mask is not None,
+            ALIGNED=aligned,
             BLOCK=block,
             num_warps=warps,
             enable_fp_fusion=False,  # a * b + c rounds twice, as the torch backend computes it
@@ -330,15 +415,32 @@ def dropout(args: Arguments, geometry: ShardGeometry, key: int, offset: int, x: 
 
 # -- the probe -----------------------------------------------------------------------------------
 _PROBE_KEY = 2**48 + 7
-_PROBE_OFFSET = 2**32 + 1  # not a multiple of 4, and past the 32-bit boundary of the counter
-_PROBE_SHAPE = (3, 7)
+_PROBES = (((3, 7), 2**32 + 1), ((4102,), 2**32 + 4))
+"""The test draws (shape, offset) of :func:`same_draws`: one unaligned (an odd offset past the 32-bit
+boundary of the counter, a run of 21), one aligned launch of whole blocks over several programs with a
+second launch for its last 2 elements."""
 
 
-def probe(device: torch.device, reference: torch.Tensor) -> str | None:
-    """``None`` if Triton serves ``device``: its driver targets that device type, and a small draw
-    there (odd offset past 2**32, a 48-bit key) equals ``reference``, the torch backend's
-    ``random_bits(_PROBE_SHAPE, _PROBE_KEY, _PROBE_OFFSET)`` on the CPU. Otherwise why not, in a
-    few words."""
+def same_draws(device: torch.device) -> bool:
+    """Whether the kernels' ``random_bits`` at :data:`_PROBES` on ``device`` (a 48-bit key) equal the torch
+    backend's on the CPU: every launch path of a draw (unaligned, aligned, a split run) once.
+
+    Raises:
+        Whatever the launch raises (a kernel that does not build or run there).
+    """
+    from hyperrng import philox
+
+    for shape, offset in _PROBES:
+        out = torch.empty(shape, dtype=torch.int64, device=device)
+        fill(arguments("random_bits", (), torch.int64), ShardGeometry.of(shape), _PROBE_KEY, offset, out)
+        if not torch.equal(out.cpu(), philox.random_bits(shape, _PROBE_KEY, offset, backend="torch")):
+            return False
+    return True
+
+
+def probe(device: torch.device) -> str | None:
+    """``None`` if Triton serves ``device``: its driver targets that device type, and the test draws there
+    (:func:`same_draws`) equal the torch backend's. Otherwise why not, in a few words."""
     try:
         import triton
     except ImportError:
@@ -351,10 +453,7 @@ def probe(device: torch.device, reference: torch.Tensor) -> str | None:
     if kind != device.type:
         return f"Triton {triton.__version__} targets {kind!r}, not {device.type!r}"
     try:
-        out = torch.empty(_PROBE_SHAPE, dtype=torch.int64, device=device)
-        geometry = ShardGeometry.of(_PROBE_SHAPE)
-        fill(arguments("random_bits", (), torch.int64), geometry, _PROBE_KEY, _PROBE_OFFSET, out)
-        same = bool(torch.equal(out.cpu(), reference))
+        same = same_draws(device)
     except Exception as exc:  # a kernel that does not build or run on this device
         return f"Triton {triton.__version__} failed a test draw on {device.type} ({_gist(exc)})"
     if not same:
@@ -368,7 +467,6 @@ def _gist(exc: BaseException) -> str:
     return line if len(line) <= 120 else line[:117] + "..."
 
 
-def grid_size(run: int, segments: int) -> int:
-    """Programs one launch starts for ``segments`` runs of ``run`` elements (for tests and docs)."""
-    block, _ = _block(run)
-    return segments * math.ceil((run + 3) / (4 * block))
+def grid_size(run: int, segments: int, aligned: bool = False) -> int:
+    """Programs one launch starts for ``segments`` runs of ``run`` elements, ``aligned`` or not (for tests and docs)."""
+    return segments * _chunks(run, _block(run, aligned)[0], aligned)

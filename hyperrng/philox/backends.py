@@ -102,20 +102,15 @@ def interpreter_refusal() -> str | None:
     """Why Triton's interpreter cannot run the kernels on CPU tensors here, or ``None``: Triton missing, or
     an older one than the kernels were written for (torch 2.5's Triton 3.1 is), found by loading them and
     by a test draw that must equal the torch backend's. Asked once per process."""
-    from hyperrng import philox
-    from hyperrng.philox import _shards, _triton
+    from hyperrng.philox import _triton
 
-    reference = philox.random_bits(_triton._PROBE_SHAPE, _triton._PROBE_KEY, _triton._PROBE_OFFSET, backend="torch")
     try:
         _triton.kernels(True)
         _triton.load("hyperrng.philox._triton_attention", True)  # attention's kernels, on the same Triton
-        out = torch.empty(_triton._PROBE_SHAPE, dtype=torch.int64)
-        geometry = _shards.ShardGeometry.of(_triton._PROBE_SHAPE)
-        _triton.fill(_triton.arguments("random_bits", (), torch.int64), geometry, _triton._PROBE_KEY,
-                     _triton._PROBE_OFFSET, out)  # fmt: skip
+        same = _triton.same_draws(torch.device("cpu"))
     except Exception as exc:  # any failure of a foreign package means: not usable
         return f"Triton's interpreter cannot run the kernels ({type(exc).__name__}: {_triton._gist(exc)})"
-    if not torch.equal(out, reference):
+    if not same:
         return "Triton's interpreter drew other numbers than the torch backend"
     return None
 
@@ -133,12 +128,10 @@ def _capturing(device_type: str) -> bool:
 
 @functools.cache
 def _probe(device_type: str) -> str | None:
-    from hyperrng import philox
     from hyperrng.philox import _triton
 
-    reference = philox.random_bits(_triton._PROBE_SHAPE, _triton._PROBE_KEY, _triton._PROBE_OFFSET, backend="torch")
     try:
         device = torch.device(device_type, torch.get_device_module(device_type).current_device())
     except Exception:  # a device type without a module, or none present: the draw below says so
         device = torch.device(device_type)
-    return _triton.probe(device, reference)
+    return _triton.probe(device)
