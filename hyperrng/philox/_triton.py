@@ -190,6 +190,16 @@ def _block(run: int, aligned: bool = False) -> tuple[int, int]:
     return block, 4 if block >= 256 else (2 if block >= 64 else 1)
 
 
+@functools.lru_cache(maxsize=1024)
+def _programs(run: int, aligned: bool) -> tuple[int, int, int, int, int]:
+    """A launch's shape for runs of ``run`` elements: blocks a program, warps, programs a run, and the
+    signed magic number and shifts that divide a program's index by the latter (:func:`divisor`)."""
+    block, warps = _block(run, aligned)
+    chunks = _chunks(run, block, aligned)
+    magic, shifts = divisor(chunks)
+    return block, warps, chunks, _s32(magic), shifts
+
+
 def _chunks(run: int, block: int, aligned: bool = False) -> int:
     """Programs per run of ``run`` elements, ``4 * block`` elements each (from lane 3 at worst unless ``aligned``)."""
     return -(-(run if aligned else run + 3) // (4 * block))
@@ -211,7 +221,7 @@ def _aligned(geometry: ShardGeometry, start: int) -> bool:
 
 def _as_runs(t: torch.Tensor, segments: int, run: int) -> tuple[int, int] | None:
     """The strides of ``t`` seen as ``(segments, run)``, or ``None`` if one stride per dimension cannot do."""
-    if t.numel() == 0:
+    if t.is_contiguous():  # the common case, without a view
         return (run, 1)
     try:
         view = t.view(segments, run)
@@ -220,18 +230,19 @@ def _as_runs(t: torch.Tensor, segments: int, run: int) -> tuple[int, int] | None
     return view.stride(0), view.stride(1)
 
 
-@contextlib.contextmanager
-def language_restored(interpreted: bool) -> Iterator[None]:
+def language_restored(interpreted: bool) -> contextlib.AbstractContextManager[None]:
     """Around a launch: where ``interpreted``, put back afterwards what Triton's interpreter patched in
-    ``triton.language`` (its modules and the classes of its core module).
+    ``triton.language`` (its modules and the classes of its core module); a compiled launch needs nothing.
 
     Triton 3.6 restores its patches itself after each launch; earlier releases (3.5, torch 2.9's)
     leave the interpreter's stand-ins in place, and every later compile in the process, of these
     kernels or of torch.compile's, then fails ("Unsupported function referenced"). Where nothing
     was left patched this only compares (a few hundred attributes)."""
-    if not interpreted:
-        yield
-        return
+    return _restoring_language() if interpreted else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _restoring_language() -> Iterator[None]:
     import triton.language as tl
 
     core = tl.core
@@ -366,12 +377,13 @@ def _launch(
 
     The launch is ``ALIGNED`` (vector stores) where moreover every run is contiguous in ``out`` and ``x``
     and the runs are multiples of 4 elements apart there."""
-    rows = [strides[0]] if x is None else [strides[0], x_strides[0]]
-    aligned = runs_aligned and _unit(strides, x, x_strides) and (segments == 1 or all(r % 4 == 0 for r in rows))
-    block, warps = _block(run, aligned)
-    chunks = _chunks(run, block, aligned)
-    magic, shifts = divisor(chunks)
     (seg_stride, elem_stride), (x_seg_stride, x_elem_stride) = strides, x_strides
+    aligned = (
+        runs_aligned
+        and _unit(strides, x, x_strides)
+        and (segments == 1 or (seg_stride % 4 == 0 and (x is None or x_seg_stride % 4 == 0)))
+    )
+    block, warps, chunks, magic, shifts = _programs(run, aligned)
     if aligned:  # the row strides in fours of elements (any of one run: never used)
         seg_stride, x_seg_stride = (seg_stride // 4, x_seg_stride // 4) if segments > 1 else (0, 0)
     interpreted = out.device.type == "cpu"
@@ -384,7 +396,7 @@ def _launch(
             out if starts is None else starts,
             run,
             chunks,
-            _s32(magic),
+            magic,
             shifts,
             seg_stride,
             elem_stride,
