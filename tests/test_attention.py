@@ -449,15 +449,31 @@ TRITON_CASES: dict[str, dict[str, Any]] = {
         "dtype": torch.float16, "group": 2, "shard": (slice(None), slice(2, 4)),
     },
     "bfloat16": {"dtype": torch.bfloat16, "S": 24},
+    # The kernels visit the key blocks below the causal diagonal without masks, those crossing it (or S) with:
+    # diagonals and ends that fall inside tiles, with L < S, L > S and a query block starting mid-tile.
+    "float32, causal, L < S": {"dtype": torch.float32, "causal": True, "L": 21, "S": 50},
+    "float16, causal, L > S, offset 1 mod 4": {"dtype": torch.float16, "causal": True, "L": 50, "S": 21, "offset": 5},
+    "float32, causal query block from row 13, L < S": {
+        "dtype": torch.float32, "causal": True, "L": 45, "S": 45, "shard": (slice(None), slice(None), slice(13, 30)),
+    },
+    # Keys beyond S in the last block of dk/dv are not masked there (only their own, unstored, gradient rows
+    # see them): with every score near -290 (base 2), their probabilities overflow to inf, and must stay in
+    # those rows. (float16: at -290, float32's rounding of the scores is 1e-5 of the probabilities.)
+    "float16, padded keys overflow": {"dtype": torch.float16, "S": 37, "mask": -200.0},
 }  # fmt: skip
 
 
 @needs_triton
 @pytest.mark.parametrize("name", list(TRITON_CASES))
 def test_triton_kernels_agree_with_the_torch_implementation(name: str) -> None:
-    case = TRITON_CASES[name]
+    _agree(TRITON_CASES[name])
+
+
+def _agree(case: dict[str, Any]) -> None:
+    """The Triton kernels' output and gradients for ``case`` (of :data:`TRITON_CASES`) are the torch
+    implementation's."""
     dtype, group, shard = case["dtype"], case.get("group", 1), case.get("shard")
-    B, H, L, S, E = case.get("B", 1), 2 * group, 40, case.get("S", 36), 16
+    B, H, L, S, E = case.get("B", 1), 2 * group, case.get("L", 40), case.get("S", 36), 16
     global_shape = (B, H, L, S)
     q, k, v = _inputs((B, H, L, E), (B, H // group, S, E), dtype)
     if shard is not None:  # this block's rows of the query, its heads of the key and value
@@ -471,6 +487,8 @@ def test_triton_kernels_agree_with_the_torch_implementation(name: str) -> None:
         kwargs["attn_mask"][3] = False
     elif case.get("mask") == "float":
         kwargs["attn_mask"] = torch.randn(1, H, L, S, generator=generator).to(dtype)
+    elif isinstance(case.get("mask"), float):
+        kwargs["attn_mask"] = torch.full((L, S), case["mask"], dtype=dtype)
     if shard is not None:
         kwargs.update(global_shape=global_shape, shard=shard)
     results = {}
@@ -481,6 +499,25 @@ def test_triton_kernels_agree_with_the_torch_implementation(name: str) -> None:
         results[backend] = [out, *_grads(out, [q, k, v])]
     for a, b in zip(results["triton"], results["torch"]):
         _close(a, b, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "tiles",
+    [{"fwd": (16, 32), "dkdv": (32, 16), "dq": (16, 64)}, {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16)}],
+    ids=["keys wider than queries", "square"],
+)
+def test_triton_kernels_agree_whatever_their_tiles(
+    tiles: dict[str, tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled tiles are not the interpreter's (forward 128 x 64, dk/dv 32 x 128, float32 32 x 32...):
+    where the loops split at the causal diagonal (key blocks wholly below it unmasked) holds whatever the
+    orientation of the tiles, for a query block that starts inside a tile and ends inside another."""
+    kernels = attention._kernels(True)
+    for name, (block_m, block_n) in tiles.items():
+        monkeypatch.setitem(kernels._INTERPRETED, name, kernels._Tiles(block_m, block_n, 1, 1))
+    shard = (slice(None), slice(None), slice(7, 40))
+    _agree({"dtype": torch.float32, "causal": True, "L": 50, "S": 50, "shard": shard, "offset": 12})
 
 
 @needs_triton
@@ -536,43 +573,6 @@ def test_backend_triton_refuses_calls_the_kernels_do_not_take() -> None:
         scaled_dot_product_attention(
             q, k, v, backend="triton", global_shape=(2, 3, 2, 4, 4), shard=(slice(None), slice(1, 2))
         )
-
-
-@needs_triton
-@pytest.mark.slow
-def test_the_kernels_compile_for_an_h100_without_one() -> None:
-    """What the interpreter cannot show: Triton's compiler takes the kernels (to a cubin for sm_90, with
-    the tiles a GPU launches), which it does without a GPU. One variant, the common one (bfloat16, head
-    dim 64, causal, dropout at an aligned position: about 10 s); every variant compiled so when the
-    kernels were written."""
-    dtype, head_dim, causal, bias, aligned = "bf16", 64, True, False, True
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernels = attention._kernels(False)
-    if not isinstance(kernels._attn_fwd, triton.runtime.JITFunction):
-        pytest.skip("TRITON_INTERPRET is set in this process: the kernels module was decorated for the interpreter")
-    pointers = {"Q", "K", "V", "Bias", "Out", "dOut", "dK", "dV", "dQ"}
-    switches = {"CAUSAL": causal, "HAS_BIAS": bias, "DROPOUT": True, "ALIGNED": aligned, "UPCAST": False}
-    for name, fn in (("fwd", kernels._attn_fwd), ("dkdv", kernels._attn_bwd_dkdv), ("dq", kernels._attn_bwd_dq)):
-        tiles = kernels._tiles(name, head_dim, torch.bfloat16, False)
-        constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n}
-        constexprs.update(switches, IEEE=dtype == "fp32")
-        signature = {}
-        for arg in fn.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg in pointers:
-                signature[arg] = f"*{dtype}"
-            elif arg in ("Lse", "Delta"):
-                signature[arg] = "*fp32"
-            else:
-                signature[arg] = "fp32" if arg in ("sm_scale", "drop_scale") else "i32"
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        options = {"num_warps": tiles.warps, "num_stages": tiles.stages, "enable_fp_fusion": True}
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        assert compiled.asm["cubin"], name
 
 
 # -- a real GPU ----------------------------------------------------------------------------------

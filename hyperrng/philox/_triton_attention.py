@@ -26,15 +26,25 @@ The softmax runs in base 2 (``exp2``, scores scaled by ``log2(e)``); the per-row
 stores for the backward is ``log2`` of the row's sum of ``2**score``, ``+inf`` for a row with nothing
 to attend to (so the backward's probabilities are 0 there, as torch's math path gives).
 
+Masks only where a block needs them: the forward and dq visit first the key blocks wholly inside ``S`` and
+(causal) wholly below the diagonal, without masks, then those that cross the diagonal or ``S``, masked
+(:func:`_key_blocks`); dk/dv visit first the query blocks that cross the diagonal, masked, then those below
+it. Both loops together visit the blocks of the single masked loop they replace, in its order, with the
+same arithmetic: the results are the same bits. The Philox rounds take each product's two words from one
+wide multiply (:func:`_mul_wide`).
+
 Under the interpreter three things differ from the compiled code, each where marked: Triton's library
 reductions are decorated again for the interpreter, runtime loop bounds become Python ints
 (``_bound``), and bfloat16 dot operands are converted to float32 first (``UPCAST``; exact), because
 the interpreter's bfloat16 dot is wrong. Everything else, the Philox rounds and the mask included, is
 the code a GPU compiles.
 
-Launch option ``enable_fp_fusion`` stays on (:data:`FP_FUSION`): the keep mask is integer arithmetic,
-which contraction cannot change, and the values are compared with the torch implementation within a
-tolerance that a multiply-add contracted into an FMA is far inside.
+Launch option ``enable_fp_fusion`` is off (:data:`FP_FUSION`): every product is rounded on its own, so
+a score rounds alike in a masked block and an unmasked one (with contraction the compiler fuses the
+unmasked block's ``s * scale - m`` into one multiply-add, which the masked block's select prevents),
+and a row's values do not depend on which blocks its query tile crosses (the shard of rows a rank
+holds), on every Triton backend. It costs a few instructions a loop (the matrix products run on
+tensor cores either way).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import triton
 import triton.language as tl
 from triton.language import core as _core  # see below, and the Philox rounds
 
-FP_FUSION = True
+FP_FUSION = False
 """``enable_fp_fusion`` of every launch (see the module docstring)."""
 
 _M0 = tl.constexpr(0xD2511F53)  # multiplier of word 0
@@ -82,17 +92,26 @@ else:
 
 
 @triton.jit
+def _mul_wide(a, m: tl.constexpr):
+    """``(high, low)`` 32-bit words of the 64-bit product ``m * a`` (uint32): one wide multiply, where
+    ``umulhi`` and a wrapping ``*`` compile to two (the same words)."""
+    product = _core.mul(a.to(tl.uint64), m, sanitize_overflow=False)
+    return (product >> 32).to(tl.uint32), product.to(tl.uint32)
+
+
+@triton.jit
 def _philox(c0, c1, k0, k1):
     """Philox4x32-10 of the counters ``(c0, c1, 0, 0)`` (uint32) under the key ``(k0, k1)`` (uint32)."""
     c2 = tl.full(c0.shape, 0, tl.uint32)
     c3 = tl.full(c0.shape, 0, tl.uint32)
     for _ in tl.static_range(_ROUNDS):
-        _c0, _c2 = c0, c2
-        c0 = tl.umulhi(_M1, _c2) ^ c1 ^ k0
-        c2 = tl.umulhi(_M0, _c0) ^ c3 ^ k1
-        # The products and sums wrap by design. Triton before 3.6 exports no tl.mul: its core module has both.
-        c1 = _core.mul(_M1, _c2, sanitize_overflow=False)
-        c3 = _core.mul(_M0, _c0, sanitize_overflow=False)
+        hi0, lo0 = _mul_wide(c0, _M0)
+        hi2, lo2 = _mul_wide(c2, _M1)
+        c0 = hi2 ^ c1 ^ k0
+        c2 = hi0 ^ c3 ^ k1
+        c1 = lo2
+        c3 = lo0
+        # The key sums wrap by design. Triton before 3.6 exports no tl.add: its core module has it.
         k0 = _core.add(k0, _W0, sanitize_overflow=False)
         k1 = _core.add(k1, _W1, sanitize_overflow=False)
     return c0, c1, c2, c3
@@ -142,13 +161,15 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, S, row_start, qk_scale,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-            IEEE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+def _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start, qk_scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_COLS: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """Scores ``[BLOCK_M, BLOCK_N]`` in base 2 (``log2(e) * (q k^T * scale + bias)``), ``-inf`` where masked:
-    beyond ``S``, by the bias, or above the causal diagonal of the global rows."""
-    s = _dot(q, tl.trans(k), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), IEEE, UPCAST) * qk_scale
-    col_ok = offs_n < S
+    by the bias, beyond ``S`` (``MASK_COLS``: where ``col_ok`` is False) or above the causal diagonal of the
+    global rows (``MASK_DIAGONAL``). A block that needs neither mask leaves them out; the bias is read only
+    where ``row_ok`` and ``col_ok`` hold."""
+    s = _dot(q, tl.trans(k), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), IEEE, UPCAST)
+    s = s * qk_scale
     if HAS_BIAS:
         bias = tl.load(
             Bias_head + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
@@ -156,10 +177,64 @@ def _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, S, row_start, qk_
             other=0.0,
         )
         s += bias.to(tl.float32) * _LOG2E
-    valid = col_ok[None, :]
+    if MASK_COLS:
+        valid = col_ok[None, :]
+        if MASK_DIAGONAL:
+            valid = valid & (offs_n[None, :] <= row_start + offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    elif MASK_DIAGONAL:
+        s = tl.where(offs_n[None, :] <= row_start + offs_m[:, None], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fwd_block(
+    acc, l_i, m_i, q, K_head, V_head, Bias_head, start_n, offs_m, offs_d, row_ok,
+    skn, skd, svn, svd, sbm, sbn, S, row_start, qk_scale, drop_rows, drop_lanes, threshold, key0, key1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The online-softmax step of the key block at ``start_n``: ``(acc, l_i, m_i)`` updated. ``MASKED``: the
+    block may reach beyond ``S`` or above the causal diagonal (masks applied); otherwise it lies wholly
+    inside ``S`` and, when causal, below the diagonal, where every mask is all True and is left out."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < S
+    if MASKED:
+        k = tl.load(K_head + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=col_ok[:, None], other=0.0)
+        s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start, qk_scale,
+                    BLOCK_M, BLOCK_N, True, CAUSAL, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
+    else:
+        k = tl.load(K_head + offs_n[:, None] * skn + offs_d[None, :] * skd)
+        s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start, qk_scale,
+                    BLOCK_M, BLOCK_N, False, False, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
+    m_new = tl.maximum(m_i, _max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far: everything is 0
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + _sum(p, 1)
+    if DROPOUT:
+        p = tl.where(_keep(drop_rows, drop_lanes, start_n, threshold, key0, key1, BLOCK_M, BLOCK_N, ALIGNED), p, 0.0)
+    if MASKED:
+        v = tl.load(V_head + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
+    else:
+        v = tl.load(V_head + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _key_blocks(S, row_start, pid_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(mid, hi)`` of the key loop of query block ``pid_m``: the blocks at ``[0, mid)`` lie wholly inside
+    ``S`` and (causal) below the diagonal, those at ``[mid, hi)`` need masks; ``mid`` is a multiple of
+    ``BLOCK_N``, so the two loops visit the blocks of ``range(0, hi, BLOCK_N)`` in its order."""
     if CAUSAL:
-        valid = valid & (offs_n[None, :] <= row_start + offs_m[:, None])
-    return tl.where(valid, s, float("-inf"))
+        first = row_start + pid_m * BLOCK_M  # the global index of the block's first row
+        hi = tl.minimum(S, first + BLOCK_M)  # columns beyond the last row's diagonal are all masked
+        mid = tl.minimum(first + 1, S) // BLOCK_N * BLOCK_N  # every row sees the columns up to first
+    else:
+        hi = S
+        mid = S // BLOCK_N * BLOCK_N
+    return mid, hi
 
 
 @triton.jit(do_not_specialize=["thr", "k0", "k1", "ob_lo", "ob_hi", "ol", "b_start", "h_start", "row_start"])
@@ -172,7 +247,8 @@ def _attn_fwd(
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One program: ``BLOCK_M`` query rows of head ``(b, h)``, online softmax over all key blocks."""
+    """One program: ``BLOCK_M`` query rows of head ``(b, h)``, online softmax over all key blocks (first
+    those that need no mask, then those that do: :func:`_key_blocks`)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -195,29 +271,25 @@ def _attn_fwd(
         threshold = thr.to(tl.uint32, bitcast=True)
         ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & _LOW32)
         row_block, row_lane = _row_geometry(offs_m, b, h, ob, ol, b_start, h_start, row_start, H_g, L_g, S)
+    else:
+        key0, key1, threshold, row_block, row_lane = 0, 0, 0, 0, 0  # unused
     qk_scale = sm_scale * _LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    hi = S
-    if CAUSAL:
-        hi = tl.minimum(S, row_start + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, _bound(hi), BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < S
-        k = tl.load(K_head + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=col_ok[:, None], other=0.0)
-        s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, S, row_start, qk_scale,
-                    BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
-        m_new = tl.maximum(m_i, _max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far: everything is 0
-        p = tl.math.exp2(s - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + _sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_keep(row_block, row_lane, start_n, threshold, key0, key1, BLOCK_M, BLOCK_N, ALIGNED), p, 0.0)
-        v = tl.load(V_head + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
-        m_i = m_new
+    mid, hi = _key_blocks(S, row_start, pid_m, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, _bound(mid), BLOCK_N):
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, K_head, V_head, Bias_head, start_n, offs_m, offs_d, row_ok,
+            skn, skd, svn, svd, sbm, sbn, S, row_start, qk_scale, row_block, row_lane, threshold, key0, key1,
+            BLOCK_M, BLOCK_N, False, CAUSAL, HAS_BIAS, DROPOUT, ALIGNED, IEEE, UPCAST,
+        )  # fmt: skip
+    for start_n in range(_bound(mid), _bound(hi), BLOCK_N):
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, K_head, V_head, Bias_head, start_n, offs_m, offs_d, row_ok,
+            skn, skd, svn, svd, sbm, sbn, S, row_start, qk_scale, row_block, row_lane, threshold, key0, key1,
+            BLOCK_M, BLOCK_N, True, CAUSAL, HAS_BIAS, DROPOUT, ALIGNED, IEEE, UPCAST,
+        )  # fmt: skip
     attended = l_i > 0.0
     total = tl.where(attended, l_i, 1.0)
     out = acc * (drop_scale / total)[:, None]
@@ -255,6 +327,41 @@ def _attn_bwd_delta(
     tl.store(Delta + (bi * H + h) * L + offs_m, _sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
 
 
+@triton.jit
+def _dkdv_block(
+    dk, dv, k, v, Q_head, G_head, Bias_head, Lse, Delta, rows, start_m, offs_n, offs_d, col_ok,
+    sqm, sqd, sgm, sgd, sbm, sbn, L, row_start, qk_scale, drop_scale, ob, ol, b, h, b_start, h_start, H_g, L_g, S,
+    threshold, key0, key1, column0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``(dk, dv)`` plus the query block at ``start_m``. ``MASKED``: the block crosses the causal diagonal
+    of these keys (masked above it); otherwise every row sees every key. Keys beyond ``S`` are never
+    masked: a key's gradient rows take only its own column of the scores, and theirs are not stored."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < L
+    q = tl.load(Q_head + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    do = tl.load(G_head + offs_m[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + rows + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + rows + offs_m, mask=row_ok, other=0.0)
+    s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start, qk_scale,
+                BLOCK_M, BLOCK_N, False, MASKED, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
+    p = tl.math.exp2(s - lse[:, None])
+    dpd = _dot(do, tl.trans(v), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), IEEE, UPCAST)
+    if DROPOUT:
+        row_block, row_lane = _row_geometry(offs_m, b, h, ob, ol, b_start, h_start, row_start, H_g, L_g, S)
+        keep = _keep(row_block, row_lane, column0, threshold, key0, key1, BLOCK_M, BLOCK_N, ALIGNED)
+        pd = tl.where(keep, p * drop_scale, 0.0)
+        dp = tl.where(keep, dpd * drop_scale, 0.0)
+    else:
+        pd = p
+        dp = dpd
+    dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, IEEE, UPCAST)
+    ds = p * (dp - delta[:, None])
+    dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, IEEE, UPCAST)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["thr", "k0", "k1", "ob_lo", "ob_hi", "ol", "b_start", "h_start", "row_start"])
 def _attn_bwd_dkdv(
     Q, K, V, Bias, dOut, Lse, Delta, dK, dV,
@@ -271,7 +378,8 @@ def _attn_bwd_dkdv(
     hk = tl.program_id(1)
     b = tl.program_id(2)
     bi = b.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    column0 = pid_n * BLOCK_N
+    offs_n = column0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < S
     k = tl.load(
@@ -289,14 +397,20 @@ def _attn_bwd_dkdv(
         key1 = k1.to(tl.uint32, bitcast=True)
         threshold = thr.to(tl.uint32, bitcast=True)
         ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & _LOW32)
+    else:
+        key0, key1, threshold, ob = 0, 0, 0, 0  # unused
     qk_scale = sm_scale * _LOG2E
     dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, tl.float32)
     lo = 0
+    mid = 0
     if CAUSAL:
-        # Global row row_start + i sees column j iff j <= row_start + i: rows before the first that
-        # sees this block's first column contribute nothing.
-        lo = tl.maximum(pid_n * BLOCK_N - row_start, 0) // BLOCK_M * BLOCK_M
+        # Global row row_start + i sees column j iff j <= row_start + i: query blocks before lo (the first
+        # that sees this block's first column) contribute nothing, those in [lo, mid) cross the diagonal
+        # (mid: the first whose first row sees the block's last column), those from mid see every column.
+        # Both are multiples of BLOCK_M: the loops visit the blocks of range(lo, L, BLOCK_M) in its order.
+        lo = tl.maximum(column0 - row_start, 0) // BLOCK_M * BLOCK_M
+        mid = (tl.maximum(column0 + BLOCK_N - 1 - row_start, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     for g in range(0, _bound(GROUP)):
         h = hk * GROUP + g
         hi64 = h.to(tl.int64)
@@ -304,31 +418,53 @@ def _attn_bwd_dkdv(
         G_head = dOut + bi * sgb + hi64 * sgh
         Bias_head = Bias + bi * sbb + hi64 * sbh
         rows = (bi * H + h) * L
-        for start_m in range(_bound(lo), _bound(L), BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < L
-            q = tl.load(Q_head + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
-            do = tl.load(G_head + offs_m[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(Lse + rows + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(Delta + rows + offs_m, mask=row_ok, other=0.0)
-            s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, S, row_start, qk_scale,
-                        BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
-            p = tl.math.exp2(s - lse[:, None])
-            dpd = _dot(do, tl.trans(v), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), IEEE, UPCAST)
-            if DROPOUT:
-                row_block, row_lane = _row_geometry(offs_m, b, h, ob, ol, b_start, h_start, row_start, H_g, L_g, S)
-                keep = _keep(row_block, row_lane, pid_n * BLOCK_N, threshold, key0, key1, BLOCK_M, BLOCK_N, ALIGNED)
-                pd = tl.where(keep, p * drop_scale, 0.0)
-                dp = tl.where(keep, dpd * drop_scale, 0.0)
-            else:
-                pd = p
-                dp = dpd
-            dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, IEEE, UPCAST)
-            ds = p * (dp - delta[:, None])
-            dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, IEEE, UPCAST)
+        if CAUSAL:
+            for start_m in range(_bound(lo), _bound(tl.minimum(mid, L)), BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, Q_head, G_head, Bias_head, Lse, Delta, rows, start_m, offs_n, offs_d, col_ok,
+                    sqm, sqd, sgm, sgd, sbm, sbn, L, row_start, qk_scale, drop_scale, ob, ol, b, h, b_start, h_start,
+                    H_g, L_g, S, threshold, key0, key1, column0,
+                    BLOCK_M, BLOCK_N, True, HAS_BIAS, DROPOUT, ALIGNED, IEEE, UPCAST,
+                )  # fmt: skip
+        for start_m in range(_bound(mid), _bound(L), BLOCK_M):
+            dk, dv = _dkdv_block(
+                dk, dv, k, v, Q_head, G_head, Bias_head, Lse, Delta, rows, start_m, offs_n, offs_d, col_ok,
+                sqm, sqd, sgm, sgd, sbm, sbn, L, row_start, qk_scale, drop_scale, ob, ol, b, h, b_start, h_start,
+                H_g, L_g, S, threshold, key0, key1, column0,
+                BLOCK_M, BLOCK_N, False, HAS_BIAS, DROPOUT, ALIGNED, IEEE, UPCAST,
+            )  # fmt: skip
     out = (bi * (H // GROUP) + hk) * S * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dK + out, (dk * sm_scale).to(dK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dV + out, dv.to(dV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _dq_block(
+    dq, q, do, lse, delta, K_head, V_head, Bias_head, start_n, offs_m, offs_d, row_ok,
+    skn, skd, svn, svd, sbm, sbn, S, row_start, qk_scale, drop_scale, drop_rows, drop_lanes, threshold, key0, key1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``dq`` plus the key block at ``start_n``; ``MASKED`` as in :func:`_fwd_block`."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < S
+    if MASKED:
+        k = tl.load(K_head + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=col_ok[:, None], other=0.0)
+        v = tl.load(V_head + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
+        s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start, qk_scale,
+                    BLOCK_M, BLOCK_N, True, CAUSAL, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
+    else:
+        k = tl.load(K_head + offs_n[:, None] * skn + offs_d[None, :] * skd)
+        v = tl.load(V_head + offs_n[:, None] * svn + offs_d[None, :] * svd)
+        s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start, qk_scale,
+                    BLOCK_M, BLOCK_N, False, False, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
+    p = tl.math.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), IEEE, UPCAST)
+    if DROPOUT:
+        keep = _keep(drop_rows, drop_lanes, start_n, threshold, key0, key1, BLOCK_M, BLOCK_N, ALIGNED)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    return _dot(ds.to(k.dtype), k, dq, IEEE, UPCAST)
 
 
 @triton.jit(do_not_specialize=["thr", "k0", "k1", "ob_lo", "ob_hi", "ol", "b_start", "h_start", "row_start"])
@@ -341,7 +477,8 @@ def _attn_bwd_dq(
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One program: ``BLOCK_M`` query rows of head ``(b, h)``; ``dQ`` is contiguous ``(B, H, L, D)``."""
+    """One program: ``BLOCK_M`` query rows of head ``(b, h)``; ``dQ`` is contiguous ``(B, H, L, D)``. The key
+    blocks in the forward's order (:func:`_key_blocks`)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -372,25 +509,23 @@ def _attn_bwd_dq(
         threshold = thr.to(tl.uint32, bitcast=True)
         ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & _LOW32)
         row_block, row_lane = _row_geometry(offs_m, b, h, ob, ol, b_start, h_start, row_start, H_g, L_g, S)
+    else:
+        key0, key1, threshold, row_block, row_lane = 0, 0, 0, 0, 0  # unused
     qk_scale = sm_scale * _LOG2E
     dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    hi = S
-    if CAUSAL:
-        hi = tl.minimum(S, row_start + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, _bound(hi), BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < S
-        k = tl.load(K_head + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=col_ok[:, None], other=0.0)
-        v = tl.load(V_head + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
-        s = _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, S, row_start, qk_scale,
-                    BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, IEEE, UPCAST)  # fmt: skip
-        p = tl.math.exp2(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), IEEE, UPCAST)
-        if DROPOUT:
-            keep = _keep(row_block, row_lane, start_n, threshold, key0, key1, BLOCK_M, BLOCK_N, ALIGNED)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(k.dtype), k, dq, IEEE, UPCAST)
+    mid, hi = _key_blocks(S, row_start, pid_m, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, _bound(mid), BLOCK_N):
+        dq = _dq_block(
+            dq, q, do, lse, delta, K_head, V_head, Bias_head, start_n, offs_m, offs_d, row_ok,
+            skn, skd, svn, svd, sbm, sbn, S, row_start, qk_scale, drop_scale, row_block, row_lane, threshold, key0,
+            key1, BLOCK_M, BLOCK_N, False, CAUSAL, HAS_BIAS, DROPOUT, ALIGNED, IEEE, UPCAST,
+        )  # fmt: skip
+    for start_n in range(_bound(mid), _bound(hi), BLOCK_N):
+        dq = _dq_block(
+            dq, q, do, lse, delta, K_head, V_head, Bias_head, start_n, offs_m, offs_d, row_ok,
+            skn, skd, svn, svd, sbm, sbn, S, row_start, qk_scale, drop_scale, row_block, row_lane, threshold, key0,
+            key1, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_BIAS, DROPOUT, ALIGNED, IEEE, UPCAST,
+        )  # fmt: skip
     tl.store(
         dQ + (bi * H + h) * L * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
         (dq * sm_scale).to(dQ.dtype.element_ty),
@@ -433,25 +568,57 @@ class _Tiles:
 
 
 # Compiled tiles by kernel, head dim and whether the inputs are float32, not timed on a GPU: chosen so that
-# ptxas (Triton 3.6, sm_90, dropout) reports no register spills for 16-bit inputs at head dims 64 and 128
-# without a bias and at most 56 bytes with one, with the largest tiles that do. Float32 products run
-# without tensor cores (IEEE) and need far more registers: its tiles are small (larger ones spill
-# kilobytes; these up to 1.5 KB with a bias at head dim 128). The interpreter runs small tiles of the
-# same orientations (forward and dq: tall, dk/dv: wide), so that its tests cross tile edges at small sizes.
+# ptxas (Triton 3.6, sm_90) reports no register spills in any variant (dropout or not, causal or not, with or
+# without a bias, aligned or not; sequences of 256 and of 77), with the largest tiles that do for 16-bit
+# inputs at head dims 64 and 128. Float32 products run without tensor cores (IEEE) and need far more
+# registers: its tiles are small, and dk/dv at head dims 64 and 128 and the forward at 128 take eight warps
+# (with four, those spilled up to 1.5 KB, without dropout too; dk/dv sum the rows in order whatever the tile).
+# The interpreter runs small tiles of the same orientations (forward and dq: tall, dk/dv: wide), so that its
+# tests cross tile edges at small sizes.
 _SMALL = _Tiles(64, 64, 4, 3)
 _COMPILED = {
     "fwd": {16: _SMALL, 32: _SMALL, 64: _Tiles(128, 64, 8, 3), 128: _Tiles(128, 32, 8, 2)},
-    "dkdv": {16: _Tiles(32, 64, 4, 3), 32: _Tiles(32, 64, 4, 3), 64: _Tiles(32, 128, 8, 3), 128: _Tiles(32, 64, 8, 2)},
+    "dkdv": {16: _Tiles(32, 64, 4, 3), 32: _Tiles(32, 64, 4, 3), 64: _Tiles(32, 128, 8, 3), 128: _Tiles(32, 64, 8, 3)},
     "dq": {16: _SMALL, 32: _SMALL, 64: _Tiles(128, 32, 8, 3), 128: _Tiles(128, 32, 8, 2)},
 }
-_COMPILED_FLOAT32 = {"fwd": _Tiles(32, 32, 4, 2), "dkdv": _Tiles(16, 32, 4, 2), "dq": _Tiles(32, 16, 4, 2)}
+_FLOAT32 = {"fwd": _Tiles(32, 32, 4, 2), "dkdv": _Tiles(16, 32, 4, 2), "dq": _Tiles(32, 16, 4, 2)}
+_COMPILED_FLOAT32 = {
+    "fwd": {16: _FLOAT32["fwd"], 32: _FLOAT32["fwd"], 64: _FLOAT32["fwd"], 128: _Tiles(16, 32, 8, 2)},
+    "dkdv": {16: _FLOAT32["dkdv"], 32: _FLOAT32["dkdv"], 64: _Tiles(16, 32, 8, 1), 128: _Tiles(16, 32, 8, 1)},
+    "dq": dict.fromkeys((16, 32, 64, 128), _FLOAT32["dq"]),
+}
 _INTERPRETED = {"fwd": _Tiles(32, 16, 1, 1), "dkdv": _Tiles(16, 32, 1, 1), "dq": _Tiles(32, 16, 1, 1)}
+
+# Caps of ptxas's registers a thread (maxnreg) by (kernel, head dim, float32, dropout, bias). Left to itself,
+# ptxas takes more registers for the two pipelined loops (unmasked, masked) than it took for the one masked
+# loop they replace, in places more than fit the CTAs an SM held then; these caps hold those CTAs, spilling
+# nothing (checked as the tiles were, with `.ci/kernel-report` for sm_90 and sm_80). Where a cap that holds
+# them spilled somewhere, there is none.
+_REGISTERS: dict[tuple[str, int, bool, bool, bool], int] = {
+    ("fwd", 16, False, True, False): 128,
+    ("fwd", 16, False, True, True): 168,
+    ("fwd", 32, False, True, True): 168,
+    ("fwd", 128, False, False, False): 128,
+    ("fwd", 128, True, True, False): 80,  # left to itself, ptxas takes 64 and spills 16 bytes (fusion off)
+    ("dkdv", 16, False, False, False): 96,
+    ("dkdv", 32, False, False, False): 128,
+    ("dkdv", 128, False, False, False): 128,
+    ("dq", 16, False, True, False): 168,
+    ("dq", 16, False, True, True): 168,
+    ("dq", 32, False, False, True): 128,
+    ("dq", 16, True, True, False): 72,
+    ("dq", 32, True, True, False): 72,
+}
 
 
 def _tiles(kernel: str, head_dim: int, dtype: torch.dtype, interpret: bool) -> _Tiles:
     if interpret:
         return _INTERPRETED[kernel]
-    return _COMPILED_FLOAT32[kernel] if dtype == torch.float32 else _COMPILED[kernel][head_dim]
+    return (_COMPILED_FLOAT32 if dtype == torch.float32 else _COMPILED)[kernel][head_dim]
+
+
+def _registers(kernel: str, head_dim: int, dtype: torch.dtype, call: Call, bias: torch.Tensor | None) -> int | None:
+    return _REGISTERS.get((kernel, head_dim, dtype == torch.float32, call.dropout, bias is not None))
 
 
 def _geometry_args(call: Call) -> tuple[int, ...]:
@@ -481,16 +648,19 @@ def _switches(call: Call, q: torch.Tensor, bias: torch.Tensor | None) -> dict[st
     }
 
 
-def _options(tiles: _Tiles, call: Call) -> dict[str, object]:
+def _options(tiles: _Tiles, call: Call, registers: int | None = None) -> dict[str, object]:
     if call.interpret:
         return {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n}
-    return {
+    options: dict[str, object] = {
         "BLOCK_M": tiles.block_m,
         "BLOCK_N": tiles.block_n,
         "num_warps": tiles.warps,
         "num_stages": tiles.stages,
         "enable_fp_fusion": FP_FUSION,
     }
+    if registers is not None:
+        options["maxnreg"] = registers
+    return options
 
 
 def _bias_tensor(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -515,7 +685,7 @@ def forward(
         q, k, v, _bias_tensor(bias, q), out, lse,
         *q.stride(), *k.stride(), *v.stride(), *_bias_strides(bias), *out.stride(),
         H, L, S, H // k.shape[1], call.scale, call.drop_scale, *_geometry_args(call),
-        HEAD_DIM=D, **_switches(call, q, bias), **_options(tiles, call),
+        HEAD_DIM=D, **_switches(call, q, bias), **_options(tiles, call, _registers("fwd", D, q.dtype, call, bias)),
     )  # fmt: skip
     return out, lse
 
@@ -550,11 +720,13 @@ def backward(
     switches = _switches(call, q, bias)
     bias_tensor = _bias_tensor(bias, q)
     tiles = _tiles("dkdv", D, q.dtype, call.interpret)
+    options = _options(tiles, call, _registers("dkdv", D, q.dtype, call, bias))
     _attn_bwd_dkdv[(triton.cdiv(S, tiles.block_n), Hk, B)](
-        q, k, v, bias_tensor, grad, lse, delta, dk, dv, *common, HEAD_DIM=D, **switches, **_options(tiles, call)
+        q, k, v, bias_tensor, grad, lse, delta, dk, dv, *common, HEAD_DIM=D, **switches, **options
     )
     tiles = _tiles("dq", D, q.dtype, call.interpret)
+    options = _options(tiles, call, _registers("dq", D, q.dtype, call, bias))
     _attn_bwd_dq[(triton.cdiv(L, tiles.block_m), H, B)](
-        q, k, v, bias_tensor, grad, lse, delta, dq, *common, HEAD_DIM=D, **switches, **_options(tiles, call)
+        q, k, v, bias_tensor, grad, lse, delta, dq, *common, HEAD_DIM=D, **switches, **options
     )
     return dq, dk, dv
