@@ -49,6 +49,7 @@ tensor cores either way).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -611,14 +612,33 @@ _REGISTERS: dict[tuple[str, int, bool, bool, bool], int] = {
 }
 
 
+# The tables above were set for Hopper (sm_90). Elsewhere (Ampere's sm_80, a Triton backend that is not
+# NVIDIA's) no register caps apply, and where 16-bit kernels spilled on sm_80 with Hopper's tiles they take
+# these, which spill nothing there (.ci/kernel-report).
+_ELSEWHERE = {("dkdv", 64): _Tiles(16, 64, 4, 2), ("dq", 128): _Tiles(64, 32, 4, 2)}
+
+
 def _tiles(kernel: str, head_dim: int, dtype: torch.dtype, interpret: bool) -> _Tiles:
     if interpret:
         return _INTERPRETED[kernel]
+    if dtype != torch.float32 and not _hopper(triton.runtime.driver.active.get_current_device()):
+        found = _ELSEWHERE.get((kernel, head_dim))
+        if found is not None:
+            return found
     return (_COMPILED_FLOAT32 if dtype == torch.float32 else _COMPILED)[kernel][head_dim]
 
 
 def _registers(kernel: str, head_dim: int, dtype: torch.dtype, call: Call, bias: torch.Tensor | None) -> int | None:
+    if call.interpret or not _hopper(triton.runtime.driver.active.get_current_device()):
+        return None
     return _REGISTERS.get((kernel, head_dim, dtype == torch.float32, call.dropout, bias is not None))
+
+
+@functools.cache
+def _hopper(device: int) -> bool:
+    """Whether Triton compiles for an NVIDIA GPU of compute capability 9.0 or later on its current ``device``."""
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
 
 
 def _geometry_args(call: Call) -> tuple[int, ...]:
