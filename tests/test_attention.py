@@ -465,6 +465,9 @@ TRITON_CASES: dict[str, dict[str, Any]] = {
 
 @needs_triton
 @pytest.mark.parametrize("name", list(TRITON_CASES))
+# "padded keys overflow" makes the scores of keys past S overflow on purpose (the interpreter's NumPy says so)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_triton_kernels_agree_with_the_torch_implementation(name: str) -> None:
     _agree(TRITON_CASES[name])
 
