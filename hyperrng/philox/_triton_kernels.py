@@ -67,18 +67,26 @@ _SCALARS = [
 
 
 @triton.jit
+def mul_wide(a, m: tl.constexpr):
+    """``(high, low)`` 32-bit words of the 64-bit product ``m * a`` (uint32): one wide multiply, where
+    ``umulhi`` and a wrapping ``*`` compile to two (the same words; the attention kernels' rounds too)."""
+    product = _core.mul(a.to(tl.uint64), m, sanitize_overflow=False)
+    return (product >> 32).to(tl.uint32), product.to(tl.uint32)
+
+
+@triton.jit
 def philox(c0, c1, k0, k1):
     """The four words of the Philox4x32-10 blocks whose counter words 0 and 1 are ``c0`` and ``c1`` (uint32;
     words 2 and 3 zero), under the key words ``k0``, ``k1`` (uint32)."""
     c2 = tl.full(c0.shape, 0, tl.uint32)
     c3 = tl.full(c0.shape, 0, tl.uint32)
     for _ in tl.static_range(PHILOX_ROUNDS):
-        a0 = c0
-        a2 = c2
-        c0 = tl.umulhi(a2, PHILOX_M1) ^ c1 ^ k0
-        c2 = tl.umulhi(a0, PHILOX_M0) ^ c3 ^ k1
-        c1 = a2 * PHILOX_M1
-        c3 = a0 * PHILOX_M0
+        hi0, lo0 = mul_wide(c0, PHILOX_M0)
+        hi2, lo2 = mul_wide(c2, PHILOX_M1)
+        c0 = hi2 ^ c1 ^ k0
+        c2 = hi0 ^ c3 ^ k1
+        c1 = lo2
+        c3 = lo0
         k0 = k0 + PHILOX_W0
         k1 = k1 + PHILOX_W1
     return c0, c1, c2, c3
