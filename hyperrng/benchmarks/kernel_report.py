@@ -125,7 +125,8 @@ class _Target:
 @contextlib.contextmanager
 def compiling(arch: int) -> Iterator[list[tuple[Any, dict[str, Any]]]]:
     """Inside, a Triton launch compiles its kernel for ``sm_<arch>`` and launches nothing; yields the list
-    that receives ``(compiled kernel, constexpr arguments by name)`` per launch.
+    that receives ``(compiled kernel, constexpr arguments by name)`` per launch. The driver and the hook
+    are Triton's process-wide settings: nothing else in the process may launch kernels meanwhile.
 
     Raises:
         RuntimeError: ``TRITON_INTERPRET`` is set (kernels decorated then are interpreted, not compiled).
@@ -169,7 +170,8 @@ def compiling(arch: int) -> Iterator[list[tuple[Any, dict[str, Any]]]]:
 
 def _ptxas(kernel: Any, arch: int) -> dict[str, int]:
     """ptxas' own account of ``kernel``'s PTX for ``sm_<arch>`` (``ptxas -v``, the options Triton compiled
-    it with): registers, stack frame and spilled bytes a thread."""
+    it with): registers, stack frame and spilled bytes a thread. ptxas runs a second time: Triton keeps no
+    log of its own run, and a cubin records no spills."""
     import triton
 
     fmad = "--fmad=true" if kernel.metadata.enable_fp_fusion else "--fmad=false"
