@@ -342,7 +342,11 @@ def _torchrun_world_size() -> int | None:
 def _torchrun_job(
     cfg: DemoConfig, placement: Placement, phases: Phases
 ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
-    """Run both phases inside an existing torchrun job; rank 0 reports its progress and gets everyone's results."""
+    """Run both phases inside an existing torchrun job; rank 0 reports its progress and gets everyone's results.
+
+    The process group it initialises stays up: the ``hyperrng demo`` command ends the process
+    instead (``hyperrng.cli._leave_job`` says why).
+    """
     import torch.distributed as dist
 
     if not dist.is_initialized():
