@@ -236,6 +236,22 @@ class SimulatedGraph:
         return any(c is counter for c in self._states)
 
 
+class SimulatedStream:
+    """The stream of a simulated device: its work runs synchronously on the CPU, so it is always done."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: SimulatedStream) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = SimulatedStream()
+
+
 class SimulatedDeviceModule:
     """A device module in the shape of ``torch.cuda`` / ``torch.npu``, for simulated devices.
 
@@ -322,6 +338,14 @@ class SimulatedDeviceModule:
 
     def synchronize(self, device: int | str | torch.device | None = None) -> None:
         """Nothing to wait for: simulated work runs synchronously on the CPU."""
+
+    def current_stream(self, device: int | str | torch.device | None = None) -> SimulatedStream:
+        """The one stream of every simulated device (``torch.distributed.checkpoint`` asks for it)."""
+        return _STREAM
+
+    def stream(self, stream: SimulatedStream | None) -> contextlib.AbstractContextManager[None]:
+        """Make ``stream`` current inside the block: there is only one."""
+        return contextlib.nullcontext()
 
     def _index_of(self, device: int | str | torch.device | None) -> int:
         """The index ``device`` names; the current device's when it names none (``None``, ``"sim"``)."""

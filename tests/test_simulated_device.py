@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import hyperrng.platforms as platforms
 import pytest
@@ -126,6 +128,19 @@ def test_copies_move_tensors_between_devices_as_on_a_gpu(sim: platforms.Platform
     assert target.device == torch.device("sim:1") and target.cpu().tolist() == list(range(6))
     back = target.to("sim:0")
     assert back.device == torch.device("sim:0") and torch.equal(back.cpu(), source.cpu())
+
+
+def test_a_distributed_checkpoint_saves_and_loads_while_the_device_is_registered(
+    sim: platforms.Platform, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own, about running without a process group
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path))  # it asks the device module for its stream
+        loaded = {"w": torch.zeros(4)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path))
+    assert loaded["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_a_draw_that_would_pass_the_last_offset_is_refused_and_changes_nothing(sim: platforms.Platform) -> None:
