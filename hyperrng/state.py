@@ -31,18 +31,22 @@ seeds the host generators from the default stream, and warns that the run contin
 reproducibly but not bit-identically.
 
 :class:`RNGStateful` wraps both for ``torch.distributed.checkpoint``: it keys the state by
-rank, so DCP never deduplicates one rank's state onto another.
+rank, so DCP never deduplicates one rank's state onto another, and its load planner lets a
+rank the checkpoint lacks (a larger world) resume or be refused with our error.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
+import functools
 import hashlib
 import io
 import os
 import random
+import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -572,13 +576,23 @@ class RNGStateful:
 
     Arguments are those of :func:`rng_state_dict` and :func:`load_rng_state_dict`, and:
 
+    **A larger world.** DCP reads only the keys each loading instance names, and refuses a key
+    the checkpoint lacks before any ``Stateful`` runs: a rank beyond the saved world would get
+    torch's ``CheckpointException``. Load with ``planner=RNGStateful.planner()``: where this
+    rank's key is missing, the planner asks instead for every saved rank's state (nothing else
+    about the load changes; any other missing key is still refused). Then ``on_mismatch="error"``
+    refuses with :class:`~hyperrng.errors.InvalidArgumentError` naming the saved ranks, and
+    ``"reseed"`` resumes from the saved rank whose coordinates equal this rank's modulo the saved
+    mesh's extent on each dimension (for ``dp x tp`` grown along ``dp``: ``(dp mod old_dp, tp)``),
+    so every stream is shared again as the layout says::
+
+        dcp.load({"rng": RNGStateful(on_mismatch="reseed")}, checkpoint_id=path, planner=RNGStateful.planner())
+
     Args:
-        load_from: for an instance given to ``dcp.load`` at another world size, the saved rank whose
-            state this rank loads: an int, or a function of this rank returning one (``None``: this
-            rank's own). DCP reads only the keys the loading instance names, so a rank beyond the
-            saved world must name one that exists; pick one that shares this rank's coordinates on
-            each stream's dimensions (for ``dp x tp``, ``lambda r: (dp(r) % old_dp) * tp + tp(r)``),
-            with ``on_mismatch="reseed"``, and every stream is shared again as the layout says.
+        load_from: the saved rank whose state this rank loads instead of its own: an int, or a
+            function of this rank returning one (``None``: this rank's own). For meshes the
+            rule above does not fit; with ``on_mismatch="reseed"``, pick one that shares this
+            rank's coordinates on each stream's dimensions.
 
     Raises:
         ArgumentTypeError: ``load_from`` is neither ``None``, an int nor callable.
@@ -617,17 +631,142 @@ class RNGStateful:
         return f"rank_{chosen}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key(): rng_state_dict(**self._save)}
+        return _Entry(self, {self._key(): rng_state_dict(**self._save)})
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load this rank's state from what DCP read (see the class docstring for a larger world).
+
+        Raises:
+            ArgumentTypeError: ``state_dict`` is not a mapping.
+            InvalidArgumentError: it holds no state for this rank and no single saved rank
+                to resume from (see the class docstring), or :func:`load_rng_state_dict` refuses
+                the state. Nothing has changed when it is raised.
+        """
         if not isinstance(state_dict, Mapping):
             raise ArgumentTypeError(
                 f"load_state_dict takes the mapping DCP loaded (rank keys to states), got {type(state_dict).__name__}."
             )
         key = self._key()
         if key not in state_dict:
-            raise InvalidArgumentError(
-                f"the checkpoint has no RNG state for {key} (it has {sorted(map(str, state_dict))}); "
-                "it was saved with a different world size: name a saved rank with load_from=."
-            )
+            key = self._stand_in(key, state_dict)
         load_rng_state_dict(state_dict[key], **self._load)
+
+    @staticmethod
+    def planner(**kwargs: Any) -> Any:
+        """A ``torch.distributed.checkpoint.DefaultLoadPlanner`` (``kwargs`` go to it) that lets a
+        rank beyond the saved world load: see the class docstring.
+
+        It changes only the requests of :class:`RNGStateful` instances whose rank the checkpoint
+        lacks, before DCP plans the reads: such an instance asks for every saved rank's state
+        (``on_mismatch="reseed"`` without ``load_from``) or for none (otherwise), and its
+        :meth:`load_state_dict` then resumes or refuses with our error.
+        """
+        return _planner_class()(**kwargs)
+
+    def _plan(self, name: str, entry: _Entry, saved: Collection[str]) -> None:
+        """The planner's step for this instance's ``entry``, DCP's top-level key ``name``, in a
+        checkpoint holding the keys ``saved``: where this rank's key is absent, ask for every saved
+        rank's state (reseed, no ``load_from``) or for none, and note which ranks it holds."""
+        prefix = f"{name}."
+        ranks = {int(m[1]) for fqn in saved if fqn.startswith(prefix) and (m := _RANK_KEY.match(fqn, len(prefix)))}
+        [(key, template)] = entry.items()
+        if int(key[len("rank_") :]) in ranks:
+            return
+        entry.saved = sorted(ranks)
+        entry.clear()
+        if self._load["on_mismatch"] == "reseed" and self._load_from is None:
+            entry.update({f"rank_{r}": copy.deepcopy(template) for r in entry.saved})  # DCP reads into each
+
+    def _stand_in(self, key: str, loaded: Mapping[str, Any]) -> str:
+        """The key of the saved state this rank resumes from where the checkpoint has none for ``key``:
+        the one saved at this rank's coordinates modulo the saved extents (``on_mismatch="reseed"``,
+        no ``load_from``); otherwise our error, naming what the checkpoint holds."""
+        saved = getattr(loaded, "saved", None)
+        held = [f"rank_{r}" for r in saved] if saved is not None else sorted(map(str, loaded), key=_in_rank_order)
+        refusal = f"the checkpoint has no RNG state for {key} (it holds {_ranks_named(held)}); "
+        if self._load["on_mismatch"] != "reseed" or self._load_from is not None or not loaded:
+            if self._load_from is not None:
+                raise InvalidArgumentError(refusal + "load_from must name a saved rank.")
+            raise InvalidArgumentError(
+                refusal + "it was saved by another world size: load with planner=RNGStateful.planner() and "
+                "on_mismatch='reseed' to resume from the saved rank at this rank's coordinates, or name one with "
+                "load_from=."
+            )
+        states = dict(loaded)
+        for state in states.values():
+            check_saved(state)  # typed errors for anything that is not a saved state
+        here = self._coordinates()
+        points = {
+            name: point
+            for name, state in states.items()
+            if isinstance(point := state.get("coords"), Mapping) and here is not None and set(point) == set(here)
+        }
+        if here is None or len(points) != len(states):
+            raise InvalidArgumentError(
+                refusal + "a saved rank to resume from is chosen by its coordinates, and "
+                + ("this rank's are not known (pass coords= or seed with apply_layout)" if here is None else
+                   f"the saved ranks' do not all name this rank's dimensions {sorted(here)}")
+                + ": name one with load_from=."
+            )  # fmt: skip
+        extents = {dim: 1 + max(p[dim] for p in points.values()) for dim in here}
+        wanted = {dim: here[dim] % extents[dim] for dim in here}
+        found = [name for name, p in points.items() if dict(p) == wanted]
+        if len(found) != 1:
+            raise InvalidArgumentError(
+                refusal + f"{'none' if not found else 'more than one'} of them was saved at {wanted} (this rank's "
+                f"coordinates {here} modulo the saved extents {extents}): name one with load_from=."
+            )
+        return found[0]
+
+    def _coordinates(self) -> dict[str, int] | None:
+        """This rank's coordinates: those given, else those :func:`hyperrng.apply_layout` recorded."""
+        if self._load["coords"] is not None:
+            return dict(mesh_coordinates(self._load["coords"]))
+        recorded = recorded_derivation(self._load["tracker"])
+        return None if recorded is None else dict(recorded.coords)
+
+
+_RANK_KEY = re.compile(r"rank_(\d+)\.")
+
+
+def _in_rank_order(key: str) -> tuple[int, str]:
+    """Sorts ``rank_2`` before ``rank_10``."""
+    return len(key), key
+
+
+def _ranks_named(keys: list[str]) -> str:
+    """``keys`` for a message: all of a few, else the first and last and how many."""
+    if not keys:
+        return "none"
+    if len(keys) <= 4:
+        return ", ".join(keys)
+    return f"{len(keys)} ranks' states, {keys[0]} to {keys[-1]}"
+
+
+class _Entry(dict):  # type: ignore[type-arg]
+    """What :meth:`RNGStateful.state_dict` gives DCP: ``{rank key: state}``, knowing its owner,
+    so that :meth:`RNGStateful.planner` finds the entries it may re-plan."""
+
+    def __init__(self, owner: RNGStateful, items: dict[str, Any]) -> None:
+        super().__init__(items)
+        self.owner = owner
+        self.saved: list[int] | None = None  # the saved ranks, once the planner found this rank's missing
+
+
+@functools.cache
+def _planner_class() -> type:
+    """:meth:`RNGStateful.planner`'s class, made at first use (importing DCP takes most of a second)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class RNGLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc]
+        """DCP's default load planner, letting :class:`hyperrng.RNGStateful` re-plan its entries first."""
+
+        def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+            metadata = args[0] if args else kwargs.get("metadata")
+            if metadata is not None:
+                for name, value in state_dict.items():
+                    if isinstance(value, _Entry):
+                        value.owner._plan(name, value, metadata.state_dict_metadata)
+            super().set_up_planner(state_dict, *args, **kwargs)
+
+    return RNGLoadPlanner

@@ -1153,9 +1153,69 @@ def test_the_stateful_refuses_a_checkpoint_without_this_ranks_key_and_changes_no
     state = rng_state_dict(tracker=tracker, layout=LAYOUT, coords=COORDS, base_seed=SEED)
     draw_everything(tracker)
     before = snapshot(tracker)
-    with pytest.raises(InvalidArgumentError, match=re.escape("no RNG state for rank_0 (it has ['rank_1', 'rank_2'])")):
+    with pytest.raises(InvalidArgumentError, match=re.escape("no RNG state for rank_0 (it holds rank_1, rank_2)")):
         stateful_for(tracker).load_state_dict({"rank_1": state, "rank_2": state})
     assert snapshot(tracker) == before
+
+
+def test_a_reseed_without_this_ranks_state_resumes_from_the_saved_rank_at_its_coordinates_modulo_the_extents() -> None:
+    saved = {}
+    for rank, dp in ((5, 0), (6, 1)):  # two saved ranks, at dp 0 and 1; this rank (0) is not among them
+        tracker = seeded_tracker({"dp": dp, "tp": 0})
+        draw_everything(tracker)
+        point = {"dp": dp, "tp": 0}
+        saved[f"rank_{rank}"] = rng_state_dict(tracker=tracker, layout=LAYOUT, coords=point, base_seed=SEED)
+    here = {"dp": 3, "tp": 0}  # 3 mod 2 = 1: rank_6's point
+    tracker = seeded_tracker(here)
+    with pytest.warns(RNGResumeWarning):
+        RNGStateful(tracker=tracker, layout=LAYOUT, coords=here, on_mismatch="reseed").load_state_dict(saved)
+    resumed = snapshot(tracker)["streams"]
+    assert resumed == snapshot(_resumed_tracker(saved["rank_6"], here))["streams"]
+    assert resumed != snapshot(_resumed_tracker(saved["rank_5"], here))["streams"]
+
+
+def test_a_reseed_refuses_a_stand_in_it_cannot_choose_and_changes_nothing() -> None:
+    tracker = seeded_tracker()
+    state = rng_state_dict(tracker=tracker, layout=LAYOUT, coords=COORDS, base_seed=SEED)
+    draw_everything(tracker)
+    before = snapshot(tracker)
+    both = {"rank_4": state, "rank_5": state}  # two states saved at one point: which one is unknowable
+    cases = [
+        (stateful_for(tracker, on_mismatch="reseed"), both, r"more than one of them was saved at \{'dp': 1, 'tp': 0\}"),
+        (stateful_for(tracker, on_mismatch="reseed"), {}, re.escape("load with planner=RNGStateful.planner()")),
+        (stateful_for(tracker), {"rank_4": state}, re.escape("it holds rank_4); it was saved by another world size")),
+        (stateful_for(tracker, load_from=9), {"rank_4": state}, "no RNG state for rank_9 .* load_from must name"),
+        (
+            RNGStateful(tracker=tracker, layout=LAYOUT, coords={"tp": 0}, on_mismatch="reseed"),
+            {"rank_4": state},
+            "do not all name",
+        ),  # fmt: skip
+    ]
+    for stateful, loaded, match in cases:
+        with pytest.raises(InvalidArgumentError, match=match):
+            stateful.load_state_dict(loaded)
+        assert snapshot(tracker) == before
+
+
+def test_the_planner_refuses_a_rank_the_checkpoint_lacks_with_our_error_and_keeps_every_other_key_strict(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    tracker = seeded_tracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own, about running without a process group
+        dcp.save({"rng": stateful_for(tracker)}, checkpoint_id=str(tmp_path))
+        draw_everything(tracker)
+        before = snapshot(tracker)
+        with pytest.raises(InvalidArgumentError, match=r"no RNG state for rank_3 \(it holds rank_0\); load_from"):
+            dcp.load({"rng": stateful_for(tracker, load_from=3)}, checkpoint_id=str(tmp_path),
+                     planner=RNGStateful.planner())  # fmt: skip
+        assert snapshot(tracker) == before
+        with pytest.raises(CheckpointException):  # the planner re-plans only the RNG entries
+            dcp.load({"rng": stateful_for(tracker), "weights": torch.zeros(2)}, checkpoint_id=str(tmp_path),
+                     planner=RNGStateful.planner())  # fmt: skip
 
 
 def test_the_stateful_passes_on_mismatch_through() -> None:
@@ -1204,9 +1264,11 @@ def test_dcp_gives_every_rank_its_own_state_back(tmp_path: Path) -> None:
 _GROWN = StreamLayout(dims=("dp", "tp"), default=("dp",), streams={MP: ("tp",)})
 
 
-def _dcp_grow(rank: int, world_size: int, directory: str) -> list[float]:
-    """``dp x 2`` ranks: at 4 they seed, draw and save with DCP; at 8 each loads the saved rank at its
-    ``(dp mod 2, tp)`` point (``load_from``), re-derives the streams, checks their sharing, and draws."""
+def _dcp_grow(rank: int, world_size: int, directory: str, saved_world: int, how: str) -> Any:
+    """``dp x 2`` ranks: at ``saved_world`` they seed, draw and save with DCP; at a larger world each
+    loads (``how``): the saved rank at its ``(dp mod old_dp, tp)`` point named with ``load_from``, or
+    chosen by the planner (``"planner"``), re-derives the streams, checks their sharing, and draws;
+    ``"strict"``: the planner without a reseed, the error each rank gets."""
     import torch.distributed.checkpoint as dcp
 
     from hyperrng.verify import verify_rng_sync
@@ -1215,12 +1277,21 @@ def _dcp_grow(rank: int, world_size: int, directory: str) -> list[float]:
     with platforms.use(platforms.CPUPlatform()), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the resume warning, and DCP's own
         apply_layout(_GROWN, SEED, coords)
-        if world_size == 4:
+        if world_size == saved_world:
             draw_everything(get_rng_tracker())
             dcp.save({"rng": RNGStateful()}, checkpoint_id=directory)
-        else:
-            old = lambda r: (r // 2 % 2) * 2 + r % 2  # noqa: E731 - the saved rank at (dp mod 2, tp)
+        elif how == "load_from":
+            old = lambda r: (r // 2 % (saved_world // 2)) * 2 + r % 2  # noqa: E731 - the saved rank at (dp mod old_dp, tp)
             dcp.load({"rng": RNGStateful(on_mismatch="reseed", load_from=old)}, checkpoint_id=directory)
+        else:
+            stateful = RNGStateful(on_mismatch="reseed" if how == "planner" else "error")
+            before = get_rng_tracker().get_states()
+            try:
+                dcp.load({"rng": stateful}, checkpoint_id=directory, planner=RNGStateful.planner())
+            except InvalidArgumentError as exc:
+                assert get_rng_tracker().get_states().keys() == before.keys()
+                unchanged = all(torch.equal(get_rng_tracker().get_states()[k], v) for k, v in before.items())
+                return type(exc).__name__, str(exc), unchanged
         verify_rng_sync(_GROWN, coords)
         with get_rng_tracker().fork(MP):
             tp = torch.rand(3).tolist()
@@ -1230,12 +1301,30 @@ def _dcp_grow(rank: int, world_size: int, directory: str) -> list[float]:
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_dcp_resumes_a_checkpoint_of_4_ranks_on_8_with_every_stream_in_sync(tmp_path: Path) -> None:
-    run_ranks(_dcp_grow, 4, str(tmp_path))
-    draws = run_ranks(_dcp_grow, 8, str(tmp_path))
+    run_ranks(_dcp_grow, 4, str(tmp_path), 4, "load_from")
+    draws = run_ranks(_dcp_grow, 8, str(tmp_path), 4, "load_from")
     for rank in range(8):
         for other in range(8):
             assert (draws[rank][:3] == draws[other][:3]) == (rank % 2 == other % 2), "TP stream per TP rank"
             assert (draws[rank][3:] == draws[other][3:]) == (rank // 2 == other // 2), "default per DP rank"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dcp_with_the_planner_grows_from_2_ranks_to_4_as_the_explicit_mapping_does_or_refuses_typed(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_dcp_grow, 2, str(tmp_path), 2, "save")
+    chosen = run_ranks(_dcp_grow, 4, str(tmp_path), 2, "planner")
+    assert chosen == run_ranks(_dcp_grow, 4, str(tmp_path), 2, "load_from"), "the same saved ranks, the same numbers"
+    assert len({tuple(d[:3]) for d in chosen}) == 2 and len({tuple(d[3:]) for d in chosen}) == 2
+    refused = run_ranks(_dcp_grow, 4, str(tmp_path), 2, "strict")
+    for rank, (kind, message, unchanged) in enumerate(refused):
+        assert kind == "InvalidArgumentError" and unchanged
+        if rank < 2:  # its own key is there, saved by another world size
+            assert "saved under a different setup" in message
+        else:
+            assert f"no RNG state for rank_{rank} (it holds rank_0, rank_1); it was saved by another" in message
 
 
 def test_the_stateful_refuses_a_load_from_that_is_not_a_rank() -> None:
