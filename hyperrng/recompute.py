@@ -12,7 +12,8 @@ uses the Platform interface and the tracker's ``get_states``/``set_states``.
 the wrappers built on it, such as FSDP2's and TorchTitan's ``checkpoint_wrapper``):
 torch restores its own CPU and device generators around a recompute, but not the
 tracker's streams, the CPU platform's position or portable mode, so without it a fork
-inside the block draws other masks in the backward pass than in the forward.
+inside the block would draw other masks in the backward pass than in the forward: such a
+fork is refused, as is a portable draw (:mod:`hyperrng._checkpoints` finds the case).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
+from hyperrng._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, top_hook
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.philox import mode as portable_mode
-from hyperrng.philox._ops import CHECKPOINT_FORWARDS, THREAD
-from hyperrng.tracker import RNGStatesTracker, resolve_tracker
+from hyperrng.tracker import RNGStatesTracker, _outside_dynamo, resolve_tracker
 
 __all__ = ["checkpoint", "checkpoint_context"]
 
@@ -113,7 +114,7 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, None, *arg_grads)
 
 
-CHECKPOINT_FORWARDS[id(_Checkpoint.forward.__code__)] = _Checkpoint.forward.__code__  # see _ops._checkpoint_forward
+CHECKPOINT_FORWARDS[id(_Checkpoint.forward.__code__)] = _Checkpoint.forward.__code__  # its forward runs without grad
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
@@ -144,6 +145,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
             on, which for accelerator tensors is autograd's own device thread: a thread
             that calls ``backward()`` inside a fork or ``fork_rng`` gets this error.
     """
+    if torch.compiler.is_compiling():  # its holds and snapshots are Python state: run behind a graph break
+        return _checkpoint_outside_the_graph(function, *args, tracker=tracker)
     if not callable(function):
         raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")
     if args and isinstance(args[0], bool):
@@ -157,6 +160,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
     # in, parameters inside): without it the parameters would silently get no gradient.
     anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
     return _Checkpoint.apply(function, resolved, anchor, *args)
+
+
+@_outside_dynamo
+def _checkpoint_outside_the_graph(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None) -> Any:
+    return checkpoint(function, *args, tracker=tracker)  # run as Python: there is_compiling() is false
 
 
 class _Recorded:
@@ -195,7 +203,7 @@ class _ForwardContext:
 
     While entered, it marks the checkpoint's saved-tensor hook (the innermost, entered just before it)
     as one whose recompute replays portable draws, which portable mode's kernels check for
-    (:func:`hyperrng.philox._ops.refuse_unreplayed_checkpoint`)."""
+    (:func:`hyperrng._checkpoints.unreplayed_checkpoint`)."""
 
     __slots__ = ("_inner", "_recorded", "_hook")
 
@@ -205,28 +213,24 @@ class _ForwardContext:
 
     def __enter__(self) -> None:
         self._recorded.record()
-        top = _top_hooks(False) if _top_hooks is not None else None
-        self._hook = top[0] if top is not None else None
-        THREAD.replayed.append(self._hook)
+        self._hook = top_hook()
+        REPLAYED.hooks.append(self._hook)
         if self._inner is not None:
             try:
                 self._inner.__enter__()
             except BaseException:
-                THREAD.replayed.pop()
+                REPLAYED.hooks.pop()
                 raise
 
     def __exit__(self, *exc: Any) -> bool | None:
         try:
             return self._inner.__exit__(*exc) if self._inner is not None else None
         finally:
-            replayed = THREAD.replayed
+            replayed = REPLAYED.hooks
             for i in range(len(replayed) - 1, -1, -1):
                 if replayed[i] is self._hook:
                     del replayed[i]
                     break
-
-
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class _RecomputeContext:

@@ -74,6 +74,7 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
+from hyperrng._checkpoints import unreplayed_checkpoint
 from hyperrng._exclusive import HOLDS as _HOLDS
 from hyperrng._interrupts import deferred
 from hyperrng._swap import Swap, choose_swap
@@ -123,6 +124,18 @@ class RNGTrackerProtocol(Protocol):
     def get_states(self) -> dict[str, Any]: ...
 
     def set_states(self, states: Mapping[str, Any]) -> None: ...
+
+
+def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
+    """The refusal of a fork in the forward pass of a checkpoint whose recompute would not replay the stream."""
+    return InvalidOperationError(
+        f"stream {name!r} cannot be forked inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: "
+        "torch puts its own generators back before the recompute in the backward pass, not the tracker's streams, "
+        "so the recompute would draw the stream's next numbers and the gradients would silently differ. Pass "
+        "use_reentrant=False, context_fn=hyperrng.checkpoint_context (or to checkpoint_wrapper), or use "
+        "hyperrng.checkpoint(fn, *args).",
+        reason="tracker",
+    )
 
 
 def _outside_dynamo(fn: Any) -> Any:
@@ -196,6 +209,9 @@ class _Fork:
         swap = tracker._swap
         if swap.capturing is not None and swap.capturing():  # type: ignore[union-attr]
             raise tracker._capture_refusal(self.name)
+        flavour = unreplayed_checkpoint()
+        if flavour is not None:
+            raise _checkpoint_refusal(self.name, flavour)
         read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:

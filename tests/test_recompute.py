@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -9,8 +10,10 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import hyperrng
+from hyperrng.errors import InvalidOperationError
 from hyperrng.recompute import checkpoint
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each
@@ -125,13 +128,56 @@ def test_the_tracker_passed_is_the_one_replayed(platform: platforms.Platform) ->
     assert torch.equal(get_rng_tracker().get_states(as_tensors=True)[MP], decoy)
 
 
-def test_torch_checkpoint_alone_replays_the_wrong_stream_masks() -> None:
-    """Why the tracker must be part of the replay: torch restores its own generators, not the streams."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_fork_inside_torch_checkpoint_without_the_context_is_refused_before_it_moves_a_stream(
+    reentrant: bool, compiled: bool
+) -> None:
+    """Torch restores its own generators before a recompute, not the streams: without the context the
+    recompute would draw other masks and the gradients would silently differ."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    plain = train_step(None)
-    theirs = train_step(lambda block, h: torch_checkpoint(block, h, use_reentrant=False))
-    assert not all(torch.equal(a, b) for a, b in zip(theirs["grads"], plain["grads"], strict=True))
+    def theirs(block: Block, h: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(block, h, use_reentrant=reentrant)  # type: ignore[no-any-return]
+
+    tracker = get_rng_tracker()
+    tracker.reseed({MP: 4321})
+    block = Block()
+    before = generator_states(tracker)
+    flavour = f"use_reentrant={reentrant}"
+    with pytest.raises(InvalidOperationError, match=rf"inside torch.utils.checkpoint \({flavour}\) without hyperrng"):
+        (torch.compile(theirs, backend="aot_eager") if compiled else theirs)(
+            block, torch.ones(5, 6, requires_grad=True)
+        )
+    assert_equal_states(generator_states(tracker), before)
+
+
+REPLAYING = {
+    "hyperrng.checkpoint": lambda block, h: checkpoint(block, h),
+    "torch, context_fn": lambda block, h: torch.utils.checkpoint.checkpoint(
+        block, h, use_reentrant=False, context_fn=hyperrng.checkpoint_context
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("backend", "portable"),
+    [("aot_eager", False), ("inductor", False), pytest.param("aot_eager", True, marks=pytest.mark.needs_portable_mode)],
+)
+@pytest.mark.parametrize("name", list(REPLAYING))
+def test_a_compiled_recompute_with_a_fork_inside_gives_the_gradients_of_no_checkpoint(
+    name: str, backend: str, portable: bool
+) -> None:
+    mode = hyperrng.portable_random(7) if portable else contextlib.nullcontext()
+    with mode:
+        plain = train_step(None)
+    wrap = REPLAYING[name]
+    compiled = torch.compile(lambda block, h: wrap(block, h), backend=backend)
+    with mode:
+        recomputed = train_step(compiled)
+    assert recomputed["calls"] == [2, 2], "each block ran again in the backward pass"
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
 
 
 def test_non_tensor_arguments_pass_through_to_both_runs() -> None:

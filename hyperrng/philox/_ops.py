@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import threading
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 
 import hyperrng.platforms as platforms
 from hyperrng import philox
+from hyperrng._checkpoints import checkpoint_forward, unreplayed_checkpoint
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, UnsupportedPortableOpError
 from hyperrng.philox import _attention_ops, _torch, _triton, backends
 from hyperrng.philox._shards import ShardGeometry
@@ -93,7 +91,6 @@ class _ThreadEntries(threading.local):
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self.inherited = False  # whether the thread included the key before its first entry (an autograd thread)
-        self.replayed: list[object] = []  # the checkpoint hooks whose recompute replays portable draws, innermost last
 
 
 THREAD = _ThreadEntries()
@@ -594,7 +591,7 @@ def _own_host_generator(kwargs: dict[str, Any]) -> bool:
     if platforms.current().device_type == "cpu" and _is_host_default(gen):
         kwargs["generator"] = None
         return False
-    if _checkpoint_forward() is not None:  # no checkpoint puts a generator of the caller's back
+    if checkpoint_forward() is not None:  # no checkpoint puts a generator of the caller's back
         raise UnsupportedPortableOpError(
             "a random op given generator= a torch.Generator of your own inside an activation checkpoint: its "
             "recompute in the backward pass would draw that generator's next numbers, not the forward's, and "
@@ -646,56 +643,10 @@ def is_switched_on() -> bool:
 
 
 # -- torch.utils.checkpoint without a replay ---------------------------------------------------------
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
-_FRAMES = 64  # how far up the stack a reentrant checkpoint's forward is looked for
-
-
-CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
-"""The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
-is looked up by identity: comparing code objects compares their contents): torch's reentrant
-checkpoint's, and :mod:`hyperrng.recompute` adds ``hyperrng.checkpoint``'s."""
-
-
-def _checkpoint_forward() -> Any:
-    """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
-    ``torch.utils.checkpoint``'s saved-tensor hook (its hooks are the innermost ones), or for one that runs
-    its forward without grad, the code of the function it runs it in (found on the stack)."""
-    if torch.is_grad_enabled():
-        top = _top_hooks(False) if _top_hooks is not None else None
-        return top[0] if top is not None and top[0].__qualname__.startswith("_checkpoint_hook.") else None
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(_FRAMES):
-        if frame is None:
-            return None
-        found = CHECKPOINT_FORWARDS.get(id(frame.f_code))
-        if found is not None:
-            return found
-        frame = frame.f_back
-    return None
-
-
-def _unreplayed_checkpoint() -> str | None:
-    """The flavour of ``torch.utils.checkpoint`` whose forward pass the calling thread is in, when its
-    recompute would not draw portably; else ``None``.
-
-    Torch puts its generators back before a recompute, and with them the position, but the recompute
-    runs in portable mode only where ``context_fn=hyperrng.checkpoint_context`` applies it (then this
-    hook is in ``THREAD.replayed``); otherwise it draws torch's numbers and the gradients silently
-    differ. A reentrant checkpoint never replays; ``hyperrng.checkpoint`` always does."""
-    found = _checkpoint_forward()
-    if found is _REENTRANT_FORWARD:
-        return "use_reentrant=True"
-    if found is None or isinstance(found, types.CodeType):
-        return None
-    replayed = THREAD.replayed
-    return None if replayed and replayed[-1] is found else "use_reentrant=False"
-
-
 def refuse_unreplayed_checkpoint(what: str) -> None:
     """Refuse a portable draw in the forward pass of a ``torch.utils.checkpoint`` whose recompute would draw
-    other numbers (:func:`_unreplayed_checkpoint`), before anything moves."""
-    flavour = _unreplayed_checkpoint()
+    other numbers (:func:`hyperrng._checkpoints.unreplayed_checkpoint`), before anything moves."""
+    flavour = unreplayed_checkpoint()
     if flavour is not None:
         raise UnsupportedPortableOpError(
             f"{what} in portable mode inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: its "

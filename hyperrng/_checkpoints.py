@@ -1,0 +1,81 @@
+"""Which activation checkpoint's forward pass the calling thread is in, and whether its recompute replays.
+
+A recompute in the backward pass must draw the forward's numbers. Torch's own checkpoints put
+torch's generators back before it, but not the tracker's streams or portable mode; those are
+replayed only by ``hyperrng.checkpoint`` and by ``torch.utils.checkpoint`` given
+``context_fn=hyperrng.checkpoint_context``. A fork or a portable draw in the forward pass of any
+other checkpoint would draw other numbers in the recompute, and the gradients would silently
+differ: :func:`unreplayed_checkpoint` finds that case so that it can be refused before anything
+moves. A non-reentrant checkpoint runs its forward with grad and marks it with its saved-tensor
+hook (its hooks are the innermost ones); one that runs its forward without grad (torch's
+reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack, a walk of up to 64
+frames (about 5 us at 30 frames) that only calls made with grad disabled pay, and none made in
+inference mode (which no backward pass follows).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+_FRAMES = 64  # how far up the stack a forward run without grad is looked for
+
+CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
+"""The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
+is looked up by identity: comparing code objects compares their contents): torch's reentrant
+checkpoint's, and :mod:`hyperrng.recompute` adds ``hyperrng.checkpoint``'s."""
+
+
+class _Replayed(threading.local):
+    def __init__(self) -> None:
+        self.hooks: list[object] = []  # the hooks of checkpoints whose recompute replays, innermost last
+
+
+REPLAYED = _Replayed()
+"""Per thread: ``REPLAYED.hooks``, which ``hyperrng.checkpoint_context``'s forward context enters."""
+
+
+def top_hook() -> object:
+    """The innermost saved-tensor hook pair's pack hook, or ``None``."""
+    top = _top_hooks(False) if _top_hooks is not None else None
+    return top[0] if top is not None else None
+
+
+def checkpoint_forward() -> Any:
+    """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
+    ``torch.utils.checkpoint``'s saved-tensor hook, or for one that runs its forward without grad, the code
+    of the function it runs it in (found on the stack)."""
+    if torch.is_grad_enabled():
+        hook = top_hook()
+        return hook if hook is not None and hook.__qualname__.startswith("_checkpoint_hook.") else None
+    if torch.is_inference_mode_enabled():  # no backward pass will follow, so no recompute: no walk
+        return None
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return None
+        found = CHECKPOINT_FORWARDS.get(id(frame.f_code))
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None
+
+
+def unreplayed_checkpoint() -> str | None:
+    """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
+    forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
+    ``None`` (no checkpoint, ``hyperrng.checkpoint``, or one given ``hyperrng.checkpoint_context``)."""
+    found = checkpoint_forward()
+    if found is _REENTRANT_FORWARD:
+        return "use_reentrant=True"
+    if found is None or isinstance(found, types.CodeType):
+        return None
+    hooks = REPLAYED.hooks
+    return None if hooks and hooks[-1] is found else "use_reentrant=False"
