@@ -687,10 +687,11 @@ class RNGStateful:
         if self._load["on_mismatch"] != "reseed" or self._load_from is not None or not loaded:
             if self._load_from is not None:
                 raise InvalidArgumentError(refusal + "load_from must name a saved rank.")
+            how = "pass on_mismatch='reseed'" if saved is not None else "load with planner=RNGStateful.planner()"
+            how += "" if saved is not None or self._load["on_mismatch"] == "reseed" else " and on_mismatch='reseed'"
             raise InvalidArgumentError(
-                refusal + "it was saved by another world size: load with planner=RNGStateful.planner() and "
-                "on_mismatch='reseed' to resume from the saved rank at this rank's coordinates, or name one with "
-                "load_from=."
+                refusal + f"it was saved by another world size: {how} to resume from the saved rank at this rank's "
+                "coordinates, or name one with load_from=."
             )
         states = dict(loaded)
         for state in states.values():

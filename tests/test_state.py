@@ -1183,7 +1183,7 @@ def test_a_reseed_refuses_a_stand_in_it_cannot_choose_and_changes_nothing() -> N
     cases = [
         (stateful_for(tracker, on_mismatch="reseed"), both, r"more than one of them was saved at \{'dp': 1, 'tp': 0\}"),
         (stateful_for(tracker, on_mismatch="reseed"), {}, re.escape("load with planner=RNGStateful.planner()")),
-        (stateful_for(tracker), {"rank_4": state}, re.escape("it holds rank_4); it was saved by another world size")),
+        (stateful_for(tracker), {"rank_4": state}, re.escape("size: load with planner=RNGStateful.planner() and")),
         (stateful_for(tracker, load_from=9), {"rank_4": state}, "no RNG state for rank_9 .* load_from must name"),
         (
             RNGStateful(tracker=tracker, layout=LAYOUT, coords={"tp": 0}, on_mismatch="reseed"),
@@ -1324,7 +1324,8 @@ def test_dcp_with_the_planner_grows_from_2_ranks_to_4_as_the_explicit_mapping_do
         if rank < 2:  # its own key is there, saved by another world size
             assert "saved under a different setup" in message
         else:
-            assert f"no RNG state for rank_{rank} (it holds rank_0, rank_1); it was saved by another" in message
+            assert f"no RNG state for rank_{rank} (it holds rank_0, rank_1); it was saved by another world size: " \
+                "pass on_mismatch='reseed'" in message  # fmt: skip
 
 
 def test_the_stateful_refuses_a_load_from_that_is_not_a_rank() -> None:
