@@ -532,8 +532,10 @@ class RNGStatesTracker:
         Later forks do not alter the snapshot. States are CPU ``uint8`` tensors (the
         platform's state format), except on a ``graph_safe=True`` tracker, which returns
         cloned generator objects unless ``as_tensors=True`` (call it outside CUDA graph
-        capture: it clones).
+        capture: it clones). Under ``torch.compile`` it runs behind a graph break.
         """
+        if torch.compiler.is_compiling():  # Dynamo would trace the byte copies into the graph, and fail
+            return _get_states_untraced(self, as_tensors=as_tensors)  # type: ignore[no-any-return]
         swap, active = self._swap, self._active
         if swap is None:
             return {}
@@ -562,7 +564,12 @@ class RNGStatesTracker:
             UnknownStreamError: ``states`` names a stream the tracker does not hold.
             InvalidOperationError: the streams belong to another platform, or a fork is open
                 on another live thread.
+
+        Under ``torch.compile`` it runs behind a graph break.
         """
+        if torch.compiler.is_compiling():
+            _set_states_untraced(self, states)
+            return
         if not isinstance(states, Mapping):
             raise ArgumentTypeError(
                 f"set_states() takes the mapping get_states() returned, got {type(states).__name__}."
@@ -837,6 +844,9 @@ class _Process:
 
     token = object()
 
+
+_get_states_untraced = _outside_dynamo(RNGStatesTracker.get_states)
+_set_states_untraced = _outside_dynamo(RNGStatesTracker.set_states)
 
 def _after_fork_in_child() -> None:
     _Process.token = object()

@@ -98,3 +98,53 @@ def test_what_has_no_counterpart_is_refused_naming_what_to_use_and_changes_nothi
     with pytest.raises(error, match=fragment):
         call()  # type: ignore[operator]
     assert get_rng_tracker() is tracker and torch.equal(torch.get_rng_state(), before)
+
+
+class _MegatronStyleCheckpoint(torch.autograd.Function):
+    """The recompute Megatron-core's own ``CheckpointFunction`` does, written against the drop-in: the
+    forward snapshots torch's generator and the tracker's streams, the backward puts them back around
+    the rerun and restores what it found after."""
+
+    @staticmethod
+    def forward(ctx, run, x):  # type: ignore[no-untyped-def, override]
+        ctx.run = run
+        ctx.cpu, ctx.streams = torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        (x,) = ctx.saved_tensors
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        now_cpu, now_streams = torch.get_rng_state(), tracker.get_states()
+        torch.set_rng_state(ctx.cpu)
+        tracker.set_states(ctx.streams)
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            out = ctx.run(x)
+        torch.set_rng_state(now_cpu)
+        tracker.set_states(now_streams)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def test_a_compiled_model_recomputing_as_megatron_does_gets_the_gradients_of_no_recompute() -> None:
+    """Under torch.compile the tracker's get_states and set_states run behind graph breaks (traced, they failed)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.dropout(lin(x), 0.5)
+
+    def grads(step: object) -> torch.Tensor:
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        x = torch.ones(4, 8, requires_grad=True)
+        step(x).sum().backward()  # type: ignore[operator]
+        assert x.grad is not None
+        return x.grad
+
+    plain = grads(block)
+    compiled = torch.compile(lambda x: _MegatronStyleCheckpoint.apply(block, x), backend="aot_eager")
+    assert torch.equal(grads(compiled), plain)
