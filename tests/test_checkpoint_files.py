@@ -430,7 +430,8 @@ def test_a_save_removes_what_a_killed_save_left_even_when_a_live_process_has_its
     save_rng_state(path, previous)
     saver = _saver_in_a_pid_namespace(path, pid_free_here=False)
     saver.kill()  # SIGKILL to unshare, which SIGKILLs the namespace and the saver in it
-    saver.communicate(timeout=300)
+    saver.wait(timeout=300)  # unshare gone, the saver's SIGKILL is pending: only then may its stdin close
+    saver.communicate(timeout=300)  # (closed first, it raced the kill: the saver read EOF and finished the save)
     assert len(_entries(tmp_path)) == 2, "the killed save left its folder"
     assert load_rng_state(path)["digest"] == previous["digest"]
     save_rng_state(path, _state(2))
