@@ -8,7 +8,9 @@ other checkpoint would draw other numbers in the recompute, and the gradients wo
 differ: :func:`unreplayed_checkpoint` finds that case so that it can be refused before anything
 moves. A non-reentrant checkpoint runs its forward with grad and marks it with its saved-tensor
 hook (its hooks are the innermost ones); one that runs its forward without grad (torch's
-reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack, a walk of up to 64
+reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack (a reentrant one whose
+Function records no backward, as in evaluation under ``no_grad``, recomputes nothing and is not
+reported), a walk of up to 64
 frames (about 5 us at 30 frames) that only calls made with grad disabled pay, and none made in
 inference mode (which no backward pass follows).
 """
@@ -63,6 +65,8 @@ def checkpoint_forward() -> Any:
             return None
         found = CHECKPOINT_FORWARDS.get(id(frame.f_code))
         if found is not None:
+            if found is _REENTRANT_FORWARD and not any(getattr(frame.f_locals.get("ctx"), "needs_input_grad", (1,))):
+                return None  # its Function records no backward (grad off outside, or no input needs it): no recompute
             return found
         frame = frame.f_back
     return None

@@ -152,6 +152,22 @@ def test_a_fork_inside_torch_checkpoint_without_the_context_is_refused_before_it
     assert_equal_states(generator_states(tracker), before)
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, meant here
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_fork_inside_torch_checkpoint_runs_where_no_backward_will_recompute_it(reentrant: bool) -> None:
+    """Evaluation under no_grad with the checkpoint wrapper still applied: nothing to replay, nothing refused."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    block = Block()
+    with torch.no_grad():
+        get_rng_tracker().reseed({MP: 4321})
+        torch.manual_seed(5)
+        plain = block(torch.ones(5, 6))
+        get_rng_tracker().reseed({MP: 4321})
+        torch.manual_seed(5)
+        assert torch.equal(torch_checkpoint(block, torch.ones(5, 6), use_reentrant=reentrant), plain)
+
+
 REPLAYING = {
     "hyperrng.checkpoint": lambda block, h: checkpoint(block, h),
     "torch, context_fn": lambda block, h: torch.utils.checkpoint.checkpoint(
