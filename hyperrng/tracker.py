@@ -848,6 +848,7 @@ class _Process:
 _get_states_untraced = _outside_dynamo(RNGStatesTracker.get_states)
 _set_states_untraced = _outside_dynamo(RNGStatesTracker.set_states)
 
+
 def _after_fork_in_child() -> None:
     _Process.token = object()
 
