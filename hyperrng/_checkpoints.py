@@ -26,6 +26,9 @@ import torch
 import torch.utils.checkpoint
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+SEES_NON_REENTRANT = _top_hooks is not None
+"""Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 does not: there a
+fork or draw inside one without ``hyperrng.checkpoint_context`` is not found, and not refused)."""
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _FRAMES = 64  # how far up the stack a forward run without grad is looked for
 
