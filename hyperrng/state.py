@@ -684,14 +684,15 @@ class RNGStateful:
         saved = getattr(loaded, "saved", None)
         held = [f"rank_{r}" for r in saved] if saved is not None else sorted(map(str, loaded), key=_in_rank_order)
         refusal = f"the checkpoint has no RNG state for {key} (it holds {_ranks_named(held)}); "
+        if not held:
+            raise InvalidArgumentError(refusal + "was it saved with an RNGStateful under this key?")
         if self._load["on_mismatch"] != "reseed" or self._load_from is not None or not loaded:
             if self._load_from is not None:
                 raise InvalidArgumentError(refusal + "load_from must name a saved rank.")
-            how = "pass on_mismatch='reseed'" if saved is not None else "load with planner=RNGStateful.planner()"
-            how += "" if saved is not None or self._load["on_mismatch"] == "reseed" else " and on_mismatch='reseed'"
+            how = "pass" if saved is not None else "load with planner=RNGStateful.planner() and"
             raise InvalidArgumentError(
-                refusal + f"it was saved by another world size: {how} to resume from the saved rank at this rank's "
-                "coordinates, or name one with load_from=."
+                refusal + f"it was saved by another world size: {how} on_mismatch='reseed' to resume from the saved "
+                "rank at this rank's coordinates, or name one with load_from=."
             )
         states = dict(loaded)
         for state in states.values():

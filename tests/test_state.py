@@ -1182,7 +1182,7 @@ def test_a_reseed_refuses_a_stand_in_it_cannot_choose_and_changes_nothing() -> N
     both = {"rank_4": state, "rank_5": state}  # two states saved at one point: which one is unknowable
     cases = [
         (stateful_for(tracker, on_mismatch="reseed"), both, r"more than one of them was saved at \{'dp': 1, 'tp': 0\}"),
-        (stateful_for(tracker, on_mismatch="reseed"), {}, re.escape("load with planner=RNGStateful.planner()")),
+        (stateful_for(tracker, on_mismatch="reseed"), {}, re.escape("(it holds none); was it saved with an RNGSt")),
         (stateful_for(tracker), {"rank_4": state}, re.escape("size: load with planner=RNGStateful.planner() and")),
         (stateful_for(tracker, load_from=9), {"rank_4": state}, "no RNG state for rank_9 .* load_from must name"),
         (
