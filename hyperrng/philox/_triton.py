@@ -46,7 +46,7 @@ _MAX_BLOCK = 512
 """Philox blocks per program at most: 2,048 values, four per thread of four warps. A program
 that covers a whole short run (a shard's row) takes fewer, rounded up to a power of two."""
 _MIN_BLOCK = 16
-_LOAD_LOCK = threading.Lock()
+_LOAD_LOCK = threading.RLock()  # reentrant: the attention kernels' copy loads the draw kernels' in its mode
 _INTERPRET = "TRITON_INTERPRET"
 
 _DISTS = {"random_bits": 0, "uniform": 1, "bernoulli": 2, "normal": 3, "randint": 4, "dropout": 5}

@@ -30,8 +30,8 @@ Masks only where a block needs them: the forward and dq visit first the key bloc
 (causal) wholly below the diagonal, without masks, then those that cross the diagonal or ``S``, masked
 (:func:`_key_blocks`); dk/dv visit first the query blocks that cross the diagonal, masked, then those below
 it. Both loops together visit the blocks of the single masked loop they replace, in its order, with the
-same arithmetic: the results are the same bits. The Philox rounds take each product's two words from one
-wide multiply (:func:`_mul_wide`).
+same arithmetic: the results are the same bits. The Philox rounds are the draw kernels' own
+(:func:`hyperrng.philox._triton_kernels.philox`, from the copy loaded in this copy's mode).
 
 Under the interpreter three things differ from the compiled code, each where marked: Triton's library
 reductions are decorated again for the interpreter, runtime loop bounds become Python ints
@@ -55,16 +55,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language import core as _core  # see below, and the Philox rounds
+from triton.language import core as _core  # noqa: F401 -- see below
+
+from hyperrng.philox import _triton as _loader
 
 FP_FUSION = False
 """``enable_fp_fusion`` of every launch (see the module docstring)."""
 
-_M0 = tl.constexpr(0xD2511F53)  # multiplier of word 0
-_M1 = tl.constexpr(0xCD9E8D57)  # multiplier of word 2
-_W0 = tl.constexpr(0x9E3779B9)  # key increment of word 0
-_W1 = tl.constexpr(0xBB67AE85)  # key increment of word 1
-_ROUNDS = tl.constexpr(10)
+_philox = _loader.load("hyperrng.philox._triton_kernels", triton.knobs.runtime.interpret).philox
 _LOW32 = tl.constexpr(0xFFFFFFFF)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -90,32 +88,6 @@ else:
     def _bound(x):
         """A runtime loop bound (the identity; the interpreter needs a conversion, above)."""
         return x
-
-
-@triton.jit
-def _mul_wide(a, m: tl.constexpr):
-    """``(high, low)`` 32-bit words of the 64-bit product ``m * a`` (uint32): one wide multiply, where
-    ``umulhi`` and a wrapping ``*`` compile to two (the same words)."""
-    product = _core.mul(a.to(tl.uint64), m, sanitize_overflow=False)
-    return (product >> 32).to(tl.uint32), product.to(tl.uint32)
-
-
-@triton.jit
-def _philox(c0, c1, k0, k1):
-    """Philox4x32-10 of the counters ``(c0, c1, 0, 0)`` (uint32) under the key ``(k0, k1)`` (uint32)."""
-    c2 = tl.full(c0.shape, 0, tl.uint32)
-    c3 = tl.full(c0.shape, 0, tl.uint32)
-    for _ in tl.static_range(_ROUNDS):
-        hi0, lo0 = _mul_wide(c0, _M0)
-        hi2, lo2 = _mul_wide(c2, _M1)
-        c0 = hi2 ^ c1 ^ k0
-        c2 = hi0 ^ c3 ^ k1
-        c1 = lo2
-        c3 = lo0
-        # The key sums wrap by design. Triton before 3.6 exports no tl.add: its core module has it.
-        k0 = _core.add(k0, _W0, sanitize_overflow=False)
-        k1 = _core.add(k1, _W1, sanitize_overflow=False)
-    return c0, c1, c2, c3
 
 
 @triton.jit

@@ -69,7 +69,7 @@ _SCALARS = [
 @triton.jit
 def mul_wide(a, m: tl.constexpr):
     """``(high, low)`` 32-bit words of the 64-bit product ``m * a`` (uint32): one wide multiply, where
-    ``umulhi`` and a wrapping ``*`` compile to two (the same words; the attention kernels' rounds too)."""
+    ``umulhi`` and a wrapping ``*`` compile to two (the same words). The attention kernels call :func:`philox` too."""
     product = _core.mul(a.to(tl.uint64), m, sanitize_overflow=False)
     return (product >> 32).to(tl.uint32), product.to(tl.uint32)
 
