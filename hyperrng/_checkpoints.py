@@ -58,7 +58,8 @@ def checkpoint_forward() -> Any:
     ``torch.utils.checkpoint``'s saved-tensor hook, or for one that runs its forward without grad, the code
     of the function it runs it in (found on the stack)."""
     if torch.is_grad_enabled():
-        hook = top_hook()
+        top = _top_hooks(False) if _top_hooks is not None else None  # top_hook(), inline: every portable draw asks
+        hook = top[0] if top is not None else None
         return hook if hook is not None and hook.__qualname__.startswith("_checkpoint_hook.") else None
     if torch.is_inference_mode_enabled():  # no backward pass will follow, so no recompute: no walk
         return None
@@ -79,6 +80,8 @@ def unreplayed_checkpoint() -> str | None:
     """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
     forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
     ``None`` (no checkpoint, ``hyperrng.checkpoint``, or one given ``hyperrng.checkpoint_context``)."""
+    if torch.is_grad_enabled() and (_top_hooks is None or _top_hooks(False) is None):
+        return None  # no saved-tensor hooks: no checkpoint's forward (every portable draw asks; without a call)
     found = checkpoint_forward()
     if found is _REENTRANT_FORWARD:
         return "use_reentrant=True"

@@ -91,13 +91,15 @@ class DeviceModulePlatform(Platform):
         ``is_current_stream_capturing()``); ``False`` for a module without graphs, and for a
         device not initialised yet, which this never initialises."""
         module = self.module
-        if index is not None:
-            index = check_index(index, self.device_count(), self.name)
         is_initialized = getattr(module, "is_initialized", None)
         capturing = getattr(module, "is_current_stream_capturing", None)
-        if capturing is None or (is_initialized is not None and not is_initialized()):
+        live = capturing is not None and (is_initialized is None or is_initialized())
+        current = int(module.current_device()) if live and index is not None else None
+        if index is not None and not (type(index) is int and index == current):  # the current device is valid
+            index = check_index(index, self.device_count(), self.name)
+        if not live:
             return False
-        if index is None or index == self.current_device():
+        if index is None or index == current:  # (index None: the current device's stream)
             return bool(capturing())
         with module.device(index):
             return bool(capturing())
@@ -120,19 +122,33 @@ class DeviceModulePlatform(Platform):
     # two method calls instead of a 16-byte state tensor built, read and written (a GPU draw's host
     # time is mostly Python); used once a first comparison shows they agree with the state's bytes
     def _position(self) -> tuple[int, int]:
-        index = self.current_device()
-        gen = self._generator(index)
-        if self._offsets_agree(index, gen):
+        gen = self._agreeing_generator()
+        if gen is not None:
             return gen.initial_seed(), gen.get_offset()
         return super()._position()
 
     def _move(self, seed: int, offset: int, draw: bool) -> None:
-        index = self.current_device()
-        gen = self._generator(index)
-        if self._offsets_agree(index, gen) and gen.initial_seed() == seed:
+        gen = self._agreeing_generator()
+        if gen is not None and gen.initial_seed() == seed:
             gen.set_offset(offset)  # offsets passed here are whole Philox blocks, as set_offset requires
         else:
             super()._move(seed, offset, draw)
+
+    def _agreeing_generator(self) -> Any:
+        """The current device's default generator if its accessors agree with its state (:meth:`_offsets_agree`),
+        else ``None``. Every portable draw asks twice, so the generator of a device that agrees is kept
+        (a module's default generators are made once, at its initialisation)."""
+        index = int((self._module or self.module).current_device())  # (the property's frame, saved: every draw)
+        agreeing: dict[int, Any] | None = self.__dict__.get("_agreeing")
+        if agreeing is not None:
+            gen = agreeing.get(index)
+            if gen is not None:
+                return gen
+        gen = self._generator(index)
+        if not self._offsets_agree(index, gen):
+            return None
+        self.__dict__.setdefault("_agreeing", {})[index] = gen
+        return gen
 
     def _offsets_agree(self, index: int, gen: Any) -> bool:
         """Whether device ``index``'s generator ``gen`` has ``initial_seed()``/``get_offset()``/``set_offset()``

@@ -8,6 +8,7 @@ interpreter runs every program of a launch in Python.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -483,3 +484,59 @@ def test_kernels_launch_with_the_tensors_device_current_and_the_previous_one_bac
         with pytest.raises(RuntimeError, match="boom"), _triton.launching_on(torch.device("sim", 1)):
             raise RuntimeError("boom")
         assert p.current_device() == 0
+
+
+def test_a_device_draw_makes_few_python_calls_before_its_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host path of a portable draw on a GPU, counted: the Triton backend forced onto CPU tensors, the
+    launch stubbed, positions read and moved through a CUDA platform's generator API (the simulated module
+    stands in for torch.cuda; its own calls are not counted, as torch.cuda's are C). A draw's host time is
+    mostly Python, so the calls of ours it makes are the regression guard (a wall-clock limit would be
+    flaky): each op stays within the budget counted when the path was last trimmed (47 to 50 before)."""
+    import os
+    import sys
+    import types
+
+    import hyperrng.platforms as platforms
+
+    import hyperrng
+    from hyperrng.philox import _ops
+
+    launches: list[object] = []
+
+    class _Kernel:
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(_triton, "kernels", lambda interpreted: types.SimpleNamespace(draw_kernel=_Kernel()))
+    monkeypatch.setattr(_triton, "language_restored", lambda interpreted: contextlib.nullcontext())
+    monkeypatch.setattr(backends, "resolve", lambda backend, device: "triton")
+    monkeypatch.setattr(_ops, "_on_the_host", lambda target: False)  # the CPU's own fast path is not a GPU's
+    ours = (os.path.dirname(hyperrng.__file__), os.path.dirname(platforms.__file__))
+    stand_in = platforms.simulated.__file__
+    calls: list[str] = []
+
+    def count(frame: types.FrameType, event: str, arg: object) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(ours) and name != stand_in:
+            calls.append(frame.f_code.co_name)
+
+    x, y = torch.ones(1024), torch.empty(1024)
+    ops: dict[str, Callable[[], object]] = {
+        "uniform_": lambda: y.uniform_(),
+        "normal_": lambda: y.normal_(),
+        "bernoulli_": lambda: y.bernoulli_(0.5),
+        "native_dropout": lambda: torch.native_dropout(x, 0.1, True),
+    }
+    budget = {"uniform_": 25, "normal_": 25, "bernoulli_": 23, "native_dropout": 23}
+    cuda = platforms.CUDAPlatform(module=platforms.SimulatedDeviceModule(device_type="cuda"))
+    with platforms.use(cuda), portable_random(7):
+        for name, op in ops.items():
+            op()  # first use: caches filled
+            before, calls[:] = len(launches), []
+            sys.setprofile(count)
+            try:
+                op()
+            finally:
+                sys.setprofile(None)
+            assert len(launches) == before + 1, f"{name}: one launch"
+            assert len(calls) <= budget[name], f"{name}: {len(calls)} calls of ours, budget {budget[name]}: {calls}"

@@ -275,7 +275,7 @@ def _dropout(dtype: torch.dtype, with_mask: bool) -> Callable[[], object]:
         x = torch.empty(_ELEMENTS, dtype=dtype, device="meta")
         mask = torch.empty(_ELEMENTS, dtype=torch.bool, device="meta") if with_mask else None
         draw = philox.dropout_draw(0.1, dtype)
-        args = _triton.arguments(draw.name, draw.params, draw.value_dtype)
+        args = draw.kernel_arguments
         return _triton.fill(args, _shards.ShardGeometry.of(x.shape), _KEY, 0, torch.empty_like(x), x, mask)
 
     return launch

@@ -174,6 +174,8 @@ def _check_bool(value: object, what: str) -> bool:
 
 
 def _check_real(value: object, what: str) -> float:
+    if type(value) is float and math.isfinite(value):  # the common case, without the abstract-class check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
             f"{what} must be a real number (int or float), got {type(value).__name__} {value!r}; "
@@ -287,6 +289,11 @@ class Draw:
     @property
     def param_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.int64,) + (self.value_dtype,) * (len(self.params) - 1)
+
+    @functools.cached_property  # draws are made once per distinct set (cached), and a launch asks every time
+    def kernel_arguments(self) -> _triton.Arguments:
+        """The Triton kernels' arguments for this draw (imports Triton on first use)."""
+        return _triton.arguments(self.name, self.params, self.value_dtype)
 
 
 BITS = Draw("random_bits", torch.int64, torch.int64)
@@ -409,7 +416,7 @@ def run(
     the path of callers that checked everything once (portable mode's ops)."""
     if backend == "triton":
         target = torch.empty(geometry.local_shape, dtype=draw.dtype, device=device) if out is None else out
-        return _triton.fill(_triton.arguments(draw.name, draw.params, draw.value_dtype), geometry, key, offset, target)
+        return _triton.fill(draw.kernel_arguments, geometry, key, offset, target)
     if not compiled and device.type == "cpu" and geometry.segments == 1:
         numel = math.prod(geometry.local_shape)
         if 0 < numel and _k.host_fill_serves(draw.transform, draw.dtype, numel, out):  # in a few steps
@@ -741,12 +748,12 @@ class _FusedDropout(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, draw: Draw, geometry: _shards.ShardGeometry, key: int, offset: int
     ) -> torch.Tensor:
         ctx.position = (draw, geometry, key, offset)
-        return _triton.dropout(_triton.arguments(draw.name, draw.params, draw.value_dtype), geometry, key, offset, x)
+        return _triton.dropout(draw.kernel_arguments, geometry, key, offset, x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         draw, geometry, key, offset = ctx.position
-        args = _triton.arguments(draw.name, draw.params, draw.value_dtype)
+        args = draw.kernel_arguments
         return _triton.dropout(args, geometry, key, offset, grad), None, None, None, None
 
 

@@ -145,11 +145,12 @@ def _draw(
     Everything is checked before any position moves, so a refusal leaves everything as it was.
     """
     device = target.device
+    kind = backends.device_type(device)
     p = platforms.current()
-    _refuse_capture(p, device, what)  # first: the backend's probe below must not run under capture either
-    on_host = device.type in HOST_DRAWN  # drawn on the host, then copied: never written through a traced view
+    _refuse_capture(p, device, what, kind)  # first: the backend's probe below must not run under capture either
+    on_host = kind in HOST_DRAWN  # drawn on the host, then copied: never written through a traced view
     where = _HOST if on_host else device
-    compiled = THREAD.entries[-1].compiled and where.type in _COMPILED_DEVICE_TYPES
+    compiled = THREAD.entries[-1].compiled and ("cpu" if on_host else kind) in _COMPILED_DEVICE_TYPES
     backend = "torch" if on_host else backends.resolve("auto", device)
 
     def values_at(geometry: ShardGeometry, key: int, offset: int, into: torch.Tensor | None) -> torch.Tensor:
@@ -172,6 +173,9 @@ def _draw(
             f"or portable_random(seed) instead."
         )
     geometry = _whole(tuple(target.shape))
+    if backend == "triton" and out is not None:  # philox.run's Triton case, without its frames (most device draws)
+        fill = functools.partial(_triton.fill, draw.kernel_arguments, geometry, out=out)
+        return draw_at_position(target.numel(), generator, fill)
     values = draw_at_position(target.numel(), generator, lambda key, offset: values_at(geometry, key, offset, out))
     if not on_host:
         return values
@@ -186,10 +190,13 @@ device tensor, as elsewhere, they were lost (torch_xla's tensors read zeros, or 
 _HOST = torch.device("cpu")
 
 
-def _refuse_capture(p: platforms.Platform, device: torch.device, what: str) -> None:
+def _refuse_capture(p: platforms.Platform, device: torch.device, what: str, kind: str | None = None) -> None:
     """Refuse a draw on a device whose stream is capturing a graph, before anything moves: a portable draw
-    reads its position on the host, so every replay would repeat the captured numbers."""
-    if device.type == p.device_type and device.type != "cpu" and p.is_capturing(device.index):
+    reads its position on the host, so every replay would repeat the captured numbers. ``kind``: the
+    device's type, where the caller has read it already."""
+    if kind is None:
+        kind = backends.device_type(device)
+    if kind != "cpu" and kind == p.device_type and p.is_capturing(device.index):
         raise UnsupportedPortableOpError(
             f"{what} while the device's stream captures a graph: a portable draw reads its position on the "
             "host, so every replay would repeat the captured numbers. Capture the step outside "
@@ -417,9 +424,11 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
     p_value = undrawn_dropout(x, p, train)
     if not isinstance(p_value, float):
         return p_value
-    if x.dtype in _FLOAT_DTYPES and active_region() is None and x.device.type not in HOST_DRAWN:
-        _refuse_capture(platforms.current(), x.device, "native_dropout")  # before the backend's probe
-        if backends.resolve("auto", x.device) == "triton":  # mask and values in one pass
+    device = x.device
+    kind = backends.device_type(device)
+    if x.dtype in _FLOAT_DTYPES and active_region() is None and kind not in HOST_DRAWN:
+        _refuse_capture(platforms.current(), device, "native_dropout", kind)  # before the backend's probe
+        if backends.resolve("auto", device) == "triton":  # mask and values in one pass
             return _fused_dropout(x, p_value)
     # The keep mask and arithmetic of F.dropout's CPU decomposition (bernoulli_(1 - p), then
     # a scale), so fused and unfused dropout, and hyperrng.philox.dropout, give the same bits.
@@ -430,10 +439,13 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
 def _fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``native_dropout`` of ``x`` by the Triton backend: values and keep mask from one kernel."""
     draw = philox.dropout_draw(p, x.dtype)
-    args = _triton.arguments(draw.name, draw.params, draw.value_dtype)
+    args = draw.kernel_arguments
     geometry = _whole(tuple(x.shape))
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    if x.is_contiguous():  # empty_like keeps x's (contiguous) strides: the fewest arguments to parse
+        out, keep = torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+    else:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
 
     def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         _triton.fill(args, geometry, key, offset, out, x, keep)
@@ -725,8 +737,12 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # Dynamo traces this frame: it runs as Python behind a graph break
             return _untraced(kernel, keyset, args, kwargs)
-        if not THREAD.entries or keyset.has(_META) or _own_host_generator(kwargs):  # torch's kernels: meta and
-            return original(keyset, *args, **kwargs)  # fake tensors only propagate shapes; see _own_host_generator
+        if (  # torch's kernels: meta and fake tensors only propagate shapes; see _own_host_generator
+            not THREAD.entries
+            or keyset.has(_META)
+            or (kwargs.get("generator") is not None and _own_host_generator(kwargs))
+        ):
+            return original(keyset, *args, **kwargs)
         include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
         try:
             refuse_unreplayed_checkpoint(what)

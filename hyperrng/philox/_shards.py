@@ -8,6 +8,7 @@ ranges, is a set of equally long runs of consecutive global indices
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,11 +58,11 @@ class ShardGeometry:
             split -= 1
         return cls(global_shape, starts, local, split, math.prod(local[max(split, 0) :]))
 
-    @property
+    @functools.cached_property  # a geometry is immutable, and a whole tensor's is reused (cached) per shape
     def segments(self) -> int:
         return math.prod(self.local_shape[: self.split])
 
-    @property
+    @functools.cached_property
     def first(self) -> int:
         """Global row-major index (from 0) of the block's first element."""
         index = 0

@@ -42,6 +42,7 @@ from hyperrng.philox._shards import ShardGeometry
 __all__ = ["Arguments", "arguments", "fill", "dropout", "kernels", "launching_on", "load", "probe"]
 
 _MASK32 = 0xFFFFFFFF
+_SIGN32 = 0x80000000
 _MAX_BLOCK = 512
 """Philox blocks per program at most: 2,048 values, four per thread of four warps. A program
 that covers a whole short run (a shard's row) takes fewer, rounded up to a power of two."""
@@ -131,10 +132,11 @@ def divisor(d: int) -> tuple[int, int]:
     return ((1 << 32) * ((1 << log) - d)) // d + 1, min(log, 1) | max(log - 1, 0) << 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Arguments:
     """A distribution's kernel arguments: its code, compute dtype, 32-bit parameters (``i0`` to ``i2``) and
-    64-bit ones (``q0`` to ``q3``), as the kernel's docstring names them."""
+    64-bit ones (``q0`` to ``q3``), as the kernel's docstring names them. Compared and hashed by identity
+    (one is made per distinct set by the cached :func:`arguments`): a launch looks its options up by it."""
 
     dist: int
     compute: Any  # tl.float32 or tl.float64
@@ -268,8 +270,10 @@ def launching_on(device: torch.device) -> contextlib.AbstractContextManager[Any]
     Through the platform, whose device type it must be; a tensor of another type (the CPU's,
     under the interpreter) launches as it is. Costs one ``current_device()`` when nothing changes.
     """
+    if device.index is None:  # a CPU tensor, or an index-less device: nothing to make current
+        return contextlib.nullcontext()
     p = platforms.current()
-    if device.index is None or device.type != p.device_type:
+    if device.type != p.device_type:
         return contextlib.nullcontext()
     before = p.current_device()
     if before == device.index:
@@ -306,6 +310,19 @@ def fill(
     if numel == 0:
         return out
     segments, run = geometry.segments, geometry.run
+    start = offset + geometry.first
+    if (  # the common case first, in few steps: one contiguous run from a block's start, in one launch
+        segments == 1
+        and start % 4 == 0
+        and (run % 4 == 0 or run <= 4 * _MAX_BLOCK)
+        and out.is_contiguous()
+        and (x is None or x.is_contiguous())
+        and (mask is None or mask.is_contiguous())
+    ):
+        with launching_on(out.device):
+            _launch(args, out, x, mask, None, run, 1, (run, 1), (0, 0) if x is None else (run, 1), key, start,
+                    run % 4 == 0)  # fmt: skip
+        return out
     strides = _as_runs(out, segments, run)
     if strides is None and segments == 1 and out.dim() > 1:  # one run, stored row by row (a transposed matrix)
         segments, run = numel // out.shape[-1], out.shape[-1]
@@ -331,7 +348,6 @@ def fill(
             _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset,
                     aligned)  # fmt: skip
             return out
-        start = offset + geometry.first
         tail = run % 4
         if segments == 1 and tail and start % 4 == 0 and run > 4 * _MAX_BLOCK and _unit(strides, x, x_strides):
             # One long contiguous run whose last block is partial: its whole blocks in an aligned launch,
@@ -380,14 +396,16 @@ def _launch(
     (seg_stride, elem_stride), (x_seg_stride, x_elem_stride) = strides, x_strides
     aligned = (
         runs_aligned
-        and _unit(strides, x, x_strides)
+        and elem_stride == 1
+        and (x is None or x_elem_stride == 1)  # unit element strides (_unit, inline: every launch)
         and (segments == 1 or (seg_stride % 4 == 0 and (x is None or x_seg_stride % 4 == 0)))
     )
     block, warps, chunks, magic, shifts = _programs(run, aligned)
     if aligned:  # the row strides in fours of elements (any of one run: never used)
         seg_stride, x_seg_stride = (seg_stride // 4, x_seg_stride // 4) if segments > 1 else (0, 0)
-    interpreted = out.device.type == "cpu"
+    interpreted = out.is_cpu
     module = kernels(interpreted)
+    options = _options(args, segments == 1, starts is not None, mask is not None, aligned, block, warps)
     with language_restored(interpreted):
         module.draw_kernel[(segments * chunks,)](
             out,
@@ -404,20 +422,30 @@ def _launch(
             x_elem_stride,
             start // 4,
             start % 4,
-            _s32(key),
-            _s32(key >> 32),
+            (key & _MASK32 ^ _SIGN32) - _SIGN32,  # _s32 of each half, inline (every launch)
+            (key >> 32 & _MASK32 ^ _SIGN32) - _SIGN32,
             *args.words,
             *args.quads,
-            DIST=args.dist,
-            COMPUTE=args.compute,
-            ONE_RUN=segments == 1,
-            HAS_STARTS=starts is not None,
-            HAS_MASK=mask is not None,
-            ALIGNED=aligned,
-            BLOCK=block,
-            num_warps=warps,
-            enable_fp_fusion=False,  # a * b + c rounds twice, as the torch backend computes it
+            **options,
         )
+
+
+@functools.lru_cache(maxsize=512)
+def _options(
+    args: Arguments, one_run: bool, has_starts: bool, has_mask: bool, aligned: bool, block: int, warps: int
+) -> dict[str, Any]:
+    """A launch's compile-time arguments and options, built once per variant (a launch only unpacks them)."""
+    return {
+        "DIST": args.dist,
+        "COMPUTE": args.compute,
+        "ONE_RUN": one_run,
+        "HAS_STARTS": has_starts,
+        "HAS_MASK": has_mask,
+        "ALIGNED": aligned,
+        "BLOCK": block,
+        "num_warps": warps,
+        "enable_fp_fusion": False,  # a * b + c rounds twice, as the torch backend computes it
+    }
 
 
 def dropout(args: Arguments, geometry: ShardGeometry, key: int, offset: int, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["BACKENDS", "check_backend", "describe", "interpreter_refusal", "resolve"]
+__all__ = ["BACKENDS", "check_backend", "describe", "device_type", "interpreter_refusal", "resolve"]
 
 BACKENDS = ("auto", "torch", "triton")
 """The values of every ``backend=`` argument."""
@@ -52,6 +52,18 @@ def check_backend(backend: object) -> str:
     return backend
 
 
+def device_type(device: torch.device) -> str:
+    """``device.type``, remembered per device: torch builds a new string at every read of it (a third of a
+    microsecond), and a portable draw asks several times."""
+    kind = _DEVICE_TYPES.get(device)
+    if kind is None:
+        kind = _DEVICE_TYPES[device] = device.type
+    return kind
+
+
+_DEVICE_TYPES: dict[torch.device, str] = {}
+
+
 def resolve(backend: str, device: torch.device) -> str:
     """The backend that computes a draw on ``device``: ``"torch"`` or ``"triton"`` (``backend`` checked).
 
@@ -59,20 +71,21 @@ def resolve(backend: str, device: torch.device) -> str:
         InvalidArgumentError: ``backend="triton"`` for a device type Triton does not serve; the
             message says why.
     """
-    if backend == "torch" or (backend == "auto" and device.type == "cpu"):
+    kind = device_type(device)
+    if backend == "torch" or (backend == "auto" and kind == "cpu"):
         return "torch"
-    if device.type == "cpu":  # "triton" on the host: the interpreter
+    if kind == "cpu":  # "triton" on the host: the interpreter
         reason = interpreter_refusal()
         if reason is None:
             return "triton"
         raise InvalidArgumentError(f"backend='triton' cannot draw on the CPU: {reason}; use backend='auto' or 'torch'.")
-    reason = _triton_refusal(device.type)
+    reason = _triton_refusal(kind)
     if reason is None:
         return "triton"
     if backend == "auto":
         return "torch"
     raise InvalidArgumentError(
-        f"backend='triton' cannot draw on {device.type}: {reason}; use backend='auto' or 'torch' there."
+        f"backend='triton' cannot draw on {kind}: {reason}; use backend='auto' or 'torch' there."
     )
 
 
@@ -89,7 +102,9 @@ def describe(device: torch.device) -> tuple[str, str]:
 
 
 def _triton_refusal(device_type: str) -> str | None:
-    if device_type not in _PROBED and _capturing(device_type):  # a test draw cannot run, nor be read back, there
+    if device_type in _PROBED:  # answered: the cached answer, without the lock (every draw asks)
+        return _probe(device_type)
+    if _capturing(device_type):  # a test draw cannot run, nor be read back, there
         return f"Triton not probed yet on {device_type}: the device's stream is capturing a graph (probed later)"
     with _LOCK:
         reason = _probe(device_type)

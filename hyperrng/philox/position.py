@@ -38,7 +38,14 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, RNGDesyncError
-from hyperrng.platforms.validate import MAX_OFFSET, check_instance, check_int, check_offset, check_seed, round_up_offset
+from hyperrng.platforms.validate import (
+    MAX_OFFSET,
+    OFFSET_ALIGN,
+    check_instance,
+    check_int,
+    check_offset,
+    check_seed,
+)
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
 from hyperrng.tracker import resolve_tracker
@@ -91,12 +98,12 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
     Raises:
         The errors of :func:`reserve`, before ``draw`` runs; and whatever ``draw`` raises.
     """
-    count = check_int(numel, "numel")
+    count = numel if type(numel) is int else check_int(numel, "numel")
     if count < 0:
         raise InvalidArgumentError(f"numel must be non-negative, got {count}; it is the number of values to draw.")
     p = platforms.current()
     seed, offset = p._position() if generator is None else p.get_seed_offset(generator=generator)
-    end = offset + round_up_offset(count)
+    end = offset - (-count // OFFSET_ALIGN) * OFFSET_ALIGN  # round_up_offset(count), inline: every draw
     if end > MAX_OFFSET:
         raise InvalidArgumentError(
             f"reserving {count} counters at offset {offset} would pass 2**63 - 1; no generator moves past "
