@@ -20,7 +20,7 @@ built-in name (``cpu``, ``cuda``, ``npu``, ``sim``) loads none: set one to rule 
 where the directory or the environment is not yours. Nothing else runs foreign code: RNG
 checkpoints are read with ``weights_only=True`` (plain data, no code).
 
-**Writing a plug-in.** What a plug-in author needs to know beyond the README's example:
+**Writing a plug-in.** What a plug-in author needs to know beyond the example in docs/plugins.md:
 
 * **The interface** is the table in :class:`Platform`'s docstring (``help(Platform)``):
   fifteen members, each marked *must define* or *may override*. A class missing a

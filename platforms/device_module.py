@@ -6,7 +6,7 @@ generators whose state is 16 bytes (uint64 seed, int64 offset). One implementati
 :class:`DeviceModulePlatform`, drives any such module; :class:`CUDAPlatform` and
 :class:`NPUPlatform` only say where the module comes from, which backend talks between
 ranks, and how to explain a missing device. A third-party accelerator that registers its
-own module with torch can be served by the same class (see the README).
+own module with torch can be served by the same class (see docs/plugins.md).
 
 Nothing here initialises a device until an RNG operation is actually asked for: probing
 only calls ``is_available()``, which torch documents as not creating a context.

@@ -47,7 +47,7 @@ that reason as a :class:`~hyperrng.platforms.errors.PlatformError`.
 The same module also stands in for ``torch.cuda`` or ``torch.npu`` in tests:
 ``CUDAPlatform(module=SimulatedDeviceModule(device_type="cuda"))`` drives the CUDA
 implementation's generator paths without a GPU (no tensors: ``"cuda"`` stays torch's).
-It is also the worked example of plugging in a device: see the README.
+It is also the worked example of plugging in a device: see docs/plugins.md.
 """
 
 from __future__ import annotations

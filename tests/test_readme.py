@@ -1,6 +1,6 @@
 """The README's examples run as written, and its test command is the one CI runs.
 
-Every ```python block of README.md is run in a fresh interpreter, in a temporary
+Every ```python block of README.md and of the pages in docs/ is run in a fresh interpreter, in a temporary
 directory, on the CPU platform. A block whose first line names ``torchrun
 --nproc-per-node N`` runs under ``python -m torch.distributed.run`` with N processes over
 gloo, as the README tells its reader to run it. A block may be skipped only by an
@@ -22,6 +22,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = sorted((REPO / "docs").glob("*.md"))
+README_LIMIT = 16 * 1024
+"""The README's size at most, in bytes: it is the task-first page; details go to docs/."""
 CI_SCRIPT = REPO / ".ci" / "run"
 
 _FENCE = re.compile(r"^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -31,17 +34,19 @@ _USES_SIM = re.compile(r"simulated_backend|device=\"sim")
 _USES_PORTABLE_MODE = re.compile(r"portable_random|set_portable_random")
 
 
-def _blocks(lang: str) -> list[tuple[int, str, str]]:
-    """``(line number, body, reason it is not run or "")`` of every README block fenced as ``lang``."""
-    text = README.read_text(encoding="utf-8")
+def _blocks(lang: str) -> list[tuple[str, str, str]]:
+    """``(file:line, body, reason it is not run or "")`` of every block fenced as ``lang`` in the README and
+    the docs pages."""
     found = []
-    for match in _FENCE.finditer(text):
-        if match["lang"].strip() != lang:
-            continue
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        skip = _NOT_RUN.search(before)
-        line = text.count("\n", 0, match.start()) + 1
-        found.append((line, match["body"], skip["reason"] if skip else ""))
+    for page in [README, *DOCS]:
+        text = page.read_text(encoding="utf-8")
+        for match in _FENCE.finditer(text):
+            if match["lang"].strip() != lang:
+                continue
+            before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            skip = _NOT_RUN.search(before)
+            line = text.count("\n", 0, match.start()) + 1
+            found.append((f"{page.relative_to(REPO)}:{line}", match["body"], skip["reason"] if skip else ""))
     return found
 
 
@@ -74,27 +79,25 @@ def test_exactly_one_example_is_the_end_to_end_job_under_torchrun() -> None:
         pytest.param(
             line,
             body,
-            id=f"line{line}",
+            id=line,
             marks=[pytest.mark.multiproc, pytest.mark.slow] if _TORCHRUN.match(body) else [],
         )
         for line, body, reason in PYTHON_BLOCKS
         if not reason
     ],
 )
-def test_a_readme_python_example_runs_as_written(line: int, body: str, tmp_path: Path) -> None:
+def test_a_readme_python_example_runs_as_written(line: str, body: str, tmp_path: Path) -> None:
     if _USES_SIM.search(body):
         from hyperrng.platforms.simulated import backend_conflict
 
         reason = backend_conflict()
         if reason is not None:
-            pytest.skip(f"the example at line {line} uses the simulated device, which this torch cannot host: {reason}")
+            pytest.skip(f"the example at {line} uses the simulated device, which this torch cannot host: {reason}")
     if _USES_PORTABLE_MODE.search(body):
         from hyperrng.platforms import _features
 
         if not _features.feature("portable-mode").available:
-            pytest.skip(
-                f"the example at line {line} uses portable mode: {_features.feature('portable-mode').refusal()}"
-            )
+            pytest.skip(f"the example at {line} uses portable mode: {_features.feature('portable-mode').refusal()}")
     script = tmp_path / "example.py"
     script.write_text(body, encoding="utf-8")
     launch = _TORCHRUN.match(body)
@@ -106,12 +109,10 @@ def test_a_readme_python_example_runs_as_written(line: int, body: str, tmp_path:
     done = subprocess.run([*command, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True)
     if launch and done.returncode != 0 and _only_torch_teardown_aborted(done, int(launch["n"])):
         pytest.xfail(
-            f"every rank of the example at line {line} finished, then a rank aborted (SIGABRT) while torch tore "
+            f"every rank of the example at {line} finished, then a rank aborted (SIGABRT) while torch tore "
             "down its gloo process group at exit: a known torch teardown race, seen under heavy load"
         )
-    assert done.returncode == 0, (
-        f"the README's example at line {line} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
-    )
+    assert done.returncode == 0, f"the example at {line} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
 
 
 _FINISHED = re.compile(r"^rank (\d+): resumed bit-identically$", re.MULTILINE)
@@ -211,3 +212,15 @@ def test_the_gpu_command_gives_the_facts_then_refuses_a_machine_without_a_gpu(tm
     assert "no CUDA device here: this command is for a machine with an NVIDIA GPU" in out.stdout
     facts = (tmp_path / "facts.log").read_text()
     assert f"torch {torch.__version__}" in facts and "chosen because:" in facts  # hyperrng info ran
+
+
+def test_the_readme_fits_and_every_page_it_links_to_exists() -> None:
+    text = README.read_text(encoding="utf-8")
+    size = len(text.encode("utf-8"))
+    assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move details to a page in docs/"
+    linked = set(re.findall(r"\]\((docs/[^)#]+)", text))
+    assert linked, "the README links to no page in docs/ any more"
+    missing = sorted(p for p in linked if not (REPO / p).is_file())
+    assert not missing, f"pages the README links to but the repository lacks: {missing}"
+    unlinked = sorted(str(p.relative_to(REPO)) for p in DOCS if str(p.relative_to(REPO)) not in linked)
+    assert not unlinked, f"pages in docs/ that the README does not link to: {unlinked}"
