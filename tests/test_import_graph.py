@@ -71,3 +71,19 @@ def test_no_module_of_the_library_is_in_an_import_cycle() -> None:
     graph = _import_graph()
     assert "hyperrng.philox.mode" in graph and "hyperrng.platforms.base" in graph
     assert _cycles(graph) == []
+
+
+def test_the_code_line_count_counts_code_only_and_reports_the_totals() -> None:
+    """``.ci/code-lines``, the size measure the house rules use: docstrings, comments and blank lines do not count."""
+    import runpy
+    import subprocess
+    import sys
+
+    counter = runpy.run_path(str(ROOT / ".ci" / "code-lines"))
+    source = (
+        '"""Module\ndocstring."""\n\n# a comment\nx = (\n    1,\n)\n\n\n'
+        'def f():\n    """Its docstring."""\n    return "not a docstring"\n'
+    )
+    assert counter["code_lines"](source) == 5  # x = (, 1,, ), def f():, return
+    out = subprocess.run([sys.executable, str(ROOT / ".ci" / "code-lines")], capture_output=True, text=True, check=True)
+    assert "in the core (limit 7500)" in out.stdout and "hyperrng/tracker.py" in out.stdout
