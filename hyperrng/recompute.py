@@ -30,7 +30,8 @@ from hyperrng._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, top_hook
 from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.philox import mode as portable_mode
-from hyperrng.tracker import RNGStatesTracker, _outside_dynamo, resolve_tracker
+from hyperrng.platforms._features import outside_dynamo
+from hyperrng.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["checkpoint", "checkpoint_context"]
 
@@ -162,7 +163,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
     return _Checkpoint.apply(function, resolved, anchor, *args)
 
 
-@_outside_dynamo
+@outside_dynamo
 def _checkpoint_outside_the_graph(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None) -> Any:
     return checkpoint(function, *args, tracker=tracker)  # run as Python: there is_compiling() is false
 

@@ -58,9 +58,9 @@ from hyperrng._interrupts import deferred
 from hyperrng._regions import LocalRegion, Region, active_region
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform
+from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.validate import check_instance, check_int, check_seed
 from hyperrng.sharding import rng_offsets
-from hyperrng.tracker import _outside_dynamo
 
 __all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
@@ -539,11 +539,11 @@ class _DTensorRegion:
                 _exclusive.release(*self._held)
             raise
 
-    @_outside_dynamo
+    @outside_dynamo
     def _enter_outside_the_graph(self) -> None:
         self.__enter__()
 
-    @_outside_dynamo
+    @outside_dynamo
     def _exit_outside_the_graph(self, *exc: object) -> None:
         self.__exit__(*exc)
 

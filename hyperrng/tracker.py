@@ -80,6 +80,7 @@ from hyperrng._interrupts import deferred
 from hyperrng._swap import Swap, choose_swap
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, UnknownStreamError
 from hyperrng.platforms import Platform
+from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed
 
@@ -138,14 +139,6 @@ def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
     )
 
 
-def _outside_dynamo(fn: Any) -> Any:
-    """``fn``, which Dynamo runs as Python behind a graph break rather than tracing into it (torch's own
-    lazy ``_disable_dynamo``: it imports Dynamo at its first call, made only while a compilation runs),
-    or ``fn`` itself on a torch without it."""
-    disable = getattr(torch, "_disable_dynamo", None)
-    return fn if disable is None else disable(fn)
-
-
 class _Fork:
     """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager.
 
@@ -179,12 +172,12 @@ class _Fork:
         self.refused = False  # its exit was refused (out of order): the chain is left open until replaced
         self.outside_graph = False  # entered as Python behind a graph break, while Dynamo traced the block
 
-    @_outside_dynamo
+    @outside_dynamo
     def _enter_outside_the_graph(self) -> None:
         self.__enter__()  # run as Python: there is_compiling() is false
         self.outside_graph = True
 
-    @_outside_dynamo
+    @outside_dynamo
     def _exit_outside_the_graph(self, *exc: Any) -> None:
         self.outside_graph = False
         self.__exit__(*exc)
@@ -845,8 +838,8 @@ class _Process:
     token = object()
 
 
-_get_states_untraced = _outside_dynamo(RNGStatesTracker.get_states)
-_set_states_untraced = _outside_dynamo(RNGStatesTracker.set_states)
+_get_states_untraced = outside_dynamo(RNGStatesTracker.get_states)
+_set_states_untraced = outside_dynamo(RNGStatesTracker.set_states)
 
 
 def _after_fork_in_child() -> None:

@@ -15,11 +15,21 @@ import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from hyperrng.platforms.errors import HyperRNGError
 
-__all__ = ["Feature", "FEATURES", "feature", "report_lines", "require"]
+__all__ = ["Feature", "FEATURES", "feature", "outside_dynamo", "report_lines", "require"]
+
+
+def outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, which Dynamo runs as Python behind a graph break rather than tracing into it, or ``fn`` itself on a
+    torch without torch's lazy ``_disable_dynamo`` (it imports Dynamo at its first call, made only while a
+    compilation runs, so eager calls pay one wrapper call). For code whose Python state must not be baked into
+    a graph (a tracker's fork, a position table, an eager draw)."""
+    disable = getattr(torch, "_disable_dynamo", None)
+    return fn if disable is None else disable(fn)
 
 
 @dataclass(frozen=True)

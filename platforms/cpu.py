@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.base import Platform, StateIO
 from hyperrng.platforms.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import mix64
@@ -153,12 +154,10 @@ def _remember(handle: int, position: tuple[int, int]) -> None:
                 _young[handle] = position
 
 
-@functools.cache
-def _outside_the_graph(fn: Any) -> Any:
-    """``fn`` run eagerly when torch.compile traces code that reaches it (a fork inside a compiled
-    function): tracing the table would turn each of its up to POSITIONS_KEPT entries into a graph
-    input. Eager calls never come here, so they pay no ``torch.compiler.disable`` wrapper."""
-    return torch.compiler.disable(fn, recursive=True)
+_outside_the_graph = functools.cache(outside_dynamo)
+"""``fn`` run eagerly when torch.compile traces code that reaches it (a fork inside a compiled function):
+tracing the table would turn each of its up to POSITIONS_KEPT entries into a graph input. Eager calls never
+come here, so they pay no wrapper; each function is wrapped once."""
 
 
 # -- seeding MT19937 from 64 bits ------------------------------------------------------------

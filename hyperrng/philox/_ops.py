@@ -46,9 +46,9 @@ from hyperrng.philox import _attention_ops, _torch, _triton, backends
 from hyperrng.philox._shards import ShardGeometry
 from hyperrng.philox.position import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.platforms import _features
+from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.validate import MAX_OFFSET, round_up_offset
 from hyperrng.sharded import active_region
-from hyperrng.tracker import _outside_dynamo
 
 __all__ = [
     "HOST_DRAWN",
@@ -715,7 +715,7 @@ def _run_untraced(kernel: Callable[..., Any], keyset: Any, args: tuple[Any, ...]
     return kernel(keyset, *args, **kwargs)
 
 
-_untraced = _outside_dynamo(_run_untraced)
+_untraced = outside_dynamo(_run_untraced)
 """Runs a kernel below as Python where Dynamo would trace it. Dynamo compiles every Python frame that a
 compiled function's graph-broken parts call, our kernels too when an op runs eagerly there (a DTensor
 random op, whose sharding Dynamo leaves to eager code): traced, a draw would be recorded as the host
