@@ -153,7 +153,7 @@ def test_the_readme_test_command_is_the_one_ci_runs() -> None:
 
 
 def test_the_readme_test_command_installs_the_test_extra_then_runs_pytest_quietly() -> None:
-    assert _readme_test_command() == 'python -m pip install -e ".[test]" && python -m pytest -q'
+    assert _readme_test_command() == 'python -m pip install -e ".[test]" && python -m pytest -q -n auto'
 
 
 @pytest.mark.parametrize(
