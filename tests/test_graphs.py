@@ -15,7 +15,7 @@ import torch
 from hyperrng.platforms.simulated import SimulatedGraph
 
 from hyperrng import _exclusive
-from hyperrng.errors import ArgumentTypeError, InvalidOperationError
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.tracker import RNGStatesTracker
 from tests._platforms import (
     cuda_on_sim,
@@ -61,6 +61,27 @@ def test_asking_whether_a_device_captures_does_not_initialise_it() -> None:
     cuda = platforms.CUDAPlatform(module=module)
     assert cuda.is_capturing() is False
     assert module.lazy_init_calls == 0 and not module.is_initialized()
+
+
+def test_a_device_index_is_checked_unless_it_is_the_current_device_and_capture_is_seen_on_each() -> None:
+    """Every portable draw asks about its tensor's device, nearly always the current one: that index needs no
+    check; any other is checked as before (out of range, a bool), initialised or not."""
+    module = platforms.SimulatedDeviceModule(device_type="cuda")
+    cuda = platforms.CUDAPlatform(module=module)
+    for bad in (7, -1):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            cuda.is_capturing(bad)
+    assert module.lazy_init_calls == 0, "asking initialised nothing"
+    module._lazy_init()
+    assert cuda.is_capturing(0) is False and cuda.is_capturing(1) is False
+    module.set_device(1)
+    with pytest.raises(ArgumentTypeError, match="bool"):
+        cuda.is_capturing(True)  # equal to the current device, 1, and still not an index
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        cuda.is_capturing(7)
+    with module.graph(SimulatedGraph()):
+        assert (cuda.is_capturing(), cuda.is_capturing(0), cuda.is_capturing(1)) == (True, True, True)
+    assert cuda.is_capturing(0) is False
 
 
 def test_a_device_module_without_graphs_is_never_capturing() -> None:
