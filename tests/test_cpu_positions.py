@@ -215,7 +215,7 @@ from hyperrng.sharded import MeshInfo, ShardedRNGTracker
 
 cpu = platforms.CPUPlatform()
 platforms.set_current(cpu)
-cpu.set_rng_state(torch.load(sys.argv[1]))
+cpu.set_rng_state(torch.load(sys.argv[1], weights_only=True))
 position = cpu.get_seed_offset()
 plain = torch.rand(3)
 with ShardedRNGTracker().distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (8,)):
@@ -241,7 +241,7 @@ def test_a_checkpoint_resumes_exactly_in_a_fresh_process(tmp_path: Any) -> None:
         check=True,
         timeout=600,
     )
-    resumed = torch.load(tmp_path / "out.pt")
+    resumed = torch.load(tmp_path / "out.pt", weights_only=True)
     assert resumed["position"] == position == (2**40 + 7, 24)
     assert torch.equal(resumed["plain"], plain) and torch.equal(resumed["shard"], shard)
 
