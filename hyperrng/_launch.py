@@ -223,6 +223,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             settle = time.monotonic() + _SETTLE_S
             while time.monotonic() < settle and len(results) + len(raised) < world_size and waiting:
                 _collect(waiting, results, raised, joined, min(_POLL_S, max(settle - time.monotonic(), 0.01)))
+            # A rank's pipe ends as it exits, a moment before the exit can be reaped (longer on a busy
+            # machine): wait, within the settle time, for each rank whose pipe ended without an answer.
+            for r in set(range(world_size)) - results.keys() - raised.keys() - set(waiting.values()):
+                procs[r].join(timeout=max(settle - time.monotonic(), 0.0))
             dead = _died(procs, results.keys() | raised.keys())
         else:
             for parent_end, _ in pipes:  # every rank has answered: each may end
