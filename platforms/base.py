@@ -241,6 +241,12 @@ class Platform:
         (a sharded region, twice per op): an override may skip the checks, not change the result."""
         self.set_seed_offset(seed, offset, draw=draw)
 
+    def _position_generator(self) -> Any:
+        """The current device's generator where its ``initial_seed()``, ``get_offset()`` and ``set_offset()``
+        are exactly :meth:`_position` and :meth:`_move` at the same seed, else ``None`` (here): one lookup
+        for a portable draw that reads its position and then moves it."""
+        return None
+
     # -- hooks: a plug-in implements the first two, and may override _state_io for speed --
     def _read_state(self, index: int) -> torch.Tensor:
         """Return a new 1-D CPU uint8 tensor of ``_state_nbytes``: device ``index``'s whole RNG state.

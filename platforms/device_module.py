@@ -90,7 +90,7 @@ class DeviceModulePlatform(Platform):
         """Whether the current stream of device ``index`` is capturing a graph (the module's
         ``is_current_stream_capturing()``); ``False`` for a module without graphs, and for a
         device not initialised yet, which this never initialises."""
-        module = self.module
+        module = self._module or self.module  # (the property's frame, saved: every portable draw asks)
         is_initialized = getattr(module, "is_initialized", None)
         capturing = getattr(module, "is_current_stream_capturing", None)
         live = capturing is not None and (is_initialized is None or is_initialized())
@@ -122,22 +122,22 @@ class DeviceModulePlatform(Platform):
     # two method calls instead of a 16-byte state tensor built, read and written (a GPU draw's host
     # time is mostly Python); used once a first comparison shows they agree with the state's bytes
     def _position(self) -> tuple[int, int]:
-        gen = self._agreeing_generator()
+        gen = self._position_generator()
         if gen is not None:
             return gen.initial_seed(), gen.get_offset()
         return super()._position()
 
     def _move(self, seed: int, offset: int, draw: bool) -> None:
-        gen = self._agreeing_generator()
+        gen = self._position_generator()
         if gen is not None and gen.initial_seed() == seed:
             gen.set_offset(offset)  # offsets passed here are whole Philox blocks, as set_offset requires
         else:
             super()._move(seed, offset, draw)
 
-    def _agreeing_generator(self) -> Any:
+    def _position_generator(self) -> Any:
         """The current device's default generator if its accessors agree with its state (:meth:`_offsets_agree`),
-        else ``None``. Every portable draw asks twice, so the generator of a device that agrees is kept
-        (a module's default generators are made once, at its initialisation)."""
+        else ``None``. Every portable draw asks, so the generator of a device that agrees is kept (a module's
+        default generators are made once, at its initialisation)."""
         index = int((self._module or self.module).current_device())  # (the property's frame, saved: every draw)
         agreeing: dict[int, Any] | None = self.__dict__.get("_agreeing")
         if agreeing is not None:

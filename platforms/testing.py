@@ -192,6 +192,12 @@ def seed_offset_round_trips(p: Platform) -> None:
         p._move(seed, offset, draw)
         assert torch.equal(p.get_rng_state(), expected), f"_move({seed}, {offset}, {draw}) differs from set_seed_offset"
         assert p._position() == (seed, offset), f"_position() after _move({seed}, {offset}, {draw}) differs"
+        gen = p._position_generator()  # portable draws read and move the position through it where there is one
+        if gen is not None:
+            read = (gen.initial_seed(), gen.get_offset())
+            assert read == (seed, offset), "_position_generator() reads another position"
+            gen.set_offset(offset + 4)
+            assert p._position() == (seed, offset + 4), "_position_generator().set_offset() moves another position"
 
 
 @_check

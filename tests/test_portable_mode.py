@@ -578,6 +578,10 @@ BAD_OPS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("int uniform_", lambda: torch.empty(3, dtype=torch.int32).uniform_(), ArgumentTypeError, "int32"),
     ("uniform_ low > high", lambda: torch.empty(3).uniform_(2.0, 1.0), InvalidArgumentError, "low must be <= high"),
     ("normal_ std < 0", lambda: torch.empty(3).normal_(0.0, -1.0), InvalidArgumentError, "std must be >= 0"),
+    ("uniform_ nan", lambda: torch.empty(3).uniform_(math.nan, 1.0), InvalidArgumentError, "low must be finite"),
+    ("uniform_ inf", lambda: torch.empty(3).uniform_(0.0, math.inf), InvalidArgumentError, "high must be finite"),
+    ("normal_ nan", lambda: torch.empty(3).normal_(math.nan), InvalidArgumentError, "mean must be finite"),
+    ("normal_ inf", lambda: torch.empty(3).normal_(0.0, math.inf), InvalidArgumentError, "std must be finite"),
     ("bernoulli_ p > 1", lambda: torch.empty(3).bernoulli_(1.5), InvalidArgumentError, "probability"),
     (
         "bernoulli_ tensor p",

@@ -187,6 +187,13 @@ def _check_real(value: object, what: str) -> float:
     return result
 
 
+def _check_finite(**values: float) -> None:
+    """Refuse a NaN or infinite parameter (floats already: portable mode's ops take them from the op's schema)."""
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{name} must be finite, got {value}.")
+
+
 def check_probability(p: object) -> float:
     """``p`` as a float in ``[0, 1]``, checked as :func:`bernoulli` and :func:`dropout` check it.
 
@@ -308,6 +315,7 @@ def uniform_draw(dtype: object, low: object, high: object) -> Draw:
 
 @functools.lru_cache(maxsize=256)
 def _uniform_draw(dtype: torch.dtype, low: float, high: float) -> Draw:
+    _check_finite(low=low, high=high)
     if low > high:
         raise InvalidArgumentError(f"low must be <= high, got low={low} and high={high}.")
     compute = _compute_dtype(dtype)
@@ -347,6 +355,7 @@ def normal_draw(dtype: object, mean: object, std: object) -> Draw:
 
 @functools.lru_cache(maxsize=256)
 def _normal_draw(dtype: torch.dtype, mean: float, std: float) -> Draw:
+    _check_finite(mean=mean, std=std)
     if std < 0:
         raise InvalidArgumentError(f"std must be >= 0, got {std}.")
     bits = _NORMAL_BITS[dtype]

@@ -149,14 +149,26 @@ def _draw(
     p = platforms.current()
     _refuse_capture(p, device, what, kind)  # first: the backend's probe below must not run under capture either
     on_host = kind in HOST_DRAWN  # drawn on the host, then copied: never written through a traced view
+    backend = "torch" if on_host else backends.resolve("auto", device)
+    region = active_region()
+    if generator is not None and region is None and not (p.counter_based and generator.device.type == p.device_type):
+        raise UnsupportedPortableOpError(
+            f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
+            f"from counter-based generators of the platform, and {p.name!r} has "
+            f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
+            f"or portable_random(seed) instead."
+        )
+    if backend == "triton" and out is not None and region is None:  # most device draws: philox.run's Triton case
+        arguments, geometry = draw.kernel_arguments, _whole(target.shape)
+        return draw_at_position(
+            target.numel(), generator, lambda key, offset: _triton.fill(arguments, geometry, key, offset, out)
+        )
     where = _HOST if on_host else device
     compiled = THREAD.entries[-1].compiled and ("cpu" if on_host else kind) in _COMPILED_DEVICE_TYPES
-    backend = "torch" if on_host else backends.resolve("auto", device)
 
     def values_at(geometry: ShardGeometry, key: int, offset: int, into: torch.Tensor | None) -> torch.Tensor:
         return philox.run(draw, geometry, key, offset, where, compiled, None if on_host else into, backend)
 
-    region = active_region()
     if region is not None:  # a refusal here cancels the region (see _switched): every rank stays put
         global_shape, blocks = _shard_of(region, target, what)
         key, offset = region.position
@@ -165,17 +177,7 @@ def _draw(
         )
         region.consume(round_up_offset(math.prod(global_shape)))
         return values.to(device) if on_host else values
-    if generator is not None and not (p.counter_based and generator.device.type == p.device_type):
-        raise UnsupportedPortableOpError(
-            f"{what} with generator= a {generator.device.type} generator: portable mode reads positions only "
-            f"from counter-based generators of the platform, and {p.name!r} has "
-            f"{'another device type' if p.counter_based else 'none'}. Draw from a tracker stream (tracker.fork) "
-            f"or portable_random(seed) instead."
-        )
-    geometry = _whole(tuple(target.shape))
-    if backend == "triton" and out is not None:  # philox.run's Triton case, without its frames (most device draws)
-        fill = functools.partial(_triton.fill, draw.kernel_arguments, geometry, out=out)
-        return draw_at_position(target.numel(), generator, fill)
+    geometry = _whole(target.shape)
     values = draw_at_position(target.numel(), generator, lambda key, offset: values_at(geometry, key, offset, out))
     if not on_host:
         return values
@@ -214,8 +216,9 @@ def _on_the_host(target: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _whole(shape: tuple[int, ...]) -> ShardGeometry:
-    """The geometry of a whole tensor of ``shape`` (a tensor's shape: valid by construction)."""
-    return ShardGeometry.of(shape)
+    """The geometry of a whole tensor of ``shape`` (a tensor's ``torch.Size``, which hashes as its tuple:
+    valid by construction)."""
+    return ShardGeometry.of(tuple(shape))
 
 
 def _shard_of(region: Any, target: torch.Tensor, what: str) -> tuple[tuple[int, ...], list[list[slice]]]:
@@ -272,15 +275,15 @@ def _fill(what: str, draw: philox.Draw, self: torch.Tensor, generator: Any) -> t
 def _uniform_(
     self: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    _check_floating(self, "uniform_")
-    return _fill("uniform_", philox.uniform_draw(self.dtype, low, high), self, generator)
+    _check_floating(self, "uniform_")  # then the checks of uniform's values alone: the schema makes them floats
+    return _fill("uniform_", philox._uniform_draw(self.dtype, low, high), self, generator)
 
 
 def _normal_(
     self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    _check_floating(self, "normal_")
-    return _fill("normal_", philox.normal_draw(self.dtype, mean, std), self, generator)
+    _check_floating(self, "normal_")  # then the checks of normal's values alone: the schema makes them floats
+    return _fill("normal_", philox._normal_draw(self.dtype, mean, std), self, generator)
 
 
 def _bernoulli_float(self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -440,7 +443,7 @@ def _fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tenso
     """``native_dropout`` of ``x`` by the Triton backend: values and keep mask from one kernel."""
     draw = philox.dropout_draw(p, x.dtype)
     args = draw.kernel_arguments
-    geometry = _whole(tuple(x.shape))
+    geometry = _whole(x.shape)
     if x.is_contiguous():  # empty_like keeps x's (contiguous) strides: the fewest arguments to parse
         out, keep = torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
     else:

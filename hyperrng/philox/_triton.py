@@ -192,16 +192,6 @@ def _block(run: int, aligned: bool = False) -> tuple[int, int]:
     return block, 4 if block >= 256 else (2 if block >= 64 else 1)
 
 
-@functools.lru_cache(maxsize=1024)
-def _programs(run: int, aligned: bool) -> tuple[int, int, int, int, int]:
-    """A launch's shape for runs of ``run`` elements: blocks a program, warps, programs a run, and the
-    signed magic number and shifts that divide a program's index by the latter (:func:`divisor`)."""
-    block, warps = _block(run, aligned)
-    chunks = _chunks(run, block, aligned)
-    magic, shifts = divisor(chunks)
-    return block, warps, chunks, _s32(magic), shifts
-
-
 def _chunks(run: int, block: int, aligned: bool = False) -> int:
     """Programs per run of ``run`` elements, ``4 * block`` elements each (from lane 3 at worst unless ``aligned``)."""
     return -(-(run if aligned else run + 3) // (4 * block))
@@ -270,24 +260,31 @@ def launching_on(device: torch.device) -> contextlib.AbstractContextManager[Any]
     Through the platform, whose device type it must be; a tensor of another type (the CPU's,
     under the interpreter) launches as it is. Costs one ``current_device()`` when nothing changes.
     """
+    before = _made_current(device)
+    return contextlib.nullcontext() if before is None else _device_restored(before)
+
+
+def _made_current(device: torch.device) -> int | None:
+    """Make ``device`` current (:func:`launching_on`); return the index to make current again after the
+    launch, or ``None`` where nothing changed."""
     if device.index is None:  # a CPU tensor, or an index-less device: nothing to make current
-        return contextlib.nullcontext()
+        return None
     p = platforms.current()
     if device.type != p.device_type:
-        return contextlib.nullcontext()
+        return None
     before = p.current_device()
     if before == device.index:
-        return contextlib.nullcontext()
-    return _current_device(p, device.index, before)
+        return None
+    p.set_device(device.index)
+    return before
 
 
 @contextlib.contextmanager
-def _current_device(p: platforms.Platform, index: int, before: int) -> Any:
-    p.set_device(index)
+def _device_restored(before: int) -> Any:
     try:
         yield
     finally:
-        p.set_device(before)
+        platforms.current().set_device(before)
 
 
 def fill(
@@ -319,9 +316,8 @@ def fill(
         and (x is None or x.is_contiguous())
         and (mask is None or mask.is_contiguous())
     ):
-        with launching_on(out.device):
-            _launch(args, out, x, mask, None, run, 1, (run, 1), (0, 0) if x is None else (run, 1), key, start,
-                    run % 4 == 0)  # fmt: skip
+        _launch(args, out, x, mask, None, run, 1, (run, 1), (0, 0) if x is None else (run, 1), key, start,
+                run % 4 == 0)  # fmt: skip
         return out
     strides = _as_runs(out, segments, run)
     if strides is None and segments == 1 and out.dim() > 1:  # one run, stored row by row (a transposed matrix)
@@ -341,25 +337,24 @@ def fill(
             x = x.contiguous()
             found = (run, 1)
         x_strides = found
-    with launching_on(out.device):
-        if geometry.segments > 1:  # the runs' global starts, from 0 (they include the block's first element)
-            ids = torch.arange(segments, dtype=torch.int64, device=out.device)
-            aligned = run % 4 == 0 and _aligned(geometry, offset + geometry.first)
-            _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset,
-                    aligned)  # fmt: skip
-            return out
-        tail = run % 4
-        if segments == 1 and tail and start % 4 == 0 and run > 4 * _MAX_BLOCK and _unit(strides, x, x_strides):
-            # One long contiguous run whose last block is partial: its whole blocks in an aligned launch,
-            # the last block's elements in a second, small one (rather than every element unaligned).
-            body = run - tail
-            for lo, n in ((0, body), (body, tail)):
-                part = out.view(-1)[lo : lo + n]
-                _launch(args, part, _piece(x, lo, n), _piece(mask, lo, n), None, n, 1, (n, 1), (n, 1), key, start + lo,
-                        n % 4 == 0)  # fmt: skip
-            return out
-        aligned = start % 4 == 0 and run % 4 == 0
-        _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, start, aligned)
+    if geometry.segments > 1:  # the runs' global starts, from 0 (they include the block's first element)
+        ids = torch.arange(segments, dtype=torch.int64, device=out.device)
+        aligned = run % 4 == 0 and _aligned(geometry, offset + geometry.first)
+        _launch(args, out, x, mask, geometry.segment_starts(ids), run, segments, strides, x_strides, key, offset,
+                aligned)  # fmt: skip
+        return out
+    tail = run % 4
+    if segments == 1 and tail and start % 4 == 0 and run > 4 * _MAX_BLOCK and _unit(strides, x, x_strides):
+        # One long contiguous run whose last block is partial: its whole blocks in an aligned launch,
+        # the last block's elements in a second, small one (rather than every element unaligned).
+        body = run - tail
+        for lo, n in ((0, body), (body, tail)):
+            part = out.view(-1)[lo : lo + n]
+            _launch(args, part, _piece(x, lo, n), _piece(mask, lo, n), None, n, 1, (n, 1), (n, 1), key, start + lo,
+                    n % 4 == 0)  # fmt: skip
+        return out
+    aligned = start % 4 == 0 and run % 4 == 0
+    _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, start, aligned)
     return out
 
 
@@ -392,7 +387,8 @@ def _launch(
     Philox blocks.
 
     The launch is ``ALIGNED`` (vector stores) where moreover every run is contiguous in ``out`` and ``x``
-    and the runs are multiples of 4 elements apart there."""
+    and the runs are multiples of 4 elements apart there. It runs on ``out``'s device, made current for it
+    (:func:`launching_on`, inline: every draw)."""
     (seg_stride, elem_stride), (x_seg_stride, x_elem_stride) = strides, x_strides
     aligned = (
         runs_aligned
@@ -400,42 +396,54 @@ def _launch(
         and (x is None or x_elem_stride == 1)  # unit element strides (_unit, inline: every launch)
         and (segments == 1 or (seg_stride % 4 == 0 and (x is None or x_seg_stride % 4 == 0)))
     )
-    block, warps, chunks, magic, shifts = _programs(run, aligned)
+    chunks, magic, shifts, options = _variant(args, run, aligned, segments == 1, starts is not None, mask is not None)
     if aligned:  # the row strides in fours of elements (any of one run: never used)
         seg_stride, x_seg_stride = (seg_stride // 4, x_seg_stride // 4) if segments > 1 else (0, 0)
     interpreted = out.is_cpu
-    module = kernels(interpreted)
-    options = _options(args, segments == 1, starts is not None, mask is not None, aligned, block, warps)
-    with language_restored(interpreted):
-        module.draw_kernel[(segments * chunks,)](
-            out,
-            out if x is None else x,
-            out if mask is None else mask,
-            out if starts is None else starts,
-            run,
-            chunks,
-            magic,
-            shifts,
-            seg_stride,
-            elem_stride,
-            x_seg_stride,
-            x_elem_stride,
-            start // 4,
-            start % 4,
-            (key & _MASK32 ^ _SIGN32) - _SIGN32,  # _s32 of each half, inline (every launch)
-            (key >> 32 & _MASK32 ^ _SIGN32) - _SIGN32,
-            *args.words,
-            *args.quads,
-            **options,
-        )
+    launch = kernels(interpreted).draw_kernel[(segments * chunks,)]
+    arguments = (
+        out,
+        out if x is None else x,
+        out if mask is None else mask,
+        out if starts is None else starts,
+        run,
+        chunks,
+        magic,
+        shifts,
+        seg_stride,
+        elem_stride,
+        x_seg_stride,
+        x_elem_stride,
+        start // 4,
+        start % 4,
+        (key & _MASK32 ^ _SIGN32) - _SIGN32,  # _s32 of each half, inline (every launch)
+        (key >> 32 & _MASK32 ^ _SIGN32) - _SIGN32,
+        *args.words,
+        *args.quads,
+    )
+    if interpreted:  # CPU tensors: nothing to make current; the interpreter's patches undone after
+        with language_restored(True):
+            launch(*arguments, **options)
+        return
+    before = _made_current(out.device)
+    try:
+        launch(*arguments, **options)
+    finally:
+        if before is not None:
+            platforms.current().set_device(before)
 
 
-@functools.lru_cache(maxsize=512)
-def _options(
-    args: Arguments, one_run: bool, has_starts: bool, has_mask: bool, aligned: bool, block: int, warps: int
-) -> dict[str, Any]:
-    """A launch's compile-time arguments and options, built once per variant (a launch only unpacks them)."""
-    return {
+@functools.lru_cache(maxsize=1024)
+def _variant(
+    args: Arguments, run: int, aligned: bool, one_run: bool, has_starts: bool, has_mask: bool
+) -> tuple[int, int, int, dict[str, Any]]:
+    """A launch's programs a run, the signed magic number and shifts that divide a program's index by them
+    (:func:`divisor`), and its compile-time arguments and options: built once per variant and run length
+    (a launch only unpacks them)."""
+    block, warps = _block(run, aligned)
+    chunks = _chunks(run, block, aligned)
+    magic, shifts = divisor(chunks)
+    options = {
         "DIST": args.dist,
         "COMPUTE": args.compute,
         "ONE_RUN": one_run,
@@ -446,6 +454,7 @@ def _options(
         "num_warps": warps,
         "enable_fp_fusion": False,  # a * b + c rounds twice, as the torch backend computes it
     }
+    return chunks, _s32(magic), shifts, options
 
 
 def dropout(args: Arguments, geometry: ShardGeometry, key: int, offset: int, x: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,11 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
     if count < 0:
         raise InvalidArgumentError(f"numel must be non-negative, got {count}; it is the number of values to draw.")
     p = platforms.current()
-    seed, offset = p._position() if generator is None else p.get_seed_offset(generator=generator)
+    gen = p._position_generator() if generator is None else None
+    if gen is not None:  # the device's generator holds the position: read and moved in three calls
+        seed, offset = gen.initial_seed(), gen.get_offset()
+    else:
+        seed, offset = p._position() if generator is None else p.get_seed_offset(generator=generator)
     end = offset - (-count // OFFSET_ALIGN) * OFFSET_ALIGN  # round_up_offset(count), inline: every draw
     if end > MAX_OFFSET:
         raise InvalidArgumentError(
@@ -110,7 +114,9 @@ def draw_at_position(numel: object, generator: torch.Generator | None, draw: Cal
             f"2**63 - 1: reseed it (e.g. with portable_random(seed)) before drawing."
         )
     result = draw(seed, offset)
-    if generator is None:
+    if gen is not None:
+        gen.set_offset(end)  # whole Philox blocks, as set_offset requires
+    elif generator is None:
         p._move(seed, end, False)  # the checked values of a position it read, moved forward
     else:
         p.set_seed_offset(seed, end, generator=generator)
