@@ -7,7 +7,8 @@ replayed only by ``hyperrng.checkpoint`` and by ``torch.utils.checkpoint`` given
 other checkpoint would draw other numbers in the recompute, and the gradients would silently
 differ: :func:`unreplayed_checkpoint` finds that case so that it can be refused before anything
 moves. A non-reentrant checkpoint runs its forward with grad and marks it with its saved-tensor
-hook (its hooks are the innermost ones); one that runs its forward without grad (torch's
+hook (its hooks are the innermost ones; torch 2.5, which cannot show them, by the frame of its
+``checkpoint`` call, found on the stack); one that runs its forward without grad (torch's
 reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack (a reentrant one whose
 Function records no backward, as in evaluation under ``no_grad``, recomputes nothing and is not
 reported), a walk of up to 64
@@ -17,9 +18,11 @@ inference mode (which no backward pass follows).
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -27,9 +30,11 @@ import torch.utils.checkpoint
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 SEES_NON_REENTRANT = _top_hooks is not None
-"""Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 does not: there a
-fork or draw inside one without ``hyperrng.checkpoint_context`` is not found, and not refused)."""
+"""Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 does not: there one
+is found by the frame of its ``checkpoint`` call, a walk of the stack that every fork and portable draw
+made with grad enabled pays)."""
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+_CHECKPOINT_CALL = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _FRAMES = 64  # how far up the stack a forward run without grad is looked for
 
 CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
@@ -48,17 +53,38 @@ REPLAYED = _Replayed()
 
 
 def top_hook() -> object:
-    """The innermost saved-tensor hook pair's pack hook, or ``None``."""
-    top = _top_hooks(False) if _top_hooks is not None else None
+    """What marks the non-reentrant checkpoint whose forward context is being entered (for ``REPLAYED.hooks``):
+    the innermost saved-tensor hook pair's pack hook, or on torch 2.5 a weak reference to the generator its
+    ``checkpoint`` call runs (held weakly: torch 2.5 closes it, and so leaves the forward context, only
+    when it is collected after a forward that raised); else ``None``."""
+    if _top_hooks is None:
+        found = _non_reentrant_call(sys._getframe(1))
+        return None if found is None else weakref.ref(found)
+    top = _top_hooks(False)
     return top[0] if top is not None else None
+
+
+def _non_reentrant_call(frame: types.FrameType | None) -> Any:
+    """Torch 2.5: the generator of the innermost ``torch.utils.checkpoint.checkpoint`` call at or above
+    ``frame`` if it runs a non-reentrant forward (its ``function`` runs in that call's frame), else ``None``."""
+    for _ in range(_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code is _CHECKPOINT_CALL:
+            names = frame.f_locals
+            return names.get("gen") if names.get("use_reentrant") is False else None
+        frame = frame.f_back
+    return None
 
 
 def checkpoint_forward() -> Any:
     """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
-    ``torch.utils.checkpoint``'s saved-tensor hook, or for one that runs its forward without grad, the code
-    of the function it runs it in (found on the stack)."""
+    ``torch.utils.checkpoint``'s saved-tensor hook (on torch 2.5 the generator its call runs), or for one that
+    runs its forward without grad, the code of the function it runs it in (found on the stack)."""
     if torch.is_grad_enabled():
-        top = _top_hooks(False) if _top_hooks is not None else None  # top_hook(), inline: every portable draw asks
+        if _top_hooks is None:  # torch 2.5
+            return _non_reentrant_call(sys._getframe(1))
+        top = _top_hooks(False)  # top_hook(), inline: every portable draw asks
         hook = top[0] if top is not None else None
         return hook if hook is not None and hook.__qualname__.startswith("_checkpoint_hook.") else None
     if torch.is_inference_mode_enabled():  # no backward pass will follow, so no recompute: no walk
@@ -80,12 +106,16 @@ def unreplayed_checkpoint() -> str | None:
     """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
     forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
     ``None`` (no checkpoint, ``hyperrng.checkpoint``, or one given ``hyperrng.checkpoint_context``)."""
-    if torch.is_grad_enabled() and (_top_hooks is None or _top_hooks(False) is None):
+    if torch.is_grad_enabled() and _top_hooks is not None and _top_hooks(False) is None:
         return None  # no saved-tensor hooks: no checkpoint's forward (every portable draw asks; without a call)
     found = checkpoint_forward()
     if found is _REENTRANT_FORWARD:
         return "use_reentrant=True"
     if found is None or isinstance(found, types.CodeType):
-        return None
-    hooks = REPLAYED.hooks
-    return None if hooks and hooks[-1] is found else "use_reentrant=False"
+        return None  # (a hook or, on torch 2.5, its generator marks a non-reentrant checkpoint)
+    # Replayed if its own mark was entered (by identity; on torch 2.5 a weak reference to it), anywhere in the
+    # list: a checkpoint whose forward raised leaves its entry there until torch 2.5 collects its generator.
+    for mark in REPLAYED.hooks:
+        if mark is found or (type(mark) is weakref.ref and mark() is found):
+            return None
+    return "use_reentrant=False"

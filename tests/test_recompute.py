@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import hyperrng
-from hyperrng._checkpoints import SEES_NON_REENTRANT
+from hyperrng._checkpoints import REPLAYED
 from hyperrng.errors import InvalidOperationError
 from hyperrng.recompute import checkpoint
 from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
@@ -132,15 +133,7 @@ def test_the_tracker_passed_is_the_one_replayed(platform: platforms.Platform) ->
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(
     "reentrant",
-    [
-        True,
-        pytest.param(
-            False,
-            marks=pytest.mark.skipif(
-                not SEES_NON_REENTRANT, reason="this torch cannot show a checkpoint's saved-tensor hooks"
-            ),
-        ),
-    ],
+    [True, False],
     ids=["reentrant", "non-reentrant"],
 )
 def test_a_fork_inside_torch_checkpoint_without_the_context_is_refused_before_it_moves_a_stream(
@@ -163,6 +156,32 @@ def test_a_fork_inside_torch_checkpoint_without_the_context_is_refused_before_it
             block, torch.ones(5, 6, requires_grad=True)
         )
     assert_equal_states(generator_states(tracker), before)
+
+
+def test_a_fork_in_a_checkpoint_without_the_context_nested_in_one_with_it_is_refused() -> None:
+    """The innermost checkpoint decides: the outer one would replay the streams, the inner one, whose
+    recompute runs first, would not (on torch 2.5 too, where the checkpoints are told apart by their calls)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    block = Block()
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(block, h, use_reentrant=False)  # type: ignore[no-any-return]
+
+    tracker = get_rng_tracker()
+    tracker.reseed({MP: 4321})
+    before = generator_states(tracker)
+    with pytest.raises(InvalidOperationError, match=r"inside torch.utils.checkpoint \(use_reentrant=False\)"):
+        torch_checkpoint(
+            outer, torch.ones(5, 6, requires_grad=True), use_reentrant=False, context_fn=hyperrng.checkpoint_context
+        )
+    assert_equal_states(generator_states(tracker), before)
+    gc.collect()  # torch 2.5 leaves a forward that raised only when its checkpoint's generator is collected
+    assert REPLAYED.hooks == [], "the refused forward's context was left: nothing of it is held"
+    replayed = torch_checkpoint(  # and the same block checkpointed once, with the context, runs
+        block, torch.ones(5, 6, requires_grad=True), use_reentrant=False, context_fn=hyperrng.checkpoint_context
+    )
+    replayed.sum().backward()
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, meant here
