@@ -65,11 +65,10 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng._interrupts import deferred
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
-from hyperrng.tracker import RNGStatesTracker, resolve_tracker
+from hyperrng.tracker import Replacing, RNGStatesTracker, resolve_tracker
 
 __all__ = [
     "DEFAULT_STREAM",
@@ -283,11 +282,8 @@ class StreamLayout:
         own = None if bases is None else {name: int(value) for name, value in bases.items() if name in self._streams}
         derivation = Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords), own or None)
         platform = platforms.current()
-        tracker._idle("reseed the tracker", replacing=True)  # refused before anything is seeded
-        tracker._target(rebind=True)
-        tracker._check_forks_leavable("reseed the tracker")
-        with deferred():  # the streams, the generators and the record, or none of them, under Ctrl-C too
-            tracker._leave_forks()
+        # Refused before anything is seeded; then the streams, the generators and the record, or none of them
+        with Replacing(tracker, "reseed the tracker").applying():
             with holding(device_keys(platform, [platform.current_device()]), "seeding a stream layout"):
                 tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
                 platform.manual_seed(default_seed)

@@ -50,6 +50,7 @@ from hyperrng.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
+    Replacing,
     RNGStatesTracker,
     resolve_tracker,
 )
@@ -148,27 +149,20 @@ def _derived(value: int, formula: str) -> int:
     return value
 
 
-def _idle(tracker: RNGStatesTracker | None) -> RNGStatesTracker:
-    """The tracker to reseed; refuse up front (an active fork, a mode the platform lacks),
-    before anything is seeded. Forks the reseed will clear (stuck ones: see the tracker's
-    *Recovery*) pass; the caller clears them before it holds the device."""
-    chosen = resolve_tracker(tracker)
-    chosen._idle("reseed", replacing=True)
-    chosen._target(rebind=True)  # a reseed would refuse the same way, but only after the host was seeded
-    chosen._check_forks_leavable("reseed")
-    return chosen
+def _replacing(tracker: RNGStatesTracker | None) -> Replacing:
+    """The reseed of the tracker, refused up front (an active fork, a mode the platform lacks), before
+    anything is seeded: a reseed would refuse the same way, but only after the host was seeded."""
+    return Replacing(resolve_tracker(tracker), "reseed")
 
 
 def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_seed: int, what: str) -> None:
     """Replace the tracker's streams and seed the current device, both under the device's hold, or
     neither (signals deferred meanwhile)."""
-    chosen = _idle(tracker)
+    replacement = _replacing(tracker)
     platform = platforms.current()
-    with deferred():
-        chosen._leave_forks()
-        with holding([current_device_key(platform)], what):
-            chosen.reseed(streams)
-            platform.manual_seed(device_seed)
+    with replacement.applying(), holding([current_device_key(platform)], what):
+        replacement.tracker.reseed(streams)
+        platform.manual_seed(device_seed)
 
 
 # -- slapo -----------------------------------------------------------------------------------
@@ -234,9 +228,8 @@ def set_random_seed(
     if tp_rank is not None:
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
-    chosen = _idle(tracker)  # inside a fork, seeding the device would reseed the forked stream
-    with deferred():  # all or nothing, under Ctrl-C too
-        chosen._leave_forks()
+    # Refused inside a fork, where seeding the device would reseed the forked stream; all or nothing after
+    with _replacing(tracker).applying():
         with holding(device_keys(platforms.current()), "set_random_seed"):  # held throughout
             seed_host(base)
             if tp_rank is not None:
@@ -433,9 +426,7 @@ def megatron_set_random_seed(
         base += _DATA_PARALLEL_SEED_STRIDE * dp
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
-    chosen = _idle(tracker)
-    with deferred():  # all or nothing, under Ctrl-C too
-        chosen._leave_forks()
+    with _replacing(tracker).applying():  # refused before anything is seeded; all or nothing after
         with holding(device_keys(platforms.current()), "megatron_set_random_seed"):  # held throughout
             seed_host(base)
             megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)

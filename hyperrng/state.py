@@ -56,20 +56,18 @@ import hyperrng._files as _files
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
 from hyperrng._exclusive import holding
-from hyperrng._interrupts import deferred
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
 from hyperrng._untrusted import check_file, unreadable
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
     InvalidArgumentError,
-    InvalidOperationError,
     StorageError,
 )
 from hyperrng.layout import DEFAULT_STREAM, Derivation, StreamLayout, _record, mesh_coordinates, recorded_derivation
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed, error_gist
-from hyperrng.tracker import RNGStatesTracker, resolve_tracker
+from hyperrng.tracker import Replacing, RNGStatesTracker, refuse_in_fork, resolve_tracker
 
 __all__ = [
     "FORMAT",
@@ -166,26 +164,19 @@ def rng_state_dict(
     return body
 
 
-def _idle_tracker(
-    tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str, *, replacing: bool = False
-) -> RNGStatesTracker:
-    """The tracker to use, refused inside a fork; ``layout`` checked to be a layout or ``None``.
-    ``replacing`` (a load) lets through forks it will clear (abandoned or stuck ones: see the tracker)."""
+def _checked_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None) -> RNGStatesTracker:
+    """The tracker to use; ``layout`` checked to be a layout or ``None``."""
     chosen = resolve_tracker(tracker)
     if layout is not None:
         check_instance(layout, StreamLayout, "layout")
-    if chosen.active_stream is None or chosen._abandoned():  # abandoned: get/set_states decide
-        return chosen
-    if chosen._stuck():
-        if replacing:
-            chosen._check_forks_leavable(what)
-            return chosen
-        raise chosen._stuck_error(what)
-    verb = what.split()[0]
-    raise InvalidOperationError(
-        f"cannot {what} inside a fork of stream {chosen.active_stream!r}; {verb} it outside any fork.",
-        reason="tracker",
-    )
+    return chosen
+
+
+def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str) -> RNGStatesTracker:
+    """The tracker to read, refused inside a fork (see :func:`_checked_tracker`)."""
+    chosen = _checked_tracker(tracker, layout)
+    refuse_in_fork(chosen, what)
+    return chosen
 
 
 def _agrees(recorded: Derivation, layout: StreamLayout | None, point: dict[str, int] | None, base: int | None) -> bool:
@@ -253,7 +244,8 @@ def load_rng_state_dict(
     if on_mismatch not in ON_MISMATCH:
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
-    tracker = _idle_tracker(tracker, layout, "load an RNG state", replacing=True)
+    tracker = _checked_tracker(tracker, layout)
+    replacement = Replacing(tracker, "load an RNG state", target=False)
     if coords is not None:
         mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
     check_saved(state)
@@ -267,18 +259,15 @@ def load_rng_state_dict(
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
                 "to re-derive the streams from the saved base seed."
             )
-        with deferred():
-            tracker._leave_forks()
-            with holding(device_keys(p), "load_rng_state_dict"):
-                _reseed(state, tracker, layout, coords, mismatches)
+        with replacement.applying(), holding(device_keys(p), "load_rng_state_dict"):
+            _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = decode(state, p, tracker)
     derivation = saved_derivation(state)
     # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
     # meanwhile: another thread's fork or region refuses the load (nothing written), and none
     # starts halfway through it.
-    with deferred():
-        tracker._leave_forks()  # forks their own exits can no longer leave (see the tracker's Recovery)
+    with replacement.applying():  # first the forks their own exits can no longer leave (the tracker's Recovery)
         with holding(device_keys(p), "load_rng_state_dict"):
             _apply(applied, p, tracker)
         _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)

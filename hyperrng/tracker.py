@@ -63,9 +63,10 @@ use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from threading import Thread, current_thread
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
@@ -404,10 +405,7 @@ class RNGStatesTracker:
                 or a context entered inside a fork being cleared (a region, ``fork_rng``, a fork
                 of another tracker) is still open. Nothing changed.
         """
-        self._idle("reset the tracker", replacing=True)
-        self._check_forks_leavable("reset the tracker")
-        with deferred():  # every step or none, under Ctrl-C too
-            self._leave_forks()
+        with Replacing(self, "reset the tracker", target=False).applying():
             self._states = {}
             self._seeds = {}
             self._swap = None
@@ -464,7 +462,7 @@ class RNGStatesTracker:
                 required and the current platform lacks it;
                 or as for :meth:`add`; the old streams are kept.
         """
-        self._idle("reseed the tracker", replacing=True)
+        replacement = Replacing(self, "reseed the tracker")
         if not isinstance(seeds, Mapping):
             raise ArgumentTypeError(f"reseed() takes a mapping of stream name to seed, got {type(seeds).__name__}.")
         owners: dict[int, str] = {}
@@ -477,11 +475,9 @@ class RNGStatesTracker:
                     "derive distinct seeds (see hyperrng.layout)."
                 )
             owners[value] = name
-        swap = self._target(rebind=True)
-        self._check_forks_leavable("reseed the tracker")
-        states = {name: swap.new_state(seed) for seed, name in owners.items()}
-        with deferred():
-            self._leave_forks()
+        swap = replacement.swap
+        states = {name: swap.new_state(seed) for seed, name in owners.items()}  # type: ignore[union-attr]
+        with replacement.applying():
             self._swap = swap
             self._states = states
             self._seeds = owners
@@ -830,6 +826,39 @@ class RNGStatesTracker:
 
 WORKER_DOMAIN = 0x574F524B45523031  # "WORKER01": keeps a worker's stream seeds apart from other uses of combine64
 """First value mixed into a stream's seed in a DataLoader worker (:meth:`RNGStatesTracker._join_process`)."""
+
+
+def refuse_in_fork(tracker: RNGStatesTracker, what: str) -> None:
+    """Refuse ``what`` (a read of every stream's position, which a fork's exit would make stale) while a
+    fork of ``tracker`` is open, on any thread, or left open by a thread that has ended; nothing changes."""
+    tracker._idle(what)
+
+
+class Replacing:
+    """The preamble of every call that replaces all of a tracker's streams (``reset()``, ``reseed()``,
+    ``apply_layout``, the seeding recipes, ``load_rng_state_dict``), in one place.
+
+    Made before anything changes, it refuses what such a call may not do, with nothing changed: inside
+    a fork whose own exit could still leave it (that exit would restore a stream that is gone), or
+    while a context entered inside a fork it would clear still holds the device; with ``target``, also
+    a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states.
+    :meth:`applying` is the block that replaces them: it defers signals (all of it or none, under
+    Ctrl-C too) and first clears the forks their own exits can no longer leave (*Recovery*, above).
+    """
+
+    __slots__ = ("tracker", "swap")
+
+    def __init__(self, tracker: RNGStatesTracker, what: str, *, target: bool = True) -> None:
+        tracker._idle(what, replacing=True)
+        self.tracker = tracker
+        self.swap = tracker._target(rebind=True) if target else None
+        tracker._check_forks_leavable(what)
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        with deferred():
+            self.tracker._leave_forks()
+            yield
 
 
 class _Process:

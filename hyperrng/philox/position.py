@@ -48,7 +48,7 @@ from hyperrng.platforms.validate import (
 )
 from hyperrng.sharded import as_mesh_info
 from hyperrng.sharding import local_index_ranges
-from hyperrng.tracker import resolve_tracker
+from hyperrng.tracker import refuse_in_fork, resolve_tracker
 
 __all__ = [
     "PORTABLE_STATE_FORMAT",
@@ -352,7 +352,7 @@ def portable_state_dict(tracker: Any = None, *, check_ranks: bool = True) -> dic
     """
     check = check_instance(check_ranks, bool, "check_ranks")
     t = resolve_tracker(tracker)
-    t._idle("portable_state_dict")
+    refuse_in_fork(t, "portable_state_dict")
     p = platforms.current()
     streams = {}
     for name in sorted(t.get_states()):
@@ -418,7 +418,7 @@ def load_portable_state_dict(state: Any, tracker: Any = None) -> None:
         raise InvalidArgumentError(
             f"the state has streams {missing} that the tracker lacks; add them (tracker.add(name, seed)) first."
         )
-    t._idle("load_portable_state_dict")
+    refuse_in_fork(t, "load_portable_state_dict")
     p = platforms.current()
     for name, (seed, offset) in streams.items():
         with t.fork(name):
