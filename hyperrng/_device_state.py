@@ -9,15 +9,13 @@ generator it covers as :mod:`hyperrng._exclusive` holds it: torch's CPU generato
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from threading import current_thread
 from typing import Any
 
 import torch
 
-from hyperrng import _exclusive
 from hyperrng.platforms import Platform
 
-__all__ = ["HOST", "Target", "device_keys", "hold_all", "host_and_devices", "release_all"]
+__all__ = ["HOST", "Target", "current_device_key", "device_keys", "host_and_devices"]
 
 Target = tuple[Callable[[], Any], Callable[[Any], Any], tuple[str, int]]
 """(read, write, (device type, device index)) for one generator's state."""
@@ -52,25 +50,3 @@ def device_keys(platform: Platform, indices: Sequence[int] | None = None) -> lis
     chosen = range(platform.device_count()) if indices is None else indices
     devices = [(platform.device_type, i) for i in chosen]
     return devices if platform.device_type == "cpu" else [HOST, *devices]
-
-
-def hold_all(targets: Sequence[Target], what: str, belows: list[int], context: Any = None) -> None:
-    """Hold every target's device for the calling thread, appending each depth before to ``belows``.
-
-    ``belows`` is the caller's, so that after an interrupt or a refusal it names exactly
-    the holds taken, for :func:`release_all`.
-
-    Raises:
-        InvalidOperationError: another thread holds one of them (the holds taken stay in
-            ``belows``: release them).
-    """
-    me = current_thread()
-    for _, _, key in targets:
-        belows.append(_exclusive.hold_key(key, me, what, context))
-
-
-def release_all(targets: Sequence[Target], belows: Sequence[int]) -> None:
-    """Undo the holds :func:`hold_all` recorded in ``belows`` (idempotent)."""
-    me = current_thread()
-    for (_, _, key), below in zip(targets, belows):
-        _exclusive.release_key(key, me, below)

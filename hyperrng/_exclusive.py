@@ -300,20 +300,25 @@ def describe(context: Any) -> str:
 
 
 class _Holding:
-    """The context manager :func:`holding` returns."""
+    """The context manager :func:`holding` returns (its exit is idempotent; ``held`` says whether it holds)."""
 
-    __slots__ = ("_belows", "_keys", "_me", "_what")
+    __slots__ = ("_belows", "_context", "_me", "_what", "keys")
 
-    def __init__(self, keys: Iterable[tuple[str, int]], what: str) -> None:
-        self._keys = list(dict.fromkeys(keys))  # each device once, in order
-        self._what = what
+    def __init__(self, keys: Iterable[tuple[str, int]], what: str, context: Any = None) -> None:
+        self.keys = list(dict.fromkeys(keys))  # each device once, in order
+        self._what, self._context = what, context
         self._me = current_thread()
         self._belows: list[int] = []
 
+    @property
+    def held(self) -> bool:
+        return bool(self._belows)
+
     def __enter__(self) -> None:
+        self._me = me = current_thread()
         try:
-            for key in self._keys:
-                self._belows.append(hold_key(key, self._me, self._what))
+            for key in self.keys:
+                self._belows.append(hold_key(key, me, self._what, self._context))
         except BaseException:  # refused (or interrupted): give back the holds taken
             self._release()
             raise
@@ -322,21 +327,24 @@ class _Holding:
         self._release()
 
     def _release(self) -> None:
-        for key, below in zip(self._keys, self._belows):
+        for key, below in zip(self.keys, self._belows):
             release_key(key, self._me, below)
+        self._belows.clear()
 
 
-def holding(keys: Iterable[tuple[str, int]], what: str) -> _Holding:
+def holding(keys: Iterable[tuple[str, int]], what: str, context: Any = None) -> _Holding:
     """A context manager that holds every device in ``keys`` for the calling thread while its block runs.
 
     For the calls that position a generator for good (seeding, restoring a checkpoint): a
-    brief hold around the change makes them follow the policy of the contexts.
+    brief hold around the change makes them follow the policy of the contexts. A context that
+    holds for longer (``fork_rng``, a recompute) passes itself as ``context`` (it has ``_unwind()``,
+    see :func:`leave_inner`).
 
     Raises:
         InvalidOperationError: on entry, another thread holds one of the devices; nothing is
             held then (``what`` names the operation refused, for the message).
     """
-    return _Holding(keys, what)
+    return _Holding(keys, what, context)
 
 
 def depth(device_type: str, index: int) -> int:

@@ -21,8 +21,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import hyperrng.platforms as platforms
-from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
-from hyperrng._exclusive import LeavesOnExit
+from hyperrng._device_state import Target, host_and_devices
+from hyperrng._exclusive import LeavesOnExit, holding
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.validate import check_index, check_instance
 
@@ -37,22 +37,21 @@ class _ForkRNG(LeavesOnExit):
     (see :mod:`hyperrng._exclusive`).
     """
 
-    __slots__ = ("_belows", "_saved", "_targets")
+    __slots__ = ("_hold", "_saved", "_targets")
 
     def __init__(self, targets: list[Target]) -> None:
         self._targets = targets
-        self._belows: list[int] = []
+        self._hold = holding([key for _, _, key in targets], "fork_rng", self)
         self._saved: list[Any] = []
 
     def __enter__(self) -> None:
-        targets, belows, saved = self._targets, self._belows, self._saved
+        saved = self._saved
+        self._hold.__enter__()
         try:
-            hold_all(targets, "fork_rng", belows, self)
-            for read, _, _ in targets:
+            for read, _, _ in self._targets:
                 saved.append(read())
         except BaseException:
-            release_all(targets, belows)
-            belows.clear()
+            self._hold.__exit__()
             saved.clear()
             raise
 
@@ -61,15 +60,13 @@ class _ForkRNG(LeavesOnExit):
         return "fork_rng"
 
     def _held_keys(self) -> list[tuple[str, int]]:
-        return [key for _, _, key in self._targets] if self._belows else []
+        return list(self._hold.keys) if self._hold.held else []
 
     def _leave(self) -> None:
-        targets, belows, saved = self._targets, self._belows, self._saved
-        for (_, write, _), state in zip(targets, saved):
+        for (_, write, _), state in zip(self._targets, self._saved):
             write(state)
-        saved.clear()
-        release_all(targets, belows)
-        belows.clear()
+        self._saved.clear()
+        self._hold.__exit__()
 
 
 class _NoFork:

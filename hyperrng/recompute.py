@@ -27,7 +27,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import _exclusive
 from hyperrng._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, top_hook
-from hyperrng._device_state import Target, hold_all, host_and_devices, release_all
+from hyperrng._device_state import Target, host_and_devices
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.philox import mode as portable_mode
 from hyperrng.platforms._features import outside_dynamo
@@ -55,27 +55,12 @@ class _RNGSnapshot:
             write(state)
 
 
-class _Holding:
-    """Holds torch's CPU generator and every device of the platform for the calling thread
-    (see :mod:`hyperrng._exclusive`); on another thread that holds one, entering raises
+def _held() -> tuple[list[Target], AbstractContextManager[None]]:
+    """Torch's CPU generator and every device of the platform, and a context that holds them all for the
+    calling thread (see :mod:`hyperrng._exclusive`): on another thread that holds one, entering raises
     :class:`~hyperrng.errors.InvalidOperationError` with nothing changed."""
-
-    __slots__ = ("belows", "targets")
-
-    def __init__(self) -> None:
-        self.targets = host_and_devices(platforms.current())
-        self.belows: list[int] = []
-
-    def __enter__(self) -> list[Target]:
-        try:
-            hold_all(self.targets, "a recompute (hyperrng.checkpoint)", self.belows)
-        except BaseException:
-            release_all(self.targets, self.belows)
-            raise
-        return self.targets
-
-    def __exit__(self, *exc: object) -> None:
-        release_all(self.targets, self.belows)
+    targets = host_and_devices(platforms.current())
+    return targets, _exclusive.holding([key for _, _, key in targets], "a recompute (hyperrng.checkpoint)")
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -180,7 +165,8 @@ class _Recorded:
 
     def record(self) -> None:
         """Record the states the block may draw from, and whether it draws portably."""
-        with _Holding() as targets:  # a consistent snapshot: no other thread is swapping these generators
+        targets, hold = _held()
+        with hold:  # a consistent snapshot: no other thread is swapping these generators
             self.snapshot = _RNGSnapshot(self.tracker, targets)
         self.portable = portable_mode.thread_mode()  # the recompute draws as the forward did, on any thread
 
@@ -191,7 +177,8 @@ def _replaying(recorded: _Recorded) -> ExitStack:
     assert recorded.snapshot is not None
     tracker = recorded.tracker
     with ExitStack() as stack:
-        targets = stack.enter_context(_Holding())
+        targets, hold = _held()
+        stack.enter_context(hold)
         now = _RNGSnapshot(tracker, targets)
         stack.callback(_exclusive.redo, now.restore, tracker)  # runs before the holds are released
         recorded.snapshot.restore(tracker)
