@@ -66,13 +66,21 @@ def top_hook() -> object:
 
 def _non_reentrant_call(frame: types.FrameType | None) -> Any:
     """Torch 2.5: the generator of the innermost ``torch.utils.checkpoint.checkpoint`` call at or above
-    ``frame`` if it runs a non-reentrant forward (its ``function`` runs in that call's frame), else ``None``."""
+    ``frame`` if it runs a non-reentrant forward that will be recomputed (its ``function`` runs in that call's
+    frame, and the generator holds its saved-tensor hooks), else ``None``."""
     for _ in range(_FRAMES):
         if frame is None:
             return None
         if frame.f_code is _CHECKPOINT_CALL:
             names = frame.f_locals
-            return names.get("gen") if names.get("use_reentrant") is False else None
+            gen = names.get("gen")
+            if names.get("use_reentrant", True) or gen is None:  # truthy, as torch tests it: reentrant
+                return None
+            # Begun without grad, it recomputes nothing: torch 2.5 then installs no hooks, and no input saver of
+            # its frame has a grad_fn (what it tests). Read from the generator's own frame, where it keeps them.
+            inner = gen.gi_frame
+            saver = getattr(inner.f_locals.get("new_frame"), "input_saver", None) if inner is not None else None
+            return gen if getattr(saver, "grad_fn", None) is not None else None
         frame = frame.f_back
     return None
 

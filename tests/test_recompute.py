@@ -184,6 +184,41 @@ def test_a_fork_in_a_checkpoint_without_the_context_nested_in_one_with_it_is_ref
     replayed.sum().backward()
 
 
+def test_use_reentrant_is_read_as_torch_reads_it() -> None:
+    """Any false value runs torch's non-reentrant checkpoint (``use_reentrant=0`` too): a fork inside it without
+    the context is refused, as with ``False``."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    get_rng_tracker().reseed({MP: 4321})
+    with pytest.raises(InvalidOperationError, match=r"inside torch.utils.checkpoint \(use_reentrant=False\)"):
+        torch_checkpoint(Block(), torch.ones(5, 6, requires_grad=True), use_reentrant=0)
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["plain", "context"])
+def test_a_fork_runs_in_a_checkpoint_begun_without_grad_that_turns_grad_on(context: bool) -> None:
+    """A non-reentrant checkpoint called under ``no_grad`` saves nothing and recomputes nothing, even where
+    its function turns grad on: the fork inside runs and draws what it draws without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    block = Block()
+
+    def with_grad(h: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return block(h)  # type: ignore[no-any-return]
+
+    extra = {"context_fn": hyperrng.checkpoint_context} if context else {}
+    outputs = []
+    for checkpointed in (False, True):
+        get_rng_tracker().reseed({MP: 4321})
+        torch.manual_seed(5)
+        with torch.no_grad():
+            h = torch.ones(5, 6)
+            outputs.append(
+                torch_checkpoint(with_grad, h, use_reentrant=False, **extra) if checkpointed else with_grad(h)
+            )
+    assert torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, meant here
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_a_fork_inside_torch_checkpoint_runs_where_no_backward_will_recompute_it(reentrant: bool) -> None:
