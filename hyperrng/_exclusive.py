@@ -226,7 +226,21 @@ def hold_key(key: tuple[str, int], me: Thread, what: str, context: Any = None) -
     if owner is me:
         _HOLDS[key] = (me, below + 1, context, entry)
         return below
-    raise InvalidOperationError(
+    raise _busy(key, what, owner, me)
+
+
+def refuse_held(keys: Iterable[tuple[str, int]], what: str) -> None:
+    """Refuse ``what``, taking nothing, where another live thread holds one of ``keys``: for a call that
+    must know it will get its holds before it changes anything else (see ``hyperrng.tracker.Replacing``)."""
+    me = current_thread()
+    for key in keys:
+        entry = _HOLDS.get(key)
+        if entry is not None and entry[0] is not me and alive(entry[0]):
+            raise _busy(key, what, entry[0], me)
+
+
+def _busy(key: tuple[str, int], what: str, owner: Thread, me: Thread) -> InvalidOperationError:
+    return InvalidOperationError(
         f"{what} on {key[0]}:{key[1]} was refused: thread {owner.ident} holds that device's generator (in a fork, "
         "a sharded region, fork_rng, a recompute, portable mode, seeding or a restore) and this is thread "
         f"{me.ident}. The generator is one per process; use it from one thread at a time, or give each thread its "

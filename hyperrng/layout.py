@@ -282,9 +282,10 @@ class StreamLayout:
         own = None if bases is None else {name: int(value) for name, value in bases.items() if name in self._streams}
         derivation = Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords), own or None)
         platform = platforms.current()
+        keys = device_keys(platform, [platform.current_device()])
         # Refused before anything is seeded; then the streams, the generators and the record, or none of them
-        with Replacing(tracker, "reseed the tracker").applying():
-            with holding(device_keys(platform, [platform.current_device()]), "seeding a stream layout"):
+        with Replacing(tracker, "reseed the tracker", holds=keys, holding_what="seeding a stream layout").applying():
+            with holding(keys, "seeding a stream layout"):
                 tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
                 platform.manual_seed(default_seed)
                 if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed

@@ -149,18 +149,20 @@ def _derived(value: int, formula: str) -> int:
     return value
 
 
-def _replacing(tracker: RNGStatesTracker | None) -> Replacing:
-    """The reseed of the tracker, refused up front (an active fork, a mode the platform lacks), before
-    anything is seeded: a reseed would refuse the same way, but only after the host was seeded."""
-    return Replacing(resolve_tracker(tracker), "reseed")
+def _replacing(tracker: RNGStatesTracker | None, keys: list[tuple[str, int]], what: str) -> Replacing:
+    """The reseed of the tracker, refused up front (an active fork, a mode the platform lacks, ``keys`` held by
+    another thread), before anything is seeded: a reseed would refuse the same way, but only after the host
+    was seeded."""
+    return Replacing(resolve_tracker(tracker), "reseed", holds=keys, holding_what=what)
 
 
 def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_seed: int, what: str) -> None:
     """Replace the tracker's streams and seed the current device, both under the device's hold, or
     neither (signals deferred meanwhile)."""
-    replacement = _replacing(tracker)
     platform = platforms.current()
-    with replacement.applying(), holding([current_device_key(platform)], what):
+    keys = [current_device_key(platform)]
+    replacement = _replacing(tracker, keys, what)
+    with replacement.applying(), holding(keys, what):
         replacement.tracker.reseed(streams)
         platform.manual_seed(device_seed)
 
@@ -228,9 +230,10 @@ def set_random_seed(
     if tp_rank is not None:
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
+    keys = device_keys(platforms.current())
     # Refused inside a fork, where seeding the device would reseed the forked stream; all or nothing after
-    with _replacing(tracker).applying():
-        with holding(device_keys(platforms.current()), "set_random_seed"):  # held throughout
+    with _replacing(tracker, keys, "set_random_seed").applying():
+        with holding(keys, "set_random_seed"):  # held throughout
             seed_host(base)
             if tp_rank is not None:
                 model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
@@ -426,8 +429,9 @@ def megatron_set_random_seed(
         base += _DATA_PARALLEL_SEED_STRIDE * dp
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
-    with _replacing(tracker).applying():  # refused before anything is seeded; all or nothing after
-        with holding(device_keys(platforms.current()), "megatron_set_random_seed"):  # held throughout
+    keys = device_keys(platforms.current())
+    with _replacing(tracker, keys, "megatron_set_random_seed").applying():  # refused before anything is seeded
+        with holding(keys, "megatron_set_random_seed"):  # held throughout; all or nothing
             seed_host(base)
             megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
     return base

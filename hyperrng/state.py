@@ -245,7 +245,8 @@ def load_rng_state_dict(
         raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
     # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
     tracker = _checked_tracker(tracker, layout)
-    replacement = Replacing(tracker, "load an RNG state", target=False)
+    keys = device_keys(platforms.current())
+    replacement = Replacing(tracker, "load an RNG state", target=False, holds=keys, holding_what="load_rng_state_dict")
     if coords is not None:
         mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
     check_saved(state)

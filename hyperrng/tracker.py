@@ -66,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from threading import Thread, current_thread
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
@@ -841,18 +841,31 @@ class Replacing:
     Made before anything changes, it refuses what such a call may not do, with nothing changed: inside
     a fork whose own exit could still leave it (that exit would restore a stream that is gone), or
     while a context entered inside a fork it would clear still holds the device; with ``target``, also
-    a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states.
+    a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states; and
+    while another thread holds one of the generators ``holds`` that the call will hold (its refusal names
+    the call ``holding_what``, as :func:`hyperrng._exclusive.holding` would).
     :meth:`applying` is the block that replaces them: it defers signals (all of it or none, under
     Ctrl-C too) and first clears the forks their own exits can no longer leave (*Recovery*, above).
     """
 
     __slots__ = ("tracker", "swap")
 
-    def __init__(self, tracker: RNGStatesTracker, what: str, *, target: bool = True) -> None:
+    def __init__(
+        self,
+        tracker: RNGStatesTracker,
+        what: str,
+        *,
+        target: bool = True,
+        holds: Sequence[tuple[str, int]] = (),
+        holding_what: str = "",
+    ) -> None:
         tracker._idle(what, replacing=True)
         self.tracker = tracker
         self.swap = tracker._target(rebind=True) if target else None
         tracker._check_forks_leavable(what)
+        # Before applying() clears forks: the holds' own refusal would come after. ``holding_what`` names the
+        # call as its holding() does, for the same message.
+        _exclusive.refuse_held(holds, holding_what or what)
 
     @contextlib.contextmanager
     def applying(self) -> Iterator[None]:

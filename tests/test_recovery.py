@@ -134,6 +134,47 @@ def test_a_checkpoint_loads_into_a_tracker_whose_fork_a_thread_that_ended_left_o
     assert all(torch.equal(expected[k], v) for k, v in tracker.get_states().items())
 
 
+_REPLACING_CALLS = {
+    "load_rng_state_dict": lambda tracker, saved: hyperrng.load_rng_state_dict(saved, tracker=tracker),
+    "set_random_seed": lambda tracker, saved: hyperrng.set_random_seed(3, tracker=tracker),
+    "apply_layout": lambda tracker, saved: hyperrng.apply_layout(
+        StreamLayout(["dp"], [], {"a": []}), 3, {"dp": 0}, tracker=tracker
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(_REPLACING_CALLS))
+def test_a_call_refused_because_another_thread_holds_the_device_leaves_an_abandoned_fork_in_place(call: str) -> None:
+    """Busy is known before the forks are cleared: the refused call changes nothing, the tracker's record of
+    the fork a thread that ended left open included."""
+    tracker = _tracker(a=1)
+    saved = hyperrng.rng_state_dict(tracker=tracker)
+    ended = threading.Thread(target=lambda: tracker.fork("a").__enter__())
+    ended.start()
+    ended.join()
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with fork_rng():
+            holding.set()
+            done.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait()
+    try:
+        before = _device()
+        with pytest.raises(InvalidOperationError, match="was refused: thread") as info:
+            _REPLACING_CALLS[call](tracker, saved)
+        assert info.value.reason == "busy"
+        assert tracker.active_stream == "a" and torch.equal(_device(), before)
+    finally:
+        done.set()
+        holder.join()
+    _REPLACING_CALLS[call](tracker, saved)  # and once the device is free, it clears the fork and runs
+    assert tracker.active_stream is None and _no_hold_left()
+
+
 def test_a_live_fork_on_this_thread_still_refuses_reset_and_nothing_changes() -> None:
     tracker = _tracker(a=1)
     with tracker.fork("a"):
