@@ -94,7 +94,10 @@ class DeviceModulePlatform(Platform):
         is_initialized = getattr(module, "is_initialized", None)
         capturing = getattr(module, "is_current_stream_capturing", None)
         live = capturing is not None and (is_initialized is None or is_initialized())
-        current = int(module.current_device()) if live and index is not None else None
+        current = None
+        if live and index is not None:  # current_device(), as in _position_generator
+            own = type(self).current_device is DeviceModulePlatform.current_device
+            current = int(module.current_device()) if own else self.current_device()
         if index is not None and not (type(index) is int and index == current):  # the current device is valid
             index = check_index(index, self.device_count(), self.name)
         if not live:
@@ -138,7 +141,11 @@ class DeviceModulePlatform(Platform):
         """The current device's default generator if its accessors agree with its state (:meth:`_offsets_agree`),
         else ``None``. Every portable draw asks, so the generator of a device that agrees is kept (a module's
         default generators are made once, at its initialisation)."""
-        index = int((self._module or self.module).current_device())  # (the property's frame, saved: every draw)
+        # current_device(), without its frames unless a subclass overrides it (then its answer: the platform's)
+        if type(self).current_device is DeviceModulePlatform.current_device:
+            index = int((self._module or self.module).current_device())
+        else:
+            index = self.current_device()
         agreeing: dict[int, Any] | None = self.__dict__.get("_agreeing")
         if agreeing is not None:
             gen = agreeing.get(index)

@@ -841,3 +841,26 @@ def test_the_triton_backend_without_triton_is_refused_with_a_typed_error() -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("refused: backend='triton' cannot draw on the CPU: Triton's interpreter cannot")
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # pure functions: meant
+@pytest.mark.parametrize("name", ["random_bits", "randint", "normal"])
+def test_a_small_explicit_key_draw_compiles_with_fullgraph_to_the_eager_numbers(name: str) -> None:
+    """Dynamo traces a small host draw whose words the eager call left in this thread's readahead (and, on
+    the way, no lock of functools.cached_property, which it cannot enter on Python 3.10 and 3.11)."""
+    from hyperrng import philox
+
+    draws: dict[str, Callable[[], torch.Tensor]] = {
+        "random_bits": lambda: philox.random_bits((8,), key=1, offset=0).float(),
+        "randint": lambda: philox.randint((8,), -3, 9, key=1, offset=4).float(),
+        "normal": lambda: philox.normal((8,), key=1, offset=4),
+    }
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + draws[name]()
+
+    if name == "normal" and torch.torch_version.TorchVersion(torch.__version__) < (2, 6):
+        pytest.skip(f"torch {torch.__version__}'s Dynamo cannot trace the Tensor.item of normal's host draw")
+    eager = step(torch.ones(8))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(torch.ones(8)), eager)

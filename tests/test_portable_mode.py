@@ -1264,3 +1264,23 @@ def test_randperm_is_the_order_that_sorts_wide_values_and_fits_its_dtype() -> No
     with portable_random(SEED):
         assert torch.equal(torch.randperm(10), got)
         assert torch.randperm(0).numel() == 0
+
+
+@pytest.mark.needs_sim
+def test_a_platform_that_overrides_current_device_has_its_own_device_drawn_from() -> None:
+    """A plug-in's ``current_device()`` (a method the platform table lets it override) decides which device's
+    generator a portable draw reads and moves, as it decides for seeding, forks and checkpoints."""
+
+    class Pinned(platforms.CUDAPlatform):
+        def current_device(self) -> int:  # a plug-in that maps this process to device 1
+            return 1
+
+    module = platforms.SimulatedDeviceModule(device_type="cuda")
+    pinned = Pinned(module=module)
+    with platforms.use(pinned), portable_random(7):
+        drawn = torch.rand(4)
+        assert pinned.get_seed_offset() == (7, 4)
+        assert module.default_generators[1].get_offset() == 4 and module.default_generators[0].get_offset() == 0
+        assert not pinned.is_capturing(1)
+    with platforms.use(platforms.CPUPlatform()), portable_random(7):
+        assert torch.equal(drawn, torch.rand(4))

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +272,24 @@ def _finite_in(value: float, dtype: torch.dtype) -> bool:
     return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
 
 
+class _Once:
+    """``functools.cached_property`` without its lock, which torch.compile cannot enter on Python 3.10 and 3.11:
+    the value, computed at the first read, goes into the instance's dict, which later reads find first (a
+    non-data descriptor), so they cost no call. Two threads reading it first compute the same value."""
+
+    def __init__(self, compute: Callable[[Any], Any]) -> None:
+        self.compute, self.name = compute, compute.__name__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.compute(instance)
+        return value
+
+
 # -- draws: a distribution with checked parameters, computed by a backend ----------------------
 @dataclass(frozen=True)
 class Draw:
@@ -297,10 +315,11 @@ class Draw:
     def param_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.int64,) + (self.value_dtype,) * (len(self.params) - 1)
 
-    @functools.cached_property  # draws are made once per distinct set (cached), and a launch asks every time
-    def kernel_arguments(self) -> _triton.Arguments:
+    def _kernel_arguments(self) -> _triton.Arguments:
         """The Triton kernels' arguments for this draw (imports Triton on first use)."""
         return _triton.arguments(self.name, self.params, self.value_dtype)
+
+    kernel_arguments = _Once(_kernel_arguments)  # draws are made once per set (cached); a launch asks every time
 
 
 BITS = Draw("random_bits", torch.int64, torch.int64)

@@ -8,10 +8,9 @@ ranges, is a set of equally long runs of consecutive global indices
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +36,17 @@ class ShardGeometry:
     local_shape: tuple[int, ...]
     split: int
     run: int
+    # Derived at construction (a launch reads them every time; computed on first read they would need
+    # functools.cached_property, whose lock torch.compile cannot trace on Python 3.10 and 3.11):
+    segments: int = field(init=False, compare=False)  # the number of runs
+    first: int = field(init=False, compare=False)  # global row-major index (from 0) of the first element
+
+    def __post_init__(self) -> None:
+        index = 0
+        for start, extent in zip(self.starts, self.global_shape):
+            index = index * extent + start
+        object.__setattr__(self, "segments", math.prod(self.local_shape[: self.split]))
+        object.__setattr__(self, "first", index)
 
     @classmethod
     def of(cls, global_shape: tuple[int, ...], shard: object = None) -> ShardGeometry:
@@ -57,18 +67,6 @@ class ShardGeometry:
         while split > 0 and local[split] == global_shape[split]:
             split -= 1
         return cls(global_shape, starts, local, split, math.prod(local[max(split, 0) :]))
-
-    @functools.cached_property  # a geometry is immutable, and a whole tensor's is reused (cached) per shape
-    def segments(self) -> int:
-        return math.prod(self.local_shape[: self.split])
-
-    @functools.cached_property
-    def first(self) -> int:
-        """Global row-major index (from 0) of the block's first element."""
-        index = 0
-        for start, extent in zip(self.starts, self.global_shape):
-            index = index * extent + start
-        return index
 
     def segment_starts(self, ids: torch.Tensor) -> torch.Tensor:
         """Global row-major index (from 0) of the first element of each run in ``ids``."""
