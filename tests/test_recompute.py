@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -182,6 +183,25 @@ def test_a_fork_in_a_checkpoint_without_the_context_nested_in_one_with_it_is_ref
         block, torch.ones(5, 6, requires_grad=True), use_reentrant=False, context_fn=hyperrng.checkpoint_context
     )
     replayed.sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_fork_far_below_the_checkpoint_without_the_context_is_refused(reentrant: bool) -> None:
+    """However deep the block calls its fork (100 frames here: a model of nested modules): the stack is walked
+    to its end, not to a fixed depth, where the checkpoint is found that way."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    block = Block()
+
+    def deep(n: int, h: torch.Tensor) -> torch.Tensor:
+        return block(h) if n == 0 else deep(n - 1, h)
+
+    tracker = get_rng_tracker()
+    tracker.reseed({MP: 4321})
+    before = generator_states(tracker)
+    with pytest.raises(InvalidOperationError, match=rf"inside torch.utils.checkpoint \(use_reentrant={reentrant}\)"):
+        torch_checkpoint(functools.partial(deep, 100), torch.ones(5, 6, requires_grad=True), use_reentrant=reentrant)
+    assert_equal_states(generator_states(tracker), before)
 
 
 def test_use_reentrant_is_read_as_torch_reads_it() -> None:
