@@ -23,6 +23,7 @@ from hyperrng.layout import StreamLayout
 from hyperrng.random import fork_rng
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
 from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from tests._threads import OnAnotherThread
 
 LAYOUT = StreamLayout(dims=("tp",), default=(), streams={"a": ("tp",), "b": ("tp",)})
 
@@ -152,25 +153,12 @@ def test_a_call_refused_because_another_thread_holds_the_device_leaves_an_abando
     ended = threading.Thread(target=lambda: tracker.fork("a").__enter__())
     ended.start()
     ended.join()
-    holding, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with fork_rng():
-            holding.set()
-            done.wait()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait()
-    try:
+    with OnAnotherThread(fork_rng):
         before = _device()
         with pytest.raises(InvalidOperationError, match="was refused: thread") as info:
             _REPLACING_CALLS[call](tracker, saved)
         assert info.value.reason == "busy"
         assert tracker.active_stream == "a" and torch.equal(_device(), before)
-    finally:
-        done.set()
-        holder.join()
     _REPLACING_CALLS[call](tracker, saved)  # and once the device is free, it clears the fork and runs
     assert tracker.active_stream is None and _no_hold_left()
 

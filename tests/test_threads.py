@@ -35,8 +35,9 @@ from hyperrng.random import fork_rng
 from hyperrng.recompute import checkpoint
 from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
 from hyperrng.tracker import RNGStatesTracker
-
-_DEADLOCK_GUARD = 60.0  # seconds: only so that a broken hold fails the test instead of hanging it
+from tests._threads import DEADLOCK_GUARD as _DEADLOCK_GUARD
+from tests._threads import OnAnotherThread as _OnAnotherThread
+from tests._threads import rand as _rand
 
 _REGION_ARGS = (MeshInfo((2,), (1,)), [Shard(0)], (8,))
 
@@ -45,11 +46,6 @@ def _key() -> str:
     """How refusals name the current device's generator: ``"cpu:0"``, ``"cuda:0"``, ``"sim:0"``."""
     platform = platforms.current()
     return f"{platform.device_type}:{platform.current_device()}"
-
-
-def _rand(n: int) -> torch.Tensor:
-    """``n`` numbers from the current device's generator (a fork's stream inside a fork), on the host."""
-    return torch.rand(n, device=platforms.current().device()).cpu()
 
 
 def _seeded(seed: int, *sizes: int) -> torch.Tensor:
@@ -68,42 +64,6 @@ def _tracker(**seeds: int) -> RNGStatesTracker:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class _OnAnotherThread:
-    """Thread A: enters ``context``, runs ``inside`` there, then waits until the ``with`` block ends."""
-
-    def __init__(self, context: Callable[[], AbstractContextManager[Any]], inside: Callable[[], object] = lambda: None):
-        self._context, self._inside = context, inside
-        self._entered, self._leave = threading.Event(), threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run)
-        self.drawn: list[torch.Tensor] = []
-
-    def _run(self) -> None:
-        try:
-            with self._context():
-                self.drawn.append(_rand(4))
-                self._entered.set()
-                assert self._leave.wait(_DEADLOCK_GUARD)
-                self.drawn.append(_rand(4))
-        except BaseException as exc:  # handed to the main thread
-            self._error = exc
-            self._entered.set()
-
-    def __enter__(self) -> _OnAnotherThread:
-        self._thread.start()
-        assert self._entered.wait(_DEADLOCK_GUARD)
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._leave.set()
-        self._thread.join(_DEADLOCK_GUARD)
-        assert not self._thread.is_alive()
-        if self._error is not None:
-            raise self._error
 
 
 def _no_holds() -> bool:
