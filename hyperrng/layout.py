@@ -64,7 +64,6 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
-from hyperrng._exclusive import holding
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
@@ -285,11 +284,10 @@ class StreamLayout:
         keys = device_keys(platform, [platform.current_device()])
         # Refused before anything is seeded; then the streams, the generators and the record, or none of them
         with Replacing(tracker, "reseed the tracker", holds=keys, holding_what="seeding a stream layout").applying():
-            with holding(keys, "seeding a stream layout"):
-                tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
-                platform.manual_seed(default_seed)
-                if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
-                    platforms.seed_generator(torch.default_generator, default_seed)
+            tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
+            platform.manual_seed(default_seed)
+            if platform.device_type != "cpu":  # the host too; all 64 bits, unlike torch.manual_seed
+                platforms.seed_generator(torch.default_generator, default_seed)
             _record(tracker, derivation)
         return seeds
 

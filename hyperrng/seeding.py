@@ -162,7 +162,7 @@ def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_se
     platform = platforms.current()
     keys = [current_device_key(platform)]
     replacement = _replacing(tracker, keys, what)
-    with replacement.applying(), holding(keys, what):
+    with replacement.applying():
         replacement.tracker.reseed(streams)
         platform.manual_seed(device_seed)
 
@@ -232,11 +232,10 @@ def set_random_seed(
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     keys = device_keys(platforms.current())
     # Refused inside a fork, where seeding the device would reseed the forked stream; all or nothing after
-    with _replacing(tracker, keys, "set_random_seed").applying():
-        with holding(keys, "set_random_seed"):  # held throughout
-            seed_host(base)
-            if tp_rank is not None:
-                model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
+    with _replacing(tracker, keys, "set_random_seed").applying():  # held throughout
+        seed_host(base)
+        if tp_rank is not None:
+            model_parallel_manual_seed(base, tp_rank, always_enable_tp_seed, tracker=tracker)
     return base
 
 
@@ -430,10 +429,10 @@ def megatron_set_random_seed(
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
     keys = device_keys(platforms.current())
-    with _replacing(tracker, keys, "megatron_set_random_seed").applying():  # refused before anything is seeded
-        with holding(keys, "megatron_set_random_seed"):  # held throughout; all or nothing
-            seed_host(base)
-            megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
+    # Refused before anything is seeded; held throughout; all or nothing
+    with _replacing(tracker, keys, "megatron_set_random_seed").applying():
+        seed_host(base)
+        megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
     return base
 
 

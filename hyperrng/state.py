@@ -55,7 +55,6 @@ import torch
 import hyperrng._files as _files
 import hyperrng.platforms as platforms
 from hyperrng._device_state import device_keys
-from hyperrng._exclusive import holding
 from hyperrng._state_format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
 from hyperrng._untrusted import check_file, unreadable
 from hyperrng.errors import (
@@ -260,7 +259,7 @@ def load_rng_state_dict(
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
                 "to re-derive the streams from the saved base seed."
             )
-        with replacement.applying(), holding(device_keys(p), "load_rng_state_dict"):
+        with replacement.applying():
             _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = decode(state, p, tracker)
@@ -269,8 +268,7 @@ def load_rng_state_dict(
     # meanwhile: another thread's fork or region refuses the load (nothing written), and none
     # starts halfway through it.
     with replacement.applying():  # first the forks their own exits can no longer leave (the tracker's Recovery)
-        with holding(device_keys(p), "load_rng_state_dict"):
-            _apply(applied, p, tracker)
+        _apply(applied, p, tracker)
         _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
 
 

@@ -842,13 +842,13 @@ class Replacing:
     a fork whose own exit could still leave it (that exit would restore a stream that is gone), or
     while a context entered inside a fork it would clear still holds the device; with ``target``, also
     a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states; and
-    while another thread holds one of the generators ``holds`` that the call will hold (its refusal names
-    the call ``holding_what``, as :func:`hyperrng._exclusive.holding` would).
-    :meth:`applying` is the block that replaces them: it defers signals (all of it or none, under
-    Ctrl-C too) and first clears the forks their own exits can no longer leave (*Recovery*, above).
+    while another thread holds one of the generators ``holds`` (named ``holding_what`` in the refusal, as
+    :func:`hyperrng._exclusive.holding` names it). :meth:`applying` is the block that replaces them: it
+    defers signals (all of it or none, under Ctrl-C too), first clears the forks their own exits can no
+    longer leave (*Recovery*, above), then holds ``holds`` while the block runs.
     """
 
-    __slots__ = ("tracker", "swap")
+    __slots__ = ("tracker", "swap", "_holds", "_holding_what")
 
     def __init__(
         self,
@@ -863,15 +863,16 @@ class Replacing:
         self.tracker = tracker
         self.swap = tracker._target(rebind=True) if target else None
         tracker._check_forks_leavable(what)
-        # Before applying() clears forks: the holds' own refusal would come after. ``holding_what`` names the
-        # call as its holding() does, for the same message.
-        _exclusive.refuse_held(holds, holding_what or what)
+        self._holds, self._holding_what = holds, holding_what or what
+        # Refused here, before applying() clears forks: the hold's own refusal would come after that.
+        _exclusive.refuse_held(holds, self._holding_what)
 
     @contextlib.contextmanager
     def applying(self) -> Iterator[None]:
         with deferred():
-            self.tracker._leave_forks()
-            yield
+            self.tracker._leave_forks()  # first: leaving a fork releases holds down to its own level
+            with _exclusive.holding(self._holds, self._holding_what):
+                yield
 
 
 class _Process:
