@@ -7,7 +7,7 @@ replayed only by ``hyperrng.checkpoint`` and by ``torch.utils.checkpoint`` given
 other checkpoint would draw other numbers in the recompute, and the gradients would silently
 differ: :func:`unreplayed_checkpoint` finds that case so that it can be refused before anything
 moves. A non-reentrant checkpoint runs its forward with grad and marks it with its saved-tensor
-hook (its hooks are the innermost ones; torch 2.5, which cannot show them, by the frame of its
+hook (its hooks are the innermost ones; torch 2.5 to 2.7, which cannot show them, by the frame of its
 ``checkpoint`` call, found on the stack); one that runs its forward without grad (torch's
 reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack (a reentrant one whose
 Function records no backward, as in evaluation under ``no_grad``, recomputes nothing and is not
@@ -30,7 +30,7 @@ import torch.utils.checkpoint
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 SEES_NON_REENTRANT = _top_hooks is not None
-"""Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 does not: there one
+"""Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 to 2.7 do not: there one
 is found by the frame of its ``checkpoint`` call, a walk of the stack that every fork and portable draw
 made with grad enabled pays)."""
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
@@ -53,7 +53,7 @@ REPLAYED = _Replayed()
 
 def top_hook() -> object:
     """What marks the non-reentrant checkpoint whose forward context is being entered (for ``REPLAYED.hooks``):
-    the innermost saved-tensor hook pair's pack hook, or on torch 2.5 a weak reference to the generator its
+    the innermost saved-tensor hook pair's pack hook, or on torch 2.5 to 2.7 a weak reference to the generator its
     ``checkpoint`` call runs (held weakly: torch 2.5 closes it, and so leaves the forward context, only
     when it is collected after a forward that raised); else ``None``."""
     if _top_hooks is None:
@@ -64,7 +64,7 @@ def top_hook() -> object:
 
 
 def _non_reentrant_call(frame: types.FrameType | None) -> Any:
-    """Torch 2.5: the generator of the innermost ``torch.utils.checkpoint.checkpoint`` call at or above
+    """Torch 2.5 to 2.7: the generator of the innermost ``torch.utils.checkpoint.checkpoint`` call at or above
     ``frame`` if it runs a non-reentrant forward that will be recomputed (its ``function`` runs in that call's
     frame, and the generator holds its saved-tensor hooks), else ``None``."""
     while frame is not None:  # the whole stack: a block may fork at any depth below its checkpoint
@@ -73,7 +73,7 @@ def _non_reentrant_call(frame: types.FrameType | None) -> Any:
             gen = names.get("gen")
             if names.get("use_reentrant", True) or gen is None:  # truthy, as torch tests it: reentrant
                 return None
-            # Begun without grad, it recomputes nothing: torch 2.5 then installs no hooks, and no input saver of
+            # Begun without grad, it recomputes nothing: torch then installs no hooks, and no input saver of
             # its frame has a grad_fn (what it tests). Read from the generator's own frame, where it keeps them.
             inner = gen.gi_frame
             saver = getattr(inner.f_locals.get("new_frame"), "input_saver", None) if inner is not None else None
@@ -84,10 +84,10 @@ def _non_reentrant_call(frame: types.FrameType | None) -> Any:
 
 def checkpoint_forward() -> Any:
     """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
-    ``torch.utils.checkpoint``'s saved-tensor hook (on torch 2.5 the generator its call runs), or for one that
+    ``torch.utils.checkpoint``'s saved-tensor hook (on torch 2.5 to 2.7 the generator its call runs), or for one that
     runs its forward without grad, the code of the function it runs it in (found on the stack)."""
     if torch.is_grad_enabled():
-        if _top_hooks is None:  # torch 2.5
+        if _top_hooks is None:  # torch 2.5 to 2.7
             return _non_reentrant_call(sys._getframe(1))
         top = _top_hooks(False)  # top_hook(), inline: every portable draw asks
         hook = top[0] if top is not None else None
@@ -115,8 +115,8 @@ def unreplayed_checkpoint() -> str | None:
     if found is _REENTRANT_FORWARD:
         return "use_reentrant=True"
     if found is None or isinstance(found, types.CodeType):
-        return None  # (a hook or, on torch 2.5, its generator marks a non-reentrant checkpoint)
-    # Replayed if its own mark was entered (by identity; on torch 2.5 a weak reference to it), anywhere in the
+        return None  # (a hook or, on torch 2.5 to 2.7, its generator marks a non-reentrant checkpoint)
+    # Replayed if its own mark was entered (by identity; on torch 2.5 to 2.7 a weak reference to it), anywhere in the
     # list: a checkpoint whose forward raised leaves its entry there until torch 2.5 collects its generator.
     for mark in REPLAYED.hooks:
         if mark is found or (type(mark) is weakref.ref and mark() is found):

@@ -161,7 +161,7 @@ def test_a_fork_inside_torch_checkpoint_without_the_context_is_refused_before_it
 
 def test_a_fork_in_a_checkpoint_without_the_context_nested_in_one_with_it_is_refused() -> None:
     """The innermost checkpoint decides: the outer one would replay the streams, the inner one, whose
-    recompute runs first, would not (on torch 2.5 too, where the checkpoints are told apart by their calls)."""
+    recompute runs first, would not (on torch 2.5 to 2.7 too, where the checkpoints are told apart by their calls)."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     block = Block()
