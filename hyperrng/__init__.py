@@ -20,7 +20,7 @@ plug in. Everything below is importable from ``hyperrng`` itself (``__all__`` li
 * **Megatron-core's names**: :mod:`hyperrng.megatron` (``from hyperrng import megatron as
   tensor_parallel``).
 * **Portable mode**: ``portable_random(seed)``, where torch's own random ops draw Philox
-  numbers that are the same on every device and mesh (:mod:`hyperrng.philox.mode`); explicit-key
+  numbers that are the same on every device and mesh (:mod:`hyperrng.portable.mode`); explicit-key
   draws in :mod:`hyperrng.philox`.
 * **Errors**: one class per kind of answer, under ``HyperRNGError`` (:mod:`hyperrng.errors`).
 * **Hardware**: ``current_platform()`` and :mod:`hyperrng.platforms`, whose docstring is
@@ -38,6 +38,7 @@ Submodules whose names start with ``_`` are internal.
 from __future__ import annotations
 
 import contextlib as _contextlib
+import sys as _sys
 
 import hyperrng.errors as _errors
 from hyperrng import platforms
@@ -57,11 +58,17 @@ __version__ = "0.1.0"
 with _contextlib.suppress(_errors.PlatformError):
     platforms.registry.select_at_import()
 
-from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
-from hyperrng.philox.mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
-from hyperrng.random import fork_rng  # noqa: E402
-from hyperrng.recompute import checkpoint, checkpoint_context  # noqa: E402
-from hyperrng.seeding import (  # noqa: E402
+from hyperrng.portable.mode import is_portable_random_enabled, portable_random, set_portable_random  # noqa: E402
+from hyperrng.resume.state import (  # noqa: E402
+    RNGResumeWarning,
+    RNGStateful,
+    load_rng_state,
+    load_rng_state_dict,
+    rng_state_dict,
+    save_rng_state,
+)
+from hyperrng.seeding.layout import DEFAULT_STREAM, StreamLayout, apply_layout, mesh_coordinates  # noqa: E402
+from hyperrng.seeding.recipes import (  # noqa: E402
     MegatronSeeds,
     is_random_seed_set,
     megatron_model_parallel_manual_seed,
@@ -73,17 +80,11 @@ from hyperrng.seeding import (  # noqa: E402
     set_random_seed,
     set_seeds,
 )
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker  # noqa: E402
-from hyperrng.sharding import rng_offsets  # noqa: E402
-from hyperrng.state import (  # noqa: E402
-    RNGResumeWarning,
-    RNGStateful,
-    load_rng_state,
-    load_rng_state_dict,
-    rng_state_dict,
-    save_rng_state,
-)
-from hyperrng.tracker import (  # noqa: E402
+from hyperrng.sharding.offsets import rng_offsets  # noqa: E402
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker  # noqa: E402
+from hyperrng.streams.fork import fork_rng  # noqa: E402
+from hyperrng.streams.recompute import checkpoint, checkpoint_context  # noqa: E402
+from hyperrng.streams.tracker import (  # noqa: E402
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
@@ -153,4 +154,32 @@ __all__ = [
 ]
 __all__ += _errors.__all__  # the error classes: one list, in hyperrng.platforms.errors
 
-del _contextlib, _errors  # modules used above, not part of the package (help() would list them)
+# The modules' paths before they moved into folders by concept: each old name is the moved module itself
+# (one module object, so ``import hyperrng.tracker``, ``from hyperrng.philox.mode import ...`` and a pickle
+# that names an old path keep working; ``help(hyperrng)`` lists the folders only). ``hyperrng.seeding`` and
+# ``hyperrng.sharding`` became folders that export what the modules did.
+_OLD_PATHS = {
+    "hyperrng.tracker": "hyperrng.streams.tracker",
+    "hyperrng.random": "hyperrng.streams.fork",
+    "hyperrng.recompute": "hyperrng.streams.recompute",
+    "hyperrng.layout": "hyperrng.seeding.layout",
+    "hyperrng.sharded": "hyperrng.sharding.tracker",
+    "hyperrng.state": "hyperrng.resume.state",
+    "hyperrng.philox.mode": "hyperrng.portable.mode",
+    "hyperrng.philox.position": "hyperrng.portable.position",
+}
+for _old, _new in _OLD_PATHS.items():
+    _sys.modules[_old] = _sys.modules[_new]
+    if _old.startswith("hyperrng.philox."):
+        setattr(_sys.modules["hyperrng.philox"], _old.rpartition(".")[2], _sys.modules[_new])
+
+
+def __getattr__(name: str) -> object:
+    """``hyperrng.tracker`` and the other old module paths, as attributes: the moved modules."""
+    new = _OLD_PATHS.get(f"hyperrng.{name}")
+    if new is None:
+        raise AttributeError(f"module 'hyperrng' has no attribute {name!r}")
+    return _sys.modules[new]
+
+
+del _contextlib, _errors, _old, _new  # names used above, not part of the package

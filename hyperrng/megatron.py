@@ -11,7 +11,7 @@ Code written for Megatron-core changes one import and nothing else::
         y = expert(x)
     out = tensor_parallel.checkpoint(block, False, x)
 
-The tracker is hyperrng's process-wide :class:`~hyperrng.tracker.RNGStatesTracker` (any platform,
+The tracker is hyperrng's process-wide :class:`~hyperrng.streams.tracker.RNGStatesTracker` (any platform,
 not only CUDA). What hyperrng has no counterpart for is refused with a typed error naming what to
 use instead, never run differently: TransformerEngine's and the inference tracker classes,
 ``distribute_saved_activations=True`` (which needs Megatron-core's parallel state) and
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.recompute import checkpoint as _checkpoint
-from hyperrng.seeding import model_parallel_cuda_manual_seed
-from hyperrng.tracker import (
+from hyperrng.seeding.recipes import model_parallel_cuda_manual_seed
+from hyperrng.streams.recompute import checkpoint as _checkpoint
+from hyperrng.streams.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,

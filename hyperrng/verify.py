@@ -40,9 +40,9 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, RankFailure, RNGDesyncError
-from hyperrng.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
 from hyperrng.platforms.validate import check_instance
-from hyperrng.tracker import RNGStatesTracker, resolve_tracker
+from hyperrng.seeding.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
+from hyperrng.streams.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["DEFAULT_TIMEOUT", "StreamVerdict", "fingerprint", "verify_rng_sync"]
 

@@ -38,7 +38,7 @@ checkpoints are read with ``weights_only=True`` (plain data, no code).
   independent ones, ``(seed, 0)`` is ``manual_seed(seed)``; the getter reads back the pair
   just set; ``get_rng_state()`` carries it (the CPU platform, :mod:`hyperrng.platforms.cpu`,
   is the worked example for a generator that is not counter-based). Only sharded regions
-  (and DTensor ops), :mod:`hyperrng.philox.position` and portable mode need positions; streams,
+  (and DTensor ops), :mod:`hyperrng.portable.position` and portable mode need positions; streams,
   seeding, checks and checkpoints need state bytes only.
 * **``dist_backend``:** the process-group backend when each rank has its own device (the
   demo uses it); collectives stage tensors through the host on gloo. A ``device_type`` of

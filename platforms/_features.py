@@ -80,7 +80,7 @@ def _has_python_device_backend() -> bool:
 
 def _has_thread_local_rng_key() -> bool:
     # Portable mode registers its kernels on torch's CustomRNGKeyId key and includes that key in
-    # a thread's dispatch while the thread is in the mode (hyperrng.philox._ops); its attention
+    # a thread's dispatch while the thread is in the mode (hyperrng.portable._ops); its attention
     # kernels hand calls outside the mode back to torch's own, read with torch.library.get_kernel.
     if not hasattr(torch.library, "get_kernel"):
         return False
@@ -92,7 +92,7 @@ def _has_thread_local_rng_key() -> bool:
 
 
 def _can_trace_portable_ops() -> bool:
-    # torch.compile records portable ops as hyperrng custom ops (hyperrng.philox._traced): kernels the
+    # torch.compile records portable ops as hyperrng custom ops (hyperrng.portable._traced): kernels the
     # Python dispatcher runs while tracing (OpOverload.py_impl, _op_dk) on PythonTLSSnapshot, while a
     # TracingContext is set, and custom ops with tags.
     op = torch.ops.aten.uniform_.default

@@ -134,7 +134,7 @@ class InvalidOperationError(HyperRNGError, RuntimeError):
     Attributes:
         reason: ``"busy"`` (another thread holds this device's generator in a fork, a
             sharded region, ``fork_rng``, a recompute or portable mode; see
-            :mod:`hyperrng._exclusive`; retrying later may succeed), ``"tracker"`` (the
+            :mod:`hyperrng._guard.exclusive`; retrying later may succeed), ``"tracker"`` (the
             tracker cannot do this now: a fork is active, forks exited out of order, streams
             of another platform, graph-safe mode the platform lacks), ``"distributed"`` (a
             cross-rank operation before ``torch.distributed`` is initialised), ``"mesh"``

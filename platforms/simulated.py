@@ -593,7 +593,7 @@ def _random_op_keys(func: Any) -> Any:
 
     A C++ backend's random op passes through every key of the call below the tensor
     subclass's: the device's key (``PrivateUse1``) and ``CustomRNGKeyId`` where the thread
-    includes it (portable mode does, see ``hyperrng.philox._ops``). Both are modelled here.
+    includes it (portable mode does, see ``hyperrng.portable._ops``). Both are modelled here.
     """
     if _RNG_KEY is not None and torch._C._dispatch_tls_is_dispatch_key_included(_RNG_KEY):
         name = func.name()

@@ -1,5 +1,5 @@
-"""Multi-rank tests run real processes over gloo: see :mod:`hyperrng._launch`."""
+"""Multi-rank tests run real processes over gloo: see :mod:`hyperrng.cli.launch`."""
 
-from hyperrng._launch import free_port, run_ranks
+from hyperrng.cli.launch import free_port, run_ranks
 
 __all__ = ["run_ranks", "free_port"]

@@ -102,7 +102,7 @@ def use_each(table: Mapping[str, Callable[[], platforms.Platform]]) -> Any:
 @pytest.fixture(autouse=True)
 def fresh_tracker_on_cpu() -> Iterator[None]:
     """Autouse where imported: the CPU platform unless a test asks for ``platform``; an empty global tracker."""
-    from hyperrng.tracker import get_rng_tracker
+    from hyperrng.streams.tracker import get_rng_tracker
 
     get_rng_tracker().reset()
     with platforms.use(platforms.CPUPlatform()):

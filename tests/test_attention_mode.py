@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import hyperrng
 from hyperrng.philox import attention
-from hyperrng.sharded import ShardedRNGTracker
+from hyperrng.sharding.tracker import ShardedRNGTracker
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.needs_portable_mode

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from hyperrng.benchmarks import SUITES, BenchResult, Timing, format_results, run_benchmarks
 from hyperrng.cli import main
+from hyperrng.cli.bench import SUITES, BenchResult, Timing, format_results, run_benchmarks
 from hyperrng.errors import InvalidArgumentError
 
 
@@ -67,7 +67,7 @@ def test_the_gpu_suites_rows_and_block_step_run_on_any_device_at_small_sizes() -
     """The suite's code paths, on the CPU: the rows compare the same calls a GPU run times."""
     import torch
 
-    from hyperrng.benchmarks import gpu
+    from hyperrng.cli.bench import gpu
     from hyperrng.philox import philox4x32_10  # noqa: F401 -- the package a row draws from
 
     rows = gpu.device_rows(torch.device("cpu"), quick=True, sizes=(2**10,))

@@ -7,8 +7,8 @@ import datetime
 import hyperrng.platforms as platforms
 import pytest
 
-import hyperrng.benchmarks as bench
-from hyperrng.benchmarks import WIDTH, BenchResult, Timing, format_markdown, format_results, format_row, run_benchmarks
+import hyperrng.cli.bench as bench
+from hyperrng.cli.bench import WIDTH, BenchResult, Timing, format_markdown, format_results, format_row, run_benchmarks
 
 _FLAT = (1.0, 1.1, 1.0, 0.9, 1.0, 1.1)
 
@@ -99,7 +99,7 @@ def test_the_markdown_table_has_a_row_per_result_and_the_list_gives_each_in_full
 def test_each_row_is_reported_as_soon_as_it_is_measured_not_when_its_suite_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import hyperrng.benchmarks.streams as streams
+    import hyperrng.cli.bench.streams as streams
 
     seen: list[str] = []
     suites: list[tuple[int, int, str]] = []
@@ -124,7 +124,7 @@ def test_each_row_is_reported_as_soon_as_it_is_measured_not_when_its_suite_ends(
 
 
 def test_a_suite_says_what_it_measures_next_between_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hyperrng.benchmarks.streams as streams
+    import hyperrng.cli.bench.streams as streams
 
     seen: list[str] = []
 

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from hyperrng.errors import InvalidArgumentError, StorageError
-from hyperrng.seeding import seed_host
-from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.seeding.recipes import seed_host
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ _SAVES_UNDER_A_TIMER = """
 import os, random, signal, sys
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.state import load_rng_state, rng_state_dict, save_rng_state
+from hyperrng.resume.state import load_rng_state, rng_state_dict, save_rng_state
 
 folder, rounds = sys.argv[1], int(sys.argv[2])
 path = os.path.join(folder, "rng.pt")
@@ -213,7 +213,7 @@ import torch
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
 from hyperrng.errors import InvalidArgumentError, StorageError
-from hyperrng.state import load_rng_state, rng_state_dict, save_rng_state
+from hyperrng.resume.state import load_rng_state, rng_state_dict, save_rng_state
 
 folder = sys.argv[1]
 path = os.path.join(folder, "rng.pt")
@@ -255,7 +255,7 @@ import errno, os, sys
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
 from hyperrng.errors import InvalidArgumentError, StorageError
-from hyperrng.state import rng_state_dict, save_rng_state
+from hyperrng.resume.state import rng_state_dict, save_rng_state
 
 try:
     save_rng_state(os.path.join(sys.argv[1], "rng.pt"), rng_state_dict())
@@ -355,7 +355,7 @@ import sys
 import torch
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.state import rng_state_dict, save_rng_state
+from hyperrng.resume.state import rng_state_dict, save_rng_state
 
 real_save = torch.save
 

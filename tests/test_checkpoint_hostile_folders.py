@@ -32,9 +32,9 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
-import hyperrng._files as files
+import hyperrng.resume._files as files
 from hyperrng.errors import InvalidArgumentError, StorageError
-from hyperrng.state import load_rng_state, save_rng_state
+from hyperrng.resume.state import load_rng_state, save_rng_state
 from tests.test_checkpoint_files import _entries, _finish, _permitted, _python, _state
 
 NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
@@ -301,7 +301,7 @@ _UMASK_SAVER = """
 import os, sys
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.state import rng_state_dict, save_rng_state
+from hyperrng.resume.state import rng_state_dict, save_rng_state
 
 os.umask(0o477)
 for seed in (1, 2):
@@ -502,7 +502,7 @@ def test_a_fifo_named_as_an_earlier_releases_lock_file_never_blocks_a_save(tmp_p
     _age(folder, files.LEGACY_GRACE_NS // 10**9 + 60)
     saver = _python(
         "import sys, hyperrng.platforms as p; p.set_current('cpu')\n"
-        "from hyperrng.state import rng_state_dict, save_rng_state\n"
+        "from hyperrng.resume.state import rng_state_dict, save_rng_state\n"
         "save_rng_state(sys.argv[1], rng_state_dict(base_seed=5)); print('saved')",
         str(tmp_path / "rng.pt"),
     )
@@ -532,7 +532,7 @@ import os, sys
 import torch
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.state import rng_state_dict, save_rng_state
+from hyperrng.resume.state import rng_state_dict, save_rng_state
 
 where = sys.argv[2]
 real_save, real_mkdir = torch.save, os.mkdir
@@ -761,8 +761,8 @@ _INTERRUPTED_BY_A_THREAD = """
 import gc, os, random, signal, sys, threading, time
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-import hyperrng._files as files
-from hyperrng.state import load_rng_state, rng_state_dict, save_rng_state
+import hyperrng.resume._files as files
+from hyperrng.resume.state import load_rng_state, rng_state_dict, save_rng_state
 
 folder, rounds = sys.argv[1], int(sys.argv[2])
 os.mkdir(folder)
@@ -821,7 +821,7 @@ _WATCHDOG = """
 import os, random, signal, sys, time
 import hyperrng.platforms as platforms
 platforms.set_current("cpu")
-from hyperrng.state import load_rng_state, rng_state_dict, save_rng_state
+from hyperrng.resume.state import load_rng_state, rng_state_dict, save_rng_state
 
 folder, rounds = sys.argv[1], int(sys.argv[2])
 path = os.path.join(folder, "rng.pt")

@@ -15,7 +15,7 @@ import pytest
 
 import hyperrng
 from hyperrng import cli
-from hyperrng._launch import run_ranks
+from hyperrng.cli.launch import run_ranks
 from hyperrng.errors import HyperRNGError, PlatformError, RankFailure
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_every_subcommand_error_is_prefixed_with_the_subcommand_in_process(capsy
 
 
 def test_bench_help_lists_every_suite_name() -> None:
-    from hyperrng.benchmarks import SUITES
+    from hyperrng.cli.bench import SUITES
 
     out = _hyperrng("bench", "--help")
     assert out.returncode == 0 and out.stderr == ""
@@ -184,7 +184,7 @@ def test_bench_help_lists_every_suite_name() -> None:
 
 
 def test_demo_help_gives_every_default_and_the_process_limit() -> None:
-    from hyperrng.demo import DEFAULT_WORLD_SIZE, MAX_LOCAL_RANKS, PORTABLE_MAX_RANKS, DemoConfig
+    from hyperrng.cli.demo import DEFAULT_WORLD_SIZE, MAX_LOCAL_RANKS, PORTABLE_MAX_RANKS, DemoConfig
 
     out = _hyperrng("demo", "--help")
     assert out.returncode == 0 and out.stderr == ""
@@ -198,7 +198,7 @@ def test_demo_help_gives_every_default_and_the_process_limit() -> None:
 
 
 def test_the_demo_defaults_are_the_config_defaults() -> None:
-    from hyperrng.demo import DemoConfig
+    from hyperrng.cli.demo import DemoConfig
 
     args = cli._parser().parse_args(["demo"])
     defaults = DemoConfig()

@@ -14,7 +14,7 @@ import torch
 from hyperrng.platforms import ArgumentTypeError, CPUPlatform, InvalidArgumentError
 from torch.distributed.tensor import Replicate, Shard
 
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
 from tests._dist import run_ranks
 
 
@@ -211,7 +211,7 @@ _RESUME = """
 import sys, torch
 import hyperrng.platforms as platforms
 from torch.distributed.tensor import Shard
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
 
 cpu = platforms.CPUPlatform()
 platforms.set_current(cpu)
@@ -280,7 +280,7 @@ _MEMORY_OVER_NEW_SHAPES = """
 import tracemalloc
 from torch.distributed.tensor import Replicate, Shard
 from hyperrng.platforms import cpu
-from hyperrng.sharded import OFFSETS_KEPT, ShardedRNGTracker
+from hyperrng.sharding.tracker import OFFSETS_KEPT, ShardedRNGTracker
 
 tracker = ShardedRNGTracker()
 placements = (Shard(0), Replicate())

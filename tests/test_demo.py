@@ -13,9 +13,9 @@ import pytest
 import torch
 from hyperrng.platforms import _features
 
-from hyperrng._demo_output import verdict_lines as _verdict_lines
-from hyperrng._launch import Placement as _Placement
-from hyperrng.demo import MAX_LOCAL_RANKS, DemoConfig, _header, _verdicts, main, run_demo
+from hyperrng.cli.demo import MAX_LOCAL_RANKS, DemoConfig, _header, _verdicts, main, run_demo
+from hyperrng.cli.demo._output import verdict_lines as _verdict_lines
+from hyperrng.cli.launch import Placement as _Placement
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
@@ -223,7 +223,7 @@ def test_configurations_the_demo_cannot_run_are_refused_before_any_process_start
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import hyperrng._launch as launch
+    import hyperrng.cli.launch as launch
 
     monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("no process may start"))
     with pytest.raises(error) as info:
@@ -238,7 +238,7 @@ def test_configurations_the_demo_cannot_run_are_refused_before_any_process_start
 def test_on_a_torch_without_portable_mode_the_portable_demo_is_refused_before_any_process_starts(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hyperrng._launch as launch
+    import hyperrng.cli.launch as launch
     from hyperrng import cli
 
     # portable mode is detected by the APIs its mechanism uses; take one away

@@ -20,11 +20,11 @@ from hyperrng.platforms._features import feature
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from hyperrng import _local_ranks
 from hyperrng.errors import InvalidArgumentError, InvalidOperationError
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker
-from hyperrng.sharding import rng_offsets
-from hyperrng.tracker import CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
+from hyperrng.sharding import _local_tensor as _local_ranks
+from hyperrng.sharding.offsets import rng_offsets
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
+from hyperrng.streams.tracker import CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each  # noqa: F401 (autouse fixture)
 
 if feature("local-tensor").available:  # its tests are marked needs_local_tensor and skip elsewhere
@@ -379,7 +379,7 @@ def test_a_dtensor_op_given_the_devices_own_generator_keeps_its_advance(platform
     """DTensor hands the tracker a new wrapper of an explicitly passed default generator: the advance is kept."""
     from types import SimpleNamespace
 
-    from hyperrng.sharded import _dtensor_adapter
+    from hyperrng.sharding.tracker import _dtensor_adapter
 
     spec = SimpleNamespace(mesh=MeshInfo((2,), (0,)), placements=[Shard(0)], shape=(16,))
     with platforms.use(platform_name) as p:
@@ -402,7 +402,7 @@ def test_a_dtensor_op_given_the_devices_own_generator_keeps_its_advance(platform
 def test_adapters_share_one_class_and_each_serves_its_own_tracker() -> None:
     """Portable mode installs an adapter at every outermost entry while DTensor is loaded: its class is made
     once (a class statement per entry cost more than the rest of entering), each object serves its tracker."""
-    from hyperrng.sharded import _dtensor_adapter
+    from hyperrng.sharding.tracker import _dtensor_adapter
 
     first, second = ShardedRNGTracker(), ShardedRNGTracker()
     second.distribute_region_enabled = False

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
-from hyperrng.random import fork_rng
+from hyperrng.streams.fork import fork_rng
 from tests._platforms import WITH_PLUGIN, use_each
 
 PLATFORMS = WITH_PLUGIN

@@ -14,9 +14,9 @@ import pytest
 import torch
 from hyperrng.platforms.simulated import SimulatedGraph
 
-from hyperrng import _exclusive
+from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.streams.tracker import RNGStatesTracker
 from tests._platforms import (
     cuda_on_sim,
     cuda_platform,  # noqa: F401 - the fixture `cuda`

@@ -27,14 +27,15 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
-import hyperrng.state as state_module
-from hyperrng import _state_format, _untrusted
-from hyperrng import layout as layout_module
-from hyperrng._state_format import digest
+import hyperrng.resume.state as state_module
 from hyperrng.errors import InvalidArgumentError
-from hyperrng.layout import MAX_DIMS, MAX_STREAMS, StreamLayout, apply_layout
-from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.resume import _format as _state_format
+from hyperrng.resume import _untrusted
+from hyperrng.resume._format import digest
+from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.seeding import layout as layout_module
+from hyperrng.seeding.layout import MAX_DIMS, MAX_STREAMS, StreamLayout, apply_layout
+from hyperrng.streams.tracker import RNGStatesTracker
 
 _MiB = 1 << 20
 
@@ -353,9 +354,9 @@ def test_a_forged_layout_with_its_digest_recomputed_is_refused_before_a_stream_i
 
 
 def test_a_layout_over_the_limits_is_refused_when_built() -> None:
-    with pytest.raises(InvalidArgumentError, match="hyperrng.layout.MAX_DIMS"):
+    with pytest.raises(InvalidArgumentError, match="hyperrng.seeding.layout.MAX_DIMS"):
         StreamLayout(dims=[f"d{i}" for i in range(MAX_DIMS + 1)], default=(), streams={})
-    with pytest.raises(InvalidArgumentError, match="hyperrng.layout.MAX_STREAMS"):
+    with pytest.raises(InvalidArgumentError, match="hyperrng.seeding.layout.MAX_STREAMS"):
         StreamLayout(dims=["tp"], default=(), streams={f"s{i}": ("tp",) for i in range(MAX_STREAMS + 1)})
 
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from hyperrng import _state_format
-from hyperrng._state_format import digest
 from hyperrng.errors import HyperRNGError, InvalidArgumentError, StorageError
-from hyperrng.layout import StreamLayout, apply_layout
-from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.resume import _format as _state_format
+from hyperrng.resume._format import digest
+from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.seeding.layout import StreamLayout, apply_layout
+from hyperrng.streams.tracker import RNGStatesTracker
 
 _FEW_OBJECTS = 1000
 LAYOUT = StreamLayout(dims=("dp", "tp"), default=(), streams={"mp": ("tp",), "dp-rng": ("dp",)})

@@ -69,7 +69,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_module_of_the_library_is_in_an_import_cycle() -> None:
     graph = _import_graph()
-    assert "hyperrng.philox.mode" in graph and "hyperrng.platforms.base" in graph
+    assert "hyperrng.portable.mode" in graph and "hyperrng.platforms.base" in graph
     assert _cycles(graph) == []
 
 
@@ -86,4 +86,33 @@ def test_the_code_line_count_counts_code_only_and_reports_the_totals() -> None:
     )
     assert counter["code_lines"](source) == 5  # x = (, 1,, ), def f():, return
     out = subprocess.run([sys.executable, str(ROOT / ".ci" / "code-lines")], capture_output=True, text=True, check=True)
-    assert "in the core (limit 7500)" in out.stdout and "hyperrng/tracker.py" in out.stdout
+    assert "in the core (limit 7500)" in out.stdout and "hyperrng/streams/tracker.py" in out.stdout
+
+
+def test_the_old_module_paths_are_the_moved_modules_themselves() -> None:
+    """A program written before the modules moved into folders imports them by their old paths, and
+    gets the very module (one object: a monkeypatch or an ``isinstance`` check sees one class)."""
+    import importlib
+
+    import hyperrng
+
+    old_paths = {
+        "hyperrng.tracker": "hyperrng.streams.tracker",
+        "hyperrng.random": "hyperrng.streams.fork",
+        "hyperrng.recompute": "hyperrng.streams.recompute",
+        "hyperrng.layout": "hyperrng.seeding.layout",
+        "hyperrng.sharded": "hyperrng.sharding.tracker",
+        "hyperrng.state": "hyperrng.resume.state",
+        "hyperrng.philox.mode": "hyperrng.portable.mode",
+        "hyperrng.philox.position": "hyperrng.portable.position",
+    }
+    for old, new in old_paths.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    assert hyperrng.tracker.RNGStatesTracker is hyperrng.RNGStatesTracker
+    assert hyperrng.philox.mode.portable_random is hyperrng.portable_random  # type: ignore[attr-defined]
+    from hyperrng.seeding import set_seeds
+    from hyperrng.sharding import rng_offsets
+
+    assert (set_seeds, rng_offsets) == (hyperrng.set_seeds, hyperrng.rng_offsets)
+    # help(hyperrng) lists the folders, not the old paths a second time
+    assert not {"tracker", "state", "layout"} & set(dir(hyperrng))

@@ -9,7 +9,7 @@ code is tried, and a seeded sample of those inside torch and NumPy. SIGINT raise
 KeyboardInterrupt; SIGUSR1's handler here raises an exception of its own (another signal's).
 These are policies: they hold on whatever platform is current.
 
-Then how the signals deferred come out (see hyperrng._interrupts): every one, once per arrival,
+Then how the signals deferred come out (see hyperrng._guard.interrupts): every one, once per arrival,
 in arrival order, even when handlers raise; the exception raised after them; those arriving
 meanwhile; a storm from another process counted signal by signal; forks.
 """
@@ -35,10 +35,10 @@ import pytest
 import torch
 
 import hyperrng
-from hyperrng import _exclusive
-from hyperrng._interrupts import deferred
-from hyperrng.layout import StreamLayout, apply_layout
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from hyperrng._guard import exclusive as _exclusive
+from hyperrng._guard.interrupts import deferred
+from hyperrng.seeding.layout import StreamLayout, apply_layout
+from hyperrng.streams.tracker import RNGStatesTracker, get_rng_tracker
 
 LAYOUT = StreamLayout(dims=("dp", "tp"), default=(), streams={"mp": ("tp",), "dp-rng": ("dp",)})
 _OWN_CODE = ("/hyperrng/", "/platforms/")
@@ -94,7 +94,7 @@ def _everything(tracker: RNGStatesTracker) -> list[Any]:
         torch.get_rng_state().tolist(),
         [p.get_rng_state(i).tolist() for i in range(p.device_count())],
         {k: v.tolist() for k, v in tracker.get_states(as_tensors=True).items()},
-        hyperrng.layout.recorded_derivation(tracker),
+        hyperrng.seeding.layout.recorded_derivation(tracker),
     ]
 
 
@@ -123,7 +123,7 @@ class _SignalAt:
 
 def _own_exit(frame: FrameType) -> bool:
     """Whether ``frame`` is the start of an ``__exit__`` that a ``with`` of this file calls: the window
-    before its first instruction, which pure Python cannot close (see hyperrng._exclusive)."""
+    before its first instruction, which pure Python cannot close (see hyperrng._guard.exclusive)."""
     caller = frame.f_back
     return frame.f_code.co_name == "__exit__" and caller is not None and caller.f_code.co_filename == __file__
 
@@ -272,7 +272,7 @@ def test_a_child_forked_by_another_thread_during_a_deferral_handles_its_signals(
     script = textwrap.dedent(
         """
         import os, signal, threading, warnings
-        from hyperrng._interrupts import deferred
+        from hyperrng._guard.interrupts import deferred
         warnings.simplefilter("ignore")  # forking a process with threads
         forked = {}
         def fork():
@@ -516,7 +516,7 @@ _STORM_CHILD = textwrap.dedent(
     SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP]
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # the threads the imports start never take them
     import hyperrng
-    from hyperrng._interrupts import deferred
+    from hyperrng._guard.interrupts import deferred
 
     class Boom(Exception):
         pass
@@ -622,7 +622,7 @@ def test_a_child_forked_inside_a_deferred_block_leaves_it_as_the_parent_does() -
     script = textwrap.dedent(
         """
         import os, signal
-        from hyperrng._interrupts import deferred
+        from hyperrng._guard.interrupts import deferred
         calls = []
         signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
         with deferred():

@@ -1,4 +1,4 @@
-"""The kernel report (``hyperrng.benchmarks.kernel_report``): the library's Triton kernels compiled for sm_90
+"""The kernel report (``hyperrng.cli.bench.kernel_report``): the library's Triton kernels compiled for sm_90
 without a GPU hold their targets (no spill, instructions per element against the ``tl.philox`` reference),
 and the report reads machine code right."""
 
@@ -16,7 +16,7 @@ if not hasattr(triton, "knobs") or not os.path.exists(triton.knobs.nvidia.cuobjd
     pytest.skip(f"the kernel report needs Triton 3.4 or newer with its NVIDIA tools; this is {triton.__version__}",
                 allow_module_level=True)  # fmt: skip
 
-from hyperrng.benchmarks import kernel_report as kr  # noqa: E402
+from hyperrng.cli.bench import kernel_report as kr  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyperrng._launch import run_ranks
+from hyperrng.cli.launch import run_ranks
 from hyperrng.errors import RankFailure
 
 pytestmark = pytest.mark.multiproc
@@ -70,10 +70,10 @@ def test_ranks_slow_to_start_are_not_failed_by_the_hang_timeout(
     # The hang timeout counts from the moment every rank has joined: 64 ranks on a busy
     # machine can take minutes to start, and that is not a hang. Here the ranks start well
     # after the (shortened) timeout, then answer at once.
-    import hyperrng._launch
+    import hyperrng.cli.launch
 
     gate = tmp_path / "start"
-    monkeypatch.setattr(hyperrng._launch, "_RESULT_TIMEOUT_S", 5)
+    monkeypatch.setattr(hyperrng.cli.launch, "_RESULT_TIMEOUT_S", 5)
     opener = threading.Timer(8, gate.touch)
     opener.start()
     try:

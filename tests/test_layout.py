@@ -15,7 +15,7 @@ import torch
 from hyperrng.platforms.mix import combine64
 
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError
-from hyperrng.layout import (
+from hyperrng.seeding.layout import (
     DEFAULT_STREAM,
     LAYOUT_DOMAIN,
     LAYOUT_FORMAT_VERSION,
@@ -25,8 +25,8 @@ from hyperrng.layout import (
     name_hash,
     recorded_derivation,
 )
-from hyperrng.seeding import megatron_seeds
-from hyperrng.tracker import (
+from hyperrng.seeding.recipes import megatron_seeds
+from hyperrng.streams.tracker import (
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
     RNGStatesTracker,
@@ -158,7 +158,7 @@ def test_a_4096_rank_mesh_gets_one_seed_per_stream_and_coordinates() -> None:
 
 
 def test_check_distinct_names_both_sides_of_a_collision(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hyperrng.layout as layout_module
+    import hyperrng.seeding.layout as layout_module
 
     monkeypatch.setattr(layout_module, "combine64", lambda *values: 0)  # a mixer that collides on purpose
     with pytest.raises(InvalidArgumentError, match="share seed 0"):

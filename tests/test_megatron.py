@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import hyperrng
 from hyperrng import megatron as tensor_parallel
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker, set_rng_tracker
+from hyperrng.streams.tracker import RNGStatesTracker, get_rng_tracker, set_rng_tracker
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.philox import _triton, backends
 from hyperrng.philox._shards import ShardGeometry
-from hyperrng.philox.mode import portable_random
+from hyperrng.portable.mode import portable_random
 
 pytestmark = [pytest.mark.needs_triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # NumPy on x * 0 for inf
 
@@ -538,7 +538,7 @@ def test_a_device_draw_makes_few_python_calls_before_its_launch(monkeypatch: pyt
     import hyperrng.platforms as platforms
 
     import hyperrng
-    from hyperrng.philox import _ops
+    from hyperrng.portable import _ops
 
     launches: list[object] = []
 

@@ -12,9 +12,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox import position as portable
-from hyperrng.sharded import MeshInfo
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.portable import position as portable
+from hyperrng.sharding.tracker import MeshInfo
+from hyperrng.streams.tracker import RNGStatesTracker
 from tests._dist import run_ranks
 from tests._platforms import PLATFORMS, use_each
 

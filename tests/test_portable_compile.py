@@ -25,8 +25,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import hyperrng
 from hyperrng import philox
 from hyperrng.errors import UnsupportedPortableOpError
-from hyperrng.philox import _traced, attention, backends
-from hyperrng.philox.mode import is_portable_random_enabled, portable_random
+from hyperrng.philox import attention, backends
+from hyperrng.portable import _traced
+from hyperrng.portable.mode import is_portable_random_enabled, portable_random
 from tests._platforms import cuda_platform  # noqa: F401 - the fixture `cuda`
 
 pytestmark = [pytest.mark.needs_portable_mode, pytest.mark.needs_portable_compile]

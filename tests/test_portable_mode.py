@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from hyperrng.platforms.validate import MAX_OFFSET
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyperrng import _exclusive, philox
+from hyperrng import philox
+from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -28,9 +29,9 @@ from hyperrng.errors import (
     InvalidOperationError,
     UnsupportedPortableOpError,
 )
-from hyperrng.philox import _ops
-from hyperrng.philox import position as portable
-from hyperrng.philox.mode import (
+from hyperrng.portable import _ops
+from hyperrng.portable import position as portable
+from hyperrng.portable.mode import (
     PORTABLE_OPS,
     is_portable_random_enabled,
     mode_applied,
@@ -40,9 +41,9 @@ from hyperrng.philox.mode import (
     thread_mode,
     unsupported_ops,
 )
-from hyperrng.philox.position import load_portable_state_dict, portable_state_dict
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.portable.position import load_portable_state_dict, portable_state_dict
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
+from hyperrng.streams.tracker import RNGStatesTracker
 
 try:
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -167,7 +168,7 @@ def test_every_portable_dropout_gives_the_same_mask_values_and_next_position(
     sim: platforms.Platform, p: float, dtype: torch.dtype
 ) -> None:
     """F.dropout in portable mode (the CPU's bernoulli_ decomposition, the device's fused
-    native_dropout), hyperrng.philox.dropout and hyperrng.philox.position.dropout: one convention."""
+    native_dropout), hyperrng.philox.dropout and hyperrng.portable.position.dropout: one convention."""
     signs = 1.0 - 2.0 * (torch.arange(7 * 13) % 2)  # negative values too: dropped, they give -0.0
     x = (torch.linspace(0.25, 3.0, 7 * 13) * signs).to(dtype).reshape(7, 13)
     x[0, :3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype)  # dropped: NaN, as torch's dropout
@@ -380,7 +381,7 @@ def test_entering_changes_no_backend_kernel_and_random_ops_get_kernels_on_the_po
         inside = [repr(torch.library.get_kernel(op, "CPU")) for op in ops]
         table = torch._C._dispatch_dump_table("aten::uniform_")
     assert inside == before, "the backends' kernels are torch's own, inside the mode and out"
-    assert "philox/_ops.py" in next(line for line in table.splitlines() if line.startswith(_ops.KEY_NAME))
+    assert "portable/_ops.py" in next(line for line in table.splitlines() if line.startswith(_ops.KEY_NAME))
     assert "uniform_" in registered() and "native_dropout" in registered()
 
 
@@ -718,7 +719,7 @@ def test_in_a_fresh_process_every_tagged_random_op_is_refused_not_only_those_loo
     code = (
         "import torch\n"
         "from hyperrng.errors import UnsupportedPortableOpError\n"
-        "from hyperrng.philox.mode import portable_random, unsupported_ops\n"
+        "from hyperrng.portable.mode import portable_random, unsupported_ops\n"
         "calls = {'binomial': lambda: torch.binomial(torch.full((4,), 9.0), torch.full((4,), 0.5)),\n"
         "         '_sample_dirichlet': lambda: torch._sample_dirichlet(torch.ones(4)),\n"
         "         '_standard_gamma': lambda: torch._standard_gamma(torch.ones(4))}\n"
@@ -969,7 +970,7 @@ def test_a_torch_without_the_thread_local_key_is_refused_on_entry_naming_the_ver
     code = (
         "import torch, hyperrng\n"
         "from hyperrng.errors import UnsupportedPortableOpError\n"
-        "from hyperrng import _exclusive\n"
+        "from hyperrng._guard import exclusive as _exclusive\n"
         "del torch.library.Library.fallback\n"
         "before = hyperrng.current_platform().get_seed_offset()\n"
         "entries = (lambda: hyperrng.portable_random(5).__enter__(), lambda: hyperrng.set_portable_random(True, 5))\n"
@@ -1142,7 +1143,7 @@ def _originals_report() -> dict[str, Any]:
     the CPU and, where this torch can host it, the simulated device."""
     from hyperrng.platforms import _features
 
-    from hyperrng.philox.mode import registered
+    from hyperrng.portable.mode import registered
 
     chosen: list[platforms.Platform] = [platforms.CPUPlatform()]
     devices = {"cpu": list(ORIGINALS)}
@@ -1180,7 +1181,7 @@ def test_a_device_that_registers_its_backend_on_first_use_enters_portable_mode_i
 
     code = (
         "import torch, hyperrng.platforms as p; from hyperrng import philox; "
-        "from hyperrng.philox.mode import portable_random\n"
+        "from hyperrng.portable.mode import portable_random\n"
         "with p.use(p.SimulatedPlatform()), portable_random(5):\n"
         "    x = torch.rand(6, device='sim:0')\n"
         "assert torch.equal(x.cpu(), philox.uniform(6, 5, 0)), x"

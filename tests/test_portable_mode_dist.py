@@ -12,15 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from hyperrng import philox
-from hyperrng._demo_portable import tp_invariance_report
+from hyperrng.cli.demo._portable import tp_invariance_report
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox.mode import (
+from hyperrng.portable.mode import (
     portable_random,
     set_portable_random,
 )
-from hyperrng.philox.position import PORTABLE_STATE_FORMAT, load_portable_state_dict, portable_state_dict
-from hyperrng.sharded import ShardedRNGTracker
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.portable.position import PORTABLE_STATE_FORMAT, load_portable_state_dict, portable_state_dict
+from hyperrng.sharding.tracker import ShardedRNGTracker
+from hyperrng.streams.tracker import RNGStatesTracker
 from tests._dist import run_ranks
 
 SEED = 97

@@ -191,7 +191,7 @@ _FIELDS = [
 def test_a_tampered_checkpoint_is_refused_as_malformed_and_changes_nothing(
     platform: platforms.Platform, field: str, value: Any
 ) -> None:
-    from hyperrng._state_format import digest as _digest
+    from hyperrng.resume._format import digest as _digest
 
     saved = hyperrng.rng_state_dict()
     state = copy.deepcopy(saved)
@@ -243,7 +243,7 @@ def _is_int(value: object) -> bool:
 @SETTINGS
 @given(numel=st.one_of(not_ints, st.integers(max_value=-1)))
 def test_a_bad_reservation_size_is_refused_by_type_or_value(platform: platforms.Platform, numel: Any) -> None:
-    from hyperrng.philox import position as portable
+    from hyperrng.portable import position as portable
 
     refused(platform, lambda: portable.reserve(numel), ValueError if _is_int(numel) else TypeError)
 
@@ -257,7 +257,7 @@ def test_a_bad_reservation_size_is_refused_by_type_or_value(platform: platforms.
     )
 )
 def test_a_bad_shape_for_a_portable_draw_is_refused_by_type_or_value(platform: platforms.Platform, dim: Any) -> None:
-    from hyperrng.philox import position as portable
+    from hyperrng.portable import position as portable
 
     builtin = ValueError if _is_int(dim) else TypeError
     for draw in (portable.uniform, portable.normal):
@@ -268,7 +268,7 @@ def test_a_bad_shape_for_a_portable_draw_is_refused_by_type_or_value(platform: p
 @SETTINGS
 @given(p=st.one_of(st.text(max_size=3), st.none(), st.booleans(), st.floats().filter(lambda f: not 0 <= f <= 1)))
 def test_a_bad_probability_is_refused_by_type_or_value(platform: platforms.Platform, p: Any) -> None:
-    from hyperrng.philox import position as portable
+    from hyperrng.portable import position as portable
 
     builtin = ValueError if isinstance(p, float) else TypeError
     refused(platform, lambda: portable.bernoulli((4,), p), builtin)
@@ -289,7 +289,7 @@ def test_a_bad_mesh_coordinate_or_shape_is_refused_by_type_or_value(
 ) -> None:
     from torch.distributed.tensor import Shard
 
-    from hyperrng.sharded import MeshInfo
+    from hyperrng.sharding.tracker import MeshInfo
 
     mesh, coordinate, shape = list(sizes), [0] * len(sizes), [8, 8]
     {"mesh": mesh, "coordinate": coordinate, "shape": shape}[where][0] = bad

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import hyperrng
-from hyperrng._checkpoints import REPLAYED
 from hyperrng.errors import InvalidOperationError
-from hyperrng.recompute import checkpoint
-from hyperrng.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
+from hyperrng.streams._checkpoints import REPLAYED
+from hyperrng.streams.recompute import checkpoint
+from hyperrng.streams.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each
 
 MP = MODEL_PARALLEL_STREAM
@@ -362,7 +362,7 @@ def test_torch_checkpoint_replays_a_sharded_regions_dropout_on_the_cpu() -> None
     """torch.utils.checkpoint restores torch's CPU bytes alone; the position is read back from them."""
     from torch.distributed.tensor import Shard
 
-    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+    from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
 
     with platforms.use(platforms.CPUPlatform()):
         sharded = ShardedRNGTracker()
@@ -472,7 +472,7 @@ def test_the_context_composes_with_selective_activation_checkpointing(platform: 
 def test_the_context_replays_a_sharded_region_and_a_fork_inside_one_block(platform: platforms.Platform) -> None:
     from torch.distributed.tensor import Shard
 
-    from hyperrng.sharded import MeshInfo, ShardedRNGTracker
+    from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
 
     sharded = ShardedRNGTracker()
     device = tensor_device()

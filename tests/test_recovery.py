@@ -17,12 +17,12 @@ import torch
 from torch.distributed.tensor import Shard
 
 import hyperrng
-from hyperrng import _exclusive
+from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import InvalidOperationError
-from hyperrng.layout import StreamLayout
-from hyperrng.random import fork_rng
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
-from hyperrng.tracker import RNGStatesTracker, get_rng_tracker
+from hyperrng.seeding.layout import StreamLayout
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker, active_region
+from hyperrng.streams.fork import fork_rng
+from hyperrng.streams.tracker import RNGStatesTracker, get_rng_tracker
 from tests._threads import OnAnotherThread
 
 LAYOUT = StreamLayout(dims=("tp",), default=(), streams={"a": ("tp",), "b": ("tp",)})

@@ -20,7 +20,7 @@ from hyperrng.errors import (
     InvalidArgumentError,
     InvalidOperationError,
 )
-from hyperrng.seeding import (
+from hyperrng.seeding.recipes import (
     NUMPY_DOMAIN,
     PYTHON_RANDOM_DOMAIN,
     SLAPO_DEFAULT_SEED,
@@ -36,7 +36,7 @@ from hyperrng.seeding import (
     set_random_seed,
     set_seeds,
 )
-from hyperrng.tracker import (
+from hyperrng.streams.tracker import (
     DATA_PARALLEL_STREAM,
     EXPERT_PARALLEL_STREAM,
     MODEL_PARALLEL_STREAM,
@@ -519,8 +519,8 @@ def test_a_tracker_the_platform_cannot_serve_is_refused_before_the_host_is_seede
 
     import numpy as np
 
-    from hyperrng.seeding import megatron_set_random_seed, set_random_seed
-    from hyperrng.tracker import RNGStatesTracker
+    from hyperrng.seeding.recipes import megatron_set_random_seed, set_random_seed
+    from hyperrng.streams.tracker import RNGStatesTracker
 
     needs_graph_safe = RNGStatesTracker(graph_safe=True)  # the CPU generator has no graph-safe API
     with platforms.use(platforms.CPUPlatform()):

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker, as_mesh_info
-from hyperrng.sharding import rng_offsets
+from hyperrng.sharding.offsets import rng_offsets
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker, as_mesh_info
 from tests._dist import run_ranks
 from tests._platforms import PLATFORMS, draw, use_each
 
@@ -39,7 +39,7 @@ def test_on_the_cpu_no_shard_replays_the_plain_draws_made_at_the_base_position()
 
 
 def test_a_sharded_op_inside_recompute_replays_its_mask(platform: platforms.Platform) -> None:
-    from hyperrng.recompute import checkpoint
+    from hyperrng.streams.recompute import checkpoint
 
     tracker = ShardedRNGTracker()
     tracker.manual_seed(1234)
@@ -143,7 +143,7 @@ def test_offsets_are_cached_after_the_first_call(monkeypatch: pytest.MonkeyPatch
     tracker = ShardedRNGTracker()
     mesh = MeshInfo(MESH, (1, 0))
     assert tracker.offsets(mesh, PLACEMENTS, SHAPE) == (24, 48)
-    import hyperrng.sharded as sharded
+    import hyperrng.sharding.tracker as sharded
 
     monkeypatch.setattr(sharded, "rng_offsets", lambda *a: pytest.fail("recomputed"))
     assert tracker.offsets(mesh, PLACEMENTS, SHAPE) == (24, 48)
@@ -438,7 +438,7 @@ def test_a_repeated_op_with_a_rebuilt_list_and_shape_reuses_the_answer_and_a_cha
 
 
 def test_a_region_left_out_of_order_is_refused_and_leaves_no_active_region_behind_once_retried() -> None:
-    from hyperrng.sharded import active_region
+    from hyperrng.sharding.tracker import active_region
 
     tracker = ShardedRNGTracker()
     tracker.manual_seed(3)

@@ -1,4 +1,4 @@
-"""Specification of hyperrng.sharding: RNG offset windows for shards of a DTensor.
+"""Specification of hyperrng.sharding.offsets: RNG offset windows for shards of a DTensor.
 
 PyTorch is the reference twice over. Its offsets come from its own
 ``OffsetBasedRNGTracker._compute_rng_offsets`` run on a real ``DTensorSpec`` whose
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, placement_types
 
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RNGDesyncError
-from hyperrng.sharding import (
+from hyperrng.sharding.offsets import (
     PHILOX_OFFSET_ALIGNMENT,
     check_disjoint,
     local_index_ranges,

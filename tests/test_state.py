@@ -20,11 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperrng._state_format import digest as _digest
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, StorageError
-from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
-from hyperrng.seeding import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
-from hyperrng.state import (
+from hyperrng.resume._format import digest as _digest
+from hyperrng.resume.state import (
     FORMAT,
     FORMAT_VERSION,
     RNGResumeWarning,
@@ -35,7 +33,9 @@ from hyperrng.state import (
     rng_state_dict,
     save_rng_state,
 )
-from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
+from hyperrng.seeding.layout import DEFAULT_STREAM, StreamLayout, apply_layout
+from hyperrng.seeding.recipes import megatron_model_parallel_manual_seed, model_parallel_manual_seed, seed_host
+from hyperrng.streams.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from tests._dist import run_ranks
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each
 
@@ -1430,9 +1430,9 @@ def test_a_run_resumed_in_new_processes_is_bit_identical_to_an_uninterrupted_one
 _FRESH_PROCESS_RESUME = """
 import sys, torch
 import hyperrng.platforms as platforms
-from hyperrng.philox import position as portable
-from hyperrng.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
-from hyperrng.tracker import MODEL_PARALLEL_STREAM as MP, get_rng_tracker
+from hyperrng.portable import position as portable
+from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
+from hyperrng.streams.tracker import MODEL_PARALLEL_STREAM as MP, get_rng_tracker
 platforms.set_current(sys.argv[1])
 path, role = sys.argv[2], sys.argv[3]
 tracker = get_rng_tracker()

@@ -1,4 +1,4 @@
-"""The thread policy (hyperrng._exclusive) and enter/exit under KeyboardInterrupt.
+"""The thread policy (hyperrng._guard.exclusive) and enter/exit under KeyboardInterrupt.
 
 One thread at a time holds a device's generator; the holder may nest; another thread is
 refused with InvalidOperationError before anything changes. Interleavings are made
@@ -27,14 +27,14 @@ import torch
 from torch.distributed.tensor import Shard
 
 import hyperrng
-from hyperrng import _exclusive
-from hyperrng._device_state import HOST, device_keys
+from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import InvalidOperationError
-from hyperrng.layout import StreamLayout
-from hyperrng.random import fork_rng
-from hyperrng.recompute import checkpoint
-from hyperrng.sharded import MeshInfo, ShardedRNGTracker, active_region
-from hyperrng.tracker import RNGStatesTracker
+from hyperrng.seeding.layout import StreamLayout
+from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker, active_region
+from hyperrng.streams._device_state import HOST, device_keys
+from hyperrng.streams.fork import fork_rng
+from hyperrng.streams.recompute import checkpoint
+from hyperrng.streams.tracker import RNGStatesTracker
 from tests._threads import DEADLOCK_GUARD as _DEADLOCK_GUARD
 from tests._threads import OnAnotherThread as _OnAnotherThread
 from tests._threads import rand as _rand
@@ -590,7 +590,7 @@ def test_an_interrupt_anywhere_in_a_fork_leaves_the_stream_before_or_after_and_t
 
 class _InterruptFirstExit:
     """Raise KeyboardInterrupt as the first ``__exit__`` called from ``scope`` starts: the window
-    before its first instruction, which pure Python cannot close (see hyperrng._exclusive)."""
+    before its first instruction, which pure Python cannot close (see hyperrng._guard.exclusive)."""
 
     def __init__(self, scope: Any) -> None:
         self.scope, self.fired = scope, False

@@ -16,7 +16,7 @@ from hyperrng.errors import (
     InvalidOperationError,
     UnknownStreamError,
 )
-from hyperrng.tracker import (
+from hyperrng.streams.tracker import (
     MODEL_PARALLEL_STREAM,
     CudaRNGStatesTracker,
     RNGStatesTracker,

@@ -19,7 +19,7 @@ import torch
 
 import hyperrng
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.tracker import CudaRNGStatesTracker, get_cuda_rng_tracker
+from hyperrng.streams.tracker import CudaRNGStatesTracker, get_cuda_rng_tracker
 from tests._dist import run_ranks
 from tests._platforms import PLATFORMS, draw, fresh_tracker_on_cpu, use_each  # noqa: F401 (autouse fixture)
 
@@ -172,7 +172,7 @@ def _dtensor_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from hyperrng.sharded import ShardedRNGTracker
+    from hyperrng.sharding.tracker import ShardedRNGTracker
 
     out: dict[str, Any] = {}
     tracker = ShardedRNGTracker()

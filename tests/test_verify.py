@@ -16,8 +16,8 @@ import torch
 from hyperrng.platforms._features import feature
 
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError, RankFailure
-from hyperrng.layout import DEFAULT_STREAM, StreamLayout, apply_layout
-from hyperrng.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
+from hyperrng.seeding.layout import DEFAULT_STREAM, StreamLayout, apply_layout
+from hyperrng.streams.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from hyperrng.verify import DEFAULT_TIMEOUT, StreamVerdict, fingerprint, verify_rng_sync
 from tests._dist import run_ranks
 from tests._platforms import draw
@@ -337,10 +337,10 @@ def _layouts_of_different_sizes(rank: int, world_size: int) -> str | list[Any]:
 
 @pytest.mark.multiproc
 def test_layouts_with_different_numbers_of_streams_are_refused_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hyperrng._launch
+    import hyperrng.cli.launch
 
     # Gathering vectors of different lengths would crash gloo on one rank, which then never answers.
-    monkeypatch.setattr(hyperrng._launch, "_RESULT_TIMEOUT_S", 30)
+    monkeypatch.setattr(hyperrng.cli.launch, "_RESULT_TIMEOUT_S", 30)
     messages = run_ranks(_layouts_of_different_sizes, 2)
     assert len(set(messages)) == 1
     assert str(messages[0]).startswith("RNGDesyncError: ranks use different stream layouts: [0] vs [1]")

@@ -16,7 +16,7 @@ Draws of different distributions with the same key and offset read the same word
 they are dependent: give independent draws different keys or disjoint index ranges.
 
 **Dropout convention.** Every portable dropout (:func:`dropout`, the functions of
-:mod:`hyperrng.philox.position`, and ``F.dropout`` in portable mode) *keeps* element ``i`` where
+:mod:`hyperrng.portable.position`, and ``F.dropout`` in portable mode) *keeps* element ``i`` where
 its word is below ``round((1 - p) * 2**32)``, that is where ``bernoulli(shape, 1 - p)`` is
 True, and computes the values as torch does (:func:`apply_dropout_mask`). This is torch's
 own definition: ``F.dropout`` on the CPU decomposes into ``bernoulli_(1 - p)`` and a scale,

@@ -1,0 +1,769 @@
+"""RNG checkpoints for exact resume: every generator of this rank, in one plain dict.
+
+:func:`rng_state_dict` captures Python's ``random``, NumPy's legacy global state, torch's
+CPU generator, every device of the current platform, the tracker's streams, and metadata
+(format version, platform, base seed, layout, this rank's coordinates, rank and world
+size). Where :func:`hyperrng.apply_layout` seeded the streams, the base seed, layout and
+coordinates are recorded without being asked for
+(:func:`hyperrng.seeding.layout.recorded_derivation`), so any such checkpoint can be resumed at
+another world size. It holds only tensors, numbers, strings, ``None``, lists and dicts, so
+``torch.load(path, weights_only=True)`` reads it (that loader runs no code), and it carries
+a BLAKE2b digest of its content so that a damaged state (a truncated or corrupted file) is
+refused instead of silently resumed.
+
+**Trust.** The digest is not keyed: it detects accidental damage, not forgery (anyone who
+edits the dict can recompute it). Every field is nevertheless typed and bounded before
+anything is applied, so a forged state can at worst resume other random numbers, never
+crash the process, raise an untyped error or leave a generator half-written; and the work
+is linear in the file's size (the digest visits each object once and refuses shared or
+cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes), as is the
+memory: :func:`load_rng_state` checks a file's structure before torch reads it
+(:mod:`hyperrng.resume._untrusted`). Sign the file yourself if it crosses a trust boundary.
+
+:func:`load_rng_state_dict` validates everything before applying anything. A state saved
+under another platform, world size, rank, layout or mesh position is refused by default;
+``on_mismatch="reseed"`` instead re-derives every stream from the *current* layout and
+coordinates (those given, else those :func:`hyperrng.apply_layout` last gave the tracker,
+else the saved layout), each from :func:`resume_seed`: the saved base seed mixed with the
+saved progress of that stream, which every rank sharing it holds alike, so ranks that share a
+stream share it again and the resumed run never replays the numbers of its first steps. It
+seeds the host generators from the default stream, and warns that the run continues
+reproducibly but not bit-identically.
+
+:class:`RNGStateful` wraps both for ``torch.distributed.checkpoint``: it keys the state by
+rank, so DCP never deduplicates one rank's state onto another, and its load planner lets a
+rank the checkpoint lacks (a larger world) resume or be refused with our error.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import functools
+import hashlib
+import io
+import os
+import random
+import re
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+import hyperrng.platforms as platforms
+import hyperrng.resume._files as _files
+from hyperrng.errors import (
+    ArgumentTypeError,
+    HyperRNGError,
+    InvalidArgumentError,
+    StorageError,
+)
+from hyperrng.platforms.mix import combine64
+from hyperrng.platforms.validate import check_instance, check_seed, error_gist
+from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
+from hyperrng.resume._untrusted import check_file, unreadable
+from hyperrng.seeding.layout import (
+    DEFAULT_STREAM,
+    Derivation,
+    StreamLayout,
+    _record,
+    mesh_coordinates,
+    recorded_derivation,
+)
+from hyperrng.streams._device_state import device_keys
+from hyperrng.streams.tracker import Replacing, RNGStatesTracker, refuse_in_fork, resolve_tracker
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ON_MISMATCH",
+    "RESUME_DOMAIN",
+    "RNGResumeWarning",
+    "RNGStateful",
+    "rng_state_dict",
+    "load_rng_state_dict",
+    "save_rng_state",
+    "load_rng_state",
+    "resume_seed",
+]
+
+ON_MISMATCH = ("error", "reseed")
+
+RESUME_DOMAIN = 0x524553554D453031  # "RESUME01": keeps resume seeds apart from other uses of combine64
+"""First value mixed into every :func:`resume_seed`."""
+
+
+class RNGResumeWarning(UserWarning):
+    """A resume that continues reproducibly but not bit-identically (streams were re-derived)."""
+
+
+# -- capture --------------------------------------------------------------------------------
+def rng_state_dict(
+    *,
+    tracker: RNGStatesTracker | None = None,
+    layout: StreamLayout | None = None,
+    coords: Mapping[str, int] | object | None = None,
+    base_seed: int | None = None,
+    group: object | None = None,
+) -> dict[str, Any]:
+    """Capture every RNG state of this rank, with the metadata needed to check a resume.
+
+    Args:
+        tracker: whose streams to save (default: the process-wide tracker).
+        layout, coords, base_seed: the stream layout, this rank's coordinates and the base
+            seed the streams came from; stored so a resume can be checked (and, on
+            request, re-derived). Where :func:`hyperrng.apply_layout` seeded the
+            tracker, those not given are taken from that derivation (when the given ones
+            agree with it), so they need not be passed.
+        group: the process group whose rank and size are recorded (default: the world).
+
+    Returns:
+        Plain data (tensors, numbers, strings, lists, dicts) with its digest; see the module docstring.
+
+    Raises:
+        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``).
+        InvalidArgumentError: a base seed or coordinate out of range.
+        ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.seeding.layout.StreamLayout`.
+    """
+    p = platforms.current()
+    # The device generator holds the stream inside a fork, not the default state a resume needs.
+    tracker = _idle_tracker(tracker, layout, "capture the RNG state")
+    if base_seed is not None:
+        base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
+    point = dict(mesh_coordinates(coords)) if coords is not None else None
+    recorded = recorded_derivation(tracker)
+    bases = None  # the streams' own base seeds, where a resume re-derived them
+    if recorded is not None and _agrees(recorded, layout, point, base_seed):
+        layout = recorded.layout if layout is None else layout
+        point = dict(recorded.coords) if point is None else point
+        base_seed = recorded.base_seed if base_seed is None else base_seed
+        bases = recorded.bases
+    py_version, py_words, py_gauss = random.getstate()
+    np_state: Any = np.random.get_state(legacy=True)  # the legacy 5-tuple, not the dict form
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "platform": p.name,
+        "rank": platforms.comm.rank(group),
+        "world_size": platforms.comm.world_size(group),
+        "base_seed": base_seed,
+        "layout": layout.to_dict() if layout is not None else None,
+        "coords": point,
+        "resume_bases": bases,
+        "python": {"version": py_version, "state": torch.tensor(py_words, dtype=torch.int64), "gauss": py_gauss},
+        "numpy": {
+            "kind": np_kind,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
+        # Where the platform's device is the host, devices[0] already holds torch's CPU state.
+        "torch_cpu": None if p.device_type == "cpu" else torch.get_rng_state(),
+        "devices": [p.get_rng_state(i) for i in range(p.device_count())],
+        "streams": tracker.get_states(as_tensors=True) if tracker.is_initialized() else {},
+    }
+    body["digest"] = digest(body)
+    return body
+
+
+def _checked_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None) -> RNGStatesTracker:
+    """The tracker to use; ``layout`` checked to be a layout or ``None``."""
+    chosen = resolve_tracker(tracker)
+    if layout is not None:
+        check_instance(layout, StreamLayout, "layout")
+    return chosen
+
+
+def _idle_tracker(tracker: RNGStatesTracker | None, layout: StreamLayout | None, what: str) -> RNGStatesTracker:
+    """The tracker to read, refused inside a fork (see :func:`_checked_tracker`)."""
+    chosen = _checked_tracker(tracker, layout)
+    refuse_in_fork(chosen, what)
+    return chosen
+
+
+def _agrees(recorded: Derivation, layout: StreamLayout | None, point: dict[str, int] | None, base: int | None) -> bool:
+    """Whether the values given explicitly (``None``: not given) match the recorded derivation."""
+    return (
+        (layout is None or layout == recorded.layout)
+        and (base is None or base == recorded.base_seed)
+        and (point is None or all(point.get(d) == c for d, c in recorded.coords.items()))
+    )
+
+
+# -- restore --------------------------------------------------------------------------------
+def load_rng_state_dict(
+    state: Mapping[str, Any],
+    *,
+    tracker: RNGStatesTracker | None = None,
+    layout: StreamLayout | None = None,
+    coords: Mapping[str, int] | object | None = None,
+    on_mismatch: str = "error",
+    group: object | None = None,
+) -> None:
+    """Restore a state from :func:`rng_state_dict`; validate everything, then apply all of it.
+
+    Nothing is written until every field has been checked, and the writes run with signals
+    deferred (see :mod:`hyperrng._guard.interrupts`): a Ctrl-C or another signal's exception finds
+    Python's, NumPy's, torch's and the tracker's states all as before the load or all as after
+    it, and no hold left behind. Forks of ``tracker`` that their own exits can no longer leave
+    (see the tracker's *Recovery*) are cleared first.
+
+    **Limits.** Whatever its source (a file, ``torch.distributed.checkpoint``), a state larger
+    than any :func:`rng_state_dict` writes is refused, each limit checked before the work it
+    bounds, so a hostile state costs time linear in its size and no copy of it: nesting of at
+    most 8 levels and 262,144 objects; tensors dense and on the CPU, each with a storage of its
+    own, of at most 2**20 elements and 256 MiB in all (a view whose elements repeat or overlap,
+    as ``expand()`` makes, is refused from its strides); strings of at most 65,536 characters
+    and 4 Mi characters in all, a string counted each time it is reached; a layout of at most
+    :data:`hyperrng.seeding.layout.MAX_DIMS` (16) dimensions and :data:`hyperrng.seeding.layout.MAX_STREAMS`
+    (1,024) streams.
+
+    Args:
+        state: the dict :func:`rng_state_dict` returned (possibly through ``torch.load``).
+        tracker: the tracker to restore (default: the process-wide one).
+        layout, coords: the current stream layout and this rank's coordinates; when given,
+            they must match the saved ones.
+        on_mismatch: ``"error"`` (default) refuses a state saved under another platform,
+            world size, rank, layout or coordinates; ``"reseed"`` re-derives the streams
+            from the saved base seed with ``layout`` and ``coords`` and warns
+            (:class:`RNGResumeWarning`). Not given, they are those
+            :func:`hyperrng.apply_layout` last gave ``tracker`` in this process (the
+            layout falls back to the saved one).
+        group: the process group whose rank and size are checked (default: the world).
+
+    Raises:
+        InvalidArgumentError: another format or version, a digest mismatch (a damaged state),
+            a malformed field or one beyond a limit (the message names it), a topology or
+            platform mismatch, or a missing stream. Nothing has changed when it is raised.
+        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``), or
+            another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
+            see :mod:`hyperrng._guard.exclusive`); nothing has changed.
+    """
+    if not isinstance(on_mismatch, str):
+        raise ArgumentTypeError(
+            f"on_mismatch must be one of the strings {ON_MISMATCH}, got {type(on_mismatch).__name__} {on_mismatch!r}."
+        )
+    if on_mismatch not in ON_MISMATCH:
+        raise InvalidArgumentError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}.")
+    # Inside a fork, the fork's exit would restore the state it saved before this load, losing both.
+    tracker = _checked_tracker(tracker, layout)
+    keys = device_keys(platforms.current())
+    replacement = Replacing(tracker, "load an RNG state", target=False, holds=keys, holding_what="load_rng_state_dict")
+    if coords is not None:
+        mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
+    check_saved(state)
+    p = platforms.current()
+    mismatches = _mismatches(state, p, layout, coords, group)
+    if mismatches:
+        if on_mismatch == "error":
+            raise InvalidArgumentError(
+                "the RNG state was saved under a different setup: "
+                + "; ".join(mismatches)
+                + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
+                "to re-derive the streams from the saved base seed."
+            )
+        with replacement.applying():
+            _reseed(state, tracker, layout, coords, mismatches)
+        return
+    applied = decode(state, p, tracker)
+    derivation = saved_derivation(state)
+    # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
+    # meanwhile: another thread's fork or region refuses the load (nothing written), and none
+    # starts halfway through it.
+    with replacement.applying():  # first the forks their own exits can no longer leave (the tracker's Recovery)
+        _apply(applied, p, tracker)
+        _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
+
+
+def _mismatches(
+    state: Mapping[str, Any], p: platforms.Platform, layout: StreamLayout | None, coords: object, group: object
+) -> list[str]:
+    found = []
+    if state["platform"] != p.name:
+        found.append(f"platform {state['platform']!r} (now {p.name!r})")
+    if state["world_size"] != platforms.comm.world_size(group):
+        found.append(f"world size {state['world_size']} (now {platforms.comm.world_size(group)})")
+    elif state["rank"] != platforms.comm.rank(group):
+        found.append(f"rank {state['rank']} (now {platforms.comm.rank(group)})")
+    if state["platform"] == p.name and len(state["devices"]) != p.device_count():
+        found.append(f"{len(state['devices'])} device(s) (now {p.device_count()})")
+    if layout is not None and state["layout"] is not None and state["layout"] != layout.to_dict():
+        found.append("a different stream layout")
+    if coords is not None and state["coords"] is not None and state["coords"] != dict(mesh_coordinates(coords)):
+        found.append(f"mesh coordinates {state['coords']} (now {dict(mesh_coordinates(coords))})")
+    return found
+
+
+def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTracker) -> None:
+    # The tracker validates its entries before applying any; everything else was checked
+    # in _decode, so nothing below can fail halfway.
+    if decoded["streams"]:
+        try:
+            tracker.set_states(decoded["streams"])
+        except HyperRNGError as exc:
+            raise InvalidArgumentError(f"the saved streams do not fit the tracker: {exc}") from exc
+    for i, device_state in enumerate(decoded["devices"]):
+        p.set_rng_state(device_state, i)
+    if decoded["cpu"] is not None:
+        torch.set_rng_state(decoded["cpu"])
+    np.random.set_state(decoded["numpy"])
+    random.setstate(decoded["python"])
+
+
+def _reseed(
+    state: Mapping[str, Any],
+    tracker: RNGStatesTracker,
+    layout: StreamLayout | None,
+    coords: object,
+    mismatches: list[str],
+) -> None:
+    from hyperrng.seeding.recipes import seed_host
+
+    base_seed = state.get("base_seed")
+    recorded = recorded_derivation(tracker)  # what apply_layout gave this tracker for the current setup
+    if layout is None:
+        layout = recorded.layout if recorded is not None else saved_layout(state)
+    if coords is None and recorded is not None and recorded.layout == layout:
+        coords = recorded.coords
+    if layout is None or coords is None or base_seed is None:
+        raise InvalidArgumentError(
+            "on_mismatch='reseed' needs the saved base seed and the current layout and coords; "
+            f"the state has base_seed={base_seed!r}, and layout/coords were "
+            f"{'given' if layout is not None and coords is not None else 'not given'}. Seed this run with "
+            "apply_layout(layout, base_seed, coords) before loading, or pass layout= and coords=."
+        )
+    bases = {name: _resume_seed(state, name) for name in (DEFAULT_STREAM, *layout.streams)}
+    seeds = layout.seeds(base_seed, coords, bases=bases)  # validates before anything changes
+    layout.seed_tracker(tracker, base_seed, coords, bases=bases)
+    seed_host(seeds[DEFAULT_STREAM])
+    warnings.warn(
+        "RNG state saved under a different setup (" + "; ".join(mismatches) + "): streams re-derived from "
+        f"base seed {base_seed} and each stream's saved progress for the current layout; the run continues "
+        "reproducibly but not bit-identically.",
+        RNGResumeWarning,
+        stacklevel=3,
+    )
+
+
+def resume_seed(state: Mapping[str, Any], stream: str = DEFAULT_STREAM) -> int:
+    """The base seed from which ``load_rng_state_dict(state, on_mismatch="reseed")`` re-derives ``stream``
+    (default: the default stream, whose generators the layout seeds); the layout then mixes in the
+    stream's name and this rank's coordinates on the stream's dimensions.
+
+    It is ``combine64(RESUME_DOMAIN, base_seed, progress)``
+    (:func:`hyperrng.platforms.mix.combine64`), where *progress* fingerprints how far the saved
+    stream had gone, and only that: what every rank that shares the stream holds alike. For a
+    named stream, its saved state (empty where the state lacks the stream); for the default
+    stream, the saved state of torch's CPU generator (on the CPU platform, its device with its
+    position), which :func:`hyperrng.apply_layout` seeds from the default stream on every
+    platform, and, where the state records its derivation, the position of each saved
+    counter-based device generator holding the default stream's seed. So after a resume at any
+    world size the ranks that share a stream share it again (having loaded checkpoints of ranks
+    that shared it), ranks that must differ do, the streams differ from those of the first steps,
+    and two resumes of one checkpoint agree. A checkpoint taken after such a resume records these
+    seeds beside the base seed (``resume_bases``).
+
+    Raises:
+        ArgumentTypeError, InvalidArgumentError: ``state`` is not a valid RNG state, or has
+            no base seed; ``stream`` is not a string.
+    """
+    check_saved(state)
+    if not isinstance(stream, str):
+        raise ArgumentTypeError(f"stream must be a stream's name, got {type(stream).__name__}.")
+    return _resume_seed(state, stream)
+
+
+def _resume_seed(state: Mapping[str, Any], stream: str) -> int:
+    """:func:`resume_seed` of a state :func:`check_saved` accepted."""
+    base_seed = state["base_seed"]
+    if base_seed is None:
+        raise InvalidArgumentError(
+            "the RNG state has no base seed to resume from; save it with rng_state_dict(base_seed=...) or after "
+            "apply_layout()."
+        )
+    progress = hashlib.blake2b(digest_size=8)
+    if stream != DEFAULT_STREAM:
+        saved = state["streams"].get(stream)
+        if isinstance(saved, torch.Tensor):
+            progress.update(saved.detach().cpu().contiguous().numpy().tobytes())
+        return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
+    host = state["torch_cpu"] if state["torch_cpu"] is not None else (state["devices"] or [None])[0]
+    if not isinstance(host, torch.Tensor) or host.dtype != torch.uint8 or host.dim() != 1:
+        raise InvalidArgumentError(
+            "the RNG state is malformed: it holds no state of torch's CPU generator (torch_cpu, or the first "
+            "device on a platform whose device is the host)."
+        )
+    progress.update(host.detach().cpu().contiguous().numpy().tobytes())
+    derivation = saved_derivation(state)
+    if derivation is not None:
+        default_seed = derivation.seeds()[DEFAULT_STREAM]
+        for device in state["devices"]:
+            if (
+                isinstance(device, torch.Tensor)
+                and device.dtype == torch.uint8
+                and device.shape == (platforms.COUNTER_STATE_NBYTES,)
+            ):
+                seed, offset = platforms.unpack_counter_state(device)
+                if seed == default_seed:
+                    progress.update(offset.to_bytes(8, "little", signed=True))
+    return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
+
+
+# -- files --------------------------------------------------------------------------------------
+# The save's file-system work (the walk of the path, the private folder, its lock, the removal of
+# what killed saves left) lives in hyperrng.resume._files; its docstring gives the scheme and its invariant.
+
+
+def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
+    """Write a state from :func:`rng_state_dict` (or any dict of plain data, such as a training
+    checkpoint holding one) to ``path``, atomically.
+
+    The state is written by ``torch.save`` into a private folder beside ``path`` (mode 0700),
+    fsynced, checked to read back with ``weights_only=True``, then renamed over ``path``, and the
+    folder holding ``path`` is fsynced so the rename itself survives a crash. A process killed at
+    any point therefore leaves ``path`` holding either the previous complete checkpoint or the new
+    one, never a partial file. Ctrl-C (and any signal with a Python handler) is deferred across the
+    steps that create, seal and rename files, so an interrupt leaves them as before or as after, and
+    on any exception what the save created is closed and removed. An exception raised by a signal's
+    handler during the save (a ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the
+    caller as itself. A file of this user's that is replaced passes on its read, write and
+    execute bits (set on the open file, never through a path); setuid, setgid and sticky bits,
+    and the bits of another user's file, are not passed on: the new file gets a new file's bits
+    (0666 less the umask). Any name the file system accepts can be saved (up to its limit, 255
+    bytes on most); a path ending in ``/`` or ``/.`` names a folder, and is refused.
+
+    **A link is followed only where no other user could have put it.** The save opens each
+    folder of the path in turn and then creates, renames and deletes relative to the open
+    folder, never resolving a path a second time, so a link swapped in while it runs redirects
+    nothing. Its private folder is used only once checked to be the empty folder it made, so a
+    folder another user renames in its place is never written, changed or removed.
+
+    **Symlinks.** When ``path`` is a symbolic link (``latest.pt -> step100.pt``), the link stays
+    and the file it points to is replaced, atomically, in that file's folder (a link to a
+    missing file creates it). A chain of links is followed to its end (40 links at most). A
+    link is followed where this process's effective user or root owns it, or where the folder
+    holding it is this user's or root's and no one else may write to it; any other link is
+    refused (another user's link in their own folder, in a sticky shared folder such as
+    ``/tmp``, or in a folder others may write to), since its owner could point the save at any
+    file this user may write. That is stricter than the kernel, which as root follows the links
+    of a folder's owner, and any link outside sticky world-writable folders.
+
+    **Leftovers.** A process killed mid-save (SIGKILL, a power cut) leaves its private folder,
+    ``.hyperrng-<random>.saving``. The save holds an OS lock (``flock``) on that folder for as long
+    as it runs, and the OS drops the lock when the process ends, so the next successful save into
+    the same folder (of any checkpoint there) removes exactly the folders whose lock it can take:
+    those of saves that died, at whatever point, never one still being written, whatever PID
+    namespace, container or host (on a shared file system with working locks) it runs in. It
+    removes only folders of that name owned by this user with mode 0700 holding nothing but what
+    a save writes, never following a link: nothing else in the folder is touched. Where other
+    users can rename entries of the folder (it is another user's, or writable by group or others
+    and not sticky), where the file system offers no locks, and on Windows (where a folder
+    cannot be locked), nothing is removed.
+
+    Raises:
+        ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
+            ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
+            a lock, an object whose ``__reduce__`` raises, an MKL-DNN tensor, nesting deeper
+            than Python's recursion limit).
+        InvalidArgumentError: ``path`` holds a NUL character or a character the file system's
+            encoding cannot write (a lone surrogate), or a name longer than the file system
+            allows; it is a folder, a device, a FIFO or a socket (never replaced), ends in ``/``,
+            its folder does not exist, or it is a link that loops; or ``state`` makes a file
+            that :func:`load_rng_state` would refuse (it reads with ``weights_only=True``: dicts,
+            lists, tuples, strings, numbers, dense tensors; and within its limits, checked as it
+            checks them). Nothing is written when it is raised: the file is checked and read
+            back, tensors memory-mapped, before it replaces ``path``.
+        StorageError: the file system refused the save (a full disk or quota:
+            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error; new
+            folders given another owner, as NFS's ``root_squash`` does), or ``path`` leads
+            through a link another user could have put there, or another process put something
+            in place of the save's private folder (both also a ``PermissionError``); an
+            ``OSError``. What the save created is removed and ``path`` is as it was.
+    """
+    _files.save(path, state)
+
+
+# The errnos of a read that the file system refused, as opposed to a file whose content is cut off.
+_READ_FAILURES = {
+    errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ESTALE,
+    errno.EMFILE, errno.ENFILE, errno.ENOMEM,  # out of descriptors or memory: the OS refused, the file is whole
+}  # fmt: skip
+
+
+def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a state written by :func:`save_rng_state`, with ``weights_only=True``.
+
+    An exception raised by a signal's handler during the load (a ``KeyboardInterrupt``, a
+    watchdog's ``TimeoutError``) reaches the caller as itself.
+
+    **Limits.** The file's structure is checked before torch reads it
+    (:mod:`hyperrng.resume._untrusted`), so any file is read or refused in time and memory bounded by
+    its size (under a second per megabyte, and the file's size plus 16 MiB): a zip as
+    ``torch.save`` writes it, every entry stored (not compressed) in a region of its own; a
+    pickle of at most 8,192 instructions plus one per 7 bytes of file (a tensor over a storage
+    another one used counts as 12 more), calling only what ``torch.save`` writes with the
+    arguments it writes (no quantized, sparse or nested tensors), with dict keys and set items
+    that are strings, ints below 2**61 - 1 in size, floats, bools or None (no tuples), whose
+    objects fit in 16 MiB beyond the file's size, about 7,000 tensors. A checkpoint beyond these
+    that you trust can be read with ``torch.load(path, weights_only=True)`` and its state passed
+    to :func:`load_rng_state_dict`, whose own limits hold for any dict.
+
+    A file that another user owns, or that its group or others may write, is read into memory
+    once, and both checked and loaded from that copy: whoever can write it cannot change it
+    between the check and the load (it then holds the file's size once more).
+
+    Raises:
+        ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
+        InvalidArgumentError: the file is truncated, or not a torch file of plain data, or beyond
+            a limit above (the message names it, and nothing was loaded); or
+            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting;
+            or it holds a NUL character, a character the file system's encoding cannot write (a
+            lone surrogate), or a name longer than the file system allows.
+        StorageError: the file system refused the read: no such file (also a
+            ``FileNotFoundError``), no permission (also a ``PermissionError``), a time-out or
+            an I/O error; an ``OSError``.
+    """
+    target = _files.check_path(path)
+    with _files.SignalExceptions():  # a signal handler's exception comes out as itself, never translated
+        _files.refuse_special(target, "read")  # a socket cannot even be opened
+        try:
+            # Opened without waiting (a FIFO nobody writes would block), checked to be a regular file by
+            # its descriptor, and read through that descriptor: the file checked is the file read (and,
+            # where another user could rewrite it meanwhile, the bytes checked are the bytes loaded).
+            fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+            with os.fdopen(fd, "rb") as file:
+                info = os.fstat(file.fileno())
+                _files.refuse_special(target, "read", info.st_mode)
+                source: Any = file
+                if info.st_uid != getattr(os, "geteuid", lambda: -1)() or info.st_mode & 0o022:
+                    # Another user could rewrite it between the check and torch's read: both read one copy.
+                    source = io.BytesIO(file.read(info.st_size))
+                check_file(source, str(path))  # bounded: what torch.load would make of it, read from its structure
+                loaded = torch.load(source, weights_only=True)
+        except HyperRNGError:
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                raise _files.name_too_long(str(path)) from None
+            if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
+                raise unreadable(str(path), error_gist(exc)) from exc
+            code, reason = _files.os_reason(exc)
+            raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
+        except Exception as exc:
+            raise unreadable(str(path), error_gist(exc)) from exc
+    if not isinstance(loaded, dict):
+        raise InvalidArgumentError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
+    return loaded
+
+
+# -- torch.distributed.checkpoint ------------------------------------------------------------
+class RNGStateful:
+    """A ``torch.distributed.checkpoint`` ``Stateful`` holding this rank's RNG state.
+
+    The state is stored under a key naming the rank (``"rank_3"``), so DCP, which merges
+    equal keys across ranks, keeps every rank's own state::
+
+        dcp.save({"model": model, "rng": RNGStateful(layout=layout, coords=coords, base_seed=seed)}, ...)
+
+    Arguments are those of :func:`rng_state_dict` and :func:`load_rng_state_dict`, and:
+
+    **A larger world.** DCP reads only the keys each loading instance names, and refuses a key
+    the checkpoint lacks before any ``Stateful`` runs: a rank beyond the saved world would get
+    torch's ``CheckpointException``. Load with ``planner=RNGStateful.planner()``: where this
+    rank's key is missing, the planner asks instead for every saved rank's state (nothing else
+    about the load changes; any other missing key is still refused). Then ``on_mismatch="error"``
+    refuses with :class:`~hyperrng.errors.InvalidArgumentError` naming the saved ranks, and
+    ``"reseed"`` resumes from the saved rank whose coordinates equal this rank's modulo the saved
+    mesh's extent on each dimension (for ``dp x tp`` grown along ``dp``: ``(dp mod old_dp, tp)``),
+    so every stream is shared again as the layout says::
+
+        dcp.load({"rng": RNGStateful(on_mismatch="reseed")}, checkpoint_id=path, planner=RNGStateful.planner())
+
+    Args:
+        load_from: the saved rank whose state this rank loads instead of its own: an int, or a
+            function of this rank returning one (``None``: this rank's own). For meshes the
+            rule above does not fit; with ``on_mismatch="reseed"``, pick one that shares this
+            rank's coordinates on each stream's dimensions.
+
+    Raises:
+        ArgumentTypeError: ``load_from`` is neither ``None``, an int nor callable.
+    """
+
+    def __init__(
+        self,
+        *,
+        tracker: RNGStatesTracker | None = None,
+        layout: StreamLayout | None = None,
+        coords: Mapping[str, int] | object | None = None,
+        base_seed: int | None = None,
+        on_mismatch: str = "error",
+        group: object | None = None,
+        load_from: int | Callable[[int], int] | None = None,
+    ) -> None:
+        if load_from is not None and not callable(load_from) and (type(load_from) is not int or load_from < 0):
+            raise ArgumentTypeError(
+                f"load_from must be a saved rank (an int >= 0), a function of this rank returning one, or None; "
+                f"got {type(load_from).__name__} {load_from!r:.40}."
+            )
+        self._group = group
+        self._load_from = load_from
+        self._save: dict[str, Any] = {"tracker": tracker, "layout": layout, "coords": coords, "group": group}
+        self._load = {**self._save, "on_mismatch": on_mismatch}
+        self._save["base_seed"] = base_seed
+
+    def _key(self) -> str:
+        rank = platforms.comm.rank(self._group)
+        source = self._load_from
+        if source is None:
+            return f"rank_{rank}"
+        chosen = source(rank) if callable(source) else source
+        if type(chosen) is not int or chosen < 0:
+            raise ArgumentTypeError(f"load_from({rank}) must return a saved rank (an int >= 0), got {chosen!r:.40}.")
+        return f"rank_{chosen}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return _Entry(self, {self._key(): rng_state_dict(**self._save)})
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load this rank's state from what DCP read (see the class docstring for a larger world).
+
+        Raises:
+            ArgumentTypeError: ``state_dict`` is not a mapping.
+            InvalidArgumentError: it holds no state for this rank and no single saved rank
+                to resume from (see the class docstring), or :func:`load_rng_state_dict` refuses
+                the state. Nothing has changed when it is raised.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise ArgumentTypeError(
+                f"load_state_dict takes the mapping DCP loaded (rank keys to states), got {type(state_dict).__name__}."
+            )
+        key = self._key()
+        if key not in state_dict:
+            key = self._stand_in(key, state_dict)
+        load_rng_state_dict(state_dict[key], **self._load)
+
+    @staticmethod
+    def planner(**kwargs: Any) -> Any:
+        """A ``torch.distributed.checkpoint.DefaultLoadPlanner`` (``kwargs`` go to it) that lets a
+        rank beyond the saved world load: see the class docstring.
+
+        It changes only the requests of :class:`RNGStateful` instances whose rank the checkpoint
+        lacks, before DCP plans the reads: such an instance asks for every saved rank's state
+        (``on_mismatch="reseed"`` without ``load_from``) or for none (otherwise), and its
+        :meth:`load_state_dict` then resumes or refuses with our error.
+        """
+        return _planner_class()(**kwargs)
+
+    def _plan(self, name: str, entry: _Entry, saved: Collection[str]) -> None:
+        """The planner's step for this instance's ``entry``, DCP's top-level key ``name``, in a
+        checkpoint holding the keys ``saved``: where this rank's key is absent, ask for every saved
+        rank's state (reseed, no ``load_from``) or for none, and note which ranks it holds."""
+        prefix = f"{name}."
+        ranks = {int(m[1]) for fqn in saved if fqn.startswith(prefix) and (m := _RANK_KEY.match(fqn, len(prefix)))}
+        [(key, template)] = entry.items()
+        if int(key[len("rank_") :]) in ranks:
+            return
+        entry.saved = sorted(ranks)
+        entry.clear()
+        if self._load["on_mismatch"] == "reseed" and self._load_from is None:
+            entry.update({f"rank_{r}": copy.deepcopy(template) for r in entry.saved})  # DCP reads into each
+
+    def _stand_in(self, key: str, loaded: Mapping[str, Any]) -> str:
+        """The key of the saved state this rank resumes from where the checkpoint has none for ``key``:
+        the one saved at this rank's coordinates modulo the saved extents (``on_mismatch="reseed"``,
+        no ``load_from``); otherwise our error, naming what the checkpoint holds."""
+        saved = getattr(loaded, "saved", None)
+        held = [f"rank_{r}" for r in saved] if saved is not None else sorted(map(str, loaded), key=_in_rank_order)
+        refusal = f"the checkpoint has no RNG state for {key} (it holds {_ranks_named(held)}); "
+        if not held:
+            raise InvalidArgumentError(refusal + "was it saved with an RNGStateful under this key?")
+        if self._load["on_mismatch"] != "reseed" or self._load_from is not None or not loaded:
+            if self._load_from is not None:
+                raise InvalidArgumentError(refusal + "load_from must name a saved rank.")
+            how = "pass" if saved is not None else "load with planner=RNGStateful.planner() and"
+            raise InvalidArgumentError(
+                refusal + f"it was saved by another world size: {how} on_mismatch='reseed' to resume from the saved "
+                "rank at this rank's coordinates, or name one with load_from=."
+            )
+        states = dict(loaded)
+        for state in states.values():
+            check_saved(state)  # typed errors for anything that is not a saved state
+        here = self._coordinates()
+        points = {
+            name: point
+            for name, state in states.items()
+            if isinstance(point := state.get("coords"), Mapping) and here is not None and set(point) == set(here)
+        }
+        if here is None or len(points) != len(states):
+            raise InvalidArgumentError(
+                refusal + "a saved rank to resume from is chosen by its coordinates, and "
+                + ("this rank's are not known (pass coords= or seed with apply_layout)" if here is None else
+                   f"the saved ranks' do not all name this rank's dimensions {sorted(here)}")
+                + ": name one with load_from=."
+            )  # fmt: skip
+        extents = {dim: 1 + max(p[dim] for p in points.values()) for dim in here}
+        wanted = {dim: here[dim] % extents[dim] for dim in here}
+        found = [name for name, p in points.items() if dict(p) == wanted]
+        if len(found) != 1:
+            raise InvalidArgumentError(
+                refusal + f"{'none' if not found else 'more than one'} of them was saved at {wanted} (this rank's "
+                f"coordinates {here} modulo the saved extents {extents}): name one with load_from=."
+            )
+        return found[0]
+
+    def _coordinates(self) -> dict[str, int] | None:
+        """This rank's coordinates: those given, else those :func:`hyperrng.apply_layout` recorded."""
+        if self._load["coords"] is not None:
+            return dict(mesh_coordinates(self._load["coords"]))
+        recorded = recorded_derivation(self._load["tracker"])
+        return None if recorded is None else dict(recorded.coords)
+
+
+_RANK_KEY = re.compile(r"rank_(\d+)\.")
+
+
+def _in_rank_order(key: str) -> tuple[int, str]:
+    """Sorts ``rank_2`` before ``rank_10``."""
+    return len(key), key
+
+
+def _ranks_named(keys: list[str]) -> str:
+    """``keys`` for a message: all of a few, else the first and last and how many."""
+    if not keys:
+        return "none"
+    if len(keys) <= 4:
+        return ", ".join(keys)
+    return f"{len(keys)} ranks' states, {keys[0]} to {keys[-1]}"
+
+
+class _Entry(dict):  # type: ignore[type-arg]
+    """What :meth:`RNGStateful.state_dict` gives DCP: ``{rank key: state}``, knowing its owner,
+    so that :meth:`RNGStateful.planner` finds the entries it may re-plan."""
+
+    def __init__(self, owner: RNGStateful, items: dict[str, Any]) -> None:
+        super().__init__(items)
+        self.owner = owner
+        self.saved: list[int] | None = None  # the saved ranks, once the planner found this rank's missing
+
+
+@functools.cache
+def _planner_class() -> type:
+    """:meth:`RNGStateful.planner`'s class, made at first use (importing DCP takes most of a second)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class RNGLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc]
+        """DCP's default load planner, letting :class:`hyperrng.RNGStateful` re-plan its entries first."""
+
+        def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+            metadata = args[0] if args else kwargs.get("metadata")
+            if metadata is not None:
+                for name, value in state_dict.items():
+                    if isinstance(value, _Entry):
+                        value.owner._plan(name, value, metadata.state_dict_metadata)
+            super().set_up_planner(state_dict, *args, **kwargs)
+
+    return RNGLoadPlanner

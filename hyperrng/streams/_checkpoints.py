@@ -1,0 +1,124 @@
+"""Which activation checkpoint's forward pass the calling thread is in, and whether its recompute replays.
+
+A recompute in the backward pass must draw the forward's numbers. Torch's own checkpoints put
+torch's generators back before it, but not the tracker's streams or portable mode; those are
+replayed only by ``hyperrng.checkpoint`` and by ``torch.utils.checkpoint`` given
+``context_fn=hyperrng.checkpoint_context``. A fork or a portable draw in the forward pass of any
+other checkpoint would draw other numbers in the recompute, and the gradients would silently
+differ: :func:`unreplayed_checkpoint` finds that case so that it can be refused before anything
+moves. A non-reentrant checkpoint runs its forward with grad and marks it with its saved-tensor
+hook (its hooks are the innermost ones; torch 2.5 to 2.7, which cannot show them, by the frame of its
+``checkpoint`` call, found on the stack); one that runs its forward without grad (torch's
+reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack (a reentrant one whose
+Function records no backward, as in evaluation under ``no_grad``, recomputes nothing and is not
+reported), a walk of the whole stack (a checkpointed block may call its fork from any depth;
+about 5 us at 30 frames, 0.1-0.2 us a frame more) that only calls made with grad disabled pay,
+and none made in inference mode (which no backward pass follows).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import types
+import weakref
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+SEES_NON_REENTRANT = _top_hooks is not None
+"""Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 to 2.7 do not: there one
+is found by the frame of its ``checkpoint`` call, a walk of the stack that every fork and portable draw
+made with grad enabled pays)."""
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+_CHECKPOINT_CALL = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+
+CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
+"""The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
+is looked up by identity: comparing code objects compares their contents): torch's reentrant
+checkpoint's, and :mod:`hyperrng.streams.recompute` adds ``hyperrng.checkpoint``'s."""
+
+
+class _Replayed(threading.local):
+    def __init__(self) -> None:
+        self.hooks: list[object] = []  # the hooks of checkpoints whose recompute replays, innermost last
+
+
+REPLAYED = _Replayed()
+"""Per thread: ``REPLAYED.hooks``, which ``hyperrng.checkpoint_context``'s forward context enters."""
+
+
+def top_hook() -> object:
+    """What marks the non-reentrant checkpoint whose forward context is being entered (for ``REPLAYED.hooks``):
+    the innermost saved-tensor hook pair's pack hook, or on torch 2.5 to 2.7 a weak reference to the generator its
+    ``checkpoint`` call runs (held weakly: torch 2.5 closes it, and so leaves the forward context, only
+    when it is collected after a forward that raised); else ``None``."""
+    if _top_hooks is None:
+        found = _non_reentrant_call(sys._getframe(1))
+        return None if found is None else weakref.ref(found)
+    top = _top_hooks(False)
+    return top[0] if top is not None else None
+
+
+def _non_reentrant_call(frame: types.FrameType | None) -> Any:
+    """Torch 2.5 to 2.7: the generator of the innermost ``torch.utils.checkpoint.checkpoint`` call at or above
+    ``frame`` if it runs a non-reentrant forward that will be recomputed (its ``function`` runs in that call's
+    frame, and the generator holds its saved-tensor hooks), else ``None``."""
+    while frame is not None:  # the whole stack: a block may fork at any depth below its checkpoint
+        if frame.f_code is _CHECKPOINT_CALL:
+            names = frame.f_locals
+            gen = names.get("gen")
+            if names.get("use_reentrant", True) or gen is None:  # truthy, as torch tests it: reentrant
+                return None
+            # Begun without grad, it recomputes nothing: torch then installs no hooks, and no input saver of
+            # its frame has a grad_fn (what it tests). Read from the generator's own frame, where it keeps them.
+            inner = gen.gi_frame
+            saver = getattr(inner.f_locals.get("new_frame"), "input_saver", None) if inner is not None else None
+            return gen if getattr(saver, "grad_fn", None) is not None else None
+        frame = frame.f_back
+    return None
+
+
+def checkpoint_forward() -> Any:
+    """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
+    ``torch.utils.checkpoint``'s saved-tensor hook (on torch 2.5 to 2.7 the generator its call runs), or for one that
+    runs its forward without grad, the code of the function it runs it in (found on the stack)."""
+    if torch.is_grad_enabled():
+        if _top_hooks is None:  # torch 2.5 to 2.7
+            return _non_reentrant_call(sys._getframe(1))
+        top = _top_hooks(False)  # top_hook(), inline: every portable draw asks
+        hook = top[0] if top is not None else None
+        return hook if hook is not None and hook.__qualname__.startswith("_checkpoint_hook.") else None
+    if torch.is_inference_mode_enabled():  # no backward pass will follow, so no recompute: no walk
+        return None
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:  # the whole stack: a block may fork or draw at any depth below its checkpoint
+        found = CHECKPOINT_FORWARDS.get(id(frame.f_code))
+        if found is not None:
+            if found is _REENTRANT_FORWARD and not any(getattr(frame.f_locals.get("ctx"), "needs_input_grad", (1,))):
+                return None  # its Function records no backward (grad off outside, or no input needs it): no recompute
+            return found
+        frame = frame.f_back
+    return None
+
+
+def unreplayed_checkpoint() -> str | None:
+    """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
+    forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
+    ``None`` (no checkpoint, ``hyperrng.checkpoint``, or one given ``hyperrng.checkpoint_context``)."""
+    if torch.is_grad_enabled() and _top_hooks is not None and _top_hooks(False) is None:
+        return None  # no saved-tensor hooks: no checkpoint's forward (every portable draw asks; without a call)
+    found = checkpoint_forward()
+    if found is _REENTRANT_FORWARD:
+        return "use_reentrant=True"
+    if found is None or isinstance(found, types.CodeType):
+        return None  # (a hook or, on torch 2.5 to 2.7, its generator marks a non-reentrant checkpoint)
+    # Replayed if its own mark was entered (by identity; on torch 2.5 to 2.7 a weak reference to it), anywhere in the
+    # list: a checkpoint whose forward raised leaves its entry there until torch 2.5 collects its generator.
+    for mark in REPLAYED.hooks:
+        if mark is found or (type(mark) is weakref.ref and mark() is found):
+            return None
+    return "use_reentrant=False"

@@ -1,0 +1,320 @@
+"""Activation recompute that replays exactly the random numbers of the forward pass.
+
+:func:`checkpoint` runs ``function`` without keeping its activations, and reruns it in the
+backward pass. Before the first run it records torch's CPU generator, every device
+generator of the current platform and every stream of the tracker; before the rerun it
+puts exactly those states back, so dropout inside ``tracker.fork(...)`` regions draws the
+same masks twice; afterwards it restores the states the backward pass had found, so the
+recompute leaves no trace on the generators. It works on every platform, because it only
+uses the Platform interface and the tracker's ``get_states``/``set_states``.
+
+:func:`checkpoint_context` brings the same replay to ``torch.utils.checkpoint`` (and to
+the wrappers built on it, such as FSDP2's and TorchTitan's ``checkpoint_wrapper``):
+torch restores its own CPU and device generators around a recompute, but not the
+tracker's streams, the CPU platform's position or portable mode, so without it a fork
+inside the block would draw other masks in the backward pass than in the forward: such a
+fork is refused, as is a portable draw (:mod:`hyperrng.streams._checkpoints` finds the case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+import torch
+
+import hyperrng.platforms as platforms
+from hyperrng._guard import exclusive as _exclusive
+from hyperrng.errors import ArgumentTypeError, InvalidOperationError
+from hyperrng.platforms._features import outside_dynamo
+from hyperrng.portable import mode as portable_mode
+from hyperrng.streams._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, top_hook
+from hyperrng.streams._device_state import Target, host_and_devices
+from hyperrng.streams.tracker import RNGStatesTracker, resolve_tracker
+
+__all__ = ["checkpoint", "checkpoint_context"]
+
+
+class _RNGSnapshot:
+    """The host state, every device state of the platform, and the tracker's streams.
+
+    Taken by a thread that holds every target (see :class:`_Holding`).
+    """
+
+    def __init__(self, tracker: RNGStatesTracker, targets: list[Target]) -> None:
+        self.targets = targets
+        self.states = [read() for read, _, _ in targets]
+        self.streams = tracker.get_states() if tracker.is_initialized() else None
+
+    def restore(self, tracker: RNGStatesTracker) -> None:
+        """Put the snapshot back (idempotent, so an interrupted restore can run again)."""
+        if self.streams is not None:
+            tracker.set_states(self.streams)
+        for (_, write, _), state in zip(self.targets, self.states):
+            write(state)
+
+
+def _held() -> tuple[list[Target], AbstractContextManager[None]]:
+    """Torch's CPU generator and every device of the platform, and a context that holds them all for the
+    calling thread (see :mod:`hyperrng._guard.exclusive`): on another thread that holds one, entering raises
+    :class:`~hyperrng.errors.InvalidOperationError` with nothing changed."""
+    targets = host_and_devices(platforms.current())
+    return targets, _exclusive.holding([key for _, _, key in targets], "a recompute (hyperrng.checkpoint)")
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, function: Callable[..., Any], tracker: RNGStatesTracker, anchor: torch.Tensor, *args: Any
+    ) -> Any:
+        ctx.function = function
+        ctx.recorded = _Recorded(tracker)
+        ctx.recorded.record()
+        tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.tensor_idx = tensor_idx
+        ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
+        ctx.save_for_backward(*(args[i] for i in tensor_idx))
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        args = list(ctx.others)
+        inputs = []
+        for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
+            x = t.detach()
+            x.requires_grad_(t.requires_grad)
+            args[i] = x
+            inputs.append(x)
+        with _replaying(ctx.recorded), torch.enable_grad():
+            outputs = ctx.function(*args)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        arg_grads = [None] * len(args)
+        for i, x in zip(ctx.tensor_idx, inputs):
+            arg_grads[i] = x.grad
+        return (None, None, None, *arg_grads)
+
+
+CHECKPOINT_FORWARDS[id(_Checkpoint.forward.__code__)] = _Checkpoint.forward.__code__  # its forward runs without grad
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
+    """Run ``function(*args)`` now and again in the backward pass, with identical random numbers.
+
+    Inside ``torch.compile`` the graph breaks around it (its holds and snapshots are Python state);
+    ``torch.utils.checkpoint`` compiles, and in portable mode replays the forward's numbers there
+    without a ``context_fn``.
+
+    Args:
+        function: the region to recompute; it may fork tracker streams and draw from any
+            generator. Its outputs are a tensor or a tuple of tensors.
+        *args: its inputs; tensors among them receive gradients.
+        tracker: whose streams are replayed (default: the process-wide tracker).
+
+    Returns:
+        What ``function`` returns. Gradients equal those of running ``function`` without
+        checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
+
+    Raises:
+        ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker; or the first of
+            ``args`` is a bool, which is Megatron-core's ``distribute_saved_activations`` (its
+            signature is :func:`hyperrng.megatron.checkpoint`).
+        InvalidOperationError: another thread holds torch's CPU generator or a device's (a
+            fork, region, ``fork_rng`` or recompute is open there): now, while the states
+            are recorded, or in the backward pass, while they are swapped for the rerun.
+            Nothing is changed. The rerun runs on the thread autograd runs the backward
+            on, which for accelerator tensors is autograd's own device thread: a thread
+            that calls ``backward()`` inside a fork or ``fork_rng`` gets this error.
+    """
+    if torch.compiler.is_compiling():  # its holds and snapshots are Python state: run behind a graph break
+        return _checkpoint_outside_the_graph(function, *args, tracker=tracker)
+    if not callable(function):
+        raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")
+    if args and isinstance(args[0], bool):
+        raise ArgumentTypeError(
+            "checkpoint(function, *args) got a bool first, as in Megatron-core's checkpoint(function, "
+            "distribute_saved_activations, *args): call hyperrng.megatron.checkpoint for that signature, or pass "
+            "the flag another way (functools.partial) if function really takes a bool first."
+        )
+    resolved = resolve_tracker(tracker)
+    # The anchor requires grad, so the output does too even when no input does (raw data
+    # in, parameters inside): without it the parameters would silently get no gradient.
+    anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+    return _Checkpoint.apply(function, resolved, anchor, *args)
+
+
+@outside_dynamo
+def _checkpoint_outside_the_graph(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None) -> Any:
+    return checkpoint(function, *args, tracker=tracker)  # run as Python: there is_compiling() is false
+
+
+class _Recorded:
+    """What the forward pass of one ``torch.utils.checkpoint`` call found: for its recompute."""
+
+    __slots__ = ("portable", "snapshot", "tracker")
+
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        self.tracker = tracker
+        self.snapshot: _RNGSnapshot | None = None
+        self.portable: bool | None = None
+
+    def record(self) -> None:
+        """Record the states the block may draw from, and whether it draws portably."""
+        targets, hold = _held()
+        with hold:  # a consistent snapshot: no other thread is swapping these generators
+            self.snapshot = _RNGSnapshot(self.tracker, targets)
+        self.portable = portable_mode.thread_mode()  # the recompute draws as the forward did, on any thread
+
+
+def _replaying(recorded: _Recorded) -> ExitStack:
+    """Entered: the generators held, the recorded states put back, drawing as the forward did (portable
+    mode included). Its exit restores the states it found, then releases the holds."""
+    assert recorded.snapshot is not None
+    tracker = recorded.tracker
+    with ExitStack() as stack:
+        targets, hold = _held()
+        stack.enter_context(hold)
+        now = _RNGSnapshot(tracker, targets)
+        stack.callback(_exclusive.redo, now.restore, tracker)  # runs before the holds are released
+        recorded.snapshot.restore(tracker)
+        stack.enter_context(portable_mode.mode_applied(recorded.portable))
+        return stack.pop_all()
+
+
+class _ForwardContext:
+    """Records every state the block may draw from, then enters the composed forward context.
+
+    While entered, it marks the checkpoint's saved-tensor hook (the innermost, entered just before it)
+    as one whose recompute replays portable draws, which portable mode's kernels check for
+    (:func:`hyperrng.streams._checkpoints.unreplayed_checkpoint`)."""
+
+    __slots__ = ("_inner", "_recorded", "_hook")
+
+    def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
+        self._recorded, self._inner = recorded, inner
+        self._hook: object = None
+
+    def __enter__(self) -> None:
+        self._recorded.record()
+        self._hook = top_hook()
+        REPLAYED.hooks.append(self._hook)
+        if self._inner is not None:
+            try:
+                self._inner.__enter__()
+            except BaseException:
+                REPLAYED.hooks.pop()
+                raise
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        try:
+            return self._inner.__exit__(*exc) if self._inner is not None else None
+        finally:
+            replayed = REPLAYED.hooks
+            for i in range(len(replayed) - 1, -1, -1):
+                if replayed[i] is self._hook:
+                    del replayed[i]
+                    break
+
+
+class _RecomputeContext:
+    """Holds the generators, puts the forward's states back and draws as the forward did (portable mode
+    included) while the block reruns; then restores the states it found and releases."""
+
+    __slots__ = ("_inner", "_recorded", "_stack")
+
+    def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
+        self._recorded, self._inner = recorded, inner
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> None:
+        recorded = self._recorded
+        if recorded.snapshot is None:
+            raise InvalidOperationError(
+                "the recompute context of hyperrng.checkpoint_context() was entered before its forward context; "
+                "pass checkpoint_context (or a function returning its pair) as torch.utils.checkpoint's context_fn.",
+                reason="tracker",
+            )
+        with ExitStack() as stack:
+            stack.enter_context(_replaying(recorded))
+            if self._inner is not None:
+                stack.enter_context(self._inner)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc) if stack is not None else None
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (torch 2.9 calls a ``context_fn`` there with ``is_compiling()`` false)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+def _recompute_everything() -> tuple[Any, Any]:
+    """What ``context_fn`` gives ``torch.utils.checkpoint`` inside ``torch.compile``, which takes only
+    selective-checkpoint contexts there: the policy of a plain checkpoint (recompute every op)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def checkpoint_context(
+    contexts: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] | None = None,
+    *,
+    tracker: RNGStatesTracker | None = None,
+) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """The ``context_fn`` that makes ``torch.utils.checkpoint`` replay hyperrng's streams on recompute.
+
+    ::
+
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context)
+        checkpoint_wrapper(block, context_fn=hyperrng.checkpoint_context)  # torch.distributed's wrapper
+
+    The forward context records torch's CPU generator, every device generator of the
+    current platform (the CPU platform's position included), the tracker's streams and
+    whether this thread draws in portable mode; the recompute context puts them back while
+    the block reruns, so forks, sharded regions and portable draws inside the block draw
+    the forward's numbers again, and afterwards restores what it found. Gradients then equal
+    those of running the block without checkpointing.
+
+    Args:
+        contexts: another ``context_fn``'s pair to compose with, such as selective
+            activation checkpointing's: ``context_fn=lambda:
+            hyperrng.checkpoint_context(create_selective_checkpoint_contexts(policy))``.
+            Its contexts are entered inside these.
+        tracker: whose streams are replayed (default: the process-wide tracker).
+
+    Returns:
+        ``(forward_context, recompute_context)``, as ``context_fn`` returns them; torch
+        calls ``context_fn`` once per checkpointed call.
+
+    Raises:
+        ArgumentTypeError: ``contexts`` is not a pair of context managers, or ``tracker``
+            is not a tracker.
+        InvalidOperationError: as for :func:`checkpoint`, another thread holds torch's CPU
+            generator or a device's, when the forward records the states or when the
+            recompute swaps them; nothing is changed then.
+    """
+    resolved = resolve_tracker(tracker)
+    if _compiling():  # compiled checkpoints restore the generators and portable draws themselves
+        return contexts if contexts is not None else _recompute_everything()
+    if contexts is None:
+        inner: tuple[Any, Any] = (None, None)
+    elif (
+        isinstance(contexts, tuple)
+        and len(contexts) == 2
+        and all(callable(getattr(c, "__enter__", None)) and callable(getattr(c, "__exit__", None)) for c in contexts)
+    ):
+        inner = contexts
+    else:
+        raise ArgumentTypeError(
+            "checkpoint_context() composes with another context_fn's result, a pair of context managers "
+            f"(forward, recompute), got {type(contexts).__name__}; call that context_fn and pass what it returns."
+        )
+    recorded = _Recorded(resolved)
+    return _ForwardContext(recorded, inner[0]), _RecomputeContext(recorded, inner[1])

@@ -1,0 +1,979 @@
+"""Named RNG streams: the tracker that Megatron-core, TransformerEngine and slapo code forks.
+
+A *stream* is an RNG state that a region of code borrows::
+
+    tracker = hyperrng.get_rng_tracker()
+    tracker.add("model-parallel-rng", seed=1234)
+    with tracker.fork("model-parallel-rng"):
+        y = dropout(x)          # draws from the stream, which then remembers its advance
+
+Streams live on the **current device's default generator** of the current platform
+(``hyperrng.platforms.current()``, resolved at every call so ``hyperrng.platforms.use(...)`` works). On an
+accelerator platform a fork swaps only the device generator, as Megatron-core's and
+TransformerEngine's trackers do: random ops on CPU tensors inside a fork keep drawing from
+(and advancing) torch's CPU generator, exactly as outside. That keeps forks cheap; wrap the
+region in :func:`hyperrng.streams.fork.fork_rng` when the CPU state must be isolated too. On the
+CPU platform the device generator *is* torch's CPU generator, so the fork covers it.
+
+How a fork swaps the stream in (copies of the state bytes, or with ``graph_safe=True``
+generator-state objects) is decided once, when the tracker binds to a platform (its first
+stream): see :mod:`hyperrng.streams._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
+returns byte tensors on every platform, as Megatron-core's default tracker does.
+
+**Graphs.** Forks of a graph-safe tracker can be captured in a graph (a CUDA graph, or the
+graph of any device whose platform answers ``is_capturing()``) once
+:meth:`RNGStatesTracker.register_graph` has registered the streams with it; each replay
+then draws what eager forks would draw from the same positions. A copying tracker's fork
+while the device captures is refused with :class:`InvalidOperationError` before it copies
+anything: a graph would replay none of its copies.
+
+One thread at a time (see :mod:`hyperrng._guard.exclusive`): an open fork holds the device
+generator, which the whole process shares. A fork of *any* tracker, a sharded region,
+``fork_rng`` or a recompute entered on another thread meanwhile raises
+:class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
+:meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
+for a moment. A tracker's open forks form one chain, so they stay on one thread even across
+devices.
+
+**One order per thread (asyncio).** On one thread, forks of any tracker, sharded regions and
+``fork_rng`` must be left in the reverse order of entry. asyncio tasks (or generators) that
+``await`` inside forks interleave them: the first exit out of order raises
+:class:`InvalidOperationError` and changes nothing, the fork stays open, and it leaves when
+exited again once the contexts entered after it have left. Keep ``await`` out of forks, or
+give each task a thread and a tracker of its own.
+
+**Recovery.** Some forks can no longer be left by their own exits: one whose exit was
+refused as out of order and never retried, one whose thread ended without leaving it
+(*abandoned*), and one that a child process made by ``fork`` inherited from the parent's
+thread (the child starts with no holds: :mod:`hyperrng._guard.exclusive` clears them at the
+fork). Other uses of such a tracker are refused with :class:`InvalidOperationError`.
+:meth:`RNGStatesTracker.reset`, :meth:`RNGStatesTracker.reseed` and
+:meth:`RNGStatesTracker.set_states` (and so ``apply_layout``, the seeding recipes and
+``load_rng_state_dict``) clear them on the calling thread: an abandoned chain is dropped,
+with the device generator left as its thread left it; the others are left as their exits
+would leave them (the generator gets back the state it had before the outermost fork),
+and their exits then do nothing. A fork still open, and still exitable, on the calling
+thread is not cleared: ``reset()`` and ``reseed()`` refuse inside it, since its exit would
+restore a stream that is gone.
+
+The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
+use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
+``te.TransformerLayer(..., get_rng_state_tracker=hyperrng.get_rng_tracker)`` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from threading import Thread, current_thread
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+import hyperrng.platforms as platforms
+from hyperrng._guard import exclusive as _exclusive
+from hyperrng._guard.exclusive import HOLDS as _HOLDS
+from hyperrng._guard.interrupts import deferred
+from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, UnknownStreamError
+from hyperrng.platforms import Platform
+from hyperrng.platforms._features import outside_dynamo
+from hyperrng.platforms.mix import combine64
+from hyperrng.platforms.validate import check_instance, check_seed
+from hyperrng.streams._checkpoints import unreplayed_checkpoint
+from hyperrng.streams._swap import Swap, choose_swap
+
+__all__ = [
+    "DATA_PARALLEL_STREAM",
+    "EXPERT_PARALLEL_STREAM",
+    "MODEL_PARALLEL_STREAM",
+    "CudaRNGStatesTracker",
+    "RNGStatesTracker",
+    "RNGTrackerProtocol",
+    "InvalidArgumentError",
+    "InvalidOperationError",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "resolve_tracker",
+    "set_rng_tracker",
+]
+
+MODEL_PARALLEL_STREAM = "model-parallel-rng"
+"""The stream :meth:`RNGStatesTracker.fork` uses by default (Megatron-core's and TE's name)."""
+
+DATA_PARALLEL_STREAM = "data-parallel-rng"
+"""Megatron-core's stream that follows the default seed."""
+
+EXPERT_PARALLEL_STREAM = "expert-parallel-rng"
+"""Megatron-core's stream for mixture-of-experts layers."""
+
+_SEED_HINT = (
+    "seed the streams first: hyperrng.apply_layout(layout, seed, coords) for a layout's streams, "
+    "hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank) for Megatron-core's "
+    "data-, model- and expert-parallel-rng, or tracker.add(name, seed) for one stream."
+)
+_OWNER = "thread"
+
+
+@runtime_checkable
+class RNGTrackerProtocol(Protocol):
+    """What TransformerEngine and activation-checkpoint code call on an RNG tracker."""
+
+    def fork(self, name: str = ...) -> Any: ...
+
+    def get_states(self) -> dict[str, Any]: ...
+
+    def set_states(self, states: Mapping[str, Any]) -> None: ...
+
+
+def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
+    """The refusal of a fork in the forward pass of a checkpoint whose recompute would not replay the stream."""
+    return InvalidOperationError(
+        f"stream {name!r} cannot be forked inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: "
+        "torch puts its own generators back before the recompute in the backward pass, not the tracker's streams, "
+        "so the recompute would draw the stream's next numbers and the gradients would silently differ. Pass "
+        "use_reentrant=False, context_fn=hyperrng.checkpoint_context (or to checkpoint_wrapper), or use "
+        "hyperrng.checkpoint(fn, *args).",
+        reason="tracker",
+    )
+
+
+class _Fork:
+    """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager.
+
+    Enter holds the device, claims the tracker, saves what the generator holds, then swaps
+    the stream in; exit reads the stream's advance back, restores, pops, releases. Both are
+    written so that one interrupt anywhere leaves everything as before the fork or as after
+    it (see :mod:`hyperrng._guard.exclusive`).
+    """
+
+    # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
+    # outside any fork), thread (its Thread object), held (the device's key, the hold depth before this fork).
+    __slots__ = (
+        "_tracker",
+        "entered",
+        "held",
+        "name",
+        "outer",
+        "outside_graph",
+        "read",
+        "refused",
+        "saved",
+        "thread",
+        "write",
+    )
+    thread: Thread
+
+    def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
+        self._tracker = tracker
+        self.name = name
+        self.entered = False
+        self.refused = False  # its exit was refused (out of order): the chain is left open until replaced
+        self.outside_graph = False  # entered as Python behind a graph break, while Dynamo traced the block
+
+    @outside_dynamo
+    def _enter_outside_the_graph(self) -> None:
+        self.__enter__()  # run as Python: there is_compiling() is false
+        self.outside_graph = True
+
+    @outside_dynamo
+    def _exit_outside_the_graph(self, *exc: Any) -> None:
+        self.outside_graph = False
+        self.__exit__(*exc)
+
+    def __enter__(self) -> None:
+        if torch.compiler.is_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
+            return self._enter_outside_the_graph()
+        tracker = self._tracker
+        if tracker._process is not _Process.token:  # the first fork in a child made by fork (a DataLoader worker)
+            tracker._join_process()
+        if self.entered:
+            raise InvalidOperationError(
+                f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.", reason="tracker"
+            )
+        states = tracker._states
+        state = states.get(self.name)
+        if state is None:  # the tracker was reset between fork() and entering it
+            raise UnknownStreamError(tracker._unknown(self.name))
+        me = current_thread()
+        if tracker._active is not None and tracker._active.thread is not me:
+            tracker._check_not_abandoned("fork a stream")
+        swap = tracker._swap
+        if swap.capturing is not None and swap.capturing():  # type: ignore[union-attr]
+            raise tracker._capture_refusal(self.name)
+        flavour = unreplayed_checkpoint()
+        if flavour is not None:
+            raise _checkpoint_refusal(self.name, flavour)
+        read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
+        below = back = None  # set once the device is held / once what the generator must get back is known
+        try:
+            below = _exclusive.hold_key(key, me, "tracker.fork", self)
+            # A tracker's open forks form one chain, so they stay on one thread. Holding the device
+            # ensures that where all of them swap one device's generator; where they may swap
+            # several, the tracker is claimed too (dict.setdefault is atomic).
+            if not swap.one_device and tracker._claim.setdefault(_OWNER, me) != me:  # type: ignore[union-attr]
+                raise InvalidOperationError(
+                    f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
+                    f"stream {tracker.active_stream!r} open: a tracker's forks form one chain. Fork on one "
+                    "thread at a time, or give each thread its own tracker.",
+                    reason="tracker",
+                )
+            outer = tracker._active
+            if swap.in_place:  # type: ignore[union-attr]
+                # Outside any fork the generator holds the default state: keep a view of it.
+                # Inside a fork it holds the outer stream's own object, which needs no saving.
+                back = read() if outer is None else states[outer.name]
+            else:
+                back = read()
+                if outer is not None:
+                    states[outer.name] = back
+            self.read, self.write, self.outer, self.thread = read, write, outer, me
+            self.held = (key, below)
+            self.saved = back if outer is None else None
+            write(states[self.name])  # read now: inside a fork of the same stream, its advance just kept
+            self.entered = True
+            tracker._active = self
+        except BaseException:
+            if back is not None:
+                _exclusive.redo(write, back)
+            if tracker._active is self:
+                tracker._active = self.outer
+            self.entered = False
+            if tracker._active is None and tracker._claim.get(_OWNER) == me:
+                del tracker._claim[_OWNER]
+            if below is not None:
+                _exclusive.release_key(key, me, below)
+            raise
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        tracker = self._tracker
+        copies = False
+        advanced = None  # the stream's state as the block left it
+        if self.outside_graph:  # entered behind a graph break (an attribute read: no point an interrupt lands on)
+            return self._exit_outside_the_graph(exc_type, exc, tb)
+        try:
+            if exc_type is not None and self.entered:  # an interrupt may have skipped exits of contexts inside it
+                _exclusive.leave_inner(self, self.held[0])
+            # Innermost of its tracker, and of the contexts holding its device on this thread (a fork of
+            # another tracker, a region, fork_rng): else contexts were interleaved (asyncio tasks, generators).
+            top = _HOLDS.get(self.held[0])
+            if tracker._active is not self or (top is not None and top[2] is not self and top[2] is not None):
+                if not self.entered:  # reset(), reseed() or set_states() left this fork already
+                    return
+                raise self._out_of_order(top)
+            copies = not tracker._swap.in_place  # type: ignore[union-attr]
+            if copies:
+                advanced = self.read()
+            self._leave(advanced)
+        except InvalidOperationError:  # exited out of order: nothing changed (leaving itself never raises it)
+            raise
+        except BaseException:
+            if copies and advanced is None and tracker._active is self:  # cut short before the read: read it now
+                advanced = self.read()
+            self._leave(advanced)
+            raise
+
+    def describe(self) -> str:
+        """What this context is, for the messages of the thread policy."""
+        return f"fork of stream {self.name!r}"
+
+    def _out_of_order(self, top: Any) -> InvalidOperationError:
+        """Refuse this exit (nothing changes) and mark the chain, so that replacing the streams can
+        clear it if the exit is never retried (see *Recovery*)."""
+        self.refused = True
+        if self._tracker._active is not self:
+            inner = f"fork of stream {self._tracker.active_stream!r} of the same tracker"
+        else:
+            inner = _exclusive.describe(top[2])
+        return InvalidOperationError(
+            f"fork of stream {self.name!r} exited while a {inner}, entered after it on this thread, is still "
+            "open: exit contexts in reverse order (asyncio tasks or generators that interleave forks need a "
+            "tracker, and a thread, each). Nothing changed: the fork stays open; exit it again once the later "
+            "context has left, or reset(), reseed() or set_states() the tracker to clear it.",
+            reason="tracker",
+        )
+
+    def _unwind(self) -> None:
+        """Leave as ``__exit__`` would, for the exit of an outer context (see :mod:`hyperrng._guard.exclusive`)."""
+        active = self._tracker._active is self
+        self._leave(self.read() if active and not self._tracker._swap.in_place else None)  # type: ignore[union-attr]
+
+    def _leave(self, advanced: Any) -> None:
+        """Keep the stream's advance, restore the generator, pop the fork, release.
+
+        Idempotent, so that an exit cut short by an interrupt can run it again: until the
+        fork is popped every step may repeat, and after it only the releases remain.
+        """
+        tracker = self._tracker
+        outer = self.outer
+        if tracker._active is self:
+            if advanced is not None:
+                tracker._states[self.name] = advanced
+            self.write(self.saved if outer is None else tracker._states[outer.name])
+            self.entered = False
+            tracker._active = outer
+        self.saved = None
+        me, claim = self.thread, tracker._claim
+        if outer is None and claim and claim.get(_OWNER) == me:  # the outermost fork: drop the claim
+            del claim[_OWNER]
+        key, below = self.held
+        _exclusive.release_key(key, me, below)
+
+
+class RNGStatesTracker:
+    """Named RNG streams on the current platform's device generator.
+
+    Args:
+        graph_safe: ``False`` (default) copies state bytes on every platform, so
+            :meth:`get_states` returns byte tensors, as Megatron-core's default tracker
+            does. ``True`` swaps generator-state objects instead (capturable in CUDA
+            graphs; :class:`InvalidOperationError` when the first stream is added on a
+            platform without the graph-safe generator API). ``None`` means ``False``.
+
+    The tracker binds to the platform that is current when its first stream is added (or
+    :meth:`set_states` fills it); :meth:`reset` unbinds it.
+
+    Raises:
+        ArgumentTypeError: ``graph_safe`` is not a bool or ``None``.
+    """
+
+    def __init__(self, graph_safe: bool | None = False) -> None:
+        if graph_safe is not None and not isinstance(graph_safe, bool):
+            raise ArgumentTypeError(
+                f"graph_safe must be True or False, got {type(graph_safe).__name__} {graph_safe!r}."
+            )
+        self._want_graph_safe = bool(graph_safe)
+        self._states: dict[str, Any] = {}
+        self._seeds: dict[int, str] = {}
+        self._process = _Process.token  # the process whose streams these are (see _join_process)
+        self._swap: Swap | None = None
+        self._initialized = False
+        self._active: _Fork | None = None
+        # While a fork is open on a tracker whose forks may swap several devices' generators:
+        # the thread that has it open (see _Fork.__enter__).
+        self._claim: dict[str, Thread] = {}
+
+    # -- introspection --------------------------------------------------------------------
+    def is_initialized(self) -> bool:
+        """``True`` once :meth:`add` or :meth:`set_states` has been called since the last reset."""
+        return self._initialized
+
+    @property
+    def graph_safe(self) -> bool | None:
+        """Whether forks swap generator objects; ``None`` until the tracker is bound to a platform."""
+        return self._swap.in_place if self._swap is not None else None
+
+    @property
+    def platform(self) -> Platform | None:
+        """The platform the streams belong to (``None`` while the tracker holds none)."""
+        return self._swap.platform if self._swap is not None else None
+
+    @property
+    def active_stream(self) -> str | None:
+        """Name of the innermost stream being forked, or ``None`` outside any fork."""
+        return self._active.name if self._active is not None else None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._states
+
+    def __len__(self) -> int:
+        """Number of streams held."""
+        return len(self._states)
+
+    def seeds(self) -> dict[str, int]:
+        """Return ``{name: seed}`` for the streams created by :meth:`add` (not those restored by set_states)."""
+        return {name: seed for seed, name in self._seeds.items()}
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every stream and seed and unbind from the platform.
+
+        Forks of this tracker that can no longer be left by their own exits are cleared first
+        (see *Recovery* in the module docstring): those a thread that has ended left open are
+        dropped; those this thread left open because an exit was refused as out of order, and
+        those a child process inherited from ``fork``, are left as their exits would leave
+        them (the generator gets back the state it had before the outermost), and their exits
+        then do nothing.
+
+        Raises:
+            InvalidOperationError: a fork of the tracker is open, on this thread (leave it
+                first: its exit would restore a stream that is gone) or on another live thread;
+                or a context entered inside a fork being cleared (a region, ``fork_rng``, a fork
+                of another tracker) is still open. Nothing changed.
+        """
+        with Replacing(self, "reset the tracker", target=False).applying():
+            self._states = {}
+            self._seeds = {}
+            self._swap = None
+            self._initialized = False
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed`` (offset 0) on the current platform.
+
+        The device generator is left exactly as it was. Everything is checked before
+        anything changes, so a failed ``add`` leaves the tracker and the device untouched.
+
+        Raises:
+            ArgumentTypeError: ``name`` is not a string, or ``seed`` not an int.
+            InvalidArgumentError: ``name`` is empty;
+                or ``seed`` is outside [0, 2**64 - 1];
+                or the tracker already holds ``name``, or a stream with ``seed``.
+            InvalidOperationError: the streams belong to another platform, a fork is open on
+                another thread, or graph-safe mode was required and the platform lacks it;
+                or another thread holds the device's generator, which making a
+                byte-copy stream's state seeds for a moment (see :mod:`hyperrng._guard.exclusive`).
+        """
+        _check_name(name)
+        value = check_seed(seed)
+        if name in self._states:
+            raise InvalidArgumentError(
+                f"stream {name!r} already exists; pick another name, or reset() the tracker to reseed it."
+            )
+        if value in self._seeds:
+            raise InvalidArgumentError(
+                f"seed {value} is already used by stream {self._seeds[value]!r}; two streams with one seed "
+                "would draw identical numbers. Derive distinct seeds (see hyperrng.seeding.layout)."
+            )
+        self._idle("add a stream", here_ok=True)
+        swap = self._target(rebind=False)
+        state = swap.new_state(value)
+        self._swap = swap
+        self._states[name] = state
+        self._seeds[value] = name
+        self._initialized = True
+
+    def reseed(self, seeds: Mapping[str, int]) -> None:
+        """Replace every stream by fresh ones seeded from ``{name: seed}``, all or nothing.
+
+        This is :meth:`reset` followed by one :meth:`add` per entry, except that
+        everything is checked and every state created first: on error the tracker keeps
+        its old streams. The device generator is left as it was. The seeding recipes and
+        :func:`hyperrng.seeding.layout.apply_layout` use it.
+
+        Forks that their own exits can no longer leave are cleared first, as by :meth:`reset`.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: as for :meth:`add`.
+            InvalidOperationError: a fork is open (see :meth:`reset`), or graph-safe mode was
+                required and the current platform lacks it;
+                or as for :meth:`add`; the old streams are kept.
+        """
+        replacement = Replacing(self, "reseed the tracker")
+        if not isinstance(seeds, Mapping):
+            raise ArgumentTypeError(f"reseed() takes a mapping of stream name to seed, got {type(seeds).__name__}.")
+        owners: dict[int, str] = {}
+        for name, seed in seeds.items():
+            _check_name(name)
+            value = check_seed(seed, f"seed of stream {name!r}")
+            if value in owners:
+                raise InvalidArgumentError(
+                    f"streams {owners[value]!r} and {name!r} would share seed {value} and draw identical numbers; "
+                    "derive distinct seeds (see hyperrng.seeding.layout)."
+                )
+            owners[value] = name
+        swap = replacement.swap
+        states = {name: swap.new_state(seed) for seed, name in owners.items()}  # type: ignore[union-attr]
+        with replacement.applying():
+            self._swap = swap
+            self._states = states
+            self._seeds = owners
+            self._initialized = True
+
+    def fork(self, name: str = MODEL_PARALLEL_STREAM) -> _Fork:
+        """Return a context manager that runs its block on stream ``name``.
+
+        On entry the current device generator switches to the stream; on exit (also when
+        the block raises) the stream keeps its advance and the generator gets back the
+        state it had before. Forks nest: ``s1 -> s2 -> s1`` draws exactly what three
+        sequential forks would, and a fork of the stream already forked continues it (the
+        inner block draws what the outer one would have drawn next, never its numbers again).
+
+        While the fork is open this thread holds the device's generator; see the module
+        docstring for what other threads meet. Forks nest freely on one thread.
+
+        Raises:
+            ArgumentTypeError: ``name`` is not a string.
+            UnknownStreamError: the tracker holds no stream ``name`` (with a hint on how to add it).
+            InvalidOperationError: the streams belong to another platform than the current one;
+                on entry, a fork of this tracker is open on another thread (or was abandoned
+                by one that ended); or on entry, another thread holds the device's generator.
+        """
+        try:
+            known = name in self._states
+        except TypeError:  # an unhashable name
+            known = False
+        if not known:
+            _check_name(name)
+            raise UnknownStreamError(self._unknown(name))
+        platform = platforms.current()
+        if platform is not self._swap.platform:  # type: ignore[union-attr]  # bound: it holds a stream
+            raise self._platform_mismatch(platform)
+        return _Fork(self, name)
+
+    # -- snapshots ------------------------------------------------------------------------
+    def get_states(self, *, as_tensors: bool = False) -> dict[str, Any]:
+        """Return a snapshot ``{name: state}`` of every stream, including an active fork's advance.
+
+        Later forks do not alter the snapshot. States are CPU ``uint8`` tensors (the
+        platform's state format), except on a ``graph_safe=True`` tracker, which returns
+        cloned generator objects unless ``as_tensors=True`` (call it outside CUDA graph
+        capture: it clones). Under ``torch.compile`` it runs behind a graph break.
+        """
+        if torch.compiler.is_compiling():  # Dynamo would trace the byte copies into the graph, and fail
+            return _get_states_untraced(self, as_tensors=as_tensors)  # type: ignore[no-any-return]
+        swap, active = self._swap, self._active
+        if swap is None:
+            return {}
+        if active is not None:
+            self._check_not_abandoned("snapshot the streams")
+        snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
+        if active is not None and not swap.in_place:  # the generator holds the active stream's advance
+            snapshot[active.name] = swap.export(active.read(), as_tensors)
+        return snapshot
+
+    def set_states(self, states: Mapping[str, Any]) -> None:
+        """Restore a snapshot from :meth:`get_states` (either form: tensors or generator objects).
+
+        Every entry is validated before any is applied, and the snapshot is applied whole
+        or not at all (an interrupt while it is applied puts the previous streams back). A
+        tracker that holds streams requires exactly its own names; an empty tracker adopts
+        the names given (restoring a checkpoint into a fresh process). Inside a fork on this
+        thread, the active stream continues from its restored state; forks that their own
+        exits can no longer leave are cleared first, as by :meth:`reset`.
+
+        Raises:
+            ArgumentTypeError: ``states`` is not a mapping, or a key is not a string.
+            InvalidArgumentError: ``states`` lacks one of the tracker's streams, or holds a
+                state of the wrong kind, dtype, size or device;
+                or a key is empty.
+            UnknownStreamError: ``states`` names a stream the tracker does not hold.
+            InvalidOperationError: the streams belong to another platform, or a fork is open
+                on another live thread.
+
+        Under ``torch.compile`` it runs behind a graph break.
+        """
+        if torch.compiler.is_compiling():
+            _set_states_untraced(self, states)
+            return
+        if not isinstance(states, Mapping):
+            raise ArgumentTypeError(
+                f"set_states() takes the mapping get_states() returned, got {type(states).__name__}."
+            )
+        for name in states:
+            _check_name(name)
+        if self._states:
+            extra = [name for name in states if name not in self._states]
+            if extra:
+                raise UnknownStreamError(
+                    f"set_states() got stream(s) {extra} that the tracker does not hold (it holds "
+                    f"{list(self._states)}); reset() it first to load a different set of streams."
+                )
+            missing = [name for name in self._states if name not in states]
+            if missing:
+                raise InvalidArgumentError(
+                    f"set_states() lacks stream(s) {missing}; pass the complete mapping get_states() returned."
+                )
+        self._idle("set the states", replacing=True, here_ok=True)
+        swap = self._target(rebind=False)
+        order = list(self._states) or list(states)
+        new = {}
+        for name in order:
+            try:
+                new[name] = swap.coerce(name, states[name])
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"state of stream {name!r}: {exc}") from None
+        if self._active is not None and self._stuck():
+            self._check_forks_leavable("set the states")
+            with deferred():
+                self._leave_forks()
+                self._replace_states(swap, new)
+            return
+        self._replace_states(swap, new)
+
+    def _replace_states(self, swap: Swap, new: dict[str, Any]) -> None:
+        """The apply step of :meth:`set_states`: all of it, or (on any exception, an interrupt
+        included) none. Not under deferred signals: recompute calls it on every backward."""
+        before = self._swap, self._states, self._initialized
+        active = self._active
+        live = active.read() if active is not None else None  # the generator holds the active stream
+        try:
+            self._swap = swap
+            self._states = new
+            self._initialized = True
+            if active is not None:
+                active.write(new[active.name])
+        except BaseException:
+            self._swap, self._states, self._initialized = before
+            if active is not None:
+                _exclusive.redo(active.write, live)
+            raise
+
+    def graph_safe_states(self) -> dict[str, Any]:
+        """The live generator-state objects of every stream (graph-safe mode only).
+
+        :meth:`register_graph` registers them with a graph before capture (what
+        ``torch.cuda.CUDAGraph.register_generator_state`` does for each). Do not draw from
+        them directly.
+
+        Raises:
+            InvalidOperationError: the tracker copies bytes, so it has no such objects.
+        """
+        if not self.graph_safe:
+            raise InvalidOperationError(
+                "graph_safe_states() needs a graph-safe tracker (RNGStatesTracker(graph_safe=True)); this one "
+                f"copies bytes (platform {self.platform.name if self.platform else None!r}).",
+                reason="tracker",
+            )
+        return dict(self._states)
+
+    def register_graph(self, graph: Any) -> None:
+        """Let ``graph`` capture forks of this tracker: register every stream's state with it.
+
+        The platform-neutral form of Megatron-core's ``graph.register_generator_state(state)``
+        over its graph-safe states: ``graph`` is the device's graph object
+        (``torch.cuda.CUDAGraph``, or any with ``register_generator_state``). Call it after
+        the streams are seeded and before capture begins; forks captured in the graph then
+        draw, at each replay, the numbers eager forks would draw from the same positions.
+        Streams made later (:meth:`add`, :meth:`reseed`, :meth:`set_states`, a checkpoint
+        load) are new states: register them with the graphs that capture them. Registering
+        a state twice, or one torch registered itself, changes nothing.
+
+        Raises:
+            ArgumentTypeError: ``graph`` has no ``register_generator_state`` method.
+            InvalidOperationError: the tracker copies bytes (build it with
+                ``RNGStatesTracker(graph_safe=True)``) or holds no streams yet; the streams
+                belong to another platform; or the device is capturing already (register
+                before capture). Nothing is registered then.
+        """
+        if not callable(getattr(graph, "register_generator_state", None)):
+            raise ArgumentTypeError(
+                f"register_graph() takes the device's graph object (torch.cuda.CUDAGraph or one with "
+                f"register_generator_state), got {type(graph).__name__}."
+            )
+        if not self._states:
+            raise InvalidOperationError(
+                "the tracker holds no streams to register; seed them first (apply_layout, a seeding recipe, or "
+                "tracker.add), then register the graph.",
+                reason="tracker",
+            )
+        if not self.graph_safe:
+            raise InvalidOperationError(
+                "register_graph() needs a graph-safe tracker, whose streams are generator states a graph can "
+                "capture; this one copies bytes. Build it with RNGStatesTracker(graph_safe=True) (Megatron-core's "
+                "use_cudagraphable_rng=True) and seed it again.",
+                reason="tracker",
+            )
+        states = dict(self._states)
+        platform = platforms.current()
+        if platform is not self._swap.platform:  # type: ignore[union-attr]  # bound: it holds a stream
+            raise self._platform_mismatch(platform)
+        if platform.is_capturing():
+            raise InvalidOperationError(
+                f"device {platform.device()} is capturing a graph already; register the graph before capture begins.",
+                reason="tracker",
+            )
+        for state in states.values():
+            graph.register_generator_state(state)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _capture_refusal(self, name: str) -> InvalidOperationError:
+        """The refusal of a fork of a copying tracker while the device captures a graph."""
+        return InvalidOperationError(
+            f"stream {name!r} cannot be forked while device {self.platform.device()} is capturing a graph: this "  # type: ignore[union-attr]
+            "tracker copies state bytes in and out, which a graph does not replay. Capture forks of a graph-safe "
+            "tracker instead: RNGStatesTracker(graph_safe=True) (Megatron-core's use_cudagraphable_rng=True), "
+            "with tracker.register_graph(graph) before capture.",
+            reason="tracker",
+        )
+
+    def _target(self, *, rebind: bool) -> Swap:
+        """The swap strategy new states are made for; raises before anything changes.
+
+        ``rebind`` ignores the current binding (the caller replaces every stream).
+        """
+        platform = platforms.current()
+        if self._swap is not None and not rebind:
+            if platform is not self._swap.platform:
+                raise self._platform_mismatch(platform)
+            return self._swap
+        return choose_swap(platform, self._want_graph_safe)
+
+    def _idle(self, what: str, *, replacing: bool = False, here_ok: bool = False) -> None:
+        """Refuse ``what`` inside a fork (``here_ok``: only inside one open on another thread); refuse an
+        abandoned fork too. ``replacing`` (``what`` replaces every stream) lets stuck forks through
+        (:meth:`_stuck`): the caller clears them (:meth:`_leave_forks`)."""
+        active = self._active
+        if active is None or (replacing and self._stuck()):
+            return
+        mine = active.thread is current_thread()
+        if mine and here_ok:
+            return
+        self._check_not_abandoned(what)
+        if mine and self._stuck():
+            raise self._stuck_error(what)
+        raise InvalidOperationError(
+            f"cannot {what} inside a fork of stream {active.name!r}; do it outside the fork."
+            if mine
+            else f"cannot {what} while another thread has a fork of stream {active.name!r} open.",
+            reason="tracker",
+        )
+
+    def _abandoned(self) -> bool:
+        """Whether the open fork's thread ended without leaving it (see the module docstring)."""
+        return self._active is not None and not _exclusive.alive(self._active.thread)
+
+    def _stuck(self) -> bool:
+        """Whether the open forks can no longer be left by their own exits (see *Recovery*): their
+        thread ended, an exit in the chain was refused as out of order, or this process is a child
+        made by ``fork`` inside them (it started without their holds)."""
+        if self._abandoned():
+            return True
+        fork = self._active
+        if fork is None or fork.thread is not current_thread():
+            return False
+        entry = _HOLDS.get(fork.held[0])
+        if entry is None or entry[0] is not fork.thread:  # inherited: the child's holds were cleared
+            return True
+        while fork is not None:
+            if fork.refused:
+                return True
+            fork = fork.outer
+        return False
+
+    def _stuck_error(self, what: str) -> InvalidOperationError:
+        return InvalidOperationError(
+            f"cannot {what}: the fork of stream {self.active_stream!r} is still open on this thread but its own exit "
+            "can no longer leave it (an exit was refused as out of order, or this process was made by fork inside "
+            "it); reset(), reseed() or set_states() clears it.",
+            reason="tracker",
+        )
+
+    def _check_forks_leavable(self, what: str) -> None:
+        """Refuse, before anything changes, to leave this thread's open forks while a context
+        entered inside them still holds their device: leaving them would release its hold too."""
+        chain = []
+        fork = self._active
+        while fork is not None:
+            chain.append(fork)
+            fork = fork.outer
+        if not chain or self._abandoned() or not self._stuck():
+            return
+        for key in {f.held[0] for f in chain}:
+            bottom = min(f.held[1] for f in chain if f.held[0] == key)
+            other = _exclusive.held_above(key, bottom, chain)
+            if other is not None:
+                raise InvalidOperationError(
+                    f"cannot {what}: a {_exclusive.describe(other[2])} entered inside the tracker's open fork of "
+                    f"stream {chain[-1].name!r} is still open on this thread; leave it first.",
+                    reason="tracker",
+                )
+
+    def _leave_forks(self) -> None:
+        """Clear a stuck chain of forks (:meth:`_stuck`; nothing otherwise): on this thread, leave
+        them as their exits would, innermost first (their own exits then do nothing); a chain whose
+        thread has ended is dropped, the generator left as that thread left it. Call
+        :meth:`_check_forks_leavable` first."""
+        if self._active is None or not self._stuck():
+            return
+        if self._abandoned():
+            self._active = None
+            self._claim.clear()
+            return
+        while self._active is not None:
+            self._active._unwind()
+
+    def _join_process(self) -> None:
+        """Before the first fork in a child process made by ``fork``: in a DataLoader worker, re-derive
+        every stream from its seed and torch's seed for the worker (``get_worker_info().seed``, the base
+        seed the loader drew for the epoch plus the worker's id), as torch reseeds its own generator
+        there, so that workers draw distinct numbers, the same in every run and after a resume (the
+        loader's base seed comes from the restored generator). Other children continue the parent's
+        streams, as a child continues any generator it inherits."""
+        self._process = _Process.token
+        data = sys.modules.get("torch.utils.data")
+        info = data.get_worker_info() if data is not None else None
+        if info is not None and self._states:
+            self.reseed({name: combine64(WORKER_DOMAIN, seed, info.seed) for name, seed in self.seeds().items()})
+
+    def _check_not_abandoned(self, what: str) -> None:
+        if self._abandoned():
+            raise InvalidOperationError(
+                f"cannot {what}: a fork of stream {self.active_stream!r} was left open by thread "
+                f"{self._active.thread.ident} that has ended, so the tracker no longer knows what its streams hold; "  # type: ignore[union-attr]
+                "reset() and reseed it, or set_states() a snapshot taken before.",
+                reason="tracker",
+            )
+
+    def _unknown(self, name: object) -> str:
+        held = list(self._states) or "no streams"
+        return f"RNG stream {name!r} is not in the tracker (it holds {held}); {_SEED_HINT}"
+
+    def _platform_mismatch(self, platform: Platform) -> InvalidOperationError:
+        return InvalidOperationError(
+            f"the tracker's streams belong to platform {self.platform!r}, but the current platform is "
+            f"{platform!r}; reset() the tracker and reseed it on the current platform.",
+            reason="tracker",
+        )
+
+    def __repr__(self) -> str:
+        mode = {None: "unbound", True: "graph-safe", False: "byte copies"}[self.graph_safe]
+        return f"<RNGStatesTracker streams={list(self._states)} {mode}>"
+
+
+WORKER_DOMAIN = 0x574F524B45523031  # "WORKER01": keeps a worker's stream seeds apart from other uses of combine64
+"""First value mixed into a stream's seed in a DataLoader worker (:meth:`RNGStatesTracker._join_process`)."""
+
+
+def refuse_in_fork(tracker: RNGStatesTracker, what: str) -> None:
+    """Refuse ``what`` (a read of every stream's position, which a fork's exit would make stale) while a
+    fork of ``tracker`` is open, on any thread, or left open by a thread that has ended; nothing changes."""
+    tracker._idle(what)
+
+
+class Replacing:
+    """The preamble of every call that replaces all of a tracker's streams (``reset()``, ``reseed()``,
+    ``apply_layout``, the seeding recipes, ``load_rng_state_dict``), in one place.
+
+    Made before anything changes, it refuses what such a call may not do, with nothing changed: inside
+    a fork whose own exit could still leave it (that exit would restore a stream that is gone), or
+    while a context entered inside a fork it would clear still holds the device; with ``target``, also
+    a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states; and
+    while another thread holds one of the generators ``holds`` (named ``holding_what`` in the refusal, as
+    :func:`hyperrng._guard.exclusive.holding` names it). :meth:`applying` is the block that replaces them: it
+    defers signals (all of it or none, under Ctrl-C too), first clears the forks their own exits can no
+    longer leave (*Recovery*, above), then holds ``holds`` while the block runs.
+    """
+
+    __slots__ = ("tracker", "swap", "_holds", "_holding_what")
+
+    def __init__(
+        self,
+        tracker: RNGStatesTracker,
+        what: str,
+        *,
+        target: bool = True,
+        holds: Sequence[tuple[str, int]] = (),
+        holding_what: str = "",
+    ) -> None:
+        tracker._idle(what, replacing=True)
+        self.tracker = tracker
+        self.swap = tracker._target(rebind=True) if target else None
+        tracker._check_forks_leavable(what)
+        self._holds, self._holding_what = holds, holding_what or what
+        # Refused here, before applying() clears forks: the hold's own refusal would come after that.
+        _exclusive.refuse_held(holds, self._holding_what)
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        with deferred():
+            self.tracker._leave_forks()  # first: leaving a fork releases holds down to its own level
+            with _exclusive.holding(self._holds, self._holding_what):
+                yield
+
+
+class _Process:
+    """A token that a child made by ``fork`` replaces: each tracker compares its own with it before a fork."""
+
+    token = object()
+
+
+_get_states_untraced = outside_dynamo(RNGStatesTracker.get_states)
+_set_states_untraced = outside_dynamo(RNGStatesTracker.set_states)
+
+
+def _after_fork_in_child() -> None:
+    _Process.token = object()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"a stream name must be a non-empty string, got {type(name).__name__} {name!r}.")
+    if not name:
+        raise InvalidArgumentError("a stream name must be a non-empty string, got ''; name the stream.")
+
+
+class CudaRNGStatesTracker(RNGStatesTracker):
+    """:class:`RNGStatesTracker` under Megatron-core's name and constructor, on every platform.
+
+    For code that builds its own tracker as Megatron-core, TransformerEngine or slapo do.
+
+    Args:
+        use_cudagraphable_rng: Megatron-core's name for ``graph_safe``: streams are
+            generator objects that a CUDA graph can capture.
+        is_inference_rng_tracker: must be ``False``. Megatron-core's inference tracker
+            turns ``add`` and ``fork`` into no-ops; hyperrng has no such tracker.
+
+    Raises:
+        ArgumentTypeError: a flag is not a bool.
+        InvalidArgumentError: ``is_inference_rng_tracker`` is ``True``.
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        for flag, value in (
+            ("use_cudagraphable_rng", use_cudagraphable_rng),
+            ("is_inference_rng_tracker", is_inference_rng_tracker),
+        ):
+            if not isinstance(value, bool):
+                raise ArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r:.40}.")
+        if is_inference_rng_tracker:
+            raise InvalidArgumentError(
+                "is_inference_rng_tracker=True selects Megatron-core's inference tracker, whose add() and fork() do "
+                "nothing; hyperrng has none. Drop the flag (forks then switch streams as in training)."
+            )
+        super().__init__(graph_safe=use_cudagraphable_rng)
+
+    @property
+    def use_cudagraphable_rng(self) -> bool:
+        """Megatron-core's name for whether the streams are graph-safe generator objects."""
+        return self._want_graph_safe
+
+    @property
+    def is_inference_rng_tracker(self) -> bool:
+        """Always ``False``: read by Megatron-core's CUDA-graph code."""
+        return False
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """Return the process-wide tracker (pass this function as TE's ``get_rng_state_tracker``)."""
+    return _TRACKER
+
+
+get_cuda_rng_tracker = get_rng_tracker
+"""Alias of :func:`get_rng_tracker` under Megatron-core's and slapo's name."""
+
+
+def resolve_tracker(tracker: object) -> RNGStatesTracker:
+    """``tracker``, or the process-wide one for ``None``.
+
+    Raises:
+        ArgumentTypeError: ``tracker`` is neither ``None`` nor an :class:`RNGStatesTracker`.
+    """
+    if tracker is None:
+        return _TRACKER
+    return check_instance(tracker, RNGStatesTracker, "tracker")  # type: ignore[no-any-return]
+
+
+def set_rng_tracker(tracker: RNGStatesTracker) -> RNGStatesTracker:
+    """Make ``tracker`` the process-wide tracker (e.g. one built with ``graph_safe=False``); return the previous one.
+
+    Raises:
+        TypeError: ``tracker`` is not an :class:`RNGStatesTracker`.
+        InvalidOperationError: a fork of the current process-wide tracker is active.
+    """
+    global _TRACKER
+    if not isinstance(tracker, RNGStatesTracker):
+        raise ArgumentTypeError(f"expected an RNGStatesTracker, got {type(tracker).__name__}; pass RNGStatesTracker().")
+    _TRACKER._idle("replace the process-wide tracker", replacing=True)
+    previous, _TRACKER = _TRACKER, tracker
+    return previous
