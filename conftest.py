@@ -75,10 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
         if not sim.available and _uses_sim(item):
             item.add_marker(pytest.mark.skip(reason=sim.refusal()))
-        if not portable_mode.available and (
-            item.get_closest_marker("needs_portable_mode") is not None
-            or item.path.name.startswith("test_portable_mode")
-        ):
+        if not portable_mode.available and item.get_closest_marker("needs_portable_mode") is not None:
             item.add_marker(pytest.mark.skip(reason=portable_mode.refusal()))
         if not portable_compile.available and item.get_closest_marker("needs_portable_compile") is not None:
             item.add_marker(pytest.mark.skip(reason=portable_compile.refusal()))

@@ -44,7 +44,7 @@ as before the context or as after it:
   :func:`hold` returns the depth before it; contexts release *down to* that depth, so an
   undo releases exactly what its enter took, and releasing twice releases once.
 
-The profile-hook test in ``tests/test_threads.py`` raises at every one of those points in
+The profile-hook test in ``tests/properties/test_threads.py`` raises at every one of those points in
 turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each;
 another cuts an inner context's exit before its first instruction, in six nestings.
 The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region

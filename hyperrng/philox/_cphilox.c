@@ -11,7 +11,7 @@
  * keys become words 2 and 0, the low halves words 3 and 1 (Salmon et al., SC'11; Random123).
  *
  * Optional: the install builds it where a C compiler is present (pyproject.toml's ext-modules),
- * and the NumPy path serves the same words everywhere else (tests/test_philox_host.py proves the
+ * and the NumPy path serves the same words everywhere else (tests/philox/test_philox_host.py proves the
  * two equal).
  */
 #define PY_SSIZE_T_CLEAN

@@ -50,7 +50,7 @@ that fold into ``(B, H)``. ``backend="auto"`` picks it for CUDA tensors when Tri
 the call fits, the torch implementation otherwise. Empty inputs always take the torch path.
 
 **Tolerance.** Masks are integers: identical between implementations and devices. Values are
-floating point and differ by rounding. The tests (``tests/test_attention.py``) hold the torch
+floating point and differ by rounding. The tests (``tests/philox/test_attention.py``) hold the torch
 implementation to a float64 math reference with the same explicit mask within ``1e-10`` (float64) and
 ``1e-5`` (float32), and the Triton kernels to the torch implementation within ``1e-5`` (float32),
 ``1e-2`` (float16) and ``6e-2`` (bfloat16), absolute and relative: the kernels accumulate in float32 but

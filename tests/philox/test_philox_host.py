@@ -1,7 +1,7 @@
 """The words of small draws on the host CPU: the optional compiled loop and NumPy give the same words.
 
 ``hyperrng.philox._cphilox`` is built at install where a C compiler is present; NumPy computes
-the words everywhere else. Both are checked against Random123's definition (tests/test_philox.py's
+the words everywhere else. Both are checked against Random123's definition (tests/philox/test_philox.py's
 reference), and the draws built on them (``_torch.fill_host``, portable mode's host path) against
 the torch backend's operations (``Kernel``). These are tests of CPU behaviour: the words live in host memory.
 """
@@ -20,7 +20,7 @@ from hyperrng import philox
 from hyperrng.philox import _shards as shards
 from hyperrng.philox import _torch as kernels
 from hyperrng.philox._shards import ShardGeometry
-from tests.test_philox import MASK32, philox_reference, same_bits
+from tests.philox.test_philox import MASK32, philox_reference, same_bits
 
 compiled = pytest.mark.skipif(
     kernels._cphilox is None, reason="the optional compiled loop hyperrng.philox._cphilox was not built here"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import hyperrng
 from tests._dist import run_ranks
 
-LIMITS = (Path(__file__).resolve().parents[1] / "docs" / "limits.md").read_text()
+LIMITS = (Path(__file__).resolve().parents[2] / "docs" / "limits.md").read_text()
 _WIDTH, _HIDDEN, _BATCH, _SEED = 8, 16, 4, 7
 
 

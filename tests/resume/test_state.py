@@ -1456,7 +1456,7 @@ def test_a_stream_position_resumes_exactly_in_a_fresh_process(name: str, tmp_pat
     import subprocess
     from pathlib import Path
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     path = str(tmp_path / "rng.pt")
 
     def run(role: str) -> str:

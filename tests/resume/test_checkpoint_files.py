@@ -32,7 +32,7 @@ from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
 from hyperrng.seeding.recipes import seed_host
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

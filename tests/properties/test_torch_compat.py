@@ -23,7 +23,7 @@ from hyperrng.platforms._features import FEATURES, feature, report_lines, requir
 
 from hyperrng import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 WITHOUT_PYTHON_DEVICE_HOOKS = """
 import torch

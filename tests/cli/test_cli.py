@@ -18,7 +18,7 @@ from hyperrng import cli
 from hyperrng.cli.launch import run_ranks
 from hyperrng.errors import HyperRNGError, PlatformError, RankFailure
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _hyperrng(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

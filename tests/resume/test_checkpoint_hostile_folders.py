@@ -35,7 +35,7 @@ import torch
 import hyperrng.resume._files as files
 from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.resume.state import load_rng_state, save_rng_state
-from tests.test_checkpoint_files import _entries, _finish, _permitted, _python, _state
+from tests.resume.test_checkpoint_files import _entries, _finish, _permitted, _python, _state
 
 NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
 

@@ -14,7 +14,7 @@ Context managers are entered and left, so checks made on entry are fuzzed too.
 The suite runs a bounded, derandomized sample (the same examples on every run). To fuzz
 broadly, raise the number of examples and draw at random::
 
-    HYPERRNG_FUZZ_EXAMPLES=300 HYPERRNG_FUZZ_RANDOM=1 python -m pytest -q tests/test_fuzz_public_api.py
+    HYPERRNG_FUZZ_EXAMPLES=300 HYPERRNG_FUZZ_RANDOM=1 python -m pytest -q tests/properties/test_fuzz_public_api.py
 
 ``HYPERRNG_FUZZ_RECORD=<file>`` records each untyped error as a line of JSON instead of
 failing, so that one run counts all of them (and the calls made, in ``<file>.calls``).

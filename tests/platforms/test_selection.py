@@ -22,7 +22,7 @@ from hyperrng.platforms import (
 
 from tests._platforms import BarePlatform
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Unavailable(platforms.SimulatedPlatform):

@@ -185,7 +185,7 @@ def test_a_second_privateuse1_backend_makes_the_platform_unavailable_with_a_reas
         "torch.utils.rename_privateuse1_backend('otheraccel')\n"
         "print(platforms.SimulatedPlatform().probe())\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "already taken by 'otheraccel'" in out.stdout

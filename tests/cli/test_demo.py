@@ -21,7 +21,7 @@ from tests._demo_platforms import DIE_ENV, GATE_ENV
 from tests._dist import free_port
 from tests._platforms import cuda_on_sim
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _positions(lines: list[str], fragments: list[str]) -> list[int]:

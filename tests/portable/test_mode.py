@@ -45,6 +45,8 @@ from hyperrng.portable.position import load_portable_state_dict, portable_state_
 from hyperrng.sharding.tracker import MeshInfo, ShardedRNGTracker
 from hyperrng.streams.tracker import RNGStatesTracker
 
+pytestmark = pytest.mark.needs_portable_mode
+
 try:
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # older torch
@@ -1165,7 +1167,7 @@ def test_outside_the_mode_every_random_op_gives_torchs_numbers_once_the_kernels_
     import json
     import subprocess
 
-    code = "import json, tests.test_portable_mode as t; print(json.dumps(t._originals_report()))"
+    code = "import json, tests.portable.test_mode as t; print(json.dumps(t._originals_report()))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     report = json.loads(run.stdout.splitlines()[-1])
     assert set(report["registered"]) >= set(ORIGINALS) | set(SIM_ORIGINALS), "a sample call per kernel"

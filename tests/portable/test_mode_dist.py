@@ -23,6 +23,8 @@ from hyperrng.sharding.tracker import ShardedRNGTracker
 from hyperrng.streams.tracker import RNGStatesTracker
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.needs_portable_mode
+
 SEED = 97
 
 

@@ -56,7 +56,7 @@ print("conformant")
 def test_npu_code_path_on_a_simulated_module_is_conformant() -> None:
     # In a fresh interpreter: naming torch's privateuse1 backend "npu" cannot be undone,
     # and would make torch itself look for a torch.npu module in every later test.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", _NPU_ON_SIM], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "conformant"
@@ -256,7 +256,7 @@ class TestBare(PlatformConformance):
 
 def test_the_pytest_class_fails_every_check_naming_the_missing_methods(tmp_path: Path) -> None:
     (tmp_path / "test_bare.py").write_text(textwrap.dedent(_BARE_SUITE))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "test_bare.py"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
