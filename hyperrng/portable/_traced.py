@@ -51,6 +51,7 @@ from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, Unsupported
 from hyperrng.philox import attention
 from hyperrng.platforms import _features
 from hyperrng.portable import _attention as _attention_ops
+from hyperrng.portable import _kernels as kernels
 from hyperrng.portable import _ops as ops
 from hyperrng.portable.position import draw_at_position
 from hyperrng.sharding.tracker import active_region
@@ -73,8 +74,8 @@ class _Portable:
 
     def __enter__(self) -> None:
         self.entry = None
-        if not ops.THREAD.entries:
-            self.entry = ops.Entry(self, False, None)
+        if not kernels.THREAD.entries:
+            self.entry = kernels.Entry(self, False, None)
             ops.push(self.entry)
 
     def __exit__(self, *exc: object) -> None:
@@ -356,7 +357,7 @@ def _fill_kernel(what: str, check: Callable[..., Any], custom: str) -> Callable[
 
 
 def _check_uniform(self: torch.Tensor, low: float = 0.0, high: float = 1.0) -> tuple[float, float]:
-    ops._check_floating(self, "uniform_")
+    kernels._check_floating(self, "uniform_")
     from hyperrng import philox
 
     philox.uniform_draw(self.dtype, low, high)
@@ -364,7 +365,7 @@ def _check_uniform(self: torch.Tensor, low: float = 0.0, high: float = 1.0) -> t
 
 
 def _check_normal(self: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> tuple[float, float]:
-    ops._check_floating(self, "normal_")
+    kernels._check_floating(self, "normal_")
     from hyperrng import philox
 
     philox.normal_draw(self.dtype, mean, std)
@@ -398,7 +399,7 @@ def _check_random(self: torch.Tensor, low: int, high: int | None = None) -> tupl
             f"random_({low}, None) inside compiled code in portable mode: compiled code draws ranges with an "
             "upper bound; pass one, or draw it in eager code."
         )
-    return ops.random_bounds(self.dtype, int(low), int(high))
+    return kernels.random_bounds(self.dtype, int(low), int(high))
 
 
 def _check_random_to(self: torch.Tensor, high: int) -> tuple[int, int]:
@@ -407,7 +408,7 @@ def _check_random_to(self: torch.Tensor, high: int) -> tuple[int, int]:
 
 def _traced_dropout(input: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     _local("dropout", input)
-    p_value = ops.undrawn_dropout(input, p, train)  # recorded as plain ops where nothing is drawn
+    p_value = kernels.undrawn_dropout(input, p, train)  # recorded as plain ops where nothing is drawn
     if not isinstance(p_value, float):
         return p_value
     _outside_region("dropout")
@@ -482,7 +483,7 @@ def _on_snapshot_key(op: Any, portable: Callable[..., Any]) -> Callable[..., Any
     tracing = torch._guards.TracingContext.try_get
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if ops.THREAD.entries and tracing() is not None:  # not the compiler's own tracing of its patterns
+        if kernels.THREAD.entries and tracing() is not None:  # not the compiler's own tracing of its patterns
             result = portable(*args, **kwargs)
             if result is not None:
                 return result

@@ -115,7 +115,8 @@ from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import InvalidArgumentError
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.portable import _traced  # noqa: F401 - joins the kernels' registration (compiled code in the mode)
-from hyperrng.portable._ops import PORTABLE_OPS, THREAD, Entry, pop, push, register, registered, unsupported_ops
+from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry
+from hyperrng.portable._ops import pop, push, register, registered, unsupported_ops
 from hyperrng.sharding.tracker import ShardedRNGTracker
 from hyperrng.sharding.tracker import _dtensor_random_module as dtensor_random_module
 
