@@ -82,7 +82,7 @@ except ImportError:  # another Python implementation
     from signal import getsignal as _getsignal
     from signal import signal as _setsignal
 
-__all__ = ["deferred"]
+__all__ = ["SignalExceptions", "deferred"]
 
 # Every signal a Python handler can be installed for (SIGKILL and SIGSTOP cannot be caught).
 _SIGNALS = tuple(
@@ -274,3 +274,99 @@ def deferred() -> _Deferred:
     until its block has run, then handles each (see the module docstring); elsewhere it does
     nothing."""
     return _Deferred()
+
+
+# -- signals' exceptions: what a block raised comes out as itself ---------------------------------
+class _Recording:
+    """A signal's handler that records what the handler it stands in for raises, while its record is open."""
+
+    __slots__ = ("handler", "owner")
+
+    def __init__(self, handler: Any, owner: SignalExceptions) -> None:
+        self.handler, self.owner = handler, owner
+
+    def __call__(self, signum: int, frame: FrameType | None) -> Any:
+        try:
+            return self.handler(signum, frame)
+        except BaseException as exc:
+            if self.owner.open:
+                self.owner.raised.append(exc)
+            raise
+
+
+def _is_deferral(handler: object) -> bool:
+    """Whether ``handler`` is the stand-in :func:`deferred` installs (one bound method, compared as
+    :mod:`hyperrng._guard.interrupts` compares it)."""
+    return callable(handler) and handler == _MAIN.stand_in
+
+
+class SignalExceptions:
+    """An exception that a signal's Python handler raises during a save or a load of a checkpoint (a
+    ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the caller as itself, never rewrapped as a
+    :class:`~hyperrng.errors.StorageError` or an :class:`~hyperrng.errors.InvalidArgumentError`, and never
+    lost where torch's writer swallowed it.
+
+    A context manager after which an exception raised by a signal's Python handler inside the block
+    comes out as itself: when the block raises another exception instead (one that translated it, such
+    as the file errors here, or torch's writer, which swallows an exception raised inside a write and
+    reports a ``RuntimeError``), or none at all, the first such exception is raised in its place.
+
+    While entered on the main thread it stands a recording wrapper in for every Python handler (other
+    threads run no handlers: there it does nothing). Stand-ins of :func:`deferred` that a deferral
+    interrupted while it put the handlers back left in place are put back first, by a deferral of
+    nothing; one still in place is not wrapped (it passes the signal to the handler it replaced,
+    unrecorded). A wrapper that an interrupted exit leaves in place calls the handler it stands in
+    for and records nothing; the next entry unwraps it.
+    """
+
+    __slots__ = ("open", "raised", "_installed")
+
+    def __init__(self) -> None:
+        self.open = False
+        self.raised: list[BaseException] = []
+        self._installed: dict[int, _Recording] = {}
+
+    def __enter__(self) -> SignalExceptions:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if any(_is_deferral(_getsignal(signum)) for signum in _SIGNALS):
+            with deferred():  # its exit puts back the handlers an interrupted deferral left its stand-ins for
+                pass
+        self.open = True
+        try:
+            for signum in _SIGNALS:
+                handler = _getsignal(signum)
+                if isinstance(handler, _Recording) and not handler.owner.open:  # left by an interrupted exit
+                    handler = handler.handler
+                # A deferral's stand-in (in place while one is open) passes the signal to the handler it
+                # replaced: wrapping it would let the deferral take the wrapper for that handler.
+                if callable(handler) and not _is_deferral(handler):
+                    stand_in = _Recording(handler, self)
+                    _setsignal(signum, stand_in)
+                    self._installed[signum] = stand_in
+        except BaseException:  # a signal fired while the handlers were swapped: put them back, raise it
+            self.open = False
+            self._restore()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.open = False
+        error = self._restore()
+        first = self.raised[0] if self.raised else error
+        self.raised = []
+        if first is not None and first is not exc:
+            raise first
+
+    def _restore(self) -> BaseException | None:
+        error: BaseException | None = None
+        for signum, stand_in in self._installed.items():
+            try:
+                if _getsignal(signum) is stand_in:
+                    _setsignal(signum, stand_in.handler)
+            except BaseException as exc:  # a signal's handler raised: put back the others first
+                error = error or exc
+        self._installed = {}
+        return error

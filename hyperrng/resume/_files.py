@@ -1,79 +1,9 @@
-"""Checkpoint files on disk: the save behind :func:`hyperrng.save_rng_state`, and the checks of
-paths and of signals' exceptions it shares with :func:`hyperrng.load_rng_state`.
-
-**A link is followed only where no other user could have put it.** A save walks the path
-itself, one component at a time, each folder opened relative to the one before with
-``O_NOFOLLOW``, and then works relative to the open folder that holds the checkpoint: it
-creates, renames, deletes and re-checks by descriptor (``openat``, ``renameat``, ``unlinkat``),
-never by resolving a path a second time, so a link swapped in while it runs redirects nothing.
-Where the walk meets a symbolic link it reads it and goes on from the link's folder (at most
-:data:`MAX_LINKS` links, as the kernel) if this process's effective user or root owns the link,
-or if the folder holding it is this user's or root's and no one else may write to it (no write
-bit for group or others: only they could have put it there, or copied it there with its owner).
-Any other link is refused (:class:`~hyperrng.errors.StorageError`, ``EACCES``): another user's
-link in their own folder, in a shared sticky folder (``/tmp``), or in a folder others may write
-to, since its owner could point the save at any file this user may write (as root, any file).
-That is stricter than the kernel, which as root follows a link of the folder's owner, and outside
-sticky world-writable folders any link. A link the user made is followed: ``latest.pt ->
-step100.pt`` keeps the link and replaces ``step100.pt`` in its own folder. (A load opens its path
-as the kernel resolves it.)
-
-**The private folder.** A save writes into a folder of its own beside the checkpoint,
-``.hyperrng-<16 hex digits>.saving`` (the same length whatever the checkpoint's name, so every
-name the file system accepts can be saved), mode 0700 (given on the folder's descriptor where the
-umask took some of ``mkdir``'s bits), holding one file, ``checkpoint``, renamed over the
-checkpoint at the end. The save holds an OS lock (``flock``) on the folder itself, taken on the
-folder's own descriptor; the OS drops it when the process ends, however it ends, in any PID
-namespace, container or host that shares the folder with working locks. It holds the folder only
-once it has checked, lock taken, that the folder is the one its ``mkdir`` made (the same device
-and inode as right after ``mkdir``, this user's, empty, no bits for others), so a folder another
-user renames over the new one is never written, changed or removed; a save that cannot hold its
-folder for another reason than a cleaner (the file system gives it another owner, as NFS's
-``root_squash`` or a ``uid=`` mount does; it cannot be opened) removes it where it is still the
-empty folder made, and fails at once, saying why. On failure a save removes only the
-``checkpoint`` file it created itself (the same device and inode).
-
-**Which folders a save removes, and why that never harms a live one.** After a successful save,
-in a folder where no other user can rename entries (one this user or root owns, with no write
-bit for group or others unless it is sticky), the save removes every folder of that name
-pattern in the checkpoint's folder (those of other checkpoints too) that it can open without
-following a link, whose lock it can take, that is owned by this effective user with no
-permission bits for group or others, and that holds nothing but a ``checkpoint`` file. Where
-other users can rename entries, one of them could give a folder of this user's that name, and
-nothing is removed. The invariant that makes this safe:
-
-* a save writes into its folder only while it holds the folder's lock, having checked, after
-  taking the lock, that the folder's name still leads to the folder it holds; it keeps the
-  lock until the folder is gone (it closes the descriptor after ``rmdir``);
-* a cleaner changes a folder only while it holds that folder's lock.
-
-So a cleaner never touches a folder while a live save holds it; and a folder that a cleaner
-locked first (in the instant between the save's ``mkdir`` and its lock, when the folder is
-empty) is one the save gives up (its lock or its check fails) for a fresh name, so a cleaner
-never makes a live save fail. Every state a killed save can leave (an empty folder, one with
-a partial or a complete ``checkpoint``) is unlocked once the process is gone and meets the
-criteria, so the next save removes it. A save also removes folders that an earlier release
-left (``.<name>.<16 hex digits>.saving``, for the checkpoint's own name) where it can take the
-lock on their ``lock`` file, a regular file (opened without waiting, whatever it is) holding
-:data:`LEGACY_LOCK_MAGIC`. An earlier release's save locked that file after creating it and
-before writing the mark, so one that is empty, or a folder without it, may be a live save of
-that release about to lock it: such a folder is removed only once it is ten minutes
-(:data:`LEGACY_GRACE_NS`) older than this save's rename, by the file system's own clock.
-
-**Signals.** An exception that a signal's Python handler raises during a save or a load (a
-``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the caller as itself, never
-rewrapped as a :class:`~hyperrng.errors.StorageError` or an
-:class:`~hyperrng.errors.InvalidArgumentError`, and never lost where torch's writer swallowed
-it: see :class:`SignalExceptions`. torch writes the file through its own path
-(``/proc/self/fd/<n>``, which leads to the descriptor the save created, and is ASCII whatever
-the folder's name): torch's writer writes a path itself, but goes through a Python file object
-for any other name or for a file object, where a signal's exception raised inside a write
-turned into a ``RuntimeError``.
-
-**Elsewhere.** Where the OS takes no paths relative to a folder's descriptor (Windows), a save
-works through paths, follows links with ``realpath``, and removes no leftover folders (it cannot
-lock a folder there); where ``/proc/self/fd`` is missing (macOS), torch writes through a file
-object on the descriptor and the read-back check reads the file rather than mapping it.
+"""Checkpoint files on disk: the save behind :func:`hyperrng.save_rng_state`. It walks the path to an open
+folder (:mod:`hyperrng.resume._paths`), writes into a private folder of its own beside the checkpoint
+(:class:`_Work`), checks that the file reads back as a load would read it, renames it over the checkpoint,
+and then removes the private folders that killed saves left (:func:`_remove_abandoned`: which, and why that
+never harms a live save). A signal's exception comes out as itself
+(:class:`~hyperrng._guard.interrupts.SignalExceptions`).
 """
 
 from __future__ import annotations
@@ -87,24 +17,32 @@ import re
 import secrets
 import stat
 import sys
-import threading
 from collections.abc import Mapping
-from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from hyperrng._guard import interrupts as _interrupts
-from hyperrng._guard.interrupts import _SIGNALS, _getsignal, _setsignal, deferred
+from hyperrng._guard.interrupts import SignalExceptions, deferred
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, StorageError
 from hyperrng.platforms.validate import error_gist
+from hyperrng.resume._paths import (
+    CLOEXEC,
+    NO_FOLLOW,
+    O_PATH,
+    READ_FOLDER,
+    WALK,
+    Dir,
+    Target,
+    check_path,
+    open_target,
+    os_reason,
+    storage_error,
+)
+from hyperrng.resume._paths import name_too_long as name_too_long  # TEMP until state.py imports _paths
+from hyperrng.resume._paths import refuse_special as refuse_special  # TEMP
 from hyperrng.resume._untrusted import check_file
 
-__all__ = ["SignalExceptions", "check_path", "name_too_long", "os_reason", "refuse_special", "save"]
-
-MAX_LINKS = 40
-"""Symbolic links a save follows before it calls the path a loop (Linux's limit)."""
+__all__ = ["save"]
 
 WORK_PREFIX = ".hyperrng-"
 WORK_SUFFIX = ".saving"
@@ -124,423 +62,12 @@ killed save's, unless its save was stopped in between (then it fails, and its ch
 # What torch's writer raises when a write fails (a full disk, an I/O error): a RuntimeError.
 _WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "cannot be opened")
 
-_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _BINARY = getattr(os, "O_BINARY", 0)
-_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_PATH = getattr(os, "O_PATH", 0)
-# Folders walked through: O_PATH needs only the permission to search them, as the kernel's own walk.
-_WALK = _DIRECTORY | _NO_FOLLOW | _CLOEXEC | (_O_PATH or os.O_RDONLY)
-_READ_FOLDER = os.O_RDONLY | _DIRECTORY | _NO_FOLLOW | _CLOEXEC  # listed, fsynced, locked
 # An earlier release's lock file: read and locked, opened without waiting whatever it is (a FIFO, a tty).
-_READ_LEGACY_LOCK = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | _NO_FOLLOW | _CLOEXEC
+_READ_LEGACY_LOCK = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | NO_FOLLOW | CLOEXEC
 
-# Whether the OS takes every path relative to an open folder that a save needs (not on Windows).
-_AT = (
-    bool(_DIRECTORY and _NO_FOLLOW)
-    and {os.open, os.mkdir, os.rename, os.unlink, os.rmdir, os.stat, os.readlink} <= os.supports_dir_fd
-)
 # Whether /proc/self/fd/<n> names an open descriptor (Linux): torch then writes and maps by that path.
 _PROC_FD = sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd")
-
-
-# -- paths --------------------------------------------------------------------------------------
-def check_path(path: object) -> str:
-    """``path`` as the text the OS is given (``os.fspath``, so that a trailing ``/`` or ``/.``,
-    which names a folder, is kept), refused where no file system could take it: not a ``str`` or
-    ``os.PathLike`` of ``str`` (:class:`ArgumentTypeError`), a NUL character, or a character the
-    file system's encoding cannot write (:class:`InvalidArgumentError`)."""
-    text: object = path
-    if isinstance(path, os.PathLike):
-        try:
-            text = os.fspath(path)
-        except Exception as exc:  # noqa: BLE001 - whatever a caller's __fspath__ raises
-            raise ArgumentTypeError(
-                f"path {type(path).__name__} could not give its text: its __fspath__ raised {error_gist(exc)}."
-            ) from None
-    if not isinstance(text, str):
-        raise ArgumentTypeError(
-            f"path must be a str or an os.PathLike such as pathlib.Path, got {type(path).__name__} {path!r:.80}."
-        )
-    if "\0" in text:
-        raise InvalidArgumentError(
-            f"the path {_abridged(text)} holds a NUL character, which no file name can hold; remove it."
-        )
-    try:
-        os.fsencode(text)
-    except UnicodeEncodeError as exc:
-        raise InvalidArgumentError(
-            f"the path {_abridged(text)} cannot be written in the file system's encoding ({exc.encoding}): "
-            f"{exc.object[exc.start : exc.end]!r} at position {exc.start} ({exc.reason}, such as a lone surrogate); "
-            "give a path of valid characters."
-        ) from None
-    return text
-
-
-_SEPARATORS = tuple({"/", os.sep, os.altsep or "/"})
-_DOT_SEPARATORS = tuple(sep + "." for sep in _SEPARATORS)
-
-
-def _names_a_folder(text: str) -> bool:
-    """Whether ``text`` ends with a separator or a separator and ``.``: the name before is a folder's."""
-    return text.endswith(_SEPARATORS) or text.endswith(_DOT_SEPARATORS)
-
-
-def _folder_named(text: str) -> str:
-    """``text`` less its trailing separators and ``.`` names: ``a/b`` for ``a/b/``, ``a/b/.``, ``a/b/./``."""
-    bare = text
-    while len(bare) > 1 and _names_a_folder(bare):
-        bare = bare[:-1] if bare.endswith(_SEPARATORS) else bare[:-2]
-    return bare or text
-
-
-def _missing_folder(shown: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"{shown!r} does not exist, and the path names it as a folder (a path ending in '/' names a folder); "
-        "give the path of the checkpoint file, without the trailing '/'."
-    )
-
-
-def _not_a_folder(shown: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"{shown!r} is not a folder, yet the path names it as one (a path ending in '/' names a folder); "
-        "give the path of the checkpoint file, without the trailing '/'."
-    )
-
-
-def _abridged(text: str) -> str:
-    """``text`` for a message: its ``repr``, its middle left out when long."""
-    return repr(text) if len(text) <= 100 else f"{text[:60]!r}...{text[-30:]!r}"
-
-
-def name_too_long(path: str) -> InvalidArgumentError:
-    """The refusal of a path the file system found too long (``ENAMETOOLONG``)."""
-    longest = max((len(os.fsencode(part)) for part in path.split(os.sep)), default=0)
-    return InvalidArgumentError(
-        f"the path {_abridged(path)} is longer than the file system allows (its longest name has {longest} bytes; "
-        "most file systems take 255 per name); give a shorter name."
-    )
-
-
-def refuse_special(target: str | os.PathLike[str], verb: str, mode: int | None = None) -> None:
-    """Refuse ``target`` where it exists and is not a regular file (a device such as ``/dev/null``, a FIFO,
-    a socket): a save would replace it with a file, a load of a FIFO would wait forever. ``mode``: its
-    ``st_mode`` when already known, else read following links."""
-    text = os.fspath(target)
-    if mode is None:
-        try:
-            mode = os.stat(text).st_mode
-        except (OSError, ValueError):  # missing, unreadable or unnamable: the save or load itself says why
-            if _names_a_folder(text):  # "file/": is the file a folder?
-                bare = _folder_named(text)
-                try:
-                    named = os.stat(bare).st_mode
-                except (OSError, ValueError):
-                    return
-                if not stat.S_ISDIR(named):
-                    raise _not_a_folder(bare) from None
-            return
-    if not stat.S_ISREG(mode):
-        kinds = {stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
-        kinds.update({stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"})
-        kind = next((what for test, what in kinds.items() if test(mode)), None)
-        what = f"is {kind}, not a regular file" if kind else "is not a regular file"
-        raise InvalidArgumentError(f"{text!r} {what}: hyperrng will not {verb} it. Give the path of a checkpoint file.")
-
-
-def os_reason(exc: OSError) -> tuple[int, str]:
-    """The errno of a file system's refusal (``EIO`` when it gives none) and its words."""
-    code = exc.errno if exc.errno is not None else errno.EIO
-    return code, exc.strerror or str(exc) or os.strerror(code)
-
-
-def _storage_error(exc: OSError, target: str, what: str, *, kept: bool = True) -> StorageError:
-    code, reason = os_reason(exc)
-    hint = {
-        errno.ENOSPC: "free space on that file system or save elsewhere",
-        errno.EDQUOT: "free space within your quota or save elsewhere",
-        errno.EACCES: "make its folder writable for this user or save elsewhere",
-        errno.EPERM: "make its folder writable for this user or save elsewhere",
-        errno.EROFS: "save to a writable file system",
-    }.get(code, "check the file system, then save again")
-    outcome = "it is as it was" if kept else "it holds the new checkpoint, which a crash now may undo"
-    return StorageError(code, f"could not {what} {target!r} ({reason}): {hint}; {outcome}", target)
-
-
-# -- signals' exceptions --------------------------------------------------------------------------
-
-
-class _Recording:
-    """A signal's handler that records what the handler it stands in for raises, while its record is open."""
-
-    __slots__ = ("handler", "owner")
-
-    def __init__(self, handler: Any, owner: SignalExceptions) -> None:
-        self.handler, self.owner = handler, owner
-
-    def __call__(self, signum: int, frame: FrameType | None) -> Any:
-        try:
-            return self.handler(signum, frame)
-        except BaseException as exc:
-            if self.owner.open:
-                self.owner.raised.append(exc)
-            raise
-
-
-def _is_deferral(handler: object) -> bool:
-    """Whether ``handler`` is the stand-in :func:`deferred` installs (one bound method, compared as
-    :mod:`hyperrng._guard.interrupts` compares it)."""
-    return callable(handler) and handler == _interrupts._MAIN.stand_in
-
-
-class SignalExceptions:
-    """A context manager after which an exception raised by a signal's Python handler inside the block
-    comes out as itself: when the block raises another exception instead (one that translated it, such
-    as the file errors here, or torch's writer, which swallows an exception raised inside a write and
-    reports a ``RuntimeError``), or none at all, the first such exception is raised in its place.
-
-    While entered on the main thread it stands a recording wrapper in for every Python handler (other
-    threads run no handlers: there it does nothing). Stand-ins of :func:`deferred` that a deferral
-    interrupted while it put the handlers back left in place are put back first, by a deferral of
-    nothing; one still in place is not wrapped (it passes the signal to the handler it replaced,
-    unrecorded). A wrapper that an interrupted exit leaves in place calls the handler it stands in
-    for and records nothing; the next entry unwraps it.
-    """
-
-    __slots__ = ("open", "raised", "_installed")
-
-    def __init__(self) -> None:
-        self.open = False
-        self.raised: list[BaseException] = []
-        self._installed: dict[int, _Recording] = {}
-
-    def __enter__(self) -> SignalExceptions:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        if any(_is_deferral(_getsignal(signum)) for signum in _SIGNALS):
-            with deferred():  # its exit puts back the handlers an interrupted deferral left its stand-ins for
-                pass
-        self.open = True
-        try:
-            for signum in _SIGNALS:
-                handler = _getsignal(signum)
-                if isinstance(handler, _Recording) and not handler.owner.open:  # left by an interrupted exit
-                    handler = handler.handler
-                # A deferral's stand-in (in place while one is open) passes the signal to the handler it
-                # replaced: wrapping it would let the deferral take the wrapper for that handler.
-                if callable(handler) and not _is_deferral(handler):
-                    stand_in = _Recording(handler, self)
-                    _setsignal(signum, stand_in)
-                    self._installed[signum] = stand_in
-        except BaseException:  # a signal fired while the handlers were swapped: put them back, raise it
-            self.open = False
-            self._restore()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.open = False
-        error = self._restore()
-        first = self.raised[0] if self.raised else error
-        self.raised = []
-        if first is not None and first is not exc:
-            raise first
-
-    def _restore(self) -> BaseException | None:
-        error: BaseException | None = None
-        for signum, stand_in in self._installed.items():
-            try:
-                if _getsignal(signum) is stand_in:
-                    _setsignal(signum, stand_in.handler)
-            except BaseException as exc:  # a signal's handler raised: put back the others first
-                error = error or exc
-        self._installed = {}
-        return error
-
-
-# -- where a save writes: the walk ----------------------------------------------------------------
-class _Dir:
-    """A folder: an open descriptor, every name looked up in that very folder wherever its path now
-    leads (``fd`` ``None`` where the OS cannot: then by its path, on Windows)."""
-
-    __slots__ = ("fd", "path")
-
-    def __init__(self, fd: int | None, path: str) -> None:
-        self.fd, self.path = fd, path
-
-    def at(self, name: str) -> str:
-        """What to pass with ``dir_fd=self.fd`` for ``name`` in this folder."""
-        return name if self.fd is not None else os.path.join(self.path, name)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-class _Target(NamedTuple):
-    folder: _Dir  # open for reading: listed, fsynced
-    name: str  # the file's name in it
-    shown: str  # its path, for messages
-    mode: int | None  # the permission bits kept from the file replaced (None: a new file's, see _kept_mode)
-
-
-def _parts(text: str) -> list[str]:
-    """The names a walk of ``text`` visits; a last ``"."`` where it must end at a folder (``a/``)."""
-    parts = [p for p in text.split("/") if p not in ("", ".")]
-    if not parts or text.endswith(("/", "/.")):
-        parts.append(".")
-    return parts
-
-
-def _open_target(path: str) -> _Target:
-    """Walk ``path`` (see the module docstring) to the folder that holds the file a save replaces."""
-    if not _AT:
-        return _open_target_by_path(path)
-    try:
-        return _walk(path)
-    except OSError as exc:
-        if isinstance(exc, HyperRNGError):
-            raise
-        if exc.errno == errno.ENAMETOOLONG:
-            raise name_too_long(path) from None
-        if exc.errno == errno.ELOOP:
-            raise InvalidArgumentError(f"{path!r} is a symbolic link that loops; point it at a file.") from None
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # a folder removed or replaced while the walk passed
-            raise InvalidArgumentError(f"the folder of {path!r} does not exist; create it before saving.") from None
-        raise _storage_error(exc, path, "save the checkpoint to") from exc
-
-
-def _walk(path: str) -> _Target:
-    absolute = path.startswith("/")
-    cur = os.open("/" if absolute else ".", _WALK)
-    shown = "/" if absolute else ""
-    parts, links = _parts(path), 0
-    try:
-        while True:
-            name = parts.pop(0)
-            here = os.path.join(shown, name)
-            if name in (".", ".."):
-                if not parts:
-                    it = (shown or ".") if name == "." else here
-                    raise InvalidArgumentError(f"{it!r} is a folder; give the path of the checkpoint file to write.")
-                if name == "..":
-                    cur = _step(cur, os.open("..", _WALK, dir_fd=cur))
-                    shown = here
-                continue
-            try:
-                st: os.stat_result | None = os.stat(name, dir_fd=cur, follow_symlinks=False)
-            except FileNotFoundError:
-                if parts == ["."]:  # "sub/": named as a folder
-                    raise _missing_folder(here) from None
-                if parts:
-                    raise InvalidArgumentError(
-                        f"the folder of {path!r} does not exist ({here!r} is missing); create it before saving."
-                    ) from None
-                st = None
-            if st is not None and stat.S_ISLNK(st.st_mode):
-                links += 1
-                if links > MAX_LINKS:
-                    raise InvalidArgumentError(f"{path!r} is a symbolic link that loops; point it at a file.")
-                text = os.readlink(name, dir_fd=cur)
-                _refuse_planted(cur, st, here, text)
-                if text.startswith("/"):
-                    cur, shown = _step(cur, os.open("/", _WALK)), "/"
-                parts = _parts(text) + parts
-                continue
-            if not parts:
-                if st is not None and stat.S_ISDIR(st.st_mode):
-                    raise InvalidArgumentError(f"{here!r} is a folder; give the path of the checkpoint file to write.")
-                if st is not None:
-                    refuse_special(here, "replace", st.st_mode)
-                folder = _Dir(os.open(".", _READ_FOLDER, dir_fd=cur), shown or ".")
-                return _Target(folder, name, here, _kept_mode(st))
-            if not stat.S_ISDIR(st.st_mode):  # type: ignore[union-attr]
-                if parts == ["."]:  # "file/" or "file/.": never the file itself
-                    raise _not_a_folder(here)
-                raise InvalidArgumentError(
-                    f"the folder of {path!r} does not exist ({here!r} is not a folder); create it before saving."
-                )
-            cur = _step(cur, os.open(name, _WALK, dir_fd=cur))
-            shown = here
-    finally:
-        os.close(cur)
-
-
-def _kept_mode(replaced: os.stat_result | None) -> int | None:
-    """The permission bits the new checkpoint takes over from the file it replaces: its read, write
-    and execute bits where this effective user owns it (never setuid, setgid or sticky); ``None``
-    (those of a new file) where there is none or another user owns it, whose bits say what that
-    user allowed, not what the new file of this user should allow."""
-    if replaced is None:
-        return None
-    euid = os.geteuid() if hasattr(os, "geteuid") else None
-    if euid is not None and replaced.st_uid != euid:
-        return None
-    return stat.S_IMODE(replaced.st_mode) & 0o777
-
-
-def _step(old: int, new: int) -> int:
-    os.close(old)
-    return new
-
-
-def _refuse_planted(folder_fd: int, link: os.stat_result, shown: str, text: str) -> None:
-    """Refuse a link that another user could have put where it is: followed only where this
-    effective user or root owns it, or where its folder is this user's or root's and no one else
-    may write to it (then only they could have put it there, or copied it there, owner and all)."""
-    euid = os.geteuid()
-    if link.st_uid in (euid, 0):
-        return
-    folder = os.fstat(folder_fd)
-    others_write = folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if folder.st_uid in (euid, 0) and not others_write:
-        return
-    if folder.st_uid == link.st_uid:
-        where = "in that user's folder"
-    elif folder.st_uid not in (euid, 0):
-        where = f"in a folder of another user's (uid {folder.st_uid})"
-    elif folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH:
-        where = "in a folder anyone may write to (sticky and world-writable, such as /tmp)"
-    else:
-        where = "in a folder other users may write to"
-    raise StorageError(
-        errno.EACCES,
-        f"{shown!r} is a symbolic link that another user (uid {link.st_uid}) owns, {where}: hyperrng does not "
-        f"follow it, since that user could point it at any file you may write. Save to the file it names "
-        f"({_abridged(text)}) by its own path, or remove the link",
-        shown,
-    )
-
-
-def _open_target_by_path(path: str) -> _Target:
-    """Where the OS takes no paths relative to a folder: links resolved with ``realpath``."""
-    target = Path(path)
-    if _names_a_folder(path):  # Path() drops a trailing separator: "file/" must not replace "file"
-        if target.is_dir():
-            raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
-        raise _not_a_folder(str(target)) if target.exists() else _missing_folder(str(target))
-    if target.is_symlink():
-        resolved = Path(os.path.realpath(target))
-        if resolved.is_symlink():
-            raise InvalidArgumentError(f"{path!r} is a symbolic link that loops; point it at a file.")
-        target = resolved
-    if target.is_dir():
-        raise InvalidArgumentError(f"{str(target)!r} is a folder; give the path of the checkpoint file to write.")
-    refuse_special(target, "replace")
-    if not target.parent.is_dir():
-        raise InvalidArgumentError(f"the folder of {str(target)!r} does not exist; create it before saving.")
-    try:
-        mode = _kept_mode(target.stat())
-    except FileNotFoundError:
-        mode = None
-    except OSError as exc:
-        if exc.errno == errno.ENAMETOOLONG:
-            raise name_too_long(path) from None
-        raise _storage_error(exc, str(target), "read the permission bits of") from exc
-    return _Target(_Dir(None, str(target.parent)), target.name, str(target), mode)
 
 
 # -- the save -------------------------------------------------------------------------------------
@@ -555,14 +82,14 @@ def save(path: object, state: object) -> None:
         target = None
         try:
             with deferred():  # every descriptor opened is recorded before a signal can raise
-                target = _open_target(text)
+                target = open_target(text)
             _save(target, state)
         finally:  # one call into C: no Python frame for a signal to raise in before the descriptor is closed
             if target is not None and target.folder.fd is not None:
                 os.close(target.folder.fd)
 
 
-def _save(target: _Target, state: Mapping[str, Any]) -> None:
+def _save(target: Target, state: Mapping[str, Any]) -> None:
     work = _Work(target.folder, target.shown)
     replaced = False
     try:
@@ -585,7 +112,7 @@ def _save(target: _Target, state: Mapping[str, Any]) -> None:
                 what, kept = "make durable the rename of the new checkpoint to", False
             else:
                 what, kept = "save the checkpoint to", True
-            raise _storage_error(exc, target.shown, what, kept=kept) from exc
+            raise storage_error(exc, target.shown, what, kept=kept) from exc
         raise
     _remove_abandoned(target.folder, target.name)
 
@@ -601,13 +128,29 @@ class _Replaced(Exception):
 class _Work:
     """One save's private folder: created, sealed and removed under deferred signals, each step
     recorded as it is made, so an exception at any point leaves nothing behind once :meth:`remove`
-    has run (a process killed leaves it for the next save: see the module docstring)."""
+    has run (a process killed leaves it for the next save: see :func:`_remove_abandoned`).
 
-    def __init__(self, folder: _Dir, shown: str) -> None:
+    A save writes into a folder of its own beside the checkpoint,
+    ``.hyperrng-<16 hex digits>.saving`` (the same length whatever the checkpoint's name, so every
+    name the file system accepts can be saved), mode 0700 (given on the folder's descriptor where the
+    umask took some of ``mkdir``'s bits), holding one file, ``checkpoint``, renamed over the
+    checkpoint at the end. The save holds an OS lock (``flock``) on the folder itself, taken on the
+    folder's own descriptor; the OS drops it when the process ends, however it ends, in any PID
+    namespace, container or host that shares the folder with working locks. It holds the folder only
+    once it has checked, lock taken, that the folder is the one its ``mkdir`` made (the same device
+    and inode as right after ``mkdir``, this user's, empty, no bits for others), so a folder another
+    user renames over the new one is never written, changed or removed; a save that cannot hold its
+    folder for another reason than a cleaner (the file system gives it another owner, as NFS's
+    ``root_squash`` or a ``uid=`` mount does; it cannot be opened) removes it where it is still the
+    empty folder made, and fails at once, saying why. On failure a save removes only the
+    ``checkpoint`` file it created itself (the same device and inode).
+    """
+
+    def __init__(self, folder: Dir, shown: str) -> None:
         self.folder = folder
         self.shown = shown  # the checkpoint's path, for messages
         self.name: str | None = None  # its name in ``folder``, once held
-        self.dir: _Dir | None = None  # the folder itself, open and locked (by its path where the OS cannot)
+        self.dir: Dir | None = None  # the folder itself, open and locked (by its path where the OS cannot)
         self.data: int | None = None  # the checkpoint's descriptor
         self.written: os.stat_result | None = None  # the checkpoint file this save created: only it is removed
         self.mode: int | None = None  # the permission bits seal gives the checkpoint
@@ -630,7 +173,7 @@ class _Work:
         created = 0o600 if self.mode is not None else 0o666  # 0o666: the umask decides, as for any new file
         self.data = os.open(
             self.dir.at(_DATA_NAME),
-            os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOEXEC | _BINARY,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL | NO_FOLLOW | CLOEXEC | _BINARY,
             created,
             dir_fd=self.dir.fd,
         )
@@ -648,7 +191,7 @@ class _Work:
         (NFS's ``root_squash``, a ``uid=`` mount), refuses to open it, or another process put
         something else in its place (then nothing is removed or changed)."""
         if self.folder.fd is None:  # no folder locks here, and no cleaner either
-            self.name, self.dir = name, _Dir(None, self.folder.at(name))
+            self.name, self.dir = name, Dir(None, self.folder.at(name))
             return True
         parent = self.folder.fd
         try:
@@ -697,7 +240,7 @@ class _Work:
         except BaseException:
             os.close(fd)
             raise
-        self.name, self.dir = name, _Dir(fd, name)
+        self.name, self.dir = name, Dir(fd, name)
         return True
 
     def _open(self, name: str, made: os.stat_result) -> int:
@@ -706,15 +249,15 @@ class _Work:
         (through ``/proc/self/fd`` on a descriptor that needs none)."""
         parent = self.folder.fd
         try:
-            if stat.S_IMODE(made.st_mode) == 0o700 or not (_PROC_FD and _O_PATH):
-                fd = os.open(name, _READ_FOLDER, dir_fd=parent)
+            if stat.S_IMODE(made.st_mode) == 0o700 or not (_PROC_FD and O_PATH):
+                fd = os.open(name, READ_FOLDER, dir_fd=parent)
             else:
-                path = os.open(name, _WALK, dir_fd=parent)
+                path = os.open(name, WALK, dir_fd=parent)
                 try:
                     if not _same(os.fstat(path), made):
                         raise _Replaced
                     os.chmod(f"/proc/self/fd/{path}", 0o700)
-                    fd = os.open(".", _READ_FOLDER, dir_fd=path)
+                    fd = os.open(".", READ_FOLDER, dir_fd=path)
                 finally:
                     os.close(path)
         except OSError as exc:
@@ -818,6 +361,14 @@ def _new_file_mode() -> int | None:
 
 
 def _write(state: Mapping[str, Any], work: _Work, target: str) -> None:
+    """Write ``state`` into the private folder's ``checkpoint``. torch writes the file through its own path
+    (``/proc/self/fd/<n>``, which leads to the descriptor the save created, and is ASCII whatever the folder's
+    name): torch's writer writes a path itself, but goes through a Python file object for any other name or
+    for a file object, where a signal's exception raised inside a write turned into a ``RuntimeError``.
+    Where ``/proc/self/fd`` is missing (macOS), torch writes through a file object on the descriptor, and the
+    read-back check reads the file rather than mapping it. (Where the OS takes no paths relative to a folder's
+    descriptor, Windows, a save works through paths, follows links with ``realpath``, and removes no leftover
+    folders: it cannot lock a folder there.)"""
     assert work.data is not None
     try:
         if _PROC_FD:
@@ -843,7 +394,7 @@ def _write(state: Mapping[str, Any], work: _Work, target: str) -> None:
             space = None
         full = space is not None and (space.f_bavail == 0 or space.f_favail == 0)
         code = errno.ENOSPC if full else errno.EIO
-        raise _storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
+        raise storage_error(OSError(code, error_gist(exc)), target, "write the checkpoint to") from exc
 
 
 def _cannot_pickle(exc: BaseException, target: str) -> ArgumentTypeError:
@@ -900,7 +451,7 @@ def _check_loads(work: _Work, target: str) -> None:
             file.close()
 
 
-def _fsync_folder(folder: _Dir) -> None:
+def _fsync_folder(folder: Dir) -> None:
     """Make a rename in ``folder`` durable; Windows cannot open a folder, and needs no such step."""
     if folder.fd is not None:
         os.fsync(folder.fd)
@@ -944,8 +495,36 @@ def _others_can_rename(folder: os.stat_result) -> bool:
     return bool(folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH)) and not folder.st_mode & stat.S_ISVTX
 
 
-def _remove_abandoned(folder: _Dir, name: str) -> None:
-    """Remove the private folders that saves left when they died, in ``folder``: see the module docstring."""
+def _remove_abandoned(folder: Dir, name: str) -> None:
+    """Remove the private folders that saves left when they died, in ``folder``.
+
+    After a successful save,
+    in a folder where no other user can rename entries (one this user or root owns, with no write
+    bit for group or others unless it is sticky), the save removes every folder of that name
+    pattern in the checkpoint's folder (those of other checkpoints too) that it can open without
+    following a link, whose lock it can take, that is owned by this effective user with no
+    permission bits for group or others, and that holds nothing but a ``checkpoint`` file. Where
+    other users can rename entries, one of them could give a folder of this user's that name, and
+    nothing is removed. The invariant that makes this safe:
+
+    * a save writes into its folder only while it holds the folder's lock, having checked, after
+      taking the lock, that the folder's name still leads to the folder it holds; it keeps the
+      lock until the folder is gone (it closes the descriptor after ``rmdir``);
+    * a cleaner changes a folder only while it holds that folder's lock.
+
+    So a cleaner never touches a folder while a live save holds it; and a folder that a cleaner
+    locked first (in the instant between the save's ``mkdir`` and its lock, when the folder is
+    empty) is one the save gives up (its lock or its check fails) for a fresh name, so a cleaner
+    never makes a live save fail. Every state a killed save can leave (an empty folder, one with
+    a partial or a complete ``checkpoint``) is unlocked once the process is gone and meets the
+    criteria, so the next save removes it. A save also removes folders that an earlier release
+    left (``.<name>.<16 hex digits>.saving``, for the checkpoint's own name) where it can take the
+    lock on their ``lock`` file, a regular file (opened without waiting, whatever it is) holding
+    :data:`LEGACY_LOCK_MAGIC`. An earlier release's save locked that file after creating it and
+    before writing the mark, so one that is empty, or a folder without it, may be a live save of
+    that release about to lock it: such a folder is removed only once it is ten minutes
+    (:data:`LEGACY_GRACE_NS`) older than this save's rename, by the file system's own clock.
+    """
     if folder.fd is None:  # no folder locks: nothing tells a dead save's folder from a live one
         return
     try:
@@ -969,7 +548,7 @@ def _remove_if_dead(parent: int, entry: str, *, legacy: int | None) -> None:
     """Remove the folder ``entry`` of ``parent`` if a save made it and died; every step by descriptor.
     ``legacy``: for an earlier release's folder, the file system's time now (nanoseconds)."""
     try:
-        fd = os.open(entry, _READ_FOLDER, dir_fd=parent)
+        fd = os.open(entry, READ_FOLDER, dir_fd=parent)
     except OSError:  # gone, a link, or not a folder
         return
     lock: int | None = None

@@ -36,6 +36,7 @@ import torch
 
 import hyperrng
 from hyperrng._guard import exclusive as _exclusive
+from hyperrng._guard import interrupts as _interrupts
 from hyperrng._guard.interrupts import deferred
 from hyperrng.seeding.layout import StreamLayout, apply_layout
 from hyperrng.streams.tracker import RNGStatesTracker, get_rng_tracker
@@ -115,7 +116,7 @@ class _SignalAt:
             self.events += 1
             if any(part in code.co_filename for part in _OWN_CODE):
                 self.own.append(self.events)
-                if code.co_name in _WRITERS or code.co_filename.endswith("_interrupts.py"):
+                if code.co_name in _WRITERS or code.co_filename == _interrupts.__file__:
                     self.writing.append(self.events)
             if self.events == self.at:
                 signal.raise_signal(self.signum)

@@ -28,6 +28,10 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
+import hyperrng.resume._files
+import hyperrng.resume._paths
+import hyperrng.resume.state
+from hyperrng._guard import interrupts
 from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
 from hyperrng.seeding.recipes import seed_host
@@ -96,6 +100,9 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise _Interrupted
 
 
+_OWN_CODE = {m.__file__ for m in (hyperrng.resume.state, hyperrng.resume._files, hyperrng.resume._paths, interrupts)}
+
+
 class _SignalAt:
     """A profile hook that sends a real signal to this process at its ``at``-th event: where CPython
     checks for signals (a Python call starts, a call into C returns), so the handler runs there."""
@@ -106,7 +113,7 @@ class _SignalAt:
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
         if event in ("call", "c_return"):
             self.events += 1
-            if frame.f_code.co_filename.endswith(("state.py", "_files.py", "_interrupts.py")):
+            if frame.f_code.co_filename in _OWN_CODE:
                 self.own.append(self.events)
             if self.events == self.at:
                 signal.raise_signal(self.signum)

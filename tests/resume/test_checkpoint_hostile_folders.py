@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import hyperrng.resume._files as files
+import hyperrng.resume._paths as paths
 from hyperrng.errors import InvalidArgumentError, StorageError
 from hyperrng.resume.state import load_rng_state, save_rng_state
 from tests.resume.test_checkpoint_files import _entries, _finish, _permitted, _python, _state
@@ -581,6 +582,7 @@ _STEPS = {"_save", "create", "_hold", "_write", "seal", "_check_loads", "replace
 _STEPS |= {"_remove_abandoned", "_remove_if_dead", "_try_lock", "_same", "at", "close", "_new_file_mode", "_open"}
 _STEPS |= {"_others_can_rename"}
 """The save's functions from its private folder's creation on (a kill before leaves nothing on disk)."""
+_SAVE_CODE = (files.__file__, paths.__file__)  # the folder (Dir) is the walk's
 
 
 def _step_events(at: int | None, counted: list[int]) -> Any:
@@ -589,7 +591,7 @@ def _step_events(at: int | None, counted: list[int]) -> Any:
 
     def hook(frame: FrameType, event: str, arg: object) -> None:
         code = frame.f_code
-        if event in ("call", "c_return") and code.co_filename == files.__file__ and code.co_name in _STEPS:
+        if event in ("call", "c_return") and code.co_filename in _SAVE_CODE and code.co_name in _STEPS:
             counted.append(1)
             if len(counted) == at:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -708,7 +710,7 @@ def test_without_paths_relative_to_a_folder_a_save_goes_by_paths_and_leaves_left
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the OS has no ``dir_fd`` (Windows) and no /proc/self/fd: the same save, by paths."""
-    monkeypatch.setattr(files, "_AT", False)
+    monkeypatch.setattr(paths, "_AT", False)
     monkeypatch.setattr(files, "_PROC_FD", False)
     (tmp_path / "step1").mkdir()
     latest = tmp_path / "latest.pt"
