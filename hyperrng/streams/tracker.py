@@ -20,45 +20,9 @@ generator-state objects) is decided once, when the tracker binds to a platform (
 stream): see :mod:`hyperrng.streams._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
 returns byte tensors on every platform, as Megatron-core's default tracker does.
 
-**Graphs.** Forks of a graph-safe tracker can be captured in a graph (a CUDA graph, or the
-graph of any device whose platform answers ``is_capturing()``) once
-:meth:`RNGStatesTracker.register_graph` has registered the streams with it; each replay
-then draws what eager forks would draw from the same positions. A copying tracker's fork
-while the device captures is refused with :class:`InvalidOperationError` before it copies
-anything: a graph would replay none of its copies.
-
-One thread at a time (see :mod:`hyperrng._guard.exclusive`): an open fork holds the device
-generator, which the whole process shares. A fork of *any* tracker, a sharded region,
-``fork_rng`` or a recompute entered on another thread meanwhile raises
-:class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
-:meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
-for a moment. A tracker's open forks form one chain, so they stay on one thread even across
-devices.
-
-**One order per thread (asyncio).** On one thread, forks of any tracker, sharded regions and
-``fork_rng`` must be left in the reverse order of entry. asyncio tasks (or generators) that
-``await`` inside forks interleave them: the first exit out of order raises
-:class:`InvalidOperationError` and changes nothing, the fork stays open, and it leaves when
-exited again once the contexts entered after it have left. Keep ``await`` out of forks, or
-give each task a thread and a tracker of its own.
-
-**Recovery.** Some forks can no longer be left by their own exits: one whose exit was
-refused as out of order and never retried, one whose thread ended without leaving it
-(*abandoned*), and one that a child process made by ``fork`` inherited from the parent's
-thread (the child starts with no holds: :mod:`hyperrng._guard.exclusive` clears them at the
-fork). Other uses of such a tracker are refused with :class:`InvalidOperationError`.
-:meth:`RNGStatesTracker.reset`, :meth:`RNGStatesTracker.reseed` and
-:meth:`RNGStatesTracker.set_states` (and so ``apply_layout``, the seeding recipes and
-``load_rng_state_dict``) clear them on the calling thread: an abandoned chain is dropped,
-with the device generator left as its thread left it; the others are left as their exits
-would leave them (the generator gets back the state it had before the outermost fork),
-and their exits then do nothing. A fork still open, and still exitable, on the calling
-thread is not cleared: ``reset()`` and ``reseed()`` refuse inside it, since its exit would
-restore a stream that is gone.
-
-The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
-use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
-``te.TransformerLayer(..., get_rng_state_tracker=hyperrng.get_rng_tracker)`` works.
+A fork's thread policy and its order under asyncio are told at :class:`_Fork`; forks that can no longer be
+left (a thread ended, a process made by ``fork``) at :class:`Replacing`; graphs at
+:meth:`RNGStatesTracker.register_graph`; TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
 """
 
 from __future__ import annotations
@@ -119,7 +83,13 @@ _OWNER = "thread"
 
 @runtime_checkable
 class RNGTrackerProtocol(Protocol):
-    """What TransformerEngine and activation-checkpoint code call on an RNG tracker."""
+    """What TransformerEngine and activation-checkpoint code call on an RNG tracker.
+
+    The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
+    use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
+    ``te.TransformerLayer(..., get_rng_state_tracker=hyperrng.get_rng_tracker)`` works.
+
+    """
 
     def fork(self, name: str = ...) -> Any: ...
 
@@ -147,6 +117,21 @@ class _Fork:
     the stream in; exit reads the stream's advance back, restores, pops, releases. Both are
     written so that one interrupt anywhere leaves everything as before the fork or as after
     it (see :mod:`hyperrng._guard.exclusive`).
+
+    One thread at a time (see :mod:`hyperrng._guard.exclusive`): an open fork holds the device
+    generator, which the whole process shares. A fork of *any* tracker, a sharded region,
+    ``fork_rng`` or a recompute entered on another thread meanwhile raises
+    :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
+    :meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
+    for a moment. A tracker's open forks form one chain, so they stay on one thread even across
+    devices.
+
+    One order per thread (asyncio): On one thread, forks of any tracker, sharded regions and
+    ``fork_rng`` must be left in the reverse order of entry. asyncio tasks (or generators) that
+    ``await`` inside forks interleave them: the first exit out of order raises
+    :class:`InvalidOperationError` and changes nothing, the fork stays open, and it leaves when
+    exited again once the contexts entered after it have left. Keep ``await`` out of forks, or
+    give each task a thread and a tracker of its own.
     """
 
     # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
@@ -283,7 +268,7 @@ class _Fork:
 
     def _out_of_order(self, top: Any) -> InvalidOperationError:
         """Refuse this exit (nothing changes) and mark the chain, so that replacing the streams can
-        clear it if the exit is never retried (see *Recovery*)."""
+        clear it if the exit is never retried (see *Recovery* in :class:`Replacing`)."""
         self.refused = True
         if self._tracker._active is not self:
             inner = f"fork of stream {self._tracker.active_stream!r} of the same tracker"
@@ -393,7 +378,7 @@ class RNGStatesTracker:
         """Forget every stream and seed and unbind from the platform.
 
         Forks of this tracker that can no longer be left by their own exits are cleared first
-        (see *Recovery* in the module docstring): those a thread that has ended left open are
+        (see *Recovery* in :class:`Replacing`): those a thread that has ended left open are
         dropped; those this thread left open because an exit was refused as out of order, and
         those a child process inherited from ``fork``, are left as their exits would leave
         them (the generator gets back the state it had before the outermost), and their exits
@@ -637,7 +622,11 @@ class RNGStatesTracker:
         over its graph-safe states: ``graph`` is the device's graph object
         (``torch.cuda.CUDAGraph``, or any with ``register_generator_state``). Call it after
         the streams are seeded and before capture begins; forks captured in the graph then
-        draw, at each replay, the numbers eager forks would draw from the same positions.
+        draw, at each replay, the numbers eager forks would draw from the same positions (on a
+        CUDA graph, or the graph of any device whose platform answers ``is_capturing()``). A copying
+        tracker's fork while the device captures is refused before it copies anything: a graph would
+        replay none of its copies.
+
         Streams made later (:meth:`add`, :meth:`reseed`, :meth:`set_states`, a checkpoint
         load) are new states: register them with the graphs that capture them. Registering
         a state twice, or one torch registered itself, changes nothing.
@@ -723,11 +712,11 @@ class RNGStatesTracker:
         )
 
     def _abandoned(self) -> bool:
-        """Whether the open fork's thread ended without leaving it (see the module docstring)."""
+        """Whether the open fork's thread ended without leaving it (see *Recovery* in :class:`Replacing`)."""
         return self._active is not None and not _exclusive.alive(self._active.thread)
 
     def _stuck(self) -> bool:
-        """Whether the open forks can no longer be left by their own exits (see *Recovery*): their
+        """Whether the open forks can no longer be left by their own exits (see *Recovery* in :class:`Replacing`): their
         thread ended, an exit in the chain was refused as out of order, or this process is a child
         made by ``fork`` inside them (it started without their holds)."""
         if self._abandoned():
@@ -845,7 +834,21 @@ class Replacing:
     while another thread holds one of the generators ``holds`` (named ``holding_what`` in the refusal, as
     :func:`hyperrng._guard.exclusive.holding` names it). :meth:`applying` is the block that replaces them: it
     defers signals (all of it or none, under Ctrl-C too), first clears the forks their own exits can no
-    longer leave (*Recovery*, above), then holds ``holds`` while the block runs.
+    longer leave (below), then holds ``holds`` while the block runs.
+
+    **Recovery.** Some forks can no longer be left by their own exits: one whose exit was
+    refused as out of order and never retried, one whose thread ended without leaving it
+    (*abandoned*), and one that a child process made by ``fork`` inherited from the parent's
+    thread (the child starts with no holds: :mod:`hyperrng._guard.exclusive` clears them at the
+    fork). Other uses of such a tracker are refused with :class:`InvalidOperationError`.
+    :meth:`RNGStatesTracker.reset`, :meth:`RNGStatesTracker.reseed` and
+    :meth:`RNGStatesTracker.set_states` (and so ``apply_layout``, the seeding recipes and
+    ``load_rng_state_dict``) clear them on the calling thread: an abandoned chain is dropped,
+    with the device generator left as its thread left it; the others are left as their exits
+    would leave them (the generator gets back the state it had before the outermost fork),
+    and their exits then do nothing. A fork still open, and still exitable, on the calling
+    thread is not cleared: ``reset()`` and ``reseed()`` refuse inside it, since its exit would
+    restore a stream that is gone.
     """
 
     __slots__ = ("tracker", "swap", "_holds", "_holding_what")
