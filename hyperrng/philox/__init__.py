@@ -1,65 +1,39 @@
-"""Portable counter-based random numbers: Philox4x32-10 in plain torch integer ops.
-
-Every value is a pure function of a 64-bit ``key`` and its *global index*: element ``i``
-(row-major) of a tensor drawn with ``offset`` has global index ``j = offset + i`` and is
-computed from lane ``j % 4`` of the Philox block whose 64-bit counter is ``j // 4``. So
-
-* a shard computed from its index range equals the matching slice of the full tensor,
-  bit for bit, for any (uneven) sharding — pass ``shard=`` slices of the global shape;
-* consecutive calls that advance ``offset`` by the previous ``numel`` never reuse a value;
-* :func:`random_bits`, :func:`bernoulli`, :func:`dropout`'s mask and :func:`uniform`
-  with its default bounds are identical on every device, eager or compiled, because
-  they are exact integer and power-of-two operations. :func:`normal` depends on each
-  device's ``log``/``sin``/``cos`` (see its docstring).
-
-Draws of different distributions with the same key and offset read the same words, so
-they are dependent: give independent draws different keys or disjoint index ranges.
-
-**Dropout convention.** Every portable dropout (:func:`dropout`, the functions of
-:mod:`hyperrng.portable.position`, and ``F.dropout`` in portable mode) *keeps* element ``i`` where
-its word is below ``round((1 - p) * 2**32)``, that is where ``bernoulli(shape, 1 - p)`` is
-True, and computes the values as torch does (:func:`apply_dropout_mask`). This is torch's
-own definition: ``F.dropout`` on the CPU decomposes into ``bernoulli_(1 - p)`` and a scale,
-and portable mode replaces ``bernoulli_``, not that decomposition, so the keep-mask
-convention is the one under which the functions and portable mode agree bit for bit.
-
-Limits, checked before anything is allocated or computed:
-
-* a global shape holds fewer than ``2**62`` elements, and ``offset + numel`` (the
-  counters it uses, rounded up to whole 4-word blocks) stays within :data:`COUNTER_SPACE`
-  (``2**64``);
-* one call returns at most :data:`MAX_NUMEL` (``2**36``) elements: the whole tensor, or
-  the shard when ``shard=`` is given. Larger requests are refused with
-  :class:`InvalidArgumentError` instead of failing in the allocator; draw them as shards or
-  as consecutive pieces (``offset`` advanced by each piece's size).
-
-Memory: eager draws work a chunk of blocks at a time, so the working memory besides the
-result is at most :func:`~hyperrng.philox._torch.scratch_bytes` (24 MiB) whatever the
-tensor size. ``compiled=True`` runs the same arithmetic through ``torch.compile`` as one
-fused loop per contiguous run, keeping nothing in memory but the values; it is compiled
-on first use, once per distribution and compute dtype, then reused for every key,
-offset, parameter and size, and is bitwise equal to eager for the exact distributions.
-
-Bad arguments raise typed errors before any work: a wrong type or an unsupported dtype
-:class:`ArgumentTypeError` (a ``TypeError``), a wrong value :class:`InvalidArgumentError`
-(a ``ValueError``).
+"""Portable counter-based random numbers: Philox4x32-10 in plain torch integer ops, with explicit keys.
+Every value is a pure function of a 64-bit ``key`` and its *global index*: element ``i`` (row-major) of a
+tensor drawn with ``offset`` has global index ``j = offset + i`` and is computed from lane ``j % 4`` of
+the Philox block whose 64-bit counter is ``j // 4``, so a shard equals the matching slice of the full
+tensor bit for bit, whatever the device, the backend (:mod:`hyperrng.philox.backends`) or the sharding;
+the public functions here check their arguments (:mod:`hyperrng.philox._checks`) and draw
+(:mod:`hyperrng.philox._draws`), and every portable dropout keeps an element where its word is below
+``round((1 - p) * 2**32)`` (:func:`dropout`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import numbers
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.philox import _shards, _triton, backends
 from hyperrng.philox import _torch as _k
+from hyperrng.philox._checks import _check_bool, _check_device, _check_out, check_probability, check_shape
+from hyperrng.philox._draws import (
+    _UNIFORM_BITS,
+    _WORD_BITS,
+    BITS,
+    Draw,
+    bernoulli_draw,
+    dropout_draw,
+    normal_draw,
+    randint_draw,
+    run,
+    uniform_draw,
+)
+from hyperrng.philox._draws import _normal_draw as _normal_draw  # portable mode's ops call it here
+from hyperrng.philox._draws import _uniform_draw as _uniform_draw  # as above
 from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [
@@ -84,39 +58,20 @@ MAX_KEY = 2**64 - 1
 """Largest key: keys are the two 32-bit key words of Philox4x32, low word first."""
 
 COUNTER_SPACE = 2**64
-"""Global indices are below this: ``offset + numel`` may reach it but not exceed it."""
+"""Global indices are below this: ``offset + numel`` (the counters it uses, rounded up to whole 4-word
+blocks) may reach it but not exceed it."""
 
 MAX_NUMEL = 2**36
 """Most elements one call returns (the tensor, or the shard with ``shard=``): 64 GiB at one
-byte per element, more than one device holds."""
+byte per element, more than one device holds. Larger requests are refused with
+:class:`InvalidArgumentError` instead of failing in the allocator; draw them as shards or
+as consecutive pieces (``offset`` advanced by each piece's size)."""
 
-_MAX_GLOBAL_NUMEL = 2**62
-"""Global shapes stay below this so row-major indices fit int64 with room for the lane arithmetic."""
-
-_WORD_BITS = 32
 SMALL_NUMEL = _k.SMALL_NUMEL
 """Eager CPU draws of at most this many elements in one run read their words from the readahead buffer."""
-_PROBABILITY_SCALE = 1 << _WORD_BITS  # a 32-bit word is below round(p * 2**32) with probability ~p
-_WORD_UNIT = 2.0**-_WORD_BITS  # the weight of the lowest bit of a word
-
-_UNIFORM_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 11, torch.bfloat16: 8}
-"""Top bits of a word kept by :func:`uniform`: the significand width of the dtype
-(capped at the 32 bits of one word), so ``k * 2**-bits`` is exact for every ``k``."""
-
-_BERNOULLI_DTYPES = (torch.bool, *_UNIFORM_BITS)
-"""What :func:`bernoulli` returns: True and False, or 1.0 and 0.0."""
-
-_NORMAL_BITS = {torch.float32: 24, torch.float64: 32, torch.float16: 24, torch.bfloat16: 24}
-"""Bits per Box–Muller uniform; half types are computed in float32 and rounded once."""
 
 ShapeLike = int | Sequence[int] | torch.Size
 DeviceLike = torch.device | str | int | None
-
-_MAX_DIMS = 64
-"""The most dimensions a torch tensor has."""
-
-# What torch raises for a device it cannot name or reach (AssertionError: a backend this build lacks).
-_DEVICE_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError, NotImplementedError)
 
 
 def _check_offset(offset: object, numel: int) -> int:
@@ -132,329 +87,6 @@ def _check_offset(offset: object, numel: int) -> int:
             f"{value + numel - COUNTER_SPACE}; start a new key instead of wrapping around."
         )
     return value
-
-
-def check_shape(shape: object) -> tuple[int, ...]:
-    """``shape`` (an int or a sequence of ints) as a tuple, checked as every function here checks it.
-
-    Raises:
-        ArgumentTypeError: ``shape`` is not an int or a sequence of ints (a ``str`` or ``bytes``
-            is not one).
-        InvalidArgumentError: more than 64 dimensions (torch's limit), a negative dimension, or
-            ``2**62`` elements or more.
-    """
-    dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
-    if type(dims) is not tuple and (  # a tuple (every op's) skips the ABC check
-        not isinstance(dims, Sequence) or isinstance(dims, (str, bytes, bytearray, memoryview))
-    ):
-        raise ArgumentTypeError(
-            f"shape must be an int or a sequence of ints such as (4, 8), got {type(shape).__name__} {shape!r:.80}."
-        )
-    if len(dims) > _MAX_DIMS:
-        raise InvalidArgumentError(
-            f"shape has {len(dims)} dimensions, but a torch tensor has at most {_MAX_DIMS}; merge some of them."
-        )
-    result = tuple(check_int(d, "each shape dimension") for d in dims)
-    if any(d < 0 for d in result):
-        raise InvalidArgumentError(f"shape {result} has a negative dimension; every dimension must be >= 0.")
-    if math.prod(result) >= _MAX_GLOBAL_NUMEL:
-        raise InvalidArgumentError(
-            f"shape {result} has 2**62 or more elements, more than the counter space indexes; "
-            f"split it into tensors drawn with different keys."
-        )
-    return result
-
-
-def _check_bool(value: object, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, np.bool_):
-        return bool(value)
-    raise ArgumentTypeError(f"{what} must be a bool (True or False), got {type(value).__name__} {value!r}.")
-
-
-def _check_real(value: object, what: str) -> float:
-    if type(value) is float and math.isfinite(value):  # the common case, without the abstract-class check
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(
-            f"{what} must be a real number (int or float), got {type(value).__name__} {value!r}; "
-            f"pass a Python number, e.g. {what}=float(t) for a 0-d tensor t."
-        )
-    result = float(value)
-    if not math.isfinite(result):
-        raise InvalidArgumentError(f"{what} must be finite, got {result}.")
-    return result
-
-
-def _check_finite(**values: float) -> None:
-    """Refuse a NaN or infinite parameter (floats already: portable mode's ops take them from the op's schema)."""
-    for name, value in values.items():
-        if not math.isfinite(value):
-            raise InvalidArgumentError(f"{name} must be finite, got {value}.")
-
-
-def check_probability(p: object) -> float:
-    """``p`` as a float in ``[0, 1]``, checked as :func:`bernoulli` and :func:`dropout` check it.
-
-    Raises:
-        ArgumentTypeError: ``p`` is not a real number (bools included).
-        InvalidArgumentError: ``p`` is outside ``[0, 1]`` or NaN.
-    """
-    if type(p) is float:  # dropout's and bernoulli_'s own case: no abstract-class check (microseconds a call)
-        value = p
-    elif isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise ArgumentTypeError(
-            f"p must be a real number in [0, 1], got {type(p).__name__} {p!r}; pass a Python float such as 0.1."
-        )
-    else:
-        value = float(p)
-    if not 0.0 <= value <= 1.0:  # also refuses NaN, for which every comparison is False
-        raise InvalidArgumentError(f"p must be a probability in [0, 1], got {value}.")
-    return value
-
-
-def _check_dtype(dtype: object, supported: Collection[torch.dtype], what: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in supported:
-        return dtype
-    names = ", ".join(str(d) for d in supported)
-    if not isinstance(dtype, torch.dtype):
-        raise ArgumentTypeError(
-            f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__} {dtype!r}; "
-            f"{what} supports {names}."
-        )
-    raise ArgumentTypeError(f"{what} supports dtypes {names}; got {dtype!r}.")
-
-
-def _first_line(error: BaseException, limit: int = 160) -> str:
-    """The gist of a torch error: its first line, shortened."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _check_device(device: object) -> torch.device:
-    """``device`` as a torch.device that this process can allocate on, or a typed error."""
-    if device is None:
-        return torch.device("cpu")
-    if isinstance(device, torch.device):
-        target = device
-    elif isinstance(device, str) or (isinstance(device, numbers.Integral) and not isinstance(device, bool)):
-        try:
-            target = torch.device(device)  # type: ignore[arg-type]
-        except _DEVICE_ERRORS as error:
-            raise InvalidArgumentError(
-                f"device {device!r} is not a device torch knows ({_first_line(error)}); pass e.g. 'cpu' or 'cuda:0'."
-            ) from None
-    else:
-        raise ArgumentTypeError(
-            f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None; "
-            f"got {type(device).__name__} {device!r}."
-        )
-    if target.type == "cpu":  # always there, whatever its index
-        return target
-    try:
-        torch.empty(0, device=target)  # names an available device: nothing else is touched first
-    except _DEVICE_ERRORS as error:
-        raise InvalidArgumentError(
-            f"device {str(target)!r} is not available in this process ({_first_line(error)}); "
-            f"pick one that is, e.g. 'cpu'."
-        ) from None
-    return target
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half types are computed in float32 and rounded once, when written into the result.
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _finite_in(value: float, dtype: torch.dtype) -> bool:
-    """Whether ``value`` rounds to a finite number of ``dtype``."""
-    return bool(torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype)))
-
-
-class _Once:
-    """``functools.cached_property`` without its lock, which torch.compile cannot enter on Python 3.10 and 3.11:
-    the value, computed at the first read, goes into the instance's dict, which later reads find first (a
-    non-data descriptor), so they cost no call. Two threads reading it first compute the same value."""
-
-    def __init__(self, compute: Callable[[Any], Any]) -> None:
-        self.compute, self.name = compute, compute.__name__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        if instance is None:
-            return self
-        value = instance.__dict__[self.name] = self.compute(instance)
-        return value
-
-
-# -- draws: a distribution with checked parameters, computed by a backend ----------------------
-@dataclass(frozen=True)
-class Draw:
-    """A distribution with checked parameters: what either backend computes.
-
-    ``params`` are Python numbers: the first an integer (a word mask, shift, threshold or
-    bound), the others values of ``value_dtype``, the dtype the values are computed in;
-    ``dtype`` is the result's. Made by the cached ``*_draw`` functions below, which check the
-    parameters once per distinct set, so a repeated draw (every op of portable mode) pays no
-    checks.
-    """
-
-    name: str
-    dtype: torch.dtype
-    value_dtype: torch.dtype
-    params: tuple[float | int, ...] = ()
-
-    @property
-    def transform(self) -> _k.Transform:
-        return _k.TRANSFORMS[self.name]
-
-    @property
-    def param_dtypes(self) -> tuple[torch.dtype, ...]:
-        return (torch.int64,) + (self.value_dtype,) * (len(self.params) - 1)
-
-    def _kernel_arguments(self) -> _triton.Arguments:
-        """The Triton kernels' arguments for this draw (imports Triton on first use)."""
-        return _triton.arguments(self.name, self.params, self.value_dtype)
-
-    kernel_arguments = _Once(_kernel_arguments)  # draws are made once per set (cached); a launch asks every time
-
-
-BITS = Draw("random_bits", torch.int64, torch.int64)
-"""The raw words: what :func:`random_bits` draws."""
-
-
-def uniform_draw(dtype: object, low: object, high: object) -> Draw:
-    """:func:`uniform`'s draw, its parameters checked (the errors of :func:`uniform`)."""
-    checked = _check_dtype(dtype, _UNIFORM_BITS, "uniform")
-    return _uniform_draw(checked, _check_real(low, "low"), _check_real(high, "high"))
-
-
-@functools.lru_cache(maxsize=256)
-def _uniform_draw(dtype: torch.dtype, low: float, high: float) -> Draw:
-    _check_finite(low=low, high=high)
-    if low > high:
-        raise InvalidArgumentError(f"low must be <= high, got low={low} and high={high}.")
-    compute = _compute_dtype(dtype)
-    for name, value in (("low", low), ("high", high)):
-        if not _finite_in(value, dtype):
-            raise InvalidArgumentError(
-                f"{name}={value} is outside the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); "
-                f"narrow the bounds or use a wider dtype."
-            )
-    span = high - low
-    if not _finite_in(span, compute):
-        raise InvalidArgumentError(
-            f"high - low = {span} overflows {compute}, the precision uniform computes in; narrow the bounds."
-        )
-    keep = (_PROBABILITY_SCALE - 1) & ~((1 << (_WORD_BITS - _UNIFORM_BITS[dtype])) - 1)  # the top bits of a word
-    # The parameters as the compute dtype holds them: what both backends multiply and add.
-    span_c, low_c = (float(torch.tensor(v, dtype=torch.float64).to(compute)) for v in (span, low))
-    return Draw("uniform", dtype, compute, (keep, _WORD_UNIT, span_c, low_c))
-
-
-def bernoulli_draw(p: object, dtype: object = torch.bool) -> Draw:
-    """:func:`bernoulli`'s draw, its parameters checked (the errors of :func:`bernoulli`)."""
-    threshold = round(check_probability(p) * _PROBABILITY_SCALE)  # p * 2**32 is exact: only this rounding is lossy
-    return _bernoulli_draw(threshold, _check_dtype(dtype, _BERNOULLI_DTYPES, "bernoulli"))
-
-
-@functools.lru_cache(maxsize=256)
-def _bernoulli_draw(threshold: int, dtype: torch.dtype) -> Draw:
-    return Draw("bernoulli", dtype, torch.bool, (threshold,))
-
-
-def normal_draw(dtype: object, mean: object, std: object) -> Draw:
-    """:func:`normal`'s draw, its parameters checked (the errors of :func:`normal`)."""
-    checked = _check_dtype(dtype, _NORMAL_BITS, "normal")
-    return _normal_draw(checked, _check_real(mean, "mean"), _check_real(std, "std"))
-
-
-@functools.lru_cache(maxsize=256)
-def _normal_draw(dtype: torch.dtype, mean: float, std: float) -> Draw:
-    _check_finite(mean=mean, std=std)
-    if std < 0:
-        raise InvalidArgumentError(f"std must be >= 0, got {std}.")
-    bits = _NORMAL_BITS[dtype]
-    z_max = math.sqrt(-2.0 * math.log(2.0**-bits))  # |z| of the smallest u1, 2**-bits
-    if abs(mean) + z_max * std > torch.finfo(dtype).max:
-        raise InvalidArgumentError(
-            f"mean={mean} and std={std} can give samples up to mean ± {z_max:.2f} * std, beyond "
-            f"the finite range of {dtype} (|x| <= {torch.finfo(dtype).max:g}); use a wider dtype or smaller values."
-        )
-    compute = _compute_dtype(dtype)
-    as_compute = [float(torch.tensor(v, dtype=torch.float64).to(compute)) for v in (2.0 * math.pi, std, mean)]
-    return Draw("normal", dtype, compute, (_WORD_BITS - bits, 2.0**-bits, *as_compute))
-
-
-def randint_draw(low: object, high: object, dtype: object = torch.int64) -> Draw:
-    """:func:`randint`'s draw, its parameters checked (the errors of :func:`randint`)."""
-    low_value, high_value = check_int(low, "low"), check_int(high, "high")
-    if not isinstance(dtype, torch.dtype):
-        raise ArgumentTypeError(f"dtype must be a torch.dtype such as torch.int64, got {type(dtype).__name__}.")
-    return _randint_draw(low_value, high_value, dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _randint_draw(low: int, high: int, dtype: torch.dtype) -> Draw:
-    span = high - low
-    if not 1 <= span <= _PROBABILITY_SCALE:
-        raise InvalidArgumentError(
-            f"randint: the range [{low}, {high}) holds {span} values; it must hold 1 to 2**32 (one 32-bit word each)."
-        )
-    if dtype == torch.bool:
-        limits: tuple[float, float] = (0, 1)
-    elif dtype.is_floating_point:
-        limits = (-torch.finfo(dtype).max, torch.finfo(dtype).max)
-    elif dtype.is_complex:
-        raise ArgumentTypeError(f"randint draws real numbers; got dtype {dtype}.")
-    else:
-        limits = (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-    if low < limits[0] or high - 1 > limits[1]:
-        raise InvalidArgumentError(f"randint: the range [{low}, {high}) does not fit {dtype}.")
-    return Draw("randint", dtype, torch.int64, (low, span))
-
-
-def dropout_draw(p: float, dtype: torch.dtype) -> Draw:
-    """The fused dropout's draw for a checked ``0 < p < 1`` and ``x``'s floating ``dtype``: the keep
-    threshold and the scale ``1 / (1 - p)`` as torch rounds it to ``dtype``."""
-    return _dropout_draw(round((1.0 - p) * _PROBABILITY_SCALE), p, dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _dropout_draw(threshold: int, p: float, dtype: torch.dtype) -> Draw:
-    scale = float(torch.ones((), dtype=dtype).div_(1.0 - p))  # torch's mask scale: 1 / (1 - p) in dtype
-    return Draw("dropout", dtype, _compute_dtype(dtype), (threshold, scale))
-
-
-def run(
-    draw: Draw,
-    geometry: _shards.ShardGeometry,
-    key: int,
-    offset: int,
-    device: torch.device,
-    compiled: bool,
-    out: torch.Tensor | None,
-    backend: str,
-) -> torch.Tensor:
-    """Draw ``draw``'s values for the block ``geometry`` at ``(key, offset)`` with ``backend``
-    (``"torch"`` or ``"triton"``, resolved), into ``out`` if given. Nothing is checked: this is
-    the path of callers that checked everything once (portable mode's ops)."""
-    if backend == "triton":
-        target = torch.empty(geometry.local_shape, dtype=draw.dtype, device=device) if out is None else out
-        return _triton.fill(draw.kernel_arguments, geometry, key, offset, target)
-    if not compiled and device.type == "cpu" and geometry.segments == 1:
-        numel = math.prod(geometry.local_shape)
-        if 0 < numel and _k.host_fill_serves(draw.transform, draw.dtype, numel, out):  # in a few steps
-            target = torch.empty(geometry.local_shape, dtype=draw.dtype) if out is None else out
-            _k.fill_host(draw.transform, draw.params, draw.param_dtypes, key, offset + geometry.first, target)
-            return target
-    kernel = _k.Kernel(draw.transform, draw.params, draw.param_dtypes, key, device, compiled, draw.value_dtype)
-    if out is not None and not out.is_contiguous():
-        return out.copy_(_shards.fill(geometry, offset, kernel, draw.dtype))
-    return _shards.fill(geometry, offset, kernel, draw.dtype, out=out)
 
 
 def _generate(
@@ -485,25 +117,6 @@ def _generate(
     target = _check_device(device)
     result = None if out is None else _check_out(out, geometry.local_shape, draw.dtype, target)
     return run(draw, geometry, key_value, offset_value, target, use_compiled, result, backends.resolve(chosen, target))
-
-
-def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``out`` if it can hold the result: a tensor of its shape, dtype and device whose elements do not
-    overlap (any strides)."""
-    if not isinstance(out, torch.Tensor):
-        raise ArgumentTypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}.")
-    if out.dtype != dtype:
-        raise ArgumentTypeError(f"out has dtype {out.dtype} but the result is {dtype}.")
-    if tuple(out.shape) != shape:
-        raise InvalidArgumentError(f"out must have the result's shape {shape}, got shape {tuple(out.shape)}.")
-    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
-        raise InvalidArgumentError(
-            f"out has overlapping elements (strides {out.stride()}, an expanded tensor); pass a tensor that owns "
-            f"every element, e.g. out.clone()."
-        )
-    if out.device != device:
-        raise InvalidArgumentError(f"out is on {out.device} but the result is drawn on {device}.")
-    return out
 
 
 def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -577,6 +190,23 @@ def random_bits(
     ``backend`` (this and every function below) is ``"auto"``, ``"torch"`` or ``"triton"``: see
     :mod:`hyperrng.philox.backends`; every backend gives the same values. ``compiled=True``
     runs the torch backend through ``torch.compile`` (the Triton backend is fused already).
+
+    Consecutive calls that advance ``offset`` by the previous ``numel`` never reuse a value.
+    :func:`random_bits`, :func:`bernoulli`, :func:`dropout`'s mask and :func:`uniform` with its
+    default bounds are identical on every device, eager or compiled, because they are exact
+    integer and power-of-two operations; :func:`normal` depends on each device's
+    ``log``/``sin``/``cos`` (see its docstring). Draws of different distributions with the same
+    key and offset read the same words, so they are dependent: give independent draws different
+    keys or disjoint index ranges.
+
+    Memory: eager draws work a chunk of blocks at a time, so the working memory besides the
+    result is at most :func:`~hyperrng.philox._torch.scratch_bytes` (24 MiB) whatever the
+    tensor size. ``compiled=True`` runs the same arithmetic through ``torch.compile`` as one
+    fused loop per contiguous run, keeping nothing in memory but the values; it is compiled
+    on first use, once per distribution and compute dtype, then reused for every key,
+    offset, parameter and size, and is bitwise equal to eager for the exact distributions.
+
+    Every argument is checked before anything is allocated or computed.
 
     Raises:
         ArgumentTypeError: ``key``, ``offset`` or a shape dimension is not an int (bools and
@@ -715,9 +345,8 @@ def dropout(
     """Zero each element of ``x`` with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
     Element ``i`` is kept exactly where ``bernoulli(x.shape, 1 - p, key, offset)[i]`` is
-    True, i.e. where its 32-bit word is below ``round((1 - p) * 2**32)`` (the dropout
-    convention of the module docstring), so the mask is identical on every device and
-    backend. The values are :func:`apply_dropout_mask` of that mask: ``F.dropout`` in
+    True, i.e. where its 32-bit word is below ``round((1 - p) * 2**32)``, so the mask is
+    identical on every device and backend. The values are :func:`apply_dropout_mask` of that mask: ``F.dropout`` in
     portable mode at the same position gives the same bits. ``p = 1`` returns ``x * 0``;
     ``p = 0``, ``training=False`` or an empty ``x`` return ``x`` itself. Gradients flow through
     the kept elements.
@@ -725,6 +354,14 @@ def dropout(
     The Triton backend masks and scales in one pass and keeps no mask: its backward pass
     draws the same words again, in the same single pass over the gradient. The torch backend
     draws the mask, then multiplies (autograd keeps the scaled mask for the backward pass).
+
+    **Dropout convention.** Every portable dropout (this function, the functions of
+    :mod:`hyperrng.portable.position`, and ``F.dropout`` in portable mode) *keeps* element ``i``
+    where its word is below ``round((1 - p) * 2**32)``, that is where ``bernoulli(shape, 1 - p)``
+    is True, and computes the values as torch does (:func:`apply_dropout_mask`). This is torch's
+    own definition: ``F.dropout`` on the CPU decomposes into ``bernoulli_(1 - p)`` and a scale,
+    and portable mode replaces ``bernoulli_``, not that decomposition, so the keep-mask
+    convention is the one under which the functions and portable mode agree bit for bit.
 
     For a shard of a larger tensor, pass ``global_shape`` and ``shard`` (slices as in
     :func:`random_bits`); ``x`` must have the shard's shape and is masked exactly as the

@@ -1,41 +1,52 @@
 """Portable attention: scaled dot-product attention whose dropout mask is a pure function of the position.
-
 :func:`scaled_dot_product_attention` is ``torch.nn.functional.scaled_dot_product_attention`` (same
 arguments, same semantics) whose attention dropout is the portable dropout mask of the attention
-probabilities, drawn at an explicit Philox position ``(philox_key, offset)``.
+probabilities, drawn at an explicit Philox position ``(philox_key, offset)``, so that the mask is
+bit-identical on every device and for every implementation; after its arguments are checked
+(:mod:`hyperrng.philox._attention_checks`), torch operations compute it a chunk of query rows at a time
+(the reference) or flash-attention Triton kernels do (:data:`BACKENDS`).
+"""
 
-**Contract.** The probabilities form a tensor of *global* shape ``(*batch, L, S)`` (usually
-``(B, H, L, S)``; ``batch`` is the broadcast of the query's and the key's batch dimensions, the query
-heads with ``enable_gqa``). Element ``(b, h, i, j)`` has the row-major global index
-``g = offset + ((b * H + h) * L + i) * S + j``; its 32-bit word is lane ``g % 4`` of the Philox4x32-10
-block with 64-bit counter ``g // 4`` under ``philox_key``, the word of
-:func:`hyperrng.philox.random_bits`. The element is kept iff that word is below
-``round((1 - p) * 2**32)``, i.e. where ``hyperrng.philox.bernoulli((*batch, L, S), 1 - p, philox_key,
-offset)`` is True (the portable dropout convention), and kept probabilities are scaled by
-``1 / (1 - p)``::
+from __future__ import annotations
 
-    out = dropout_mask(softmax(q @ k^T * scale + attn_mask)) @ v
+import functools
+import importlib
+import importlib.util
+import math
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-So the mask is bit-identical on every device, for every implementation, and a call that computes a
-block of the global attention (a rank of a batch- or head-sharded run, a query block of sequence or
-context parallelism: ``global_shape`` and ``shard``) gets exactly the matching slice of the unsharded
-mask. The draw covers ``prod(global_shape)`` indices from ``offset``; a caller that draws again
-advances ``offset`` by that count (portable mode rounds it up to a multiple of 4, whole Philox blocks).
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
 
-Everything else follows torch's math path: ``attn_mask`` bool (True: take part) or additive (the
-query's dtype), broadcastable to the local ``(*batch, L, S)``; ``is_causal`` masks ``j > i`` for the
-*global* row ``i`` (top-left aligned, as torch); ``scale`` defaults to ``1 / sqrt(E)``; a row with
-nothing to attend to gives zeros and zero gradients (torch's safe softmax); ``dropout_p = 0`` draws
-nothing and needs no position.
+from hyperrng.errors import InvalidArgumentError
+from hyperrng.philox import _triton, apply_dropout_mask, backends, bernoulli
+from hyperrng.philox._attention_checks import (
+    _Block,
+    _check_block,
+    _check_dropout_p,
+    _check_position,
+    _check_problem,
+    _Dropout,
+    _Problem,
+)
+from hyperrng.platforms.validate import error_gist
 
-**Implementations.** ``backend="torch"`` (every device; the reference) computes math attention a chunk
-of query rows at a time: a chunk holds at most :data:`CHUNK_ELEMENTS` scores (``rows x S`` per head, at
-least one row), its mask is drawn with :func:`hyperrng.philox.bernoulli` for exactly those rows, and the
-backward pass recomputes scores and mask chunk by chunk. It saves ``q``, ``k``, ``v``, the output and
-one logsumexp per row, never a mask or an ``L x S`` tensor; its working memory is a few chunks (plus,
-for float16/bfloat16 inputs, float32 copies of ``k`` and ``v``, and in the backward float32 gradient
-accumulators of the broadcast shape, e.g. one key-sized buffer per query head with ``enable_gqa``).
-Half precision computes in float32, float64 in float64.
+__all__ = ["BACKENDS", "CHUNK_ELEMENTS", "probability_shape", "scaled_dot_product_attention"]
+
+BACKENDS = backends.BACKENDS
+"""Values of ``backend=``: the implementations of :func:`scaled_dot_product_attention`.
+
+``backend="torch"`` (every device; the reference) computes math attention a chunk of query rows at a
+time: a chunk holds at most :data:`CHUNK_ELEMENTS` scores (``rows x S`` per head, at least one row), its
+mask is drawn with :func:`hyperrng.philox.bernoulli` for exactly those rows, and the backward pass
+recomputes scores and mask chunk by chunk. It saves ``q``, ``k``, ``v``, the output and one logsumexp per
+row, never a mask or an ``L x S`` tensor; its working memory is a few chunks (plus, for float16/bfloat16
+inputs, float32 copies of ``k`` and ``v``, and in the backward float32 gradient accumulators of the
+broadcast shape, e.g. one key-sized buffer per query head with ``enable_gqa``). Half precision computes
+in float32, float64 in float64.
 
 ``backend="triton"`` runs flash-attention kernels (:mod:`hyperrng.philox._triton_attention`) that
 generate the mask from the global index inside the kernel, forward and backward, never materialising
@@ -47,7 +58,7 @@ regenerating the mask of its tiles. CUDA tensors run compiled kernels; CPU tenso
 Triton's interpreter (for tests). It takes float16, bfloat16 and float32 (IEEE products, no TF32) with head
 dims 16, 32, 64 or 128 (query/key equal to value), no gradient for ``attn_mask``, batch dimensions
 that fold into ``(B, H)``. ``backend="auto"`` picks it for CUDA tensors when Triton is importable and
-the call fits, the torch implementation otherwise. Empty inputs always take the torch path.
+the call fits, the torch implementation otherwise (:func:`_choose`). Empty inputs always take the torch path.
 
 **Tolerance.** Masks are integers: identical between implementations and devices. Values are
 floating point and differ by rounding. The tests (``tests/philox/test_attention.py``) hold the torch
@@ -58,108 +69,17 @@ round the probabilities to the input dtype before the product with ``v``, as fla
 (measured at ``L = 40``, ``S = 36``: largest differences about ``1e-6``, ``2e-3`` and ``2e-2``).
 """
 
-from __future__ import annotations
-
-import functools
-import importlib
-import importlib.util
-import math
-import numbers
-import types
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch.autograd.function import FunctionCtx, once_differentiable
-
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
-from hyperrng.philox import (
-    COUNTER_SPACE,
-    _check_bool,
-    _triton,
-    apply_dropout_mask,
-    backends,
-    bernoulli,
-    check_probability,
-    check_shape,
-)
-from hyperrng.philox._shards import ShardGeometry
-from hyperrng.platforms.validate import check_int, check_seed, error_gist
-
-__all__ = ["BACKENDS", "CHUNK_ELEMENTS", "probability_shape", "scaled_dot_product_attention"]
-
-BACKENDS = backends.BACKENDS
-"""Values of ``backend=``: see the module docstring."""
-
 CHUNK_ELEMENTS = 2**20
 """Scores one chunk of the torch implementation holds (all local heads, a range of query rows); a chunk
 has at least one row. A few float32 buffers of this size (4 MiB each) are its working memory."""
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_WORD_SCALE = 2**32  # a word is below round(q * 2**32) with probability ~q
 _INT32 = 2**31  # Triton kernel arguments and per-head offsets are 32-bit
 _GRID = 65535  # largest extent of grid axes 1 and 2, which hold heads and batches
 _KERNELS = "hyperrng.philox._triton_attention"
 _HEAD_DIMS = (16, 32, 64, 128)  # the head dims the kernels have tiles for
 
 
-# -- the problem ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Problem:
-    """The shapes and switches of one call, checked."""
-
-    batch: tuple[int, ...]  # local batch dims of the probabilities (query heads last)
-    L: int
-    S: int
-    E: int
-    Ev: int
-    group: int  # query heads per key/value head (enable_gqa), else 1
-    scale: float
-    causal: bool
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Local shape of the probabilities."""
-        return (*self.batch, self.L, self.S)
-
-    @property
-    def compute_batch(self) -> tuple[int, ...]:
-        """Batch dims the torch implementation computes in: query heads split into (key heads, group)."""
-        if self.group == 1:
-            return self.batch
-        return (*self.batch[:-1], self.batch[-1] // self.group, self.group)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
-
-
-@dataclass(frozen=True)
-class _Block:
-    """Which block of the global probabilities this call computes."""
-
-    global_shape: tuple[int, ...]
-    starts: tuple[int, ...]
-
-    @property
-    def row_start(self) -> int:
-        return self.starts[-2]
-
-
-@dataclass(frozen=True)
-class _Dropout:
-    p: float
-    key: int
-    offset: int
-
-    @property
-    def threshold(self) -> int:
-        return round((1.0 - self.p) * _WORD_SCALE)  # as hyperrng.philox.bernoulli(shape, 1 - p) rounds it
+# -- the plan: a checked call and the implementation that runs it ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -169,179 +89,6 @@ class _Plan:
     dropout: _Dropout | None
     kernels: types.ModuleType | None  # the Triton kernels module when the Triton backend runs
     interpret: bool = False
-
-
-def _check_tensor(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ArgumentTypeError(
-            f"{name} must be a torch.Tensor of shape (..., L or S, E), got {type(value).__name__}; "
-            f"convert it with torch.as_tensor."
-        )
-    return value
-
-
-def _check_problem(
-    query: object,
-    key: object,
-    value: object,
-    attn_mask: object,
-    is_causal: object,
-    scale: object,
-    enable_gqa: object,
-) -> tuple[_Problem, torch.Tensor | None]:
-    """The checked problem and mask, or a typed error naming what is wrong."""
-    q, k, v = (_check_tensor(t, name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
-    for t, name in ((q, "query"), (k, "key"), (v, "value")):
-        if t.dtype not in _DTYPES:
-            raise ArgumentTypeError(
-                f"{name} has dtype {t.dtype}; attention takes float16, bfloat16, float32 or float64 tensors."
-            )
-    if not q.dtype == k.dtype == v.dtype:
-        raise ArgumentTypeError(
-            f"query, key and value must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}; convert them."
-        )
-    if not q.device == k.device == v.device:
-        raise InvalidArgumentError(
-            f"query, key and value must be on one device, got {q.device}, {k.device} and {v.device}."
-        )
-    gqa = _check_bool(enable_gqa, "enable_gqa")
-    causal = _check_bool(is_causal, "is_causal")
-    least = 3 if gqa else 2
-    if q.dim() < least or not q.dim() == k.dim() == v.dim():
-        raise InvalidArgumentError(
-            f"query, key and value must have the same number of dimensions, at least {least} "
-            f"((..., heads, L, E) with enable_gqa), got shapes {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}."
-        )
-    L, E, S, Ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-    if k.shape[-1] != E or v.shape[-2] != S:
-        raise InvalidArgumentError(
-            f"shapes do not fit attention: query (..., L, E) {tuple(q.shape)}, key (..., S, E) {tuple(k.shape)}, "
-            f"value (..., S, Ev) {tuple(v.shape)} need key's last dim equal to E and value's S equal to key's."
-        )
-    group, k_batch, v_batch = 1, tuple(k.shape[:-2]), tuple(v.shape[:-2])
-    if gqa:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if v.shape[-3] != hk or hk == 0 or hq % hk:
-            raise InvalidArgumentError(
-                f"enable_gqa needs key and value with the same number of heads dividing the query's: got "
-                f"{hq} query, {hk} key and {v.shape[-3]} value heads."
-            )
-        group = hq // hk
-        k_batch, v_batch = (*k_batch[:-1], hq), (*v_batch[:-1], hq)
-    try:
-        batch = _broadcast(tuple(q.shape[:-2]), k_batch, v_batch)
-    except RuntimeError:
-        raise InvalidArgumentError(
-            f"the batch dimensions of query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} "
-            f"do not broadcast{'' if gqa else '; for fewer key/value heads than query heads pass enable_gqa=True'}."
-        ) from None
-    mask = None if attn_mask is None else _check_mask(attn_mask, q, (*batch, L, S))
-    if mask is not None and causal:
-        raise InvalidArgumentError(
-            "pass attn_mask or is_causal=True, not both (as torch); fold the causal mask into attn_mask."
-        )
-    if scale is None:
-        scale_value = 1.0 / math.sqrt(E) if E else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise ArgumentTypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}.")
-    else:
-        scale_value = float(scale)
-        if not math.isfinite(scale_value):
-            raise InvalidArgumentError(f"scale must be finite, got {scale_value}.")
-    problem = _Problem(batch, L, S, E, Ev, group, scale_value, causal, q.dtype, q.device)
-    return problem, mask
-
-
-@functools.lru_cache(maxsize=256)
-def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """``torch.broadcast_shapes`` of ``shapes``, remembered: it costs tens of microseconds, and a model
-    asks the same few shapes in every layer. Raises its RuntimeError where they do not broadcast."""
-    return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
-
-
-def _check_mask(attn_mask: object, q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if not isinstance(attn_mask, torch.Tensor):
-        raise ArgumentTypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
-    if attn_mask.dtype not in (torch.bool, q.dtype):
-        raise ArgumentTypeError(
-            f"attn_mask must be bool (True: take part) or additive in the query's dtype {q.dtype}, "
-            f"got {attn_mask.dtype}."
-        )
-    if attn_mask.device != q.device:
-        raise InvalidArgumentError(f"attn_mask is on {attn_mask.device} but query is on {q.device}.")
-    try:
-        fits = _broadcast(tuple(attn_mask.shape), shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise InvalidArgumentError(
-            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention shape {shape} "
-            f"(*batch, L, S)."
-        )
-    return attn_mask
-
-
-def _check_dropout_p(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise ArgumentTypeError(
-            f"dropout_p must be a real number in [0, 1], got {type(dropout_p).__name__} {dropout_p!r}; "
-            f"pass a Python float such as 0.1."
-        )
-    try:
-        return check_probability(dropout_p)
-    except InvalidArgumentError:
-        raise InvalidArgumentError(f"dropout_p must be a probability in [0, 1], got {float(dropout_p)}.") from None
-
-
-def _check_block(problem: _Problem, global_shape: object, shard: object) -> _Block:
-    local = problem.shape
-    if global_shape is None:
-        if shard is not None:
-            raise InvalidArgumentError("shard needs global_shape: pass the shape of the unsharded probabilities too.")
-        return _Block(local, (0,) * len(local))
-    shape = check_shape(global_shape)
-    if len(shape) != len(local):
-        raise InvalidArgumentError(
-            f"global_shape {shape} must have the {len(local)} dimensions of the probabilities (*batch, L, S), "
-            f"like the local {local}."
-        )
-    if shape[-1] != problem.S:
-        raise InvalidArgumentError(
-            f"global_shape {shape} has S = {shape[-1]} but key has {problem.S} rows: every call needs all keys "
-            f"(the softmax runs over them); shard batch, heads or query rows only."
-        )
-    geometry = ShardGeometry.of(shape, shard)
-    if geometry.local_shape != local:
-        raise InvalidArgumentError(
-            f"shard {shard!r} of global_shape {shape} has shape {geometry.local_shape}, but the probabilities of "
-            f"these tensors have shape {local}."
-        )
-    if problem.group > 1 and geometry.starts[-3] % problem.group:
-        raise InvalidArgumentError(
-            f"with enable_gqa a block of heads starts at a multiple of {problem.group} (query heads per key head), "
-            f"so that its key and value heads are whole; shard starts at head {geometry.starts[-3]}."
-        )
-    return _Block(shape, geometry.starts)
-
-
-def _check_position(p: float, philox_key: object, offset: object, block: _Block) -> _Dropout | None:
-    key = None if philox_key is None else check_seed(philox_key, "philox_key")
-    start = check_int(offset, "offset")
-    numel = math.prod(block.global_shape)
-    if start < 0:
-        raise InvalidArgumentError(f"offset must be >= 0, got {start}; it is the global index of element 0.")
-    if start + numel > COUNTER_SPACE:
-        raise InvalidArgumentError(
-            f"offset {start} + {numel} probabilities of shape {block.global_shape} overflows the 2**64 counter "
-            f"space by {start + numel - COUNTER_SPACE}; start a new philox_key instead of wrapping around."
-        )
-    if p == 0.0:
-        return None
-    if key is None:
-        raise InvalidArgumentError(
-            f"dropout_p={p} draws a dropout mask: pass its position, philox_key (an int in [0, 2**64 - 1]) and offset."
-        )
-    return _Dropout(p, key, start)
 
 
 # -- backend choice ------------------------------------------------------------------------------
@@ -742,7 +489,31 @@ def scaled_dot_product_attention(
     shard: Sequence[slice] | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` with the portable dropout mask (module docstring).
+    """``torch.nn.functional.scaled_dot_product_attention`` with the portable dropout mask.
+
+    **Contract.** The probabilities form a tensor of *global* shape ``(*batch, L, S)`` (usually
+    ``(B, H, L, S)``; ``batch`` is the broadcast of the query's and the key's batch dimensions, the query
+    heads with ``enable_gqa``). Element ``(b, h, i, j)`` has the row-major global index
+    ``g = offset + ((b * H + h) * L + i) * S + j``; its 32-bit word is lane ``g % 4`` of the Philox4x32-10
+    block with 64-bit counter ``g // 4`` under ``philox_key``, the word of
+    :func:`hyperrng.philox.random_bits`. The element is kept iff that word is below
+    ``round((1 - p) * 2**32)``, i.e. where ``hyperrng.philox.bernoulli((*batch, L, S), 1 - p, philox_key,
+    offset)`` is True (the portable dropout convention), and kept probabilities are scaled by
+    ``1 / (1 - p)``::
+
+        out = dropout_mask(softmax(q @ k^T * scale + attn_mask)) @ v
+
+    So the mask is bit-identical on every device, for every implementation, and a call that computes a
+    block of the global attention (a rank of a batch- or head-sharded run, a query block of sequence or
+    context parallelism: ``global_shape`` and ``shard``) gets exactly the matching slice of the unsharded
+    mask. The draw covers ``prod(global_shape)`` indices from ``offset``; a caller that draws again
+    advances ``offset`` by that count (portable mode rounds it up to a multiple of 4, whole Philox blocks).
+
+    Everything else follows torch's math path: ``attn_mask`` bool (True: take part) or additive (the
+    query's dtype), broadcastable to the local ``(*batch, L, S)``; ``is_causal`` masks ``j > i`` for the
+    *global* row ``i`` (top-left aligned, as torch); ``scale`` defaults to ``1 / sqrt(E)``; a row with
+    nothing to attend to gives zeros and zero gradients (torch's safe softmax); ``dropout_p = 0`` draws
+    nothing and needs no position.
 
     Args:
         query, key, value: ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` floating-point tensors of one
@@ -757,7 +528,7 @@ def scaled_dot_product_attention(
         shard: slices of ``global_shape`` (step 1; trailing dimensions may be omitted) selecting this
             call's block: batch, heads or query rows, never key columns. The mask and the causal diagonal
             are those of the block's global rows; ``attn_mask`` is the block's own.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (module docstring).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:data:`BACKENDS`).
 
     Returns:
         The attention output ``(*batch, L, Ev)`` in the inputs' dtype, differentiable (once: no double

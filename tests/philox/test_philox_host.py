@@ -19,11 +19,12 @@ import torch
 from hyperrng import philox
 from hyperrng.philox import _shards as shards
 from hyperrng.philox import _torch as kernels
+from hyperrng.philox import _words as words
 from hyperrng.philox._shards import ShardGeometry
 from tests.philox.test_philox import MASK32, philox_reference, same_bits
 
 compiled = pytest.mark.skipif(
-    kernels._cphilox is None, reason="the optional compiled loop hyperrng.philox._cphilox was not built here"
+    words._cphilox is None, reason="the optional compiled loop hyperrng.philox._cphilox was not built here"
 )
 
 
@@ -39,7 +40,7 @@ FIRSTS = [0, 5, 2**32 - 3, 2**62 - 9]  # 2**32 - 3: the block counter carries in
 @pytest.mark.parametrize("k0, k1", KEYS)
 @pytest.mark.parametrize("first", FIRSTS)
 def test_numpy_words_are_the_philox_words_of_their_blocks(k0: int, k1: int, first: int) -> None:
-    assert kernels.numpy_words(k0, k1, first, 7).tolist() == reference_words(k0, k1, first, 7)
+    assert words.numpy_words(k0, k1, first, 7).tolist() == reference_words(k0, k1, first, 7)
 
 
 @compiled
@@ -47,7 +48,7 @@ def test_numpy_words_are_the_philox_words_of_their_blocks(k0: int, k1: int, firs
 @pytest.mark.parametrize("first", [*FIRSTS, 2**64 - 7])
 def test_compiled_words_are_the_philox_words_of_their_blocks(k0: int, k1: int, first: int) -> None:
     out = np.empty((4, 7), dtype=np.uint64)
-    assert kernels._cphilox.words(out, k0, k1, first) is None
+    assert words._cphilox.words(out, k0, k1, first) is None
     assert out.tolist() == reference_words(k0, k1, first, 7)
 
 
@@ -56,7 +57,7 @@ def test_compiled_words_are_the_philox_words_of_their_blocks(k0: int, k1: int, f
 def test_compiled_and_numpy_words_agree_on_long_runs(m: int) -> None:
     rng = random.Random(m)
     k0, k1, first = rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(40)
-    assert np.array_equal(kernels.host_words(k0, k1, first, m), kernels.numpy_words(k0, k1, first, m))
+    assert np.array_equal(words.host_words(k0, k1, first, m), words.numpy_words(k0, k1, first, m))
 
 
 @compiled
@@ -75,7 +76,7 @@ def test_compiled_words_refuse_a_buffer_they_cannot_fill_and_write_nothing(make_
     out = make_out()
     before = bytes(memoryview(np.ascontiguousarray(out)).cast("B")) if not isinstance(out, bytes) else out
     with pytest.raises((ValueError, BufferError, TypeError)) as info:
-        kernels._cphilox.words(out, 1, 2, 3)
+        words._cphilox.words(out, 1, 2, 3)
     assert fragment in str(info.value) or isinstance(info.value, BufferError)
     after = bytes(memoryview(np.ascontiguousarray(out)).cast("B")) if not isinstance(out, bytes) else out
     assert after == before
@@ -89,7 +90,7 @@ def test_compiled_words_refuse_a_buffer_they_cannot_fill_and_write_nothing(make_
 def test_compiled_words_refuse_keys_and_blocks_out_of_range_and_write_nothing(args: tuple, fragment: str) -> None:
     out = np.full((4, 4), 7, dtype=np.uint64)
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        kernels._cphilox.words(out, *args)
+        words._cphilox.words(out, *args)
     assert (out == 7).all()
 
 
@@ -101,20 +102,21 @@ def test_compiled_functions_refuse_numbers_outside_64_bits_instead_of_wrapping_t
     args = [0, 0, 0] if name == "words" else [0, 0, 0, 5]
     for i in range(len(args)):
         with pytest.raises(OverflowError):
-            getattr(kernels._cphilox, name)(out, *args[:i], bad, *args[i + 1 :])
+            getattr(words._cphilox, name)(out, *args[:i], bad, *args[i + 1 :])
     assert (out == 7).all()
 
 
 @pytest.fixture(params=["compiled", "numpy"])
 def word_source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each word source in turn, with this thread's readahead emptied so the draw computes its words."""
-    if request.param == "compiled" and kernels._cphilox is None:
+    if request.param == "compiled" and words._cphilox is None:
         pytest.skip("the optional compiled loop hyperrng.philox._cphilox was not built here")
     if request.param == "numpy":
-        monkeypatch.setattr(kernels, "_cphilox", None)
-    kernels._READAHEAD.buffers.clear()
+        monkeypatch.setattr(words, "_cphilox", None)  # the readahead's words
+        monkeypatch.setattr(kernels, "_cphilox", None)  # fill_host's one-pass Bernoulli
+    words._READAHEAD.buffers.clear()
     yield request.param
-    kernels._READAHEAD.buffers.clear()
+    words._READAHEAD.buffers.clear()
 
 
 SMALL_DRAWS = {
@@ -192,11 +194,11 @@ def test_compiled_bernoulli_refuses_what_it_cannot_fill_and_writes_nothing(make_
     out = make_out()
     before = out.copy()
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        kernels._cphilox.bernoulli(out, *args)
+        words._cphilox.bernoulli(out, *args)
     assert np.array_equal(out, before)
 
 
 @pytest.mark.skipif(os.environ.get("HYPERRNG_EXPECT_COMPILED") != "1", reason="HYPERRNG_EXPECT_COMPILED=1 not set")
 def test_the_compiled_loop_was_built_where_ci_expects_it() -> None:
     # .ci/run sets the variable: an install that silently stopped building the loop fails here.
-    assert kernels.HOST_WORDS == "compiled" and kernels._cphilox is not None
+    assert words.HOST_WORDS == "compiled" and words._cphilox is not None
