@@ -38,8 +38,6 @@ from hyperrng.resume._paths import (
     os_reason,
     storage_error,
 )
-from hyperrng.resume._paths import name_too_long as name_too_long  # TEMP until state.py imports _paths
-from hyperrng.resume._paths import refuse_special as refuse_special  # TEMP
 from hyperrng.resume._untrusted import check_file
 
 __all__ = ["save"]

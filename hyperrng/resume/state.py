@@ -1,48 +1,16 @@
-"""RNG checkpoints for exact resume: every generator of this rank, in one plain dict.
-
-:func:`rng_state_dict` captures Python's ``random``, NumPy's legacy global state, torch's
-CPU generator, every device of the current platform, the tracker's streams, and metadata
-(format version, platform, base seed, layout, this rank's coordinates, rank and world
-size). Where :func:`hyperrng.apply_layout` seeded the streams, the base seed, layout and
-coordinates are recorded without being asked for
-(:func:`hyperrng.seeding.layout.recorded_derivation`), so any such checkpoint can be resumed at
-another world size. It holds only tensors, numbers, strings, ``None``, lists and dicts, so
-``torch.load(path, weights_only=True)`` reads it (that loader runs no code), and it carries
-a BLAKE2b digest of its content so that a damaged state (a truncated or corrupted file) is
-refused instead of silently resumed.
-
-**Trust.** The digest is not keyed: it detects accidental damage, not forgery (anyone who
-edits the dict can recompute it). Every field is nevertheless typed and bounded before
-anything is applied, so a forged state can at worst resume other random numbers, never
-crash the process, raise an untyped error or leave a generator half-written; and the work
-is linear in the file's size (the digest visits each object once and refuses shared or
-cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes), as is the
-memory: :func:`load_rng_state` checks a file's structure before torch reads it
-(:mod:`hyperrng.resume._untrusted`). Sign the file yourself if it crosses a trust boundary.
-
-:func:`load_rng_state_dict` validates everything before applying anything. A state saved
-under another platform, world size, rank, layout or mesh position is refused by default;
-``on_mismatch="reseed"`` instead re-derives every stream from the *current* layout and
-coordinates (those given, else those :func:`hyperrng.apply_layout` last gave the tracker,
-else the saved layout), each from :func:`resume_seed`: the saved base seed mixed with the
-saved progress of that stream, which every rank sharing it holds alike, so ranks that share a
-stream share it again and the resumed run never replays the numbers of its first steps. It
-seeds the host generators from the default stream, and warns that the run continues
-reproducibly but not bit-identically.
-
-:class:`RNGStateful` wraps both for ``torch.distributed.checkpoint``: it keys the state by
-rank, so DCP never deduplicates one rank's state onto another, and its load planner lets a
-rank the checkpoint lacks (a larger world) resume or be refused with our error.
+"""RNG checkpoints for exact resume: every generator of this rank in one plain dict
+(:func:`rng_state_dict`), checked whole and then restored whole (:func:`load_rng_state_dict`, which
+can instead re-derive the streams for another world size or layout from :func:`resume_seed`),
+written to and read from a file (:func:`save_rng_state`, :func:`load_rng_state`, defined in
+:mod:`hyperrng.resume._save_load`), and kept per rank by ``torch.distributed.checkpoint``
+(:class:`RNGStateful`).
 """
 
 from __future__ import annotations
 
 import copy
-import errno
 import functools
 import hashlib
-import io
-import os
 import random
 import re
 import warnings
@@ -53,17 +21,11 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
-import hyperrng.resume._files as _files
-from hyperrng.errors import (
-    ArgumentTypeError,
-    HyperRNGError,
-    InvalidArgumentError,
-    StorageError,
-)
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
-from hyperrng.platforms.validate import check_instance, check_seed, error_gist
+from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
-from hyperrng.resume._untrusted import check_file, unreadable
+from hyperrng.resume._save_load import load_rng_state, save_rng_state
 from hyperrng.seeding.layout import (
     DEFAULT_STREAM,
     Derivation,
@@ -110,6 +72,16 @@ def rng_state_dict(
 ) -> dict[str, Any]:
     """Capture every RNG state of this rank, with the metadata needed to check a resume.
 
+    It captures Python's ``random``, NumPy's legacy global state, torch's CPU generator, every
+    device of the current platform, the tracker's streams, and metadata (format version,
+    platform, base seed, layout, this rank's coordinates, rank and world size). Where
+    :func:`hyperrng.apply_layout` seeded the streams, the base seed, layout and coordinates are
+    recorded without being asked for (:func:`hyperrng.seeding.layout.recorded_derivation`), so any
+    such checkpoint can be resumed at another world size. It holds only tensors, numbers, strings,
+    ``None``, lists and dicts, so ``torch.load(path, weights_only=True)`` reads it (that loader
+    runs no code), and it carries a BLAKE2b digest of its content so that a damaged state (a
+    truncated or corrupted file) is refused instead of silently resumed.
+
     Args:
         tracker: whose streams to save (default: the process-wide tracker).
         layout, coords, base_seed: the stream layout, this rank's coordinates and the base
@@ -120,7 +92,7 @@ def rng_state_dict(
         group: the process group whose rank and size are recorded (default: the world).
 
     Returns:
-        Plain data (tensors, numbers, strings, lists, dicts) with its digest; see the module docstring.
+        Plain data (tensors, numbers, strings, lists, dicts) with its digest.
 
     Raises:
         InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``).
@@ -211,6 +183,15 @@ def load_rng_state_dict(
     Python's, NumPy's, torch's and the tracker's states all as before the load or all as after
     it, and no hold left behind. Forks of ``tracker`` that their own exits can no longer leave
     (see the tracker's *Recovery*) are cleared first.
+
+    **Trust.** The digest is not keyed: it detects accidental damage, not forgery (anyone who
+    edits the dict can recompute it). Every field is nevertheless typed and bounded before
+    anything is applied, so a forged state can at worst resume other random numbers, never
+    crash the process, raise an untyped error or leave a generator half-written; and the work
+    is linear in the file's size (the digest visits each object once and refuses shared or
+    cyclic references, and nesting or sizes beyond what :func:`rng_state_dict` writes), as is the
+    memory: :func:`load_rng_state` checks a file's structure before torch reads it
+    (:mod:`hyperrng.resume._untrusted`). Sign the file yourself if it crosses a trust boundary.
 
     **Limits.** Whatever its source (a file, ``torch.distributed.checkpoint``), a state larger
     than any :func:`rng_state_dict` writes is refused, each limit checked before the work it
@@ -321,6 +302,12 @@ def _reseed(
     coords: object,
     mismatches: list[str],
 ) -> None:
+    """Re-derive every stream from the *current* layout and coordinates (those given, else those
+    :func:`hyperrng.apply_layout` last gave the tracker, else the saved layout), each from
+    :func:`resume_seed`: the saved base seed mixed with the saved progress of that stream, which
+    every rank sharing it holds alike, so ranks that share a stream share it again and the resumed
+    run never replays the numbers of its first steps. Seed the host generators from the default
+    stream, and warn that the run continues reproducibly but not bit-identically."""
     from hyperrng.seeding.recipes import seed_host
 
     base_seed = state.get("base_seed")
@@ -411,153 +398,6 @@ def _resume_seed(state: Mapping[str, Any], stream: str) -> int:
                 if seed == default_seed:
                     progress.update(offset.to_bytes(8, "little", signed=True))
     return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
-
-
-# -- files --------------------------------------------------------------------------------------
-# The save's file-system work (the walk of the path, the private folder, its lock, the removal of
-# what killed saves left) lives in hyperrng.resume._files; its docstring gives the scheme and its invariant.
-
-
-def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
-    """Write a state from :func:`rng_state_dict` (or any dict of plain data, such as a training
-    checkpoint holding one) to ``path``, atomically.
-
-    The state is written by ``torch.save`` into a private folder beside ``path`` (mode 0700),
-    fsynced, checked to read back with ``weights_only=True``, then renamed over ``path``, and the
-    folder holding ``path`` is fsynced so the rename itself survives a crash. A process killed at
-    any point therefore leaves ``path`` holding either the previous complete checkpoint or the new
-    one, never a partial file. Ctrl-C (and any signal with a Python handler) is deferred across the
-    steps that create, seal and rename files, so an interrupt leaves them as before or as after, and
-    on any exception what the save created is closed and removed. An exception raised by a signal's
-    handler during the save (a ``KeyboardInterrupt``, a watchdog's ``TimeoutError``) reaches the
-    caller as itself. A file of this user's that is replaced passes on its read, write and
-    execute bits (set on the open file, never through a path); setuid, setgid and sticky bits,
-    and the bits of another user's file, are not passed on: the new file gets a new file's bits
-    (0666 less the umask). Any name the file system accepts can be saved (up to its limit, 255
-    bytes on most); a path ending in ``/`` or ``/.`` names a folder, and is refused.
-
-    **A link is followed only where no other user could have put it.** The save opens each
-    folder of the path in turn and then creates, renames and deletes relative to the open
-    folder, never resolving a path a second time, so a link swapped in while it runs redirects
-    nothing. Its private folder is used only once checked to be the empty folder it made, so a
-    folder another user renames in its place is never written, changed or removed.
-
-    **Symlinks.** When ``path`` is a symbolic link (``latest.pt -> step100.pt``), the link stays
-    and the file it points to is replaced, atomically, in that file's folder (a link to a
-    missing file creates it). A chain of links is followed to its end (40 links at most). A
-    link is followed where this process's effective user or root owns it, or where the folder
-    holding it is this user's or root's and no one else may write to it; any other link is
-    refused (another user's link in their own folder, in a sticky shared folder such as
-    ``/tmp``, or in a folder others may write to), since its owner could point the save at any
-    file this user may write. That is stricter than the kernel, which as root follows the links
-    of a folder's owner, and any link outside sticky world-writable folders.
-
-    **Leftovers.** A process killed mid-save (SIGKILL, a power cut) leaves its private folder,
-    ``.hyperrng-<random>.saving``. The save holds an OS lock (``flock``) on that folder for as long
-    as it runs, and the OS drops the lock when the process ends, so the next successful save into
-    the same folder (of any checkpoint there) removes exactly the folders whose lock it can take:
-    those of saves that died, at whatever point, never one still being written, whatever PID
-    namespace, container or host (on a shared file system with working locks) it runs in. It
-    removes only folders of that name owned by this user with mode 0700 holding nothing but what
-    a save writes, never following a link: nothing else in the folder is touched. Where other
-    users can rename entries of the folder (it is another user's, or writable by group or others
-    and not sticky), where the file system offers no locks, and on Windows (where a folder
-    cannot be locked), nothing is removed.
-
-    Raises:
-        ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``, or
-            ``state`` is not a mapping or holds something that cannot be pickled (a lambda,
-            a lock, an object whose ``__reduce__`` raises, an MKL-DNN tensor, nesting deeper
-            than Python's recursion limit).
-        InvalidArgumentError: ``path`` holds a NUL character or a character the file system's
-            encoding cannot write (a lone surrogate), or a name longer than the file system
-            allows; it is a folder, a device, a FIFO or a socket (never replaced), ends in ``/``,
-            its folder does not exist, or it is a link that loops; or ``state`` makes a file
-            that :func:`load_rng_state` would refuse (it reads with ``weights_only=True``: dicts,
-            lists, tuples, strings, numbers, dense tensors; and within its limits, checked as it
-            checks them). Nothing is written when it is raised: the file is checked and read
-            back, tensors memory-mapped, before it replaces ``path``.
-        StorageError: the file system refused the save (a full disk or quota:
-            ``errno.ENOSPC``; no permission: also a ``PermissionError``; an I/O error; new
-            folders given another owner, as NFS's ``root_squash`` does), or ``path`` leads
-            through a link another user could have put there, or another process put something
-            in place of the save's private folder (both also a ``PermissionError``); an
-            ``OSError``. What the save created is removed and ``path`` is as it was.
-    """
-    _files.save(path, state)
-
-
-# The errnos of a read that the file system refused, as opposed to a file whose content is cut off.
-_READ_FAILURES = {
-    errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ESTALE,
-    errno.EMFILE, errno.ENFILE, errno.ENOMEM,  # out of descriptors or memory: the OS refused, the file is whole
-}  # fmt: skip
-
-
-def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a state written by :func:`save_rng_state`, with ``weights_only=True``.
-
-    An exception raised by a signal's handler during the load (a ``KeyboardInterrupt``, a
-    watchdog's ``TimeoutError``) reaches the caller as itself.
-
-    **Limits.** The file's structure is checked before torch reads it
-    (:mod:`hyperrng.resume._untrusted`), so any file is read or refused in time and memory bounded by
-    its size (under a second per megabyte, and the file's size plus 16 MiB): a zip as
-    ``torch.save`` writes it, every entry stored (not compressed) in a region of its own; a
-    pickle of at most 8,192 instructions plus one per 7 bytes of file (a tensor over a storage
-    another one used counts as 12 more), calling only what ``torch.save`` writes with the
-    arguments it writes (no quantized, sparse or nested tensors), with dict keys and set items
-    that are strings, ints below 2**61 - 1 in size, floats, bools or None (no tuples), whose
-    objects fit in 16 MiB beyond the file's size, about 7,000 tensors. A checkpoint beyond these
-    that you trust can be read with ``torch.load(path, weights_only=True)`` and its state passed
-    to :func:`load_rng_state_dict`, whose own limits hold for any dict.
-
-    A file that another user owns, or that its group or others may write, is read into memory
-    once, and both checked and loaded from that copy: whoever can write it cannot change it
-    between the check and the load (it then holds the file's size once more).
-
-    Raises:
-        ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
-        InvalidArgumentError: the file is truncated, or not a torch file of plain data, or beyond
-            a limit above (the message names it, and nothing was loaded); or
-            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting;
-            or it holds a NUL character, a character the file system's encoding cannot write (a
-            lone surrogate), or a name longer than the file system allows.
-        StorageError: the file system refused the read: no such file (also a
-            ``FileNotFoundError``), no permission (also a ``PermissionError``), a time-out or
-            an I/O error; an ``OSError``.
-    """
-    target = _files.check_path(path)
-    with _files.SignalExceptions():  # a signal handler's exception comes out as itself, never translated
-        _files.refuse_special(target, "read")  # a socket cannot even be opened
-        try:
-            # Opened without waiting (a FIFO nobody writes would block), checked to be a regular file by
-            # its descriptor, and read through that descriptor: the file checked is the file read (and,
-            # where another user could rewrite it meanwhile, the bytes checked are the bytes loaded).
-            fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-            with os.fdopen(fd, "rb") as file:
-                info = os.fstat(file.fileno())
-                _files.refuse_special(target, "read", info.st_mode)
-                source: Any = file
-                if info.st_uid != getattr(os, "geteuid", lambda: -1)() or info.st_mode & 0o022:
-                    # Another user could rewrite it between the check and torch's read: both read one copy.
-                    source = io.BytesIO(file.read(info.st_size))
-                check_file(source, str(path))  # bounded: what torch.load would make of it, read from its structure
-                loaded = torch.load(source, weights_only=True)
-        except HyperRNGError:
-            raise
-        except OSError as exc:
-            if exc.errno == errno.ENAMETOOLONG:
-                raise _files.name_too_long(str(path)) from None
-            if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
-                raise unreadable(str(path), error_gist(exc)) from exc
-            code, reason = _files.os_reason(exc)
-            raise StorageError(code, f"could not read the RNG state at {str(path)!r} ({reason})", str(path)) from exc
-        except Exception as exc:
-            raise unreadable(str(path), error_gist(exc)) from exc
-    if not isinstance(loaded, dict):
-        raise InvalidArgumentError(f"{str(path)!r} holds a {type(loaded).__name__}, not an RNG state dict.")
-    return loaded
 
 
 # -- torch.distributed.checkpoint ------------------------------------------------------------

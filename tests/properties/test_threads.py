@@ -522,7 +522,7 @@ def _draw_in_fork(tracker: RNGStatesTracker, name: str) -> list[float]:
 # left out is the entry of the __exit__ a with statement calls: _exclusive's docstring names it
 # as the window pure Python cannot close. The simulated device's code is left out too: it stands
 # for a device's C kernels and generator, which an interrupt reaches only around their calls.
-_SIMULATED_DEVICE_CODE = platforms.simulated.__file__
+_SIMULATED_DEVICE_CODE = (platforms.simulated.__file__, platforms._simulated_dispatch.__file__)
 
 
 class _Interrupt:
@@ -531,7 +531,7 @@ class _Interrupt:
         self.scope: Any = None
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> None:
-        if frame.f_code.co_filename == _SIMULATED_DEVICE_CODE:
+        if frame.f_code.co_filename in _SIMULATED_DEVICE_CODE:
             return
         if event == "c_return" or (event == "call" and not self._with_exit(frame)):
             self.events += 1

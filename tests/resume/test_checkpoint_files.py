@@ -30,6 +30,7 @@ import torch
 
 import hyperrng.resume._files
 import hyperrng.resume._paths
+import hyperrng.resume._save_load
 import hyperrng.resume.state
 from hyperrng._guard import interrupts
 from hyperrng.errors import InvalidArgumentError, StorageError
@@ -100,7 +101,16 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise _Interrupted
 
 
-_OWN_CODE = {m.__file__ for m in (hyperrng.resume.state, hyperrng.resume._files, hyperrng.resume._paths, interrupts)}
+_OWN_CODE = {
+    m.__file__
+    for m in (
+        hyperrng.resume.state,
+        hyperrng.resume._save_load,
+        hyperrng.resume._files,
+        hyperrng.resume._paths,
+        interrupts,
+    )
+}
 
 
 class _SignalAt:

@@ -27,10 +27,10 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
-import hyperrng.resume.state as state_module
+import hyperrng.resume._save_load as save_load_module
 from hyperrng.errors import InvalidArgumentError
 from hyperrng.resume import _format as _state_format
-from hyperrng.resume import _untrusted
+from hyperrng.resume import _pickle_check, _pickle_values, _untrusted
 from hyperrng.resume._format import digest
 from hyperrng.resume.state import load_rng_state, load_rng_state_dict, rng_state_dict, save_rng_state
 from hyperrng.seeding import layout as layout_module
@@ -180,7 +180,7 @@ def _refused_file(tmp_path: Path, data: bytes, no_torch_load: list[Any], fragmen
         tracemalloc.stop()
     assert fragment in str(info.value), str(info.value)
     assert not no_torch_load, "the file reached torch.load"
-    assert peak < len(data) + _untrusted.EXTRA_MEMORY, peak
+    assert peak < len(data) + _pickle_check.EXTRA_MEMORY, peak
     return info.value
 
 
@@ -470,11 +470,11 @@ def test_a_pickle_of_more_instructions_than_its_file_pays_for_is_refused_after_c
     tmp_path: Path, no_torch_load: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A megabyte of one-byte instructions (empty dicts): torch's loader took 1.8 s and 79 MB.
-    monkeypatch.setattr(_untrusted, "FREE_INSTRUCTIONS", 1000)  # the limit's mechanism, at a size quick to build
+    monkeypatch.setattr(_pickle_check, "FREE_INSTRUCTIONS", 1000)  # the limit's mechanism, at a size quick to build
     n = 100_000
     data = _torch_file(_program(b"](" + b"}" * n + b"e"))
     error = _refused_file(tmp_path, data, no_torch_load, "FREE_INSTRUCTIONS")
-    limit = 1000 + len(data) // _untrusted.BYTES_PER_INSTRUCTION
+    limit = 1000 + len(data) // _pickle_check.BYTES_PER_INSTRUCTION
     assert f"more than {limit} instructions" in str(error)
 
 
@@ -487,13 +487,13 @@ def test_tensors_rebuilt_over_one_storage_count_as_more_instructions(tmp_path: P
     data = _torch_file(_dumps({"k": tensors}), (("0", b"\x00"),))
     assert len(data) < 16 * 1024
     error = _refused_file(tmp_path, data, no_torch_load, "TENSOR_INSTRUCTIONS")
-    assert f"each tensor counted as {_untrusted.TENSOR_INSTRUCTIONS} more" in str(error)
+    assert f"each tensor counted as {_pickle_check.TENSOR_INSTRUCTIONS} more" in str(error)
 
 
 def test_a_pickle_whose_objects_outgrow_the_file_is_refused(
     tmp_path: Path, no_torch_load: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_untrusted, "EXTRA_MEMORY", 64 * 1024)  # the limit's mechanism, at a size quick to build
+    monkeypatch.setattr(_pickle_check, "EXTRA_MEMORY", 64 * 1024)  # the limit's mechanism, at a size quick to build
     data = _torch_file(_program(b"](" + b"\x8f" * 2000 + b"e"))  # 2,000 empty sets, 216 bytes each
     error = str(_refused_file(tmp_path, data, no_torch_load, "EXTRA_MEMORY"))
     # The message states the rule the check applies: the pickle's bytes count twice.
@@ -653,7 +653,7 @@ def test_the_walk_compares_no_value_of_the_file_but_strings(tmp_path: Path, monk
             looked_up.append(type(value))
             return super().__contains__(value)
 
-    monkeypatch.setattr(_untrusted, "_LATIN1", Latin1(_untrusted._LATIN1))
+    monkeypatch.setattr(_pickle_values, "_LATIN1", Latin1(_pickle_values._LATIN1))
     pkl = _dumps({"k": _Call(_codecs.encode, ("x", _shared_tuple(3)))})
     path = tmp_path / "rng.pt"
     path.write_bytes(_torch_file(pkl))
@@ -669,7 +669,7 @@ def test_what_each_tensor_or_object_copies_is_counted(
     # One memoized size of 3,000 dimensions given to 20,000 tensors over one byte: each holds its
     # sizes and strides (48 KB), 930 MB and 8 s for a 1.7 MB file. One memoized dict given as the
     # state of many objects is copied into each. Shown at 1 MiB of EXTRA_MEMORY, quick to build.
-    monkeypatch.setattr(_untrusted, "EXTRA_MEMORY", _MiB)
+    monkeypatch.setattr(_pickle_check, "EXTRA_MEMORY", _MiB)
     shared = {f"a{i}": False for i in range(1000)}
     if kind == "tensor-dims":
         size, stride = (1,) * 1000, (0,) * 1000  # one object each, pickled once
@@ -711,14 +711,14 @@ def test_a_file_another_user_can_write_is_checked_and_loaded_from_one_read(
     if owner is not None:
         os.chown(path, owner, -1)
     hostile = _torch_file(_dumps({"k": 2}))
-    real, checked = state_module.check_file, []
+    real, checked = save_load_module.check_file, []
 
     def check_then_rewrite(file: Any, shown: str) -> None:
         real(file, shown)
         checked.append(file)
         path.write_bytes(hostile)  # its owner, or whoever may write it, rewrites it now
 
-    monkeypatch.setattr(state_module, "check_file", check_then_rewrite)
+    monkeypatch.setattr(save_load_module, "check_file", check_then_rewrite)
     loaded = load_rng_state(path)
     if mode == 0o644 and owner is None and hasattr(os, "geteuid"):  # only this user writes it: read in place
         assert not isinstance(checked[0], io.BytesIO) and loaded == {"k": 2}
