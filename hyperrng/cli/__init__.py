@@ -434,7 +434,3 @@ def _run(argv: Sequence[str] | None, out: _Lines) -> int:
 def _first_line(exc: BaseException) -> str:
     """The error's message as one line (its first non-blank one), or its class name when it has none."""
     return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

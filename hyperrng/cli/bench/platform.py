@@ -11,7 +11,7 @@ from hyperrng.cli.bench._timing import BenchResult, Timing, interleaved
 
 __all__ = ["benchmarks"]
 
-_REPO = str(Path(__file__).resolve().parents[2])
+_REPO = str(Path(__file__).resolve().parents[3])
 
 
 def _import_seconds(repeat: int) -> tuple[Timing, Timing]:
