@@ -20,33 +20,31 @@ generator-state objects) is decided once, when the tracker binds to a platform (
 stream): see :mod:`hyperrng.streams._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
 returns byte tensors on every platform, as Megatron-core's default tracker does.
 
-A fork's thread policy and its order under asyncio are told at :class:`_Fork`; forks that can no longer be
-left (a thread ended, a process made by ``fork``) at :class:`Replacing`; graphs at
-:meth:`RNGStatesTracker.register_graph`; TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
+A fork's thread policy and its order under asyncio are told at :class:`~hyperrng.streams._chain._Fork`;
+forks that can no longer be left (a thread ended, a process made by ``fork``) at
+:class:`~hyperrng.streams._chain.ForkChain`; graphs at :meth:`RNGStatesTracker.register_graph`;
+TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from threading import Thread, current_thread
-from types import TracebackType
+from threading import Thread
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 import hyperrng.platforms as platforms
 from hyperrng._guard import exclusive as _exclusive
-from hyperrng._guard.exclusive import HOLDS as _HOLDS
 from hyperrng._guard.interrupts import deferred
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, UnknownStreamError
 from hyperrng.platforms import Platform
 from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed
-from hyperrng.streams._checkpoints import unreplayed_checkpoint
+from hyperrng.streams._chain import ForkChain, _Fork, _Process
 from hyperrng.streams._swap import Swap, choose_swap
 
 __all__ = [
@@ -78,7 +76,6 @@ _SEED_HINT = (
     "hyperrng.megatron_model_parallel_manual_seed(seed, tp_rank, ep_rank, etp_rank) for Megatron-core's "
     "data-, model- and expert-parallel-rng, or tracker.add(name, seed) for one stream."
 )
-_OWNER = "thread"
 
 
 @runtime_checkable
@@ -98,218 +95,7 @@ class RNGTrackerProtocol(Protocol):
     def set_states(self, states: Mapping[str, Any]) -> None: ...
 
 
-def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
-    """The refusal of a fork in the forward pass of a checkpoint whose recompute would not replay the stream."""
-    return InvalidOperationError(
-        f"stream {name!r} cannot be forked inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: "
-        "torch puts its own generators back before the recompute in the backward pass, not the tracker's streams, "
-        "so the recompute would draw the stream's next numbers and the gradients would silently differ. Pass "
-        "use_reentrant=False, context_fn=hyperrng.checkpoint_context (or to checkpoint_wrapper), or use "
-        "hyperrng.checkpoint(fn, *args).",
-        reason="tracker",
-    )
-
-
-class _Fork:
-    """One ``with tracker.fork(name):`` region; a plain class because it is cheaper than @contextmanager.
-
-    Enter holds the device, claims the tracker, saves what the generator holds, then swaps
-    the stream in; exit reads the stream's advance back, restores, pops, releases. Both are
-    written so that one interrupt anywhere leaves everything as before the fork or as after
-    it (see :mod:`hyperrng._guard.exclusive`).
-
-    One thread at a time (see :mod:`hyperrng._guard.exclusive`): an open fork holds the device
-    generator, which the whole process shares. A fork of *any* tracker, a sharded region,
-    ``fork_rng`` or a recompute entered on another thread meanwhile raises
-    :class:`~hyperrng.errors.InvalidOperationError` there and changes nothing; so do
-    :meth:`RNGStatesTracker.add` and :meth:`RNGStatesTracker.reseed`, which seed the generator
-    for a moment. A tracker's open forks form one chain, so they stay on one thread even across
-    devices.
-
-    One order per thread (asyncio): On one thread, forks of any tracker, sharded regions and
-    ``fork_rng`` must be left in the reverse order of entry. asyncio tasks (or generators) that
-    ``await`` inside forks interleave them: the first exit out of order raises
-    :class:`InvalidOperationError` and changes nothing, the fork stays open, and it leaves when
-    exited again once the contexts entered after it have left. Keep ``await`` out of forks, or
-    give each task a thread and a tracker of its own.
-    """
-
-    # Set by __enter__ before the fork becomes active: read, write, outer, saved (the state to give back
-    # outside any fork), thread (its Thread object), held (the device's key, the hold depth before this fork).
-    __slots__ = (
-        "_tracker",
-        "entered",
-        "held",
-        "name",
-        "outer",
-        "outside_graph",
-        "read",
-        "refused",
-        "saved",
-        "thread",
-        "write",
-    )
-    thread: Thread
-
-    def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
-        self._tracker = tracker
-        self.name = name
-        self.entered = False
-        self.refused = False  # its exit was refused (out of order): the chain is left open until replaced
-        self.outside_graph = False  # entered as Python behind a graph break, while Dynamo traced the block
-
-    @outside_dynamo
-    def _enter_outside_the_graph(self) -> None:
-        self.__enter__()  # run as Python: there is_compiling() is false
-        self.outside_graph = True
-
-    @outside_dynamo
-    def _exit_outside_the_graph(self, *exc: Any) -> None:
-        self.outside_graph = False
-        self.__exit__(*exc)
-
-    def __enter__(self) -> None:
-        if torch.compiler.is_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
-            return self._enter_outside_the_graph()
-        tracker = self._tracker
-        if tracker._process is not _Process.token:  # the first fork in a child made by fork (a DataLoader worker)
-            tracker._join_process()
-        if self.entered:
-            raise InvalidOperationError(
-                f"this fork of stream {self.name!r} is already entered; call tracker.fork() again.", reason="tracker"
-            )
-        states = tracker._states
-        state = states.get(self.name)
-        if state is None:  # the tracker was reset between fork() and entering it
-            raise UnknownStreamError(tracker._unknown(self.name))
-        me = current_thread()
-        if tracker._active is not None and tracker._active.thread is not me:
-            tracker._check_not_abandoned("fork a stream")
-        swap = tracker._swap
-        if swap.capturing is not None and swap.capturing():  # type: ignore[union-attr]
-            raise tracker._capture_refusal(self.name)
-        flavour = unreplayed_checkpoint()
-        if flavour is not None:
-            raise _checkpoint_refusal(self.name, flavour)
-        read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
-        below = back = None  # set once the device is held / once what the generator must get back is known
-        try:
-            below = _exclusive.hold_key(key, me, "tracker.fork", self)
-            # A tracker's open forks form one chain, so they stay on one thread. Holding the device
-            # ensures that where all of them swap one device's generator; where they may swap
-            # several, the tracker is claimed too (dict.setdefault is atomic).
-            if not swap.one_device and tracker._claim.setdefault(_OWNER, me) != me:  # type: ignore[union-attr]
-                raise InvalidOperationError(
-                    f"stream {self.name!r} cannot be forked on this thread while another thread has a fork of "
-                    f"stream {tracker.active_stream!r} open: a tracker's forks form one chain. Fork on one "
-                    "thread at a time, or give each thread its own tracker.",
-                    reason="tracker",
-                )
-            outer = tracker._active
-            if swap.in_place:  # type: ignore[union-attr]
-                # Outside any fork the generator holds the default state: keep a view of it.
-                # Inside a fork it holds the outer stream's own object, which needs no saving.
-                back = read() if outer is None else states[outer.name]
-            else:
-                back = read()
-                if outer is not None:
-                    states[outer.name] = back
-            self.read, self.write, self.outer, self.thread = read, write, outer, me
-            self.held = (key, below)
-            self.saved = back if outer is None else None
-            write(states[self.name])  # read now: inside a fork of the same stream, its advance just kept
-            self.entered = True
-            tracker._active = self
-        except BaseException:
-            if back is not None:
-                _exclusive.redo(write, back)
-            if tracker._active is self:
-                tracker._active = self.outer
-            self.entered = False
-            if tracker._active is None and tracker._claim.get(_OWNER) == me:
-                del tracker._claim[_OWNER]
-            if below is not None:
-                _exclusive.release_key(key, me, below)
-            raise
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        tracker = self._tracker
-        copies = False
-        advanced = None  # the stream's state as the block left it
-        if self.outside_graph:  # entered behind a graph break (an attribute read: no point an interrupt lands on)
-            return self._exit_outside_the_graph(exc_type, exc, tb)
-        try:
-            if exc_type is not None and self.entered:  # an interrupt may have skipped exits of contexts inside it
-                _exclusive.leave_inner(self, self.held[0])
-            # Innermost of its tracker, and of the contexts holding its device on this thread (a fork of
-            # another tracker, a region, fork_rng): else contexts were interleaved (asyncio tasks, generators).
-            top = _HOLDS.get(self.held[0])
-            if tracker._active is not self or (top is not None and top[2] is not self and top[2] is not None):
-                if not self.entered:  # reset(), reseed() or set_states() left this fork already
-                    return
-                raise self._out_of_order(top)
-            copies = not tracker._swap.in_place  # type: ignore[union-attr]
-            if copies:
-                advanced = self.read()
-            self._leave(advanced)
-        except InvalidOperationError:  # exited out of order: nothing changed (leaving itself never raises it)
-            raise
-        except BaseException:
-            if copies and advanced is None and tracker._active is self:  # cut short before the read: read it now
-                advanced = self.read()
-            self._leave(advanced)
-            raise
-
-    def describe(self) -> str:
-        """What this context is, for the messages of the thread policy."""
-        return f"fork of stream {self.name!r}"
-
-    def _out_of_order(self, top: Any) -> InvalidOperationError:
-        """Refuse this exit (nothing changes) and mark the chain, so that replacing the streams can
-        clear it if the exit is never retried (see *Recovery* in :class:`Replacing`)."""
-        self.refused = True
-        if self._tracker._active is not self:
-            inner = f"fork of stream {self._tracker.active_stream!r} of the same tracker"
-        else:
-            inner = _exclusive.describe(top[2])
-        return InvalidOperationError(
-            f"fork of stream {self.name!r} exited while a {inner}, entered after it on this thread, is still "
-            "open: exit contexts in reverse order (asyncio tasks or generators that interleave forks need a "
-            "tracker, and a thread, each). Nothing changed: the fork stays open; exit it again once the later "
-            "context has left, or reset(), reseed() or set_states() the tracker to clear it.",
-            reason="tracker",
-        )
-
-    def _unwind(self) -> None:
-        """Leave as ``__exit__`` would, for the exit of an outer context (see :mod:`hyperrng._guard.exclusive`)."""
-        active = self._tracker._active is self
-        self._leave(self.read() if active and not self._tracker._swap.in_place else None)  # type: ignore[union-attr]
-
-    def _leave(self, advanced: Any) -> None:
-        """Keep the stream's advance, restore the generator, pop the fork, release.
-
-        Idempotent, so that an exit cut short by an interrupt can run it again: until the
-        fork is popped every step may repeat, and after it only the releases remain.
-        """
-        tracker = self._tracker
-        outer = self.outer
-        if tracker._active is self:
-            if advanced is not None:
-                tracker._states[self.name] = advanced
-            self.write(self.saved if outer is None else tracker._states[outer.name])
-            self.entered = False
-            tracker._active = outer
-        self.saved = None
-        me, claim = self.thread, tracker._claim
-        if outer is None and claim and claim.get(_OWNER) == me:  # the outermost fork: drop the claim
-            del claim[_OWNER]
-        key, below = self.held
-        _exclusive.release_key(key, me, below)
-
-
-class RNGStatesTracker:
+class RNGStatesTracker(ForkChain):
     """Named RNG streams on the current platform's device generator.
 
     Args:
@@ -378,7 +164,7 @@ class RNGStatesTracker:
         """Forget every stream and seed and unbind from the platform.
 
         Forks of this tracker that can no longer be left by their own exits are cleared first
-        (see *Recovery* in :class:`Replacing`): those a thread that has ended left open are
+        (see *Recovery* in :class:`~hyperrng.streams._chain.ForkChain`): those a thread that has ended left open are
         dropped; those this thread left open because an exit was refused as out of order, and
         those a child process inherited from ``fork``, are left as their exits would leave
         them (the generator gets back the state it had before the outermost), and their exits
@@ -691,90 +477,6 @@ class RNGStatesTracker:
             return self._swap
         return choose_swap(platform, self._want_graph_safe)
 
-    def _idle(self, what: str, *, replacing: bool = False, here_ok: bool = False) -> None:
-        """Refuse ``what`` inside a fork (``here_ok``: only inside one open on another thread); refuse an
-        abandoned fork too. ``replacing`` (``what`` replaces every stream) lets stuck forks through
-        (:meth:`_stuck`): the caller clears them (:meth:`_leave_forks`)."""
-        active = self._active
-        if active is None or (replacing and self._stuck()):
-            return
-        mine = active.thread is current_thread()
-        if mine and here_ok:
-            return
-        self._check_not_abandoned(what)
-        if mine and self._stuck():
-            raise self._stuck_error(what)
-        raise InvalidOperationError(
-            f"cannot {what} inside a fork of stream {active.name!r}; do it outside the fork."
-            if mine
-            else f"cannot {what} while another thread has a fork of stream {active.name!r} open.",
-            reason="tracker",
-        )
-
-    def _abandoned(self) -> bool:
-        """Whether the open fork's thread ended without leaving it (see *Recovery* in :class:`Replacing`)."""
-        return self._active is not None and not _exclusive.alive(self._active.thread)
-
-    def _stuck(self) -> bool:
-        """Whether the open forks can no longer be left by their own exits (see *Recovery* in :class:`Replacing`): their
-        thread ended, an exit in the chain was refused as out of order, or this process is a child
-        made by ``fork`` inside them (it started without their holds)."""
-        if self._abandoned():
-            return True
-        fork = self._active
-        if fork is None or fork.thread is not current_thread():
-            return False
-        entry = _HOLDS.get(fork.held[0])
-        if entry is None or entry[0] is not fork.thread:  # inherited: the child's holds were cleared
-            return True
-        while fork is not None:
-            if fork.refused:
-                return True
-            fork = fork.outer
-        return False
-
-    def _stuck_error(self, what: str) -> InvalidOperationError:
-        return InvalidOperationError(
-            f"cannot {what}: the fork of stream {self.active_stream!r} is still open on this thread but its own exit "
-            "can no longer leave it (an exit was refused as out of order, or this process was made by fork inside "
-            "it); reset(), reseed() or set_states() clears it.",
-            reason="tracker",
-        )
-
-    def _check_forks_leavable(self, what: str) -> None:
-        """Refuse, before anything changes, to leave this thread's open forks while a context
-        entered inside them still holds their device: leaving them would release its hold too."""
-        chain = []
-        fork = self._active
-        while fork is not None:
-            chain.append(fork)
-            fork = fork.outer
-        if not chain or self._abandoned() or not self._stuck():
-            return
-        for key in {f.held[0] for f in chain}:
-            bottom = min(f.held[1] for f in chain if f.held[0] == key)
-            other = _exclusive.held_above(key, bottom, chain)
-            if other is not None:
-                raise InvalidOperationError(
-                    f"cannot {what}: a {_exclusive.describe(other[2])} entered inside the tracker's open fork of "
-                    f"stream {chain[-1].name!r} is still open on this thread; leave it first.",
-                    reason="tracker",
-                )
-
-    def _leave_forks(self) -> None:
-        """Clear a stuck chain of forks (:meth:`_stuck`; nothing otherwise): on this thread, leave
-        them as their exits would, innermost first (their own exits then do nothing); a chain whose
-        thread has ended is dropped, the generator left as that thread left it. Call
-        :meth:`_check_forks_leavable` first."""
-        if self._active is None or not self._stuck():
-            return
-        if self._abandoned():
-            self._active = None
-            self._claim.clear()
-            return
-        while self._active is not None:
-            self._active._unwind()
-
     def _join_process(self) -> None:
         """Before the first fork in a child process made by ``fork``: in a DataLoader worker, re-derive
         every stream from its seed and torch's seed for the worker (``get_worker_info().seed``, the base
@@ -787,15 +489,6 @@ class RNGStatesTracker:
         info = data.get_worker_info() if data is not None else None
         if info is not None and self._states:
             self.reseed({name: combine64(WORKER_DOMAIN, seed, info.seed) for name, seed in self.seeds().items()})
-
-    def _check_not_abandoned(self, what: str) -> None:
-        if self._abandoned():
-            raise InvalidOperationError(
-                f"cannot {what}: a fork of stream {self.active_stream!r} was left open by thread "
-                f"{self._active.thread.ident} that has ended, so the tracker no longer knows what its streams hold; "  # type: ignore[union-attr]
-                "reset() and reseed it, or set_states() a snapshot taken before.",
-                reason="tracker",
-            )
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
@@ -834,21 +527,8 @@ class Replacing:
     while another thread holds one of the generators ``holds`` (named ``holding_what`` in the refusal, as
     :func:`hyperrng._guard.exclusive.holding` names it). :meth:`applying` is the block that replaces them: it
     defers signals (all of it or none, under Ctrl-C too), first clears the forks their own exits can no
-    longer leave (below), then holds ``holds`` while the block runs.
+    longer leave (*Recovery* in :class:`~hyperrng.streams._chain.ForkChain`), then holds ``holds`` while the block runs.
 
-    **Recovery.** Some forks can no longer be left by their own exits: one whose exit was
-    refused as out of order and never retried, one whose thread ended without leaving it
-    (*abandoned*), and one that a child process made by ``fork`` inherited from the parent's
-    thread (the child starts with no holds: :mod:`hyperrng._guard.exclusive` clears them at the
-    fork). Other uses of such a tracker are refused with :class:`InvalidOperationError`.
-    :meth:`RNGStatesTracker.reset`, :meth:`RNGStatesTracker.reseed` and
-    :meth:`RNGStatesTracker.set_states` (and so ``apply_layout``, the seeding recipes and
-    ``load_rng_state_dict``) clear them on the calling thread: an abandoned chain is dropped,
-    with the device generator left as its thread left it; the others are left as their exits
-    would leave them (the generator gets back the state it had before the outermost fork),
-    and their exits then do nothing. A fork still open, and still exitable, on the calling
-    thread is not cleared: ``reset()`` and ``reseed()`` refuse inside it, since its exit would
-    restore a stream that is gone.
     """
 
     __slots__ = ("tracker", "swap", "_holds", "_holding_what")
@@ -878,22 +558,8 @@ class Replacing:
                 yield
 
 
-class _Process:
-    """A token that a child made by ``fork`` replaces: each tracker compares its own with it before a fork."""
-
-    token = object()
-
-
 _get_states_untraced = outside_dynamo(RNGStatesTracker.get_states)
 _set_states_untraced = outside_dynamo(RNGStatesTracker.set_states)
-
-
-def _after_fork_in_child() -> None:
-    _Process.token = object()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_name(name: object) -> None:
