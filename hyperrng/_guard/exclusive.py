@@ -1,106 +1,10 @@
-"""The thread policy: one thread at a time borrows a device's generator.
+"""The thread policy: one thread at a time borrows a device's generator. Every hyperrng context that swaps or
+positions a device's generator for a while (a tracker's fork, a sharded region, ``fork_rng``, a recompute, portable
+mode), and every call that seeds or restores one, first holds the device for its thread; another thread is refused at
+once, and the contexts' enters and exits leave generators, streams and holds as before or as after even when
+interrupted.
 
-**Policy.** A device generator is one per process and shared by every thread. Everything in
-hyperrng that swaps or positions it for a while — a fork of any tracker, a sharded region,
-``fork_rng``, a recompute, portable mode — first *holds* the device (:func:`hold`), keyed by
-``(platform.device_type, device index)``; torch's CPU generator, which ``fork_rng`` and a
-recompute also save and restore, is ``("cpu", 0)``. The thread that holds a device may nest
-holds freely; any other thread that tries is refused at once with
-:class:`~hyperrng.errors.InvalidOperationError`, before anything changes, until the holder has
-left its outermost hold. Refusal, not waiting: a second thread that waited would draw from
-the generator the first one left, so its numbers would depend on scheduling. Plain draws
-(``torch.rand`` on another thread) are not intercepted: they draw from whatever state the
-generator has, as they would inside ``torch.random.fork_rng``. A thread that needs numbers
-of its own while another borrows the device's generator passes its own ``torch.Generator``.
-The same holds, briefly, guard the calls that position a generator for good — seeding
-(``hyperrng.seed_host`` and the recipes in :mod:`hyperrng.seeding.recipes`, ``apply_layout``,
-:meth:`~hyperrng.sharding.tracker.ShardedRNGTracker.manual_seed` and ``sync_from_rank0``) and
-restoring a checkpoint (:func:`hyperrng.resume.state.load_rng_state_dict`): on another thread
-than the holder's they are refused the same way, before anything changes. The platforms'
-own ``manual_seed`` / ``set_rng_state`` sit below this layer and do not hold.
-Two more rules follow from the same idea: a tracker's open forks form one chain, so they
-stay on one thread even where they swap different devices' generators (another thread gets
-:class:`~hyperrng.errors.InvalidOperationError`); and a recompute's rerun holds the generators
-on the thread autograd runs it on, which for accelerator tensors is autograd's device
-thread, so a ``backward()`` called inside a fork is refused there.
-
-**Order.** Entering a context validates its arguments, then holds, then saves what it will
-change, then applies; if anything raises between the hold and the end of the apply, it
-puts back what it saved, releases and re-raises. Leaving restores, then releases.
-
-**Interrupts.** CPython delivers an asynchronous exception (``KeyboardInterrupt`` from
-SIGINT, or whatever a signal handler raises) only at a few points: when a Python function
-starts, when a call into C returns, and at a loop's back edge. Each change to a generator
-is one C call (``set_state``, ``manual_seed``) or one store, and the contexts are written so
-that one such exception, wherever it lands in their enter or exit, leaves the generator
-(bytes and position cursor), the tracker's streams, the region stack and the holds exactly
-as before the context or as after it:
-
-* an enter that is interrupted undoes what it did and re-raises (a sharded region instead
-  completes to the position its exit would leave, which is its "after" state);
-* an exit that is interrupted runs its restoring steps once more, all of them idempotent
-  (:func:`redo`), and re-raises;
-* a hold is one atomic dict operation that nothing interruptible follows, and
-  :func:`hold` returns the depth before it; contexts release *down to* that depth, so an
-  undo releases exactly what its enter took, and releasing twice releases once.
-
-The profile-hook test in ``tests/properties/test_threads.py`` raises at every one of those points in
-turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each;
-another cuts an inner context's exit before its first instruction, in six nestings.
-The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
-is refused across threads like any other but makes no claim about interrupts. Portable
-mode holds the device like the others, but its enter and exit are not idempotent steps:
-it defers Ctrl-C (SIGINT on the main thread) while entering or leaving instead (see
-:mod:`hyperrng.portable.mode`), and an exception that another signal's Python handler
-raises there can leave the flag, the hold or the generator between before and after.
-
-**Nesting.** A hold records the context that took it (forks of any tracker, ``fork_rng``,
-sharded regions; ``None`` for the others) and the hold below it, so a device's holds form
-a chain, innermost first. An exit with an exception passing through it that finds holds
-of other contexts above its own knows their exits were skipped by an interrupt (the
-window below): it leaves them first, innermost first, as their exits would have
-(:func:`leave_inner`), then itself. Holds without a context (portable mode, seeding) are
-not left this way. Without an exception an exit checks that its own hold is the innermost
-of the contexts on its device (one dict lookup): a fork, region or ``fork_rng`` left while
-a context entered after it on the same thread is still open (asyncio tasks or generators
-interleaving them) is refused with :class:`~hyperrng.errors.InvalidOperationError` and
-changes nothing; exited again in order, it leaves.
-
-**A child made by fork.** A process made by ``os.fork`` (``multiprocessing``'s ``fork``
-start method) has one thread; the holds its parent's threads had are not its own, so an
-at-fork handler clears them: the child starts with no holds, whatever its parent was in.
-Forks of a tracker that the child inherited open are left by ``reset()``, ``reseed()`` or
-``set_states()`` (see :mod:`hyperrng.streams.tracker`).
-
-**Asking whether a thread lives.** Before Python 3.13, ``Thread.is_alive()`` marks a running
-thread stopped, and releases its state lock, when a signal handler raises inside the call;
-:func:`alive` never asks about the calling thread and asks about others with signals
-deferred.
-
-**A thread that dies holding.** A hold records the owning ``threading.Thread`` object,
-not its ident (idents are reused by later threads, which must not inherit a hold). A hold
-whose owner has ended (``is_alive()`` is false: it exited, or was killed by an exception
-that skipped its context's exit, such as a generator-based caller abandoned mid-fork)
-counts as released: the next thread that asks takes the device over instead of being
-refused forever. The dead thread's generator state stays as it left it, exactly as if it
-had been a plain draw; a tracker whose fork it left open refuses every use until its streams
-are replaced (see :mod:`hyperrng.streams.tracker`). Threads that CPython did not start (a C++ thread calling into
-Python, such as autograd's device threads) appear as dummy threads that always count as
-alive, so a hold such a thread never released still blocks.
-
-What pure Python cannot close, and so is not guaranteed:
-
-* CPython checks for a pending signal when ``__exit__`` starts, before its first
-  instruction: a signal that arrives after the block's last check and before that one is
-  raised there, before ``__exit__`` has done anything, and the context stays entered. The
-  window is the few instructions between a ``with`` block's end and ``__exit__``. Inside
-  another context (a fork, ``fork_rng`` or a sharded region on the same device) that is
-  repaired: the exception passes through the outer context's exit, which finds the inner
-  one's hold still there and leaves it first (see *Nesting*), so both end as after their
-  blocks. An outermost context stays entered: the generator keeps the borrowed state and
-  the thread keeps its hold, so other threads are refused rather than corrupted.
-* A second interrupt that arrives while the first one is being undone or redone can cut
-  that repair short.
+The policy is in :func:`hold`; enter/exit order, interrupts and nesting in :class:`LeavesOnExit`.
 """
 
 from __future__ import annotations
@@ -162,8 +66,11 @@ def alive(thread: Thread) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    """A child made by ``fork`` has one thread: the holds of its parent's threads are not its own.
-    It starts with none (and a fresh lock, which a parent's thread may have held at the fork)."""
+    """A child made by ``os.fork`` (``multiprocessing``'s ``fork`` start method) has one thread; the holds its
+    parent's threads had are not its own, so this at-fork handler clears them: the child starts with no holds,
+    whatever its parent was in (and a fresh lock, which a parent's thread may have held at the fork). Forks of a
+    tracker that the child inherited open are left by ``reset()``, ``reseed()`` or ``set_states()`` (see
+    :mod:`hyperrng.streams.tracker`)."""
     global _TAKE_OVER
     _HOLDS.clear()
     _TAKE_OVER = Lock()
@@ -175,6 +82,36 @@ if hasattr(os, "register_at_fork"):
 
 def hold(device_type: str, index: int, what: str) -> int:
     """Hold device ``index`` of ``device_type`` for the calling thread (nested holds count).
+
+    **Policy.** A device generator is one per process and shared by every thread. Everything in
+    hyperrng that swaps or positions it for a while — a fork of any tracker, a sharded region,
+    ``fork_rng``, a recompute, portable mode — first *holds* the device (this function), keyed by
+    ``(platform.device_type, device index)``; torch's CPU generator, which ``fork_rng`` and a
+    recompute also save and restore, is ``("cpu", 0)``. The thread that holds a device may nest
+    holds freely; any other thread that tries is refused at once with
+    :class:`~hyperrng.errors.InvalidOperationError`, before anything changes, until the holder has
+    left its outermost hold. Refusal, not waiting: a second thread that waited would draw from
+    the generator the first one left, so its numbers would depend on scheduling. Plain draws
+    (``torch.rand`` on another thread) are not intercepted: they draw from whatever state the
+    generator has, as they would inside ``torch.random.fork_rng``. A thread that needs numbers
+    of its own while another borrows the device's generator passes its own ``torch.Generator``.
+    Two more rules follow from the same idea: a tracker's open forks form one chain, so they
+    stay on one thread even where they swap different devices' generators (another thread gets
+    :class:`~hyperrng.errors.InvalidOperationError`); and a recompute's rerun holds the generators
+    on the thread autograd runs it on, which for accelerator tensors is autograd's device
+    thread, so a ``backward()`` called inside a fork is refused there. The calls that position a
+    generator for good hold briefly too (see :func:`holding`).
+
+    **A thread that dies holding.** A hold records the owning ``threading.Thread`` object,
+    not its ident (idents are reused by later threads, which must not inherit a hold). A hold
+    whose owner has ended (``is_alive()`` is false: it exited, or was killed by an exception
+    that skipped its context's exit, such as a generator-based caller abandoned mid-fork)
+    counts as released: the next thread that asks takes the device over instead of being
+    refused forever. The dead thread's generator state stays as it left it, exactly as if it
+    had been a plain draw; a tracker whose fork it left open refuses every use until its streams
+    are replaced (see :mod:`hyperrng.streams.tracker`). Threads that CPython did not start (a C++ thread calling into
+    Python, such as autograd's device threads) appear as dummy threads that always count as
+    alive, so a hold such a thread never released still blocks.
 
     Returns:
         The thread's depth on the device before this hold (0: this call took the device),
@@ -280,7 +217,8 @@ def release_key(key: tuple[str, int], me: Thread, down_to: int) -> None:
 def leave_inner(context: Any, key: tuple[str, int]) -> None:
     """For the exit of ``context`` with an exception passing through, when ``context`` holds
     ``key`` on this thread below holds of other contexts: their exits were skipped by an
-    interrupt, so leave them, innermost first, as their exits would have (see *Nesting*)."""
+    interrupt, so leave them, innermost first, as their exits would have (see *Nesting* in
+    :class:`LeavesOnExit`)."""
     inner = []
     entry = _HOLDS.get(key)
     while entry is not None and entry[2] is not context:
@@ -349,8 +287,13 @@ class _Holding:
 def holding(keys: Iterable[tuple[str, int]], what: str, context: Any = None) -> _Holding:
     """A context manager that holds every device in ``keys`` for the calling thread while its block runs.
 
-    For the calls that position a generator for good (seeding, restoring a checkpoint): a
-    brief hold around the change makes them follow the policy of the contexts. A context that
+    For the calls that position a generator for good — seeding (``hyperrng.seed_host`` and the
+    recipes in :mod:`hyperrng.seeding.recipes`, ``apply_layout``,
+    :meth:`~hyperrng.sharding.tracker.ShardedRNGTracker.manual_seed` and ``sync_from_rank0``) and
+    restoring a checkpoint (:func:`hyperrng.resume.state.load_rng_state_dict`): a brief hold around
+    the change makes them follow the policy of the contexts (:func:`hold`); on another thread than
+    the holder's they are refused the same way, before anything changes. The platforms' own
+    ``manual_seed`` / ``set_rng_state`` sit below this layer and do not hold. A context that
     holds for longer (``fork_rng``, a recompute) passes itself as ``context`` (it has ``_unwind()``,
     see :func:`leave_inner`).
 
@@ -392,6 +335,62 @@ class LeavesOnExit:
     would add a frame whose entry an interrupt could hit before any ``try``. First, when an
     exception passes, :meth:`_close_inner` leaves contexts an interrupt left open inside
     this one (see *Nesting*).
+
+    **Order.** Entering a context validates its arguments, then holds, then saves what it will
+    change, then applies; if anything raises between the hold and the end of the apply, it
+    puts back what it saved, releases and re-raises. Leaving restores, then releases.
+
+    **Interrupts.** CPython delivers an asynchronous exception (``KeyboardInterrupt`` from
+    SIGINT, or whatever a signal handler raises) only at a few points: when a Python function
+    starts, when a call into C returns, and at a loop's back edge. Each change to a generator
+    is one C call (``set_state``, ``manual_seed``) or one store, and the contexts are written so
+    that one such exception, wherever it lands in their enter or exit, leaves the generator
+    (bytes and position cursor), the tracker's streams, the region stack and the holds exactly
+    as before the context or as after it:
+
+    * an enter that is interrupted undoes what it did and re-raises (a sharded region instead
+      completes to the position its exit would leave, which is its "after" state);
+    * an exit that is interrupted runs its restoring steps once more, all of them idempotent
+      (:func:`redo`), and re-raises;
+    * a hold is one atomic dict operation that nothing interruptible follows, and
+      :func:`hold` returns the depth before it; contexts release *down to* that depth, so an
+      undo releases exactly what its enter took, and releasing twice releases once.
+
+    The profile-hook test in ``tests/properties/test_threads.py`` raises at every one of those points in
+    turn, in a fork, ``fork_rng`` and a sharded region, and checks the states after each;
+    another cuts an inner context's exit before its first instruction, in six nestings.
+    The guarantee is about hyperrng's contexts; in LocalTensor mode (simulated ranks) a region
+    is refused across threads like any other but makes no claim about interrupts. Portable
+    mode holds the device like the others, but its enter and exit are not idempotent steps:
+    it defers Ctrl-C (SIGINT on the main thread) while entering or leaving instead (see
+    :mod:`hyperrng.portable.mode`), and an exception that another signal's Python handler
+    raises there can leave the flag, the hold or the generator between before and after.
+
+    **Nesting.** A hold records the context that took it (forks of any tracker, ``fork_rng``,
+    sharded regions; ``None`` for the others) and the hold below it, so a device's holds form
+    a chain, innermost first. An exit with an exception passing through it that finds holds
+    of other contexts above its own knows their exits were skipped by an interrupt (the
+    window below): it leaves them first, innermost first, as their exits would have
+    (:func:`leave_inner`), then itself. Holds without a context (portable mode, seeding) are
+    not left this way. Without an exception an exit checks that its own hold is the innermost
+    of the contexts on its device (one dict lookup): a fork, region or ``fork_rng`` left while
+    a context entered after it on the same thread is still open (asyncio tasks or generators
+    interleaving them) is refused with :class:`~hyperrng.errors.InvalidOperationError` and
+    changes nothing; exited again in order, it leaves.
+
+    What pure Python cannot close, and so is not guaranteed:
+
+    * CPython checks for a pending signal when ``__exit__`` starts, before its first
+      instruction: a signal that arrives after the block's last check and before that one is
+      raised there, before ``__exit__`` has done anything, and the context stays entered. The
+      window is the few instructions between a ``with`` block's end and ``__exit__``. Inside
+      another context (a fork, ``fork_rng`` or a sharded region on the same device) that is
+      repaired: the exception passes through the outer context's exit, which finds the inner
+      one's hold still there and leaves it first (see *Nesting*), so both end as after their
+      blocks. An outermost context stays entered: the generator keeps the borrowed state and
+      the thread keeps its hold, so other threads are refused rather than corrupted.
+    * A second interrupt that arrives while the first one is being undone or redone can cut
+      that repair short.
     """
 
     __slots__ = ()
@@ -400,7 +399,7 @@ class LeavesOnExit:
         raise NotImplementedError
 
     def _unwind(self) -> None:
-        """Leave, for the exit of an outer context (see *Nesting*)."""
+        """Leave, for the exit of an outer context (see *Nesting* in :class:`LeavesOnExit`)."""
         self._leave()
 
     def _close_inner(self) -> None:

@@ -1,69 +1,10 @@
-"""Signals deferred across a few steps that must run whole.
+"""Signals deferred across a few steps that must run whole: :func:`deferred` holds back, on the main thread, every
+signal that has a Python handler while a step that writes several generators, or opens a file and records its
+descriptor, runs, and handles each right after it, so that a handler that raises never cuts such a step in the middle;
+:class:`SignalExceptions` makes an exception that a signal's handler raises during a save or a load of a checkpoint
+reach the caller as itself.
 
-CPython runs a signal's Python handler on the main thread, between two bytecodes of whatever
-it is executing; a handler that raises (``KeyboardInterrupt`` from SIGINT's default handler,
-``SystemExit`` from a SIGTERM handler, an alarm's exception) raises *there*. A step that
-writes several generators, or opens a file and records its descriptor, can be cut in the
-middle. :func:`deferred` closes that window: while it is entered on the main thread, every
-signal that has a Python handler is recorded instead of handled, and when the outermost
-``with`` block leaves, each recorded signal is handled, so the program sees it right after
-the steps, never inside them.
-
-How the recorded signals are handled when the block leaves:
-
-* Every one, once per arrival, in the order they arrived. Arrivals of one signal number
-  that come before the interpreter gets to run its handler are one arrival to it (as the
-  kernel merges a standard signal sent again while pending); the deferral merges nothing.
-* Each is handled by calling the handler in place for it, with the frame of the code that
-  ran the block: the handler the block replaced, or the one a handler has installed since
-  (``SIG_DFL`` there does what the operating system does, through ``signal.raise_signal``;
-  ``SIG_IGN`` nothing).
-* Every handler runs, even when some raise: each exception is kept and the next handler
-  runs. Once all have, one of the exceptions leaves the ``with`` statement: the first that is
-  not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``: a request to stop, which an
-  ``except Exception`` meant for an ordinary error must not swallow), else the first. The
-  others are named in its notes (``__notes__``). Raising the first at once and sending the
-  others again with ``signal.raise_signal`` would lose some and leave the outcome to timing:
-  the interpreter merges a signal sent again with one of the same number arriving meanwhile,
-  and each handler that raised while the first exception unwinds would replace it wherever
-  the caller's ``except`` or ``finally`` happened to be.
-* The stand-ins stay in place until the last recorded signal is handled: a signal that
-  arrives while the handlers run joins the queue behind those still waiting and is handled
-  in its turn, after the handler running returns (or raises), never inside it. So a handler
-  run here is not cut by a later signal: Ctrl-C waits for it too. Meanwhile
-  ``signal.getsignal`` shows the stand-in; a handler that a handler installs is in place at
-  once (its signal is handled as usual, and stays installed). A handler that enters a
-  deferred section itself (a hyperrng call from a handler) adds what arrives meanwhile to
-  the same queue.
-* Then the handlers are put back, the very objects that were replaced; a signal arriving
-  from then on is handled as usual.
-
-Also:
-
-* Only signals with a Python handler are deferred: one left to the operating system
-  (``SIG_DFL``: SIGTERM and SIGKILL end the process; ``SIG_IGN``) acts as before. A process
-  that dies cannot leave its memory half-written; a file it leaves is for the next save to
-  clean up (see :func:`hyperrng.save_rng_state`).
-* Other threads never run signal handlers, so there is nothing to defer: :func:`deferred`
-  does nothing there.
-* Entering is itself interruptible: a signal that arrives while the handlers are being
-  swapped, before its own, is handled as usual. If its handler raises, nothing is deferred:
-  as at the end of a block, what was recorded so far is handled, the handlers are put back,
-  and the exception is raised. If it defers signals itself, its section nests in the
-  deferral being opened and swaps the handlers left at once (on its own, its end would put
-  back the stand-ins swapped so far; unswapped, a signal could cut it short). Each stand-in
-  remembers the handler it replaced and, once no deferral is open, passes a signal straight
-  to it, so one that a second interrupt left in place behaves as the original.
-* A child process made by ``fork`` starts with nothing recorded (CPython likewise drops, in
-  the child, the signals caught but not yet handled). One made by another thread while the
-  main thread defers starts without the deferral, its handlers put back: its only thread
-  will never leave the block. One made inside the block on the main thread leaves it as the
-  parent does.
-* Deferrals nest (a seeding recipe that restores the host inside ``apply_layout``): only
-  the outermost one swaps, handles and restores.
-
-Keep the deferred steps short: Ctrl-C waits for them. Nothing here blocks; the steps
-deferred in hyperrng are a handful of generator writes and file-system calls.
+How the deferred signals come out, and what is not deferred: :func:`deferred`.
 """
 
 from __future__ import annotations
@@ -120,6 +61,17 @@ class _Deferral:
             original(signum, frame)
 
     def enter(self) -> None:
+        """Open a deferral (or nest in one).
+
+        Entering is itself interruptible: a signal that arrives while the handlers are being
+        swapped, before its own, is handled as usual. If its handler raises, nothing is deferred:
+        as at the end of a block, what was recorded so far is handled, the handlers are put back,
+        and the exception is raised. If it defers signals itself, its section nests in the
+        deferral being opened and swaps the handlers left at once (on its own, its end would put
+        back the stand-ins swapped so far; unswapped, a signal could cut it short). Each stand-in
+        remembers the handler it replaced and, once no deferral is open, passes a signal straight
+        to it, so one that a second interrupt left in place behaves as the original.
+        """
         if self.depth and not self.swapping:
             self.depth += 1
             return
@@ -271,8 +223,66 @@ class _Deferred:
 
 def deferred() -> _Deferred:
     """A context manager that defers, on the main thread, every signal with a Python handler
-    until its block has run, then handles each (see the module docstring); elsewhere it does
-    nothing."""
+    until its block has run, then handles each (as below); elsewhere it does nothing.
+
+    CPython runs a signal's Python handler on the main thread, between two bytecodes of whatever
+    it is executing; a handler that raises (``KeyboardInterrupt`` from SIGINT's default handler,
+    ``SystemExit`` from a SIGTERM handler, an alarm's exception) raises *there*. A step that
+    writes several generators, or opens a file and records its descriptor, can be cut in the
+    middle. :func:`deferred` closes that window: while it is entered on the main thread, every
+    signal that has a Python handler is recorded instead of handled, and when the outermost
+    ``with`` block leaves, each recorded signal is handled, so the program sees it right after
+    the steps, never inside them.
+
+    How the recorded signals are handled when the block leaves:
+
+    * Every one, once per arrival, in the order they arrived. Arrivals of one signal number
+      that come before the interpreter gets to run its handler are one arrival to it (as the
+      kernel merges a standard signal sent again while pending); the deferral merges nothing.
+    * Each is handled by calling the handler in place for it, with the frame of the code that
+      ran the block: the handler the block replaced, or the one a handler has installed since
+      (``SIG_DFL`` there does what the operating system does, through ``signal.raise_signal``;
+      ``SIG_IGN`` nothing).
+    * Every handler runs, even when some raise: each exception is kept and the next handler
+      runs. Once all have, one of the exceptions leaves the ``with`` statement: the first that is
+      not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``: a request to stop, which an
+      ``except Exception`` meant for an ordinary error must not swallow), else the first. The
+      others are named in its notes (``__notes__``). Raising the first at once and sending the
+      others again with ``signal.raise_signal`` would lose some and leave the outcome to timing:
+      the interpreter merges a signal sent again with one of the same number arriving meanwhile,
+      and each handler that raised while the first exception unwinds would replace it wherever
+      the caller's ``except`` or ``finally`` happened to be.
+    * The stand-ins stay in place until the last recorded signal is handled: a signal that
+      arrives while the handlers run joins the queue behind those still waiting and is handled
+      in its turn, after the handler running returns (or raises), never inside it. So a handler
+      run here is not cut by a later signal: Ctrl-C waits for it too. Meanwhile
+      ``signal.getsignal`` shows the stand-in; a handler that a handler installs is in place at
+      once (its signal is handled as usual, and stays installed). A handler that enters a
+      deferred section itself (a hyperrng call from a handler) adds what arrives meanwhile to
+      the same queue.
+    * Then the handlers are put back, the very objects that were replaced; a signal arriving
+      from then on is handled as usual.
+
+    Also:
+
+    * Only signals with a Python handler are deferred: one left to the operating system
+      (``SIG_DFL``: SIGTERM and SIGKILL end the process; ``SIG_IGN``) acts as before. A process
+      that dies cannot leave its memory half-written; a file it leaves is for the next save to
+      clean up (see :func:`hyperrng.save_rng_state`).
+    * Other threads never run signal handlers, so there is nothing to defer: :func:`deferred`
+      does nothing there.
+    * A child process made by ``fork`` starts with nothing recorded (CPython likewise drops, in
+      the child, the signals caught but not yet handled). One made by another thread while the
+      main thread defers starts without the deferral, its handlers put back: its only thread
+      will never leave the block. One made inside the block on the main thread leaves it as the
+      parent does.
+    * Deferrals nest (a seeding recipe that restores the host inside ``apply_layout``): only
+      the outermost one swaps, handles and restores.
+    * Entering is itself interruptible (see ``_Deferral.enter``).
+
+    Keep the deferred steps short: Ctrl-C waits for them. Nothing here blocks; the steps
+    deferred in hyperrng are a handful of generator writes and file-system calls.
+    """
     return _Deferred()
 
 

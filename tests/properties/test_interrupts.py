@@ -9,7 +9,7 @@ code is tried, and a seeded sample of those inside torch and NumPy. SIGINT raise
 KeyboardInterrupt; SIGUSR1's handler here raises an exception of its own (another signal's).
 These are policies: they hold on whatever platform is current.
 
-Then how the signals deferred come out (see hyperrng._guard.interrupts): every one, once per arrival,
+Then how the signals deferred come out (see hyperrng._guard.interrupts.deferred): every one, once per arrival,
 in arrival order, even when handlers raise; the exception raised after them; those arriving
 meanwhile; a storm from another process counted signal by signal; forks.
 """
@@ -124,7 +124,7 @@ class _SignalAt:
 
 def _own_exit(frame: FrameType) -> bool:
     """Whether ``frame`` is the start of an ``__exit__`` that a ``with`` of this file calls: the window
-    before its first instruction, which pure Python cannot close (see hyperrng._guard.exclusive)."""
+    before its first instruction, which pure Python cannot close (see hyperrng._guard.exclusive.LeavesOnExit)."""
     caller = frame.f_back
     return frame.f_code.co_name == "__exit__" and caller is not None and caller.f_code.co_filename == __file__
 

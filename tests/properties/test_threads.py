@@ -590,7 +590,7 @@ def test_an_interrupt_anywhere_in_a_fork_leaves_the_stream_before_or_after_and_t
 
 class _InterruptFirstExit:
     """Raise KeyboardInterrupt as the first ``__exit__`` called from ``scope`` starts: the window
-    before its first instruction, which pure Python cannot close (see hyperrng._guard.exclusive)."""
+    before its first instruction, which pure Python cannot close (see hyperrng._guard.exclusive.LeavesOnExit)."""
 
     def __init__(self, scope: Any) -> None:
         self.scope, self.fired = scope, False
