@@ -363,7 +363,7 @@ class LeavesOnExit:
     is refused across threads like any other but makes no claim about interrupts. Portable
     mode holds the device like the others, but its enter and exit are not idempotent steps:
     it defers Ctrl-C (SIGINT on the main thread) while entering or leaving instead (see
-    :mod:`hyperrng.portable.mode`), and an exception that another signal's Python handler
+    :class:`hyperrng.portable.mode._CtrlC`), and an exception that another signal's Python handler
     raises there can leave the flag, the hold or the generator between before and after.
 
     **Nesting.** A hold records the context that took it (forks of any tracker, ``fork_rng``,

@@ -5,84 +5,10 @@ Inside ``with hyperrng.portable_random(seed):`` (or after
 ``rand_like``, ``randn_like``, ``torch.randint``, ``Tensor.uniform_``/``normal_``/
 ``bernoulli_``/``random_``, ``F.dropout`` (and ``native_dropout``, its fused form on
 accelerators) and every ``torch.nn.init`` function built on them draw from
-:mod:`hyperrng.philox`:
+:mod:`hyperrng.philox` on the calling thread, from one global sequence whose numbers depend on
+the generator's position and the shape only.
 
-* **One global sequence.** Each op takes the (key, offset) position of the current
-  generator, computes element ``i`` of its result from global index ``offset + i``, and
-  moves the position by its element count rounded up to a multiple of 4 (whole Philox
-  blocks), as CUDA's generator does. The numbers depend on the position and the shape
-  only: the same on the CPU, CUDA, an NPU or the simulated device (uniform, bernoulli,
-  dropout masks, randint bit for bit; normal within a few ulp, see
-  :func:`hyperrng.philox.normal`).
-* **Positions.** With a ``seed`` the context starts at (seed, 0) and gives the generator
-  its previous state back on exit. Without one it continues from where the generator
-  is and leaves it advanced: the current device generator of the platform, which is
-  the stream inside ``tracker.fork(name)``, or the generator passed as ``generator=``.
-  The position is the platform's, whatever device a tensor is on. An explicit
-  ``generator=`` is honoured where it is one of the platform's counter-based
-  generators (CUDA, NPU). A CPU ``torch.Generator`` of the caller's own (not torch's
-  default one on the ``cpu`` platform, which holds that platform's positions) draws
-  torch's own numbers from it: computed on the host from that generator alone, they are
-  the same on every machine. A shuffling ``DataLoader`` works that way: its sampler
-  seeds a generator of its own with a portable draw and takes its order from it.
-* **Sharded tensors.** Inside a sharded region (a random op on a DTensor with the
-  adapter of :meth:`hyperrng.ShardedRNGTracker.install_dtensor`, or
-  :meth:`~hyperrng.ShardedRNGTracker.distribute_region`) an op fills this rank's shard
-  from the *global* indices of its elements at the region's base position, and the
-  region moves every rank to base + the global count rounded up to 4 (the advance of
-  the unsharded op, not the padded shard layout of non-portable sharded draws): no
-  collective, replicas equal, the shards put together are the tensor an unsharded
-  process draws, and the next op starts where it would in an unsharded process.
-* **No silent fallback.** A random op with no portable kernel (``multinomial``,
-  ``exponential_``, ``poisson``, ... see :func:`unsupported_ops`) raises
-  :class:`UnsupportedPortableOpError` naming it. Ops that are random only for some arguments
-  (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu`` with ``training``) run
-  torch's kernel when those make them deterministic.
-
-**Per thread.** Whether a random op draws portably is a flag of the calling thread: on
-while one of its contexts is entered or its switch (:func:`set_portable_random`) is on.
-Random ops on other threads keep torch's own kernels and numbers. Entering also holds
-the current device's generator for the thread (:mod:`hyperrng._guard.exclusive`), so a second
-thread that enters portable mode meanwhile, or anything that holds that generator by the
-same policy, is refused with :class:`~hyperrng.errors.InvalidOperationError`, nothing changed.
-A plain draw on another thread is not intercepted: a draw from the same device generator
-(``torch.rand`` without ``generator=``) moves the position the portable thread draws from.
-Work that torch runs on its own threads does not inherit the flag: on accelerators
-autograd runs the backward pass on per-device threads. A recompute in backward (activation
-checkpointing) therefore draws portably only where it re-applies the flag its forward pass
-ran with (``thread_mode`` and ``mode_applied`` here are for that), which is also what it
-needs on the CPU when ``backward()`` runs after the context has exited;
-``torch.utils.checkpoint`` does so with ``context_fn=hyperrng.checkpoint_context``, and draws
-torch's own numbers then without it.
-
-**DTensor.** While any thread is in the mode, DTensor's RNG tracker (one per process) is
-hyperrng's adapter (:meth:`hyperrng.ShardedRNGTracker.install_dtensor`), installed by the
-first entry unless it is there already and replaced by what was there at the last exit,
-so ``portable_random(seed)`` alone makes DTensor random ops sharding-invariant. It does
-so when DTensor is in use: ``torch.distributed.tensor`` imported or a process group
-initialised at entry. Not yet on CUDA meshes: there DTensor runs a random op without
-``generator=`` through a traceable path that asks the tracker for offsets only, with no
-region for the portable kernels to draw the shard's global indices from.
-
-**Ctrl-C.** Entering and leaving run with SIGINT deferred (on the main thread, the one
-that receives it): a KeyboardInterrupt finds the mode and the generator as before the
-entry or as after the exit, never in between. Only SIGINT: an exception raised by the
-Python handler of another signal (a SIGTERM handler raising ``SystemExit``, an alarm)
-while the mode is entered or left can leave the flag, the hold or the generator half
-changed; such handlers should set a flag that the training loop reads instead.
-
-**DataLoader.** Iterating a ``torch.utils.data.DataLoader`` in the mode draws its base seed
-portably (``random_()`` over the whole ``int64`` range), so its workers' seeds are the same in
-every run. A shuffling loader orders its samples with ``randperm`` and a CPU ``torch.Generator``
-of its own, seeded by another portable ``random_()``: that generator draws torch's numbers (see
-*Positions*), so the order too repeats with the mode's seed, on every machine.
-
-**Attention.** ``F.scaled_dot_product_attention`` with dropout draws the portable dropout
-mask of its global ``[*batch, heads, L, S]`` probabilities
-(:mod:`hyperrng.philox.attention`, wired in :mod:`hyperrng.portable._attention`); without
-dropout torch's own kernels run.
-
-**Kernels.** They are registered with torch once per process, when a thread first enters
+The kernels are registered with torch once per process, when a thread first enters
 the mode, on a dispatch key that only threads in the mode include (see
 :mod:`hyperrng.portable._ops`): entering and leaving flip a thread-local bit and never touch
 the dispatch table. Outside the mode a random op never reaches Python: torch's kernel,
@@ -93,10 +19,7 @@ a device Triton serves, one fused kernel launch. Entering needs torch 2.9 or new
 elsewhere it raises :class:`UnsupportedPortableOpError` and changes nothing. Details, and
 the limits of each op, in :mod:`hyperrng.portable._ops`.
 
-**Dropout.** ``F.dropout`` keeps element ``i`` where its word is below
-``round((1 - p) * 2**32)``, the convention of every portable dropout (see
-:mod:`hyperrng.philox`): :func:`hyperrng.philox.dropout` at the same position gives the
-same bits.
+Details at :class:`portable_random` (draws, positions, threads), :class:`_DTensorRouting`, :class:`_CtrlC` (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -141,6 +64,12 @@ class _DTensorRouting:
     counted per thread, and a thread that has ended counts as gone (as its hold does in
     :mod:`hyperrng._guard.exclusive`): one that died inside the mode does not keep the adapter
     installed past the next entry or exit of another thread.
+
+    So ``portable_random(seed)`` alone makes DTensor random ops sharding-invariant. It does so
+    when DTensor is in use: ``torch.distributed.tensor`` imported or a process group initialised
+    at entry. Not yet on CUDA meshes: there DTensor runs a random op without ``generator=``
+    through a traceable path that asks the tracker for offsets only, with no region for the
+    portable kernels to draw the shard's global indices from.
     """
 
     def __init__(self) -> None:
@@ -218,6 +147,13 @@ class _CtrlC:
     handler looks at the frames it interrupts: inside entering or leaving (from their first
     instruction on) it records the interrupt, which the step raises once done, so an
     interrupt finds the mode and the generator as before the entry or as after the exit.
+
+    Entering and leaving thus run with SIGINT deferred (on the main thread, the one that
+    receives it): a KeyboardInterrupt finds the mode and the generator as before the entry or
+    as after the exit, never in between. Only SIGINT: an exception raised by the Python
+    handler of another signal (a SIGTERM handler raising ``SystemExit``, an alarm) while the
+    mode is entered or left can leave the flag, the hold or the generator half changed; such
+    handlers should set a flag that the training loop reads instead.
     """
 
     def __init__(self) -> None:
@@ -349,8 +285,7 @@ def _check_optional_seed(seed: object) -> int | None:
 
 
 class portable_random:  # noqa: N801 - a context manager named like a function, as torch.random.fork_rng
-    """Context manager: torch's random ops on this thread draw portable Philox numbers inside
-    (see the module docstring).
+    """Context manager: torch's random ops on this thread draw portable Philox numbers inside.
 
     Args:
         seed: ``None`` continues from the current generator position (the device
@@ -363,11 +298,75 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
 
     Entering holds the current device's generator for this thread (see
     :mod:`hyperrng._guard.exclusive`) until the matching exit, routes DTensor random ops through
-    hyperrng's sharded path (see the module docstring) and, with a seed, positions the
+    hyperrng's sharded path (see :class:`_DTensorRouting`) and, with a seed, positions the
     generator. It may be nested and re-entered, also from several threads one after
     another; the thread leaves the mode at its outermost exit unless its switch
     (:func:`set_portable_random`) holds it. A Ctrl-C during entry or exit leaves the
-    mode and the generator as before the entry or as after the exit.
+    mode and the generator as before the entry or as after the exit (see :class:`_CtrlC`).
+
+    * **One global sequence.** Each op takes the (key, offset) position of the current
+      generator, computes element ``i`` of its result from global index ``offset + i``, and
+      moves the position by its element count rounded up to a multiple of 4 (whole Philox
+      blocks), as CUDA's generator does. The numbers depend on the position and the shape
+      only: the same on the CPU, CUDA, an NPU or the simulated device (uniform, bernoulli,
+      dropout masks, randint bit for bit; normal within a few ulp, see
+      :func:`hyperrng.philox.normal`).
+    * **Positions.** With a ``seed`` the context starts at (seed, 0) and gives the generator
+      its previous state back on exit. Without one it continues from where the generator
+      is and leaves it advanced: the current device generator of the platform, which is
+      the stream inside ``tracker.fork(name)``, or the generator passed as ``generator=``.
+      The position is the platform's, whatever device a tensor is on. An explicit
+      ``generator=`` is honoured where it is one of the platform's counter-based
+      generators (CUDA, NPU). A CPU ``torch.Generator`` of the caller's own (not torch's
+      default one on the ``cpu`` platform, which holds that platform's positions) draws
+      torch's own numbers from it: computed on the host from that generator alone, they are
+      the same on every machine. A shuffling ``DataLoader`` works that way: its sampler
+      seeds a generator of its own with a portable draw and takes its order from it.
+    * **Sharded tensors.** Inside a sharded region (a random op on a DTensor with the
+      adapter of :meth:`hyperrng.ShardedRNGTracker.install_dtensor`, or
+      :meth:`~hyperrng.ShardedRNGTracker.distribute_region`) an op fills this rank's shard
+      from the *global* indices of its elements at the region's base position, and the
+      region moves every rank to base + the global count rounded up to 4 (the advance of
+      the unsharded op, not the padded shard layout of non-portable sharded draws): no
+      collective, replicas equal, the shards put together are the tensor an unsharded
+      process draws, and the next op starts where it would in an unsharded process.
+    * **No silent fallback.** A random op with no portable kernel (``multinomial``,
+      ``exponential_``, ``poisson``, ... see :func:`unsupported_ops`) raises
+      :class:`UnsupportedPortableOpError` naming it. Ops that are random only for some arguments
+      (attention and RNN kernels with ``dropout_p``/``dropout``, ``rrelu`` with ``training``) run
+      torch's kernel when those make them deterministic.
+
+    **Per thread.** Whether a random op draws portably is a flag of the calling thread: on
+    while one of its contexts is entered or its switch (:func:`set_portable_random`) is on.
+    Random ops on other threads keep torch's own kernels and numbers. Entering also holds
+    the current device's generator for the thread (:mod:`hyperrng._guard.exclusive`), so a second
+    thread that enters portable mode meanwhile, or anything that holds that generator by the
+    same policy, is refused with :class:`~hyperrng.errors.InvalidOperationError`, nothing changed.
+    A plain draw on another thread is not intercepted: a draw from the same device generator
+    (``torch.rand`` without ``generator=``) moves the position the portable thread draws from.
+    Work that torch runs on its own threads does not inherit the flag: on accelerators
+    autograd runs the backward pass on per-device threads. A recompute in backward (activation
+    checkpointing) therefore draws portably only where it re-applies the flag its forward pass
+    ran with (:func:`thread_mode` and :class:`mode_applied` are for that), which is also what it
+    needs on the CPU when ``backward()`` runs after the context has exited;
+    ``torch.utils.checkpoint`` does so with ``context_fn=hyperrng.checkpoint_context``, and draws
+    torch's own numbers then without it.
+
+    **DataLoader.** Iterating a ``torch.utils.data.DataLoader`` in the mode draws its base seed
+    portably (``random_()`` over the whole ``int64`` range), so its workers' seeds are the same in
+    every run. A shuffling loader orders its samples with ``randperm`` and a CPU ``torch.Generator``
+    of its own, seeded by another portable ``random_()``: that generator draws torch's numbers (see
+    *Positions*), so the order too repeats with the mode's seed, on every machine.
+
+    **Attention.** ``F.scaled_dot_product_attention`` with dropout draws the portable dropout
+    mask of its global ``[*batch, heads, L, S]`` probabilities
+    (:mod:`hyperrng.philox.attention`, wired in :mod:`hyperrng.portable._attention`); without
+    dropout torch's own kernels run.
+
+    **Dropout.** ``F.dropout`` keeps element ``i`` where its word is below
+    ``round((1 - p) * 2**32)``, the convention of every portable dropout (see
+    :mod:`hyperrng.philox`): :func:`hyperrng.philox.dropout` at the same position gives the
+    same bits.
 
     Raises:
         ArgumentTypeError: ``seed`` is not an int or ``compiled`` not a bool.

@@ -1,6 +1,7 @@
 """A declarative stream layout: each stream names the mesh dimensions it varies over.
 
-The additive recipes of Megatron-core and slapo (``seed + 2718 + tp_rank``,
+A layout derives each stream's seed from this rank's coordinates on those dimensions. The
+additive recipes of Megatron-core and slapo (``seed + 2718 + tp_rank``,
 ``seed + 1024 + 100 * ep_rank + etp_rank``) give two different streams the same seed as
 soon as a parallel dimension is large enough (TP=8 and EP >= 18 is enough). A layout
 replaces them::
@@ -16,38 +17,7 @@ replaces them::
     )
     apply_layout(layout, base_seed=1234, coords={"pp": 1, "dp": 3, "cp": 0, "tp": 5, "ep": 2})
 
-**The seed of a stream** is, for a stream ``name`` varying over dimensions
-``d1, ..., dk`` (in the order the stream declares them) with this rank's coordinates
-``c1, ..., ck``::
-
-    combine64(LAYOUT_DOMAIN, base_seed, name_hash(name),
-              dim_hash(d1), c1, ..., dim_hash(dk), ck)
-
-where ``combine64`` is :func:`hyperrng.platforms.mix.combine64` (SplitMix64 steps) and the hashes
-are the first 8 bytes, little-endian, of BLAKE2b over the UTF-8 name with a personalisation
-string (``hyperrng.stream`` / ``hyperrng.dim``) — stable across processes, machines and
-Python versions, unlike ``hash()``. The default generator's seed is the same formula with
-the reserved name :data:`DEFAULT_STREAM`.
-
-Consequences:
-
-* ranks with equal coordinates on a stream's dimensions share that stream (replicas
-  draw the same numbers), whatever their coordinates on the other dimensions;
-* mesh *sizes* never enter the formula, so growing a dimension, or adding a dimension a
-  stream does not vary over, leaves every existing stream's seed unchanged;
-* two ranks of one stream that differ only in its last dimension are guaranteed distinct
-  (the last mixing step is a bijection); any other pair collides with probability
-  2**-64, i.e. below 1e-12 for a million (stream, coordinate) pairs.
-  :meth:`StreamLayout.check_distinct` verifies a concrete mesh exhaustively.
-
-A layout is plain data: :meth:`StreamLayout.to_dict` / :meth:`StreamLayout.from_dict`
-round-trip it through JSON-compatible values (checkpoints store it).
-
-**Derivations are remembered.** Seeding a tracker from a layout (:func:`apply_layout`)
-records the :class:`Derivation` (layout, base seed, coordinates) beside that tracker;
-:func:`recorded_derivation` returns it for as long as the tracker still holds the streams
-it created. :func:`hyperrng.rng_state_dict` stores it in every checkpoint, so a resume at
-another world size can re-derive the streams without the user having planned for it.
+The seed formula and what it guarantees: :meth:`StreamLayout.seed`; recorded derivations: :func:`recorded_derivation`.
 """
 
 from __future__ import annotations
@@ -187,6 +157,30 @@ class StreamLayout:
         ``coords`` maps every dimension of the layout to this rank's coordinate, or is a
         mesh object (see :func:`mesh_coordinates`).
 
+        **The seed of a stream** is, for a stream ``name`` varying over dimensions
+        ``d1, ..., dk`` (in the order the stream declares them) with this rank's coordinates
+        ``c1, ..., ck``::
+
+            combine64(LAYOUT_DOMAIN, base_seed, name_hash(name),
+                      dim_hash(d1), c1, ..., dim_hash(dk), ck)
+
+        where ``combine64`` is :func:`hyperrng.platforms.mix.combine64` (SplitMix64 steps) and the hashes
+        are the first 8 bytes, little-endian, of BLAKE2b over the UTF-8 name with a personalisation
+        string (``hyperrng.stream`` / ``hyperrng.dim``) — stable across processes, machines and
+        Python versions, unlike ``hash()``. The default generator's seed is the same formula with
+        the reserved name :data:`DEFAULT_STREAM`.
+
+        Consequences:
+
+        * ranks with equal coordinates on a stream's dimensions share that stream (replicas
+          draw the same numbers), whatever their coordinates on the other dimensions;
+        * mesh *sizes* never enter the formula, so growing a dimension, or adding a dimension a
+          stream does not vary over, leaves every existing stream's seed unchanged;
+        * two ranks of one stream that differ only in its last dimension are guaranteed distinct
+          (the last mixing step is a bijection); any other pair collides with probability
+          2**-64, i.e. below 1e-12 for a million (stream, coordinate) pairs.
+          :meth:`StreamLayout.check_distinct` verifies a concrete mesh exhaustively.
+
         Raises:
             InvalidArgumentError: unknown stream, or coordinates that are missing, extra, negative or not ints;
                 or ``base_seed`` is not an int in [0, 2**64 - 1].
@@ -294,7 +288,11 @@ class StreamLayout:
 
     # -- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Return the layout as JSON-compatible plain data (lists, strings, ints)."""
+        """Return the layout as JSON-compatible plain data (lists, strings, ints).
+
+        A layout is plain data: this and :meth:`StreamLayout.from_dict` round-trip it through
+        JSON-compatible values (checkpoints store it).
+        """
         return {
             "version": LAYOUT_FORMAT_VERSION,
             "domain": LAYOUT_DOMAIN,
@@ -397,6 +395,12 @@ def recorded_derivation(tracker: RNGStatesTracker | None = None) -> Derivation |
     the streams it holds now: once anything else reseeds, adds or resets its streams,
     the record no longer describes them and is dropped. Restoring states with
     ``set_states`` keeps it (the same streams, at other positions).
+
+    **Derivations are remembered.** Seeding a tracker from a layout (:func:`apply_layout`)
+    records the :class:`Derivation` (layout, base seed, coordinates) beside that tracker;
+    this function returns it for as long as the tracker still holds the streams
+    it created. :func:`hyperrng.rng_state_dict` stores it in every checkpoint, so a resume at
+    another world size can re-derive the streams without the user having planned for it.
     """
     chosen = resolve_tracker(tracker)
     record = _RECORDS.get(chosen)

@@ -1,78 +1,12 @@
 """Offset math for random ops on sharded tensors (DTensor semantics), with no process group.
 
-A tensor of ``global_shape`` is placed on a device mesh of ``mesh_shape`` by one placement
-per mesh dimension: PyTorch's ``Shard(dim)``, ``_StridedShard(dim, split_factor)`` (where
-the installed torch has it), ``Replicate()`` or ``Partial()``. Each rank, named by its
-``coordinate`` in the mesh, holds one *shard*; ranks whose coordinates differ only on
-``Replicate``/``Partial`` mesh dimensions hold the same shard and are its *replicas*.
+For a tensor placed on a device mesh as DTensor places it, this module says which global
+indices each rank's shard holds (:func:`local_shard`, :func:`local_index_ranges`), which window
+of generator offsets a random op on that shard draws from and where every rank's offset goes
+after it (:func:`rng_offsets`), and checks those windows over every rank of a mesh
+(:func:`check_disjoint`), all from the mesh shape, placements and global shape alone.
 
-Shards follow DTensor exactly: mesh dimensions are applied in order, ``Shard`` splits the
-current local extent with ``torch.chunk`` semantics (chunks of ``ceil(n / parts)``, the
-trailing ones smaller or empty) and ``_StridedShard`` first cuts the extent into
-``split_factor`` chunks, splits each of those, and concatenates piece ``c`` of every chunk
-for rank ``c``. :func:`local_shard` and :func:`local_index_ranges` say which global
-indices a rank holds.
-
-The offset contract
--------------------
-Shards are numbered as PyTorch numbers them: along each tensor dim, a shard's piece index
-is the mixed-radix number formed by the rank's coordinates on the mesh dims that shard that
-tensor dim (in mesh-dim order); the *linear shard index* ``k`` is the row-major number of
-those piece indices over the tensor dims. With ``K`` distinct shards, ``numel_j`` the element
-count of shard ``j`` and ``r4(x)`` ``x`` rounded up to a multiple of 4::
-
-    start_k = r4(numel_0) + ... + r4(numel_{k-1})       end = r4(numel_0) + ... + r4(numel_{K-1})
-
-:func:`rng_offsets` returns ``(start_k, end)``: add ``start_k`` to the generator offset
-before the op on this rank, and ``end`` to the offset it had before the op, on every rank,
-afterwards. Hence, for every placement this module accepts: the windows
-``[start_k, start_k + numel_k)`` of distinct shards are disjoint, replicas get identical
-windows, every window lies inside ``[0, end)``, and both numbers are multiples of 4 because
-CUDA's Philox generator hands out its counter in blocks of four 32-bit values and refuses
-other offsets (``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``). :func:`check_disjoint`
-verifies these properties over every rank of a mesh.
-
-Where this differs from PyTorch
--------------------------------
-PyTorch's ``OffsetBasedRNGTracker`` (``torch/distributed/tensor/_random.py``) uses
-``start = r4(k * numel_first)`` and ``end = r4(numel(global_shape))``, where
-``numel_first`` is the size of shard 0 computed by applying each ``Shard`` to the *global*
-size of its tensor dim. When every shard has the same element count, that count is a
-multiple of 4 and no tensor dim is sharded by more than one mesh dim, both formulas give
-the same numbers. Otherwise PyTorch's windows can collide or leave ``[0, end)``:
-
-* uneven splits: a ``(10,)`` tensor over 4 ranks has shards of 3, 3, 3 and 1 elements;
-  PyTorch gives the last one ``[12, 13)`` with ``end = 12``, so its numbers are drawn
-  again by the next random op. Here the windows start at 0, 4, 8, 12 and ``end = 16``.
-* shard sizes that are not multiples of 4: rounding ``k * numel_first`` up makes windows
-  overlap (a ``(10, 10)`` tensor on a 4x4 mesh: ``[12, 21)`` and ``[20, 29)``).
-* a tensor dim sharded by two mesh dims: PyTorch sizes the shard from the last mesh dim
-  alone, so a ``(16,)`` tensor on a 2x2 mesh gets windows at 0, 8, 16, 24 with
-  ``end = 16``. Here they start at 0, 4, 8, 12.
-
-The price is that ``end`` may exceed ``r4(numel(global_shape))`` by less than 4 per shard, so
-the generator advances a little further than under PyTorch when shard sizes are uneven or
-not multiples of 4.
-
-Cost, limits and errors
-------------------------
-:func:`rng_offsets`, :func:`local_shard` and :func:`local_index_ranges` answer for one rank
-without enumerating ranks or shards: the cost grows with the number of mesh and tensor dims
-(and, for a tensor dim split by several mesh dims or by ``_StridedShard``, with the number of
-*distinct* piece sizes, a few per level), never with the number of ranks;
-``local_index_ranges`` also costs as much as the ranges it returns. :func:`check_disjoint`
-visits every rank. Nothing is cached: every call validates all its arguments. A mesh may
-have up to :data:`MAX_MESH_SIZE` (``2**63``) ranks and a global shape up to
-:data:`MAX_GLOBAL_NUMEL` (``2**63 - 1``) elements; larger ones, and shardings whose ``end``
-would pass ``2**63 - 1`` (the largest generator offset), raise
-:class:`~hyperrng.errors.InvalidArgumentError`.
-
-One rule throughout: an argument of the wrong type (a size given as ``2.7`` or ``True``,
-a mesh shape given as a string, an object that is not a placement) raises
-:class:`~hyperrng.errors.ArgumentTypeError`, a ``TypeError``; a wrong value of the right
-type (a coordinate outside the mesh, a ``Shard`` dim outside the tensor, a negative size)
-raises :class:`~hyperrng.errors.InvalidArgumentError`, a ``ValueError``. Both messages name the
-argument. NumPy integers are accepted wherever Python ints are; floats are never truncated.
+Shards and placements: :func:`local_shard`; the offset contract, PyTorch's differences, limits: :func:`rng_offsets`.
 """
 
 from __future__ import annotations
@@ -140,6 +74,63 @@ def rng_offsets(
 ) -> tuple[int, int]:
     """Return the generator-offset increments for a random op on this rank's shard.
 
+    **The offset contract.** Shards are numbered as PyTorch numbers them (shards and replicas
+    as :func:`local_shard` describes them): along each tensor dim, a shard's piece index
+    is the mixed-radix number formed by the rank's coordinates on the mesh dims that shard that
+    tensor dim (in mesh-dim order); the *linear shard index* ``k`` is the row-major number of
+    those piece indices over the tensor dims. With ``K`` distinct shards, ``numel_j`` the element
+    count of shard ``j`` and ``r4(x)`` ``x`` rounded up to a multiple of 4::
+
+        start_k = r4(numel_0) + ... + r4(numel_{k-1})       end = r4(numel_0) + ... + r4(numel_{K-1})
+
+    This function returns ``(start_k, end)``: add ``start_k`` to the generator offset
+    before the op on this rank, and ``end`` to the offset it had before the op, on every rank,
+    afterwards. Hence, for every placement this module accepts: the windows
+    ``[start_k, start_k + numel_k)`` of distinct shards are disjoint, replicas get identical
+    windows, every window lies inside ``[0, end)``, and both numbers are multiples of 4 because
+    CUDA's Philox generator hands out its counter in blocks of four 32-bit values and refuses
+    other offsets (``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``). :func:`check_disjoint`
+    verifies these properties over every rank of a mesh.
+
+    **Where this differs from PyTorch.** PyTorch's ``OffsetBasedRNGTracker``
+    (``torch/distributed/tensor/_random.py``) uses ``start = r4(k * numel_first)`` and
+    ``end = r4(numel(global_shape))``, where ``numel_first`` is the size of shard 0 computed by
+    applying each ``Shard`` to the *global* size of its tensor dim. When every shard has the same
+    element count, that count is a multiple of 4 and no tensor dim is sharded by more than one
+    mesh dim, both formulas give the same numbers. Otherwise PyTorch's windows can collide or
+    leave ``[0, end)``:
+
+    * uneven splits: a ``(10,)`` tensor over 4 ranks has shards of 3, 3, 3 and 1 elements;
+      PyTorch gives the last one ``[12, 13)`` with ``end = 12``, so its numbers are drawn
+      again by the next random op. Here the windows start at 0, 4, 8, 12 and ``end = 16``.
+    * shard sizes that are not multiples of 4: rounding ``k * numel_first`` up makes windows
+      overlap (a ``(10, 10)`` tensor on a 4x4 mesh: ``[12, 21)`` and ``[20, 29)``).
+    * a tensor dim sharded by two mesh dims: PyTorch sizes the shard from the last mesh dim
+      alone, so a ``(16,)`` tensor on a 2x2 mesh gets windows at 0, 8, 16, 24 with
+      ``end = 16``. Here they start at 0, 4, 8, 12.
+
+    The price is that ``end`` may exceed ``r4(numel(global_shape))`` by less than 4 per shard, so
+    the generator advances a little further than under PyTorch when shard sizes are uneven or
+    not multiples of 4.
+
+    **Cost, limits and errors.** This function, :func:`local_shard` and :func:`local_index_ranges`
+    answer for one rank without enumerating ranks or shards: the cost grows with the number of
+    mesh and tensor dims (and, for a tensor dim split by several mesh dims or by ``_StridedShard``,
+    with the number of *distinct* piece sizes, a few per level), never with the number of ranks;
+    ``local_index_ranges`` also costs as much as the ranges it returns. :func:`check_disjoint`
+    visits every rank. Nothing is cached: every call validates all its arguments. A mesh may
+    have up to :data:`MAX_MESH_SIZE` (``2**63``) ranks and a global shape up to
+    :data:`MAX_GLOBAL_NUMEL` (``2**63 - 1``) elements; larger ones, and shardings whose ``end``
+    would pass ``2**63 - 1`` (the largest generator offset), raise
+    :class:`~hyperrng.errors.InvalidArgumentError`.
+
+    One rule throughout: an argument of the wrong type (a size given as ``2.7`` or ``True``,
+    a mesh shape given as a string, an object that is not a placement) raises
+    :class:`~hyperrng.errors.ArgumentTypeError`, a ``TypeError``; a wrong value of the right
+    type (a coordinate outside the mesh, a ``Shard`` dim outside the tensor, a negative size)
+    raises :class:`~hyperrng.errors.InvalidArgumentError`, a ``ValueError``. Both messages name the
+    argument. NumPy integers are accepted wherever Python ints are; floats are never truncated.
+
     Args:
         mesh_shape: sizes of the device mesh, one positive int per mesh dimension.
         coordinate: this rank's index along each mesh dimension.
@@ -150,8 +141,8 @@ def rng_offsets(
     Returns:
         ``(start, end)``: add ``start`` to the offset before the op on this rank; after it,
         every rank sets its offset to the one it had before the op plus ``end``. Both are
-        multiples of :data:`PHILOX_OFFSET_ALIGNMENT` and at most ``2**63 - 1`` (the module
-        docstring states the contract and where it differs from PyTorch's).
+        multiples of :data:`PHILOX_OFFSET_ALIGNMENT` and at most ``2**63 - 1`` (the contract,
+        and where it differs from PyTorch's, are stated above).
 
     Raises:
         ArgumentTypeError: a sequence that is not one, a size, index, ``dim`` or
@@ -177,6 +168,19 @@ def local_shard(
     global_shape: Sequence[int],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Return this rank's local shape and the global offset of its first element per dim.
+
+    A tensor of ``global_shape`` is placed on a device mesh of ``mesh_shape`` by one placement
+    per mesh dimension: PyTorch's ``Shard(dim)``, ``_StridedShard(dim, split_factor)`` (where
+    the installed torch has it), ``Replicate()`` or ``Partial()``. Each rank, named by its
+    ``coordinate`` in the mesh, holds one *shard*; ranks whose coordinates differ only on
+    ``Replicate``/``Partial`` mesh dimensions hold the same shard and are its *replicas*.
+
+    Shards follow DTensor exactly: mesh dimensions are applied in order, ``Shard`` splits the
+    current local extent with ``torch.chunk`` semantics (chunks of ``ceil(n / parts)``, the
+    trailing ones smaller or empty) and ``_StridedShard`` first cuts the extent into
+    ``split_factor`` chunks, splits each of those, and concatenates piece ``c`` of every chunk
+    for rank ``c``. This function and :func:`local_index_ranges` say which global
+    indices a rank holds.
 
     Takes the same arguments as :func:`rng_offsets` and returns what PyTorch's
     ``compute_local_shape_and_global_offset`` returns: the offset of an unsharded dim is 0,

@@ -120,7 +120,7 @@ def _our_local_elements(
 
 
 def _reference_offsets(config: Config) -> dict[tuple[int, ...], tuple[int, int]]:
-    """Every rank's (start, end) by enumerating all shards, as the module docstring defines them.
+    """Every rank's (start, end) by enumerating all shards, as the docstring of rng_offsets defines them.
 
     Shards are numbered as PyTorch numbers them (per tensor dim, the mixed-radix number of
     the coordinates on the mesh dims sharding it; then row-major over tensor dims); each
