@@ -87,6 +87,8 @@ def test_the_code_line_count_counts_code_only_and_reports_the_totals() -> None:
     assert counter["code_lines"](source) == 5  # x = (, 1,, ), def f():, return
     out = subprocess.run([sys.executable, str(ROOT / ".ci" / "code-lines")], capture_output=True, text=True, check=True)
     assert "in the core (limit 7500)" in out.stdout and "hyperrng/streams/tracker.py" in out.stdout
+    # The module half of the rule holds and stays held (the core's size does not yet: see .ci/code-lines).
+    assert "modules over 650 lines: 0" in out.stdout, [line for line in out.stdout.splitlines() if "over 650" in line]
 
 
 def test_the_old_module_paths_are_the_moved_modules_themselves() -> None:
