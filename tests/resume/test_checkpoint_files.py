@@ -141,6 +141,11 @@ def _save_with_signal(path: Path, state: dict[str, Any], at: int | None, signum:
     return False, hook
 
 
+# A signal that lands while CPython closes a generator expression (one that next(), all() or any() left
+# unfinished, here in the load check's pickle walk) is reported by CPython as "Exception ignored": the
+# exception cannot leave a generator's close. SignalExceptions recorded it and raises it once the save
+# returns, which the test asserts for every point (landed == len(points)); the report is not a failure.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1], ids=["SIGINT", "SIGUSR1"])
 def test_a_signal_anywhere_in_a_save_leaves_the_previous_or_the_new_checkpoint_and_nothing_open(
     tmp_path: Path, signum: int
