@@ -34,6 +34,7 @@ from hyperrng.philox._draws import (
 )
 from hyperrng.philox._draws import _normal_draw as _normal_draw  # portable mode's ops call it here
 from hyperrng.philox._draws import _uniform_draw as _uniform_draw  # as above
+from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [
@@ -100,7 +101,12 @@ def _generate(
     draw: Draw,
     backend: object,
 ) -> torch.Tensor:
-    """Check the position, the block, the device, ``out`` and ``backend``, then :func:`run` ``draw``."""
+    """Check the position, the block, the device, ``out`` and ``backend``, then :func:`run` ``draw``.
+
+    The public draws that come here, and :func:`dropout`, are eager functions: inside ``torch.compile``
+    Dynamo runs them as Python behind a graph break (``outside_dynamo``), never traces into their host
+    paths (the compiled C loop, the word readahead, ``out=`` writers), so compiled code draws what eager
+    code draws; ``fullgraph=True`` refuses them. Portable mode's random ops are what compiles whole."""
     global_shape = check_shape(shape)
     key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
@@ -168,6 +174,7 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
 
 
+@outside_dynamo  # an eager draw: see _generate
 def random_bits(
     shape: ShapeLike,
     key: int,
@@ -225,6 +232,7 @@ def random_bits(
     return _generate(shape, key, offset, shard, device, compiled, out, BITS, backend)
 
 
+@outside_dynamo  # an eager draw: see _generate
 def uniform(
     shape: ShapeLike,
     key: int,
@@ -266,6 +274,7 @@ def uniform(
     return _generate(shape, key, offset, shard, device, compiled, out, uniform_draw(dtype, low, high), backend)
 
 
+@outside_dynamo  # an eager draw: see _generate
 def bernoulli(
     shape: ShapeLike,
     p: float,
@@ -298,6 +307,7 @@ def bernoulli(
     return _generate(shape, key, offset, shard, device, compiled, out, bernoulli_draw(p, dtype), backend)
 
 
+@outside_dynamo  # an eager draw: see _generate
 def randint(
     shape: ShapeLike,
     low: int,
@@ -330,6 +340,7 @@ def randint(
     return _generate(shape, key, offset, shard, device, compiled, out, randint_draw(low, high, dtype), backend)
 
 
+@outside_dynamo  # an eager draw: see _generate
 def dropout(
     x: torch.Tensor,
     p: float,
@@ -459,6 +470,7 @@ def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> 
     return x * keep.to(x.dtype).div_(1.0 - p)
 
 
+@outside_dynamo  # an eager draw: see _generate
 def normal(
     shape: ShapeLike,
     key: int,

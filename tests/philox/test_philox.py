@@ -843,24 +843,31 @@ def test_the_triton_backend_without_triton_is_refused_with_a_typed_error() -> No
     assert out.stdout.startswith("refused: backend='triton' cannot draw on the CPU: Triton's interpreter cannot")
 
 
-@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # pure functions: meant
-@pytest.mark.parametrize("name", ["random_bits", "randint", "normal"])
-def test_a_small_explicit_key_draw_compiles_with_fullgraph_to_the_eager_numbers(name: str) -> None:
-    """Dynamo traces a small host draw whose words the eager call left in this thread's readahead (and, on
-    the way, no lock of functools.cached_property, which it cannot enter on Python 3.10 and 3.11)."""
+def test_explicit_key_draws_inside_torch_compile_draw_the_eager_numbers_behind_a_graph_break() -> None:
+    """Inside a compiled function (inductor, on the CPU) every explicit-key draw runs as eager code behind a
+    graph break: the numbers of eager code at every offset, never a host path traced into the graph (whose
+    compiled C loop, word readahead and ``out=`` writers inductor cannot compile); ``fullgraph=True``
+    refuses them, as the docstring of ``_generate`` says."""
     from hyperrng import philox
 
-    draws: dict[str, Callable[[], torch.Tensor]] = {
-        "random_bits": lambda: philox.random_bits((8,), key=1, offset=0).float(),
-        "randint": lambda: philox.randint((8,), -3, 9, key=1, offset=4).float(),
-        "normal": lambda: philox.normal((8,), key=1, offset=4),
-    }
+    def step(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, ...]:
+        draws = (
+            philox.random_bits((8,), key=1, offset=offset),
+            philox.uniform((100,), key=2, offset=offset),
+            philox.bernoulli((5000,), 0.3, key=3, offset=offset),  # the compiled loop's size
+            philox.randint((8,), -3, 9, key=4, offset=offset),
+            philox.normal((30,), key=5, offset=offset),
+            philox.dropout(x, 0.5, key=6, offset=offset),
+        )
+        return (x * 2, *draws)  # the graph around the draws is compiled
 
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return x + draws[name]()
-
-    if name == "normal" and torch.torch_version.TorchVersion(torch.__version__) < (2, 6):
-        pytest.skip(f"torch {torch.__version__}'s Dynamo cannot trace the Tensor.item of normal's host draw")
-    eager = step(torch.ones(8))
+    x = torch.ones(64)
     torch._dynamo.reset()
-    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(torch.ones(8)), eager)
+    compiled = torch.compile(step)
+    for offset in (0, 8, 4096, 12):
+        got, want = compiled(x, offset), step(x, offset)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), offset
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="should not be traced|marked as skipped"):
+        torch.compile(step, fullgraph=True)(x, 0)
+    torch._dynamo.reset()
