@@ -10,6 +10,7 @@ the public functions here check their arguments (:mod:`hyperrng.philox._checks`)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +91,20 @@ def _check_offset(offset: object, numel: int) -> int:
     return value
 
 
+def _eager_in_compiled_code(draw: Any) -> Any:
+    """``draw``, run as eager code behind a graph break where Dynamo would trace it (see :func:`_generate`).
+    The untraced copy is called only while a compilation runs, so eager calls never import Dynamo."""
+    untraced = outside_dynamo(draw)
+
+    @functools.wraps(draw)
+    def eager_draw(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return untraced(*args, **kwargs)
+        return draw(*args, **kwargs)
+
+    return eager_draw
+
+
 def _generate(
     shape: ShapeLike,
     key: object,
@@ -104,7 +119,7 @@ def _generate(
     """Check the position, the block, the device, ``out`` and ``backend``, then :func:`run` ``draw``.
 
     The public draws that come here, and :func:`dropout`, are eager functions: inside ``torch.compile``
-    Dynamo runs them as Python behind a graph break (``outside_dynamo``), never traces into their host
+    Dynamo runs them as Python behind a graph break (:func:`_eager_in_compiled_code`), never traces into their host
     paths (the compiled C loop, the word readahead, ``out=`` writers), so compiled code draws what eager
     code draws; ``fullgraph=True`` refuses them. Portable mode's random ops are what compiles whole."""
     global_shape = check_shape(shape)
@@ -174,7 +189,7 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
 
 
-@outside_dynamo  # an eager draw: see _generate
+@_eager_in_compiled_code
 def random_bits(
     shape: ShapeLike,
     key: int,
@@ -232,7 +247,7 @@ def random_bits(
     return _generate(shape, key, offset, shard, device, compiled, out, BITS, backend)
 
 
-@outside_dynamo  # an eager draw: see _generate
+@_eager_in_compiled_code
 def uniform(
     shape: ShapeLike,
     key: int,
@@ -274,7 +289,7 @@ def uniform(
     return _generate(shape, key, offset, shard, device, compiled, out, uniform_draw(dtype, low, high), backend)
 
 
-@outside_dynamo  # an eager draw: see _generate
+@_eager_in_compiled_code
 def bernoulli(
     shape: ShapeLike,
     p: float,
@@ -307,7 +322,7 @@ def bernoulli(
     return _generate(shape, key, offset, shard, device, compiled, out, bernoulli_draw(p, dtype), backend)
 
 
-@outside_dynamo  # an eager draw: see _generate
+@_eager_in_compiled_code
 def randint(
     shape: ShapeLike,
     low: int,
@@ -340,7 +355,7 @@ def randint(
     return _generate(shape, key, offset, shard, device, compiled, out, randint_draw(low, high, dtype), backend)
 
 
-@outside_dynamo  # an eager draw: see _generate
+@_eager_in_compiled_code
 def dropout(
     x: torch.Tensor,
     p: float,
@@ -470,7 +485,7 @@ def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> 
     return x * keep.to(x.dtype).div_(1.0 - p)
 
 
-@outside_dynamo  # an eager draw: see _generate
+@_eager_in_compiled_code
 def normal(
     shape: ShapeLike,
     key: int,
