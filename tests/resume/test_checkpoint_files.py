@@ -126,7 +126,10 @@ class _SignalAt:
             if frame.f_code.co_filename in _OWN_CODE:
                 self.own.append(self.events)
             if self.events == self.at:
+                self.sent = True
                 signal.raise_signal(self.signum)
+
+    sent = False  # whether the save reached the at-th event (a save can make fewer events than the probe's)
 
 
 def _save_with_signal(path: Path, state: dict[str, Any], at: int | None, signum: int) -> tuple[bool, _SignalAt]:
@@ -144,7 +147,7 @@ def _save_with_signal(path: Path, state: dict[str, Any], at: int | None, signum:
 # A signal that lands while CPython closes a generator expression (one that next(), all() or any() left
 # unfinished, here in the load check's pickle walk) is reported by CPython as "Exception ignored": the
 # exception cannot leave a generator's close. SignalExceptions recorded it and raises it once the save
-# returns, which the test asserts for every point (landed == len(points)); the report is not a failure.
+# returns, which the test asserts for every signal sent (interrupted == hook.sent); the report is not a failure.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1], ids=["SIGINT", "SIGUSR1"])
 def test_a_signal_anywhere_in_a_save_leaves_the_previous_or_the_new_checkpoint_and_nothing_open(
@@ -163,17 +166,20 @@ def test_a_signal_anywhere_in_a_save_leaves_the_previous_or_the_new_checkpoint_a
         others = sorted(set(range(1, probe.events + 1)) - set(probe.own))
         points = sorted(set(probe.own) | set(random.Random(signum).sample(others, 60)))
         descriptors = _open_descriptors()
-        landed = 0
+        landed = sent = 0
         for at in points:
-            interrupted, _ = _save_with_signal(path, new, at, signum)
-            landed += interrupted
+            interrupted, hook = _save_with_signal(path, new, at, signum)
+            landed, sent = landed + interrupted, sent + hook.sent
+            assert interrupted == hook.sent, f"the signal sent at event {at} did not come out of the save"
             assert _entries(tmp_path) == ["rng.pt"], f"left behind (signal at event {at})"
             assert _open_descriptors() == descriptors, f"a descriptor left open (signal at event {at})"
             digest = load_rng_state(path)["digest"]
             assert digest in (previous["digest"], new["digest"]), f"torn checkpoint (signal at event {at})"
             if digest == new["digest"]:
                 save_rng_state(path, previous)
-        assert landed == len(points), "every signal comes out of the save, after it"
+        # A save can make a few events fewer than the probe did (a collection of cyclic garbage that ran
+        # during the probe, whose finalizers are events): the points past its end send no signal.
+        assert landed == sent >= len(points) - 5, "every signal comes out of the save, after it"
     finally:
         signal.signal(signal.SIGUSR1, previous_handler)
 
