@@ -11,6 +11,7 @@ skips what this torch cannot run.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from hyperrng.platforms.errors import HyperRNGError
 
-__all__ = ["Feature", "FEATURES", "feature", "outside_dynamo", "report_lines", "require"]
+__all__ = ["Feature", "FEATURES", "eager_when_traced", "feature", "outside_dynamo", "report_lines", "require"]
 
 
 def outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -30,6 +31,22 @@ def outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     a graph (a tracker's fork, a position table, an eager draw)."""
     disable = getattr(torch, "_disable_dynamo", None)
     return fn if disable is None else disable(fn)
+
+
+def eager_when_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` that calls its :func:`outside_dynamo` copy only while Dynamo traces it: the decorator form of the
+    ``if torch.compiler.is_compiling(): return <fn>_outside_the_graph(...)`` that forks and checkpoints write
+    at their call sites. Eager calls pay one frame and never import Dynamo (``outside_dynamo``'s first call
+    does, which imports Triton on torch 2.5)."""
+    untraced = outside_dynamo(fn)
+
+    @functools.wraps(fn)
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return untraced(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return eager
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ the public functions here check their arguments (:mod:`hyperrng.philox._checks`)
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +34,7 @@ from hyperrng.philox._draws import (
 )
 from hyperrng.philox._draws import _normal_draw as _normal_draw  # portable mode's ops call it here
 from hyperrng.philox._draws import _uniform_draw as _uniform_draw  # as above
-from hyperrng.platforms._features import outside_dynamo
+from hyperrng.platforms._features import eager_when_traced
 from hyperrng.platforms.validate import check_int, check_seed
 
 __all__ = [
@@ -91,20 +90,6 @@ def _check_offset(offset: object, numel: int) -> int:
     return value
 
 
-def _eager_in_compiled_code(draw: Any) -> Any:
-    """``draw``, run as eager code behind a graph break where Dynamo would trace it (see :func:`_generate`).
-    The untraced copy is called only while a compilation runs, so eager calls never import Dynamo."""
-    untraced = outside_dynamo(draw)
-
-    @functools.wraps(draw)
-    def eager_draw(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return untraced(*args, **kwargs)
-        return draw(*args, **kwargs)
-
-    return eager_draw
-
-
 def _generate(
     shape: ShapeLike,
     key: object,
@@ -119,9 +104,10 @@ def _generate(
     """Check the position, the block, the device, ``out`` and ``backend``, then :func:`run` ``draw``.
 
     The public draws that come here, and :func:`dropout`, are eager functions: inside ``torch.compile``
-    Dynamo runs them as Python behind a graph break (:func:`_eager_in_compiled_code`), never traces into their host
-    paths (the compiled C loop, the word readahead, ``out=`` writers), so compiled code draws what eager
-    code draws; ``fullgraph=True`` refuses them. Portable mode's random ops are what compiles whole."""
+    Dynamo runs them as Python behind a graph break
+    (:func:`~hyperrng.platforms._features.eager_when_traced`), never traces into their host paths (the
+    compiled C loop, the word readahead, ``out=`` writers), so compiled code draws what eager code draws;
+    ``fullgraph=True`` refuses them. Portable mode's random ops are what compiles whole."""
     global_shape = check_shape(shape)
     key_value = check_seed(key, "key")
     offset_value = _check_offset(offset, math.prod(global_shape))
@@ -189,7 +175,7 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.stack(_k.philox_rounds(c[0], c[1], c[2], c[3], k[0], k[1]), dim=-1)
 
 
-@_eager_in_compiled_code
+@eager_when_traced
 def random_bits(
     shape: ShapeLike,
     key: int,
@@ -247,7 +233,7 @@ def random_bits(
     return _generate(shape, key, offset, shard, device, compiled, out, BITS, backend)
 
 
-@_eager_in_compiled_code
+@eager_when_traced
 def uniform(
     shape: ShapeLike,
     key: int,
@@ -289,7 +275,7 @@ def uniform(
     return _generate(shape, key, offset, shard, device, compiled, out, uniform_draw(dtype, low, high), backend)
 
 
-@_eager_in_compiled_code
+@eager_when_traced
 def bernoulli(
     shape: ShapeLike,
     p: float,
@@ -322,7 +308,7 @@ def bernoulli(
     return _generate(shape, key, offset, shard, device, compiled, out, bernoulli_draw(p, dtype), backend)
 
 
-@_eager_in_compiled_code
+@eager_when_traced
 def randint(
     shape: ShapeLike,
     low: int,
@@ -355,7 +341,7 @@ def randint(
     return _generate(shape, key, offset, shard, device, compiled, out, randint_draw(low, high, dtype), backend)
 
 
-@_eager_in_compiled_code
+@eager_when_traced
 def dropout(
     x: torch.Tensor,
     p: float,
@@ -485,7 +471,7 @@ def apply_dropout_mask(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> 
     return x * keep.to(x.dtype).div_(1.0 - p)
 
 
-@_eager_in_compiled_code
+@eager_when_traced
 def normal(
     shape: ShapeLike,
     key: int,
