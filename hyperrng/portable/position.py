@@ -38,6 +38,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, RNGDesyncError
+from hyperrng.platforms._features import eager_when_traced
 from hyperrng.platforms.validate import (
     MAX_OFFSET,
     OFFSET_ALIGN,
@@ -145,6 +146,7 @@ def _draw(
     return draw_at_position(math.prod(checked), generator, draw)
 
 
+@eager_when_traced
 def uniform(
     shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
@@ -158,6 +160,7 @@ def uniform(
     return _draw(philox.uniform, shape, generator, dtype=dtype, low=low, high=high, compiled=compiled)
 
 
+@eager_when_traced
 def normal(
     shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
@@ -171,6 +174,7 @@ def normal(
     return _draw(philox.normal, shape, generator, dtype=dtype, mean=mean, std=std, compiled=compiled)
 
 
+@eager_when_traced
 def bernoulli(
     shape: Sequence[int], p: float, *, generator: torch.Generator | None = None, compiled: bool = False
 ) -> torch.Tensor:
@@ -178,6 +182,7 @@ def bernoulli(
     return _draw(philox.bernoulli, shape, generator, p=p, compiled=compiled)
 
 
+@eager_when_traced
 def dropout(
     x: torch.Tensor,
     p: float,
@@ -233,6 +238,7 @@ def assemble_blocks(per_dim: list[list[slice]], draw: Callable[[list[slice]], to
     return draw([s[0] for s in per_dim])
 
 
+@eager_when_traced
 def sharded_uniform(
     mesh: Any,
     placements: Sequence[Any],
@@ -254,6 +260,7 @@ def sharded_uniform(
     return _draw(philox.uniform, global_shape, generator, (mesh, placements), **kw)
 
 
+@eager_when_traced
 def sharded_normal(
     mesh: Any,
     placements: Sequence[Any],
@@ -270,6 +277,7 @@ def sharded_normal(
     return _draw(philox.normal, global_shape, generator, (mesh, placements), **kw)
 
 
+@eager_when_traced
 def sharded_bernoulli(
     mesh: Any,
     placements: Sequence[Any],
@@ -283,6 +291,7 @@ def sharded_bernoulli(
     return _draw(philox.bernoulli, global_shape, generator, (mesh, placements), p=p, compiled=compiled)
 
 
+@eager_when_traced
 def sharded_dropout(
     x: torch.Tensor,
     p: float,

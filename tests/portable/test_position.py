@@ -259,3 +259,43 @@ def test_real_ranks_compute_their_shards_with_no_collective() -> None:
     full = philox.uniform((3, 7), key=SEED, offset=0)
     got = torch.cat([torch.tensor(s).reshape(3, w) for s, w in zip(shards, widths)], dim=1)
     assert torch.equal(got, full)
+
+
+_COMPILED_POSITION_DRAWS = """
+import torch, torch._dynamo.exc
+from hyperrng.portable import position
+
+def step(x):
+    return (
+        x + position.uniform((8,)),
+        position.bernoulli((5000,), 0.3),  # the compiled loop's size
+        position.dropout(x, 0.5),
+        position.normal((9,)),
+    )
+
+x = torch.ones(8)
+torch.manual_seed(0)
+eager = [step(x) for _ in range(3)]
+torch.manual_seed(0)
+compiled = torch.compile(step)
+for call, want in enumerate(eager):
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x), want)), call
+assert not torch.equal(eager[0][0], eager[1][0])  # each call draws at the generator's next position
+torch._dynamo.reset()
+try:
+    torch.compile(step, fullgraph=True)(x)
+except torch._dynamo.exc.Unsupported:  # Dynamo's refusal of a function it must not trace
+    print("refused")
+"""
+
+
+def test_position_draws_inside_torch_compile_read_and_move_the_generator_as_eager_code_does() -> None:
+    """Inside a compiled function (inductor, on the CPU) a draw at the generator's position runs as eager
+    code behind a graph break, so successive calls draw the eager sequence (the position read and moved at
+    run time, never baked into the graph); ``fullgraph=True`` refuses them. In a process of its own, as the
+    explicit-key draws' test (inductor's CPU code on older torch flushes subnormals process-wide)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _COMPILED_POSITION_DRAWS], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == ["refused"], run.stderr[-3000:]
