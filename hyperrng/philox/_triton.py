@@ -50,9 +50,9 @@ _MIN_BLOCK = 16
 _LOAD_LOCK = threading.RLock()  # reentrant: the attention kernels' copy loads the draw kernels' in its mode
 _INTERPRET = "TRITON_INTERPRET"
 
-_DISTS = {"random_bits": 0, "uniform": 1, "bernoulli": 2, "normal": 3, "randint": 4, "dropout": 5}
-_UNIFORM_TINY = 6  # uniform whose span times 2**-32 is not exact in the compute dtype (see the kernel)
-_UNIFORM_FROM_ZERO = 7  # uniform from low = 0: no addition
+_DISTS = frozenset({"random_bits", "uniform", "bernoulli", "normal", "randint", "dropout"})
+_UNIFORM_TINY = "uniform_tiny"  # uniform whose span times 2**-32 is not exact in the compute dtype (see the kernel)
+_UNIFORM_FROM_ZERO = "uniform_from_zero"  # uniform from low = 0: no addition
 
 
 def kernels(interpreted: bool) -> ModuleType:
@@ -134,11 +134,11 @@ def divisor(d: int) -> tuple[int, int]:
 
 @dataclass(frozen=True, eq=False)
 class Arguments:
-    """A distribution's kernel arguments: its code, compute dtype, 32-bit parameters (``i0`` to ``i2``) and
+    """A distribution's kernel arguments: its name, compute dtype, 32-bit parameters (``i0`` to ``i2``) and
     64-bit ones (``q0`` to ``q3``), as the kernel's docstring names them. Compared and hashed by identity
     (one is made per distinct set by the cached :func:`arguments`): a launch looks its options up by it."""
 
-    dist: int
+    dist: str  # the kernel's DIST: the distribution's name, or a variant's (see the kernel)
     compute: Any  # tl.float32 or tl.float64
     words: tuple[int, int, int]
     quads: tuple[int, int, int, int]
@@ -155,7 +155,9 @@ def arguments(name: str, params: tuple[float | int, ...], value_dtype: torch.dty
     import triton.language as tl
 
     compute = tl.float64 if value_dtype == torch.float64 else tl.float32
-    dist = _DISTS[name]
+    if name not in _DISTS:
+        raise KeyError(f"no Triton kernel draws {name!r}")
+    dist = name
     words, quads = (0, 0, 0), (0, 0, 0, 0)
     if name == "uniform":
         keep, unit, span, low = params

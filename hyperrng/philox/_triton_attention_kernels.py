@@ -14,8 +14,8 @@ from hyperrng.philox import _triton as _loader
 
 # The Philox rounds are the draw kernels' own, from the copy loaded in this copy's mode.
 _philox = _loader.load("hyperrng.philox._triton_kernels", triton.knobs.runtime.interpret).philox
-_LOW32 = tl.constexpr(0xFFFFFFFF)
-_LOG2E = tl.constexpr(1.4426950408889634)
+# Constants are literals (0xFFFFFFFF: the low 32 bits; 1.4426950408889634: log2(e)), not module-level names:
+# Triton compares each module-level constant a kernel names with its compile-time value on every launch.
 
 # Under the interpreter three things differ from the compiled code, each where marked: Triton's library
 # reductions are decorated again for the interpreter, runtime loop bounds become Python ints (_bound), and
@@ -81,7 +81,7 @@ def _keep(row_block, row_lane, start_n, thr, k0, k1, BLOCK_M: tl.constexpr, BLOC
     else:
         t = row_lane[:, None] + (start_n + tl.arange(0, BLOCK_N))[None, :]
         blocks = row_block[:, None] + t // 4
-    w0, w1, w2, w3 = _philox((blocks & _LOW32).to(tl.uint32), (blocks >> 32).to(tl.uint32), k0, k1)
+    w0, w1, w2, w3 = _philox((blocks & 0xFFFFFFFF).to(tl.uint32), (blocks >> 32).to(tl.uint32), k0, k1)
     if ALIGNED:
         words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_M, BLOCK_N))
     else:
@@ -120,7 +120,7 @@ def _scores(q, k, Bias_head, sbm, sbn, offs_m, offs_n, row_ok, col_ok, row_start
             mask=row_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
-        s += bias.to(tl.float32) * _LOG2E
+        s += bias.to(tl.float32) * 1.4426950408889634
     if MASK_COLS:
         valid = col_ok[None, :]
         if MASK_DIAGONAL:
@@ -225,11 +225,11 @@ def _attn_fwd(
         key0 = k0.to(tl.uint32, bitcast=True)
         key1 = k1.to(tl.uint32, bitcast=True)
         threshold = thr.to(tl.uint32, bitcast=True)
-        ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & _LOW32)
+        ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & 0xFFFFFFFF)
         row_block, row_lane = _row_geometry(offs_m, b, h, ob, ol, b_start, h_start, row_start, H_g, L_g, S)
     else:
         key0, key1, threshold, row_block, row_lane = 0, 0, 0, 0, 0  # unused
-    qk_scale = sm_scale * _LOG2E
+    qk_scale = sm_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
@@ -352,10 +352,10 @@ def _attn_bwd_dkdv(
         key0 = k0.to(tl.uint32, bitcast=True)
         key1 = k1.to(tl.uint32, bitcast=True)
         threshold = thr.to(tl.uint32, bitcast=True)
-        ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & _LOW32)
+        ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & 0xFFFFFFFF)
     else:
         key0, key1, threshold, ob = 0, 0, 0, 0  # unused
-    qk_scale = sm_scale * _LOG2E
+    qk_scale = sm_scale * 1.4426950408889634
     dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, tl.float32)
     lo = 0
@@ -463,11 +463,11 @@ def _attn_bwd_dq(
         key0 = k0.to(tl.uint32, bitcast=True)
         key1 = k1.to(tl.uint32, bitcast=True)
         threshold = thr.to(tl.uint32, bitcast=True)
-        ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & _LOW32)
+        ob = (ob_hi.to(tl.int64) << 32) | (ob_lo.to(tl.int64) & 0xFFFFFFFF)
         row_block, row_lane = _row_geometry(offs_m, b, h, ob, ol, b_start, h_start, row_start, H_g, L_g, S)
     else:
         key0, key1, threshold, row_block, row_lane = 0, 0, 0, 0, 0  # unused
-    qk_scale = sm_scale * _LOG2E
+    qk_scale = sm_scale * 1.4426950408889634
     dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
     mid, hi = _key_blocks(S, row_start, pid_m, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, _bound(mid), BLOCK_N):

@@ -45,21 +45,6 @@ import triton
 import triton.language as tl
 from triton.language import core as _core  # noqa: F401 -- see below
 
-PHILOX_M0 = tl.constexpr(0xD2511F53)
-PHILOX_M1 = tl.constexpr(0xCD9E8D57)
-PHILOX_W0 = tl.constexpr(0x9E3779B9)
-PHILOX_W1 = tl.constexpr(0xBB67AE85)
-PHILOX_ROUNDS = tl.constexpr(10)
-
-BITS = tl.constexpr(0)
-UNIFORM = tl.constexpr(1)
-BERNOULLI = tl.constexpr(2)
-NORMAL = tl.constexpr(3)
-RANDINT = tl.constexpr(4)
-DROPOUT = tl.constexpr(5)
-UNIFORM_TINY = tl.constexpr(6)
-UNIFORM_FROM_ZERO = tl.constexpr(7)
-
 _SCALARS = [
     "n_run", "chunks", "chunk_magic", "chunk_shifts", "seg_stride", "elem_stride", "x_seg_stride", "x_elem_stride",
     "base", "lane0", "key_lo", "key_hi", "i0", "i1", "i2", "q0", "q1", "q2", "q3",
@@ -77,18 +62,23 @@ def mul_wide(a, m: tl.constexpr):
 @triton.jit
 def philox(c0, c1, k0, k1):
     """The four words of the Philox4x32-10 blocks whose counter words 0 and 1 are ``c0`` and ``c1`` (uint32;
-    words 2 and 3 zero), under the key words ``k0``, ``k1`` (uint32)."""
+    words 2 and 3 zero), under the key words ``k0``, ``k1`` (uint32): ten rounds, multipliers ``0xD2511F53``
+    and ``0xCD9E8D57``, key increments ``0x9E3779B9`` and ``0xBB67AE85`` (Salmon et al., SC'11).
+
+    The constants are literals, as every value a kernel here uses: Triton compares each module-level
+    constant a kernel names with its value at compile time on every launch, several microseconds a
+    launch for a handful (``tests/philox/test_philox_triton.py`` holds the kernels to none)."""
     c2 = tl.full(c0.shape, 0, tl.uint32)
     c3 = tl.full(c0.shape, 0, tl.uint32)
-    for _ in tl.static_range(PHILOX_ROUNDS):
-        hi0, lo0 = mul_wide(c0, PHILOX_M0)
-        hi2, lo2 = mul_wide(c2, PHILOX_M1)
+    for _ in tl.static_range(10):
+        hi0, lo0 = mul_wide(c0, 0xD2511F53)
+        hi2, lo2 = mul_wide(c2, 0xCD9E8D57)
         c0 = hi2 ^ c1 ^ k0
         c2 = hi0 ^ c3 ^ k1
         c1 = lo2
         c3 = lo0
-        k0 = k0 + PHILOX_W0
-        k1 = k1 + PHILOX_W1
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
     return c0, c1, c2, c3
 
 
@@ -202,29 +192,29 @@ def finish(
     out_ptrs, x_ptrs, mask_ptrs, inside, words, i0, i1, i2, q0, q1, q2,
     DIST: tl.constexpr, COMPUTE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """Store the values of ``words`` (for NORMAL: the values themselves) at ``out_ptrs`` where ``inside``:
+    """Store the values of ``words`` (for ``"normal"``: the values themselves) at ``out_ptrs`` where ``inside``:
     the distribution's arithmetic, parameters as :func:`draw_kernel` names them."""
     dtype: tl.constexpr = out_ptrs.dtype.element_ty
-    if DIST == NORMAL:
+    if DIST == "normal":
         tl.store(out_ptrs, rounded(words, dtype), mask=inside)
-    elif DIST == BITS:
+    elif DIST == "random_bits":
         tl.store(out_ptrs, words.to(tl.int64), mask=inside)
-    elif DIST == UNIFORM:
+    elif DIST == "uniform":
         values = (words & word(i0)).to(COMPUTE) * as_float(q0, COMPUTE) + as_float(q1, COMPUTE)
         tl.store(out_ptrs, rounded(values, dtype), mask=inside)
-    elif DIST == UNIFORM_FROM_ZERO:
+    elif DIST == "uniform_from_zero":
         values = (words & word(i0)).to(COMPUTE) * as_float(q0, COMPUTE)
         tl.store(out_ptrs, rounded(values, dtype), mask=inside)
-    elif DIST == UNIFORM_TINY:
+    elif DIST == "uniform_tiny":
         values = (words & word(i0)).to(COMPUTE) * as_float(q0, COMPUTE) * as_float(q1, COMPUTE) + as_float(q2, COMPUTE)
         tl.store(out_ptrs, rounded(values, dtype), mask=inside)
-    elif DIST == BERNOULLI:
+    elif DIST == "bernoulli":
         hits = (words <= word(i0)) & (i1 != 0)
         if dtype == tl.int1:
             tl.store(out_ptrs, hits, mask=inside)
         else:  # 1.0 and 0.0 (through float32: a bool converts to a half type bit by bit in the interpreter)
             tl.store(out_ptrs, tl.where(hits, 1.0, 0.0).to(dtype), mask=inside)
-    elif DIST == RANDINT:
+    elif DIST == "randint":
         rest = words - quotient(words, word(i0), word(i2)) * word(i1)  # word % span, in 32 bits
         if dtype.is_int() and dtype.primitive_bitwidth <= 32:  # the value fits dtype: 32-bit arithmetic
             values = q0.to(tl.int32) + rest.to(tl.int32, bitcast=True)
@@ -234,7 +224,7 @@ def finish(
             if dtype.is_fp16() or dtype.is_bf16():
                 values = values.to(tl.float32)  # torch converts an integer to a half type through float32
             tl.store(out_ptrs, rounded(values, dtype), mask=inside)
-    else:  # DROPOUT
+    else:  # "dropout"
         kept = (words <= word(i0)) & (i1 != 0)
         x = tl.load(x_ptrs, mask=inside, other=0.0)
         scale = tl.where(kept, as_float(q0, COMPUTE), 0.0)
@@ -276,7 +266,7 @@ def draw_kernel(
     ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Values of distribution ``DIST`` for one chunk of one run (see the module docstring).
+    """Values of distribution ``DIST`` (its name, a string) for one chunk of one run (see the module docstring).
 
     Program ``p`` computes chunk ``p % chunks`` of run ``p // chunks`` (the quotient by ``chunk_magic``
     and ``chunk_shifts``, see :func:`quotient`; chunk ``p`` where the launch is ``ONE_RUN``). Run ``s``
@@ -288,24 +278,24 @@ def draw_kernel(
     ``i0`` to ``i2`` are 32-bit parameters, ``q0`` to ``q3`` 64-bit ones (floats as bit patterns);
     by ``DIST``:
 
-    * BITS: the words, as int64.
-    * UNIFORM: ``(word & i0) * q0 + q1`` in ``COMPUTE`` (``i0`` keeps the top bits,
+    * ``"random_bits"``: the words, as int64.
+    * ``"uniform"``: ``(word & i0) * q0 + q1`` in ``COMPUTE`` (``i0`` keeps the top bits,
       ``q0 = 2**-32 * (high - low)``, exact, ``q1 = low``), two roundings (launched without
       fused multiply-adds, as every kernel here).
-    * UNIFORM_FROM_ZERO: UNIFORM where ``low`` is 0 (either sign): ``(word & i0) * q0``; adding it to a
+    * ``"uniform_from_zero"``: uniform where ``low`` is 0 (either sign): ``(word & i0) * q0``; adding it to a
       value ``>= +0.0`` would change nothing.
-    * UNIFORM_TINY: where ``2**-32 * (high - low)`` is not exact in ``COMPUTE`` (a span below
+    * ``"uniform_tiny"``: where ``2**-32 * (high - low)`` is not exact in ``COMPUTE`` (a span below
       ``2**-94`` in float32): ``(word & i0) * q0 * q1 + q2`` (``q0 = 2**-32``, ``q1 = high - low``,
       ``q2 = low``), three roundings.
-    * BERNOULLI: ``word < threshold`` as ``word <= i0 and i1 != 0`` in uint32 (``i0 = threshold - 1``;
+    * ``"bernoulli"``: ``word < threshold`` as ``word <= i0 and i1 != 0`` in uint32 (``i0 = threshold - 1``;
       ``i1 = 0`` for the threshold 0, where nothing is below).
-    * NORMAL: Box-Muller on word pairs (0, 1) and (2, 3): ``i0`` the shift to the top bits,
+    * ``"normal"``: Box-Muller on word pairs (0, 1) and (2, 3): ``i0`` the shift to the top bits,
       ``q0`` their unit, ``q1`` 2 pi, ``q2`` std, ``q3`` mean.
-    * RANDINT: ``q0 + word % span`` (``q0`` the low bound), the remainder in 32 bits: ``i1`` the span's
+    * ``"randint"``: ``q0 + word % span`` (``q0`` the low bound), the remainder in 32 bits: ``i1`` the span's
       low 32 bits (0 for ``2**32``), ``i0`` and ``i2`` its magic and shifts (:func:`quotient`); the sum
       in 32 bits for integer results of at most 32 bits (where it fits), else in 64.
-    * DROPOUT: ``x * (word < threshold ? q0 : 0)`` in ``COMPUTE`` (the threshold as for
-      BERNOULLI, ``q0`` the scale rounded to ``x``'s dtype), ``x`` read with its own strides;
+    * ``"dropout"``: ``x * (word < threshold ? q0 : 0)`` in ``COMPUTE`` (the threshold as for
+      bernoulli, ``q0`` the scale rounded to ``x``'s dtype), ``x`` read with its own strides;
       with ``HAS_MASK`` the keep mask too, stored with the result's strides.
     """
     pid = tl.program_id(0)
@@ -334,7 +324,7 @@ def draw_kernel(
     c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
     c1 = (blocks >> 32).to(tl.uint32)
     w0, w1, w2, w3 = philox(c0, c1, word(key_lo), word(key_hi))
-    if DIST == NORMAL:
+    if DIST == "normal":
         unit = as_float(q0, COMPUTE)
         two_pi = as_float(q1, COMPUTE)
         ra, ta = box_muller(w0, w1, i0, unit, two_pi)

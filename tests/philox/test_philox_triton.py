@@ -131,10 +131,10 @@ def test_a_tiny_uniform_span_is_multiplied_twice_and_others_once() -> None:
     A low bound of 0 (either sign) is not added: the values are those of adding it."""
     tiny = _triton.arguments("uniform", (0xFFFFFF00, 2.0**-32, 2e-30, -1e-30), torch.float32)
     usual = _triton.arguments("uniform", (0xFFFFFF00, 2.0**-32, 3.0, -1.0), torch.float32)
-    assert tiny.dist == 6 and usual.dist == 1
-    assert _triton.arguments("uniform", (0xFFFFFFFF, 2.0**-32, 1e-300, 0.0), torch.float64).dist == 6
+    assert tiny.dist == "uniform_tiny" and usual.dist == "uniform"
+    assert _triton.arguments("uniform", (0xFFFFFFFF, 2.0**-32, 1e-300, 0.0), torch.float64).dist == "uniform_tiny"
     for low in (0.0, -0.0):
-        assert _triton.arguments("uniform", (0xFFFFFF00, 2.0**-32, 1.0, low), torch.float32).dist == 7
+        assert _triton.arguments("uniform", (0xFFFFFF00, 2.0**-32, 1.0, low), torch.float32).dist == "uniform_from_zero"
 
 
 SPANS = [1, 2, 3, 7, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 1, 2**32]
@@ -579,3 +579,22 @@ def test_a_device_draw_makes_few_python_calls_before_its_launch(monkeypatch: pyt
                 sys.setprofile(None)
             assert len(launches) == before + 1, f"{name}: one launch"
             assert len(calls) <= budget[name], f"{name}: {len(calls)} calls of ours, budget {budget[name]}: {calls}"
+
+
+def test_the_kernels_name_no_module_level_constant_that_triton_checks_at_every_launch() -> None:
+    """Triton records each module-level constant a kernel (or a kernel it calls) names, with its value at
+    compile time, and compares them all again before every launch: twelve cost the draw kernel's launch
+    8 us of Python (a third of Triton's own launch). The kernels write their constants as literals, and
+    the distribution as a string, so that the list stays empty. Read where this Triton keeps the list."""
+    import triton
+
+    for name in ("hyperrng.philox._triton_kernels", "hyperrng.philox._triton_attention_kernels"):
+        for interpreted in (False, True):
+            module = _triton.load(name, interpreted)
+            for fn_name, fn in vars(module).items():
+                if not isinstance(fn, triton.runtime.jit.JITFunction):
+                    continue
+                fn.cache_key  # noqa: B018 -- computes the dependencies, and the list with them
+                if not hasattr(fn, "used_global_vals"):
+                    pytest.skip(f"Triton {triton.__version__} keeps no list of the constants it checks")
+                assert not fn.used_global_vals, f"{name}.{fn_name} names {sorted(n for n, _ in fn.used_global_vals)}"
