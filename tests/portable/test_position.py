@@ -299,3 +299,60 @@ def test_position_draws_inside_torch_compile_read_and_move_the_generator_as_eage
 
     run = subprocess.run([sys.executable, "-c", _COMPILED_POSITION_DRAWS], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.split() == ["refused"], run.stderr[-3000:]
+
+
+_COMPILED_SHARDED_DRAWS = """
+import torch, torch._dynamo.exc, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+import hyperrng.platforms as platforms
+from hyperrng.portable import position
+from hyperrng.sharding.tracker import MeshInfo
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))  # a real DeviceMesh, through Dynamo's own handling of meshes
+second = MeshInfo((2,), (1,))  # the second of two ranks: a shard that is not the whole tensor
+
+def step(x):
+    return (
+        x + position.sharded_uniform(mesh, [Shard(0)], (8,)),
+        position.sharded_normal(mesh, [Replicate()], (3, 5)),
+        position.sharded_bernoulli(mesh, [Shard(1)], (2, 5000), 0.3),  # the compiled loop's size
+        position.sharded_dropout(x, 0.5, mesh, [Shard(0)], (8,)),
+        position.sharded_uniform(second, [Shard(0)], (7, 2)),
+        position.sharded_normal(second, [Shard(1)], (2, 6)),
+        position.sharded_bernoulli(second, [Shard(0)], (5,), 0.7),
+        position.sharded_dropout(x[:4], 0.25, second, [Shard(0)], (8,)),
+    )
+
+x = torch.ones(8)
+p = platforms.current()
+p.manual_seed(0)
+eager = [step(x) for _ in range(2)]
+end = p.get_seed_offset()
+p.manual_seed(0)
+compiled = torch.compile(step)
+for call, want in enumerate(eager):
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x), want)), call
+assert p.get_seed_offset() == end, (p.get_seed_offset(), end)
+assert not any(torch.equal(eager[0][i], eager[1][i]) for i in (0, 1, 4, 5))  # each call draws at the next position
+torch._dynamo.reset()
+try:
+    torch.compile(step, fullgraph=True)(x)
+except torch._dynamo.exc.Unsupported:  # Dynamo's refusal of a function it must not trace
+    print("refused")
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_position_draws_inside_torch_compile_read_and_move_the_generator_as_eager_code_does() -> None:
+    """Each sharded draw at the generator's position, on a real one-rank ``DeviceMesh`` and as the second rank
+    of two, called twice inside a compiled function (inductor, on the CPU), gives this rank's shard exactly as
+    eager code does and leaves the generator at the eager position; ``fullgraph=True`` refuses them. In a
+    process of its own, as the unsharded draws' test (inductor's CPU code on older torch flushes subnormals
+    process-wide; a gloo world of one is process-wide too)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _COMPILED_SHARDED_DRAWS], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == ["refused"], run.stderr[-3000:]
