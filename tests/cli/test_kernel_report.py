@@ -112,3 +112,20 @@ def test_the_command_prints_a_row_per_kernel_and_its_verdict(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "compiled for sm_90" in out and "reference" in out and "every target met." in out
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+@pytest.mark.needs_sim
+def test_the_host_path_script_times_every_op() -> None:
+    """``.ci/host-path`` (a draw's host time on a GPU, measured without one) runs in a process of its own and
+    prints the three figures of each op: it keeps working as the launch code changes. No figure is checked
+    (timings; see docs/performance.md)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / ".ci" / "host-path"
+    run = subprocess.run([sys.executable, str(script), "--rounds", "1"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()[2:]}
+    assert set(rows) == {"uniform_", "normal_", "bernoulli_.float", "native_dropout"}, run.stdout
+    assert all(len(figures) == 3 and all(float(f) > 0 for f in figures) for figures in rows.values()), run.stdout
