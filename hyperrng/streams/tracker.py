@@ -29,6 +29,7 @@ TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from threading import Thread
@@ -479,16 +480,24 @@ class RNGStatesTracker(ForkChain):
 
     def _join_process(self) -> None:
         """Before the first fork in a child process made by ``fork``: in a DataLoader worker, re-derive
-        every stream from its seed and torch's seed for the worker (``get_worker_info().seed``, the base
-        seed the loader drew for the epoch plus the worker's id), as torch reseeds its own generator
-        there, so that workers draw distinct numbers, the same in every run and after a resume (the
-        loader's base seed comes from the restored generator). Other children continue the parent's
+        every stream from the state it held when the worker started and torch's seed for the worker
+        (``get_worker_info().seed``, the base seed the loader drew for the epoch plus the worker's id),
+        as torch reseeds its own generator there, so that workers draw distinct numbers, the same in
+        every run and after a resume: the loader's base seed comes from the restored generator, and a
+        stream's state is the same whether a seed, ``set_states`` or a checkpoint made it (its seed is
+        not: a restored stream has none). A fork the worker inherited open is dropped without giving
+        the generator the state it had before that fork: torch's worker loop has seeded the generator
+        for the worker since, which is what the worker must keep. Other children continue the parent's
         streams, as a child continues any generator it inherits."""
         self._process = _Process.token
         data = sys.modules.get("torch.utils.data")
         info = data.get_worker_info() if data is not None else None
-        if info is not None and self._states:
-            self.reseed({name: combine64(WORKER_DOMAIN, seed, info.seed) for name, seed in self.seeds().items()})
+        if info is None or not self._states:
+            return
+        self._active = None  # an inherited chain: no thread of this process can leave it
+        self._claim.clear()
+        states = self.get_states(as_tensors=True)
+        self.reseed({name: combine64(WORKER_DOMAIN, _digest(state), info.seed) for name, state in states.items()})
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
@@ -508,6 +517,11 @@ class RNGStatesTracker(ForkChain):
 
 WORKER_DOMAIN = 0x574F524B45523031  # "WORKER01": keeps a worker's stream seeds apart from other uses of combine64
 """First value mixed into a stream's seed in a DataLoader worker (:meth:`RNGStatesTracker._join_process`)."""
+
+
+def _digest(state: torch.Tensor) -> int:
+    """A 64-bit digest of a stream's state (a CPU ``uint8`` tensor): what a worker's stream seed derives from."""
+    return int.from_bytes(hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest(), "little")
 
 
 def refuse_in_fork(tracker: RNGStatesTracker, what: str) -> None:

@@ -739,6 +739,75 @@ def test_dataloader_workers_draw_distinct_streams_the_same_in_every_run(cpu: pla
         assert torch.equal(parent, torch.rand(3))
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
+def test_dataloader_workers_draw_the_same_after_a_resume_whatever_made_the_streams(cpu: platforms.Platform) -> None:
+    """Workers derive their streams from the states the parent's streams hold, not from seeds: a tracker
+    restored from a snapshot (a resume: set_states, which records no seed), into a fresh tracker or over one
+    seeded otherwise, gives its workers the numbers of the uninterrupted run (before, the fresh tracker's
+    workers lost every stream, and the reseeded one's drew from the other seeds)."""
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    def epoch(t: RNGStatesTracker) -> list[tuple[float, ...]]:
+        loader = torch.utils.data.DataLoader(_Noise(t), num_workers=2, multiprocessing_context="fork")
+        return [tuple(batch.flatten().tolist()) for batch in loader]
+
+    torch.manual_seed(0)
+    epoch(tracker)
+    generator, snapshot = torch.get_rng_state(), tracker.get_states()  # a checkpoint between two epochs
+    second = epoch(tracker)
+    assert len(set(second)) == 8
+    fresh = RNGStatesTracker()
+    fresh.set_states(snapshot)
+    other = RNGStatesTracker()
+    other.add("model-parallel-rng", 999)
+    other.set_states(snapshot)
+    for resumed in (fresh, other):
+        torch.set_rng_state(generator)
+        assert epoch(resumed) == second
+
+
+class _NoiseBesideAFork(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A sample drawn from torch's own generator, after a fork of a tracker stream in the worker."""
+
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        self.tracker = tracker
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        with self.tracker.fork("a"):
+            pass
+        return torch.rand(2)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
+def test_workers_started_inside_a_fork_keep_the_generator_torch_seeded_for_them(cpu: platforms.Platform) -> None:
+    """A loader iterated inside a fork: each worker inherits the open fork, which its first fork of its own
+    drops without giving the generator the state from before it; torch seeded that generator for the worker
+    since (before, every worker drew the parent's next numbers, the same in each)."""
+    tracker = RNGStatesTracker()
+    tracker.reseed({"a": 11, "b": 12})
+
+    def items() -> list[tuple[float, ...]]:
+        loader = torch.utils.data.DataLoader(
+            _NoiseBesideAFork(tracker), batch_size=None, num_workers=2, multiprocessing_context="fork"
+        )
+        return [tuple(x.tolist()) for x in loader]
+
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        tracker.reseed({"a": 11, "b": 12})
+        with tracker.fork("b"):  # the loader draws its workers' base seed from stream b, current here
+            inside = items()
+            parent = tuple(torch.rand(2).tolist())
+        assert len(set(inside)) == 4 and parent not in inside
+        runs.append(inside)
+    assert runs[0] == runs[1]
+
+
 def test_a_compiled_function_with_a_fork_draws_the_eager_numbers_without_tracing_the_swap(
     cpu: platforms.Platform,
 ) -> None:
