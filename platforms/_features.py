@@ -35,14 +35,14 @@ def outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def eager_when_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` that calls its :func:`outside_dynamo` copy only while Dynamo traces it: the decorator form of the
-    ``if torch.compiler.is_compiling(): return <fn>_outside_the_graph(...)`` that forks and checkpoints write
+    ``if torch.compiler.is_dynamo_compiling(): return <fn>_outside_the_graph(...)`` that forks and checkpoints write
     at their call sites. Eager calls pay one frame and never import Dynamo (``outside_dynamo``'s first call
     does, which imports Triton on torch 2.5)."""
     untraced = outside_dynamo(fn)
 
     @functools.wraps(fn)
     def eager(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return untraced(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -335,7 +335,7 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
     what = _op_label(op)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # Dynamo traces this frame: it runs as Python behind a graph break
+        if torch.compiler.is_dynamo_compiling():  # Dynamo traces this frame: it runs as Python behind a graph break
             return _untraced(kernel, keyset, args, kwargs)
         if (  # torch's kernels: meta and fake tensors only propagate shapes; see _own_host_generator
             not THREAD.entries
@@ -362,7 +362,7 @@ def _switched_refusal(op: Any, refuse: Callable[..., Any], below: Any) -> Callab
     original = _below(op, below)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return _untraced(kernel, keyset, args, kwargs)
         if THREAD.entries and not keyset.has(_META) and not _own_host_generator(kwargs):
             return refusing(original, keyset, *args, **kwargs)

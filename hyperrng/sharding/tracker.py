@@ -512,7 +512,7 @@ class _DTensorRegion:
         self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) of the device held
 
     def __enter__(self) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return self._enter_outside_the_graph()
         t, p, spec = self._tracker, self._tracker.platform, self._spec
         mode = _local_ranks.active_mode()
@@ -549,7 +549,7 @@ class _DTensorRegion:
         self.__exit__(*exc)
 
     def __exit__(self, *exc: object) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return self._exit_outside_the_graph(*exc)
         assert self._region is not None
         if isinstance(self._region, LocalRegion):

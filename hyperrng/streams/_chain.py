@@ -85,7 +85,7 @@ class _Fork:
 
     @outside_dynamo
     def _enter_outside_the_graph(self) -> None:
-        self.__enter__()  # run as Python: there is_compiling() is false
+        self.__enter__()  # run as Python: there is_dynamo_compiling() is false
         self.outside_graph = True
 
     @outside_dynamo
@@ -94,7 +94,7 @@ class _Fork:
         self.__exit__(*exc)
 
     def __enter__(self) -> None:
-        if torch.compiler.is_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
+        if torch.compiler.is_dynamo_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
             return self._enter_outside_the_graph()
         tracker = self._tracker
         if tracker._process is not _Process.token:  # the first fork in a child made by fork (a DataLoader worker)

@@ -131,7 +131,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
             on, which for accelerator tensors is autograd's own device thread: a thread
             that calls ``backward()`` inside a fork or ``fork_rng`` gets this error.
     """
-    if torch.compiler.is_compiling():  # its holds and snapshots are Python state: run behind a graph break
+    if torch.compiler.is_dynamo_compiling():  # holds and snapshots are Python state: run behind a graph break
         return _checkpoint_outside_the_graph(function, *args, tracker=tracker)
     if not callable(function):
         raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")
@@ -150,7 +150,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
 
 @outside_dynamo
 def _checkpoint_outside_the_graph(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None) -> Any:
-    return checkpoint(function, *args, tracker=tracker)  # run as Python: there is_compiling() is false
+    return checkpoint(function, *args, tracker=tracker)  # run as Python: there is_dynamo_compiling() is false
 
 
 class _Recorded:
@@ -251,8 +251,9 @@ class _RecomputeContext:
 
 
 def _compiling() -> bool:
-    """Whether ``torch.compile`` is tracing (torch 2.9 calls a ``context_fn`` there with ``is_compiling()`` false)."""
-    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+    """Whether ``torch.compile`` traces this thread's code: Dynamo, or AOTAutograd's tracing (torch 2.9 calls a
+    ``context_fn`` there, where Dynamo's own flag is false)."""
+    return torch.compiler.is_dynamo_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 def _recompute_everything() -> tuple[Any, Any]:

@@ -295,7 +295,7 @@ class RNGStatesTracker(ForkChain):
         cloned generator objects unless ``as_tensors=True`` (call it outside CUDA graph
         capture: it clones). Under ``torch.compile`` it runs behind a graph break.
         """
-        if torch.compiler.is_compiling():  # Dynamo would trace the byte copies into the graph, and fail
+        if torch.compiler.is_dynamo_compiling():  # Dynamo would trace the byte copies into the graph, and fail
             return _get_states_untraced(self, as_tensors=as_tensors)  # type: ignore[no-any-return]
         swap, active = self._swap, self._active
         if swap is None:
@@ -328,7 +328,7 @@ class RNGStatesTracker(ForkChain):
 
         Under ``torch.compile`` it runs behind a graph break.
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             _set_states_untraced(self, states)
             return
         if not isinstance(states, Mapping):
