@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import random
 import re
-import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -22,12 +20,11 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
-from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed
-from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation, saved_layout
+from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation
+from hyperrng.resume._reseed import RESUME_DOMAIN, RNGResumeWarning, _reseed, resume_seed
 from hyperrng.resume._save_load import load_rng_state, save_rng_state
 from hyperrng.seeding.layout import (
-    DEFAULT_STREAM,
     Derivation,
     StreamLayout,
     _record,
@@ -52,13 +49,6 @@ __all__ = [
 ]
 
 ON_MISMATCH = ("error", "reseed")
-
-RESUME_DOMAIN = 0x524553554D453031  # "RESUME01": keeps resume seeds apart from other uses of combine64
-"""First value mixed into every :func:`resume_seed`."""
-
-
-class RNGResumeWarning(UserWarning):
-    """A resume that continues reproducibly but not bit-identically (streams were re-derived)."""
 
 
 # -- capture --------------------------------------------------------------------------------
@@ -206,8 +196,10 @@ def load_rng_state_dict(
     Args:
         state: the dict :func:`rng_state_dict` returned (possibly through ``torch.load``).
         tracker: the tracker to restore (default: the process-wide one).
-        layout, coords: the current stream layout and this rank's coordinates; when given,
-            they must match the saved ones.
+        layout, coords: the current stream layout and this rank's coordinates, which must match
+            the saved ones. Not given, they are those :func:`hyperrng.apply_layout` last gave
+            ``tracker`` in this process, if it did (a mesh that changed at the same world size
+            is a mismatch too).
         on_mismatch: ``"error"`` (default) refuses a state saved under another platform,
             world size, rank, layout or coordinates; ``"reseed"`` re-derives the streams
             from the saved base seed with ``layout`` and ``coords`` and warns
@@ -224,6 +216,21 @@ def load_rng_state_dict(
             another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
             see :mod:`hyperrng._guard.exclusive`); nothing has changed.
     """
+    _load(state, tracker=tracker, layout=layout, coords=coords, on_mismatch=on_mismatch, group=group)
+
+
+def _load(
+    state: Mapping[str, Any],
+    *,
+    tracker: RNGStatesTracker | None,
+    layout: StreamLayout | None,
+    coords: Mapping[str, int] | object | None,
+    on_mismatch: str,
+    group: object | None,
+    elsewhere: str | None = None,
+) -> None:
+    """:func:`load_rng_state_dict`; ``elsewhere``, a mismatch found on another rank (its own setup matching),
+    after which every rank must re-derive its streams (:class:`RNGStateful`)."""
     if not isinstance(on_mismatch, str):
         raise ArgumentTypeError(
             f"on_mismatch must be one of the strings {ON_MISMATCH}, got {type(on_mismatch).__name__} {on_mismatch!r}."
@@ -238,7 +245,17 @@ def load_rng_state_dict(
         mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
     check_saved(state)
     p = platforms.current()
-    mismatches = _mismatches(state, p, layout, coords, group)
+    derivation = saved_derivation(state)  # a malformed derivation is refused as such, before any comparison
+    recorded = recorded_derivation(tracker)  # the current setup, where apply_layout made it and none is given
+    mismatches = _mismatches(
+        state,
+        p,
+        layout if layout is not None or recorded is None else recorded.layout,
+        coords if coords is not None or recorded is None else recorded.coords,
+        group,
+    )
+    if elsewhere is not None:
+        mismatches.append(elsewhere)
     if mismatches:
         if on_mismatch == "error":
             raise InvalidArgumentError(
@@ -251,7 +268,6 @@ def load_rng_state_dict(
             _reseed(state, tracker, layout, coords, mismatches)
         return
     applied = decode(state, p, tracker)
-    derivation = saved_derivation(state)
     # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
     # meanwhile: another thread's fork or region refuses the load (nothing written), and none
     # starts halfway through it.
@@ -295,111 +311,6 @@ def _apply(decoded: dict[str, Any], p: platforms.Platform, tracker: RNGStatesTra
     random.setstate(decoded["python"])
 
 
-def _reseed(
-    state: Mapping[str, Any],
-    tracker: RNGStatesTracker,
-    layout: StreamLayout | None,
-    coords: object,
-    mismatches: list[str],
-) -> None:
-    """Re-derive every stream from the *current* layout and coordinates (those given, else those
-    :func:`hyperrng.apply_layout` last gave the tracker, else the saved layout), each from
-    :func:`resume_seed`: the saved base seed mixed with the saved progress of that stream, which
-    every rank sharing it holds alike, so ranks that share a stream share it again and the resumed
-    run never replays the numbers of its first steps. Seed the host generators from the default
-    stream, and warn that the run continues reproducibly but not bit-identically."""
-    from hyperrng.seeding.recipes import seed_host
-
-    base_seed = state.get("base_seed")
-    recorded = recorded_derivation(tracker)  # what apply_layout gave this tracker for the current setup
-    if layout is None:
-        layout = recorded.layout if recorded is not None else saved_layout(state)
-    if coords is None and recorded is not None and recorded.layout == layout:
-        coords = recorded.coords
-    if layout is None or coords is None or base_seed is None:
-        raise InvalidArgumentError(
-            "on_mismatch='reseed' needs the saved base seed and the current layout and coords; "
-            f"the state has base_seed={base_seed!r}, and layout/coords were "
-            f"{'given' if layout is not None and coords is not None else 'not given'}. Seed this run with "
-            "apply_layout(layout, base_seed, coords) before loading, or pass layout= and coords=."
-        )
-    bases = {name: _resume_seed(state, name) for name in (DEFAULT_STREAM, *layout.streams)}
-    seeds = layout.seeds(base_seed, coords, bases=bases)  # validates before anything changes
-    layout.seed_tracker(tracker, base_seed, coords, bases=bases)
-    seed_host(seeds[DEFAULT_STREAM])
-    warnings.warn(
-        "RNG state saved under a different setup (" + "; ".join(mismatches) + "): streams re-derived from "
-        f"base seed {base_seed} and each stream's saved progress for the current layout; the run continues "
-        "reproducibly but not bit-identically.",
-        RNGResumeWarning,
-        stacklevel=3,
-    )
-
-
-def resume_seed(state: Mapping[str, Any], stream: str = DEFAULT_STREAM) -> int:
-    """The base seed from which ``load_rng_state_dict(state, on_mismatch="reseed")`` re-derives ``stream``
-    (default: the default stream, whose generators the layout seeds); the layout then mixes in the
-    stream's name and this rank's coordinates on the stream's dimensions.
-
-    It is ``combine64(RESUME_DOMAIN, base_seed, progress)``
-    (:func:`hyperrng.platforms.mix.combine64`), where *progress* fingerprints how far the saved
-    stream had gone, and only that: what every rank that shares the stream holds alike. For a
-    named stream, its saved state (empty where the state lacks the stream); for the default
-    stream, the saved state of torch's CPU generator (on the CPU platform, its device with its
-    position), which :func:`hyperrng.apply_layout` seeds from the default stream on every
-    platform, and, where the state records its derivation, the position of each saved
-    counter-based device generator holding the default stream's seed. So after a resume at any
-    world size the ranks that share a stream share it again (having loaded checkpoints of ranks
-    that shared it), ranks that must differ do, the streams differ from those of the first steps,
-    and two resumes of one checkpoint agree. A checkpoint taken after such a resume records these
-    seeds beside the base seed (``resume_bases``).
-
-    Raises:
-        ArgumentTypeError, InvalidArgumentError: ``state`` is not a valid RNG state, or has
-            no base seed; ``stream`` is not a string.
-    """
-    check_saved(state)
-    if not isinstance(stream, str):
-        raise ArgumentTypeError(f"stream must be a stream's name, got {type(stream).__name__}.")
-    return _resume_seed(state, stream)
-
-
-def _resume_seed(state: Mapping[str, Any], stream: str) -> int:
-    """:func:`resume_seed` of a state :func:`check_saved` accepted."""
-    base_seed = state["base_seed"]
-    if base_seed is None:
-        raise InvalidArgumentError(
-            "the RNG state has no base seed to resume from; save it with rng_state_dict(base_seed=...) or after "
-            "apply_layout()."
-        )
-    progress = hashlib.blake2b(digest_size=8)
-    if stream != DEFAULT_STREAM:
-        saved = state["streams"].get(stream)
-        if isinstance(saved, torch.Tensor):
-            progress.update(saved.detach().cpu().contiguous().numpy().tobytes())
-        return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
-    host = state["torch_cpu"] if state["torch_cpu"] is not None else (state["devices"] or [None])[0]
-    if not isinstance(host, torch.Tensor) or host.dtype != torch.uint8 or host.dim() != 1:
-        raise InvalidArgumentError(
-            "the RNG state is malformed: it holds no state of torch's CPU generator (torch_cpu, or the first "
-            "device on a platform whose device is the host)."
-        )
-    progress.update(host.detach().cpu().contiguous().numpy().tobytes())
-    derivation = saved_derivation(state)
-    if derivation is not None:
-        default_seed = derivation.seeds()[DEFAULT_STREAM]
-        for device in state["devices"]:
-            if (
-                isinstance(device, torch.Tensor)
-                and device.dtype == torch.uint8
-                and device.shape == (platforms.COUNTER_STATE_NBYTES,)
-            ):
-                seed, offset = platforms.unpack_counter_state(device)
-                if seed == default_seed:
-                    progress.update(offset.to_bytes(8, "little", signed=True))
-    return combine64(RESUME_DOMAIN, base_seed, int.from_bytes(progress.digest(), "little"))
-
-
 # -- torch.distributed.checkpoint ------------------------------------------------------------
 class RNGStateful:
     """A ``torch.distributed.checkpoint`` ``Stateful`` holding this rank's RNG state.
@@ -422,6 +333,13 @@ class RNGStateful:
     so every stream is shared again as the layout says::
 
         dcp.load({"rng": RNGStateful(on_mismatch="reseed")}, checkpoint_id=path, planner=RNGStateful.planner())
+
+    **Another mesh.** A rank whose own key holds a state saved at other coordinates than its own
+    (the mesh changed, at the same world size or not) is a mismatch too, and with ``"reseed"`` it
+    also resumes from the saved rank at its coordinates, not from the state its rank number held:
+    ranks that share a stream must resume from states that shared it. With ``"reseed"`` the
+    planner therefore reads every saved rank's state (a few KB each); without the planner such a
+    rank refuses, saying to load with it.
 
     Args:
         load_from: the saved rank whose state this rank loads instead of its own: an int, or a
@@ -482,9 +400,33 @@ class RNGStateful:
                 f"load_state_dict takes the mapping DCP loaded (rank keys to states), got {type(state_dict).__name__}."
             )
         key = self._key()
-        if key not in state_dict:
-            key = self._stand_in(key, state_dict)
-        load_rng_state_dict(state_dict[key], **self._load)
+        own = state_dict.get(key)
+        here = self._coordinates()
+        there = own.get("coords") if isinstance(own, Mapping) else None
+        moved = own is None or (here is not None and isinstance(there, Mapping) and dict(there) != here)
+        anywhere = self._anywhere(moved) if self._load_from is None else moved
+        if own is None:
+            key = self._stand_in(f"the checkpoint has no RNG state for {key}", state_dict)
+        elif anywhere and self._load["on_mismatch"] == "reseed" and self._load_from is None:
+            if getattr(state_dict, "saved", None) is None:  # DCP read each rank's own state only
+                raise InvalidArgumentError(
+                    f"the mesh changed since the checkpoint ({'this' if moved else 'another'} rank's state was saved "
+                    "at other coordinates): load with planner=RNGStateful.planner() and on_mismatch='reseed', so "
+                    "that every rank resumes from the saved rank at its coordinates, or name one with load_from=."
+                )
+            if moved:
+                key = self._stand_in(f"the RNG state of {key} was saved at {dict(there)}, not at {here}", state_dict)
+        elsewhere = "coordinates changed on another rank" if anywhere and not moved else None  # re-derive here too
+        _load(state_dict[key], **self._load, elsewhere=elsewhere)
+
+    def _anywhere(self, moved: bool) -> bool:
+        """Whether any rank of the group finds its saved state made at other coordinates than its own (or
+        none): every rank asks, in every load without ``load_from``, before anything can raise, so that the
+        gather never waits for a rank that gave up; then every rank refuses, or every rank re-derives."""
+        if platforms.comm.world_size(self._group) == 1:
+            return moved
+        flags = platforms.comm.all_gather(platforms.current(), torch.tensor([int(moved)]), self._group)
+        return any(int(flag) for flag in flags)
 
     @staticmethod
     def planner(**kwargs: Any) -> Any:
@@ -505,20 +447,22 @@ class RNGStateful:
         prefix = f"{name}."
         ranks = {int(m[1]) for fqn in saved if fqn.startswith(prefix) and (m := _RANK_KEY.match(fqn, len(prefix)))}
         [(key, template)] = entry.items()
-        if int(key[len("rank_") :]) in ranks:
+        reseed = self._load["on_mismatch"] == "reseed" and self._load_from is None
+        if int(key[len("rank_") :]) in ranks and not reseed:
             return
         entry.saved = sorted(ranks)
         entry.clear()
-        if self._load["on_mismatch"] == "reseed" and self._load_from is None:
+        if reseed:  # its own state may have been saved elsewhere on the mesh: every rank's, to choose by coordinates
             entry.update({f"rank_{r}": copy.deepcopy(template) for r in entry.saved})  # DCP reads into each
 
-    def _stand_in(self, key: str, loaded: Mapping[str, Any]) -> str:
-        """The key of the saved state this rank resumes from where the checkpoint has none for ``key``:
-        the one saved at this rank's coordinates modulo the saved extents (``on_mismatch="reseed"``,
-        no ``load_from``); otherwise our error, naming what the checkpoint holds."""
+    def _stand_in(self, why: str, loaded: Mapping[str, Any]) -> str:
+        """The key of the saved state this rank resumes from where its own key cannot serve (``why``: none,
+        or one saved at other coordinates): the one saved at this rank's coordinates modulo the saved
+        extents (``on_mismatch="reseed"``, no ``load_from``); otherwise our error, naming what the
+        checkpoint holds."""
         saved = getattr(loaded, "saved", None)
         held = [f"rank_{r}" for r in saved] if saved is not None else sorted(map(str, loaded), key=_in_rank_order)
-        refusal = f"the checkpoint has no RNG state for {key} (it holds {_ranks_named(held)}); "
+        refusal = f"{why} (it holds {_ranks_named(held)}); "
         if not held:
             raise InvalidArgumentError(refusal + "was it saved with an RNGStateful under this key?")
         if self._load["on_mismatch"] != "reseed" or self._load_from is not None or not loaded:

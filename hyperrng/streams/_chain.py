@@ -2,12 +2,14 @@
 the checks on the chain that every other use of the tracker makes first (:class:`ForkChain`, which
 :class:`~hyperrng.streams.tracker.RNGStatesTracker` is): whether a fork is open, and on which thread;
 whether its thread has ended (abandoned); whether its own exits can still leave it (stuck), and how a call
-that replaces every stream clears it.
+that replaces every stream clears it (:class:`Replacing`, the preamble of every such call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from threading import Thread, current_thread
 from types import TracebackType
 from typing import Any
@@ -16,6 +18,7 @@ import torch
 
 from hyperrng._guard import exclusive as _exclusive
 from hyperrng._guard.exclusive import HOLDS as _HOLDS
+from hyperrng._guard.interrupts import deferred
 from hyperrng.errors import InvalidOperationError, UnknownStreamError
 from hyperrng.platforms._features import outside_dynamo
 from hyperrng.streams._checkpoints import unreplayed_checkpoint
@@ -361,3 +364,45 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Replacing:
+    """The preamble of every call that replaces all of a tracker's streams (``reset()``, ``reseed()``,
+    ``apply_layout``, the seeding recipes, ``load_rng_state_dict``), in one place.
+
+    Made before anything changes, it refuses what such a call may not do, with nothing changed: inside
+    a fork whose own exit could still leave it (that exit would restore a stream that is gone), or
+    while a context entered inside a fork it would clear still holds the device; with ``target``, also
+    a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states; and
+    while another thread holds one of the generators ``holds`` (named ``holding_what`` in the refusal, as
+    :func:`hyperrng._guard.exclusive.holding` names it). :meth:`applying` is the block that replaces them: it
+    defers signals (all of it or none, under Ctrl-C too), first clears the forks their own exits can no
+    longer leave (*Recovery* in :class:`~hyperrng.streams._chain.ForkChain`), then holds ``holds`` while the block runs.
+
+    """
+
+    __slots__ = ("tracker", "swap", "_holds", "_holding_what")
+
+    def __init__(
+        self,
+        tracker: Any,
+        what: str,
+        *,
+        target: bool = True,
+        holds: Sequence[tuple[str, int]] = (),
+        holding_what: str = "",
+    ) -> None:
+        tracker._idle(what, replacing=True)
+        self.tracker = tracker
+        self.swap = tracker._target(rebind=True) if target else None
+        tracker._check_forks_leavable(what)
+        self._holds, self._holding_what = holds, holding_what or what
+        # Refused here, before applying() clears forks: the hold's own refusal would come after that.
+        _exclusive.refuse_held(holds, self._holding_what)
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        with deferred():
+            self.tracker._leave_forks()  # first: leaving a fork releases holds down to its own level
+            with _exclusive.holding(self._holds, self._holding_what):
+                yield

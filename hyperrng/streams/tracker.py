@@ -28,10 +28,9 @@ TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from threading import Thread
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,7 +44,7 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import check_instance, check_seed
-from hyperrng.streams._chain import ForkChain, _Fork, _Process
+from hyperrng.streams._chain import ForkChain, Replacing, _Fork, _Process
 from hyperrng.streams._swap import Swap, choose_swap
 
 __all__ = [
@@ -528,48 +527,6 @@ def refuse_in_fork(tracker: RNGStatesTracker, what: str) -> None:
     """Refuse ``what`` (a read of every stream's position, which a fork's exit would make stale) while a
     fork of ``tracker`` is open, on any thread, or left open by a thread that has ended; nothing changes."""
     tracker._idle(what)
-
-
-class Replacing:
-    """The preamble of every call that replaces all of a tracker's streams (``reset()``, ``reseed()``,
-    ``apply_layout``, the seeding recipes, ``load_rng_state_dict``), in one place.
-
-    Made before anything changes, it refuses what such a call may not do, with nothing changed: inside
-    a fork whose own exit could still leave it (that exit would restore a stream that is gone), or
-    while a context entered inside a fork it would clear still holds the device; with ``target``, also
-    a platform the tracker cannot bind to, whose swap it then holds (``swap``) for the new states; and
-    while another thread holds one of the generators ``holds`` (named ``holding_what`` in the refusal, as
-    :func:`hyperrng._guard.exclusive.holding` names it). :meth:`applying` is the block that replaces them: it
-    defers signals (all of it or none, under Ctrl-C too), first clears the forks their own exits can no
-    longer leave (*Recovery* in :class:`~hyperrng.streams._chain.ForkChain`), then holds ``holds`` while the block runs.
-
-    """
-
-    __slots__ = ("tracker", "swap", "_holds", "_holding_what")
-
-    def __init__(
-        self,
-        tracker: RNGStatesTracker,
-        what: str,
-        *,
-        target: bool = True,
-        holds: Sequence[tuple[str, int]] = (),
-        holding_what: str = "",
-    ) -> None:
-        tracker._idle(what, replacing=True)
-        self.tracker = tracker
-        self.swap = tracker._target(rebind=True) if target else None
-        tracker._check_forks_leavable(what)
-        self._holds, self._holding_what = holds, holding_what or what
-        # Refused here, before applying() clears forks: the hold's own refusal would come after that.
-        _exclusive.refuse_held(holds, self._holding_what)
-
-    @contextlib.contextmanager
-    def applying(self) -> Iterator[None]:
-        with deferred():
-            self.tracker._leave_forks()  # first: leaving a fork releases holds down to its own level
-            with _exclusive.holding(self._holds, self._holding_what):
-                yield
 
 
 _get_states_untraced = outside_dynamo(RNGStatesTracker.get_states)
