@@ -159,10 +159,18 @@ def _check_problem(
     return problem, mask
 
 
-@functools.lru_cache(maxsize=256)
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """``torch.broadcast_shapes`` of ``shapes``, remembered: it costs tens of microseconds, and a model
-    asks the same few shapes in every layer. Raises its RuntimeError where they do not broadcast."""
+    asks the same few shapes in every layer. Symbolic sizes (compiled code with dynamic shapes) have no
+    hash: those are computed each time. Raises its RuntimeError where they do not broadcast."""
+    try:
+        return _remembered_broadcast(*shapes)
+    except TypeError:  # unhashable: a SymInt
+        return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered_broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
 
 

@@ -1,24 +1,25 @@
 """Portable mode in compiled code: what ``torch.compile`` records for a random op on a thread in the mode.
 
-**The mechanism, in a paragraph.** ``torch.compile`` (Dynamo, AOTAutograd, inductor) sees an op
-only while it traces it, through torch's Python dispatcher, which nothing but tracing turns on.
-There, on a thread in portable mode, each portable random op is recorded as a hyperrng custom op
+**The mechanism, in a paragraph.** ``torch.compile`` (Dynamo, AOTAutograd, inductor) sees an op only
+while it traces it, through torch's Python dispatcher, which nothing but tracing turns on. There, on
+a thread in portable mode, each portable random op is recorded as a hyperrng custom op
 (``torch.ops.hyperrng.*``, :data:`OPS`) instead of torch's: opaque to the compilers, so inductor
-never replaces it with random numbers of its own; with a fake implementation that gives shapes;
-and *ordered*: each draw takes the previous draw's last output as an input, so no scheduler can
-reorder two draws, and each is tagged as torch tags its random ops, so no pass merges, drops or
-recomputes one (except inside an activation checkpoint, where torch first puts the generator's
-state back, and with it the position). The custom op's implementation, run by the compiled code,
-is the eager op in the mode: it reads and advances the position exactly as eager code does. A
-compiled function therefore draws the sequence eager code draws, fresh at every call, bit for
-bit. The substitution is a Python-dispatcher kernel on torch's ``PythonTLSSnapshot`` key, the
-first key a traced op meets (``torch.rand`` and the other factories included), active while a
-compilation traces user code (a ``TracingContext`` is set; inductor traces its own patterns
-without one): eager code never reaches it, in the mode or out. A random op without a portable
-kernel is refused while it is traced, before anything runs. Dynamo guards compiled code on the
-thread's dispatch keys, so a function compiled outside the mode is compiled again when it first
-runs in it, and code compiled outside the mode keeps torch's own random ops (AOTAutograd's cache,
-which cannot tell the two apart, is off from the first entry into the mode on).
+never replaces it with random numbers of its own; with a fake implementation that gives shapes; and
+*ordered*: each draw takes the previous draw's last output as an input, so no scheduler can reorder
+two draws; each is tagged as torch tags its random ops, so no pass merges or recomputes one (except
+inside an activation checkpoint, where torch first puts the generator's state back, and with it the
+position), and marked side-effectful (``torch.fx.node.has_side_effect``: while compiling, torch's
+passes drop an unused random op), so no pass drops one whose outputs nothing uses. The custom op's
+implementation, run by the compiled code, is the eager op in the mode: it reads and advances the
+position exactly as eager code does. A compiled function therefore draws the sequence eager code
+draws, fresh at every call, bit for bit. The substitution is a Python-dispatcher kernel on torch's
+``PythonTLSSnapshot`` key, the first key a traced op meets (``torch.rand`` and the other factories
+included), active while a compilation traces user code (a ``TracingContext`` is set; inductor traces
+its own patterns without one): eager code never reaches it, in the mode or out. A random op without
+a portable kernel is refused while it is traced, before anything runs. Dynamo guards compiled code
+on the thread's dispatch keys, so a function compiled outside the mode is compiled again when it
+first runs in it, and code compiled outside the mode keeps torch's own random ops (AOTAutograd's
+cache, which cannot tell the two apart, is off from the first entry into the mode on).
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
 ``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
@@ -218,6 +219,17 @@ def _fake_attention_backward(
 
 
 # -- autograd: dropout's backward as eager computes it, attention's from the position it drew at ----
+def _fill_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    ctx.inputs = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else (0, None, None) for t in inputs]
+
+
+def _fill_backward(ctx: Any, *_: Any) -> tuple[torch.Tensor | None, ...]:
+    """Zeros for the tensor inputs of a fill (``self``, ``bernoulli_``'s probabilities), as torch's own
+    derivatives of its random fills give them (not ``None``): the values drawn do not depend on them."""
+    needed = ctx.needs_input_grad
+    return tuple(torch.zeros(s, dtype=d, device=v) if n else None for n, (s, d, v) in zip(needed, ctx.inputs))
+
+
 def _dropout_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     ctx.save_for_backward(output[1])
     ctx.p = inputs[1]
@@ -305,6 +317,7 @@ def _ordered(op: Any, *args: Any) -> tuple[Any, ...]:
 
 
 _AUTOGRAD = {
+    **dict.fromkeys(("uniform", "normal", "bernoulli", "bernoulli_tensor", "random"), (_fill_backward, _fill_setup)),
     "native_dropout": (_dropout_backward, _dropout_setup),
     "attention": (_attention_backward_rule, _attention_setup),
 }
@@ -476,6 +489,29 @@ def _decomposed(op: Any) -> Callable[..., Any]:
     return traced
 
 
+_FACTORY_FILLS = {  # a factory taking a size after the fill's parameters: that fill, its default dtype
+    "rand": ("uniform_", None), "randn": ("normal_", None),
+    "normal": ("normal_", None), "randint": ("random_", torch.int64),
+}  # fmt: skip
+
+
+def _factory(op: Any) -> Callable[..., Any] | None:
+    """The traced form of a factory of :data:`_FACTORY_FILLS` (``torch.rand(size)`` is ``empty(size)`` then
+    ``uniform_()``), written out: its default kernel, in C++, takes concrete sizes only, and code compiled with
+    dynamic shapes (as torch.compile does from a second batch size on) passes symbolic ones. ``None`` for
+    another op (their ``out=`` forms included)."""
+    name = op._schema.name.removeprefix("aten::")
+    if name not in _FACTORY_FILLS or not {"size", "dtype"} <= {argument.name for argument in op._schema.arguments}:
+        return None
+    fill, default_dtype = _FACTORY_FILLS[name]
+
+    def traced(*params_then_size: Any, generator: object = None, dtype: Any = default_dtype, **options: Any) -> Any:
+        *params, size = params_then_size
+        return getattr(torch.empty(size, dtype=dtype, **options), fill)(*params, generator=generator)
+
+    return traced
+
+
 def _on_snapshot_key(op: Any, portable: Callable[..., Any]) -> Callable[..., Any]:
     """The Python-dispatcher kernel of ``op`` on ``PythonTLSSnapshot``: ``portable`` on a thread in the
     mode (``None`` from it: torch's op), torch's own handling of the key everywhere else."""
@@ -547,6 +583,8 @@ class _Installed:
                 f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema, tags=tags if drawing else ()
             )
             op.register_fake(fake)
+            if drawing:  # or the compilers drop a draw whose outputs nothing uses (see the module docstring)
+                torch.fx.node.has_side_effect(getattr(torch.ops.hyperrng, name).default)
             if name in _AUTOGRAD:
                 backward, setup = _AUTOGRAD[name]
                 op.register_autograd(backward, setup_context=setup)
@@ -570,7 +608,7 @@ class _Installed:
         for op in ops._random_aten_ops():
             traced.setdefault(op, _refused(op))
         for op in ops.composite_random_ops():
-            traced.setdefault(op, _decomposed(op))
+            traced.setdefault(op, _factory(op) or _decomposed(op))
         for op in traced:
             if snapshot in op.py_kernels:
                 raise RuntimeError(f"{op} already has a Python kernel on PythonTLSSnapshot")

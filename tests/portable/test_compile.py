@@ -149,6 +149,93 @@ def test_a_compiled_training_step_equals_the_eager_step_bit_for_bit(backend: str
         assert _equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_draw_whose_result_is_unused_still_moves_the_position_in_compiled_code(backend: str) -> None:
+    """The compilers drop an unused pure op (dead-code elimination): an unused last draw must stay."""
+
+    def draw(x: torch.Tensor) -> torch.Tensor:
+        y = F.dropout(x, 0.5)
+        torch.rand(4)  # drawn and dropped, after every other draw: no later draw takes its order output
+        return y
+
+    x = torch.ones(8)
+    with portable_random(SEED):
+        eager = [draw(x) for _ in range(3)]
+        eager_end = _position()
+    compiled = torch.compile(draw, backend=backend, fullgraph=True)
+    with portable_random(SEED):
+        assert _equal([compiled(x) for _ in range(3)], eager)
+        assert _position() == eager_end
+
+
+def _sized_draws(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Factories whose sizes come from the input: symbolic sizes once compiled with dynamic shapes."""
+    n = x.shape[0]
+    return (
+        torch.rand(n, 2),
+        torch.randn(x.shape),
+        torch.randint(0, 9, (n,)),
+        torch.randint(5, (n, 2), dtype=torch.int32),
+        torch.normal(0.5, 2.0, (n,)),
+        torch.empty(n).uniform_(-1, 1),
+        torch.rand_like(x),
+    )
+
+
+def _attention_dropout(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (F.scaled_dot_product_attention(x, x, x, dropout_p=0.25),)
+
+
+@pytest.mark.parametrize(
+    "backend, dynamic",
+    [("aot_eager", None), ("aot_eager", True), pytest.param("inductor", None, marks=pytest.mark.slow)],
+    ids=["aot_eager-recompiled-dynamic", "aot_eager-dynamic-from-the-first-call", "inductor-recompiled-dynamic"],
+)
+@pytest.mark.parametrize("fn", [_sized_draws, _attention_dropout], ids=["factories", "attention"])
+def test_compiled_code_with_dynamic_shapes_draws_what_eager_draws(
+    fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], backend: str, dynamic: bool | None
+) -> None:
+    """A batch of another size makes torch.compile compile again with symbolic sizes (``dynamic=None``)."""
+    torch.manual_seed(0)
+    batches = [torch.randn(b, 2, 4, 8) for b in (2, 2, 3)]
+    with portable_random(SEED):
+        eager = [fn(x) for x in batches]
+        eager_end = _position()
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
+    with portable_random(SEED):
+        for x, want in zip(batches, eager):
+            assert _equal(compiled(x), want)
+        assert _position() == eager_end
+
+
+_GRADIENT_THROUGH_A_DRAW: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "bernoulli(p)": lambda x: torch.bernoulli(torch.sigmoid(x)) * x,
+    "bernoulli_(p)": lambda x: torch.empty(4).bernoulli_(torch.sigmoid(x)) * x,
+    "uniform_": lambda x: (x * 1).uniform_(),
+    "normal_": lambda x: (x * 2).normal_(0.5, 2.0) * x,
+}
+
+
+@pytest.mark.parametrize("name", _GRADIENT_THROUGH_A_DRAW)
+def test_a_gradient_reaching_a_draws_inputs_compiles_and_equals_eager(name: str) -> None:
+    """A random fill's values do not depend on its inputs: torch's derivatives give them zero gradients
+    (not none), in eager code and compiled, in the mode and outside it."""
+    fn = _GRADIENT_THROUGH_A_DRAW[name]
+
+    def step(f: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        x = torch.linspace(-1, 1, 4).requires_grad_()
+        y = f(x)
+        y.sum().backward()
+        return [y.detach(), x.grad]  # type: ignore[list-item]
+
+    with portable_random(SEED):
+        eager = [step(fn), step(fn)]
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    with portable_random(SEED):
+        assert _equal(step(compiled), eager[0])
+        assert _equal(step(compiled), eager[1])
+
+
 _ATTENTION_CASES = {
     "bool-mask": ((2, 4, 16, 8), (2, 4, 12, 8), torch.float32, {"attn_mask": torch.rand(16, 12) > 0.3}),
     "causal-float64": ((2, 3, 8, 4), (2, 3, 8, 4), torch.float64, {"is_causal": True}),
