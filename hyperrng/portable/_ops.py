@@ -32,7 +32,7 @@ from hyperrng.platforms._features import outside_dynamo
 from hyperrng.portable import _attention as _attention_ops
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry, refuse_capture
 from hyperrng.sharding.tracker import active_region
-from hyperrng.streams._checkpoints import checkpoint_forward, unreplayed_checkpoint
+from hyperrng.streams._checkpoints import checkpoint_forward, unreplayed_checkpoint, unreplayed_recompute
 
 __all__ = [
     "KEY_NAME",
@@ -268,6 +268,12 @@ def refuse_unreplayed_checkpoint(what: str) -> None:
         )
 
 
+def _draws_portably() -> bool:
+    """Whether attention on this thread draws portably: in the mode, and not rerunning a checkpoint whose
+    forward drew torch's numbers (:func:`unreplayed_recompute`)."""
+    return bool(THREAD.entries) and not unreplayed_recompute()
+
+
 def _before_attention(what: str, device: torch.device) -> None:
     """The checks of a portable draw, for attention (taken over above this key): no checkpoint that would
     recompute other numbers, no graph capture."""
@@ -327,7 +333,9 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
 
     A thread reaches it only while it includes the key; one that does without an entry of its own
     is an autograd thread running the backward pass of a thread that called ``backward()`` in the
-    mode, which draws portably only under :class:`~hyperrng.portable.mode.mode_applied`."""
+    mode, which draws portably only under :class:`~hyperrng.portable.mode.mode_applied`. So does the rerun of
+    a ``torch.utils.checkpoint`` block that replays nothing of hyperrng's (:func:`unreplayed_recompute`): its
+    forward drew torch's numbers, outside the mode, and torch has put its generators back."""
     original = _below(op, below)
     key = _key()
     include = torch._C._dispatch_tls_set_dispatch_key_included
@@ -340,6 +348,7 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
         if (  # torch's kernels: meta and fake tensors only propagate shapes; see _own_host_generator
             not THREAD.entries
             or keyset.has(_META)
+            or unreplayed_recompute()
             or (kwargs.get("generator") is not None and _own_host_generator(kwargs))
         ):
             return original(keyset, *args, **kwargs)
@@ -364,7 +373,7 @@ def _switched_refusal(op: Any, refuse: Callable[..., Any], below: Any) -> Callab
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
             return _untraced(kernel, keyset, args, kwargs)
-        if THREAD.entries and not keyset.has(_META) and not _own_host_generator(kwargs):
+        if THREAD.entries and not keyset.has(_META) and not unreplayed_recompute() and not _own_host_generator(kwargs):
             return refusing(original, keyset, *args, **kwargs)
         return original(keyset, *args, **kwargs)
 
@@ -462,7 +471,7 @@ class _Kernels:
                     self._impl(name, torch.library.fallthrough_kernel)
             for name, kernel in kernels.items():
                 self._impl(name, kernel, with_keyset=True)
-            for name, kernel in _attention_ops.kernels(lambda: bool(THREAD.entries), _before_attention).items():
+            for name, kernel in _attention_ops.kernels(_draws_portably, _before_attention).items():
                 for autograd_key in _attention_ops.AUTOGRAD_KEYS:
                     self._impl("aten::" + name, kernel, with_keyset=True, key=autograd_key)
             self.labels = sorted(name.removeprefix("aten::") for name in kernels)

@@ -39,7 +39,7 @@ from hyperrng.errors import InvalidArgumentError
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.portable import _traced  # noqa: F401 - joins the kernels' registration (compiled code in the mode)
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry
-from hyperrng.portable._ops import pop, push, register, registered, unsupported_ops
+from hyperrng.portable._ops import is_switched_on, pop, push, register, registered, switch, unsupported_ops
 from hyperrng.sharding.tracker import ShardedRNGTracker
 from hyperrng.sharding.tracker import _dtensor_random_module as dtensor_random_module
 
@@ -451,28 +451,37 @@ def thread_mode() -> bool | None:
 
 
 class mode_applied:  # noqa: N801 - a context manager named like a function
-    """Draw portably on this thread as the thread that took ``mode`` (:func:`thread_mode`) did.
+    """Draw on this thread as the thread that took ``mode`` (:func:`thread_mode`) did: portably, or with
+    ``None`` outside the mode.
 
-    For work that another thread runs on behalf of one in portable mode: autograd runs the
-    backward pass of accelerator tensors on its own device threads, so a recompute there
-    (``hyperrng.checkpoint``) must draw as the forward pass did. It holds nothing and moves
-    no generator: the thread that took ``mode`` holds the device and waits for the work.
-    ``None`` applies nothing.
+    For work that another thread, or the same one later, runs on behalf of the one that took it: a
+    recompute in the backward pass (``hyperrng.checkpoint``) must draw as its forward pass did, on
+    autograd's device threads too, and in whatever mode ``backward()`` is called. It holds nothing and
+    moves no generator: the thread that took ``mode`` holds the device and waits for the work. ``None``
+    takes this thread out of the mode until the exit (a context entered inside draws portably as usual).
     """
 
-    __slots__ = ("_mode", "_entry")
+    __slots__ = ("_mode", "_entry", "_hidden")
 
     def __init__(self, mode: bool | None) -> None:
         self._mode = mode
         self._entry: Entry | None = None
+        self._hidden: tuple[list[Entry], bool, bool] | None = None  # the thread's entries, inherited, switched on
 
     def __enter__(self) -> None:
         if self._mode is not None:
             register()  # entered on this thread's behalf by one that was in the mode: registered already
             self._entry = Entry(self, self._mode, None)
             push(self._entry)
+        elif THREAD.entries or is_switched_on():
+            self._hidden = (THREAD.entries, THREAD.inherited, is_switched_on())
+            THREAD.entries = []
+            switch(False)
 
     def __exit__(self, *exc: object) -> None:
         if self._entry is not None:
             entry, self._entry = self._entry, None
             _leave(entry)
+        elif self._hidden is not None:
+            (THREAD.entries, THREAD.inherited, on), self._hidden = self._hidden, None
+            switch(on)

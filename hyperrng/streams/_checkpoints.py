@@ -13,7 +13,8 @@ reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack (a ree
 Function records no backward, as in evaluation under ``no_grad``, recomputes nothing and is not
 reported), a walk of the whole stack (a checkpointed block may call its fork from any depth;
 about 5 us at 30 frames, 0.1-0.2 us a frame more) that only calls made with grad disabled pay,
-and none made in inference mode (which no backward pass follows).
+and none made in inference mode (which no backward pass follows). :func:`unreplayed_recompute` finds
+the recompute of such a checkpoint, whose draws the forward made outside portable mode.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ is found by the frame of its ``checkpoint`` call, a walk of the stack that every
 made with grad enabled pays)."""
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _CHECKPOINT_CALL = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+_REENTRANT_BACKWARD = "CheckpointFunctionBackward"  # the autograd node whose backward reruns a reentrant block
 
 CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
 """The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
@@ -48,7 +50,17 @@ class _Replayed(threading.local):
 
 
 REPLAYED = _Replayed()
-"""Per thread: ``REPLAYED.hooks``, which ``hyperrng.checkpoint_context``'s forward context enters."""
+"""Per thread: ``REPLAYED.hooks``, which ``hyperrng.checkpoint_context``'s contexts enter: the forward context its
+checkpoint's hook (:func:`top_hook`), the recompute context the recomputation hook it reruns the block under."""
+
+
+def forget(mark: object) -> None:
+    """Take the innermost ``mark`` out of ``REPLAYED.hooks`` (by identity), when the context that entered it exits."""
+    replayed = REPLAYED.hooks
+    for i in range(len(replayed) - 1, -1, -1):
+        if replayed[i] is mark:
+            del replayed[i]
+            return
 
 
 def top_hook() -> object:
@@ -122,3 +134,55 @@ def unreplayed_checkpoint() -> str | None:
         if mark is found or (type(mark) is weakref.ref and mark() is found):
             return None
     return "use_reentrant=False"
+
+
+def unreplayed_recompute() -> bool:
+    """Whether the calling thread reruns a ``torch.utils.checkpoint`` block whose recompute replays nothing of
+    hyperrng's (no ``hyperrng.checkpoint_context``).
+
+    Its forward pass refused every portable draw (:func:`unreplayed_checkpoint`), so what the rerun draws, the
+    forward drew outside portable mode, from torch's generators, which torch has put back: torch's own kernels
+    draw the forward's numbers again, whatever mode the backward pass runs in. A non-reentrant checkpoint reruns
+    under its recomputation hook (one that ``hyperrng.checkpoint_context`` entered replays: ``REPLAYED``), a
+    reentrant one in its Function's backward, the autograd node then running, and a compiled one each aten random
+    op in torch's ``run_with_rng_state`` (a graph traced in the mode draws with hyperrng's own ops instead, and
+    the mode is part of what a compiled graph is guarded on). Not in the forward pass of a checkpoint nested in
+    the block (:func:`unreplayed_checkpoint` decides there), nor on torch 2.5 to 2.7, which has no portable mode."""
+    if _top_hooks is None:
+        return False
+    top = _top_hooks(False)
+    hook = top[0] if top is not None else None
+    if hook is not None and getattr(hook, "__qualname__", "").startswith("_recomputation_hook."):
+        if any(mark is hook for mark in REPLAYED.hooks):
+            return False
+    elif torch._C._current_graph_task_id() == -1:  # no backward pass runs: no reentrant recompute (no node asked)
+        return False
+    else:
+        node = torch._C._current_autograd_node()
+        if (node is None or node.name() != _REENTRANT_BACKWARD) and not _in_rng_replay(sys._getframe(1)):
+            return False
+    return checkpoint_forward() is None  # a checkpoint's forward pass nested in the block: its own rules apply
+
+
+_RNG_REPLAYS: dict[int, types.CodeType] = {}
+"""The code of the kernels of torch's ``run_with_rng_state``, with which a compiled backward pass reruns a
+random op at the generator state its forward saved, by ``id``; filled once torch has imported them."""
+
+
+def _in_rng_replay(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` or one above it runs a kernel of ``run_with_rng_state`` for an aten op, not one of
+    hyperrng's (whose implementation draws portably through the aten op): a walk of the stack, which only the
+    draws of a backward pass pay."""
+    if not _RNG_REPLAYS:
+        prims = sys.modules.get("torch._prims.rng_prims")
+        if prims is None:  # no compiled graph has replayed a random op in this process
+            return False
+        for kernel in prims.run_with_rng_state.py_kernels.values():
+            code = getattr(kernel, "__code__", None)
+            if code is not None:
+                _RNG_REPLAYS[id(code)] = code
+    while frame is not None:
+        if id(frame.f_code) in _RNG_REPLAYS:
+            return getattr(frame.f_locals.get("op"), "namespace", None) == "aten"
+        frame = frame.f_back
+    return False

@@ -23,13 +23,14 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 import hyperrng.platforms as platforms
 from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.platforms._features import outside_dynamo
 from hyperrng.portable import mode as portable_mode
-from hyperrng.streams._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, top_hook
+from hyperrng.streams._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, SEES_NON_REENTRANT, forget, top_hook
 from hyperrng.streams._device_state import Target, host_and_devices
 from hyperrng.streams.tracker import RNGStatesTracker, resolve_tracker
 
@@ -76,10 +77,25 @@ class _Checkpoint(torch.autograd.Function):
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
         ctx.save_for_backward(*(args[i] for i in tensor_idx))
         with torch.no_grad():
-            return function(*args)
+            outputs = function(*args)
+        if not _gradable(outputs):
+            ctx.recorded.take_back()
+            raise ArgumentTypeError(
+                "hyperrng.checkpoint(function, *args): function returns a tensor or a tuple of tensors (and "
+                f"values that hold none), got {type(outputs).__name__}; tensors inside a list, dict or other "
+                "container would silently get no gradient. Return them as a tuple, e.g. tuple(outputs)."
+            )
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
+        if not torch.autograd._is_checkpoint_valid():  # its recompute's backward() would fill every leaf's .grad
+            raise InvalidOperationError(
+                "hyperrng.checkpoint cannot serve torch.autograd.grad() or backward(inputs=...): its recompute "
+                "accumulates into the .grad of every leaf it uses. Call .backward() without inputs, or use "
+                "torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, "
+                "context_fn=hyperrng.checkpoint_context), which replays the same random numbers."
+            )
         args = list(ctx.others)
         inputs = []
         for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
@@ -103,7 +119,16 @@ class _Checkpoint(torch.autograd.Function):
 CHECKPOINT_FORWARDS[id(_Checkpoint.forward.__code__)] = _Checkpoint.forward.__code__  # its forward runs without grad
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None) -> Any:
+def _gradable(outputs: Any) -> bool:
+    """Whether every tensor of ``outputs`` is one that autograd connects: the output itself or an item of its tuple."""
+    items = outputs if isinstance(outputs, tuple) else (outputs,)
+    return not any(
+        not isinstance(item, torch.Tensor) and any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(item))
+        for item in items
+    )
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None, **kwargs: Any) -> Any:
     """Run ``function(*args)`` now and again in the backward pass, with identical random numbers.
 
     Inside ``torch.compile`` the graph breaks around it (its holds and snapshots are Python state);
@@ -113,26 +138,37 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
     Args:
         function: the region to recompute; it may fork tracker streams and draw from any
             generator. Its outputs are a tensor or a tuple of tensors.
-        *args: its inputs; tensors among them receive gradients.
+        *args: its inputs, positional only; tensors among them receive gradients.
         tracker: whose streams are replayed (default: the process-wide tracker).
 
     Returns:
         What ``function`` returns. Gradients equal those of running ``function`` without
         checkpointing, bit for bit, when ``function`` is deterministic given its random numbers.
+        The backward pass is a whole ``backward()``, as for ``torch.utils.checkpoint``'s reentrant
+        flavour: parameters used inside get their ``.grad``, and ``torch.autograd.grad`` is refused.
 
     Raises:
-        ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker; or the first of
+        ArgumentTypeError: ``function`` is not callable, or ``tracker`` not a tracker; keyword
+            arguments for ``function`` (bind them with ``functools.partial`` or a lambda); the first of
             ``args`` is a bool, which is Megatron-core's ``distribute_saved_activations`` (its
-            signature is :func:`hyperrng.megatron.checkpoint`).
+            signature is :func:`hyperrng.megatron.checkpoint`); or ``function`` returned tensors in a
+            list, dict or other container, which would get no gradient (the generators and streams
+            are then put back as they were before the call).
         InvalidOperationError: another thread holds torch's CPU generator or a device's (a
             fork, region, ``fork_rng`` or recompute is open there): now, while the states
             are recorded, or in the backward pass, while they are swapped for the rerun.
             Nothing is changed. The rerun runs on the thread autograd runs the backward
             on, which for accelerator tensors is autograd's own device thread: a thread
-            that calls ``backward()`` inside a fork or ``fork_rng`` gets this error.
+            that calls ``backward()`` inside a fork or ``fork_rng`` gets this error. Also in the
+            backward pass of ``torch.autograd.grad`` or ``backward(inputs=...)``, before the recompute.
     """
     if torch.compiler.is_dynamo_compiling():  # holds and snapshots are Python state: run behind a graph break
-        return _checkpoint_outside_the_graph(function, *args, tracker=tracker)
+        return _checkpoint_outside_the_graph(function, *args, tracker=tracker, **kwargs)
+    if kwargs:
+        raise ArgumentTypeError(
+            f"checkpoint(function, *args) passes positional arguments only, got keywords {sorted(kwargs)}: bind "
+            "them first, checkpoint(functools.partial(function, name=value), *args) or a lambda."
+        )
     if not callable(function):
         raise ArgumentTypeError(f"checkpoint() takes the function to recompute first, got {type(function).__name__}.")
     if args and isinstance(args[0], bool):
@@ -149,8 +185,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
 
 
 @outside_dynamo
-def _checkpoint_outside_the_graph(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None) -> Any:
-    return checkpoint(function, *args, tracker=tracker)  # run as Python: there is_dynamo_compiling() is false
+def _checkpoint_outside_the_graph(
+    function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None, **kwargs: Any
+) -> Any:
+    return checkpoint(function, *args, tracker=tracker, **kwargs)  # run as Python: there is_dynamo_compiling() is false
 
 
 class _Recorded:
@@ -168,7 +206,14 @@ class _Recorded:
         targets, hold = _held()
         with hold:  # a consistent snapshot: no other thread is swapping these generators
             self.snapshot = _RNGSnapshot(self.tracker, targets)
-        self.portable = portable_mode.thread_mode()  # the recompute draws as the forward did, on any thread
+        self.portable = portable_mode.thread_mode()  # the recompute draws as the forward did (in the mode or not)
+
+    def take_back(self) -> None:
+        """Put the recorded states back: the forward's draws undone, for a refusal after it ran."""
+        assert self.snapshot is not None
+        _, hold = _held()
+        with hold:
+            self.snapshot.restore(self.tracker)
 
 
 def _replaying(recorded: _Recorded) -> ExitStack:
@@ -214,16 +259,15 @@ class _ForwardContext:
         try:
             return self._inner.__exit__(*exc) if self._inner is not None else None
         finally:
-            replayed = REPLAYED.hooks
-            for i in range(len(replayed) - 1, -1, -1):
-                if replayed[i] is self._hook:
-                    del replayed[i]
-                    break
+            forget(self._hook)
 
 
 class _RecomputeContext:
     """Holds the generators, puts the forward's states back and draws as the forward did (portable mode
-    included) while the block reruns; then restores the states it found and releases."""
+    included) while the block reruns; then restores the states it found and releases.
+
+    While entered, it marks the recomputation hook the block reruns under as one that replays, which portable
+    mode's kernels check for (:func:`hyperrng.streams._checkpoints.unreplayed_recompute`)."""
 
     __slots__ = ("_inner", "_recorded", "_stack")
 
@@ -241,6 +285,10 @@ class _RecomputeContext:
             )
         with ExitStack() as stack:
             stack.enter_context(_replaying(recorded))
+            if SEES_NON_REENTRANT:  # torch 2.5 to 2.7 show no hooks, and have no portable mode to tell
+                hook = top_hook()
+                REPLAYED.hooks.append(hook)
+                stack.callback(forget, hook)
             if self._inner is not None:
                 stack.enter_context(self._inner)
             self._stack = stack.pop_all()

@@ -11,6 +11,7 @@ from typing import Any
 import hyperrng.platforms as platforms
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
@@ -551,3 +552,138 @@ def test_on_cuda_recompute_replays_dropout_in_a_fork_exactly() -> None:
                 assert all(torch.equal(a, b) for a, b in zip(grads(recompute), plain, strict=True))
         finally:
             torch.cuda.set_rng_state(saved)
+
+
+# -- a recompute draws in the mode its forward pass ran in ---------------------------------------------
+_W = torch.linspace(-1, 1, 64).view(8, 8)
+_X = torch.linspace(-2, 2, 32).view(4, 8)
+
+FLAVOURS: dict[str, Callable[..., Any]] = {
+    "hyperrng.checkpoint": lambda f, x: checkpoint(f, x),
+    "context_fn": lambda f, x: torch.utils.checkpoint.checkpoint(
+        f, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context
+    ),
+}
+UNREPLAYED: dict[str, Callable[..., Any]] = {  # torch puts its generators back; hyperrng replays nothing
+    "torch non-reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
+    "torch reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True),
+    "compiled (aot_eager)": lambda f, x: torch.compile(
+        lambda t: torch.utils.checkpoint.checkpoint(f, t, use_reentrant=False), backend="aot_eager"
+    )(x),
+}
+
+
+def _backward_in_the_mode(
+    wrap: Callable[..., Any] | None, block: Callable[..., Any]
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``block``'s gradient for its weight, forward outside portable mode and backward inside it; the states after."""
+    w = _W.clone().requires_grad_()
+    x = _X.clone().requires_grad_()
+    torch.manual_seed(1)
+    y = wrap(functools.partial(block, w), x) if wrap is not None else block(w, x)
+    with hyperrng.portable_random(7):
+        y.sum().backward()
+    assert w.grad is not None
+    return w.grad, generator_states(get_rng_tracker())
+
+
+def _torch_dropout(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(x @ w, 0.5)
+
+
+def _torch_attention(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    q = (x @ w).view(1, 2, 4, 4)
+    return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)  # taken over above portable mode's key
+
+
+def _portable_dropout_inside(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    with hyperrng.portable_random(11):  # the block enters the mode itself: its recompute must too
+        return F.dropout(x @ w, 0.5)
+
+
+@pytest.mark.needs_portable_mode
+@pytest.mark.parametrize("block", [_torch_dropout, _torch_attention], ids=["dropout", "attention"])
+@pytest.mark.parametrize("name", [*FLAVOURS, *UNREPLAYED])
+def test_a_forward_outside_portable_mode_is_recomputed_outside_it_by_a_backward_inside_it(
+    name: str, block: Callable[..., Any]
+) -> None:
+    if name.startswith("compiled"):
+        torch._dynamo.reset()
+    plain, plain_after = _backward_in_the_mode(None, block)
+    grad, after = _backward_in_the_mode({**FLAVOURS, **UNREPLAYED}[name], block)
+    assert torch.equal(grad, plain)
+    assert_equal_states(after, plain_after)
+
+
+@pytest.mark.needs_portable_mode
+@pytest.mark.parametrize("name", FLAVOURS)
+def test_a_block_that_enters_portable_mode_itself_is_recomputed_in_it_by_a_backward_in_another(name: str) -> None:
+    plain, plain_after = _backward_in_the_mode(None, _portable_dropout_inside)
+    grad, after = _backward_in_the_mode(FLAVOURS[name], _portable_dropout_inside)
+    assert torch.equal(grad, plain)
+    assert_equal_states(after, plain_after)
+    assert not hyperrng.is_portable_random_enabled()
+
+
+# -- hyperrng.checkpoint: what its reentrant backward cannot serve is refused -------------------------
+def _forked_dropout(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    with get_rng_tracker().fork(MP):
+        return F.dropout(torch.tanh(x @ w), 0.5)
+
+
+@pytest.mark.parametrize("call", ["autograd.grad", "backward(inputs=)"])
+def test_a_backward_for_some_inputs_only_is_refused_before_the_recompute_moves_anything(call: str) -> None:
+    get_rng_tracker().reseed({MP: 7})
+    w, x = _W.clone().requires_grad_(), _X.clone().requires_grad_()
+    calls: list[int] = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return _forked_dropout(w, t)
+
+    y = checkpoint(block, x)
+    before = generator_states(get_rng_tracker())
+    with pytest.raises(InvalidOperationError, match="use_reentrant=False, context_fn=hyperrng.checkpoint_context"):
+        if call == "autograd.grad":
+            torch.autograd.grad(y.sum(), x)
+        else:
+            y.sum().backward(inputs=[x])
+    assert calls == [1], "no recompute ran"
+    assert w.grad is None and x.grad is None, "nothing was accumulated into an inner leaf"
+    assert_equal_states(generator_states(get_rng_tracker()), before)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [lambda t: [t], lambda t: {"out": t}, lambda t: (t, [t])],
+    ids=["list", "dict", "tuple-holding-a-list"],
+)
+def test_outputs_other_than_a_tensor_or_a_tuple_of_them_are_refused_and_the_generators_put_back(
+    shape: Callable[[torch.Tensor], Any],
+) -> None:
+    from hyperrng.errors import ArgumentTypeError
+
+    get_rng_tracker().reseed({MP: 7})
+    w, x = _W.clone().requires_grad_(), _X.clone().requires_grad_()
+    torch.rand(2)
+    before = generator_states(get_rng_tracker())
+    with pytest.raises(ArgumentTypeError, match="a tensor or a tuple of tensors"):
+        checkpoint(lambda t: shape(_forked_dropout(w, t)), x)
+    assert_equal_states(generator_states(get_rng_tracker()), before)
+    assert get_rng_tracker().active_stream is None
+
+
+def test_keyword_arguments_are_refused_with_a_typed_error_before_anything_runs() -> None:
+    from hyperrng.errors import ArgumentTypeError
+
+    calls: list[int] = []
+
+    def scaled(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        calls.append(1)
+        return t * scale
+
+    before = generator_states(get_rng_tracker())
+    with pytest.raises(ArgumentTypeError, match="functools.partial"):
+        checkpoint(scaled, torch.ones(2, requires_grad=True), scale=2.0)
+    assert calls == []
+    assert_equal_states(generator_states(get_rng_tracker()), before)
