@@ -29,6 +29,7 @@ __all__ = [
     "holder",
     "holding",
     "leave_inner",
+    "refuse_inside_contexts",
     "redo",
     "release",
     "release_key",
@@ -241,6 +242,26 @@ def held_above(key: tuple[str, int], level: int, contexts: Collection[Any]) -> _
             return entry
         entry = entry[3]
     return None
+
+
+def refuse_inside_contexts(
+    keys: Iterable[tuple[str, int]], what: str, exempt: Callable[[Any], bool] = lambda context: False
+) -> None:
+    """Refuse ``what`` where the calling thread is inside a context that swapped one of ``keys``' generators (a
+    fork of any tracker, a sharded region, ``fork_rng``) and that ``exempt`` does not name (the caller's own,
+    which it checks itself): the generator then holds that context's stream, which its exit puts back, not
+    the state ``what`` reads or writes. Nothing changes."""
+    me = current_thread()
+    for key in keys:
+        entry = _HOLDS.get(key)
+        while entry is not None and entry[0] is me:
+            if entry[2] is not None and not exempt(entry[2]):
+                raise InvalidOperationError(
+                    f"cannot {what} inside a {describe(entry[2])}: the generator holds the stream that context "
+                    "swapped in, which its exit puts back, not the state of the run; do it outside the context.",
+                    reason="tracker",
+                )
+            entry = entry[3]
 
 
 def describe(context: Any) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._guard.exclusive import refuse_inside_contexts
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation
@@ -85,13 +86,15 @@ def rng_state_dict(
         Plain data (tensors, numbers, strings, lists, dicts) with its digest.
 
     Raises:
-        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``).
+        InvalidOperationError: inside a fork of any tracker, a sharded region or ``fork_rng`` (``reason``
+            ``"tracker"``): the generator holds what the context swapped in.
         InvalidArgumentError: a base seed or coordinate out of range.
         ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.seeding.layout.StreamLayout`.
     """
     p = platforms.current()
     # The device generator holds the stream inside a fork, not the default state a resume needs.
     tracker = _idle_tracker(tracker, layout, "capture the RNG state")
+    refuse_inside_contexts(device_keys(p), "capture the RNG state")  # another tracker's fork, a region, fork_rng
     if base_seed is not None:
         base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
     point = dict(mesh_coordinates(coords)) if coords is not None else None
@@ -212,7 +215,8 @@ def load_rng_state_dict(
         InvalidArgumentError: another format or version, a digest mismatch (a damaged state),
             a malformed field or one beyond a limit (the message names it), a topology or
             platform mismatch, or a missing stream. Nothing has changed when it is raised.
-        InvalidOperationError: inside a fork of the tracker (``reason`` ``"tracker"``), or
+        InvalidOperationError: inside a fork of any tracker, a sharded region or ``fork_rng`` (``reason``
+            ``"tracker"``), or
             another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
             see :mod:`hyperrng._guard.exclusive`); nothing has changed.
     """
@@ -241,6 +245,7 @@ def _load(
     tracker = _checked_tracker(tracker, layout)
     keys = device_keys(platforms.current())
     replacement = Replacing(tracker, "load an RNG state", target=False, holds=keys, holding_what="load_rng_state_dict")
+    refuse_inside_contexts(keys, "load an RNG state", tracker.owns)  # their exits would undo the load
     if coords is not None:
         mesh_coordinates(coords)  # a wrong type is refused whether or not the state records coordinates
     check_saved(state)

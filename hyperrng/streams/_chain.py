@@ -278,6 +278,10 @@ class ForkChain:
             reason="tracker",
         )
 
+    def owns(self, context: object) -> bool:
+        """Whether ``context`` is one of this tracker's forks (whose holds its own checks cover)."""
+        return isinstance(context, _Fork) and context._tracker is self
+
     def _abandoned(self) -> bool:
         """Whether the open fork's thread ended without leaving it (see *Recovery*)."""
         return self._active is not None and not _exclusive.alive(self._active.thread)
