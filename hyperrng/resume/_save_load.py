@@ -98,7 +98,7 @@ def save_rng_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> No
 
 # The errnos of a read that the file system refused, as opposed to a file whose content is cut off.
 _READ_FAILURES = {
-    errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR, errno.ESTALE,
+    errno.EIO, errno.ETIMEDOUT, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ESTALE,
     errno.EMFILE, errno.ENFILE, errno.ENOMEM,  # out of descriptors or memory: the OS refused, the file is whole
 }  # fmt: skip
 
@@ -129,12 +129,13 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike`` of ``str``.
         InvalidArgumentError: the file is truncated, or not a torch file of plain data, or beyond
             a limit above (the message names it, and nothing was loaded); or
-            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting;
+            ``path`` is not a regular file (a device, a FIFO, a socket), refused without waiting, or a
+            symbolic link that loops;
             or it holds a NUL character, a character the file system's encoding cannot write (a
             lone surrogate), or a name longer than the file system allows.
-        StorageError: the file system refused the read: no such file (also a
-            ``FileNotFoundError``), no permission (also a ``PermissionError``), a time-out or
-            an I/O error; an ``OSError``.
+        StorageError: the file system refused the read: no such file, or a part of ``path`` that is
+            not a folder (also a ``FileNotFoundError`` or ``NotADirectoryError``), no permission
+            (also a ``PermissionError``), a time-out or an I/O error; an ``OSError``.
     """
     target = check_path(path)
     with SignalExceptions():  # a signal handler's exception comes out as itself, never translated
@@ -158,6 +159,10 @@ def load_rng_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         except OSError as exc:
             if exc.errno == errno.ENAMETOOLONG:
                 raise name_too_long(str(path)) from None
+            if exc.errno == errno.ELOOP:  # as a save says it
+                raise InvalidArgumentError(
+                    f"{str(path)!r} is a symbolic link that loops; point it at a file."
+                ) from None
             if exc.errno not in _READ_FAILURES and not isinstance(exc, TimeoutError):  # torch's seek past a cut-off end
                 raise unreadable(str(path), error_gist(exc)) from exc
             code, reason = os_reason(exc)

@@ -374,6 +374,11 @@ def test_a_link_to_a_missing_file_creates_it_and_a_loop_is_refused(tmp_path: Pat
     loop.symlink_to("loop.pt")
     with pytest.raises(ValueError, match="symbolic link that loops"):
         save_rng_state(loop, _state(2))
+    with pytest.raises(InvalidArgumentError, match="symbolic link that loops"):  # a load says the same
+        load_rng_state(loop)
+    with pytest.raises(StorageError) as not_a_folder:  # not "truncated": the file system refused the path
+        load_rng_state(tmp_path / "step1.pt" / "rng.pt")
+    assert isinstance(not_a_folder.value, NotADirectoryError)
 
 
 # -- what killed saves leave: judged by an OS lock, never by host name or process id ------------------
