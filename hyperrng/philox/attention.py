@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
-from hyperrng.errors import InvalidArgumentError
+from hyperrng.errors import InvalidArgumentError, InvalidOperationError
 from hyperrng.philox import _triton, apply_dropout_mask, backends, bernoulli
 from hyperrng.philox._attention_checks import (
     _Block,
@@ -452,10 +452,30 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        dq, dk, dv, dmask = _backward(ctx.plan, ctx.saved_tensors, grad, ctx.needs_input_grad[3])
+        with torch.no_grad():
+            dq, dk, dv, dmask = _backward(ctx.plan, ctx.saved_tensors, grad, ctx.needs_input_grad[3])
+        if torch.is_grad_enabled():  # create_graph=True: differentiating these again must not miss terms silently
+            q, k, v = ctx.saved_tensors[:3]
+            dq, dk, dv = (None if g is None else _NoSecondDerivative.apply(g, q, k, v) for g in (dq, dk, dv))
         return dq, dk, dv, dmask, None
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """A gradient of portable attention, taken with ``create_graph=True``, tied to the attention's inputs by a
+    node that refuses to be differentiated: as torch's fused attention, portable attention has no second
+    derivative, and a gradient of its gradient fails there (typed) instead of silently missing its terms."""
+
+    @staticmethod
+    def forward(ctx: Any, gradient: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return gradient.view_as(gradient)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> Any:
+        raise InvalidOperationError(
+            "portable attention has no second derivative (nor has torch's fused attention): a gradient of its "
+            "gradient cannot be taken. Compute attention with differentiable ops (softmax of q @ k.T) there."
+        )
 
 
 # -- the public functions ------------------------------------------------------------------------

@@ -621,3 +621,22 @@ def test_on_cuda_auto_runs_the_kernels_in_memory_linear_in_the_sequence() -> Non
     assert torch.equal(out, triton_out)  # auto chose the kernels
     probabilities = B * H * L * L * 2  # what one bfloat16 L x S tensor per head would take
     assert torch.cuda.max_memory_allocated() - base < probabilities / 8
+
+
+def test_a_gradient_taken_with_create_graph_is_right_and_refuses_to_be_differentiated_again() -> None:
+    """As torch's fused attention, portable attention has no second derivative: with ``create_graph=True`` its
+    first-order gradients are those without it, and a gradient of them raises our error (before, the
+    gradient came back detached, and a gradient penalty through it silently lost its terms)."""
+    from hyperrng.errors import InvalidOperationError
+
+    x, w = torch.randn(1, 1, 4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+
+    def gradients(create_graph: bool) -> tuple[torch.Tensor, ...]:
+        with hyperrng.portable_random(1):
+            y = (F.scaled_dot_product_attention(x, x, x, dropout_p=0.3) * w).pow(2).sum()
+            return torch.autograd.grad(y, [x, w], create_graph=create_graph)
+
+    first, plain = gradients(True), gradients(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, plain))
+    with pytest.raises(InvalidOperationError, match="no second derivative"):
+        torch.autograd.grad(first[0].pow(2).sum() + x.sum(), x)
