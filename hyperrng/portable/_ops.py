@@ -32,7 +32,13 @@ from hyperrng.platforms._features import outside_dynamo
 from hyperrng.portable import _attention as _attention_ops
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry, refuse_capture
 from hyperrng.sharding.tracker import active_region
-from hyperrng.streams._checkpoints import checkpoint_forward, unreplayed_checkpoint, unreplayed_recompute
+from hyperrng.streams._checkpoints import (
+    RERUN,
+    checkpoint_forward,
+    checkpoint_verdict,
+    unreplayed_checkpoint,
+    unreplayed_recompute,
+)
 
 __all__ = [
     "KEY_NAME",
@@ -255,10 +261,10 @@ def is_switched_on() -> bool:
 
 
 # -- torch.utils.checkpoint without a replay ---------------------------------------------------------
-def refuse_unreplayed_checkpoint(what: str) -> None:
+def refuse_unreplayed_checkpoint(what: str, flavour: str | None) -> None:
     """Refuse a portable draw in the forward pass of a ``torch.utils.checkpoint`` whose recompute would draw
-    other numbers (:func:`hyperrng.streams._checkpoints.unreplayed_checkpoint`), before anything moves."""
-    flavour = unreplayed_checkpoint()
+    other numbers (``flavour``, from :func:`hyperrng.streams._checkpoints.unreplayed_checkpoint`), before
+    anything moves."""
     if flavour is not None:
         raise UnsupportedPortableOpError(
             f"{what} in portable mode inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: its "
@@ -277,7 +283,7 @@ def _draws_portably() -> bool:
 def _before_attention(what: str, device: torch.device) -> None:
     """The checks of a portable draw, for attention (taken over above this key): no checkpoint that would
     recompute other numbers, no graph capture."""
-    refuse_unreplayed_checkpoint(what)
+    refuse_unreplayed_checkpoint(what, unreplayed_checkpoint())
     refuse_capture(platforms.current(), device, what)
 
 
@@ -345,16 +351,15 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # Dynamo traces this frame: it runs as Python behind a graph break
             return _untraced(kernel, keyset, args, kwargs)
-        if (  # torch's kernels: meta and fake tensors only propagate shapes; see _own_host_generator
-            not THREAD.entries
-            or keyset.has(_META)
-            or unreplayed_recompute()
-            or (kwargs.get("generator") is not None and _own_host_generator(kwargs))
-        ):
+        if not THREAD.entries or keyset.has(_META):  # torch's: meta and fake tensors only propagate shapes
             return original(keyset, *args, **kwargs)
+        verdict = checkpoint_verdict()
+        if verdict is RERUN or (kwargs.get("generator") is not None and _own_host_generator(kwargs)):
+            return original(keyset, *args, **kwargs)  # see unreplayed_recompute and _own_host_generator
         include(key, False)  # the kernel's own tensor ops run as outside the mode, skipping the key's composites
         try:
-            refuse_unreplayed_checkpoint(what)
+            if verdict is not None:
+                refuse_unreplayed_checkpoint(what, verdict)
             return portable(*args, **kwargs)
         except HyperRNGError:
             _cancel_active_region()

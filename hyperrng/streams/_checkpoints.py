@@ -136,6 +136,24 @@ def unreplayed_checkpoint() -> str | None:
     return "use_reentrant=False"
 
 
+RERUN = "rerun"
+""":func:`checkpoint_verdict` for the rerun of a checkpoint that replays nothing of hyperrng's."""
+
+
+def checkpoint_verdict() -> str | None:
+    """What a portable draw on the calling thread must do about ``torch.utils.checkpoint``, in one call (every
+    draw asks): ``None`` to draw portably, :data:`RERUN` to run torch's kernel (:func:`unreplayed_recompute`),
+    or the flavour of the checkpoint whose forward pass must refuse it (:func:`unreplayed_checkpoint`)."""
+    if (
+        _top_hooks is not None
+        and _top_hooks(False) is None
+        and torch.is_grad_enabled()
+        and torch._C._current_graph_task_id() == -1
+    ):
+        return None  # no saved-tensor hooks, grad on, no backward pass: neither a forward nor a rerun of one
+    return RERUN if unreplayed_recompute() else unreplayed_checkpoint()
+
+
 def unreplayed_recompute() -> bool:
     """Whether the calling thread reruns a ``torch.utils.checkpoint`` block whose recompute replays nothing of
     hyperrng's (no ``hyperrng.checkpoint_context``).
