@@ -701,17 +701,20 @@ def test_a_fork_on_a_second_thread_is_refused_while_another_thread_has_one_open(
 
 # -- DataLoader workers ---------------------------------------------------------------------------
 class _Noise(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Samples drawn inside a fork of a tracker stream, as a data pipeline adding noise would."""
+    """Samples drawn inside a fork of a tracker stream, as a data pipeline adding noise would; or, ``beside``,
+    from torch's own generator after a fork of stream ``"a"``."""
 
-    def __init__(self, tracker: RNGStatesTracker) -> None:
-        self.tracker = tracker
+    def __init__(self, tracker: RNGStatesTracker, beside: bool = False) -> None:
+        self.tracker, self.beside = tracker, beside
 
     def __len__(self) -> int:
-        return 8
+        return 4 if self.beside else 8
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        with self.tracker.fork("model-parallel-rng"):
-            return torch.rand(3)
+        with self.tracker.fork("a" if self.beside else "model-parallel-rng"):
+            if not self.beside:
+                return torch.rand(3)
+        return torch.rand(2)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
@@ -767,21 +770,6 @@ def test_dataloader_workers_draw_the_same_after_a_resume_whatever_made_the_strea
         assert epoch(resumed) == second
 
 
-class _NoiseBesideAFork(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """A sample drawn from torch's own generator, after a fork of a tracker stream in the worker."""
-
-    def __init__(self, tracker: RNGStatesTracker) -> None:
-        self.tracker = tracker
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        with self.tracker.fork("a"):
-            pass
-        return torch.rand(2)
-
-
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
 def test_workers_started_inside_a_fork_keep_the_generator_torch_seeded_for_them(cpu: platforms.Platform) -> None:
     """A loader iterated inside a fork: each worker inherits the open fork, which its first fork of its own
@@ -792,7 +780,7 @@ def test_workers_started_inside_a_fork_keep_the_generator_torch_seeded_for_them(
 
     def items() -> list[tuple[float, ...]]:
         loader = torch.utils.data.DataLoader(
-            _NoiseBesideAFork(tracker), batch_size=None, num_workers=2, multiprocessing_context="fork"
+            _Noise(tracker, beside=True), batch_size=None, num_workers=2, multiprocessing_context="fork"
         )
         return [tuple(x.tolist()) for x in loader]
 
