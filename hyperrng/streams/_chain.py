@@ -21,7 +21,7 @@ from hyperrng._guard.exclusive import HOLDS as _HOLDS
 from hyperrng._guard.interrupts import deferred
 from hyperrng.errors import InvalidOperationError, UnknownStreamError
 from hyperrng.platforms._features import outside_dynamo
-from hyperrng.streams._checkpoints import unreplayed_checkpoint
+from hyperrng.streams._checkpoints import unreplayed_fork
 
 _OWNER = "thread"
 
@@ -116,7 +116,7 @@ class _Fork:
         swap = tracker._swap
         if swap.capturing is not None and swap.capturing():  # type: ignore[union-attr]
             raise tracker._capture_refusal(self.name)
-        flavour = unreplayed_checkpoint()
+        flavour = unreplayed_fork()
         if flavour is not None:
             raise _checkpoint_refusal(self.name, flavour)
         read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]

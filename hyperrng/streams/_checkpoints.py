@@ -37,6 +37,7 @@ made with grad enabled pays)."""
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _CHECKPOINT_CALL = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _REENTRANT_BACKWARD = "CheckpointFunctionBackward"  # the autograd node whose backward reruns a reentrant block
+_REENTRANT_RERUN = torch.utils.checkpoint.CheckpointFunction.backward.__code__
 
 CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
 """The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
@@ -47,6 +48,7 @@ checkpoint's, and :mod:`hyperrng.streams.recompute` adds ``hyperrng.checkpoint``
 class _Replayed(threading.local):
     def __init__(self) -> None:
         self.hooks: list[object] = []  # the hooks of checkpoints whose recompute replays, innermost last
+        self.enclosing: list[str | None] = []  # per hyperrng.checkpoint forward: see enclosing_unreplayed
 
 
 REPLAYED = _Replayed()
@@ -117,6 +119,95 @@ def checkpoint_forward() -> Any:
     return None
 
 
+def enclosing_reentrant(frame: types.FrameType | None) -> Any:
+    """The context (its autograd node) of the innermost reentrant ``torch.utils.checkpoint`` whose forward pass
+    runs at or above ``frame`` and records a backward, else ``None``. Its recompute reruns all of its block,
+    a ``hyperrng.checkpoint`` inside included, having put back torch's generators only."""
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            ctx = frame.f_locals.get("ctx")
+            return ctx if any(getattr(ctx, "needs_input_grad", (1,))) else None
+        frame = frame.f_back
+    return None
+
+
+def reentrant_rerun() -> Any:
+    """The context (its autograd node) of the reentrant ``torch.utils.checkpoint`` whose recompute the calling
+    thread runs, else ``None``. For a custom autograd Function the node running is its ``ctx``; it is also the
+    node running while its tensor hooks and its node's hooks run, outside its ``backward``: the frame of that
+    ``backward``, for that very node, tells the recompute."""
+    if torch._C._current_graph_task_id() == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    if node is None or node.name() != _REENTRANT_BACKWARD:
+        return None
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_RERUN:
+            return node if frame.f_locals.get("ctx") is node else None
+        frame = frame.f_back
+    return None
+
+
+def _checkpoint_frame(prefix: str, name: str) -> Any:
+    """Torch >= 2.8: torch's record (its ``_CheckpointFrame``) of the non-reentrant checkpoint whose innermost
+    saved-tensor hook's qualified name starts with ``prefix``, read from the hook's closure variable ``name``
+    (``"target_frame_ref"``: a weak reference to it), else ``None``."""
+    top = _top_hooks(False) if _top_hooks is not None else None
+    hook = top[0] if top is not None else None
+    if hook is None or not getattr(hook, "__qualname__", "").startswith(prefix):
+        return None
+    hook = inspect.unwrap(hook)
+    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+        if var == name:
+            found = cell.cell_contents
+            return found() if isinstance(found, weakref.ref) else found
+    return None
+
+
+def enclosing_context(frame: types.FrameType | None) -> Any:
+    """What stands for the innermost ``torch.utils.checkpoint`` whose forward pass encloses ``frame`` and that
+    recomputes, one object that its recompute finds again (:func:`rerun_context`): a reentrant one's context,
+    a non-reentrant one's record (torch >= 2.8); else ``None``."""
+    found = enclosing_reentrant(frame)
+    return found if found is not None else _checkpoint_frame("_checkpoint_hook.", "frame")
+
+
+def rerun_context() -> Any:
+    """:func:`enclosing_context`'s object for the ``torch.utils.checkpoint`` whose recompute the calling thread
+    runs, else ``None``."""
+    found = reentrant_rerun()
+    return found if found is not None else _checkpoint_frame("_recomputation_hook.", "target_frame_ref")
+
+
+def enclosing_unreplayed(frame: types.FrameType | None) -> str | None:
+    """The flavour of a ``torch.utils.checkpoint`` that replays nothing of hyperrng's and whose forward pass
+    encloses the ``hyperrng.checkpoint`` forward running at ``frame`` (reentrant, or the innermost non-reentrant
+    one), or the one its enclosing ``hyperrng.checkpoint`` found; else ``None``. Its recompute reruns the
+    inner block with the tracker's streams where they then are, so a fork there would draw other numbers:
+    ``REPLAYED.enclosing`` keeps it while the block runs, and forks inside are refused."""
+    if enclosing_reentrant(frame) is not None:
+        return "use_reentrant=True"
+    if _top_hooks is None:  # torch 2.5 to 2.7
+        mark = _non_reentrant_call(frame)
+    else:
+        top = _top_hooks(False)
+        mark = top[0] if top is not None and top[0].__qualname__.startswith("_checkpoint_hook.") else None
+    if mark is not None and not _replayed(mark):
+        return "use_reentrant=False"
+    return REPLAYED.enclosing[-1] if REPLAYED.enclosing else None
+
+
+def _replayed(found: object) -> bool:
+    """Whether the non-reentrant checkpoint marked ``found`` replays: its own mark was entered (by identity; on
+    torch 2.5 to 2.7 a weak reference to it), anywhere in the list: a checkpoint whose forward raised leaves its
+    entry there until torch 2.5 collects its generator."""
+    for mark in REPLAYED.hooks:
+        if mark is found or (type(mark) is weakref.ref and mark() is found):
+            return True
+    return False
+
+
 def unreplayed_checkpoint() -> str | None:
     """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
     forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
@@ -128,12 +219,13 @@ def unreplayed_checkpoint() -> str | None:
         return "use_reentrant=True"
     if found is None or isinstance(found, types.CodeType):
         return None  # (a hook or, on torch 2.5 to 2.7, its generator marks a non-reentrant checkpoint)
-    # Replayed if its own mark was entered (by identity; on torch 2.5 to 2.7 a weak reference to it), anywhere in the
-    # list: a checkpoint whose forward raised leaves its entry there until torch 2.5 collects its generator.
-    for mark in REPLAYED.hooks:
-        if mark is found or (type(mark) is weakref.ref and mark() is found):
-            return None
-    return "use_reentrant=False"
+    return None if _replayed(found) else "use_reentrant=False"
+
+
+def unreplayed_fork() -> str | None:
+    """:func:`unreplayed_checkpoint` for a fork of a tracker stream, which is refused also inside a
+    ``hyperrng.checkpoint`` that such a checkpoint encloses (:func:`enclosing_unreplayed`)."""
+    return unreplayed_checkpoint() or (REPLAYED.enclosing[-1] if REPLAYED.enclosing else None)
 
 
 RERUN = "rerun"
@@ -175,10 +267,8 @@ def unreplayed_recompute() -> bool:
             return False
     elif torch._C._current_graph_task_id() == -1:  # no backward pass runs: no reentrant recompute (no node asked)
         return False
-    else:
-        node = torch._C._current_autograd_node()
-        if (node is None or node.name() != _REENTRANT_BACKWARD) and not _in_rng_replay(sys._getframe(1)):
-            return False
+    elif reentrant_rerun() is None and not _in_rng_replay(sys._getframe(1)):
+        return False
     return checkpoint_forward() is None  # a checkpoint's forward pass nested in the block: its own rules apply
 
 

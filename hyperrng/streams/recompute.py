@@ -18,8 +18,10 @@ fork is refused, as is a portable draw (:mod:`hyperrng.streams._checkpoints` fin
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -30,7 +32,16 @@ from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import ArgumentTypeError, InvalidOperationError
 from hyperrng.platforms._features import outside_dynamo
 from hyperrng.portable import mode as portable_mode
-from hyperrng.streams._checkpoints import CHECKPOINT_FORWARDS, REPLAYED, SEES_NON_REENTRANT, forget, top_hook
+from hyperrng.streams._checkpoints import (
+    CHECKPOINT_FORWARDS,
+    REPLAYED,
+    SEES_NON_REENTRANT,
+    enclosing_context,
+    enclosing_unreplayed,
+    forget,
+    rerun_context,
+    top_hook,
+)
 from hyperrng.streams._device_state import Target, host_and_devices
 from hyperrng.streams.tracker import RNGStatesTracker, resolve_tracker
 
@@ -71,13 +82,19 @@ class _Checkpoint(torch.autograd.Function):
     ) -> Any:
         ctx.function = function
         ctx.recorded = _Recorded(tracker)
-        ctx.recorded.record()
+        ctx.recorded.record(sys._getframe())
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_idx = tensor_idx
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
         ctx.save_for_backward(*(args[i] for i in tensor_idx))
-        with torch.no_grad():
-            outputs = function(*args)
+        # An enclosing torch.utils.checkpoint that replays nothing of hyperrng's reruns this block in its own
+        # recompute, with the tracker's streams where they then are: forks inside are refused meanwhile.
+        REPLAYED.enclosing.append(enclosing_unreplayed(sys._getframe()))
+        try:
+            with torch.no_grad(), _drawing_as_recorded(ctx.recorded):
+                outputs = function(*args)
+        finally:
+            REPLAYED.enclosing.pop()
         if not _gradable(outputs):
             ctx.recorded.take_back()
             raise ArgumentTypeError(
@@ -194,19 +211,20 @@ def _checkpoint_outside_the_graph(
 class _Recorded:
     """What the forward pass of one ``torch.utils.checkpoint`` call found: for its recompute."""
 
-    __slots__ = ("portable", "snapshot", "tracker")
+    __slots__ = ("portable", "rerun", "snapshot", "tracker")
 
     def __init__(self, tracker: RNGStatesTracker) -> None:
         self.tracker = tracker
         self.snapshot: _RNGSnapshot | None = None
         self.portable: bool | None = None
+        self.rerun = False  # recorded in the recompute of an enclosing reentrant checkpoint: see _forward_mode
 
-    def record(self) -> None:
-        """Record the states the block may draw from, and whether it draws portably."""
+    def record(self, frame: types.FrameType) -> None:
+        """Record the states the block may draw from, and whether it draws portably (``frame``: the checkpoint's)."""
         targets, hold = _held()
         with hold:  # a consistent snapshot: no other thread is swapping these generators
             self.snapshot = _RNGSnapshot(self.tracker, targets)
-        self.portable = portable_mode.thread_mode()  # the recompute draws as the forward did (in the mode or not)
+        self.portable, self.rerun = _forward_mode(frame)  # the recompute draws as the forward did (in the mode or not)
 
     def take_back(self) -> None:
         """Put the recorded states back: the forward's draws undone, for a refusal after it ran."""
@@ -214,6 +232,48 @@ class _Recorded:
         _, hold = _held()
         with hold:
             self.snapshot.restore(self.tracker)
+
+
+_UNSTAMPED = object()
+
+
+def _forward_mode(frame: types.FrameType) -> tuple[bool | None, bool]:
+    """The portable mode (:func:`~hyperrng.portable.mode.thread_mode`) that the block of a checkpoint whose forward
+    pass runs at ``frame`` draws in, and whether it is the one its forward pass had, in a rerun.
+
+    The thread's; but the recompute of an enclosing ``torch.utils.checkpoint`` reruns this forward pass, torch's
+    generators put back and the mode that ``backward()`` runs in, which need not be the forward's. So the forward
+    stamps its mode on what stands for that checkpoint (:func:`enclosing_context`), and the rerun draws in it.
+    Two replayed checkpoints in one such block that draw in different modes are refused."""
+    rerun = rerun_context()
+    if rerun is not None:
+        stamped = getattr(rerun, _STAMP, _UNSTAMPED)
+        if stamped is not _UNSTAMPED:
+            return stamped, True
+    mode = portable_mode.thread_mode()
+    outer = enclosing_context(frame)
+    if outer is not None:
+        stamped = getattr(outer, _STAMP, _UNSTAMPED)
+        if stamped is _UNSTAMPED:
+            setattr(outer, _STAMP, mode)
+        elif stamped != mode:
+            raise InvalidOperationError(
+                "hyperrng.checkpoint (or checkpoint_context) in and out of portable mode inside one "
+                "torch.utils.checkpoint: its recompute could not tell which of them draws portably. Enter "
+                "portable_random() around the whole block, or give the outer checkpoint "
+                "context_fn=hyperrng.checkpoint_context.",
+                reason="tracker",
+            )
+    return mode, False
+
+
+_STAMP = "_hyperrng_portable_mode"
+"""The attribute a reentrant ``torch.utils.checkpoint``'s context gets: the portable mode its block drew in."""
+
+
+def _drawing_as_recorded(recorded: _Recorded) -> AbstractContextManager[None]:
+    """In a rerun (:func:`_forward_mode`), draw in the mode the forward pass had; else change nothing."""
+    return portable_mode.mode_applied(recorded.portable) if recorded.rerun else nullcontext()
 
 
 def _replaying(recorded: _Recorded) -> ExitStack:
@@ -238,28 +298,27 @@ class _ForwardContext:
     as one whose recompute replays portable draws, which portable mode's kernels check for
     (:func:`hyperrng.streams._checkpoints.unreplayed_checkpoint`)."""
 
-    __slots__ = ("_inner", "_recorded", "_hook")
+    # No __slots__: torch sets attributes of its own on a checkpoint's contexts (ac_graph_id, when compiled).
 
     def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
         self._recorded, self._inner = recorded, inner
         self._hook: object = None
+        self._stack: ExitStack | None = None
 
     def __enter__(self) -> None:
-        self._recorded.record()
-        self._hook = top_hook()
-        REPLAYED.hooks.append(self._hook)
-        if self._inner is not None:
-            try:
-                self._inner.__enter__()
-            except BaseException:
-                REPLAYED.hooks.pop()
-                raise
+        self._recorded.record(sys._getframe(1))
+        with ExitStack() as stack:
+            stack.enter_context(_drawing_as_recorded(self._recorded))
+            self._hook = top_hook()
+            REPLAYED.hooks.append(self._hook)
+            stack.callback(forget, self._hook)
+            if self._inner is not None:
+                stack.enter_context(self._inner)
+            self._stack = stack.pop_all()
 
     def __exit__(self, *exc: Any) -> bool | None:
-        try:
-            return self._inner.__exit__(*exc) if self._inner is not None else None
-        finally:
-            forget(self._hook)
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc) if stack is not None else None
 
 
 class _RecomputeContext:
@@ -268,8 +327,6 @@ class _RecomputeContext:
 
     While entered, it marks the recomputation hook the block reruns under as one that replays, which portable
     mode's kernels check for (:func:`hyperrng.streams._checkpoints.unreplayed_recompute`)."""
-
-    __slots__ = ("_inner", "_recorded", "_stack")
 
     def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
         self._recorded, self._inner = recorded, inner
@@ -299,9 +356,24 @@ class _RecomputeContext:
 
 
 def _compiling() -> bool:
-    """Whether ``torch.compile`` traces this thread's code: Dynamo, or AOTAutograd's tracing (torch 2.9 calls a
-    ``context_fn`` there, where Dynamo's own flag is false)."""
-    return torch.compiler.is_dynamo_compiling() or torch._guards.TracingContext.try_get() is not None
+    """Whether a tracer runs this thread's code, where ``torch.utils.checkpoint`` takes only selective-checkpoint
+    contexts: Dynamo; AOTAutograd, ``make_fx`` or export, which a recent torch tells by a proxy mode, and an older
+    one by functional tensors (here: the functional mode that makes them, or torch's process-wide compiling flag,
+    which export sets). Per thread on a recent torch: a compilation on another thread changes nothing here (on an
+    older one a checkpoint there takes the compiled contexts, and refuses what they cannot replay with our error)."""
+    modes = torch._C._TorchDispatchModeKey
+    return (
+        torch.compiler.is_dynamo_compiling()
+        or torch._guards.TracingContext.try_get() is not None
+        or torch._C._get_dispatch_mode(modes.PROXY) is not None
+        or torch._C._get_dispatch_mode(modes.FUNCTIONAL) is not None
+        or (_PROCESS_WIDE_FLAG and torch.compiler.is_compiling())
+    )
+
+
+_PROCESS_WIDE_FLAG = not hasattr(torch.compiler, "_is_non_strict_tracing")
+"""Whether this torch predates the proxy-mode rule (it lacks ``torch.compiler._is_non_strict_tracing``, which came
+with it): export's tracing on torch 2.5 shows neither a proxy mode nor a functional one to a ``context_fn``."""
 
 
 def _recompute_everything() -> tuple[Any, Any]:
