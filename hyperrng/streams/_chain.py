@@ -26,6 +26,10 @@ from hyperrng.streams._checkpoints import unreplayed_fork
 _OWNER = "thread"
 
 
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch.export's tracing, where torch tells it
+
+
 def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
     """The refusal of a fork in the forward pass of a checkpoint whose recompute would not replay the stream."""
     return InvalidOperationError(
@@ -99,6 +103,14 @@ class _Fork:
     def __enter__(self) -> None:
         if torch.compiler.is_dynamo_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
             return self._enter_outside_the_graph()
+        if torch._C._get_dispatch_mode(_PROXY) is not None or _exporting():  # make_fx, export: ops become a graph
+            raise InvalidOperationError(
+                f"stream {self.name!r} cannot be forked while torch.export or make_fx traces the code: the fork "
+                "swaps the generator in Python, which a graph does not record, so the graph would draw from the "
+                "default generator instead. Compile with torch.compile (a fork runs behind a graph break there), "
+                "or draw in portable mode (hyperrng.portable_random), whose draws a graph records.",
+                reason="tracker",
+            )
         tracker = self._tracker
         if tracker._process is not _Process.token:  # the first fork in a child made by fork (a DataLoader worker)
             tracker._join_process()

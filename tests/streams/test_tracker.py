@@ -821,3 +821,32 @@ def test_a_compiled_function_with_a_fork_draws_the_eager_numbers_without_tracing
     assert torch.equal(compiled, eager)
     assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message)[:120] for w in caught]
     assert compiled_tracker.active_stream is None
+
+
+@pytest.mark.parametrize("tracer", ["make_fx", "export"])
+def test_a_fork_that_a_graph_tracer_would_bake_out_is_refused_before_it_moves_a_stream(
+    cpu: platforms.Platform, tracer: str
+) -> None:
+    """make_fx and (non-strict) torch.export record tensor ops, not the fork's swap of the generator: the
+    graph drew from the default generator (before, silently)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if tracer == "export" and not hasattr(torch.compiler, "is_exporting"):
+        pytest.skip("this torch does not tell that torch.export traces (torch.compiler.is_exporting)")
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with tracker.fork("model-parallel-rng"):
+                return torch.nn.functional.dropout(x, 0.5)
+
+    before, default = tracker.get_states(), torch.get_rng_state()
+    with pytest.raises(InvalidOperationError, match="cannot be forked while torch.export or make_fx traces"):
+        if tracer == "make_fx":
+            make_fx(Step())(torch.ones(4))
+        else:
+            torch.export.export(Step(), (torch.ones(4),), strict=False)
+    assert torch.equal(tracker.get_states()["model-parallel-rng"], before["model-parallel-rng"])
+    assert torch.equal(torch.get_rng_state(), default)
+    assert tracker.active_stream is None
