@@ -167,22 +167,29 @@ def hold_key(key: tuple[str, int], me: Thread, what: str, context: Any = None) -
     raise _busy(key, what, owner, me)
 
 
-def refuse_held(keys: Iterable[tuple[str, int]], what: str) -> None:
+def refuse_held(keys: Iterable[tuple[str, int]], what: str, advice: str | None = None) -> None:
     """Refuse ``what``, taking nothing, where another live thread holds one of ``keys``: for a call that
-    must know it will get its holds before it changes anything else (see ``hyperrng.streams.tracker.Replacing``)."""
+    must know it will get its holds before it changes anything else (see ``hyperrng.streams.tracker.Replacing``),
+    or that reads those generators as the run's state (``hyperrng.rng_state_dict``: the holder's context may
+    have swapped its own stream in). ``advice`` replaces the message's last sentence, what to do instead."""
     me = current_thread()
     for key in keys:
         entry = _HOLDS.get(key)
         if entry is not None and entry[0] is not me and alive(entry[0]):
-            raise _busy(key, what, entry[0], me)
+            raise _busy(key, what, entry[0], me, advice)
 
 
-def _busy(key: tuple[str, int], what: str, owner: Thread, me: Thread) -> InvalidOperationError:
+def _busy(
+    key: tuple[str, int], what: str, owner: Thread, me: Thread, advice: str | None = None
+) -> InvalidOperationError:
+    advice = advice or (
+        "The generator is one per process; use it from one thread at a time, or give each thread its own "
+        "torch.Generator."
+    )
     return InvalidOperationError(
         f"{what} on {key[0]}:{key[1]} was refused: thread {owner.ident} holds that device's generator (in a fork, "
         "a sharded region, fork_rng, a recompute, portable mode, seeding or a restore) and this is thread "
-        f"{me.ident}. The generator is one per process; use it from one thread at a time, or give each thread its "
-        "own torch.Generator.",
+        f"{me.ident}. {advice}",
         reason="busy",
     )
 
@@ -248,7 +255,8 @@ def refuse_inside_contexts(
     keys: Iterable[tuple[str, int]], what: str, exempt: Callable[[Any], bool] = lambda context: False
 ) -> None:
     """Refuse ``what`` where the calling thread is inside a context that swapped one of ``keys``' generators (a
-    fork of any tracker, a sharded region, ``fork_rng``) and that ``exempt`` does not name (the caller's own,
+    fork of any tracker, a sharded region, ``fork_rng``, a ``portable_random(seed)`` block; every context that
+    takes its hold with itself as ``context``) and that ``exempt`` does not name (the caller's own,
     which it checks itself): the generator then holds that context's stream, which its exit puts back, not
     the state ``what`` reads or writes. Nothing changes."""
     me = current_thread()
@@ -258,14 +266,15 @@ def refuse_inside_contexts(
             if entry[2] is not None and not exempt(entry[2]):
                 raise InvalidOperationError(
                     f"cannot {what} inside a {describe(entry[2])}: the generator holds the stream that context "
-                    "swapped in, which its exit puts back, not the state of the run; do it outside the context.",
+                    "swapped in, which its exit puts back, not the state of the run; do it outside that context's "
+                    "`with` block (before it or after its exit).",
                     reason="tracker",
                 )
             entry = entry[3]
 
 
 def describe(context: Any) -> str:
-    """What a context that took a hold is, for a message (``None``: a brief hold)."""
+    """What a context that took a hold is, for a message (``None``: a brief hold, or portable mode without a seed)."""
     if context is None:
         return "seeding, restore or portable mode"
     what = getattr(context, "describe", None)
@@ -388,15 +397,16 @@ class LeavesOnExit:
     raises there can leave the flag, the hold or the generator between before and after.
 
     **Nesting.** A hold records the context that took it (forks of any tracker, ``fork_rng``,
-    sharded regions; ``None`` for the others) and the hold below it, so a device's holds form
-    a chain, innermost first. An exit with an exception passing through it that finds holds
-    of other contexts above its own knows their exits were skipped by an interrupt (the
-    window below): it leaves them first, innermost first, as their exits would have
-    (:func:`leave_inner`), then itself. Holds without a context (portable mode, seeding) are
-    not left this way. Without an exception an exit checks that its own hold is the innermost
-    of the contexts on its device (one dict lookup): a fork, region or ``fork_rng`` left while
-    a context entered after it on the same thread is still open (asyncio tasks or generators
-    interleaving them) is refused with :class:`~hyperrng.errors.InvalidOperationError` and
+    sharded regions, ``portable_random(seed)`` blocks; ``None`` for the others) and the hold below
+    it, so a device's holds form a chain, innermost first. An exit with an exception passing
+    through it that finds holds of other contexts above its own knows their exits were skipped
+    by an interrupt (the window below): it leaves them first, innermost first, as their exits
+    would have (:func:`leave_inner`), then itself. Holds without a context (portable mode
+    without a seed or its switch, which put nothing back; seeding) are not left this way.
+    Without an exception an exit checks that its own hold is the innermost of the contexts on
+    its device (one dict lookup): a fork, region or ``fork_rng`` left while a context entered
+    after it on the same thread is still open (asyncio tasks or generators interleaving them)
+    is refused with :class:`~hyperrng.errors.InvalidOperationError` and
     changes nothing; exited again in order, it leaves.
 
     What pure Python cannot close, and so is not guaranteed:

@@ -199,6 +199,31 @@ class _CtrlC:
 _CTRL_C = _CtrlC()
 
 
+class _SeededBlock:
+    """The context a ``portable_random(seed)`` block's hold names (see :mod:`hyperrng._guard.exclusive`).
+
+    Such a block saves the device generator and moves it to (seed, 0) until its exit puts it back, as
+    ``fork_rng`` swaps it, so inside it the generator holds the block's stream, not the run's state: what
+    reads or replaces that state as the run's (``hyperrng.rng_state_dict``, ``load_rng_state_dict``)
+    refuses there (:func:`~hyperrng._guard.exclusive.refuse_inside_contexts`), and an outer context's
+    exit that finds the block left open by an interrupt leaves it first
+    (:func:`~hyperrng._guard.exclusive.leave_inner`). Portable mode without a seed and its switch put
+    nothing back: they draw from the run's generator and hold the device with no context.
+    """
+
+    __slots__ = ("entry", "seed")
+
+    def __init__(self, entry: Entry, seed: int) -> None:
+        self.entry, self.seed = entry, seed
+
+    def describe(self) -> str:
+        return f"`with portable_random({self.seed})` block"
+
+    def _unwind(self) -> None:
+        if self.entry in THREAD.entries:
+            _leave(self.entry)
+
+
 def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: bool, what: str) -> Entry:
     """Put this thread in portable mode: hold the device, save, route DTensor, position; then the flag.
 
@@ -210,7 +235,9 @@ def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: boo
     try:
         register()
         device = (p.device_type, p.current_device())
-        _exclusive.hold(*device, what)
+        # A seeded block puts the generator back on exit: its hold names it (not the switch's, which keeps it).
+        block = _SeededBlock(entry, seed) if seed is not None and owner is not _SWITCH else None
+        _exclusive.hold_key(device, threading.current_thread(), what, block)
         entry.device = device
         if seed is not None:
             io = p._state_io()  # exact snapshots, restored without the checks of set_rng_state
