@@ -422,3 +422,4 @@ class Replacing:
             self.tracker._leave_forks()  # first: leaving a fork releases holds down to its own level
             with _exclusive.holding(self._holds, self._holding_what):
                 yield
+            self.tracker._process = _Process.token  # new streams are this process's: no worker re-derives them

@@ -128,6 +128,22 @@ class RNGStatesTracker(ForkChain):
         # the thread that has it open (see _Fork.__enter__).
         self._claim: dict[str, Thread] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled tracker (a DataLoader worker made by ``spawn`` unpickles its dataset) holds its streams' states
+        and seeds. Unpickled, it binds to that process's platform and, in a worker, its first fork re-derives the
+        streams as in one made by ``fork`` (:meth:`_join_process`); elsewhere they continue where they were."""
+        states = {name: state.numpy().tobytes() for name, state in self.get_states(as_tensors=True).items()}
+        return {"graph_safe": self._want_graph_safe, "states": states, "seeds": self._seeds}  # bytes: no shared memory
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(graph_safe=state["graph_safe"])  # type: ignore[misc]
+        if state["states"]:
+            self.set_states(
+                {name: torch.frombuffer(bytearray(b), dtype=torch.uint8) for name, b in state["states"].items()}
+            )
+        self._seeds = dict(state["seeds"])
+        self._process = None  # its first fork joins this process
+
     # -- introspection --------------------------------------------------------------------
     def is_initialized(self) -> bool:
         """``True`` once :meth:`add` or :meth:`set_states` has been called since the last reset."""
@@ -377,6 +393,7 @@ class RNGStatesTracker(ForkChain):
             self._initialized = True
             if active is not None:
                 active.write(new[active.name])
+            self._process = _Process.token  # streams set in this process are its own: no worker re-derives them
         except BaseException:
             self._swap, self._states, self._initialized = before
             if active is not None:
@@ -478,8 +495,8 @@ class RNGStatesTracker(ForkChain):
         return choose_swap(platform, self._want_graph_safe)
 
     def _join_process(self) -> None:
-        """Before the first fork in a child process made by ``fork``: in a DataLoader worker, re-derive
-        every stream from the state it held when the worker started and torch's seed for the worker
+        """Before the first fork in a child process made by ``fork``, or of a tracker unpickled: in a DataLoader
+        worker, re-derive every stream from the state it held when the worker started and torch's seed for the worker
         (``get_worker_info().seed``, the base seed the loader drew for the epoch plus the worker's id),
         as torch reseeds its own generator there, so that workers draw distinct numbers, the same in
         every run and after a resume: the loader's base seed comes from the restored generator, and a

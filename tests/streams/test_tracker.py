@@ -742,6 +742,34 @@ def test_dataloader_workers_draw_distinct_streams_the_same_in_every_run(cpu: pla
         assert torch.equal(parent, torch.rand(3))
 
 
+def _worker_seeded(worker_id: int) -> None:
+    """A worker_init_fn that sets the streams itself, the same in every worker."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.tracker.reseed({"model-parallel-rng": 77})  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="compared with DataLoader workers made by fork")
+def test_dataloader_workers_made_by_spawn_draw_what_forked_ones_draw(cpu: platforms.Platform) -> None:
+    """A spawned worker unpickles the tracker with its dataset and re-derives its streams at its first fork, as a
+    forked one does (before, its first fork failed: the unpickled tracker's platform was another object). A
+    worker_init_fn that sets the streams itself keeps them, under either start method."""
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    def epoch(context: str, init: Any = None) -> list[tuple[float, ...]]:
+        torch.manual_seed(0)
+        loader = torch.utils.data.DataLoader(
+            _Noise(tracker), num_workers=2, multiprocessing_context=context, worker_init_fn=init
+        )
+        return [tuple(batch.flatten().tolist()) for batch in loader]
+
+    spawned = epoch("spawn")
+    assert len(set(spawned)) == 8 and spawned == epoch("fork")
+    seeded = epoch("fork", _worker_seeded)
+    assert len(set(seeded)) == 4 and seeded[0::2] == seeded[1::2], "each worker keeps the streams it set"
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
 def test_dataloader_workers_draw_the_same_after_a_resume_whatever_made_the_streams(cpu: platforms.Platform) -> None:
     """Workers derive their streams from the states the parent's streams hold, not from seeds: a tracker
