@@ -269,7 +269,9 @@ def unreplayed_recompute() -> bool:
         return False
     elif reentrant_rerun() is None and not _in_rng_replay(sys._getframe(1)):
         return False
-    return checkpoint_forward() is None  # a checkpoint's forward pass nested in the block: its own rules apply
+    # The forward pass of a checkpoint nested in the block: one that replays draws as it records (hyperrng's, in the
+    # mode the outer forward had); one that replays nothing drew torch's (in the mode, its forward was refused).
+    return checkpoint_forward() is None or unreplayed_checkpoint() is not None
 
 
 _RNG_REPLAYS: dict[int, types.CodeType] = {}

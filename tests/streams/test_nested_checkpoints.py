@@ -67,6 +67,37 @@ def test_the_outer_recompute_reruns_the_inner_block_in_the_mode_its_forward_had(
     assert all(torch.equal(a, b) for a, b in zip(nested, plain, strict=True))
 
 
+def _torch_inside(outer: str, inner: str) -> Callable[..., Any]:
+    """A torch checkpoint of the flavour ``inner`` inside one of the flavour ``outer``, around the squared dropout."""
+
+    def wrap(block: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+        w = block.args[0]  # type: ignore[attr-defined]
+        return OUTER[outer](lambda t: OUTER[inner](functools.partial(_dropout, w), t) ** 2, x)
+
+    return wrap
+
+
+@pytest.mark.needs_portable_mode
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("torch reentrant", "torch reentrant"),
+        ("torch reentrant", "torch non-reentrant"),
+        ("torch non-reentrant", "torch reentrant"),
+    ],
+)
+def test_nested_torch_checkpoints_forwarded_outside_the_mode_recompute_torchs_numbers_in_a_backward_inside_it(
+    outer: str, inner: str
+) -> None:
+    """The inner forward, rerun by the outer recompute, drew torch's numbers (in the mode it would have been
+    refused); before, the rerun refused it in the backward pass. (Two non-reentrant ones still refuse there: the
+    inner one's hooks hide the outer one's recompute.)"""
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_run(_torch_inside(outer, inner), False, True), _run(None, False, True), strict=True)
+    )
+
+
 @pytest.mark.needs_portable_mode
 def test_inner_checkpoints_in_and_out_of_the_mode_inside_one_reentrant_block_are_refused() -> None:
     w, x = _W.clone().requires_grad_(), _X.clone().requires_grad_()
