@@ -36,6 +36,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import InvalidArgumentError
+from hyperrng.platforms._features import outside_dynamo
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.portable import _traced  # noqa: F401 - joins the kernels' registration (compiled code in the mode)
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry
@@ -409,16 +410,30 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
         self._compiled = check_instance(compiled, bool, "compiled")
 
     def __enter__(self) -> None:
+        if torch.compiler.is_dynamo_compiling():  # the mode's state is Python: entered behind a graph break
+            return self._enter_outside_the_graph()
         _step_done(_enter(self, platforms.current(), self._seed, self._compiled, "portable_random"))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return self._exit_outside_the_graph(exc_type, exc, tb)
         for entry in reversed(THREAD.entries):
             if entry.owner is self:
                 _leave(entry)
                 break
         _step_done(None)
+
+    # Run as Python behind a graph break, as a tracker's forks are (where is_dynamo_compiling() is false). Under
+    # fullgraph=True, Dynamo's refusal names them: enter the mode around the compiled call instead.
+    @outside_dynamo
+    def _enter_outside_the_graph(self) -> None:
+        self.__enter__()
+
+    @outside_dynamo
+    def _exit_outside_the_graph(self, *exc: Any) -> None:
+        self.__exit__(*exc)
 
 
 def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: bool = False) -> None:

@@ -63,3 +63,22 @@ def test_a_compile_on_another_thread_leaves_draws_forks_and_checkpoints_here_alo
         done.set()
         compiling.join()
     assert all(torch.equal(a, b) for a, b in zip(alone, beside))
+
+
+def test_the_mode_entered_inside_a_compiled_function_runs_behind_a_graph_break() -> None:
+    """Entered as Python behind a graph break, as a fork is: the eager portable draws, the mode left after. Under
+    fullgraph=True, Dynamo's refusal names the mode's entry (before, a builtin deep inside it)."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with hyperrng.portable_random(7):
+            return x + torch.rand(3)
+
+    torch._dynamo.reset()
+    drawn = torch.compile(step, backend="eager")(torch.zeros(3))
+    with hyperrng.portable_random(7):
+        assert torch.equal(drawn, torch.rand(3))
+    assert not hyperrng.is_portable_random_enabled()
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="portable_random._enter_outside_the_graph"):
+        torch.compile(step, backend="eager", fullgraph=True)(torch.zeros(3))
+    assert not hyperrng.is_portable_random_enabled()
