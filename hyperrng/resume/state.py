@@ -20,7 +20,7 @@ import torch
 
 import hyperrng.platforms as platforms
 from hyperrng._guard.exclusive import refuse_inside_contexts
-from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation
 from hyperrng.resume._reseed import RESUME_DOMAIN, RNGResumeWarning, _reseed, resume_seed
@@ -86,15 +86,28 @@ def rng_state_dict(
         Plain data (tensors, numbers, strings, lists, dicts) with its digest.
 
     Raises:
-        InvalidOperationError: inside a fork of any tracker, a sharded region or ``fork_rng`` (``reason``
-            ``"tracker"``): the generator holds what the context swapped in.
+        InvalidOperationError: inside a fork of any tracker, a sharded region, ``fork_rng`` or a
+            ``portable_random(seed)`` block (``reason`` ``"tracker"``): the generator holds what the context
+            swapped in; or another thread holds torch's CPU generator or a device's (in such a context,
+            portable mode, seeding, ...; ``reason`` ``"busy"``): what it reads may be that thread's context's
+            stream. Nothing has changed; capture outside the context, once that thread has left it.
         InvalidArgumentError: a base seed or coordinate out of range.
         ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.seeding.layout.StreamLayout`.
     """
+    from hyperrng._guard.exclusive import refuse_held
+
     p = platforms.current()
     # The device generator holds the stream inside a fork, not the default state a resume needs.
     tracker = _idle_tracker(tracker, layout, "capture the RNG state")
-    refuse_inside_contexts(device_keys(p), "capture the RNG state")  # another tracker's fork, a region, fork_rng
+    keys = device_keys(p)
+    refuse_inside_contexts(keys, "capture the RNG state")  # another tracker's fork, a region, fork_rng, portable_random
+    # On another thread such a context would be saved as the run's state too (a load is refused so by Replacing).
+    refuse_held(
+        keys,
+        "capture the RNG state",
+        "It may hold that thread's fork, region, fork_rng or portable_random stream, not the run's state: capture "
+        "once that thread has left its context (or on that thread, outside it).",
+    )
     if base_seed is not None:
         base_seed = check_seed(base_seed, "base_seed")  # a NumPy integer is stored as a plain int
     point = dict(mesh_coordinates(coords)) if coords is not None else None
@@ -346,14 +359,31 @@ class RNGStateful:
     planner therefore reads every saved rank's state (a few KB each); without the planner such a
     rank refuses, saying to load with it.
 
+    **Every rank, or one alone.** In a job of several ranks, :meth:`state_dict` and
+    :meth:`load_state_dict` are collective over ``group``: each rank checks its own capture (or its
+    own loaded state), then one small all-gather tells every rank whether some rank's checks failed
+    (then every rank raises, nothing changed: that rank its own error, the others
+    :class:`~hyperrng.errors.RankFailure` naming it and why) and, in a load without ``load_from``,
+    whether some rank's state was saved elsewhere on the mesh (then every rank refuses, or every rank
+    re-derives). A rank that fails alone would otherwise leave the others waiting in DCP's collectives
+    or this one until the process group's timeout. So every rank of ``group`` must save or load
+    together, as DCP does, and ``group`` must be the ``process_group`` DCP runs with. A rank that does
+    it without the others (``no_dist=True`` on one rank, say to evaluate while the job runs) passes
+    ``alone=True``: DCP tells a ``Stateful`` nothing of ``no_dist`` or of its process group (it
+    calls :meth:`state_dict`, then :meth:`load_state_dict` with what it read), so this class cannot
+    tell, and without ``alone`` would wait in the gather for ranks that never come.
+
     Args:
         load_from: the saved rank whose state this rank loads instead of its own: an int, or a
             function of this rank returning one (``None``: this rank's own). For meshes the
             rule above does not fit; with ``on_mismatch="reseed"``, pick one that shares this
             rank's coordinates on each stream's dimensions.
+        alone: this rank saves or loads without the other ranks of ``group`` (see above): no
+            collective, each check raises where it fails, and a load checks this rank's state only.
 
     Raises:
-        ArgumentTypeError: ``load_from`` is neither ``None``, an int nor callable.
+        ArgumentTypeError: ``load_from`` is neither ``None``, an int nor callable, or ``alone``
+            is not a bool.
     """
 
     def __init__(
@@ -366,14 +396,18 @@ class RNGStateful:
         on_mismatch: str = "error",
         group: object | None = None,
         load_from: int | Callable[[int], int] | None = None,
+        alone: bool = False,
     ) -> None:
         if load_from is not None and not callable(load_from) and (type(load_from) is not int or load_from < 0):
             raise ArgumentTypeError(
                 f"load_from must be a saved rank (an int >= 0), a function of this rank returning one, or None; "
                 f"got {type(load_from).__name__} {load_from!r:.40}."
             )
+        if type(alone) is not bool:
+            raise ArgumentTypeError(f"alone must be a bool, got {type(alone).__name__} {alone!r:.40}.")
         self._group = group
         self._load_from = load_from
+        self._alone = alone
         self._save: dict[str, Any] = {"tracker": tracker, "layout": layout, "coords": coords, "group": group}
         self._load = {**self._save, "on_mismatch": on_mismatch}
         self._save["base_seed"] = base_seed
@@ -389,7 +423,20 @@ class RNGStateful:
         return f"rank_{chosen}"
 
     def state_dict(self) -> dict[str, Any]:
-        return _Entry(self, {self._key(): rng_state_dict(**self._save)})
+        """This rank's state, under its key; collective unless ``alone`` (see the class docstring).
+
+        Raises:
+            RankFailure: another rank's capture failed (it raises its own error).
+        """
+        try:  # DCP calls it first, on every rank: a rank that raises here leaves the others in DCP's gathers
+            entry = _Entry(self, {self._key(): rng_state_dict(**self._save)})
+        except Exception as exc:
+            if not self._alone:
+                self._together("state_dict", exc)  # raises exc, once the other ranks know
+            raise
+        if not self._alone:
+            self._together("state_dict")
+        return entry
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's state from what DCP read (see the class docstring for a larger world).
@@ -399,17 +446,27 @@ class RNGStateful:
             InvalidArgumentError: it holds no state for this rank and no single saved rank
                 to resume from (see the class docstring), or :func:`load_rng_state_dict` refuses
                 the state. Nothing has changed when it is raised.
+            RankFailure: in a collective load, another rank's checks failed (it raises its own
+                error; see the class docstring). Nothing has changed.
         """
-        if not isinstance(state_dict, Mapping):
-            raise ArgumentTypeError(
-                f"load_state_dict takes the mapping DCP loaded (rank keys to states), got {type(state_dict).__name__}."
-            )
-        key = self._key()
-        own = state_dict.get(key)
-        here = self._coordinates()
-        there = own.get("coords") if isinstance(own, Mapping) else None
-        moved = own is None or (here is not None and isinstance(there, Mapping) and dict(there) != here)
-        anywhere = self._anywhere(moved) if self._load_from is None else moved
+        try:  # checks that may fail on one rank only: every rank must still reach the gather
+            if not isinstance(state_dict, Mapping):
+                raise ArgumentTypeError(
+                    "load_state_dict takes the mapping DCP loaded (rank keys to states), "
+                    f"got {type(state_dict).__name__}."
+                )
+            key = self._key()
+            own = state_dict.get(key)
+            here = self._coordinates()
+            there = own.get("coords") if isinstance(own, Mapping) else None
+            moved = own is None or (here is not None and isinstance(there, Mapping) and dict(there) != here)
+        except Exception as exc:
+            if not self._alone:
+                self._together("load_state_dict", exc)  # raises exc, once the other ranks know
+            raise
+        anywhere = moved if self._alone else self._together("load_state_dict", moved=moved)
+        if self._load_from is not None:  # the state this rank chose: only its own coordinates count
+            anywhere = moved
         if own is None:
             key = self._stand_in(f"the checkpoint has no RNG state for {key}", state_dict)
         elif anywhere and self._load["on_mismatch"] == "reseed" and self._load_from is None:
@@ -424,14 +481,33 @@ class RNGStateful:
         elsewhere = "coordinates changed on another rank" if anywhere and not moved else None  # re-derive here too
         _load(state_dict[key], **self._load, elsewhere=elsewhere)
 
-    def _anywhere(self, moved: bool) -> bool:
-        """Whether any rank of the group finds its saved state made at other coordinates than its own (or
-        none): every rank asks, in every load without ``load_from``, before anything can raise, so that the
-        gather never waits for a rank that gave up; then every rank refuses, or every rank re-derives."""
+    def _together(self, what: str, failed: Exception | None = None, moved: bool = False) -> bool:
+        """Whether any rank of ``group`` found ``moved`` (its saved state made at other coordinates than its
+        own, or none: then every rank refuses, or every rank re-derives), asked of every rank at the same
+        point of ``what`` before anything can raise, so that no rank waits for one that gave up. A rank
+        whose checks ``failed`` says so, with the error's first words, and raises its error; every other
+        rank then raises :class:`~hyperrng.errors.RankFailure` naming it: every rank stops, nothing changed."""
         if platforms.comm.world_size(self._group) == 1:
+            if failed is not None:
+                raise failed
             return moved
-        flags = platforms.comm.all_gather(platforms.current(), torch.tensor([int(moved)]), self._group)
-        return any(int(flag) for flag in flags)
+        why = b"" if failed is None else f"{type(failed).__name__}: {failed}".encode()[:_WHY]
+        mine = torch.zeros(1 + _WHY, dtype=torch.uint8)  # ok 0, moved 1, failed 2; then why
+        mine[0] = 2 if failed is not None else int(moved)
+        mine[1 : 1 + len(why)] = torch.tensor(list(why), dtype=torch.uint8)
+        flags = platforms.comm.all_gather(platforms.current(), mine, self._group)
+        if failed is not None:
+            raise failed
+        failures = [(rank, flag) for rank, flag in enumerate(flags) if int(flag[0]) == 2]
+        if failures:
+            rank, flag = failures[0]
+            raise RankFailure(
+                f"RNGStateful.{what}: rank {rank} of the group"
+                + (f" (and {len(failures) - 1} other(s))" if len(failures) > 1 else "")
+                + f" failed ({bytes(flag[1:].tolist()).rstrip(bytes(1)).decode(errors='replace')}); "
+                "every rank raises, and nothing has changed on this one."
+            )
+        return any(int(flag[0]) == 1 for flag in flags)
 
     @staticmethod
     def planner(**kwargs: Any) -> Any:
@@ -513,6 +589,7 @@ class RNGStateful:
 
 
 _RANK_KEY = re.compile(r"rank_(\d+)\.")
+_WHY = 200  # bytes of a failed rank's error that reach the others
 
 
 def _in_rank_order(key: str) -> tuple[int, str]:
