@@ -26,8 +26,15 @@ from hyperrng.streams._checkpoints import unreplayed_fork
 _OWNER = "thread"
 
 
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
-_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch.export's tracing, where torch tells it
+_MODES = torch._C._TorchDispatchModeKey
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # a process-wide flag, where torch has it
+
+
+def _traced() -> bool:
+    """Whether ``make_fx`` (a proxy mode) or ``torch.export`` traces this thread's tensor ops: export's flag is
+    process-wide, so its fake-tensor mode, which is this thread's, must be on here too."""
+    get = torch._C._get_dispatch_mode
+    return get(_MODES.PROXY) is not None or (_exporting() and get(_MODES.FAKE) is not None)
 
 
 def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
@@ -103,7 +110,7 @@ class _Fork:
     def __enter__(self) -> None:
         if torch.compiler.is_dynamo_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
             return self._enter_outside_the_graph()
-        if torch._C._get_dispatch_mode(_PROXY) is not None or _exporting():  # make_fx, export: ops become a graph
+        if _traced():  # make_fx, torch.export: tensor ops become a graph
             raise InvalidOperationError(
                 f"stream {self.name!r} cannot be forked while torch.export or make_fx traces the code: the fork "
                 "swaps the generator in Python, which a graph does not record, so the graph would draw from the "

@@ -216,6 +216,8 @@ class RNGStatesTracker(ForkChain):
         """
         _check_name(name)
         value = check_seed(seed)
+        if self._process is not _Process.token:  # inherited streams first (a worker's): the new one is its own
+            self._join_process()
         if name in self._states:
             raise InvalidArgumentError(
                 f"stream {name!r} already exists; pick another name, or reset() the tracker to reseed it."

@@ -704,14 +704,14 @@ class _Noise(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Samples drawn inside a fork of a tracker stream, as a data pipeline adding noise would; or, ``beside``,
     from torch's own generator after a fork of stream ``"a"``."""
 
-    def __init__(self, tracker: RNGStatesTracker, beside: bool = False) -> None:
-        self.tracker, self.beside = tracker, beside
+    def __init__(self, tracker: RNGStatesTracker, beside: bool = False, stream: str = "model-parallel-rng") -> None:
+        self.tracker, self.beside, self.stream = tracker, beside, stream
 
     def __len__(self) -> int:
         return 4 if self.beside else 8
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        with self.tracker.fork("a" if self.beside else "model-parallel-rng"):
+        with self.tracker.fork("a" if self.beside else self.stream):
             if not self.beside:
                 return torch.rand(3)
         return torch.rand(2)
@@ -749,6 +749,13 @@ def _worker_seeded(worker_id: int) -> None:
     info.dataset.tracker.reseed({"model-parallel-rng": 77})  # type: ignore[attr-defined]
 
 
+def _worker_adds(worker_id: int) -> None:
+    """A worker_init_fn that adds a stream of its own beside the inherited one."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.tracker.add("own", 1000 + worker_id)  # type: ignore[attr-defined]
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="compared with DataLoader workers made by fork")
 def test_dataloader_workers_made_by_spawn_draw_what_forked_ones_draw(cpu: platforms.Platform) -> None:
     """A spawned worker unpickles the tracker with its dataset and re-derives its streams at its first fork, as a
@@ -757,10 +764,10 @@ def test_dataloader_workers_made_by_spawn_draw_what_forked_ones_draw(cpu: platfo
     tracker = RNGStatesTracker()
     tracker.add("model-parallel-rng", 1234)
 
-    def epoch(context: str, init: Any = None) -> list[tuple[float, ...]]:
+    def epoch(context: str, init: Any = None, stream: str = "model-parallel-rng") -> list[tuple[float, ...]]:
         torch.manual_seed(0)
         loader = torch.utils.data.DataLoader(
-            _Noise(tracker), num_workers=2, multiprocessing_context=context, worker_init_fn=init
+            _Noise(tracker, stream=stream), num_workers=2, multiprocessing_context=context, worker_init_fn=init
         )
         return [tuple(batch.flatten().tolist()) for batch in loader]
 
@@ -768,6 +775,12 @@ def test_dataloader_workers_made_by_spawn_draw_what_forked_ones_draw(cpu: platfo
     assert len(set(spawned)) == 8 and spawned == epoch("fork")
     seeded = epoch("fork", _worker_seeded)
     assert len(set(seeded)) == 4 and seeded[0::2] == seeded[1::2], "each worker keeps the streams it set"
+    own = epoch("fork", _worker_adds, "own")  # the stream a worker adds is its own; the inherited one is derived
+    for worker in (0, 1):
+        alone = RNGStatesTracker()
+        alone.add("own", 1000 + worker)
+        with alone.fork("own"):
+            assert own[worker] == tuple(torch.rand(3).tolist())
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
@@ -878,3 +891,33 @@ def test_a_fork_that_a_graph_tracer_would_bake_out_is_refused_before_it_moves_a_
     assert torch.equal(tracker.get_states()["model-parallel-rng"], before["model-parallel-rng"])
     assert torch.equal(torch.get_rng_state(), default)
     assert tracker.active_stream is None
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="this torch has no export flag to look at")
+def test_an_export_on_another_thread_refuses_no_fork_on_this_one(cpu: platforms.Platform) -> None:
+    """torch.export's flag is process-wide: a fork here is refused only where export's fake tensors are too."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Waits(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            release.wait(60)
+            return x + 1
+
+    exporter = threading.Thread(target=lambda: torch.export.export(Waits(), (torch.ones(2),), strict=False))
+    exporter.start()
+    try:
+        assert inside.wait(60)
+        tracker = RNGStatesTracker()
+        tracker.add("model-parallel-rng", 1234)
+        with tracker.fork("model-parallel-rng"):
+            drawn = torch.rand(2)
+    finally:
+        release.set()
+        exporter.join()
+    fresh = RNGStatesTracker()
+    fresh.add("model-parallel-rng", 1234)
+    with fresh.fork("model-parallel-rng"):
+        assert torch.equal(drawn, torch.rand(2))
