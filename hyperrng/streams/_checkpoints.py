@@ -24,6 +24,7 @@ import sys
 import threading
 import types
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -119,15 +120,56 @@ def checkpoint_forward() -> Any:
     return None
 
 
-def enclosing_reentrant(frame: types.FrameType | None) -> Any:
-    """The context (its autograd node) of the innermost reentrant ``torch.utils.checkpoint`` whose forward pass
-    runs at or above ``frame`` and records a backward, else ``None``. Its recompute reruns all of its block,
-    a ``hyperrng.checkpoint`` inside included, having put back torch's generators only."""
+def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, Any]]:
+    """The activation checkpoints whose forward pass runs at or above ``frame``, innermost first, each as
+    ``(flavour, stands_for, recorded)``, found by their frames: a reentrant ``torch.utils.checkpoint`` that records a
+    backward (``"use_reentrant=True"``, its context, that is its autograd node); a non-reentrant one that records
+    (``"use_reentrant=False"``, or ``None`` where its forward context is hyperrng's; torch's record of it, its
+    ``_CheckpointFrame``); ``hyperrng.checkpoint`` (``None``, its context). ``recorded``: what a replayed one
+    recorded (its ``enclosing``), else ``None``. Each one's recompute reruns everything inside it."""
     while frame is not None:
-        if frame.f_code is _REENTRANT_FORWARD:
+        code = frame.f_code
+        if code is _REENTRANT_FORWARD:
             ctx = frame.f_locals.get("ctx")
-            return ctx if any(getattr(ctx, "needs_input_grad", (1,))) else None
+            if any(getattr(ctx, "needs_input_grad", (1,))):
+                yield "use_reentrant=True", ctx, None
+        elif code is _CHECKPOINT_CALL:
+            names = frame.f_locals
+            gen = None if names.get("use_reentrant", True) else names.get("gen")
+            inner = getattr(gen, "gi_frame", None)
+            record = inner.f_locals.get("new_frame") if inner is not None else None
+            if record is not None and _records(record):
+                recorded = getattr(inner.f_locals.get("forward_context"), "recorded", None)
+                yield (None if recorded is not None else "use_reentrant=False"), record, recorded
+        elif id(code) in CHECKPOINT_FORWARDS:
+            ctx = frame.f_locals.get("ctx")
+            yield None, ctx, getattr(ctx, "recorded", None)
         frame = frame.f_back
+
+
+def _records(record: Any) -> bool:
+    """Whether torch's record of a non-reentrant checkpoint belongs to one that will recompute: begun without
+    grad it saves no inputs (older torch: its input saver has no ``grad_fn``)."""
+    saver = getattr(record, "input_saver", None)
+    return saver.grad_fn is not None if saver is not None else hasattr(record, "saved_args")
+
+
+def enclosing_context(frame: types.FrameType | None) -> Any:
+    """What stands for the innermost checkpoint whose forward pass runs at or above ``frame`` (:func:`_layers`), an
+    object its recompute finds again (:func:`rerun_context`), else ``None``."""
+    for _, stands_for, _ in _layers(frame):
+        return stands_for
+    return None
+
+
+def enclosing_unreplayed(frame: types.FrameType | None) -> str | None:
+    """The flavour of a ``torch.utils.checkpoint`` that replays nothing of hyperrng's and whose forward pass
+    encloses a replayed checkpoint whose forward runs below ``frame``: the innermost enclosing one's, or what that
+    one found if it replays. Its recompute reruns the inner block with the tracker's streams where they then are,
+    so a fork there would draw other numbers: ``REPLAYED.enclosing`` keeps it while the block runs, and forks
+    inside are refused (:func:`unreplayed_fork`)."""
+    for flavour, _, recorded in _layers(frame):
+        return flavour if flavour is not None else getattr(recorded, "enclosing", None)
     return None
 
 
@@ -149,53 +191,29 @@ def reentrant_rerun() -> Any:
     return None
 
 
-def _checkpoint_frame(prefix: str, name: str) -> Any:
-    """Torch >= 2.8: torch's record (its ``_CheckpointFrame``) of the non-reentrant checkpoint whose innermost
-    saved-tensor hook's qualified name starts with ``prefix``, read from the hook's closure variable ``name``
-    (``"target_frame_ref"``: a weak reference to it), else ``None``."""
-    top = _top_hooks(False) if _top_hooks is not None else None
-    hook = top[0] if top is not None else None
-    if hook is None or not getattr(hook, "__qualname__", "").startswith(prefix):
-        return None
-    hook = inspect.unwrap(hook)
-    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
-        if var == name:
-            found = cell.cell_contents
-            return found() if isinstance(found, weakref.ref) else found
-    return None
-
-
-def enclosing_context(frame: types.FrameType | None) -> Any:
-    """What stands for the innermost ``torch.utils.checkpoint`` whose forward pass encloses ``frame`` and that
-    recomputes, one object that its recompute finds again (:func:`rerun_context`): a reentrant one's context,
-    a non-reentrant one's record (torch >= 2.8); else ``None``."""
-    found = enclosing_reentrant(frame)
-    return found if found is not None else _checkpoint_frame("_checkpoint_hook.", "frame")
+_UNPACK = next(
+    (
+        c
+        for c in torch.utils.checkpoint._checkpoint_hook.__init__.__code__.co_consts
+        if getattr(c, "co_name", "") == "unpack_hook"
+    ),
+    None,
+)  # the saved-tensor hook from which a non-reentrant checkpoint's recompute runs
 
 
 def rerun_context() -> Any:
-    """:func:`enclosing_context`'s object for the ``torch.utils.checkpoint`` whose recompute the calling thread
-    runs, else ``None``."""
+    """:func:`enclosing_context`'s object for the checkpoint whose recompute the calling thread runs, else ``None``:
+    a reentrant one's context (:func:`reentrant_rerun`), or a non-reentrant one's record, read from the frame of the
+    saved-tensor hook that runs its recompute."""
     found = reentrant_rerun()
-    return found if found is not None else _checkpoint_frame("_recomputation_hook.", "target_frame_ref")
-
-
-def enclosing_unreplayed(frame: types.FrameType | None) -> str | None:
-    """The flavour of a ``torch.utils.checkpoint`` that replays nothing of hyperrng's and whose forward pass
-    encloses the ``hyperrng.checkpoint`` forward running at ``frame`` (reentrant, or the innermost non-reentrant
-    one), or the one its enclosing ``hyperrng.checkpoint`` found; else ``None``. Its recompute reruns the
-    inner block with the tracker's streams where they then are, so a fork there would draw other numbers:
-    ``REPLAYED.enclosing`` keeps it while the block runs, and forks inside are refused."""
-    if enclosing_reentrant(frame) is not None:
-        return "use_reentrant=True"
-    if _top_hooks is None:  # torch 2.5 to 2.7
-        mark = _non_reentrant_call(frame)
-    else:
-        top = _top_hooks(False)
-        mark = top[0] if top is not None and top[0].__qualname__.startswith("_checkpoint_hook.") else None
-    if mark is not None and not _replayed(mark):
-        return "use_reentrant=False"
-    return REPLAYED.enclosing[-1] if REPLAYED.enclosing else None
+    if found is not None or torch._C._current_graph_task_id() == -1:
+        return found
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _UNPACK:
+            return frame.f_locals.get("frame")
+        frame = frame.f_back
+    return None
 
 
 def _replayed(found: object) -> bool:

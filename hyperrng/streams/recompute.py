@@ -82,14 +82,14 @@ class _Checkpoint(torch.autograd.Function):
     ) -> Any:
         ctx.function = function
         ctx.recorded = _Recorded(tracker)
-        ctx.recorded.record(sys._getframe())
+        ctx.recorded.record(sys._getframe().f_back)
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.tensor_idx = tensor_idx
         ctx.others = [None if i in tensor_idx else a for i, a in enumerate(args)]
         ctx.save_for_backward(*(args[i] for i in tensor_idx))
         # An enclosing torch.utils.checkpoint that replays nothing of hyperrng's reruns this block in its own
         # recompute, with the tracker's streams where they then are: forks inside are refused meanwhile.
-        REPLAYED.enclosing.append(enclosing_unreplayed(sys._getframe()))
+        REPLAYED.enclosing.append(ctx.recorded.enclosing)
         try:
             with torch.no_grad(), _drawing_as_recorded(ctx.recorded):
                 outputs = function(*args)
@@ -211,20 +211,23 @@ def _checkpoint_outside_the_graph(
 class _Recorded:
     """What the forward pass of one ``torch.utils.checkpoint`` call found: for its recompute."""
 
-    __slots__ = ("portable", "rerun", "snapshot", "tracker")
+    __slots__ = ("enclosing", "portable", "rerun", "snapshot", "tracker")
 
     def __init__(self, tracker: RNGStatesTracker) -> None:
         self.tracker = tracker
         self.snapshot: _RNGSnapshot | None = None
         self.portable: bool | None = None
-        self.rerun = False  # recorded in the recompute of an enclosing reentrant checkpoint: see _forward_mode
+        self.rerun = False  # recorded in the recompute of an enclosing checkpoint: see _forward_mode
+        self.enclosing: str | None = None  # see enclosing_unreplayed
 
-    def record(self, frame: types.FrameType) -> None:
-        """Record the states the block may draw from, and whether it draws portably (``frame``: the checkpoint's)."""
+    def record(self, frame: types.FrameType | None) -> None:
+        """Record the states the block may draw from, whether it draws portably, and the flavour of an enclosing
+        checkpoint that replays nothing (``frame``: the caller of the checkpoint)."""
         targets, hold = _held()
         with hold:  # a consistent snapshot: no other thread is swapping these generators
             self.snapshot = _RNGSnapshot(self.tracker, targets)
         self.portable, self.rerun = _forward_mode(frame)  # the recompute draws as the forward did (in the mode or not)
+        self.enclosing = enclosing_unreplayed(frame)
 
     def take_back(self) -> None:
         """Put the recorded states back: the forward's draws undone, for a refusal after it ran."""
@@ -237,19 +240,19 @@ class _Recorded:
 _UNSTAMPED = object()
 
 
-def _forward_mode(frame: types.FrameType) -> tuple[bool | None, bool]:
+def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool]:
     """The portable mode (:func:`~hyperrng.portable.mode.thread_mode`) that the block of a checkpoint whose forward
     pass runs at ``frame`` draws in, and whether it is the one its forward pass had, in a rerun.
 
     The thread's; but the recompute of an enclosing ``torch.utils.checkpoint`` reruns this forward pass, torch's
     generators put back and the mode that ``backward()`` runs in, which need not be the forward's. So the forward
     stamps its mode on what stands for that checkpoint (:func:`enclosing_context`), and the rerun draws in it.
-    Two replayed checkpoints in one such block that draw in different modes are refused."""
+    Two replayed checkpoints in one such block that draw in different modes are refused. A rerun that finds no
+    stamp draws outside the mode: no replayed checkpoint recorded in that forward pass, so none of its portable
+    draws passed the refusal of a checkpoint that replays nothing."""
     rerun = rerun_context()
     if rerun is not None:
-        stamped = getattr(rerun, _STAMP, _UNSTAMPED)
-        if stamped is not _UNSTAMPED:
-            return stamped, True
+        return getattr(rerun, _STAMP, None), True
     mode = portable_mode.thread_mode()
     outer = enclosing_context(frame)
     if outer is not None:
@@ -268,7 +271,7 @@ def _forward_mode(frame: types.FrameType) -> tuple[bool | None, bool]:
 
 
 _STAMP = "_hyperrng_portable_mode"
-"""The attribute a reentrant ``torch.utils.checkpoint``'s context gets: the portable mode its block drew in."""
+"""The attribute what stands for a ``torch.utils.checkpoint`` gets: the portable mode its block drew in."""
 
 
 def _drawing_as_recorded(recorded: _Recorded) -> AbstractContextManager[None]:
@@ -301,17 +304,20 @@ class _ForwardContext:
     # No __slots__: torch sets attributes of its own on a checkpoint's contexts (ac_graph_id, when compiled).
 
     def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
-        self._recorded, self._inner = recorded, inner
+        self.recorded, self._inner = recorded, inner  # (recorded: read by hyperrng.streams._checkpoints._layers)
         self._hook: object = None
         self._stack: ExitStack | None = None
 
     def __enter__(self) -> None:
-        self._recorded.record(sys._getframe(1))
+        # Entered in torch's generator (frame 1), which its checkpoint call (frame 2) runs: the caller is above that.
+        self.recorded.record(sys._getframe(2).f_back)
         with ExitStack() as stack:
-            stack.enter_context(_drawing_as_recorded(self._recorded))
+            stack.enter_context(_drawing_as_recorded(self.recorded))
             self._hook = top_hook()
             REPLAYED.hooks.append(self._hook)
             stack.callback(forget, self._hook)
+            REPLAYED.enclosing.append(self.recorded.enclosing)
+            stack.callback(REPLAYED.enclosing.pop)
             if self._inner is not None:
                 stack.enter_context(self._inner)
             self._stack = stack.pop_all()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import hyperrng
-from hyperrng.errors import InvalidOperationError
+from hyperrng.errors import InvalidOperationError, UnsupportedPortableOpError
 from hyperrng.streams.recompute import checkpoint
 from hyperrng.streams.tracker import RNGStatesTracker
 from tests.streams.test_recompute import assert_equal_states, generator_states
@@ -25,6 +25,12 @@ from tests.streams.test_recompute import assert_equal_states, generator_states
 OUTER: dict[str, Callable[..., Any]] = {
     "torch reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True),
     "torch non-reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
+}
+INNER: dict[str, Callable[..., Any]] = {  # the checkpoints that replay hyperrng's draws
+    "hyperrng.checkpoint": lambda f, x: checkpoint(f, x),
+    "checkpoint_context": lambda f, x: torch.utils.checkpoint.checkpoint(
+        f, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context
+    ),
 }
 _W = torch.linspace(-1, 1, 64).view(8, 8)
 _X = torch.linspace(-2, 2, 32).view(4, 8)
@@ -34,20 +40,22 @@ def _dropout(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.dropout(x @ w, 0.5)
 
 
-def _squared_inner(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _squared_inner(inner: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The inner checkpoint's output, squared: the square saves it, so the outer recompute must redraw it."""
-    return checkpoint(functools.partial(_dropout, w), x) ** 2
+    return INNER[inner](functools.partial(_dropout, w), x) ** 2
 
 
 def _mode(on: bool) -> Any:
     return hyperrng.portable_random(7) if on else torch.enable_grad()
 
 
-def _run(outer: Callable[..., Any] | None, forward_in_mode: bool, backward_in_mode: bool) -> list[Any]:
+def _run(
+    outer: Callable[..., Any] | None, forward_in_mode: bool, backward_in_mode: bool, inner: str = "hyperrng.checkpoint"
+) -> list[Any]:
     w, x = _W.clone().requires_grad_(), _X.clone().requires_grad_()
     torch.manual_seed(1)
     with _mode(forward_in_mode):
-        block = functools.partial(_squared_inner, w)
+        block = functools.partial(_squared_inner, inner, w)
         y = outer(block, x) if outer is not None else F.dropout(x @ w, 0.5) ** 2
     with _mode(backward_in_mode):
         (y * torch.arange(8.0)).sum().backward()
@@ -57,13 +65,20 @@ def _run(outer: Callable[..., Any] | None, forward_in_mode: bool, backward_in_mo
 
 @pytest.mark.needs_portable_mode
 @pytest.mark.parametrize("modes", [(True, False), (False, True), (True, True)], ids=["fwd-in", "bwd-in", "both-in"])
+@pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("outer", OUTER)
 def test_the_outer_recompute_reruns_the_inner_block_in_the_mode_its_forward_had(
-    outer: str, modes: tuple[bool, bool]
+    outer: str, inner: str, modes: tuple[bool, bool]
 ) -> None:
-    """Before, with the mode differing between forward and backward, gradients differed silently (by up to 16)."""
+    """Before, with the mode differing between forward and backward, gradients differed silently (by up to 300).
+    A reentrant outer runs its forward without grad, where an inner non-reentrant one records nothing: forwarded
+    in the mode, that block's draws are refused."""
     plain = _run(None, *modes)
-    nested = _run(OUTER[outer], *modes)
+    if outer == "torch reentrant" and inner == "checkpoint_context" and modes[0]:
+        with pytest.raises(UnsupportedPortableOpError, match="use_reentrant=True"):
+            _run(OUTER[outer], *modes, inner)
+        return
+    nested = _run(OUTER[outer], *modes, inner)
     assert all(torch.equal(a, b) for a, b in zip(nested, plain, strict=True))
 
 
@@ -71,7 +86,7 @@ def _torch_inside(outer: str, inner: str) -> Callable[..., Any]:
     """A torch checkpoint of the flavour ``inner`` inside one of the flavour ``outer``, around the squared dropout."""
 
     def wrap(block: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
-        w = block.args[0]  # type: ignore[attr-defined]
+        w = block.args[-1]  # type: ignore[attr-defined]
         return OUTER[outer](lambda t: OUTER[inner](functools.partial(_dropout, w), t) ** 2, x)
 
     return wrap
@@ -111,8 +126,9 @@ def test_inner_checkpoints_in_and_out_of_the_mode_inside_one_reentrant_block_are
         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
 
 
+@pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("outer", OUTER)
-def test_a_fork_in_a_replayed_checkpoint_inside_one_that_replays_nothing_is_refused(outer: str) -> None:
+def test_a_fork_in_a_replayed_checkpoint_inside_one_that_replays_nothing_is_refused(outer: str, inner: str) -> None:
     """Before, the outer recompute forked the stream where it then was: other gradients (reentrant), or the
     stream moved on by the recompute (non-reentrant)."""
     tracker = RNGStatesTracker()
@@ -125,7 +141,13 @@ def test_a_fork_in_a_replayed_checkpoint_inside_one_that_replays_nothing_is_refu
 
     before = generator_states(tracker)
     with pytest.raises(InvalidOperationError, match="cannot be forked inside torch.utils.checkpoint"):
-        OUTER[outer](lambda t: checkpoint(forked, t, tracker=tracker), x)
+        if inner == "hyperrng.checkpoint":
+            OUTER[outer](lambda t: checkpoint(forked, t, tracker=tracker), x)
+        else:
+            replay = functools.partial(hyperrng.checkpoint_context, tracker=tracker)
+            OUTER[outer](
+                lambda t: torch.utils.checkpoint.checkpoint(forked, t, use_reentrant=False, context_fn=replay), x
+            )
     assert_equal_states(generator_states(tracker), before)
     with tracker.fork("s"):  # nothing was left open
         pass
