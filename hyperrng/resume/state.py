@@ -233,7 +233,7 @@ def load_rng_state_dict(
             another thread holds torch's CPU generator or a device's (in a fork, a region, ...;
             see :mod:`hyperrng._guard.exclusive`); nothing has changed.
     """
-    _load(state, tracker=tracker, layout=layout, coords=coords, on_mismatch=on_mismatch, group=group)
+    _load(state, tracker=tracker, layout=layout, coords=coords, on_mismatch=on_mismatch, group=group)()
 
 
 def _load(
@@ -245,9 +245,10 @@ def _load(
     on_mismatch: str,
     group: object | None,
     elsewhere: str | None = None,
-) -> None:
-    """:func:`load_rng_state_dict`; ``elsewhere``, a mismatch found on another rank (its own setup matching),
-    after which every rank must re-derive its streams (:class:`RNGStateful`)."""
+) -> Callable[[], None]:
+    """:func:`load_rng_state_dict`'s checks, which raise, and its apply step, returned for the caller to run (a
+    collective load runs it once every rank's checks passed); ``elsewhere``, a mismatch found on another rank (its
+    own setup matching), after which every rank must re-derive its streams (:class:`RNGStateful`)."""
     if not isinstance(on_mismatch, str):
         raise ArgumentTypeError(
             f"on_mismatch must be one of the strings {ON_MISMATCH}, got {type(on_mismatch).__name__} {on_mismatch!r}."
@@ -282,16 +283,23 @@ def _load(
                 + ". Resume with the same setup, or pass on_mismatch='reseed' (with layout and coords) "
                 "to re-derive the streams from the saved base seed."
             )
-        with replacement.applying():
-            _reseed(state, tracker, layout, coords, mismatches)
-        return
+
+        def reseed() -> None:
+            with replacement.applying():
+                _reseed(state, tracker, layout, coords, mismatches)
+
+        return reseed
     applied = decode(state, p, tracker)
-    # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
-    # meanwhile: another thread's fork or region refuses the load (nothing written), and none
-    # starts halfway through it.
-    with replacement.applying():  # first the forks their own exits can no longer leave (the tracker's Recovery)
-        _apply(applied, p, tracker)
-        _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
+
+    def apply() -> None:
+        # Every state, or none, under Ctrl-C too: signals wait until the last one is written. Held
+        # meanwhile: another thread's fork or region refuses the load (nothing written), and none
+        # starts halfway through it.
+        with replacement.applying():  # first the forks their own exits can no longer leave (the tracker's Recovery)
+            _apply(applied, p, tracker)
+            _record(tracker, derivation)  # the next checkpoint carries the derivation on (or none, if it had none)
+
+    return apply
 
 
 def _mismatches(
@@ -360,18 +368,12 @@ class RNGStateful:
     rank refuses, saying to load with it.
 
     **Every rank, or one alone.** In a job of several ranks, :meth:`state_dict` and
-    :meth:`load_state_dict` are collective over ``group``: each rank checks its own capture (or its
-    own loaded state), then one small all-gather tells every rank whether some rank's checks failed
-    (then every rank raises, nothing changed: that rank its own error, the others
-    :class:`~hyperrng.errors.RankFailure` naming it and why) and, in a load without ``load_from``,
-    whether some rank's state was saved elsewhere on the mesh (then every rank refuses, or every rank
-    re-derives). A rank that fails alone would otherwise leave the others waiting in DCP's collectives
-    or this one until the process group's timeout. So every rank of ``group`` must save or load
-    together, as DCP does, and ``group`` must be the ``process_group`` DCP runs with. A rank that does
-    it without the others (``no_dist=True`` on one rank, say to evaluate while the job runs) passes
-    ``alone=True``: DCP tells a ``Stateful`` nothing of ``no_dist`` or of its process group (it
-    calls :meth:`state_dict`, then :meth:`load_state_dict` with what it read), so this class cannot
-    tell, and without ``alone`` would wait in the gather for ranks that never come.
+    :meth:`load_state_dict` are collective over ``group`` (DCP's ``process_group``): small all-gathers
+    tell every rank whether some rank's checks failed (then every rank raises, nothing changed: that
+    rank its own error, the others :class:`~hyperrng.errors.RankFailure` naming it) and whether some
+    rank's state was saved elsewhere on the mesh (then all refuse, or all re-derive); a rank failing
+    alone would leave the others in a gather until the group's timeout. A rank that saves or loads
+    without the others (``no_dist=True``) passes ``alone=True``: DCP does not tell a ``Stateful``.
 
     Args:
         load_from: the saved rank whose state this rank loads instead of its own: an int, or a
@@ -467,6 +469,20 @@ class RNGStateful:
         anywhere = moved if self._alone else self._together("load_state_dict", moved=moved)
         if self._load_from is not None:  # the state this rank chose: only its own coordinates count
             anywhere = moved
+        try:  # every check of the load, then once more every rank learns whether all passed, then all apply
+            apply = self._checked(state_dict, key, own, moved, anywhere, here, there)
+        except Exception as exc:
+            if not self._alone:
+                self._together("load_state_dict", exc)
+            raise
+        if not self._alone:
+            self._together("load_state_dict")
+        apply()
+
+    def _checked(
+        self, state_dict: Mapping[str, Any], key: str, own: Any, moved: bool, anywhere: bool, here: Any, there: Any
+    ) -> Callable[[], None]:
+        """:meth:`load_state_dict`'s choice of the saved state and the checks of its load; returns the apply step."""
         if own is None:
             key = self._stand_in(f"the checkpoint has no RNG state for {key}", state_dict)
         elif anywhere and self._load["on_mismatch"] == "reseed" and self._load_from is None:
@@ -479,14 +495,12 @@ class RNGStateful:
             if moved:
                 key = self._stand_in(f"the RNG state of {key} was saved at {dict(there)}, not at {here}", state_dict)
         elsewhere = "coordinates changed on another rank" if anywhere and not moved else None  # re-derive here too
-        _load(state_dict[key], **self._load, elsewhere=elsewhere)
+        return _load(state_dict[key], **self._load, elsewhere=elsewhere)
 
     def _together(self, what: str, failed: Exception | None = None, moved: bool = False) -> bool:
-        """Whether any rank of ``group`` found ``moved`` (its saved state made at other coordinates than its
-        own, or none: then every rank refuses, or every rank re-derives), asked of every rank at the same
-        point of ``what`` before anything can raise, so that no rank waits for one that gave up. A rank
-        whose checks ``failed`` says so, with the error's first words, and raises its error; every other
-        rank then raises :class:`~hyperrng.errors.RankFailure` naming it: every rank stops, nothing changed."""
+        """Whether any rank of ``group`` found ``moved`` (its saved state made at other coordinates than its own,
+        or none), asked of every rank at the same point of ``what``, so that none waits for one that gave up. A
+        rank whose checks ``failed`` raises its error, every other one :class:`~hyperrng.errors.RankFailure`."""
         if platforms.comm.world_size(self._group) == 1:
             if failed is not None:
                 raise failed

@@ -96,7 +96,8 @@ def test_a_mesh_of_4_reseeds_on_2_and_3_ranks_with_every_stream_in_sync(tmp_path
 
 def _one_rank_fails(rank: int, world_size: int, directory: str) -> list[tuple[str, str, str, bool]]:
     """Two ranks as ``dp 1 x tp 2`` save, then rank 1 alone fails each step's checks: a save inside a fork, a DCP
-    load with a coordinate refused, a direct load of what is not a mapping. Per step: the error's class and
+    load with a coordinate refused, a direct load of what is not a mapping, a DCP load inside a fork (refused by
+    the checks of the load itself: before, the other rank loaded). Per step: the error's class and
     message, and whether the streams held."""
     import torch.distributed.checkpoint as dcp
 
@@ -123,7 +124,11 @@ def _one_rank_fails(rank: int, world_size: int, directory: str) -> list[tuple[st
         def load_no_mapping() -> None:
             RNGStateful().load_state_dict(42 if rank == 1 else entry)  # type: ignore[arg-type]
 
-        for step in (save_in_fork, load_with_bad_coords, load_no_mapping):
+        def load_in_fork() -> None:  # refused by the load's own checks, after the first gather
+            with tracker.fork(MP) if rank == 1 else contextlib.nullcontext():
+                dcp.load({"rng": RNGStateful()}, checkpoint_id=directory)
+
+        for step in (save_in_fork, load_with_bad_coords, load_no_mapping, load_in_fork):
             try:
                 step()
                 outcome = ("none", "")
@@ -141,6 +146,7 @@ def test_a_rank_whose_checks_fail_makes_every_rank_raise_at_once_with_nothing_ch
     rank0, rank1 = run_ranks(_one_rank_fails, 2, str(tmp_path / "ckpt"))
     expected = {"save_in_fork": "InvalidOperationError", "load_with_bad_coords": "InvalidArgumentError"}
     expected["load_no_mapping"] = "ArgumentTypeError"
+    expected["load_in_fork"] = "InvalidOperationError"
     for (step, kind0, message0, unchanged0), (_, kind1, message1, unchanged1) in zip(rank0, rank1, strict=True):
         assert kind1 == expected[step], (step, kind1, message1)  # the failing rank: its own error
         assert kind0 == "RankFailure", (step, kind0, message0)  # the other: ours, naming it and why
