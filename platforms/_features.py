@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from hyperrng.platforms.errors import HyperRNGError
 
-__all__ = ["Feature", "FEATURES", "eager_when_traced", "feature", "outside_dynamo", "report_lines", "require"]
+__all__ = [
+    "EnteredUntraced",
+    "Feature",
+    "FEATURES",
+    "eager_when_traced",
+    "feature",
+    "outside_dynamo",
+    "report_lines",
+    "require",
+]
 
 
 def outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -31,6 +40,23 @@ def outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     a graph (a tracker's fork, a position table, an eager draw)."""
     disable = getattr(torch, "_disable_dynamo", None)
     return fn if disable is None else disable(fn)
+
+
+class EnteredUntraced:
+    """Mixin for a context manager whose state is Python: while Dynamo traces its ``__enter__`` or ``__exit__``,
+    they return ``self._enter_outside_the_graph()`` or ``self._exit_outside_the_graph(*exc)``, which run them as
+    Python behind a graph break (:func:`outside_dynamo`), where ``is_dynamo_compiling()`` is false. Under
+    ``fullgraph=True`` Dynamo's refusal names these methods."""
+
+    __slots__ = ()
+
+    @outside_dynamo
+    def _enter_outside_the_graph(self) -> Any:
+        return self.__enter__()  # type: ignore[attr-defined]
+
+    @outside_dynamo
+    def _exit_outside_the_graph(self, *exc: Any) -> Any:
+        return self.__exit__(*exc)  # type: ignore[attr-defined]
 
 
 def eager_when_traced(fn: Callable[..., Any]) -> Callable[..., Any]:

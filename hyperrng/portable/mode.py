@@ -36,7 +36,7 @@ import torch
 import hyperrng.platforms as platforms
 from hyperrng._guard import exclusive as _exclusive
 from hyperrng.errors import InvalidArgumentError
-from hyperrng.platforms._features import outside_dynamo
+from hyperrng.platforms._features import EnteredUntraced
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.portable import _traced  # noqa: F401 - joins the kernels' registration (compiled code in the mode)
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry
@@ -312,7 +312,7 @@ def _check_optional_seed(seed: object) -> int | None:
     return None if seed is None else check_seed(seed)
 
 
-class portable_random:  # noqa: N801 - a context manager named like a function, as torch.random.fork_rng
+class portable_random(EnteredUntraced):  # noqa: N801 - a context manager named like a function, as torch.random.fork_rng
     """Context manager: torch's random ops on this thread draw portable Philox numbers inside.
 
     Args:
@@ -424,16 +424,6 @@ class portable_random:  # noqa: N801 - a context manager named like a function, 
                 _leave(entry)
                 break
         _step_done(None)
-
-    # Run as Python behind a graph break, as a tracker's forks are (where is_dynamo_compiling() is false). Under
-    # fullgraph=True, Dynamo's refusal names them: enter the mode around the compiled call instead.
-    @outside_dynamo
-    def _enter_outside_the_graph(self) -> None:
-        self.__enter__()
-
-    @outside_dynamo
-    def _exit_outside_the_graph(self, *exc: Any) -> None:
-        self.__exit__(*exc)
 
 
 def set_portable_random(enabled: bool, seed: int | None = None, *, compiled: bool = False) -> None:

@@ -56,7 +56,7 @@ from hyperrng._guard import exclusive as _exclusive
 from hyperrng._guard.interrupts import deferred
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError
 from hyperrng.platforms import Platform
-from hyperrng.platforms._features import outside_dynamo
+from hyperrng.platforms._features import EnteredUntraced
 from hyperrng.platforms.validate import check_instance, check_int, check_seed
 from hyperrng.sharding import _local_tensor as _local_ranks
 from hyperrng.sharding._regions import LocalRegion, Region, active_region
@@ -497,7 +497,7 @@ def _adapter_class() -> type:
     return HyperRNGDTensorTracker
 
 
-class _DTensorRegion:
+class _DTensorRegion(EnteredUntraced):
     """DTensor pops a user generator off the op, so the op draws from the device generator:
     position the device generator with the user generator's position, and hand the advance
     back to the user generator afterwards, leaving the device generator as it was."""
@@ -539,14 +539,6 @@ class _DTensorRegion:
             if self._held is not None:
                 _exclusive.release(*self._held)
             raise
-
-    @outside_dynamo
-    def _enter_outside_the_graph(self) -> None:
-        self.__enter__()
-
-    @outside_dynamo
-    def _exit_outside_the_graph(self, *exc: object) -> None:
-        self.__exit__(*exc)
 
     def __exit__(self, *exc: object) -> None:
         if torch.compiler.is_dynamo_compiling():
