@@ -137,9 +137,10 @@ def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, An
             names = frame.f_locals
             gen = None if names.get("use_reentrant", True) else names.get("gen")
             inner = getattr(gen, "gi_frame", None)
-            record = inner.f_locals.get("new_frame") if inner is not None else None
-            if record is not None and _records(record):
-                recorded = getattr(inner.f_locals.get("forward_context"), "recorded", None)
+            local = inner.f_locals if inner is not None else {}
+            record = local.get("new_frame")
+            if record is not None and _records(record, local):
+                recorded = getattr(local.get("forward_context"), "recorded", None)
                 yield (None if recorded is not None else "use_reentrant=False"), record, recorded
         elif id(code) in CHECKPOINT_FORWARDS:
             ctx = frame.f_locals.get("ctx")
@@ -147,19 +148,14 @@ def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, An
         frame = frame.f_back
 
 
-def _records(record: Any) -> bool:
-    """Whether torch's record of a non-reentrant checkpoint belongs to one that will recompute: begun without
-    grad it saves no inputs (older torch: its input saver has no ``grad_fn``)."""
+def _records(record: Any, local: dict[str, Any]) -> bool:
+    """Whether torch's record of a non-reentrant checkpoint belongs to one that will recompute (begun without grad,
+    it returns before its hooks): on older torch its input saver has a ``grad_fn``; on newer, its generator
+    (``local``: its variables) got past that return, or it saved inputs."""
     saver = getattr(record, "input_saver", None)
-    return saver.grad_fn is not None if saver is not None else hasattr(record, "saved_args")
-
-
-def enclosing_context(frame: types.FrameType | None) -> Any:
-    """What stands for the innermost checkpoint whose forward pass runs at or above ``frame`` (:func:`_layers`), an
-    object its recompute finds again (:func:`rerun_context`), else ``None``."""
-    for _, stands_for, _ in _layers(frame):
-        return stands_for
-    return None
+    if saver is not None:
+        return saver.grad_fn is not None
+    return "forward_context_suppressed_exc" in local or bool(getattr(record, "saved_args", None))
 
 
 def enclosing_unreplayed(frame: types.FrameType | None) -> str | None:
@@ -202,9 +198,9 @@ _UNPACK = next(
 
 
 def rerun_context() -> Any:
-    """:func:`enclosing_context`'s object for the checkpoint whose recompute the calling thread runs, else ``None``:
-    a reentrant one's context (:func:`reentrant_rerun`), or a non-reentrant one's record, read from the frame of the
-    saved-tensor hook that runs its recompute."""
+    """What stands for the checkpoint whose recompute the calling thread runs (as :func:`_layers` gives it), else
+    ``None``: a reentrant one's context (:func:`reentrant_rerun`), or a non-reentrant one's record, read from the
+    frame of the saved-tensor hook that runs its recompute."""
     found = reentrant_rerun()
     if found is not None or torch._C._current_graph_task_id() == -1:
         return found

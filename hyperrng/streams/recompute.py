@@ -36,7 +36,7 @@ from hyperrng.streams._checkpoints import (
     CHECKPOINT_FORWARDS,
     REPLAYED,
     SEES_NON_REENTRANT,
-    enclosing_context,
+    _layers,
     enclosing_unreplayed,
     forget,
     rerun_context,
@@ -246,16 +246,14 @@ def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool]:
 
     The thread's; but the recompute of an enclosing ``torch.utils.checkpoint`` reruns this forward pass, torch's
     generators put back and the mode that ``backward()`` runs in, which need not be the forward's. So the forward
-    stamps its mode on what stands for that checkpoint (:func:`enclosing_context`), and the rerun draws in it.
-    Two replayed checkpoints in one such block that draw in different modes are refused. A rerun that finds no
-    stamp draws outside the mode: no replayed checkpoint recorded in that forward pass, so none of its portable
-    draws passed the refusal of a checkpoint that replays nothing."""
+    stamps its mode on what stands for each enclosing checkpoint up to a replayed one (:func:`_layers`), and a
+    rerun draws in its stamp and stamps the checkpoints it makes anew. Two replayed checkpoints in one such block
+    that draw in different modes are refused. A rerun that finds no stamp draws outside the mode: no replayed
+    checkpoint recorded in that forward pass, so none of its portable draws passed the refusal of a checkpoint
+    that replays nothing."""
     rerun = rerun_context()
-    if rerun is not None:
-        return getattr(rerun, _STAMP, None), True
-    mode = portable_mode.thread_mode()
-    outer = enclosing_context(frame)
-    if outer is not None:
+    mode = portable_mode.thread_mode() if rerun is None else getattr(rerun, _STAMP, None)
+    for _, outer, recorded in _layers(frame):  # each enclosing checkpoint reruns this block: up to a replayed one
         stamped = getattr(outer, _STAMP, _UNSTAMPED)
         if stamped is _UNSTAMPED:
             setattr(outer, _STAMP, mode)
@@ -267,7 +265,9 @@ def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool]:
                 "context_fn=hyperrng.checkpoint_context.",
                 reason="tracker",
             )
-    return mode, False
+        if recorded is not None:
+            break
+    return mode, rerun is not None
 
 
 _STAMP = "_hyperrng_portable_mode"

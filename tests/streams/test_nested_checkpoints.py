@@ -202,3 +202,39 @@ def test_a_module_with_the_context_exports_and_runs() -> None:
 
     exported = torch.export.export(Block(), (_X.clone(),), strict=False)
     assert torch.equal(exported.module()(_X.clone()), torch.sin(_X))
+
+
+@pytest.mark.needs_portable_mode
+@pytest.mark.parametrize("modes", [(True, True), (True, False), (False, True)], ids=["both-in", "fwd-in", "bwd-in"])
+@pytest.mark.parametrize("outer", OUTER)
+def test_a_replayed_checkpoint_two_torch_checkpoints_deep_recomputes_the_forwards_numbers(
+    outer: str, modes: tuple[bool, bool]
+) -> None:
+    """The middle checkpoint is made anew in the outer one's recompute: the rerun stamps it too (before, its own
+    recompute found no stamp and drew outside the mode: gradients off by up to 45 with the mode on throughout)."""
+
+    def wrap(block: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+        return OUTER[outer](lambda t: OUTER[outer](block, t), x)
+
+    plain = _run(None, *modes)
+    assert all(torch.equal(a, b) for a, b in zip(_run(wrap, *modes), plain, strict=True))
+
+
+def test_a_fork_under_a_non_reentrant_checkpoint_begun_without_grad_is_refused_by_the_one_around_it() -> None:
+    """A non-reentrant checkpoint inside a reentrant one's forward (no grad) records nothing: the reentrant one's
+    recompute reruns the fork (before, on torch 2.13 the inner one counted, and the fork ran: other gradients)."""
+    tracker = RNGStatesTracker()
+    tracker.add("s", 5)
+    x = _X.clone().requires_grad_()
+    replay = functools.partial(hyperrng.checkpoint_context, tracker=tracker)
+
+    def forked(t: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("s"):
+            return F.dropout(t, 0.5)
+
+    def middle(t: torch.Tensor) -> torch.Tensor:
+        inner = functools.partial(checkpoint, forked, tracker=tracker)
+        return torch.utils.checkpoint.checkpoint(inner, t, use_reentrant=False, context_fn=replay)
+
+    with pytest.raises(InvalidOperationError, match=r"use_reentrant=True"):
+        OUTER["torch reentrant"](middle, x)
