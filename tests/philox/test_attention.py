@@ -623,6 +623,7 @@ def test_on_cuda_auto_runs_the_kernels_in_memory_linear_in_the_sequence() -> Non
     assert torch.cuda.max_memory_allocated() - base < probabilities / 8
 
 
+@pytest.mark.needs_portable_mode
 def test_a_gradient_taken_with_create_graph_is_right_and_refuses_to_be_differentiated_again() -> None:
     """As torch's fused attention, portable attention has no second derivative: with ``create_graph=True`` its
     first-order gradients are those without it, and a gradient of them raises our error (before, the

@@ -86,7 +86,7 @@ def fake_world() -> Iterator[None]:
     """A process group of WORLD ranks that runs no communication (torch's "fake" backend), on the CPU."""
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", rank=0, world_size=WORLD)
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=dist.HashStore())  # no env:// rendezvous
     try:
         yield
     finally:
