@@ -86,7 +86,9 @@ def fake_world() -> Iterator[None]:
     """A process group of WORLD ranks that runs no communication (torch's "fake" backend), on the CPU."""
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    dist.init_process_group("fake", rank=0, world_size=WORLD, store=dist.HashStore())  # no env:// rendezvous
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"; no env:// rendezvous
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         yield
     finally:
