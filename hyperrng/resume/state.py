@@ -13,13 +13,13 @@ import functools
 import random
 import re
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng._guard.exclusive import refuse_inside_contexts
+from hyperrng._guard.exclusive import refuse_held, refuse_inside_contexts
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.platforms.validate import check_instance, check_seed
 from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation
@@ -34,6 +34,8 @@ from hyperrng.seeding.layout import (
 )
 from hyperrng.streams._device_state import device_keys
 from hyperrng.streams.tracker import Replacing, RNGStatesTracker, refuse_in_fork, resolve_tracker
+
+_T = TypeVar("_T")
 
 __all__ = [
     "FORMAT",
@@ -94,8 +96,6 @@ def rng_state_dict(
         InvalidArgumentError: a base seed or coordinate out of range.
         ArgumentTypeError: ``layout`` is not a :class:`~hyperrng.seeding.layout.StreamLayout`.
     """
-    from hyperrng._guard.exclusive import refuse_held
-
     p = platforms.current()
     # The device generator holds the stream inside a fork, not the default state a resume needs.
     tracker = _idle_tracker(tracker, layout, "capture the RNG state")
@@ -430,15 +430,8 @@ class RNGStateful:
         Raises:
             RankFailure: another rank's capture failed (it raises its own error).
         """
-        try:  # DCP calls it first, on every rank: a rank that raises here leaves the others in DCP's gathers
-            entry = _Entry(self, {self._key(): rng_state_dict(**self._save)})
-        except Exception as exc:
-            if not self._alone:
-                self._together("state_dict", exc)  # raises exc, once the other ranks know
-            raise
-        if not self._alone:
-            self._together("state_dict")
-        return entry
+        # DCP calls it first, on every rank: a rank that raised here alone would leave the others in DCP's gathers.
+        return self._agreed("state_dict", lambda: _Entry(self, {self._key(): rng_state_dict(**self._save)}))[0]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's state from what DCP read (see the class docstring for a larger world).
@@ -451,7 +444,8 @@ class RNGStateful:
             RankFailure: in a collective load, another rank's checks failed (it raises its own
                 error; see the class docstring). Nothing has changed.
         """
-        try:  # checks that may fail on one rank only: every rank must still reach the gather
+
+        def where() -> tuple[str, Any, Any, Any, bool]:
             if not isinstance(state_dict, Mapping):
                 raise ArgumentTypeError(
                     "load_state_dict takes the mapping DCP loaded (rank keys to states), "
@@ -462,22 +456,13 @@ class RNGStateful:
             here = self._coordinates()
             there = own.get("coords") if isinstance(own, Mapping) else None
             moved = own is None or (here is not None and isinstance(there, Mapping) and dict(there) != here)
-        except Exception as exc:
-            if not self._alone:
-                self._together("load_state_dict", exc)  # raises exc, once the other ranks know
-            raise
-        anywhere = moved if self._alone else self._together("load_state_dict", moved=moved)
+            return key, own, here, there, moved
+
+        (key, own, here, there, moved), anywhere = self._agreed("load_state_dict", where, lambda found: found[-1])
         if self._load_from is not None:  # the state this rank chose: only its own coordinates count
             anywhere = moved
-        try:  # every check of the load, then once more every rank learns whether all passed, then all apply
-            apply = self._checked(state_dict, key, own, moved, anywhere, here, there)
-        except Exception as exc:
-            if not self._alone:
-                self._together("load_state_dict", exc)
-            raise
-        if not self._alone:
-            self._together("load_state_dict")
-        apply()
+        # Every check of the load, then once more every rank learns whether all passed; then all apply, or none.
+        self._agreed("load_state_dict", lambda: self._checked(state_dict, key, own, moved, anywhere, here, there))[0]()
 
     def _checked(
         self, state_dict: Mapping[str, Any], key: str, own: Any, moved: bool, anywhere: bool, here: Any, there: Any
@@ -497,11 +482,24 @@ class RNGStateful:
         elsewhere = "coordinates changed on another rank" if anywhere and not moved else None  # re-derive here too
         return _load(state_dict[key], **self._load, elsewhere=elsewhere)
 
+    def _agreed(
+        self, what: str, step: Callable[[], _T], moved: Callable[[_T], bool] = lambda _: False
+    ) -> tuple[_T, bool]:
+        """``step()``, run on every rank at the same point of ``what``, and whether any rank found ``moved`` of its
+        result (:meth:`_together`); where a step raised, every rank raises, once all know."""
+        try:
+            result = step()
+        except Exception as exc:
+            self._together(what, exc)  # raises exc, once the other ranks know
+            raise
+        return result, self._together(what, moved=moved(result))
+
     def _together(self, what: str, failed: Exception | None = None, moved: bool = False) -> bool:
         """Whether any rank of ``group`` found ``moved`` (its saved state made at other coordinates than its own,
-        or none), asked of every rank at the same point of ``what``, so that none waits for one that gave up. A
-        rank whose checks ``failed`` raises its error, every other one :class:`~hyperrng.errors.RankFailure`."""
-        if platforms.comm.world_size(self._group) == 1:
+        or none), asked of every rank at the same point of ``what`` (unless ``alone``), so that none waits for one
+        that gave up. A rank whose checks ``failed`` raises its error, every other one
+        :class:`~hyperrng.errors.RankFailure`."""
+        if self._alone or platforms.comm.world_size(self._group) == 1:
             if failed is not None:
                 raise failed
             return moved
