@@ -49,7 +49,7 @@ checkpoint's, and :mod:`hyperrng.streams.recompute` adds ``hyperrng.checkpoint``
 class _Replayed(threading.local):
     def __init__(self) -> None:
         self.hooks: list[object] = []  # the hooks of checkpoints whose recompute replays, innermost last
-        self.enclosing: list[str | None] = []  # per hyperrng.checkpoint forward: see enclosing_unreplayed
+        self.enclosing: list[str | None] = []  # per hyperrng.checkpoint forward: see recompute._forward_mode
 
 
 REPLAYED = _Replayed()
@@ -84,15 +84,8 @@ def _non_reentrant_call(frame: types.FrameType | None) -> Any:
     frame, and the generator holds its saved-tensor hooks), else ``None``."""
     while frame is not None:  # the whole stack: a block may fork at any depth below its checkpoint
         if frame.f_code is _CHECKPOINT_CALL:
-            names = frame.f_locals
-            gen = names.get("gen")
-            if names.get("use_reentrant", True) or gen is None:  # truthy, as torch tests it: reentrant
-                return None
-            # Begun without grad, it recomputes nothing: torch then installs no hooks, and no input saver of
-            # its frame has a grad_fn (what it tests). Read from the generator's own frame, where it keeps them.
-            inner = gen.gi_frame
-            saver = getattr(inner.f_locals.get("new_frame"), "input_saver", None) if inner is not None else None
-            return gen if getattr(saver, "grad_fn", None) is not None else None
+            gen, record, local = _call_record(frame)
+            return gen if record is not None and _records(record, local) else None
         frame = frame.f_back
     return None
 
@@ -113,8 +106,8 @@ def checkpoint_forward() -> Any:
     while frame is not None:  # the whole stack: a block may fork or draw at any depth below its checkpoint
         found = CHECKPOINT_FORWARDS.get(id(frame.f_code))
         if found is not None:
-            if found is _REENTRANT_FORWARD and not any(getattr(frame.f_locals.get("ctx"), "needs_input_grad", (1,))):
-                return None  # its Function records no backward (grad off outside, or no input needs it): no recompute
+            if found is _REENTRANT_FORWARD and not _reentrant_records(frame):
+                return None
             return found
         frame = frame.f_back
     return None
@@ -130,15 +123,10 @@ def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, An
     while frame is not None:
         code = frame.f_code
         if code is _REENTRANT_FORWARD:
-            ctx = frame.f_locals.get("ctx")
-            if any(getattr(ctx, "needs_input_grad", (1,))):
-                yield "use_reentrant=True", ctx, None
+            if _reentrant_records(frame):
+                yield "use_reentrant=True", frame.f_locals.get("ctx"), None
         elif code is _CHECKPOINT_CALL:
-            names = frame.f_locals
-            gen = None if names.get("use_reentrant", True) else names.get("gen")
-            inner = getattr(gen, "gi_frame", None)
-            local = inner.f_locals if inner is not None else {}
-            record = local.get("new_frame")
+            _, record, local = _call_record(frame)
             if record is not None and _records(record, local):
                 recorded = getattr(local.get("forward_context"), "recorded", None)
                 yield (None if recorded is not None else "use_reentrant=False"), record, recorded
@@ -146,6 +134,24 @@ def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, An
             ctx = frame.f_locals.get("ctx")
             yield None, ctx, getattr(ctx, "recorded", None)
         frame = frame.f_back
+
+
+def _reentrant_records(frame: types.FrameType) -> bool:
+    """Whether the reentrant checkpoint whose forward runs in ``frame`` records a backward, and so recomputes: its
+    Function records none where grad was off outside or no input needs it."""
+    return any(getattr(frame.f_locals.get("ctx"), "needs_input_grad", (1,)))
+
+
+def _call_record(frame: types.FrameType) -> tuple[Any, Any, dict[str, Any]]:
+    """For the frame of a ``torch.utils.checkpoint.checkpoint`` call: the generator that runs its non-reentrant
+    forward, torch's record of it (its ``_CheckpointFrame``) and the generator's variables, read from the generator's
+    own frame, where it keeps them; ``None`` and nothing for a reentrant call (``use_reentrant`` truthy, as torch
+    tests it) or one whose generator has not begun."""
+    names = frame.f_locals
+    gen = None if names.get("use_reentrant", True) else names.get("gen")
+    inner = getattr(gen, "gi_frame", None)
+    local = inner.f_locals if inner is not None else {}
+    return gen, local.get("new_frame"), local
 
 
 def _records(record: Any, local: dict[str, Any]) -> bool:
@@ -158,24 +164,11 @@ def _records(record: Any, local: dict[str, Any]) -> bool:
     return "forward_context_suppressed_exc" in local or bool(getattr(record, "saved_args", None))
 
 
-def enclosing_unreplayed(frame: types.FrameType | None) -> str | None:
-    """The flavour of a ``torch.utils.checkpoint`` that replays nothing of hyperrng's and whose forward pass
-    encloses a replayed checkpoint whose forward runs below ``frame``: the innermost enclosing one's, or what that
-    one found if it replays. Its recompute reruns the inner block with the tracker's streams where they then are,
-    so a fork there would draw other numbers: ``REPLAYED.enclosing`` keeps it while the block runs, and forks
-    inside are refused (:func:`unreplayed_fork`)."""
-    for flavour, _, recorded in _layers(frame):
-        return flavour if flavour is not None else getattr(recorded, "enclosing", None)
-    return None
-
-
 def reentrant_rerun() -> Any:
     """The context (its autograd node) of the reentrant ``torch.utils.checkpoint`` whose recompute the calling
-    thread runs, else ``None``. For a custom autograd Function the node running is its ``ctx``; it is also the
-    node running while its tensor hooks and its node's hooks run, outside its ``backward``: the frame of that
-    ``backward``, for that very node, tells the recompute."""
-    if torch._C._current_graph_task_id() == -1:
-        return None
+    thread runs, else ``None``; asked only while a backward pass runs. For a custom autograd Function the node
+    running is its ``ctx``; it is also the node running while its tensor hooks and its node's hooks run, outside
+    its ``backward``: the frame of that ``backward``, for that very node, tells the recompute."""
     node = torch._C._current_autograd_node()
     if node is None or node.name() != _REENTRANT_BACKWARD:
         return None
@@ -201,8 +194,10 @@ def rerun_context() -> Any:
     """What stands for the checkpoint whose recompute the calling thread runs (as :func:`_layers` gives it), else
     ``None``: a reentrant one's context (:func:`reentrant_rerun`), or a non-reentrant one's record, read from the
     frame of the saved-tensor hook that runs its recompute."""
+    if torch._C._current_graph_task_id() == -1:  # no backward pass runs: no recompute
+        return None
     found = reentrant_rerun()
-    if found is not None or torch._C._current_graph_task_id() == -1:
+    if found is not None:
         return found
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
@@ -238,7 +233,7 @@ def unreplayed_checkpoint() -> str | None:
 
 def unreplayed_fork() -> str | None:
     """:func:`unreplayed_checkpoint` for a fork of a tracker stream, which is refused also inside a
-    ``hyperrng.checkpoint`` that such a checkpoint encloses (:func:`enclosing_unreplayed`)."""
+    ``hyperrng.checkpoint`` that such a checkpoint encloses (``REPLAYED.enclosing``)."""
     return unreplayed_checkpoint() or (REPLAYED.enclosing[-1] if REPLAYED.enclosing else None)
 
 

@@ -37,7 +37,6 @@ from hyperrng.streams._checkpoints import (
     REPLAYED,
     SEES_NON_REENTRANT,
     _layers,
-    enclosing_unreplayed,
     forget,
     rerun_context,
     top_hook,
@@ -218,7 +217,7 @@ class _Recorded:
         self.snapshot: _RNGSnapshot | None = None
         self.portable: bool | None = None
         self.rerun = False  # recorded in the recompute of an enclosing checkpoint: see _forward_mode
-        self.enclosing: str | None = None  # see enclosing_unreplayed
+        self.enclosing: str | None = None  # see _forward_mode
 
     def record(self, frame: types.FrameType | None) -> None:
         """Record the states the block may draw from, whether it draws portably, and the flavour of an enclosing
@@ -226,8 +225,8 @@ class _Recorded:
         targets, hold = _held()
         with hold:  # a consistent snapshot: no other thread is swapping these generators
             self.snapshot = _RNGSnapshot(self.tracker, targets)
-        self.portable, self.rerun = _forward_mode(frame)  # the recompute draws as the forward did (in the mode or not)
-        self.enclosing = enclosing_unreplayed(frame)
+        # The recompute draws as the forward did (in the mode or not).
+        self.portable, self.rerun, self.enclosing = _forward_mode(frame)
 
     def take_back(self) -> None:
         """Put the recorded states back: the forward's draws undone, for a refusal after it ran."""
@@ -240,9 +239,10 @@ class _Recorded:
 _UNSTAMPED = object()
 
 
-def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool]:
+def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool, str | None]:
     """The portable mode (:func:`~hyperrng.portable.mode.thread_mode`) that the block of a checkpoint whose forward
-    pass runs at ``frame`` draws in, and whether it is the one its forward pass had, in a rerun.
+    pass runs at ``frame`` draws in, whether it is the one its forward pass had, in a rerun, and the flavour of the
+    ``torch.utils.checkpoint`` that replays nothing of hyperrng's and encloses it, if any.
 
     The thread's; but the recompute of an enclosing ``torch.utils.checkpoint`` reruns this forward pass, torch's
     generators put back and the mode that ``backward()`` runs in, which need not be the forward's. So the forward
@@ -250,10 +250,19 @@ def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool]:
     rerun draws in its stamp and stamps the checkpoints it makes anew. Two replayed checkpoints in one such block
     that draw in different modes are refused. A rerun that finds no stamp draws outside the mode: no replayed
     checkpoint recorded in that forward pass, so none of its portable draws passed the refusal of a checkpoint
-    that replays nothing."""
+    that replays nothing.
+
+    The enclosing flavour is the innermost enclosing checkpoint's, or what that one found if it replays. Its
+    recompute reruns this block with the tracker's streams where they then are, so a fork there would draw other
+    numbers: ``REPLAYED.enclosing`` keeps it while the block runs, and forks inside are refused
+    (:func:`~hyperrng.streams._checkpoints.unreplayed_fork`)."""
     rerun = rerun_context()
     mode = portable_mode.thread_mode() if rerun is None else getattr(rerun, _STAMP, None)
-    for _, outer, recorded in _layers(frame):  # each enclosing checkpoint reruns this block: up to a replayed one
+    enclosing = None
+    # Each enclosing checkpoint reruns this block: up to a replayed one.
+    for depth, (flavour, outer, recorded) in enumerate(_layers(frame)):
+        if depth == 0:
+            enclosing = flavour if flavour is not None else getattr(recorded, "enclosing", None)
         stamped = getattr(outer, _STAMP, _UNSTAMPED)
         if stamped is _UNSTAMPED:
             setattr(outer, _STAMP, mode)
@@ -267,7 +276,7 @@ def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool]:
             )
         if recorded is not None:
             break
-    return mode, rerun is not None
+    return mode, rerun is not None, enclosing
 
 
 _STAMP = "_hyperrng_portable_mode"
