@@ -30,11 +30,7 @@ _MODES = torch._C._TorchDispatchModeKey
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # a process-wide flag, where torch has it
 
 
-def _traced() -> bool:
-    """Whether ``make_fx`` (a proxy mode) or ``torch.export`` traces this thread's tensor ops: export's flag is
-    process-wide, so its fake-tensor mode, which is this thread's, must be on here too."""
-    get = torch._C._get_dispatch_mode
-    return get(_MODES.PROXY) is not None or (_exporting() and get(_MODES.FAKE) is not None)
+_mode_on = torch._C._get_dispatch_mode
 
 
 def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
@@ -110,7 +106,9 @@ class _Fork:
     def __enter__(self) -> None:
         if torch.compiler.is_dynamo_compiling():  # Dynamo: the swap runs as Python behind a graph break, never traced
             return self._enter_outside_the_graph()
-        if _traced():  # make_fx, torch.export: tensor ops become a graph
+        # make_fx (a proxy mode) or torch.export traces this thread's tensor ops, which become a graph. Export's flag
+        # is process-wide, so its fake-tensor mode, which is this thread's, must be on here too (asked first: a C call).
+        if _mode_on(_MODES.PROXY) is not None or (_mode_on(_MODES.FAKE) is not None and _exporting()):
             raise InvalidOperationError(
                 f"stream {self.name!r} cannot be forked while torch.export or make_fx traces the code: the fork "
                 "swaps the generator in Python, which a graph does not record, so the graph would draw from the "
