@@ -269,8 +269,9 @@ def refuse_unreplayed_checkpoint(what: str, flavour: str | None) -> None:
         raise UnsupportedPortableOpError(
             f"{what} in portable mode inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: its "
             "recompute in the backward pass would draw torch's numbers, not the forward's, and the gradients "
-            "would silently differ. Pass use_reentrant=False, context_fn=hyperrng.checkpoint_context (or to "
-            "checkpoint_wrapper), or use hyperrng.checkpoint(fn, *args); compiled checkpoints need nothing."
+            "would silently differ. Pass use_reentrant=False, context_fn=hyperrng.checkpoint_context (also to "
+            "checkpoint_wrapper or the composable checkpoint), or use hyperrng.checkpoint(fn, *args); compiled "
+            "checkpoints need nothing."
         )
 
 

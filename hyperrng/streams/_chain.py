@@ -39,8 +39,8 @@ def _checkpoint_refusal(name: str, flavour: str) -> InvalidOperationError:
         f"stream {name!r} cannot be forked inside torch.utils.checkpoint ({flavour}) without hyperrng's replay: "
         "torch puts its own generators back before the recompute in the backward pass, not the tracker's streams, "
         "so the recompute would draw the stream's next numbers and the gradients would silently differ. Pass "
-        "use_reentrant=False, context_fn=hyperrng.checkpoint_context (or to checkpoint_wrapper), or use "
-        "hyperrng.checkpoint(fn, *args).",
+        "use_reentrant=False, context_fn=hyperrng.checkpoint_context (also to checkpoint_wrapper or the composable "
+        "checkpoint), or use hyperrng.checkpoint(fn, *args).",
         reason="tracker",
     )
 

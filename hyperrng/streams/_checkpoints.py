@@ -1,20 +1,19 @@
 """Which activation checkpoint's forward pass the calling thread is in, and whether its recompute replays.
 
-A recompute in the backward pass must draw the forward's numbers. Torch's own checkpoints put
-torch's generators back before it, but not the tracker's streams or portable mode; those are
-replayed only by ``hyperrng.checkpoint`` and by ``torch.utils.checkpoint`` given
-``context_fn=hyperrng.checkpoint_context``. A fork or a portable draw in the forward pass of any
-other checkpoint would draw other numbers in the recompute, and the gradients would silently
-differ: :func:`unreplayed_checkpoint` finds that case so that it can be refused before anything
-moves. A non-reentrant checkpoint runs its forward with grad and marks it with its saved-tensor
-hook (its hooks are the innermost ones; torch 2.5 to 2.7, which cannot show them, by the frame of its
-``checkpoint`` call, found on the stack); one that runs its forward without grad (torch's
-reentrant one, ``hyperrng.checkpoint``) is found by its code on the stack (a reentrant one whose
-Function records no backward, as in evaluation under ``no_grad``, recomputes nothing and is not
-reported), a walk of the whole stack (a checkpointed block may call its fork from any depth;
-about 5 us at 30 frames, 0.1-0.2 us a frame more) that only calls made with grad disabled pay,
-and none made in inference mode (which no backward pass follows). :func:`unreplayed_recompute` finds
-the recompute of such a checkpoint, whose draws the forward made outside portable mode.
+A recompute in the backward pass must draw the forward's numbers. Torch's own checkpoints put torch's
+generators back before it, but not the tracker's streams or portable mode; those are replayed only by
+``hyperrng.checkpoint`` and by ``torch.utils.checkpoint`` given ``context_fn=hyperrng.checkpoint_context``. A
+fork or a portable draw in the forward pass of any other checkpoint would draw other numbers in the recompute,
+and the gradients would silently differ: :func:`unreplayed_checkpoint` finds that case so that it can be
+refused before anything moves. A non-reentrant checkpoint runs its forward with grad and marks it with its
+saved-tensor hook (its hooks are the innermost ones; torch 2.5 to 2.7, which cannot show them, by the frame of
+its ``checkpoint`` call, or of its module's call for the composable checkpoint, found on the stack); one that
+runs its forward without grad (torch's reentrant one, ``hyperrng.checkpoint``) is found by its code on the
+stack (a reentrant one whose Function records no backward, as in evaluation under ``no_grad``, recomputes
+nothing and is not reported), a walk of the whole stack (a checkpointed block may call its fork from any
+depth; about 5 us at 30 frames, 0.1-0.2 us a frame more) that only calls made with grad disabled pay, and none
+made in inference mode (which no backward pass follows). :func:`unreplayed_recompute` finds the recompute of
+such a checkpoint, whose draws the forward made outside portable mode.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _CHECKPOINT_CALL = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _REENTRANT_BACKWARD = "CheckpointFunctionBackward"  # the autograd node whose backward reruns a reentrant block
 _REENTRANT_RERUN = torch.utils.checkpoint.CheckpointFunction.backward.__code__
+_MODULE_CALL = torch.nn.Module._call_impl.__code__  # where a composable checkpoint's module runs its forward
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"  # looked at once a user has imported it
 
 CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
 """The code of the functions a checkpoint runs its forward pass in without grad, by ``id`` (a frame's code
@@ -79,13 +80,16 @@ def top_hook() -> object:
 
 
 def _non_reentrant_call(frame: types.FrameType | None) -> Any:
-    """Torch 2.5 to 2.7: the generator of the innermost ``torch.utils.checkpoint.checkpoint`` call at or above
-    ``frame`` if it runs a non-reentrant forward that will be recomputed (its ``function`` runs in that call's
-    frame, and the generator holds its saved-tensor hooks), else ``None``."""
+    """Torch 2.5 to 2.7: the generator of the innermost non-reentrant checkpoint whose forward runs at or above
+    ``frame`` (a ``torch.utils.checkpoint.checkpoint`` call's, or a composable checkpoint's module's call, in whose
+    frame its ``function`` runs; the generator holds its saved-tensor hooks) if it will be recomputed, else ``None``;
+    also ``None`` where the innermost ``checkpoint`` call is reentrant."""
     while frame is not None:  # the whole stack: a block may fork at any depth below its checkpoint
-        if frame.f_code is _CHECKPOINT_CALL:
+        code = frame.f_code
+        if code is _CHECKPOINT_CALL or code is _MODULE_CALL:
             gen, record, local = _call_record(frame)
-            return gen if record is not None and _records(record, local) else None
+            if code is _CHECKPOINT_CALL or gen is not None:
+                return gen if record is not None and _records(record, local) else None
         frame = frame.f_back
     return None
 
@@ -125,7 +129,7 @@ def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, An
         if code is _REENTRANT_FORWARD:
             if _reentrant_records(frame):
                 yield "use_reentrant=True", frame.f_locals.get("ctx"), None
-        elif code is _CHECKPOINT_CALL:
+        elif code is _CHECKPOINT_CALL or code is _MODULE_CALL:
             _, record, local = _call_record(frame)
             if record is not None and _records(record, local):
                 recorded = getattr(local.get("forward_context"), "recorded", None)
@@ -143,15 +147,33 @@ def _reentrant_records(frame: types.FrameType) -> bool:
 
 
 def _call_record(frame: types.FrameType) -> tuple[Any, Any, dict[str, Any]]:
-    """For the frame of a ``torch.utils.checkpoint.checkpoint`` call: the generator that runs its non-reentrant
-    forward, torch's record of it (its ``_CheckpointFrame``) and the generator's variables, read from the generator's
-    own frame, where it keeps them; ``None`` and nothing for a reentrant call (``use_reentrant`` truthy, as torch
-    tests it) or one whose generator has not begun."""
-    names = frame.f_locals
-    gen = None if names.get("use_reentrant", True) else names.get("gen")
+    """For the frame of a ``torch.utils.checkpoint.checkpoint`` call or of a module's call: the generator that runs
+    its non-reentrant checkpoint's forward, torch's record of it (its ``_CheckpointFrame``) and the generator's
+    variables, read from the generator's own frame, where it keeps them; ``None`` and nothing for a reentrant call
+    (``use_reentrant`` truthy, as torch tests it), one whose generator has not begun, or a module's call outside
+    the forward of a composable checkpoint (``torch.distributed._composable.checkpoint``) of that module."""
+    if frame.f_code is _CHECKPOINT_CALL:
+        names = frame.f_locals
+        gen = None if names.get("use_reentrant", True) else names.get("gen")
+    else:
+        gen = _composable_generator(frame)
     inner = getattr(gen, "gi_frame", None)
     local = inner.f_locals if inner is not None else {}
     return gen, local.get("new_frame"), local
+
+
+def _composable_generator(frame: types.FrameType) -> Any:
+    """For the frame of a module's call: the generator that runs the forward of the module's composable checkpoint
+    while it runs (its state's; a recompute turns its hook off), else ``None``."""
+    api = sys.modules.get(_COMPOSABLE)
+    if api is None:  # first: a module's frame is read only once a user has imported the composable checkpoint
+        return None
+    module = frame.f_locals.get("self")
+    key = sys.modules["torch.distributed._composable.contract"].STATE_KEY
+    if key not in getattr(module, "__dict__", ()):  # no composable API state: not asked (asking would add it)
+        return None
+    state = api.checkpoint.state(module)
+    return getattr(state, "_ac_generator", None) if getattr(state, "enable_hook", False) else None
 
 
 def _records(record: Any, local: dict[str, Any]) -> bool:

@@ -20,11 +20,12 @@ import hyperrng
 from hyperrng.errors import InvalidOperationError, UnsupportedPortableOpError
 from hyperrng.streams.recompute import checkpoint
 from hyperrng.streams.tracker import RNGStatesTracker
-from tests.streams.test_recompute import assert_equal_states, generator_states
+from tests.streams.test_recompute import _Forward, assert_equal_states, composable, generator_states
 
 OUTER: dict[str, Callable[..., Any]] = {
     "torch reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True),
     "torch non-reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
+    "composable": lambda f, x: composable(_Forward(f), x),  # torch.distributed._composable.checkpoint
 }
 INNER: dict[str, Callable[..., Any]] = {  # the checkpoints that replay hyperrng's draws
     "hyperrng.checkpoint": lambda f, x: checkpoint(f, x),

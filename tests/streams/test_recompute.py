@@ -458,6 +458,49 @@ def test_checkpoint_wrapper_with_the_context_replays_the_streams() -> None:
     assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
 
 
+class _Forward(torch.nn.Module):
+    """``f`` as a module's forward pass (the composable checkpoint takes modules)."""
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, *args: Any) -> Any:
+        return self.f(*args)
+
+
+def composable(block: torch.nn.Module, h: torch.Tensor, **kwargs: Any) -> Any:
+    """``block(h)`` under ``torch.distributed._composable.checkpoint`` (given ``kwargs``), applied to it now."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    return composable_checkpoint(block, **kwargs)(h)
+
+
+def test_the_composable_checkpoint_with_the_context_replays_the_streams() -> None:
+    plain = train_step(None)
+    recomputed = train_step(functools.partial(composable, context_fn=hyperrng.checkpoint_context))
+    assert recomputed["calls"] == [2, 2]
+    assert torch.equal(recomputed["out"], plain["out"])
+    assert all(torch.equal(a, b) for a, b in zip(recomputed["grads"], plain["grads"], strict=True))
+    assert_equal_states(recomputed["after_backward"], plain["after_backward"])
+
+
+def test_a_fork_inside_the_composable_checkpoint_without_the_context_is_refused_before_it_moves_a_stream() -> None:
+    """Its module's call stands for its checkpoint call: on torch 2.5 to 2.7 the fork ran, and the recompute
+    forked the stream where it then was (other gradients, silently)."""
+    tracker = get_rng_tracker()
+    tracker.reseed({MP: 4321})
+    block = Block()
+    before = generator_states(tracker)
+    with pytest.raises(InvalidOperationError, match=r"inside torch.utils.checkpoint \(use_reentrant=False\)"):
+        composable(block, torch.ones(5, 6, requires_grad=True))
+    assert_equal_states(generator_states(tracker), before)
+    gc.collect()
+    assert REPLAYED.hooks == []
+    with torch.no_grad():  # no backward will follow: the fork runs
+        composable(Block(), torch.ones(5, 6))
+
+
 def test_the_context_composes_with_selective_activation_checkpointing(platform: platforms.Platform) -> None:
     sac = pytest.importorskip("torch.utils.checkpoint")
     if not hasattr(sac, "create_selective_checkpoint_contexts"):
@@ -564,7 +607,9 @@ FLAVOURS: dict[str, Callable[..., Any]] = {
         f, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context
     ),
 }
+FLAVOURS["composable context_fn"] = lambda f, x: composable(_Forward(f), x, context_fn=hyperrng.checkpoint_context)
 UNREPLAYED: dict[str, Callable[..., Any]] = {  # torch puts its generators back; hyperrng replays nothing
+    "composable": lambda f, x: composable(_Forward(f), x),
     "torch non-reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
     "torch reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True),
     "compiled (aot_eager)": lambda f, x: torch.compile(
