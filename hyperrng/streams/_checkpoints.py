@@ -38,7 +38,9 @@ _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _CHECKPOINT_CALL = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _REENTRANT_BACKWARD = "CheckpointFunctionBackward"  # the autograd node whose backward reruns a reentrant block
 _REENTRANT_RERUN = torch.utils.checkpoint.CheckpointFunction.backward.__code__
-_MODULE_CALL = torch.nn.Module._call_impl.__code__  # where a composable checkpoint's module runs its forward
+_MODULE_HOOKED = next(  # where a module's call runs its forward when it has hooks (a composable checkpoint's are two)
+    (c for c in torch.nn.Module._call_impl.__code__.co_consts if getattr(c, "co_name", "") == "inner"), None
+)
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"  # looked at once a user has imported it
 
 CHECKPOINT_FORWARDS: dict[int, types.CodeType] = {id(_REENTRANT_FORWARD): _REENTRANT_FORWARD}
@@ -86,7 +88,7 @@ def _non_reentrant_call(frame: types.FrameType | None) -> Any:
     also ``None`` where the innermost ``checkpoint`` call is reentrant."""
     while frame is not None:  # the whole stack: a block may fork at any depth below its checkpoint
         code = frame.f_code
-        if code is _CHECKPOINT_CALL or code is _MODULE_CALL:
+        if code is _CHECKPOINT_CALL or code is _MODULE_HOOKED:
             gen, record, local = _call_record(frame)
             if code is _CHECKPOINT_CALL or gen is not None:
                 return gen if record is not None and _records(record, local) else None
@@ -114,7 +116,12 @@ def checkpoint_forward() -> Any:
                 return None
             return found
         frame = frame.f_back
-    return None
+    # Grad turned off inside a non-reentrant checkpoint's forward: its recompute reruns this all the same.
+    if _top_hooks is None:
+        return _non_reentrant_call(sys._getframe(1))
+    top = _top_hooks(False)
+    hook = top[0] if top is not None else None
+    return hook if hook is not None and hook.__qualname__.startswith("_checkpoint_hook.") else None
 
 
 def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, Any]]:
@@ -129,7 +136,7 @@ def _layers(frame: types.FrameType | None) -> Iterator[tuple[str | None, Any, An
         if code is _REENTRANT_FORWARD:
             if _reentrant_records(frame):
                 yield "use_reentrant=True", frame.f_locals.get("ctx"), None
-        elif code is _CHECKPOINT_CALL or code is _MODULE_CALL:
+        elif code is _CHECKPOINT_CALL or code is _MODULE_HOOKED:
             _, record, local = _call_record(frame)
             if record is not None and _records(record, local):
                 recorded = getattr(local.get("forward_context"), "recorded", None)
@@ -147,16 +154,18 @@ def _reentrant_records(frame: types.FrameType) -> bool:
 
 
 def _call_record(frame: types.FrameType) -> tuple[Any, Any, dict[str, Any]]:
-    """For the frame of a ``torch.utils.checkpoint.checkpoint`` call or of a module's call: the generator that runs
-    its non-reentrant checkpoint's forward, torch's record of it (its ``_CheckpointFrame``) and the generator's
-    variables, read from the generator's own frame, where it keeps them; ``None`` and nothing for a reentrant call
-    (``use_reentrant`` truthy, as torch tests it), one whose generator has not begun, or a module's call outside
-    the forward of a composable checkpoint (``torch.distributed._composable.checkpoint``) of that module."""
+    """For the frame of a ``torch.utils.checkpoint.checkpoint`` call, or of the function in which a module's call
+    runs its forward where the module has hooks (a composable checkpoint, ``torch.distributed._composable.checkpoint``,
+    has two; a module without any is never read, which would cost 1 us a module): the generator that runs the
+    non-reentrant checkpoint's forward, torch's record of it (its ``_CheckpointFrame``) and the generator's
+    variables, read from the generator's own frame, where it keeps them. ``None`` and nothing for a reentrant call
+    (``use_reentrant`` truthy, as torch tests it), one whose generator has not begun, or a module's call outside the
+    forward of its composable checkpoint."""
     if frame.f_code is _CHECKPOINT_CALL:
         names = frame.f_locals
         gen = None if names.get("use_reentrant", True) else names.get("gen")
     else:
-        gen = _composable_generator(frame)
+        gen = _composable_generator(frame.f_back)  # type: ignore[arg-type]  # the module's call
     inner = getattr(gen, "gi_frame", None)
     local = inner.f_locals if inner is not None else {}
     return gen, local.get("new_frame"), local
@@ -166,7 +175,7 @@ def _composable_generator(frame: types.FrameType) -> Any:
     """For the frame of a module's call: the generator that runs the forward of the module's composable checkpoint
     while it runs (its state's; a recompute turns its hook off), else ``None``."""
     api = sys.modules.get(_COMPOSABLE)
-    if api is None:  # first: a module's frame is read only once a user has imported the composable checkpoint
+    if api is None:  # not imported: no composable checkpoint, and no frame read
         return None
     module = frame.f_locals.get("self")
     key = sys.modules["torch.distributed._composable.contract"].STATE_KEY

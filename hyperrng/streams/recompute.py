@@ -226,7 +226,7 @@ class _Recorded:
         with hold:  # a consistent snapshot: no other thread is swapping these generators
             self.snapshot = _RNGSnapshot(self.tracker, targets)
         # The recompute draws as the forward did (in the mode or not).
-        self.portable, self.rerun, self.enclosing = _forward_mode(frame)
+        self.portable, self.rerun, self.enclosing = _forward_mode(frame, self)
 
     def take_back(self) -> None:
         """Put the recorded states back: the forward's draws undone, for a refusal after it ran."""
@@ -239,10 +239,11 @@ class _Recorded:
 _UNSTAMPED = object()
 
 
-def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool, str | None]:
+def _forward_mode(frame: types.FrameType | None, own: _Recorded) -> tuple[bool | None, bool, str | None]:
     """The portable mode (:func:`~hyperrng.portable.mode.thread_mode`) that the block of a checkpoint whose forward
     pass runs at ``frame`` draws in, whether it is the one its forward pass had, in a rerun, and the flavour of the
-    ``torch.utils.checkpoint`` that replays nothing of hyperrng's and encloses it, if any.
+    ``torch.utils.checkpoint`` that replays nothing of hyperrng's and encloses it, if any. ``own``: the checkpoint's
+    record, skipped where the walk finds it (a composable checkpoint's module call is above ``frame``).
 
     The thread's; but the recompute of an enclosing ``torch.utils.checkpoint`` reruns this forward pass, torch's
     generators put back and the mode that ``backward()`` runs in, which need not be the forward's. So the forward
@@ -258,11 +259,12 @@ def _forward_mode(frame: types.FrameType | None) -> tuple[bool | None, bool, str
     (:func:`~hyperrng.streams._checkpoints.unreplayed_fork`)."""
     rerun = rerun_context()
     mode = portable_mode.thread_mode() if rerun is None else getattr(rerun, _STAMP, None)
-    enclosing = None
-    # Each enclosing checkpoint reruns this block: up to a replayed one.
-    for depth, (flavour, outer, recorded) in enumerate(_layers(frame)):
-        if depth == 0:
-            enclosing = flavour if flavour is not None else getattr(recorded, "enclosing", None)
+    enclosing, innermost = None, True
+    for flavour, outer, recorded in _layers(frame):  # each enclosing checkpoint reruns this block: up to a replayed one
+        if recorded is own:  # a composable checkpoint's module call, above where its forward context is entered
+            continue
+        if innermost:
+            enclosing, innermost = flavour if flavour is not None else getattr(recorded, "enclosing", None), False
         stamped = getattr(outer, _STAMP, _UNSTAMPED)
         if stamped is _UNSTAMPED:
             setattr(outer, _STAMP, mode)

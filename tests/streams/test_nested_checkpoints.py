@@ -27,12 +27,25 @@ OUTER: dict[str, Callable[..., Any]] = {
     "torch non-reentrant": lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False),
     "composable": lambda f, x: composable(_Forward(f), x),  # torch.distributed._composable.checkpoint
 }
-INNER: dict[str, Callable[..., Any]] = {  # the checkpoints that replay hyperrng's draws
-    "hyperrng.checkpoint": lambda f, x: checkpoint(f, x),
-    "checkpoint_context": lambda f, x: torch.utils.checkpoint.checkpoint(
-        f, x, use_reentrant=False, context_fn=hyperrng.checkpoint_context
-    ),
+
+
+def _replaying(inner: str, tracker: RNGStatesTracker | None = None) -> Callable[..., Any]:
+    """The checkpoint ``inner`` (a name in :data:`INNER`), replaying ``tracker``'s streams."""
+    replay = functools.partial(hyperrng.checkpoint_context, tracker=tracker)
+    return {
+        "hyperrng.checkpoint": lambda f, x: checkpoint(f, x, tracker=tracker),
+        "checkpoint_context": lambda f, x: torch.utils.checkpoint.checkpoint(
+            f, x, use_reentrant=False, context_fn=replay
+        ),
+        # Its forward context is entered below its module's call: that call is not a checkpoint around it.
+        "composable checkpoint_context": lambda f, x: composable(_Forward(f), x, context_fn=replay),
+    }[inner]
+
+
+INNER = {
+    name: _replaying(name) for name in ("hyperrng.checkpoint", "checkpoint_context", "composable checkpoint_context")
 }
+"""The checkpoints that replay hyperrng's draws."""
 _W = torch.linspace(-1, 1, 64).view(8, 8)
 _X = torch.linspace(-2, 2, 32).view(4, 8)
 
@@ -75,7 +88,7 @@ def test_the_outer_recompute_reruns_the_inner_block_in_the_mode_its_forward_had(
     A reentrant outer runs its forward without grad, where an inner non-reentrant one records nothing: forwarded
     in the mode, that block's draws are refused."""
     plain = _run(None, *modes)
-    if outer == "torch reentrant" and inner == "checkpoint_context" and modes[0]:
+    if outer == "torch reentrant" and inner != "hyperrng.checkpoint" and modes[0]:
         with pytest.raises(UnsupportedPortableOpError, match="use_reentrant=True"):
             _run(OUTER[outer], *modes, inner)
         return
@@ -142,13 +155,7 @@ def test_a_fork_in_a_replayed_checkpoint_inside_one_that_replays_nothing_is_refu
 
     before = generator_states(tracker)
     with pytest.raises(InvalidOperationError, match="cannot be forked inside torch.utils.checkpoint"):
-        if inner == "hyperrng.checkpoint":
-            OUTER[outer](lambda t: checkpoint(forked, t, tracker=tracker), x)
-        else:
-            replay = functools.partial(hyperrng.checkpoint_context, tracker=tracker)
-            OUTER[outer](
-                lambda t: torch.utils.checkpoint.checkpoint(forked, t, use_reentrant=False, context_fn=replay), x
-            )
+        OUTER[outer](lambda t: _replaying(inner, tracker)(forked, t), x)
     assert_equal_states(generator_states(tracker), before)
     with tracker.fork("s"):  # nothing was left open
         pass

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import hyperrng
-from hyperrng.errors import InvalidOperationError
+from hyperrng.errors import HyperRNGError, InvalidOperationError
 from hyperrng.streams._checkpoints import REPLAYED
 from hyperrng.streams.recompute import checkpoint
 from hyperrng.streams.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
@@ -499,6 +499,41 @@ def test_a_fork_inside_the_composable_checkpoint_without_the_context_is_refused_
     assert REPLAYED.hooks == []
     with torch.no_grad():  # no backward will follow: the fork runs
         composable(Block(), torch.ones(5, 6))
+
+
+class _NoGradInside(torch.nn.Module):
+    """A block that draws a mask under ``no_grad`` in its forward (in a fork, or in portable mode), used with grad."""
+
+    def __init__(self, fork: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.fork = fork
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.no_grad(), get_rng_tracker().fork(MP) if self.fork else contextlib.nullcontext():
+            keep = torch.rand_like(h) > 0.5
+        return (h * keep) ** 2
+
+
+@pytest.mark.parametrize(
+    "fork", [True, pytest.param(False, marks=pytest.mark.needs_portable_mode)], ids=["fork", "portable"]
+)
+@pytest.mark.parametrize("flavour", ["torch non-reentrant", "composable"])
+def test_a_draw_under_no_grad_inside_a_checkpoints_forward_is_refused(flavour: str, fork: bool) -> None:
+    """Its recompute reruns the block, grad off inside included (before, such a draw ran: other gradients)."""
+    block = _NoGradInside(fork)
+    tracker = get_rng_tracker()
+    tracker.reseed({MP: 4321})
+    x = torch.ones(4, 8, requires_grad=True)
+    before = generator_states(tracker)
+    with hyperrng.portable_random(5) if not fork else contextlib.nullcontext():
+        with pytest.raises(HyperRNGError, match=r"inside torch.utils.checkpoint \(use_reentrant=False\)"):
+            if flavour == "composable":
+                composable(block, x)
+            else:
+                torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    assert_equal_states(generator_states(tracker), before)
 
 
 def test_the_context_composes_with_selective_activation_checkpointing(platform: platforms.Platform) -> None:
