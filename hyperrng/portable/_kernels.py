@@ -27,6 +27,7 @@ from hyperrng import philox
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedPortableOpError
 from hyperrng.philox import _torch, _triton, backends
 from hyperrng.philox._shards import ShardGeometry
+from hyperrng.platforms import _features
 from hyperrng.platforms.validate import MAX_OFFSET, round_up_offset
 from hyperrng.portable.position import assemble_blocks, draw_at_position, shard_slices
 from hyperrng.sharding.tracker import active_region
@@ -297,11 +298,18 @@ def _random_from(
     self: torch.Tensor, low: int, high: int | None = None, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     if (low, high) == _COMPILED_SEED_RANGE:
+        why = (
+            "torch.compile compiled it outside the mode and did not compile it again in it, as it does where a "
+            "tensor input shows the mode. Compile it again inside the mode (torch._dynamo.reset(), or a separate "
+            "torch.compile), or call it outside portable_random()."
+            if _features.feature("portable-compile").available
+            else "compiled code draws portably only where torch.compile traced it in the mode, which needs the "
+            "torch feature 'portable-compile' ('hyperrng info' says what it needs). Call the compiled function "
+            "outside portable_random()."
+        )
         raise UnsupportedPortableOpError(
             "compiled code that draws torch's own random numbers (from seeds it takes with randint over the "
-            "whole int64 range) ran in portable mode; compiled code draws portably only where torch.compile "
-            "traced it in the mode, which needs the torch feature 'portable-compile' ('hyperrng info' says "
-            "whether this torch has it). Call the compiled function outside portable_random()."
+            f"whole int64 range) ran in portable mode; {why}"
         )
     low, high = random_bounds(self.dtype, low, high)
     span = high - low

@@ -17,9 +17,12 @@ draws, fresh at every call, bit for bit. The substitution is a Python-dispatcher
 included), active while a compilation traces user code (a ``TracingContext`` is set; inductor traces
 its own patterns without one): eager code never reaches it, in the mode or out. A random op without
 a portable kernel is refused while it is traced, before anything runs. Dynamo guards compiled code
-on the thread's dispatch keys, so a function compiled outside the mode is compiled again when it
-first runs in it, and code compiled outside the mode keeps torch's own random ops (AOTAutograd's
-cache, which cannot tell the two apart, is off from the first entry into the mode on).
+on the thread's dispatch keys, through its tensor inputs, so a function compiled outside the mode is
+compiled again when it first runs in it, and code compiled outside the mode keeps torch's own random
+ops (AOTAutograd's cache, which cannot tell the two apart, is off from the first entry into the mode
+on). Code without a tensor input is not compiled again: traced in the mode and run outside it, its
+custom ops run torch's own (:class:`_Portable`); compiled by inductor outside it and run in it, its
+seeds' draw is refused.
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
 ``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
@@ -66,18 +69,25 @@ _MASK64 = (1 << 64) - 1
 
 
 class _Portable:
-    """Entered around a custom op's implementation: the thread draws portably meanwhile. Compiled code
-    runs its forward pass in the mode, but the backward pass, where an activation checkpoint recomputes
-    a draw (at the position torch puts back first), may run after the mode was left, or on autograd's
-    own thread."""
+    """Entered around a custom op's implementation; entered, it says whether the op draws portably.
+
+    Compiled code runs its forward pass in the mode, but the backward pass, where an activation checkpoint
+    recomputes a draw (at the position torch puts back first), may run after the mode was left, or on autograd's
+    own thread: there the thread draws portably meanwhile. Outside a backward pass, a thread out of the mode runs
+    torch's own op, as the function compiled outside the mode would: torch.compile guards a graph on the mode
+    only through its tensor inputs, so one without any (a piece after a graph break that takes only ints),
+    traced in the mode, runs again outside it."""
 
     __slots__ = ("entry",)
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> bool:
         self.entry = None
         if not kernels.THREAD.entries:
+            if torch._C._current_graph_task_id() == -1:  # no backward pass: a forward run outside the mode
+                return False
             self.entry = kernels.Entry(self, False, None)
             ops.push(self.entry)
+        return True
 
     def __exit__(self, *exc: object) -> None:
         if self.entry is not None:
@@ -137,7 +147,14 @@ def _attention(
         used.append((key, offset, lse.reshape(-1).to(plan.problem.compute_dtype)))
         return out
 
-    with _Portable():
+    with _Portable() as portable:
+        if not portable:
+            raise UnsupportedPortableOpError(
+                "scaled_dot_product_attention compiled in portable mode ran outside it: torch.compile compiles a "
+                "function again when it leaves the mode only where a tensor input shows it, and portable "
+                "attention has no torch counterpart to run instead. Call it inside portable_random(), or compile "
+                "it again outside the mode (torch._dynamo.reset(), or a separate torch.compile)."
+            )
         out = draw_at_position(math.prod(attention.probability_shape(q, k, v, enable_gqa)), None, draw)
     key, offset, lse = used[0]
     return out.contiguous(), lse, torch.tensor([key - (1 << 64) if key >= 1 << 63 else key, offset], dtype=torch.int64)

@@ -342,15 +342,61 @@ def test_a_random_op_without_a_portable_kernel_is_refused_while_tracing_before_a
     assert cause is not None and "multinomial" in str(cause)
 
 
-def test_the_custom_ops_draw_portably_when_called_outside_the_mode() -> None:
+def test_the_custom_ops_draw_portably_in_a_backward_pass_run_after_the_mode() -> None:
     """A compiled backward pass may recompute a draw after the mode was left (activation checkpoints)."""
     with portable_random(SEED):
         pass  # registers the custom ops
-    like = torch.empty(6)
+    like, drawn = torch.empty(6), []
     platforms.current().set_seed_offset(SEED, 8)
-    values, _ = torch.ops.hyperrng.uniform(like, 0.0, 1.0, torch.empty(0, dtype=torch.int64))
-    assert torch.equal(values, philox.uniform((6,), key=SEED, offset=8))
+
+    def during_backward(grad: torch.Tensor) -> torch.Tensor:
+        drawn.append(torch.ops.hyperrng.uniform(like, 0.0, 1.0, torch.empty(0, dtype=torch.int64))[0])
+        return grad
+
+    x = torch.zeros(1, requires_grad=True)
+    y = x * 2
+    y.register_hook(during_backward)
+    y.sum().backward()
+    assert torch.equal(drawn[0], philox.uniform((6,), key=SEED, offset=8))
     assert _position() == (SEED, 16)
+
+
+def _noise(n: int) -> torch.Tensor:
+    return torch.rand(n) * 2
+
+
+def _attention_of(n: int) -> torch.Tensor:
+    q = torch.ones(1, 1, n, 4)
+    return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+
+
+def test_code_compiled_in_the_mode_without_a_tensor_input_draws_torchs_numbers_outside_it() -> None:
+    """torch.compile sees the mode only through its tensor inputs: code without any (a piece after a graph break
+    that takes ints), compiled in the mode, runs again outside it. Before, it drew portable numbers there."""
+    compiled = torch.compile(_noise, backend="aot_eager")
+    with portable_random(SEED):
+        assert torch.equal(compiled(5), philox.uniform((5,), key=SEED, offset=0) * 2)
+    torch.manual_seed(7)
+    got = (compiled(5), torch.rand(3))
+    torch.manual_seed(7)
+    assert all(torch.equal(a, b) for a, b in zip(got, (_noise(5), torch.rand(3)), strict=True))
+    attend = torch.compile(_attention_of, backend="aot_eager")
+    with portable_random(SEED):
+        attend(4)
+    before = torch.get_rng_state()
+    with pytest.raises(UnsupportedPortableOpError, match="compiled in portable mode ran outside it"):
+        attend(4)  # portable attention has no torch counterpart to run instead
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.slow
+def test_inductor_code_compiled_outside_the_mode_without_a_tensor_input_is_refused_in_it_with_the_remedy() -> None:
+    compiled = torch.compile(_noise)
+    compiled(5)
+    with portable_random(SEED):
+        with pytest.raises(UnsupportedPortableOpError, match=r"Compile it again inside the mode"):
+            compiled(5)
+        assert _position() == (SEED, 0)
 
 
 def test_inductors_own_pattern_tracing_is_untouched_by_the_mode() -> None:
