@@ -503,8 +503,10 @@ class mode_applied:  # noqa: N801 - a context manager named like a function
     def __enter__(self) -> None:
         if self._mode is not None:
             register()  # entered on this thread's behalf by one that was in the mode: registered already
-            self._entry = Entry(self, self._mode, None)
-            push(self._entry)
+            entry = Entry(self, self._mode, None)
+            entry.dtensor = _DTENSOR.acquire()  # the mode may have been left since: DTensor draws route again
+            self._entry = entry
+            push(entry)
         elif THREAD.entries or is_switched_on():
             self._hidden = (THREAD.entries, THREAD.inherited, is_switched_on())
             THREAD.entries = []

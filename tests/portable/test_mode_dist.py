@@ -299,3 +299,29 @@ def test_dtensor_random_ops_in_compiled_code_give_every_rank_the_unsharded_tenso
     for rank, result in enumerate(results):
         assert result["tensors"] == expected, f"rank {rank}"
         assert result["position"] == position, f"rank {rank}"
+
+
+def _recompute_after_the_mode_rank(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import hyperrng
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    with portable_random(SEED):
+        x = distribute_tensor(torch.ones(7, 6), mesh, [Shard(0)]).requires_grad_()
+        y = hyperrng.checkpoint(lambda t: F.dropout(t * 2, 0.5), x)
+    y.sum().backward()  # after the mode: the recompute draws in it all the same, DTensor's draws routed
+    return {"out": y.full_tensor().tolist(), "grad": x.grad.full_tensor().tolist()}
+
+
+@pytest.mark.multiproc
+def test_a_checkpointed_dtensor_dropout_recomputed_after_the_mode_draws_the_forwards_mask_on_every_rank() -> None:
+    """Before, the mode had uninstalled DTensor's routing when the recompute drew: ranks other than 0 redrew
+    their shards from local indices (other gradients)."""
+    results = run_ranks(_recompute_after_the_mode_rank, 3)
+    with platforms.use(platforms.CPUPlatform()), portable_random(SEED):
+        out = F.dropout(torch.ones(7, 6) * 2, 0.5)
+    for rank, result in enumerate(results):
+        assert result["out"] == out.tolist(), f"rank {rank}"
+        assert result["grad"] == ((out != 0).float() * 4).tolist(), f"rank {rank}: the recompute's mask"
