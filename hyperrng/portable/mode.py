@@ -25,6 +25,9 @@ Details at :class:`portable_random` (draws, positions, threads), :class:`_DTenso
 from __future__ import annotations
 
 import _signal  # signal's functions without the enum conversions (~10 us a call)
+import contextlib
+import importlib.abc
+import importlib.util
 import signal
 import sys
 import threading
@@ -66,16 +69,18 @@ class _DTensorRouting:
     :mod:`hyperrng._guard.exclusive`): one that died inside the mode does not keep the adapter
     installed past the next entry or exit of another thread.
 
-    So ``portable_random(seed)`` alone makes DTensor random ops sharding-invariant. It does so
-    when DTensor is in use: ``torch.distributed.tensor`` imported or a process group initialised
-    at entry. Not yet on CUDA meshes: there DTensor runs a random op without ``generator=``
-    through a traceable path that asks the tracker for offsets only, with no region for the
-    portable kernels to draw the shard's global indices from.
+    So ``portable_random(seed)`` alone makes DTensor random ops sharding-invariant. An entry made before
+    DTensor is in use (``torch.distributed.tensor`` imported or a process group initialised) waits for it:
+    when DTensor's RNG module is first imported (:class:`_RouteOnImport`), it routes from then on. Not yet
+    on CUDA meshes: there DTensor runs a random op without ``generator=`` through a traceable path that asks
+    the tracker for offsets only, with no region for the portable kernels to draw the shard's global
+    indices from.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.users: dict[threading.Thread, int] = {}  # thread -> its entries that routed DTensor
+        self.waiting: dict[Entry, threading.Thread] = {}  # entries made before DTensor was in use
         self.installed: Any = None  # the adapter this routing installed, if it did
         self.previous: Any = None  # the tracker it replaced
         self.tracker: ShardedRNGTracker | None = None
@@ -83,27 +88,48 @@ class _DTensorRouting:
     def _forget_ended(self) -> None:
         for thread in [t for t in self.users if not _exclusive.alive(t)]:  # never asked where a signal lands
             del self.users[thread]
+        for entry in [e for e, t in self.waiting.items() if not _exclusive.alive(t)]:
+            del self.waiting[entry]
 
-    def acquire(self) -> bool:
-        """Count one user; install the adapter if it is the first. ``False``: DTensor is not in use."""
+    def acquire(self, entry: Entry) -> None:
+        """Count ``entry`` in (``entry.dtensor``), installing the adapter for the first; where DTensor is not in
+        use, it waits for DTensor's RNG module to be imported."""
         random_mod = _dtensor_random_module()
-        if random_mod is None:
-            return False
         me = threading.current_thread()
         with self.lock:
             self._forget_ended()
-            if not self.users and not _is_hyperrng_adapter(random_mod._rng_tracker):
-                if self.tracker is None:
-                    self.tracker = ShardedRNGTracker()
-                previous = self.tracker.install_dtensor()
-                self.installed, self.previous = random_mod._rng_tracker, previous
-            self.users[me] = self.users.get(me, 0) + 1
-        return True
+            if random_mod is None:
+                if torch.distributed.is_available():
+                    self.waiting[entry] = me
+                    _ROUTE_ON_IMPORT.watch()
+                return
+            self._count_in(me, random_mod)
+            entry.dtensor = True
 
-    def release(self) -> None:
-        """Count one user out; the last puts back the tracker the first replaced (unless someone replaced ours)."""
+    def _count_in(self, thread: threading.Thread, random_mod: Any) -> None:
+        if not self.users and not _is_hyperrng_adapter(random_mod._rng_tracker):
+            if self.tracker is None:
+                self.tracker = ShardedRNGTracker()
+            previous = self.tracker.install_dtensor()
+            self.installed, self.previous = random_mod._rng_tracker, previous
+        self.users[thread] = self.users.get(thread, 0) + 1
+
+    def route_waiting(self, random_mod: Any) -> None:
+        """DTensor's RNG module was just imported: the entries waiting for it route from now on."""
+        with self.lock:
+            self._forget_ended()
+            waiting, self.waiting = self.waiting, {}
+            for entry, thread in waiting.items():
+                self._count_in(thread, random_mod)
+                entry.dtensor = True
+
+    def release(self, entry: Entry) -> None:
+        """Count ``entry`` out; the last puts back the tracker the first replaced (unless someone replaced ours)."""
         me = threading.current_thread()
         with self.lock:
+            if self.waiting.pop(entry, None) is not None or not entry.dtensor:
+                return
+            entry.dtensor = False
             left = self.users.pop(me, 1) - 1
             if left:
                 self.users[me] = left
@@ -116,9 +142,50 @@ class _DTensorRouting:
             self.installed = self.previous = None
 
 
+class _RouteOnImport(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` while an entry waits for DTensor (:class:`_DTensorRouting`): the loader it finds for
+    DTensor's RNG module routes the waiting entries once that module has run, before its first random op."""
+
+    def watch(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _DTENSOR_RANDOM:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)  # once: the module is imported now
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _RoutingLoader(spec.loader)
+        return spec
+
+
+class _RoutingLoader(importlib.abc.Loader):
+    """A module's loader that routes the waiting entries once the module has run; the rest is the loader's."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        if hasattr(module, "_rng_tracker"):  # a torch with DTensor's RNG hook
+            _DTENSOR.route_waiting(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: the loader's own
+        return getattr(self.loader, name)
+
+
+_DTENSOR_RANDOM = "torch.distributed.tensor._random"
+_ROUTE_ON_IMPORT = _RouteOnImport()
+
+
 def _dtensor_random_module() -> Any:
     """DTensor's RNG module when DTensor is in use (imported, or a process group is up), else ``None``."""
-    loaded = sys.modules.get("torch.distributed.tensor._random")  # every outermost entry asks: no call beyond this
+    loaded = sys.modules.get(_DTENSOR_RANDOM)  # every outermost entry asks: no call beyond this
     if loaded is not None:
         return loaded if hasattr(loaded, "_rng_tracker") else None
     dist = torch.distributed
@@ -243,7 +310,7 @@ def _enter(owner: object, p: platforms.Platform, seed: int | None, compiled: boo
         if seed is not None:
             io = p._state_io()  # exact snapshots, restored without the checks of set_rng_state
             entry.saved = (io.write, io.read())
-        entry.dtensor = _DTENSOR.acquire()
+        _DTENSOR.acquire(entry)
         if seed is not None:
             p._move(seed, 0, False)
     except BaseException:
@@ -280,9 +347,7 @@ def _restore_generator(entry: Entry) -> None:
 
 
 def _release_dtensor(entry: Entry) -> None:
-    if entry.dtensor:
-        entry.dtensor = False
-        _DTENSOR.release()
+    _DTENSOR.release(entry)
 
 
 def _release_device(entry: Entry) -> None:
@@ -504,7 +569,7 @@ class mode_applied:  # noqa: N801 - a context manager named like a function
         if self._mode is not None:
             register()  # entered on this thread's behalf by one that was in the mode: registered already
             entry = Entry(self, self._mode, None)
-            entry.dtensor = _DTENSOR.acquire()  # the mode may have been left since: DTensor draws route again
+            _DTENSOR.acquire(entry)  # the mode may have been left since: DTensor draws route again
             self._entry = entry
             push(entry)
         elif THREAD.entries or is_switched_on():

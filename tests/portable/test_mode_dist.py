@@ -3,6 +3,8 @@ global tensors of an unsharded process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -325,3 +327,30 @@ def test_a_checkpointed_dtensor_dropout_recomputed_after_the_mode_draws_the_forw
     for rank, result in enumerate(results):
         assert result["out"] == out.tolist(), f"rank {rank}"
         assert result["grad"] == ((out != 0).float() * 4).tolist(), f"rank {rank}: the recompute's mask"
+
+
+_ENTERED_BEFORE_DTENSOR = """
+import sys, hyperrng
+from hyperrng.portable.mode import portable_random, set_portable_random
+assert "torch.distributed.tensor._random" not in sys.modules
+if sys.argv[1] == "switch":
+    set_portable_random(True, seed=3)
+else:
+    context = portable_random(3)
+    context.__enter__()
+import torch.distributed.tensor._random as dtensor_random  # DTensor comes into use inside the mode
+routed = type(dtensor_random._rng_tracker).__name__
+if sys.argv[1] == "switch":
+    set_portable_random(False)
+else:
+    context.__exit__(None, None, None)
+print(routed, dtensor_random._rng_tracker)
+"""
+
+
+@pytest.mark.parametrize("form", ["switch", "context"])
+def test_the_mode_entered_before_dtensor_is_in_use_routes_its_random_ops_once_it_is(form: str) -> None:
+    """Before, such an entry routed nothing: every rank drew its shard from local indices, silently."""
+    run = subprocess.run([sys.executable, "-c", _ENTERED_BEFORE_DTENSOR, form], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["HyperRNGDTensorTracker", "None"], "routed inside the mode, put back on exit"
