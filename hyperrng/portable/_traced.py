@@ -20,9 +20,8 @@ a portable kernel is refused while it is traced, before anything runs. Dynamo gu
 on the thread's dispatch keys, through its tensor inputs, so a function compiled outside the mode is
 compiled again when it first runs in it, and code compiled outside the mode keeps torch's own random
 ops (AOTAutograd's cache, which cannot tell the two apart, is off from the first entry into the mode
-on). Code without a tensor input is not compiled again: traced in the mode and run outside it, its
-custom ops run torch's own (:class:`_Portable`); compiled by inductor outside it and run in it, its
-seeds' draw is refused.
+on). Code without a tensor input is not compiled again: traced in the mode, it runs torch's ops
+outside it (:class:`_Portable`); compiled by inductor outside it, its seeds' draw is refused in it.
 
 Limits: enter the mode outside the compiled function (Dynamo does not trace entering it);
 ``generator=`` arguments, DTensor random ops and sharded regions inside compiled code are
@@ -149,11 +148,10 @@ def _attention(
 
     with _Portable() as portable:
         if not portable:
-            raise UnsupportedPortableOpError(
-                "scaled_dot_product_attention compiled in portable mode ran outside it: torch.compile compiles a "
-                "function again when it leaves the mode only where a tensor input shows it, and portable "
-                "attention has no torch counterpart to run instead. Call it inside portable_random(), or compile "
-                "it again outside the mode (torch._dynamo.reset(), or a separate torch.compile)."
+            raise UnsupportedPortableOpError(  # (see _Portable) and portable attention has no torch counterpart
+                "scaled_dot_product_attention compiled in portable mode ran outside it, and compiled code without "
+                "a tensor input is not compiled again there: call it inside portable_random(), or compile it again "
+                "outside the mode (torch._dynamo.reset(), or a separate torch.compile)."
             )
         out = draw_at_position(math.prod(attention.probability_shape(q, k, v, enable_gqa)), None, draw)
     key, offset, lse = used[0]
@@ -197,13 +195,7 @@ def _attention_backward(
 def _attention_kw(
     attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool
 ) -> dict[str, Any]:
-    return {
-        "attn_mask": attn_mask,
-        "dropout_p": dropout_p,
-        "is_causal": is_causal,
-        "scale": scale,
-        "enable_gqa": enable_gqa,
-    }
+    return dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 # -- their fake implementations: shapes only -------------------------------------------------------
@@ -275,24 +267,16 @@ def _attention_backward_rule(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any
     return dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
 
 
+def _fill_schema(params: str, method: str) -> tuple[str, Callable[..., Any], Callable[..., Any]]:
+    return f"(Tensor self, {params}, Tensor after) -> (Tensor, Tensor)", _filling(method), _fake_fill
+
+
 _SCHEMAS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-    "uniform": (
-        "(Tensor self, float low, float high, Tensor after) -> (Tensor, Tensor)",
-        _filling("uniform_"),
-        _fake_fill,
-    ),
-    "normal": (
-        "(Tensor self, float mean, float std, Tensor after) -> (Tensor, Tensor)",
-        _filling("normal_"),
-        _fake_fill,
-    ),
-    "bernoulli": ("(Tensor self, float p, Tensor after) -> (Tensor, Tensor)", _filling("bernoulli_"), _fake_fill),
-    "bernoulli_tensor": (
-        "(Tensor self, Tensor p, Tensor after) -> (Tensor, Tensor)",
-        _filling("bernoulli_"),
-        _fake_fill,
-    ),
-    "random": ("(Tensor self, int low, int high, Tensor after) -> (Tensor, Tensor)", _filling("random_"), _fake_fill),
+    "uniform": _fill_schema("float low, float high", "uniform_"),
+    "normal": _fill_schema("float mean, float std", "normal_"),
+    "bernoulli": _fill_schema("float p", "bernoulli_"),
+    "bernoulli_tensor": _fill_schema("Tensor p", "bernoulli_"),
+    "random": _fill_schema("int low, int high", "random_"),
     "native_dropout": (
         "(Tensor input, float p, bool? train, Tensor after) -> (Tensor, Tensor, Tensor)",
         _native_dropout,
