@@ -58,6 +58,7 @@ from hyperrng.portable import _kernels as kernels
 from hyperrng.portable import _ops as ops
 from hyperrng.portable.position import draw_at_position
 from hyperrng.sharding.tracker import active_region
+from hyperrng.streams._checkpoints import in_rng_replay
 
 __all__ = ["NAMESPACE", "OPS", "installed"]
 
@@ -70,19 +71,18 @@ _MASK64 = (1 << 64) - 1
 class _Portable:
     """Entered around a custom op's implementation; entered, it says whether the op draws portably.
 
-    Compiled code runs its forward pass in the mode, but the backward pass, where an activation checkpoint
-    recomputes a draw (at the position torch puts back first), may run after the mode was left, or on autograd's
-    own thread: there the thread draws portably meanwhile. Outside a backward pass, a thread out of the mode runs
-    torch's own op, as the function compiled outside the mode would: torch.compile guards a graph on the mode
-    only through its tensor inputs, so one without any (a piece after a graph break that takes only ints),
-    traced in the mode, runs again outside it."""
+    On a thread in the mode, it does. Out of it, only where a compiled backward pass recomputes the draw (in
+    an activation checkpoint, at the position torch's ``run_with_rng_state`` puts back), which may run after
+    the mode was left or on autograd's own thread. Elsewhere it runs torch's own op, as the function compiled
+    outside the mode would: torch.compile guards a graph on the mode only through its tensor inputs, so one
+    without any (a piece after a graph break that takes only ints), traced in the mode, runs again outside it."""
 
     __slots__ = ("entry",)
 
     def __enter__(self) -> bool:
         self.entry = None
         if not kernels.THREAD.entries:
-            if torch._C._current_graph_task_id() == -1:  # no backward pass: a forward run outside the mode
+            if not in_rng_replay(sys._getframe(1), NAMESPACE):
                 return False
             self.entry = kernels.Entry(self, False, None)
             ops.push(self.entry)

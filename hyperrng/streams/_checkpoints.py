@@ -307,7 +307,7 @@ def unreplayed_recompute() -> bool:
             return False
     elif torch._C._current_graph_task_id() == -1:  # no backward pass runs: no reentrant recompute (no node asked)
         return False
-    elif reentrant_rerun() is None and not _in_rng_replay(sys._getframe(1)):
+    elif reentrant_rerun() is None and not in_rng_replay(sys._getframe(1)):
         return False
     # The forward pass of a checkpoint nested in the block: one that replays draws as it records (hyperrng's, in the
     # mode the outer forward had); one that replays nothing drew torch's (in the mode, its forward was refused).
@@ -319,10 +319,10 @@ _RNG_REPLAYS: dict[int, types.CodeType] = {}
 random op at the generator state its forward saved, by ``id``; filled once torch has imported them."""
 
 
-def _in_rng_replay(frame: types.FrameType | None) -> bool:
-    """Whether ``frame`` or one above it runs a kernel of ``run_with_rng_state`` for an aten op, not one of
-    hyperrng's (whose implementation draws portably through the aten op): a walk of the stack, which only the
-    draws of a backward pass pay."""
+def in_rng_replay(frame: types.FrameType | None, namespace: str = "aten") -> bool:
+    """Whether ``frame`` or one above it runs a kernel of ``run_with_rng_state`` for an op of ``namespace``: by
+    default an aten op, not one of hyperrng's (whose implementation draws portably through the aten op). A walk
+    of the stack, which only the draws of a backward pass, or of code compiled in the mode run outside it, pay."""
     if not _RNG_REPLAYS:
         prims = sys.modules.get("torch._prims.rng_prims")
         if prims is None:  # no compiled graph has replayed a random op in this process
@@ -333,6 +333,6 @@ def _in_rng_replay(frame: types.FrameType | None) -> bool:
                 _RNG_REPLAYS[id(code)] = code
     while frame is not None:
         if id(frame.f_code) in _RNG_REPLAYS:
-            return getattr(frame.f_locals.get("op"), "namespace", None) == "aten"
+            return getattr(frame.f_locals.get("op"), "namespace", None) == namespace
         frame = frame.f_back
     return False

@@ -342,23 +342,15 @@ def test_a_random_op_without_a_portable_kernel_is_refused_while_tracing_before_a
     assert cause is not None and "multinomial" in str(cause)
 
 
-def test_the_custom_ops_draw_portably_in_a_backward_pass_run_after_the_mode() -> None:
-    """A compiled backward pass may recompute a draw after the mode was left (activation checkpoints)."""
+def test_the_custom_ops_draw_torchs_numbers_outside_the_mode_but_in_a_compiled_recompute() -> None:
+    """Only a compiled backward pass recomputing a draw (``run_with_rng_state``, tested with the compiled
+    checkpoints below) draws portably outside the mode: it may run after the mode was left."""
     with portable_random(SEED):
         pass  # registers the custom ops
-    like, drawn = torch.empty(6), []
-    platforms.current().set_seed_offset(SEED, 8)
-
-    def during_backward(grad: torch.Tensor) -> torch.Tensor:
-        drawn.append(torch.ops.hyperrng.uniform(like, 0.0, 1.0, torch.empty(0, dtype=torch.int64))[0])
-        return grad
-
-    x = torch.zeros(1, requires_grad=True)
-    y = x * 2
-    y.register_hook(during_backward)
-    y.sum().backward()
-    assert torch.equal(drawn[0], philox.uniform((6,), key=SEED, offset=8))
-    assert _position() == (SEED, 16)
+    torch.manual_seed(3)
+    values, _ = torch.ops.hyperrng.uniform(torch.empty(6), 0.0, 1.0, torch.empty(0, dtype=torch.int64))
+    torch.manual_seed(3)
+    assert torch.equal(values, torch.empty(6).uniform_())
 
 
 def _noise(n: int) -> torch.Tensor:
@@ -387,6 +379,30 @@ def test_code_compiled_in_the_mode_without_a_tensor_input_draws_torchs_numbers_o
     with pytest.raises(UnsupportedPortableOpError, match="compiled in portable mode ran outside it"):
         attend(4)  # portable attention has no torch counterpart to run instead
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "hook"])
+def test_code_compiled_in_the_mode_run_outside_it_in_a_backward_pass_draws_torchs_numbers(where: str) -> None:
+    """A recompute of a forward run outside the mode, or a backward hook: no compiled backward pass recomputes
+    there (before, a backward pass drew portably: the gradient was not the forward's noise)."""
+    compiled = torch.compile(_noise, backend="aot_eager")
+    with portable_random(SEED):
+        compiled(6)
+        with torch.no_grad():
+            compiled(6)  # traced without grad too: the hook runs without it
+    x = torch.ones(6, requires_grad=True)
+    torch.manual_seed(0)
+    if where == "checkpoint":
+        y = hyperrng.checkpoint(lambda t: t * compiled(6), x)
+        y.sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, y.detach()), "the recompute drew the forward's noise"
+        return
+    drawn: list[torch.Tensor] = []
+    y = x * 2
+    y.register_hook(lambda g: drawn.append(compiled(6)) or g)  # type: ignore[func-returns-value]
+    y.sum().backward()
+    torch.manual_seed(0)
+    assert torch.equal(drawn[0], _noise(6))
 
 
 @pytest.mark.slow
