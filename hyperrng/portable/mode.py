@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import _signal  # signal's functions without the enum conversions (~10 us a call)
 import contextlib
+import importlib
 import importlib.abc
 import importlib.util
 import signal
@@ -45,6 +46,7 @@ from hyperrng.portable import _traced  # noqa: F401 - joins the kernels' registr
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry
 from hyperrng.portable._ops import is_switched_on, pop, push, register, registered, switch, unsupported_ops
 from hyperrng.sharding.tracker import ShardedRNGTracker
+from hyperrng.sharding.tracker import _adapter_class as adapter_class
 from hyperrng.sharding.tracker import _dtensor_random_module as dtensor_random_module
 
 __all__ = [
@@ -90,21 +92,30 @@ class _DTensorRouting:
             del self.users[thread]
         for entry in [e for e, t in self.waiting.items() if not _exclusive.alive(t)]:
             del self.waiting[entry]
+        if not self.waiting:
+            _ROUTE_ON_IMPORT.unwatch()
 
     def acquire(self, entry: Entry) -> None:
         """Count ``entry`` in (``entry.dtensor``), installing the adapter for the first; where DTensor is not in
-        use, it waits for DTensor's RNG module to be imported."""
-        random_mod = _dtensor_random_module()
+        use, it waits for DTensor's RNG module to be imported.
+
+        The module is imported, or an import under way on another thread waited for, before the lock is taken:
+        that import routes the waiting entries under the lock, and this one would wait for it holding the lock."""
         me = threading.current_thread()
-        with self.lock:
-            self._forget_ended()
-            if random_mod is None:
-                if torch.distributed.is_available():
+        for _ in range(2):  # again where another thread imported DTensor between the look and the lock
+            random_mod = _dtensor_random_module()
+            if random_mod is not None:
+                adapter_class()  # made (imports included) before the lock is taken
+            with self.lock:
+                self._forget_ended()
+                if random_mod is not None:
+                    self._count_in(me, random_mod)
+                    entry.dtensor = True
+                    return
+                if _DTENSOR_RANDOM not in sys.modules and torch.distributed.is_available():
                     self.waiting[entry] = me
                     _ROUTE_ON_IMPORT.watch()
-                return
-            self._count_in(me, random_mod)
-            entry.dtensor = True
+                    return
 
     def _count_in(self, thread: threading.Thread, random_mod: Any) -> None:
         if not self.users and not _is_hyperrng_adapter(random_mod._rng_tracker):
@@ -128,6 +139,8 @@ class _DTensorRouting:
         me = threading.current_thread()
         with self.lock:
             if self.waiting.pop(entry, None) is not None or not entry.dtensor:
+                if not self.waiting:
+                    _ROUTE_ON_IMPORT.unwatch()
                 return
             entry.dtensor = False
             left = self.users.pop(me, 1) - 1
@@ -150,11 +163,14 @@ class _RouteOnImport(importlib.abc.MetaPathFinder):
         if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
 
+    def unwatch(self) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != _DTENSOR_RANDOM:
             return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)  # once: the module is imported now
+        self.unwatch()  # once: the module is imported now (again if its import fails)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _RoutingLoader(spec.loader)
@@ -171,7 +187,12 @@ class _RoutingLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
+        try:
+            self.loader.exec_module(module)
+        except BaseException:
+            if _DTENSOR.waiting:  # a later import routes them
+                _ROUTE_ON_IMPORT.watch()
+            raise
         if hasattr(module, "_rng_tracker"):  # a torch with DTensor's RNG hook
             _DTENSOR.route_waiting(module)
 
@@ -187,6 +208,8 @@ def _dtensor_random_module() -> Any:
     """DTensor's RNG module when DTensor is in use (imported, or a process group is up), else ``None``."""
     loaded = sys.modules.get(_DTENSOR_RANDOM)  # every outermost entry asks: no call beyond this
     if loaded is not None:
+        if getattr(loaded.__spec__, "_initializing", False):  # being imported: waits for that import to end
+            loaded = importlib.import_module(_DTENSOR_RANDOM)
         return loaded if hasattr(loaded, "_rng_tracker") else None
     dist = torch.distributed
     if "torch.distributed.tensor" not in sys.modules and not (dist.is_available() and dist.is_initialized()):

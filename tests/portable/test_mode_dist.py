@@ -333,6 +333,9 @@ _ENTERED_BEFORE_DTENSOR = """
 import sys, hyperrng
 from hyperrng.portable.mode import portable_random, set_portable_random
 assert "torch.distributed.tensor._random" not in sys.modules
+with portable_random(1):  # entered and left before DTensor: nothing left waiting for it
+    pass
+assert not any(type(f).__name__ == "_RouteOnImport" for f in sys.meta_path), "no finder once nothing waits"
 if sys.argv[1] == "switch":
     set_portable_random(True, seed=3)
 else:
@@ -344,7 +347,7 @@ if sys.argv[1] == "switch":
     set_portable_random(False)
 else:
     context.__exit__(None, None, None)
-print(routed, dtensor_random._rng_tracker)
+print(routed, dtensor_random._rng_tracker, type(dtensor_random.__loader__).__name__ != "SourceFileLoader")
 """
 
 
@@ -353,4 +356,4 @@ def test_the_mode_entered_before_dtensor_is_in_use_routes_its_random_ops_once_it
     """Before, such an entry routed nothing: every rank drew its shard from local indices, silently."""
     run = subprocess.run([sys.executable, "-c", _ENTERED_BEFORE_DTENSOR, form], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["HyperRNGDTensorTracker", "None"], "routed inside the mode, put back on exit"
+    assert run.stdout.split() == ["HyperRNGDTensorTracker", "None", "True"], "routed inside the mode, put back on exit"
