@@ -59,7 +59,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch.distributed as dist
     from hyperrng.platforms import _features
 
-    has_fake_pg = "fake" in getattr(dist.Backend, "backend_list", ())
+    # torch's own "fake" backend (torch >= 2.9): torch 2.5's DCP registers one of its own, with another mesh API
+    has_fake_pg = "fake" in getattr(dist.Backend, "backend_list", ()) and torch.torch_version.TorchVersion(
+        torch.__version__
+    ) >= (2, 9)
 
     has_cuda = torch.cuda.is_available()
     triton_refusal = _triton_refusal(items)
