@@ -25,7 +25,6 @@ Details at :class:`portable_random` (draws, positions, threads), :class:`_DTenso
 from __future__ import annotations
 
 import _signal  # signal's functions without the enum conversions (~10 us a call)
-import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -107,8 +106,8 @@ class _DTensorRouting:
             if random_mod is not None:
                 adapter_class()  # made (imports included) before the lock is taken
             with self.lock:
-                self._forget_ended()
                 if random_mod is not None:
+                    self._forget_ended()  # (waiting entries of ended threads go when DTensor routes, or here)
                     self._count_in(me, random_mod)
                     entry.dtensor = True
                     return
@@ -164,7 +163,7 @@ class _RouteOnImport(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, self)
 
     def unwatch(self) -> None:
-        with contextlib.suppress(ValueError):
+        if self in sys.meta_path:  # asked first: every exit of an entry that waited comes here
             sys.meta_path.remove(self)
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
