@@ -590,10 +590,14 @@ class mode_applied:  # noqa: N801 - a context manager named like a function
     def __enter__(self) -> None:
         if self._mode is not None:
             register()  # entered on this thread's behalf by one that was in the mode: registered already
-            entry = Entry(self, self._mode, None)
-            _DTENSOR.acquire(entry)  # the mode may have been left since: DTensor draws route again
-            self._entry = entry
-            push(entry)
+            entry = self._entry = Entry(self, self._mode, None)  # recorded first: the undo below finds it
+            try:
+                _DTENSOR.acquire(entry)  # the mode may have been left since: DTensor draws route again
+                push(entry)
+            except BaseException:  # an interrupt (or a failed DTensor import): DTensor's count as before
+                self._entry = None
+                _leave(entry)
+                raise
         elif THREAD.entries or is_switched_on():
             self._hidden = (THREAD.entries, THREAD.inherited, is_switched_on())
             THREAD.entries = []

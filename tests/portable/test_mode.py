@@ -930,6 +930,28 @@ def test_the_mode_applied_on_another_thread_draws_as_the_thread_that_took_it() -
     assert thread_mode() is None and not is_portable_random_enabled()
 
 
+def test_an_interrupt_while_the_mode_is_applied_leaves_dtensor_routed_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A recompute re-entering the mode counts a DTensor user before it records its entry: an interrupt in
+    between left DTensor's random ops routed through hyperrng until the thread ended."""
+    from torch.distributed.tensor import _random
+
+    from hyperrng.portable import mode as mode_module
+
+    before = _random._rng_tracker
+
+    def interrupted(entry: object, outermost: bool = False) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mode_module, "push", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with mode_applied(False):
+            pass
+    assert _random._rng_tracker is before, "DTensor's tracker is back"
+    assert not mode_module._DTENSOR.users and thread_mode() is None
+
+
 def test_entering_puts_hyperrngs_dtensor_tracker_in_place_and_the_last_exit_puts_back_what_was_there() -> None:
     from torch.distributed.tensor import _random
 
