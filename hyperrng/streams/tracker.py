@@ -519,7 +519,18 @@ class RNGStatesTracker(ForkChain):
 
     def _unknown(self, name: object) -> str:
         held = list(self._states) or "no streams"
-        return f"RNG stream {name!r} is not in the tracker (it holds {held}); {_SEED_HINT}"
+        data = sys.modules.get("torch.utils.data")
+        if not self._states and data is not None and data.get_worker_info() is not None:
+            # A worker started by spawn or forkserver imports hyperrng afresh: the process-wide tracker is empty.
+            hint = (
+                "in a DataLoader worker started by spawn or forkserver the process-wide tracker starts empty (only "
+                "the dataset is sent to the worker): keep the seeded tracker on the dataset "
+                "(self.tracker = hyperrng.get_rng_tracker() in its __init__; it pickles with its streams) and fork "
+                "from self.tracker, or start the workers by fork."
+            )
+        else:
+            hint = _SEED_HINT
+        return f"RNG stream {name!r} is not in the tracker (it holds {held}); {hint}"
 
     def _platform_mismatch(self, platform: Platform) -> InvalidOperationError:
         return InvalidOperationError(

@@ -783,6 +783,22 @@ def test_dataloader_workers_made_by_spawn_draw_what_forked_ones_draw(cpu: platfo
             assert own[worker] == tuple(torch.rand(3).tolist())
 
 
+def test_a_fork_of_an_empty_tracker_in_a_dataloader_worker_says_to_keep_the_tracker_on_the_dataset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker started by spawn imports hyperrng afresh: a dataset that forks the process-wide tracker finds it
+    empty. The refusal says so and names the remedy, rather than "seed the streams first", which the user did."""
+    tracker = RNGStatesTracker()
+    with pytest.raises(UnknownStreamError, match="seed the streams first"):
+        tracker.fork("model-parallel-rng").__enter__()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())  # as inside a worker
+    with pytest.raises(UnknownStreamError, match=r"DataLoader worker.*self\.tracker = hyperrng\.get_rng_tracker\(\)"):
+        tracker.fork("model-parallel-rng").__enter__()
+    tracker.add("a", 1)  # a tracker that holds streams: the usual message
+    with pytest.raises(UnknownStreamError, match="seed the streams first"):
+        tracker.fork("model-parallel-rng").__enter__()
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="DataLoader workers made by fork")
 def test_dataloader_workers_draw_the_same_after_a_resume_whatever_made_the_streams(cpu: platforms.Platform) -> None:
     """Workers derive their streams from the states the parent's streams hold, not from seeds: a tracker
