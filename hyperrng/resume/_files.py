@@ -422,10 +422,12 @@ def _check_loads(work: _Work, target: str) -> None:
                 torch.load(f"/proc/self/fd/{work.data}", weights_only=True, mmap=True, map_location="cpu")
             else:
                 torch.load(file, weights_only=True, map_location="cpu")
-        except InvalidArgumentError as exc:  # beyond the load's limits: the load's own words
+        except InvalidArgumentError as exc:  # beyond the load's limits: what the load refuses, and what to save instead
             raise InvalidArgumentError(
                 f"the state makes a file that load_rng_state would refuse to read back, so it is not saved and "
-                f"{target!r} is unchanged: {exc}"
+                f"{target!r} is unchanged: {getattr(exc, 'refused', exc)}. Keep only plain data in it: dicts, lists, "
+                "tuples, strings, numbers and dense tensors (a tensor of the simulated device, or of a tensor "
+                "subclass, as t.cpu()), within the limits load_rng_state's documentation lists."
             ) from None
         except RuntimeError as exc:
             # torch reports an open or a mapping the OS refused (out of descriptors or address space) with

@@ -131,13 +131,16 @@ class _Archive:
         self.pickle = self._walk()
 
     def refuse(self, detail: str) -> InvalidArgumentError:
-        """A file beyond what the load reads safely (see :func:`check_file`)."""
-        return InvalidArgumentError(
+        """A file beyond what the load reads safely (see :func:`check_file`); ``detail`` is kept on it as
+        ``refused``, for a save's own words."""
+        error = InvalidArgumentError(
             f"refused the RNG state at {self.path!r} before loading it: {detail}. load_rng_state reads only files "
             "whose load it can bound by their size (its documentation lists the limits), whoever wrote them; a "
             "checkpoint you trust can be read with torch.load(path, weights_only=True) and its state passed to "
             "hyperrng.load_rng_state_dict."
         )
+        error.refused = detail  # type: ignore[attr-defined]
+        return error
 
     def damaged(self, detail: str) -> InvalidArgumentError:
         """A file that is not whole or not a torch file."""

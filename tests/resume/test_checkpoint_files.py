@@ -144,6 +144,23 @@ def _save_with_signal(path: Path, state: dict[str, Any], at: int | None, signum:
     return False, hook
 
 
+@pytest.mark.needs_sim
+def test_a_save_of_a_tensor_the_load_would_refuse_says_what_to_save_instead(tmp_path: Path) -> None:
+    """A tensor of the simulated device pickles as a tensor subclass, which a load refuses: the save refuses it
+    first, names what it may hold (its ``.cpu()`` copy), and leaves the previous checkpoint. Before, it repeated
+    the load's advice (torch.load with weights_only=True), which fails on such a file too."""
+    path = tmp_path / "rng.pt"
+    previous = _state(1)
+    save_rng_state(path, previous)
+    sim = platforms.SimulatedPlatform()
+    weights = torch.ones(3, device=sim.device())
+    with pytest.raises(InvalidArgumentError, match=r"_rebuild_wrapper_subclass.*Keep only plain data.*t\.cpu\(\)") as e:
+        save_rng_state(path, {"rng": previous, "w": weights})
+    assert "weights_only" not in str(e.value)
+    assert load_rng_state(path)["digest"] == previous["digest"] and _entries(tmp_path) == ["rng.pt"]
+    save_rng_state(path, {"rng": previous, "w": weights.cpu()})  # the remedy it names
+
+
 # A signal that lands while CPython closes a generator expression (one that next(), all() or any() left
 # unfinished, here in the load check's pickle walk) is reported by CPython as "Exception ignored": the
 # exception cannot leave a generator's close. SignalExceptions recorded it and raises it once the save
