@@ -395,16 +395,19 @@ def model_parallel_cuda_manual_seed(
 
 def megatron_set_random_seed(
     seed: int,
+    data_parallel_random_init: bool = False,
     *,
     pp_rank: int = 0,
     dp_rank: int = 0,
     tp_rank: int = 0,
     ep_rank: int = 0,
     etp_rank: int = 0,
-    data_parallel_random_init: bool = False,
     tracker: RNGStatesTracker | None = None,
 ) -> int:
     """Megatron-core's ``_set_random_seed`` (megatron/training/initialize.py) on the current platform.
+
+    Called as Megatron calls it, ``(seed, data_parallel_random_init)``, with this rank's coordinates,
+    which Megatron reads from its parallel state, given by name.
 
     The base seed becomes ``seed + 100 * pp_rank``, plus ``10 * dp_rank`` with
     ``data_parallel_random_init``; Python, NumPy and torch (CPU and every device) are

@@ -366,6 +366,14 @@ def test_megatron_set_random_seed_shifts_by_pipeline_and_optionally_data_ranks(
     assert platform.get_rng_state().tolist() == device_state_for(platform, expected)
 
 
+def test_megatron_set_random_seed_takes_data_parallel_random_init_where_megatron_passes_it(
+    platform: platforms.Platform,
+) -> None:
+    """Megatron calls ``_set_random_seed(seed, data_parallel_random_init)``: the call ported as it is."""
+    assert megatron_set_random_seed(1000, True, dp_rank=3) == 1030
+    assert megatron_set_random_seed(1000, False, dp_rank=3) == 1000
+
+
 @pytest.mark.parametrize(
     ("call", "error", "fragment"),
     [
