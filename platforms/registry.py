@@ -411,7 +411,16 @@ def select(env: Mapping[str, str] | None = None) -> Selection:
 def _resolve(env: Mapping[str, str]) -> Selection:
     forced = env.get(ENV_VAR, "").strip()
     if forced:
-        platform = _load(forced)
+        try:
+            platform = _load(forced)
+        except PlatformError as exc:
+            if exc.reason != "unavailable":
+                raise
+            raise PlatformError(
+                f"{exc} ({ENV_VAR}={forced!r} forces it): install what it needs, or set {ENV_VAR} to a platform "
+                "this machine has (`hyperrng info` lists them), or unset it to let hyperrng choose.",
+                reason="unavailable",
+            ) from exc
         return Selection(platform, f"{ENV_VAR}={forced!r}", (ProbeResult(platform.name, "env", True),), forced)
 
     probes: list[ProbeResult] = []

@@ -76,7 +76,9 @@ def info_lines() -> list[str]:
     lines = [
         f"hyperrng {hyperrng.__version__}  (python {sys.version.split()[0]})",
         f"torch {torch.__version__}; torch_npu {_dist_version('torch_npu')}",
-        f"{platforms.ENV_VAR}={os.environ.get(platforms.ENV_VAR, '')!r}",
+        f"{platforms.ENV_VAR}={os.environ[platforms.ENV_VAR]!r}"
+        if platforms.ENV_VAR in os.environ
+        else f"{platforms.ENV_VAR} not set",
     ]
     try:
         sel = platforms.selection()

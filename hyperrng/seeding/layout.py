@@ -349,7 +349,8 @@ class StreamLayout:
         extra = [d for d in point if d not in self._dim_set]
         if extra:
             raise InvalidArgumentError(
-                f"{what}s given for {extra}, which the layout does not have (dims {list(self._dims)})."
+                f"{what}s given for {extra}, which the layout does not have (dims {list(self._dims)}): give "
+                f"{what}s for those dims only, or add {extra} to the layout's dims."
             )
         missing = [d for d in self._dims if d not in point]
         if missing:
@@ -464,9 +465,12 @@ def apply_layout(
     return layout.seed_tracker(resolve_tracker(tracker), base_seed, coords)
 
 
-def _names(values: object, what: str, limit: int | None = None) -> list[str]:
+def _names(values: object, what: str, limit: int | None = None, owner: str = "") -> list[str]:
+    """``values`` checked as a sequence of names of ``what`` (``owner``: whose, as " of stream 'x'")."""
     if isinstance(values, str) or not isinstance(values, Sequence):
-        raise ArgumentTypeError(f"{what}s must be a sequence of names such as ('pp', 'tp'), got {values!r:.200}.")
+        raise ArgumentTypeError(
+            f"{what}s{owner} must be a sequence of names such as ('pp', 'tp'), got {values!r:.200}."
+        )
     if limit is not None and len(values) > limit:
         raise InvalidArgumentError(
             f"a layout names at most {limit} {what}s (hyperrng.seeding.layout.MAX_DIMS), got {len(values)}; "
@@ -474,16 +478,16 @@ def _names(values: object, what: str, limit: int | None = None) -> list[str]:
         )
     for value in values:
         if not isinstance(value, str):
-            raise ArgumentTypeError(f"a {what} name must be a string, got {type(value).__name__} {value!r}.")
+            raise ArgumentTypeError(f"a {what} name{owner} must be a string, got {type(value).__name__} {value!r}.")
         if not value:
-            raise InvalidArgumentError(f"a {what} name must be a non-empty string, got ''.")
+            raise InvalidArgumentError(f"a {what} name{owner} must be a non-empty string, got ''.")
     return list(values)
 
 
 def _stream_dims(name: str, varies: object, dims: Sequence[str], known: set[str]) -> tuple[str, ...]:
     """``varies`` checked against the layout's dimensions ``dims`` (``known``: their set, built once
     by the caller, so that checking every stream costs time linear in the layout's size)."""
-    listed = _names(varies, f"dimension of stream {name!r}")
+    listed = _names(varies, "dimension", owner=f" of stream {name!r}")
     unknown = [d for d in listed if d not in known]
     if unknown:
         raise InvalidArgumentError(

@@ -291,7 +291,8 @@ class ForkChain:
         raise InvalidOperationError(
             f"cannot {what} inside a fork of stream {active.name!r}; do it outside the fork."
             if mine
-            else f"cannot {what} while another thread has a fork of stream {active.name!r} open.",
+            else f"cannot {what} while another thread has a fork of stream {active.name!r} open; nothing changed. "
+            "Do it once that thread has left the fork (join it, or order the two with a lock or a barrier).",
             reason="tracker",
         )
 
