@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng.philox import backends
 from hyperrng.philox._shards import ShardGeometry
 
-__all__ = ["Arguments", "arguments", "fill", "dropout", "kernels", "launching_on", "load", "probe"]
+__all__ = ["Arguments", "arguments", "fill", "fill_contiguous", "dropout", "kernels", "launching_on", "load", "probe"]
 
 _MASK32 = 0xFFFFFFFF
 _SIGN32 = 0x80000000
@@ -272,7 +273,7 @@ def _made_current(device: torch.device) -> int | None:
     if device.index is None:  # a CPU tensor, or an index-less device: nothing to make current
         return None
     p = platforms.current()
-    if device.type != p.device_type:
+    if backends.device_type(device) != p.device_type:  # device.type builds its string at every read
         return None
     before = p.current_device()
     if before == device.index:
@@ -318,9 +319,7 @@ def fill(
         and (x is None or x.is_contiguous())
         and (mask is None or mask.is_contiguous())
     ):
-        _launch(args, out, x, mask, None, run, 1, (run, 1), (0, 0) if x is None else (run, 1), key, start,
-                run % 4 == 0)  # fmt: skip
-        return out
+        return fill_contiguous(args, run, key, start, out, x, mask)  # one run: a whole tensor's launch
     strides = _as_runs(out, segments, run)
     if strides is None and segments == 1 and out.dim() > 1:  # one run, stored row by row (a transposed matrix)
         segments, run = numel // out.shape[-1], out.shape[-1]
@@ -357,6 +356,31 @@ def fill(
         return out
     aligned = start % 4 == 0 and run % 4 == 0
     _launch(args, out, x, mask, None, run, segments, strides, x_strides, key, start, aligned)
+    return out
+
+
+def fill_contiguous(
+    args: Arguments,
+    run: int,
+    key: int,
+    offset: int,
+    out: torch.Tensor,
+    x: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fill` of one run of ``run`` elements (``out.numel()``, which callers have) from global index
+    ``offset``, with ``out``, ``x`` and ``mask`` contiguous (the caller knows): a whole tensor, or a shard
+    that is one run. A run from a Philox block's start that takes one launch (most portable draws) launches
+    here, without the geometry and layout checks that find it and with the arguments that depend on the run
+    alone built once per run length (:func:`_one_run`); any other is drawn by :func:`fill`."""
+    if not (run and offset % 4 == 0 and (run % 4 == 0 or run <= 4 * _MAX_BLOCK)):
+        return fill(args, ShardGeometry.of(tuple(out.shape)), key, offset, out, x, mask)
+    grid, shape, scalars, options = _one_run(args, run, x is not None, mask is not None)
+    # The kernel's arguments in its order, joined from tuples (star-unpacking builds a list first): the
+    # tensors, the run's, the position (lane 0: offset % 4) and the key's words (_s32, inline), the distribution's.
+    tensors = (out, out if x is None else x, out if mask is None else mask, out)
+    position = (offset // 4, 0, (key & _MASK32 ^ _SIGN32) - _SIGN32, (key >> 32 & _MASK32 ^ _SIGN32) - _SIGN32)
+    _start(grid, tensors + shape + position + scalars, options, out)
     return out
 
 
@@ -401,8 +425,6 @@ def _launch(
     chunks, magic, shifts, options = _variant(args, run, aligned, segments == 1, starts is not None, mask is not None)
     if aligned:  # the row strides in fours of elements (any of one run: never used)
         seg_stride, x_seg_stride = (seg_stride // 4, x_seg_stride // 4) if segments > 1 else (0, 0)
-    interpreted = out.is_cpu
-    launch = kernels(interpreted).draw_kernel[(segments * chunks,)]
     arguments = (
         out,
         out if x is None else x,
@@ -423,6 +445,13 @@ def _launch(
         *args.words,
         *args.quads,
     )
+    _start((segments * chunks,), arguments, options, out)
+
+
+def _start(grid: tuple[int], arguments: tuple[Any, ...], options: dict[str, Any], out: torch.Tensor) -> None:
+    """Launch the draw kernel on ``out``'s device (made current for the launch)."""
+    interpreted = out.is_cpu
+    launch = kernels(interpreted).draw_kernel[grid]
     if interpreted:  # CPU tensors: nothing to make current; the interpreter's patches undone after
         with language_restored(True):
             launch(*arguments, **options)
@@ -433,6 +462,20 @@ def _launch(
     finally:
         if before is not None:
             platforms.current().set_device(before)
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_run(
+    args: Arguments, run: int, has_x: bool, has_mask: bool
+) -> tuple[tuple[int], tuple[int, ...], tuple[int, ...], dict[str, Any]]:
+    """The grid, the arguments from ``n_run`` to ``x_elem_stride``, the distribution's (``i0`` to ``q3``) and
+    the options of :func:`fill_contiguous`'s launch: those :func:`_launch` computes for one run (``segments``
+    1, unit element strides, ``ALIGNED`` where ``run`` is whole Philox blocks, row strides unused)."""
+    aligned = run % 4 == 0
+    chunks, magic, shifts, options = _variant(args, run, aligned, True, False, has_mask)
+    seg_stride, x_seg_stride = (0, 0) if aligned else (run, run if has_x else 0)
+    shape = (run, chunks, magic, shifts, seg_stride, 1, x_seg_stride, 1 if has_x else 0)
+    return (chunks,), shape, args.words + args.quads, options
 
 
 @functools.lru_cache(maxsize=1024)

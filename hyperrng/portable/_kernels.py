@@ -103,9 +103,14 @@ def _draw(
             f"or portable_random(seed) instead."
         )
     if backend == "triton" and out is not None and region is None:  # most device draws: philox.run's Triton case
-        arguments, geometry = draw.kernel_arguments, _whole(target.shape)
+        arguments, numel = draw.kernel_arguments, target.numel()
+        if out.is_contiguous():  # most: no geometry to find
+            return draw_at_position(
+                numel, generator, lambda key, offset: _triton.fill_contiguous(arguments, numel, key, offset, out)
+            )
+        geometry = _whole(target.shape)
         return draw_at_position(
-            target.numel(), generator, lambda key, offset: _triton.fill(arguments, geometry, key, offset, out)
+            numel, generator, lambda key, offset: _triton.fill(arguments, geometry, key, offset, out)
         )
     where = _HOST if on_host else device
     compiled = THREAD.entries[-1].compiled and ("cpu" if on_host else kind) in _COMPILED_DEVICE_TYPES
@@ -375,12 +380,17 @@ def undrawn_dropout(x: torch.Tensor, p: float, train: bool | None) -> float | tu
 
 
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    p_value = undrawn_dropout(x, p, train)
-    if not isinstance(p_value, float):
-        return p_value
+    dtype = x.dtype
+    if train is not False and type(p) is float and 0.0 < p < 1.0 and dtype in _FLOAT_DTYPES:
+        p_value = p  # undrawn_dropout's answer for a draw of the kernels' dtypes, without its calls (every draw)
+    else:
+        checked = undrawn_dropout(x, p, train)
+        if not isinstance(checked, float):
+            return checked
+        p_value = checked
     device = x.device
     kind = backends.device_type(device)
-    if x.dtype in _FLOAT_DTYPES and active_region() is None and kind not in HOST_DRAWN:
+    if dtype in _FLOAT_DTYPES and active_region() is None and kind not in HOST_DRAWN:
         refuse_capture(platforms.current(), device, "native_dropout", kind)  # before the backend's probe
         if backends.resolve("auto", device) == "triton":  # mask and values in one pass
             return _fused_dropout(x, p_value)
@@ -392,20 +402,31 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torc
 
 def _fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``native_dropout`` of ``x`` by the Triton backend: values and keep mask from one kernel."""
-    draw = philox.dropout_draw(p, x.dtype)
-    args = draw.kernel_arguments
-    geometry = _whole(x.shape)
+    args, numel = _dropout_arguments(p, x.dtype), x.numel()
     if x.is_contiguous():  # empty_like keeps x's (contiguous) strides: the fewest arguments to parse
         out, keep = torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+        def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+            _triton.fill_contiguous(args, numel, key, offset, out, x, keep)  # all three contiguous: nothing to look at
+            return out, keep
+
     else:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        geometry = _whole(x.shape)
 
-    def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _triton.fill(args, geometry, key, offset, out, x, keep)
-        return out, keep
+        def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+            _triton.fill(args, geometry, key, offset, out, x, keep)
+            return out, keep
 
-    return draw_at_position(x.numel(), None, fused)
+    return draw_at_position(numel, None, fused)
+
+
+@functools.lru_cache(maxsize=256)
+def _dropout_arguments(p: float, dtype: torch.dtype) -> _triton.Arguments:
+    """The fused dropout's kernel arguments for a checked ``0 < p < 1`` and a dtype of :data:`_FLOAT_DTYPES`, in one
+    look-up per draw (:func:`~hyperrng.philox.dropout_draw` rounds ``p`` to its threshold, then looks up its draw)."""
+    return philox.dropout_draw(p, dtype).kernel_arguments
 
 
 PORTABLE_OPS: dict[str, Callable[..., Any]] = {
