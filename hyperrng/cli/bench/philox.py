@@ -130,7 +130,7 @@ def benchmarks(quick: bool) -> list[BenchResult]:
             results += _fixed_costs(repeat)
             results.append(_training_step(repeat))
             if _features.feature("portable-compile").available:
-                results += _compiled_training_step(repeat)
+                results += _compiled_training_step(repeat, compiles=1 if quick else 3)
             results.append(_attention(repeat))
         results += _outside_the_mode(repeat)
     else:  # an older torch: say so on the bench's error stream, measure the rest
@@ -184,9 +184,10 @@ def _training_step(repeat: int) -> BenchResult:
     )
 
 
-def _compiled_training_step(repeat: int) -> list[BenchResult]:
+def _compiled_training_step(repeat: int, compiles: int) -> list[BenchResult]:
     """The MLP's step under ``torch.compile`` (inductor) in portable mode against the same compiled step
-    outside it, and the first call's time (compiling, caches off) in the mode against outside it."""
+    outside it, and the first call's time (compiling, caches off) in the mode against outside it, ``compiles``
+    rounds each (a compile takes seconds on the CPU)."""
     import torch._dynamo
     import torch._inductor.config as inductor
 
@@ -216,7 +217,7 @@ def _compiled_training_step(repeat: int) -> list[BenchResult]:
 
     compile_rounds = {"base": [], "ours": []}  # type: dict[str, list[float]]
     first_call(False)  # untimed: a process's first compile also pays one-time imports and set-up (5x a compile)
-    for _ in range(3):
+    for _ in range(compiles):
         compile_rounds["base"].append(first_call(False))
         compile_rounds["ours"].append(first_call(True))
     torch._dynamo.reset()
@@ -239,7 +240,7 @@ def _compiled_training_step(repeat: int) -> list[BenchResult]:
             baseline_timing=Timing(tuple(compile_rounds["base"])),
             target=_COMPILE_TIME_TARGET,
             note=f"{shape}: the first compiled step (Dynamo, AOTAutograd, inductor), caches off, "
-            "3 rounds each after an untimed one",
+            f"{compiles} round(s) each after an untimed one",
         ),
     ]
 
