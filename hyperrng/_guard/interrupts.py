@@ -296,11 +296,19 @@ class _Recording:
         self.handler, self.owner = handler, owner
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
+        owner = self.owner
+        if owner.open and frame is not None and frame.f_code is _EXIT_CODE and frame.f_locals.get("self") is owner:
+            # Run at the very start of the owner's __exit__ (CPython handles a pending signal on entering a
+            # function), before it closed its record: a handler that raises here skips that __exit__, which
+            # would leave this wrapper installed and recording for good, every later exception kept alive
+            # with its frames and the files they hold. Close the record here, as __exit__ would have.
+            owner.open = False
+            owner._restore()
         try:
             return self.handler(signum, frame)
         except BaseException as exc:
-            if self.owner.open:
-                self.owner.raised.append(exc)
+            if owner.open:
+                owner.raised.append(exc)
             raise
 
 
@@ -326,7 +334,10 @@ class SignalExceptions:
     interrupted while it put the handlers back left in place are put back first, by a deferral of
     nothing; one still in place is not wrapped (it passes the signal to the handler it replaced,
     unrecorded). A wrapper that an interrupted exit leaves in place calls the handler it stands in
-    for and records nothing; the next entry unwraps it.
+    for and records nothing; the next entry unwraps it. A signal handled as the exit starts, before its
+    first instruction, finds the record open: the wrapper closes it and puts the handlers back first, so
+    that a handler raising there leaves no wrapper recording (it would keep every later exception, and
+    the files their frames hold, alive).
     """
 
     __slots__ = ("open", "raised", "_installed")
@@ -352,10 +363,11 @@ class SignalExceptions:
                 # replaced: wrapping it would let the deferral take the wrapper for that handler.
                 if callable(handler) and not _is_deferral(handler):
                     stand_in = _Recording(handler, self)
+                    self._installed[signum] = stand_in  # recorded first: its handler may run right after
                     _setsignal(signum, stand_in)
-                    self._installed[signum] = stand_in
         except BaseException:  # a signal fired while the handlers were swapped: put them back, raise it
             self.open = False
+            self.raised = []
             self._restore()
             raise
         return self
@@ -380,3 +392,6 @@ class SignalExceptions:
                 error = error or exc
         self._installed = {}
         return error
+
+
+_EXIT_CODE = SignalExceptions.__exit__.__code__
