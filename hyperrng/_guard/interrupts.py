@@ -303,7 +303,13 @@ class _Recording:
             # would leave this wrapper installed and recording for good, every later exception kept alive
             # with its frames and the files they hold. Close the record here, as __exit__ would have.
             owner.open = False
-            owner._restore()
+            error = owner._restore()  # what a handler raised while the handlers were put back (a Ctrl-C)
+            if error is not None:  # raised as __exit__ would have, never lost
+                try:
+                    self.handler(signum, frame)
+                except BaseException as exc:
+                    raise _reported([(None, error), (signum, exc)]) from None
+                raise error
         try:
             return self.handler(signum, frame)
         except BaseException as exc:

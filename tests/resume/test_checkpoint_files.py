@@ -304,6 +304,43 @@ def test_a_signal_at_the_start_of_a_saves_signal_record_exit_leaves_no_recorder_
     assert load_rng_state(path)["digest"] in {previous["digest"], _state(2)["digest"]}
 
 
+def test_a_ctrl_c_while_a_signal_at_the_records_exit_start_puts_the_handlers_back_is_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler that returns (a statistics dump on SIGUSR2) run as the record's exit starts closes the record; a
+    Ctrl-C handled while it puts the handlers back is raised, as the exit would have raised it, never dropped."""
+    seen: list[int] = []
+    real_get, armed = interrupts._getsignal, []
+
+    def getsignal_then_ctrl_c(signum: int) -> Any:
+        handler = real_get(signum)
+        if armed and not armed[-1]:  # once: where CPython handles a pending signal, as the C call returns
+            armed.append(True)
+            real_get(signal.SIGINT)(signal.SIGINT, sys._getframe(1))
+        return handler
+
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+
+        def tracer(frame: FrameType, event: str, arg: object) -> None:
+            if event == "call" and frame.f_code is interrupts.SignalExceptions.__exit__.__code__:
+                sys.settrace(None)
+                armed.append(False)
+                signal.getsignal(signal.SIGUSR2)(signal.SIGUSR2, frame)
+
+        monkeypatch.setattr(interrupts, "_getsignal", getsignal_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            sys.settrace(tracer)
+            try:
+                with interrupts.SignalExceptions():
+                    pass
+            finally:
+                sys.settrace(None)
+        assert seen == [signal.SIGUSR2] and armed == [False, True]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 # -- the file system refuses: a full disk, no permission ---------------------------------------------
 
 _FILL_THE_DISK = """
