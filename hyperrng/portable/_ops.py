@@ -57,13 +57,15 @@ def push(entry: Entry, outermost: bool = False) -> None:
 
     Registration (:func:`register`) must have happened."""
     entries = THREAD.entries
-    if not entries:
+    first = not entries
+    if first:
         THREAD.inherited = is_switched_on()
-        switch(True)
     if outermost:
         entries.insert(0, entry)
     else:
         entries.append(entry)
+    if first:  # after the entry is in: an interrupt before this finds it, and pop() gives the key its state back
+        switch(True)
 
 
 def pop(entry: Entry) -> None:

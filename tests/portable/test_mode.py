@@ -952,6 +952,23 @@ def test_an_interrupt_while_the_mode_is_applied_leaves_dtensor_routed_as_before(
     assert not mode_module._DTENSOR.users and thread_mode() is None
 
 
+def test_an_interrupt_as_an_entry_turns_the_key_on_leaves_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first entry turned the thread's dispatch key on, then recorded itself: an interrupt in between left
+    the key on with no entry, so every later random op on the thread reached portable mode's kernels."""
+    real = _ops.switch
+
+    def interrupted_after(on: bool) -> None:
+        real(on)
+        if on:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_ops, "switch", interrupted_after)
+    with pytest.raises(KeyboardInterrupt):
+        with mode_applied(False):
+            pass
+    assert not _ops.is_switched_on() and not _ops.THREAD.entries
+
+
 def test_entering_puts_hyperrngs_dtensor_tracker_in_place_and_the_last_exit_puts_back_what_was_there() -> None:
     from torch.distributed.tensor import _random
 
