@@ -523,10 +523,11 @@ class RNGStatesTracker(ForkChain):
         if not self._states and data is not None and data.get_worker_info() is not None:
             # A worker started by spawn or forkserver imports hyperrng afresh: the process-wide tracker is empty.
             hint = (
-                "in a DataLoader worker started by spawn or forkserver the process-wide tracker starts empty (only "
-                "the dataset is sent to the worker): keep the seeded tracker on the dataset "
+                "in this DataLoader worker the tracker is empty. Workers started by fork inherit the streams the "
+                "parent seeded before the loader started them; under spawn or forkserver a worker imports hyperrng "
+                "afresh and gets only the dataset: keep the seeded tracker on the dataset "
                 "(self.tracker = hyperrng.get_rng_tracker() in its __init__; it pickles with its streams) and fork "
-                "from self.tracker, or start the workers by fork."
+                "from self.tracker."
             )
         else:
             hint = _SEED_HINT
