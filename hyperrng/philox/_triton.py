@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng.philox import backends
 from hyperrng.philox._shards import ShardGeometry
 
 __all__ = ["Arguments", "arguments", "fill", "fill_contiguous", "dropout", "kernels", "launching_on", "load", "probe"]
@@ -273,7 +272,7 @@ def _made_current(device: torch.device) -> int | None:
     if device.index is None:  # a CPU tensor, or an index-less device: nothing to make current
         return None
     p = platforms.current()
-    if backends.device_type(device) != p.device_type:  # device.type builds its string at every read
+    if device.type != p.device_type:
         return None
     before = p.current_device()
     if before == device.index:
