@@ -104,14 +104,9 @@ def _draw(
         )
     if backend == "triton" and out is not None and region is None:  # most device draws: philox.run's Triton case
         arguments, numel = draw.kernel_arguments, target.numel()
-        if out.is_contiguous():  # most: no geometry to find
-            return draw_at_position(
-                numel, generator, lambda key, offset: _triton.fill_contiguous(arguments, numel, key, offset, out)
-            )
-        geometry = _whole(target.shape)
-        return draw_at_position(
-            numel, generator, lambda key, offset: _triton.fill(arguments, geometry, key, offset, out)
-        )
+        # The two fills take the same arguments, the extent aside: a contiguous tensor (most) has no geometry to find.
+        fill, extent = (_triton.fill_contiguous, numel) if out.is_contiguous() else (_triton.fill, _whole(target.shape))
+        return draw_at_position(numel, generator, lambda key, offset: fill(arguments, extent, key, offset, out))
     where = _HOST if on_host else device
     compiled = THREAD.entries[-1].compiled and ("cpu" if on_host else kind) in _COMPILED_DEVICE_TYPES
 
@@ -368,6 +363,8 @@ def _randperm(n: int, *, generator: torch.Generator | None = None, out: torch.Te
 def undrawn_dropout(x: torch.Tensor, p: float, train: bool | None) -> float | tuple[torch.Tensor, torch.Tensor]:
     """``native_dropout``'s checks, then its result where it draws nothing (not training, ``p`` 0 or 1: all
     kept or none, as ``F.dropout`` on every device), else the checked ``p`` it draws with."""
+    if train is not False and type(p) is float and 0.0 < p < 1.0 and x.dtype in _FLOAT_DTYPES:
+        return p  # what the checks below give for every draw of the kernels' dtypes, without their calls
     if train is False:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     if not x.is_floating_point():
@@ -380,17 +377,12 @@ def undrawn_dropout(x: torch.Tensor, p: float, train: bool | None) -> float | tu
 
 
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = x.dtype
-    if train is not False and type(p) is float and 0.0 < p < 1.0 and dtype in _FLOAT_DTYPES:
-        p_value = p  # undrawn_dropout's answer for a draw of the kernels' dtypes, without its calls (every draw)
-    else:
-        checked = undrawn_dropout(x, p, train)
-        if not isinstance(checked, float):
-            return checked
-        p_value = checked
+    p_value = undrawn_dropout(x, p, train)
+    if not isinstance(p_value, float):
+        return p_value
     device = x.device
     kind = backends.device_type(device)
-    if dtype in _FLOAT_DTYPES and active_region() is None and kind not in HOST_DRAWN:
+    if x.dtype in _FLOAT_DTYPES and active_region() is None and kind not in HOST_DRAWN:
         refuse_capture(platforms.current(), device, "native_dropout", kind)  # before the backend's probe
         if backends.resolve("auto", device) == "triton":  # mask and values in one pass
             return _fused_dropout(x, p_value)
@@ -405,19 +397,15 @@ def _fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tenso
     args, numel = _dropout_arguments(p, x.dtype), x.numel()
     if x.is_contiguous():  # empty_like keeps x's (contiguous) strides: the fewest arguments to parse
         out, keep = torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
-
-        def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-            _triton.fill_contiguous(args, numel, key, offset, out, x, keep)  # all three contiguous: nothing to look at
-            return out, keep
-
+        fill, extent = _triton.fill_contiguous, numel  # all three contiguous: no geometry to find
     else:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
-        geometry = _whole(x.shape)
+        fill, extent = _triton.fill, _whole(x.shape)
 
-        def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-            _triton.fill(args, geometry, key, offset, out, x, keep)
-            return out, keep
+    def fused(key: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        fill(args, extent, key, offset, out, x, keep)
+        return out, keep
 
     return draw_at_position(numel, None, fused)
 
