@@ -182,4 +182,4 @@ def __getattr__(name: str) -> object:
     return _sys.modules[new]
 
 
-del _contextlib, _errors, _old, _new  # names used above, not part of the package
+del annotations, _contextlib, _errors, _old, _new  # names used above (and the __future__ import's), not the API

@@ -118,3 +118,7 @@ def test_the_old_module_paths_are_the_moved_modules_themselves() -> None:
     assert (set_seeds, rng_offsets) == (hyperrng.set_seeds, hyperrng.rng_offsets)
     # help(hyperrng) lists the folders, not the old paths a second time
     assert not {"tracker", "state", "layout"} & set(dir(hyperrng))
+    # and nothing else than the API and the package's modules: no name a module's own imports left behind
+    public = {name for name in dir(hyperrng) if not name.startswith("_")}
+    modules = {name for name in public if isinstance(getattr(hyperrng, name), type(hyperrng))}
+    assert public - modules == {name for name in hyperrng.__all__ if not name.startswith("_")}
