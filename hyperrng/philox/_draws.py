@@ -186,7 +186,14 @@ def _randint_draw(low: int, high: int, dtype: torch.dtype) -> Draw:
         limits = (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
     if low < limits[0] or high - 1 > limits[1]:
         raise InvalidArgumentError(f"randint: the range [{low}, {high}) does not fit {dtype}.")
-    return Draw("randint", dtype, torch.int64, (low, span))
+    top = 2**64 if dtype == torch.uint64 else 2**63  # the values int64 arithmetic gives, modulo 2**64
+    if low < -(2**63) or high > top:
+        raise InvalidArgumentError(
+            f"randint: the range [{low}, {high}) passes the 64-bit integers its values are computed in "
+            f"(low + word % span); draw within [-2**63, {'2**64' if top == 2**64 else '2**63'}) and add an offset."
+        )
+    # A uint64 bound from 2**63 on, as the int64 of the same 64 bits: the sum wraps to the value's bits.
+    return Draw("randint", dtype, torch.int64, (low - 2**64 if low >= 2**63 else low, span))
 
 
 def dropout_draw(p: float, dtype: torch.dtype) -> Draw:

@@ -21,6 +21,7 @@ from hyperrng.philox import (
     dropout,
     normal,
     philox4x32_10,
+    randint,
     random_bits,
     uniform,
 )
@@ -879,3 +880,16 @@ def test_explicit_key_draws_inside_torch_compile_draw_the_eager_numbers_behind_a
     older torch sets the processor to flush subnormal floats, for every later test of the process."""
     run = subprocess.run([sys.executable, "-c", _COMPILED_DRAWS], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.split() == ["refused"], run.stderr[-3000:]
+
+
+def test_randint_bounds_at_the_ends_of_the_64_bit_integers() -> None:
+    """A uint64 range from 2**63 on is computed as the int64 of the same bits, small draws (the host's
+    readahead) as large ones; a range outside the 64-bit integers is refused with what to do, not an overflow."""
+    for low, high in ((2**63, 2**63 + 10), (2**63 - 5, 2**63 + 5), (2**64 - 2**32, 2**64)):
+        expected = [low + w % (high - low) for w in random_bits((20_000,), 5, 8).tolist()]
+        for n in (3, 20_000):  # both sides of the host's small-draw path
+            got = randint((n,), low, high, 5, 8, dtype=torch.uint64)
+            assert got.tolist() == expected[:n], (low, n)
+    for dtype, low in ((torch.float64, 2**70), (torch.float64, -(2**63) - 1), (torch.uint64, 2**64)):
+        with pytest.raises(InvalidArgumentError, match="64-bit integers|does not fit"):
+            randint((3,), low, low + 10, 5, dtype=dtype)

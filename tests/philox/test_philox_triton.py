@@ -161,9 +161,9 @@ def test_the_quotient_by_an_invariant_divisor_is_exact() -> None:
 @pytest.mark.parametrize("span", SPANS)
 def test_randint_is_the_remainder_for_every_span(span: int) -> None:
     """word % span in 32 bits: 1, powers of two, 2**31 +- 1, 2**32 - 1 and 2**32 (no remainder at all), added
-    to low bounds negative and large, in 64-bit, 32-bit and floating-point results."""
+    to low bounds negative and large, in 64-bit, 32-bit and floating-point results (uint64 from 2**63 on)."""
     lows = [(0, torch.int64), (-(2**40), torch.int64), (2**40, torch.int64), (-(2**63), torch.int64),
-            (-(2**31), torch.int32), (-5, torch.float32)]  # fmt: skip
+            (-(2**31), torch.int32), (-5, torch.float32), (2**63, torch.uint64)]  # fmt: skip
     for low, dtype in lows:
         for shape, offset, key in (((3, 40), 2**32 + 1, 2**48 + 7), ((64,), 0, 5)):
             expected = philox.randint(shape, low, low + span, key, offset, dtype=dtype, backend="torch")
