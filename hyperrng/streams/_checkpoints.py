@@ -13,7 +13,10 @@ stack (a reentrant one whose Function records no backward, as in evaluation unde
 nothing and is not reported), a walk of the whole stack (a checkpointed block may call its fork from any
 depth; about 5 us at 30 frames, 0.1-0.2 us a frame more) that only calls made with grad disabled pay, and none
 made in inference mode (which no backward pass follows). :func:`unreplayed_recompute` finds the recompute of
-such a checkpoint, whose draws the forward made outside portable mode.
+such a checkpoint, whose draws the forward made outside portable mode. Two blocks hide their checkpoint from the
+cheap tests and are found by the walk: one that turns grad back on inside a reentrant checkpoint (an autograd
+Function's forward leaves forward-mode AD off, :func:`_grad_outside_functions`), and one whose draw sits under a
+saved-tensor hook of its own (``save_on_cpu``), above the checkpoint's hook or its recomputation hook.
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ import torch
 import torch.utils.checkpoint
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_fwd_grad = getattr(torch._C, "_is_fwd_grad_enabled", None)
+
+
+def _grad_outside_functions() -> bool:
+    """Whether grad is on and no autograd Function's forward runs: every such forward (a reentrant checkpoint's
+    too) turns forward-mode AD off, which ``torch.enable_grad()`` inside its block leaves off, so a block that
+    turns grad back on is still found (by the walk of :func:`checkpoint_forward`)."""
+    return torch.is_grad_enabled() and _fwd_grad is not None and _fwd_grad()
+
+
 SEES_NON_REENTRANT = _top_hooks is not None
 """Whether this torch shows a non-reentrant checkpoint's saved-tensor hooks (torch 2.5 to 2.7 do not: there one
 is found by the frame of its ``checkpoint`` call, a walk of the stack that every fork and portable draw
@@ -100,12 +113,15 @@ def checkpoint_forward() -> Any:
     """What marks the checkpoint whose forward pass the calling thread is in, else ``None``: a non-reentrant
     ``torch.utils.checkpoint``'s saved-tensor hook (on torch 2.5 to 2.7 the generator its call runs), or for one that
     runs its forward without grad, the code of the function it runs it in (found on the stack)."""
-    if torch.is_grad_enabled():
+    if _grad_outside_functions():
         if _top_hooks is None:  # torch 2.5 to 2.7
             return _non_reentrant_call(sys._getframe(1))
         top = _top_hooks(False)  # top_hook(), inline: every portable draw asks
         hook = top[0] if top is not None else None
-        return hook if hook is not None and hook.__qualname__.startswith("_checkpoint_hook.") else None
+        if hook is None or hook.__qualname__.startswith("_checkpoint_hook."):
+            return hook
+        # Another saved-tensor hook (save_on_cpu) hides a checkpoint's below it: found by its call, as on torch 2.7.
+        return _non_reentrant_call(sys._getframe(1))
     if torch.is_inference_mode_enabled():  # no backward pass will follow, so no recompute: no walk
         return None
     frame: types.FrameType | None = sys._getframe(1)
@@ -245,6 +261,9 @@ def _replayed(found: object) -> bool:
     for mark in REPLAYED.hooks:
         if mark is found or (type(mark) is weakref.ref and mark() is found):
             return True
+    if SEES_NON_REENTRANT and isinstance(found, types.GeneratorType):  # found by its call, under another hook
+        inner = found.gi_frame
+        return inner is not None and getattr(inner.f_locals.get("forward_context"), "recorded", None) is not None
     return False
 
 
@@ -252,8 +271,8 @@ def unreplayed_checkpoint() -> str | None:
     """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
     forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
     ``None`` (no checkpoint, ``hyperrng.checkpoint``, or one given ``hyperrng.checkpoint_context``)."""
-    if torch.is_grad_enabled() and _top_hooks is not None and _top_hooks(False) is None:
-        return None  # no saved-tensor hooks: no checkpoint's forward (every portable draw asks; without a call)
+    if _top_hooks is not None and _top_hooks(False) is None and _grad_outside_functions():
+        return None  # no saved-tensor hooks, nor a reentrant checkpoint's forward (every portable draw asks)
     found = checkpoint_forward()
     if found is _REENTRANT_FORWARD:
         return "use_reentrant=True"
@@ -276,13 +295,9 @@ def checkpoint_verdict() -> str | None:
     """What a portable draw on the calling thread must do about ``torch.utils.checkpoint``, in one call (every
     draw asks): ``None`` to draw portably, :data:`RERUN` to run torch's kernel (:func:`unreplayed_recompute`),
     or the flavour of the checkpoint whose forward pass must refuse it (:func:`unreplayed_checkpoint`)."""
-    if (
-        _top_hooks is not None
-        and _top_hooks(False) is None
-        and torch.is_grad_enabled()
-        and torch._C._current_graph_task_id() == -1
-    ):
-        return None  # no saved-tensor hooks, grad on, no backward pass: neither a forward nor a rerun of one
+    if _top_hooks is not None and _top_hooks(False) is None and _grad_outside_functions():
+        if torch._C._current_graph_task_id() == -1:
+            return None  # no saved-tensor hooks, grad on outside Functions, no backward: no forward nor rerun of one
     return RERUN if unreplayed_recompute() else unreplayed_checkpoint()
 
 
@@ -307,11 +322,40 @@ def unreplayed_recompute() -> bool:
             return False
     elif torch._C._current_graph_task_id() == -1:  # no backward pass runs: no reentrant recompute (no node asked)
         return False
+    elif hook is not None and (rerun := _hidden_rerun(sys._getframe(1))) is not None:
+        if rerun:  # another saved-tensor hook (save_on_cpu) in the block hides the recomputation hook: its frames tell
+            return False
     elif reentrant_rerun() is None and not in_rng_replay(sys._getframe(1)):
         return False
     # The forward pass of a checkpoint nested in the block: one that replays draws as it records (hyperrng's, in the
     # mode the outer forward had); one that replays nothing drew torch's (in the mode, its forward was refused).
     return checkpoint_forward() is None or unreplayed_checkpoint() is not None
+
+
+_RECOMPUTE_FN = next(  # the function in which a non-reentrant checkpoint reruns its block, under its recompute context
+    (
+        c
+        for c in torch.utils.checkpoint._checkpoint_without_reentrant_generator.__code__.co_consts
+        if getattr(c, "co_name", "") == "recompute_fn"
+    ),
+    None,
+)
+
+
+def _hidden_rerun(frame: types.FrameType | None) -> bool | None:
+    """For a draw under a saved-tensor hook other than a checkpoint's: whether the non-reentrant checkpoint whose
+    block reruns at or above ``frame`` replays (its recompute context is hyperrng's), ``None`` where none reruns.
+    A walk of the stack, which only draws under such hooks in a backward pass pay."""
+    while frame is not None:
+        if frame.f_code is _RECOMPUTE_FN:
+            context = frame.f_locals.get("recompute_context")
+            if getattr(context, "replays", False):
+                return True
+            # or a @contextmanager around it (the composable checkpoint's): its generator's variables hold it
+            inner = getattr(getattr(context, "gen", None), "gi_frame", None)
+            return inner is not None and any(getattr(v, "replays", False) for v in inner.f_locals.values())
+        frame = frame.f_back
+    return None
 
 
 _RNG_REPLAYS: dict[int, types.CodeType] = {}

@@ -343,7 +343,10 @@ class _RecomputeContext:
     included) while the block reruns; then restores the states it found and releases.
 
     While entered, it marks the recomputation hook the block reruns under as one that replays, which portable
-    mode's kernels check for (:func:`hyperrng.streams._checkpoints.unreplayed_recompute`)."""
+    mode's kernels check for (:func:`hyperrng.streams._checkpoints.unreplayed_recompute`; ``replays``, where
+    another saved-tensor hook in the block hides that hook)."""
+
+    replays = True
 
     def __init__(self, recorded: _Recorded, inner: AbstractContextManager[Any] | None) -> None:
         self._recorded, self._inner = recorded, inner

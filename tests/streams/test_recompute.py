@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import hyperrng
-from hyperrng.errors import HyperRNGError, InvalidOperationError
+from hyperrng.errors import HyperRNGError, InvalidOperationError, UnsupportedPortableOpError
 from hyperrng.streams._checkpoints import REPLAYED
 from hyperrng.streams.recompute import checkpoint
 from hyperrng.streams.tracker import MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
@@ -681,8 +681,26 @@ def _portable_dropout_inside(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x @ w, 0.5)
 
 
+def _dropout_under_save_on_cpu(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    with torch.autograd.graph.save_on_cpu():  # a saved-tensor hook of its own, above the checkpoint's
+        mask = torch.rand_like(x)
+    return torch.relu((x * mask) @ w)
+
+
+def _dropout_with_grad_turned_on(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():  # on again inside a reentrant checkpoint's forward, which runs without it
+        return F.dropout(x @ w, 0.5)
+
+
+HIDING_BLOCKS = [_dropout_under_save_on_cpu, _dropout_with_grad_turned_on]
+"""Blocks that once hid their checkpoint from the refusal: drawn portably in the forward pass, torch's numbers in
+the recompute, the gradients silently other."""
+
+
 @pytest.mark.needs_portable_mode
-@pytest.mark.parametrize("block", [_torch_dropout, _torch_attention], ids=["dropout", "attention"])
+@pytest.mark.parametrize(
+    "block", [_torch_dropout, _torch_attention, *HIDING_BLOCKS], ids=["dropout", "attention", "save_on_cpu", "grad on"]
+)
 @pytest.mark.parametrize("name", [*FLAVOURS, *UNREPLAYED])
 def test_a_forward_outside_portable_mode_is_recomputed_outside_it_by_a_backward_inside_it(
     name: str, block: Callable[..., Any]
@@ -703,6 +721,50 @@ def test_a_block_that_enters_portable_mode_itself_is_recomputed_in_it_by_a_backw
     assert torch.equal(grad, plain)
     assert_equal_states(after, plain_after)
     assert not hyperrng.is_portable_random_enabled()
+
+
+@pytest.mark.needs_portable_mode
+@pytest.mark.parametrize("block", HIDING_BLOCKS, ids=["save_on_cpu", "grad on"])
+@pytest.mark.parametrize("preserve", [True, False], ids=["rng preserved", "not preserved"])
+@pytest.mark.parametrize("name", [*FLAVOURS, *UNREPLAYED])
+def test_a_forward_in_the_mode_hidden_from_its_checkpoint_is_replayed_or_refused(
+    name: str, block: Callable[..., Any], preserve: bool
+) -> None:
+    """A block whose draw sits under a saved-tensor hook of its own, or turns grad back on inside a reentrant
+    checkpoint, forward and backward in the mode: the unchecked block's gradient and states, or a typed refusal
+    before anything moves, never other numbers. A compiled checkpoint replays where Dynamo traced the block, and
+    runs eagerly, refused as the eager one, where the block breaks its graph (``save_on_cpu``)."""
+    if name.startswith("compiled"):
+        torch._dynamo.reset()
+    wrap = {**FLAVOURS, **UNREPLAYED}[name]
+
+    def run(checked: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        w, x = _W.clone().requires_grad_(), _X.clone().requires_grad_()
+        torch.manual_seed(1)
+        with hyperrng.portable_random(7):
+            if checked and not preserve and name.startswith("torch"):
+                kind = name == "torch reentrant"
+                y = torch.utils.checkpoint.checkpoint(
+                    functools.partial(block, w), x, use_reentrant=kind, preserve_rng_state=False
+                )
+            else:
+                y = wrap(functools.partial(block, w), x) if checked else block(w, x)
+            y.sum().backward()
+        assert w.grad is not None
+        return w.grad, generator_states(get_rng_tracker())
+
+    plain, plain_after = run(False)
+    torch.manual_seed(1)
+    before = generator_states(get_rng_tracker())
+    try:
+        grad, after = run(True)
+    except UnsupportedPortableOpError:
+        assert name in UNREPLAYED, f"{name} replays hyperrng's draws: refused"
+        assert_equal_states(generator_states(get_rng_tracker()), before)
+        return
+    assert name in FLAVOURS or name.startswith("compiled"), f"{name} replays nothing of hyperrng's, yet drew"
+    assert torch.equal(grad, plain)
+    assert_equal_states(after, plain_after)
 
 
 # -- hyperrng.checkpoint: what its reentrant backward cannot serve is refused -------------------------
