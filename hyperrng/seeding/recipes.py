@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import hyperrng.platforms as platforms
-from hyperrng._guard.exclusive import holding
+from hyperrng._guard.exclusive import holding, refuse_inside_contexts
 from hyperrng._guard.interrupts import deferred
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
@@ -102,11 +102,14 @@ def seed_host(seed: int) -> None:
     Raises:
         InvalidArgumentError: ``seed`` is not an int in [0, 2**64 - 1]; nothing is seeded.
         InvalidOperationError: another thread holds torch's CPU generator or a device's (in a
-            fork, a region, ...; see :mod:`hyperrng._guard.exclusive`); nothing is seeded.
+            fork, a region, ...; see :mod:`hyperrng._guard.exclusive`), or this thread is inside such a
+            context, whose stream the generator holds until its exit puts the run's back; nothing is seeded.
     """
     value = check_seed(seed)
     platform = platforms.current()
-    with deferred(), holding(device_keys(platform), "seed_host"):  # every generator or none, under Ctrl-C too
+    keys = device_keys(platform)
+    refuse_inside_contexts(keys, "seed the generators")  # a fork's stream would be reseeded, the rest not
+    with deferred(), holding(keys, "seed_host"):  # every generator or none, under Ctrl-C too
         random.seed(library_seed(value, PYTHON_RANDOM_DOMAIN))
         _seed_numpy(library_seed(value, NUMPY_DOMAIN))
         if platform.device_type != "cpu":  # where the device is the host, seeding the device seeds it
