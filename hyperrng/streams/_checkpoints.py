@@ -271,7 +271,7 @@ def unreplayed_checkpoint() -> str | None:
     """The flavour of ``torch.utils.checkpoint`` (``"use_reentrant=True"`` or ``"use_reentrant=False"``) whose
     forward pass the calling thread is in, when its recompute would not replay hyperrng's states; else
     ``None`` (no checkpoint, ``hyperrng.checkpoint``, or one given ``hyperrng.checkpoint_context``)."""
-    if _top_hooks is not None and _top_hooks(False) is None and _grad_outside_functions():
+    if _top_hooks is not None and _top_hooks(False) is None and torch.is_grad_enabled() and _fwd_grad and _fwd_grad():
         return None  # no saved-tensor hooks, nor a reentrant checkpoint's forward (every portable draw asks)
     found = checkpoint_forward()
     if found is _REENTRANT_FORWARD:
@@ -295,8 +295,8 @@ def checkpoint_verdict() -> str | None:
     """What a portable draw on the calling thread must do about ``torch.utils.checkpoint``, in one call (every
     draw asks): ``None`` to draw portably, :data:`RERUN` to run torch's kernel (:func:`unreplayed_recompute`),
     or the flavour of the checkpoint whose forward pass must refuse it (:func:`unreplayed_checkpoint`)."""
-    if _top_hooks is not None and _top_hooks(False) is None and _grad_outside_functions():
-        if torch._C._current_graph_task_id() == -1:
+    if _top_hooks is not None and _top_hooks(False) is None and torch.is_grad_enabled() and _fwd_grad and _fwd_grad():
+        if torch._C._current_graph_task_id() == -1:  # (_grad_outside_functions, inline: every draw asks)
             return None  # no saved-tensor hooks, grad on outside Functions, no backward: no forward nor rerun of one
     return RERUN if unreplayed_recompute() else unreplayed_checkpoint()
 
