@@ -39,9 +39,11 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._guard.exclusive import refuse_inside_contexts
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, RankFailure, RNGDesyncError
 from hyperrng.platforms.validate import check_instance
 from hyperrng.seeding.layout import DEFAULT_STREAM, StreamLayout, mesh_coordinates
+from hyperrng.streams._device_state import device_keys
 from hyperrng.streams.tracker import RNGStatesTracker, resolve_tracker
 
 __all__ = ["DEFAULT_TIMEOUT", "StreamVerdict", "fingerprint", "verify_rng_sync"]
@@ -138,6 +140,9 @@ def verify_rng_sync(
             f"verify_rng_sync cannot run inside a fork of stream {tracker.active_stream!r}; call it outside any fork.",
             reason="tracker",
         )
+    # Nor inside another context that swapped the generator (another tracker's fork, fork_rng, a sharded region):
+    # the default stream's fingerprint would be that context's stream, a desync missed or one reported falsely.
+    refuse_inside_contexts(device_keys(platforms.current()), "verify the streams' sync")
     point = mesh_coordinates(coords)  # a wrong type is a TypeError whether or not a group exists
     missing_dims = [d for d in layout.dims if d not in point]
     if missing_dims:

@@ -17,6 +17,7 @@ from hyperrng.platforms._features import feature
 
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError, RankFailure
 from hyperrng.seeding.layout import DEFAULT_STREAM, StreamLayout, apply_layout
+from hyperrng.streams.fork import fork_rng
 from hyperrng.streams.tracker import DATA_PARALLEL_STREAM, MODEL_PARALLEL_STREAM, RNGStatesTracker, get_rng_tracker
 from hyperrng.verify import DEFAULT_TIMEOUT, StreamVerdict, fingerprint, verify_rng_sync
 from tests._dist import run_ranks
@@ -504,4 +505,11 @@ def test_checking_inside_a_fork_is_refused_before_any_collective() -> None:
     layout = StreamLayout(dims=("tp",), default=(), streams={"a": ("tp",)})
     with tracker.fork("a"):
         with pytest.raises(InvalidOperationError, match="inside a fork of stream 'a'"):
+            verify_rng_sync(layout, {"tp": 0}, tracker=tracker)
+    # Inside another tracker's fork (or fork_rng) the default stream's fingerprint would be that context's stream:
+    # a desync missed, or one reported falsely.
+    other = RNGStatesTracker()
+    other.reseed({"helper": 7})
+    for context in (lambda: other.fork("helper"), fork_rng):
+        with context(), pytest.raises(InvalidOperationError, match="cannot verify the streams' sync inside"):
             verify_rng_sync(layout, {"tp": 0}, tracker=tracker)

@@ -136,6 +136,8 @@ class _Fork:
         flavour = unreplayed_fork()
         if flavour is not None:
             raise _checkpoint_refusal(self.name, flavour)
+        if tracker._active is not None:  # the other context's stream would be taken for the outer fork's advance
+            tracker._check_uncovered(f"fork stream {self.name!r}")
         read, write, key = swap.fixed or swap.bind()  # type: ignore[union-attr]
         below = back = None  # set once the device is held / once what the generator must get back is known
         try:
@@ -321,6 +323,23 @@ class ForkChain:
                 return True
             fork = fork.outer
         return False
+
+    def _check_uncovered(self, what: str) -> None:
+        """Refuse ``what`` (nothing changes) while this thread's active fork has a context that swapped its device's
+        generator open inside it (a fork of another tracker, ``fork_rng``, a sharded region, a ``portable_random(seed)``
+        block): the generator holds that context's stream until its exit, not the fork's, whose advance that
+        context keeps to put back."""
+        fork = self._active
+        if fork is None or fork.thread is not current_thread():
+            return
+        top = _HOLDS.get(fork.held[0])
+        if top is not None and top[0] is fork.thread and top[2] is not fork and top[2] is not None:
+            raise InvalidOperationError(
+                f"cannot {what} while a {_exclusive.describe(top[2])} is open inside this tracker's fork of stream "
+                f"{fork.name!r}: the generator holds that context's stream until its exit; do it after that exit, "
+                "or before the context was entered.",
+                reason="tracker",
+            )
 
     def _stuck_error(self, what: str) -> InvalidOperationError:
         return InvalidOperationError(

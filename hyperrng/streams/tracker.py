@@ -7,23 +7,20 @@ A *stream* is an RNG state that a region of code borrows::
     with tracker.fork("model-parallel-rng"):
         y = dropout(x)          # draws from the stream, which then remembers its advance
 
-Streams live on the **current device's default generator** of the current platform
-(``hyperrng.platforms.current()``, resolved at every call so ``hyperrng.platforms.use(...)`` works). On an
-accelerator platform a fork swaps only the device generator, as Megatron-core's and
-TransformerEngine's trackers do: random ops on CPU tensors inside a fork keep drawing from
-(and advancing) torch's CPU generator, exactly as outside. That keeps forks cheap; wrap the
-region in :func:`hyperrng.streams.fork.fork_rng` when the CPU state must be isolated too. On the
-CPU platform the device generator *is* torch's CPU generator, so the fork covers it.
+Streams live on the **current device's default generator** of the current platform (``hyperrng.platforms.current()``,
+resolved at every call so ``hyperrng.platforms.use(...)`` works). On an accelerator platform a fork swaps only the
+device generator, as Megatron-core's and TransformerEngine's trackers do: random ops on CPU tensors inside a fork keep
+drawing from (and advancing) torch's CPU generator, exactly as outside. That keeps forks cheap; wrap the region in
+:func:`hyperrng.streams.fork.fork_rng` when the CPU state must be isolated too. On the CPU platform the device
+generator *is* torch's CPU generator, so the fork covers it.
 
-How a fork swaps the stream in (copies of the state bytes, or with ``graph_safe=True``
-generator-state objects) is decided once, when the tracker binds to a platform (its first
-stream): see :mod:`hyperrng.streams._swap`. :meth:`RNGStatesTracker.get_states` of a default tracker
-returns byte tensors on every platform, as Megatron-core's default tracker does.
+How a fork swaps the stream in (state bytes, or generator-state objects with ``graph_safe=True``) is decided when the
+tracker binds to a platform (its first stream; :mod:`hyperrng.streams._swap`); :meth:`RNGStatesTracker.get_states` of
+a default tracker returns byte tensors on every platform, as Megatron-core's does.
 
-A fork's thread policy and its order under asyncio are told at :class:`~hyperrng.streams._chain._Fork`;
-forks that can no longer be left (a thread ended, a process made by ``fork``) at
-:class:`~hyperrng.streams._chain.ForkChain`; graphs at :meth:`RNGStatesTracker.register_graph`;
-TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
+A fork's thread policy and its order under asyncio are told at :class:`~hyperrng.streams._chain._Fork`; forks that
+can no longer be left (a thread ended, a process made by ``fork``) at :class:`~hyperrng.streams._chain.ForkChain`;
+graphs at :meth:`RNGStatesTracker.register_graph`; TransformerEngine's protocol at :class:`RNGTrackerProtocol`.
 """
 
 from __future__ import annotations
@@ -319,6 +316,7 @@ class RNGStatesTracker(ForkChain):
             return {}
         if active is not None:
             self._check_not_abandoned("snapshot the streams")
+            self._check_uncovered("snapshot the streams")
         snapshot = {name: swap.export(state, as_tensors) for name, state in self._states.items()}
         if active is not None and not swap.in_place:  # the generator holds the active stream's advance
             snapshot[active.name] = swap.export(active.read(), as_tensors)
@@ -367,6 +365,8 @@ class RNGStatesTracker(ForkChain):
                     f"set_states() lacks stream(s) {missing}; pass the complete mapping get_states() returned."
                 )
         self._idle("set the states", replacing=True, here_ok=True)
+        if self._active is not None and not self._stuck():
+            self._check_uncovered("set the states")
         swap = self._target(rebind=False)
         order = list(self._states) or list(states)
         new = {}

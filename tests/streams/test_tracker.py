@@ -9,6 +9,7 @@ import hyperrng.platforms as platforms
 import pytest
 import torch
 
+import hyperrng
 from hyperrng.errors import (
     ArgumentTypeError,
     HyperRNGError,
@@ -141,6 +142,43 @@ def test_a_stream_remembers_its_advance_between_forks(setup: tuple[platforms.Pla
         b = draw(platform)
     platform.manual_seed(5)
     assert torch.equal(a, draw(platform)) and torch.equal(b, draw(platform))
+
+
+@pytest.mark.parametrize("inner", ["another tracker's fork", "fork_rng"])
+def test_a_tracker_refuses_its_stream_ops_while_another_context_is_open_inside_its_fork(
+    setup: tuple[platforms.Platform, RNGStatesTracker], inner: str
+) -> None:
+    """Inside ``T.fork("a")``, a context entered after it swaps the generator to its own stream until its exit: a
+    fork of ``a`` there would take that stream for ``a``'s advance, a snapshot would read it as ``a``, and a restore
+    of ``a`` would be undone by that context's exit, each silently. They are refused, and nothing changes; in
+    order, after that context's exit, the same calls continue ``a`` as if nothing had been tried."""
+    platform, tracker = setup
+    other = RNGStatesTracker(graph_safe=tracker.graph_safe)
+    reference = RNGStatesTracker(graph_safe=tracker.graph_safe)
+    for t in (tracker, reference):
+        t.add("a", 1)
+    other.add("u", 2)
+    snapshot = tracker.get_states(as_tensors=True)
+    with reference.fork("a"):
+        expected = [draw(platform) for _ in range(3)]
+    with tracker.fork("a"):
+        first = draw(platform)
+        context = other.fork("u") if inner != "fork_rng" else hyperrng.fork_rng()
+        with context:
+            inside = draw(platform)
+            for call in (
+                lambda: tracker.fork("a").__enter__(),
+                tracker.get_states,
+                lambda: tracker.set_states(snapshot),
+            ):
+                with pytest.raises(InvalidOperationError, match="is open inside this tracker's fork of stream 'a'"):
+                    call()
+        with tracker.fork("a"):
+            second = draw(platform)
+        third = draw(platform)
+    assert [torch.equal(a, b) for a, b in zip([first, second, third], expected)] == [True, True, True]
+    if inner != "fork_rng":  # (fork_rng continues the generator as it found it, and puts that back)
+        assert not any(torch.equal(inside, e) for e in expected)
 
 
 def test_fork_defaults_to_the_model_parallel_stream(setup: tuple[platforms.Platform, RNGStatesTracker]) -> None:
