@@ -324,16 +324,19 @@ class ForkChain:
             fork = fork.outer
         return False
 
-    def _check_uncovered(self, what: str) -> None:
+    def _check_uncovered(self, what: str, writing: bool = False) -> None:
         """Refuse ``what`` (nothing changes) while this thread's active fork has a context that swapped its device's
-        generator open inside it (a fork of another tracker, ``fork_rng``, a sharded region, a ``portable_random(seed)``
-        block): the generator holds that context's stream until its exit, not the fork's, whose advance that
-        context keeps to put back."""
+        generator open inside it (a fork of another tracker, a sharded region, a ``portable_random(seed)`` block):
+        the generator holds that context's stream until its exit, not the fork's, whose advance that context keeps
+        to put back. ``fork_rng`` swaps nothing in (the fork's stream draws on) but puts back what it found at its
+        exit, which would undo ``writing`` the stream."""
         fork = self._active
         if fork is None or fork.thread is not current_thread():
             return
         top = _HOLDS.get(fork.held[0])
         if top is not None and top[0] is fork.thread and top[2] is not fork and top[2] is not None:
+            if not writing and getattr(top[2], "continues", False):
+                return
             raise InvalidOperationError(
                 f"cannot {what} while a {_exclusive.describe(top[2])} is open inside this tracker's fork of stream "
                 f"{fork.name!r}: the generator holds that context's stream until its exit; do it after that exit, "

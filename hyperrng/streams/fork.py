@@ -38,6 +38,7 @@ class _ForkRNG(LeavesOnExit):
     """
 
     __slots__ = ("_hold", "_saved", "_targets")
+    continues = True  # the generators draw on the stream they held: a fork inside reads its advance (ForkChain)
 
     def __init__(self, targets: list[Target]) -> None:
         self._targets = targets

@@ -366,7 +366,7 @@ class RNGStatesTracker(ForkChain):
                 )
         self._idle("set the states", replacing=True, here_ok=True)
         if self._active is not None and not self._stuck():
-            self._check_uncovered("set the states")
+            self._check_uncovered("set the states", writing=True)
         swap = self._target(rebind=False)
         order = list(self._states) or list(states)
         new = {}
