@@ -300,8 +300,10 @@ def _random_from(
     if (low, high) == _COMPILED_SEED_RANGE:
         why = (
             "torch.compile compiled it outside the mode and did not compile it again in it, as it does where a "
-            "tensor input shows the mode. Compile it again inside the mode (torch._dynamo.reset(), or a separate "
-            "torch.compile), or call it outside portable_random()."
+            "tensor input shows the mode, or the op ran under torch.inference_mode() entered inside the compiled "
+            "function, which hides it from the mode's tracing. Compile it again inside the mode "
+            "(torch._dynamo.reset(), or a separate torch.compile), enter inference_mode outside the compiled call, "
+            "or call it outside portable_random()."
             if _features.feature("portable-compile").available
             else "compiled code draws portably only where torch.compile traced it in the mode, which needs the "
             "torch feature 'portable-compile' ('hyperrng info' says what it needs). Call the compiled function "
