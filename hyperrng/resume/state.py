@@ -348,6 +348,12 @@ class RNGStateful:
 
     Arguments are those of :func:`rng_state_dict` and :func:`load_rng_state_dict`, and:
 
+    **Load with the planner.** DCP reads into the structure :meth:`state_dict` gives at the load, and refuses,
+    with its own ``CheckpointException``, a key the checkpoint lacks: a rank whose tracker holds no streams yet
+    (a restarted job that loads before seeding), or other ones, would fail there. With
+    ``planner=RNGStateful.planner()`` each state is read in the structure it was saved in, and
+    :func:`load_rng_state_dict`'s rules apply (an empty tracker adopts the saved streams).
+
     **A larger world.** DCP reads only the keys each loading instance names, and refuses a key
     the checkpoint lacks before any ``Stateful`` runs: a rank beyond the saved world would get
     torch's ``CheckpointException``. Load with ``planner=RNGStateful.planner()``: where this
@@ -533,20 +539,26 @@ class RNGStateful:
         """
         return _planner_class()(**kwargs)
 
-    def _plan(self, name: str, entry: _Entry, saved: Collection[str]) -> None:
-        """The planner's step for this instance's ``entry``, DCP's top-level key ``name``, in a
-        checkpoint holding the keys ``saved``: where this rank's key is absent, ask for every saved
-        rank's state (reseed, no ``load_from``) or for none, and note which ranks it holds."""
+    def _plan(self, name: str, entry: _Entry, metadata: Any) -> None:
+        """The planner's step for this instance's ``entry``, DCP's top-level key ``name``, in a checkpoint described
+        by ``metadata``: each state is read in the structure it was saved in (:func:`_saved_template`), whatever this
+        rank's own holds (no streams yet, another layout: :func:`load_rng_state_dict` then adopts or refuses it);
+        where this rank's key is absent, ask for every saved rank's state (reseed, no ``load_from``) or for none,
+        and note which ranks it holds."""
         prefix = f"{name}."
+        saved: Collection[str] = metadata.state_dict_metadata
         ranks = {int(m[1]) for fqn in saved if fqn.startswith(prefix) and (m := _RANK_KEY.match(fqn, len(prefix)))}
         [(key, template)] = entry.items()
         reseed = self._load["on_mismatch"] == "reseed" and self._load_from is None
         if int(key[len("rank_") :]) in ranks and not reseed:
+            entry[key] = _saved_template(metadata, name, key) or template
             return
         entry.saved = sorted(ranks)
         entry.clear()
         if reseed:  # its own state may have been saved elsewhere on the mesh: every rank's, to choose by coordinates
-            entry.update({f"rank_{r}": copy.deepcopy(template) for r in entry.saved})  # DCP reads into each
+            entry.update(
+                {f"rank_{r}": _saved_template(metadata, name, f"rank_{r}") or copy.deepcopy(template) for r in ranks}
+            )  # DCP reads into each
 
     def _stand_in(self, why: str, loaded: Mapping[str, Any]) -> str:
         """The key of the saved state this rank resumes from where its own key cannot serve (``why``: none,
@@ -628,6 +640,42 @@ class _Entry(dict):  # type: ignore[type-arg]
         self.saved: list[int] | None = None  # the saved ranks, once the planner found this rank's missing
 
 
+def _saved_template(metadata: Any, name: str, key: str) -> dict[str, Any] | None:
+    """The structure in which DCP saved the state under ``name.key``, from the paths its save planner recorded
+    (tensors allocated at their saved size and dtype, other values read whole): what a load reads into, so that
+    a loading rank whose own state differs in structure reads the saved one rather than failing in DCP's planner
+    on a key the checkpoint lacks. ``None`` where the checkpoint records no paths (saved without flattening)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = getattr(metadata, "planner_data", None)
+    if not isinstance(paths, Mapping):
+        return None
+    template: dict[Any, Any] = {}
+    for fqn, path in paths.items():
+        if not isinstance(path, tuple) or len(path) < 3 or path[:2] != (name, key):
+            continue
+        stored = metadata.state_dict_metadata.get(fqn)
+        node = template
+        for part in path[2:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = (
+            torch.empty(stored.size, dtype=stored.properties.dtype)
+            if isinstance(stored, TensorStorageMetadata)
+            else None
+        )
+    return _as_lists(template) if template else None
+
+
+def _as_lists(node: Any) -> Any:
+    """``node`` with every dict keyed ``0..n-1`` turned into the list it was saved as (DCP's paths index lists)."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _as_lists(v) for k, v in node.items()}
+    if items and all(type(k) is int for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
+
+
 @functools.cache
 def _planner_class() -> type:
     """:meth:`RNGStateful.planner`'s class, made at first use (importing DCP takes most of a second)."""
@@ -641,7 +689,7 @@ def _planner_class() -> type:
             if metadata is not None:
                 for name, value in state_dict.items():
                     if isinstance(value, _Entry):
-                        value.owner._plan(name, value, metadata.state_dict_metadata)
+                        value.owner._plan(name, value, metadata)
             super().set_up_planner(state_dict, *args, **kwargs)
 
     return RNGLoadPlanner

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperrng.errors import ArgumentTypeError, InvalidArgumentError, InvalidOperationError, StorageError
+from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, InvalidOperationError, StorageError
 from hyperrng.resume._format import digest as _digest
 from hyperrng.resume.state import (
     FORMAT,
@@ -1216,6 +1216,29 @@ def test_the_planner_refuses_a_rank_the_checkpoint_lacks_with_our_error_and_keep
         with pytest.raises(CheckpointException):  # the planner re-plans only the RNG entries
             dcp.load({"rng": stateful_for(tracker), "weights": torch.zeros(2)}, checkpoint_id=str(tmp_path),
                      planner=RNGStateful.planner())  # fmt: skip
+
+
+def test_with_the_planner_a_tracker_without_streams_or_with_others_loads_what_was_saved(tmp_path: Path) -> None:
+    """DCP reads into what the loading instance's state_dict() gives: a restarted job that loads before it seeds
+    (no streams, no layout) failed in DCP's own planner with a key the checkpoint lacks. The planner reads the
+    saved structure, so the empty tracker adopts the saved streams and draws what the saving run drew next; one
+    holding other streams gets our error, with nothing changed."""
+    import torch.distributed.checkpoint as dcp
+
+    tracker = seeded_tracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own, about running without a process group
+        dcp.save({"rng": stateful_for(tracker)}, checkpoint_id=str(tmp_path))
+        expected = draw_everything(tracker)
+        fresh = RNGStatesTracker()
+        dcp.load({"rng": RNGStateful(tracker=fresh)}, checkpoint_id=str(tmp_path), planner=RNGStateful.planner())
+        assert draw_everything(fresh) == expected
+        other = RNGStatesTracker()
+        other.add("elsewhere", 3)
+        before = snapshot(other)
+        with pytest.raises(HyperRNGError):
+            dcp.load({"rng": RNGStateful(tracker=other)}, checkpoint_id=str(tmp_path), planner=RNGStateful.planner())
+        assert snapshot(other) == before
 
 
 def test_the_stateful_passes_on_mismatch_through() -> None:
