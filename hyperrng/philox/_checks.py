@@ -156,6 +156,24 @@ def _check_device(device: object) -> torch.device:
     return target
 
 
+def _overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether two elements of a tensor of ``shape`` and ``strides`` share a memory offset. Dims sorted by stride, each
+    stride past what the smaller ones reach, cannot (every dense or permuted tensor, a slice of one); any other
+    layout (an expanded dim, rows that overlap) is decided by listing the offsets."""
+    reach = 0
+    for stride, size in sorted((st, n) for st, n in zip(strides, shape) if n > 1):
+        if stride <= reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, size in zip(strides, shape):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    flat = offsets.reshape(-1)
+    return bool(torch.unique(flat).numel() != flat.numel())
+
+
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``out`` if it can hold the result: a tensor of its shape, dtype and device whose elements do not
     overlap (any strides)."""
@@ -165,10 +183,10 @@ def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: 
         raise ArgumentTypeError(f"out has dtype {out.dtype} but the result is {dtype}.")
     if tuple(out.shape) != shape:
         raise InvalidArgumentError(f"out must have the result's shape {shape}, got shape {tuple(out.shape)}.")
-    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+    if _overlapping(out.shape, out.stride()):
         raise InvalidArgumentError(
-            f"out has overlapping elements (strides {out.stride()}, an expanded tensor); pass a tensor that owns "
-            f"every element, e.g. out.clone()."
+            f"out has overlapping elements (shape {tuple(out.shape)}, strides {out.stride()}: two of its elements "
+            "are one place in memory); pass a tensor that owns every element, e.g. out.clone()."
         )
     if out.device != device:
         raise InvalidArgumentError(f"out is on {out.device} but the result is drawn on {device}.")

@@ -781,6 +781,17 @@ def test_a_tensor_that_cannot_hold_the_result_is_refused_untouched(
         assert torch.equal(out, before) or torch.isnan(before).any()
 
 
+def test_an_out_whose_rows_overlap_is_refused_and_one_whose_strides_interleave_is_filled() -> None:
+    """Not only an expanded tensor: rows two elements apart of four overlap (the draw would keep the last
+    write of each shared element, silently other numbers); rows 3 apart with elements 2 apart do not."""
+    base = torch.zeros(10)
+    with pytest.raises(InvalidArgumentError, match="overlapping"):
+        philox.uniform((4, 4), SEED, out=base.as_strided((4, 4), (2, 1)))
+    assert torch.equal(base, torch.zeros(10))
+    interleaved = base.as_strided((2, 3), (3, 2))
+    assert torch.equal(philox.uniform((2, 3), SEED, out=interleaved), philox.uniform((2, 3), SEED))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fallback_random", [False, True])
 def test_compiled_code_draws_portably_whatever_inductors_fallback_random(fallback_random: bool) -> None:
