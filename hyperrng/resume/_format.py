@@ -211,8 +211,8 @@ def _python_state(value: Mapping[str, Any]) -> tuple[int, tuple[int, ...], float
         raise _wrong("the Python random state", "624 words in [0, 2**32) then a position in [0, 624]", "out of range")
     _check_not_degenerate(words[:-1], "the Python random state")
     gauss = py["gauss"]
-    if gauss is not None and type(gauss) is not float:
-        raise _wrong("the Python cached normal", "None or a float", gauss)
+    if gauss is not None and (type(gauss) is not float or not math.isfinite(gauss)):
+        raise _wrong("the Python cached normal", "None or a finite float", gauss)
     return _PY_STATE_VERSION, tuple(words), gauss
 
 

@@ -390,6 +390,11 @@ REFUSALS = [
         "numpy-has-gauss-2", _set("numpy.has_gauss", lambda _: 2), "the NumPy has_gauss flag must be an int in [0, 1]"
     ),
     refusal(
+        "python-cached-normal-nan",
+        _set("python.gauss", lambda _: float("nan")),
+        "the Python cached normal must be None or a finite float",
+    ),
+    refusal(
         "numpy-cached-normal-nan",
         _set("numpy.gauss", lambda _: float("nan")),
         "the NumPy cached normal must be a finite float",
