@@ -25,9 +25,10 @@ checkpoints are read with ``weights_only=True`` (plain data, no code).
 * **The interface** is the table in :class:`Platform`'s docstring (``help(Platform)``):
   fifteen members, each marked *must define* or *may override*. A class missing a
   required one (``device_count()``, ``_read_state(index)``, ``_write_state(state, index)``)
-  is refused with :class:`PlatformError`; ``probe()`` (``None`` if usable, else why) must
-  be cheap and must not initialise the device. :class:`DeviceModulePlatform` has them
-  all, for a device module shaped like ``torch.cuda``.
+  is refused with :class:`PlatformError`; ``probe()`` (``None`` if usable, else a non-empty
+  string saying why; anything else is reported as invalid) must be cheap and must not
+  initialise the device. :class:`DeviceModulePlatform` has them all, for a device module
+  shaped like ``torch.cuda``.
 * **``counter_based = True``:** the state is the 16-byte (uint64 seed, int64 offset) pair
   and draws advance the offset; the inherited ``get_seed_offset`` / ``set_seed_offset``
   use it, ``set_rng_state`` refuses offsets that are negative or not multiples of 4, forks
@@ -64,9 +65,10 @@ checkpoints are read with ``weights_only=True`` (plain data, no code).
   plug-in keeping its state in a dict fails). It draws only where torch's ops on the
   device draw from the platform's generators (not for a stand-in module over another
   backend's device type). Any failure, an exception included, comes out as an
-  ``AssertionError`` naming the check. It does not check how far a draw advances a
-  position, collectives in a process group, ``dist_backend``, a cheap ``probe()``,
-  threads, graph-safe swaps or graph capture.
+  ``AssertionError`` naming the check (``reads_and_restores_its_state`` where reading the
+  states before a check, or writing them back after it, fails). It does not check how far
+  a draw advances a position, collectives in a process group, ``dist_backend``, a cheap
+  ``probe()``, threads, graph-safe swaps or graph capture.
 * **Selection checks the state:** a platform whose own ``_read_state`` returns anything but
   a 1-D CPU ``uint8`` tensor of ``_state_nbytes`` is reported unavailable, with the reason
   (``hyperrng info``), and ``set_current`` refuses it.

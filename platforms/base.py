@@ -88,7 +88,9 @@ class Platform:
 
     # -- availability and devices ---------------------------------------------------
     def probe(self) -> str | None:
-        """Return ``None`` when this platform can run here, else the reason why not.
+        """Return ``None`` when this platform can run here, else a non-empty string saying why not.
+
+        Anything else (``True``, ``False``, ``""``) makes the platform unavailable as an invalid one.
 
         Must be cheap and must not initialise the device (it runs at ``import hyperrng``).
         """

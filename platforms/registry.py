@@ -11,13 +11,14 @@ Resolution order (done once, by ``import hyperrng``, or lazily by :func:`current
 
 A probe that raises anything is caught and its reason recorded (``hyperrng info`` shows
 it), so a broken driver never makes ``import hyperrng`` crash unless that backend was
-forced. A platform whose probe says yes is available only if its state is what every
-caller expects: a plug-in's own ``_read_state`` is called once, and anything but a 1-D
-CPU ``uint8`` tensor of ``_state_nbytes`` makes it unavailable, with that reason, instead
-of failing later in a fork or a region (the built-in readers, including
-:class:`~hyperrng.platforms.DeviceModulePlatform`'s, which would initialise the device,
-are not called). The registry is a plain dict from name to factory; importing this module
-has no side effects.
+forced; a probe that returns neither ``None`` nor a non-empty reason is recorded as
+invalid, naming what it returned. A platform whose probe says yes is available only if
+its state is what every caller expects: a plug-in's own ``_read_state`` is called once,
+and anything but a 1-D CPU ``uint8`` tensor of ``_state_nbytes`` makes it unavailable,
+with that reason, instead of failing later in a fork or a region (the built-in readers,
+including :class:`~hyperrng.platforms.DeviceModulePlatform`'s, which would initialise the
+device, are not called). The registry is a plain dict from name to factory; importing this
+module has no side effects.
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def register(name: str, factory: PlatformFactory, *, replace: bool = False) -> N
     Raises:
         ArgumentTypeError: ``name`` is not a string, ``factory`` is not callable, or ``replace``
             is not a bool.
-        InvalidArgumentError: ``name`` is empty or contains ``:``, or is taken and ``replace`` is false.
+        InvalidArgumentError: ``name`` is empty, contains ``:``, or begins or ends with whitespace
+            (which :func:`load` and ``HYPERRNG_PLATFORM`` strip, so they could never select it), or is
+            taken and ``replace`` is false.
         PlatformError: ``factory`` is a :class:`Platform` subclass that does not implement a
             required method (the message names them).
     """
@@ -153,6 +156,12 @@ def register(name: str, factory: PlatformFactory, *, replace: bool = False) -> N
         raise ArgumentTypeError(f"platform name must be a string such as 'myaccel', got {type(name).__name__}.")
     if not name or ":" in name:
         raise InvalidArgumentError(f"platform name must be a non-empty string without ':', got {name!r}.")
+    if name != name.strip():
+        fix = f"register it as {name.strip()!r}" if name.strip() else "give a name that is not blank"
+        raise InvalidArgumentError(
+            f"platform name {name!r} begins or ends with whitespace, which load() and {ENV_VAR} strip from the "
+            f"names they are given, so neither could select it; strip it: {fix}."
+        )
     if not callable(factory):
         raise ArgumentTypeError(
             f"factory for platform {name!r} must be callable (a Platform subclass or a function returning a "
@@ -193,21 +202,22 @@ def _build(factory: Callable[[], object], label: str) -> Platform:
     return platform
 
 
-def _import_factory(spec: str) -> Callable[[], object]:
+def _import_factory(spec: str, given: str) -> Callable[[], object]:
+    """The factory ``spec`` (``module:Factory``) names; ``given`` says where the spec came from, in messages."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise UnknownPlatformError(f"{ENV_VAR}={spec!r} is malformed; use a name or 'package.module:Factory'.")
+        raise UnknownPlatformError(f"{given} is malformed; use a name or 'package.module:Factory'.")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise UnknownPlatformError(
-                f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)}); install the "
+                f"{given}: module {module_name!r} failed to import ({_one_line(exc)}); install the "
                 "package that provides it, or check the spelling."
             ) from exc
-        raise _broken_module(spec, module_name, exc) from exc
+        raise _broken_module(given, module_name, exc) from exc
     except Exception as exc:
-        raise _broken_module(spec, module_name, exc) from exc
+        raise _broken_module(given, module_name, exc) from exc
     try:
         obj: object = module
         for part in attr.split("."):
@@ -216,18 +226,16 @@ def _import_factory(spec: str) -> Callable[[], object]:
         if _initializing(module_name):
             raise _StillImporting(module_name) from exc
         raise UnknownPlatformError(
-            f"{ENV_VAR}={spec!r}: module {module_name!r} has no attribute {attr!r}; name the factory it defines."
+            f"{given}: module {module_name!r} has no attribute {attr!r}; name the factory it defines."
         ) from exc
     if not callable(obj):
-        raise PlatformError(
-            f"{ENV_VAR}={spec!r} names a {type(obj).__name__}, not a callable factory.", reason="invalid"
-        )
+        raise PlatformError(f"{given} names a {type(obj).__name__}, not a callable factory.", reason="invalid")
     return obj  # type: ignore[return-value]
 
 
-def _broken_module(spec: str, module_name: str, exc: BaseException) -> PlatformError:
+def _broken_module(given: str, module_name: str, exc: BaseException) -> PlatformError:
     return PlatformError(
-        f"{ENV_VAR}={spec!r}: module {module_name!r} failed to import ({_one_line(exc)}); fix its installation "
+        f"{given}: module {module_name!r} failed to import ({_one_line(exc)}); fix its installation "
         "or choose another platform.",
         reason="unavailable",
     )
@@ -301,12 +309,23 @@ def _plugin_entry_points() -> list[EntryPoint]:
 
 
 def _probe(platform: Platform) -> str | None:
-    """Run ``platform.probe()``, then :func:`_state_problem`, turning any exception into a reason."""
+    """Run ``platform.probe()``, then :func:`_state_problem`, turning any exception into a reason.
+
+    A probe that returns neither ``None`` nor a non-blank string (``True``, ``False``, ``""``)
+    breaks its contract: the platform is unavailable, and the reason says what it returned.
+    """
     try:
         reason = platform.probe()
     except Exception as exc:
         return f"probe raised {type(exc).__name__}: {exc}"
-    return reason if reason is not None else _state_problem(platform)
+    if reason is None:
+        return _state_problem(platform)
+    if not isinstance(reason, str) or not reason.strip():
+        return (
+            f"invalid platform: its probe() returned {reason!r:.80}; it must return None when the platform can run "
+            "here, or a non-empty string saying why not"
+        )
+    return reason
 
 
 # Readers whose states are right by construction; DeviceModulePlatform's would initialise the device.
@@ -356,8 +375,8 @@ def load(spec: str) -> Platform:
         PlatformError: the module fails to import;
             or the factory does not return a :class:`Platform`, or returns
             one that does not implement a required method (see :data:`REQUIRED_METHODS`);
-            or the platform's probe says it cannot run here, or its state is not a 1-D CPU
-            uint8 tensor of ``_state_nbytes``.
+            or the platform's probe says it cannot run here (or returns neither ``None`` nor a
+            non-empty reason), or its state is not a 1-D CPU uint8 tensor of ``_state_nbytes``.
     """
     if not isinstance(spec, str):
         raise ArgumentTypeError(f"a platform spec is a name or 'package.module:Factory', got {type(spec).__name__}.")
@@ -368,9 +387,11 @@ def load(spec: str) -> Platform:
         raise exc.platform_error() from None
 
 
-def _load(spec: str) -> Platform:
+def _load(spec: str, given: str | None = None) -> Platform:
+    """:func:`load` for a stripped ``spec``; ``given`` says where it came from (default: the platform spec)."""
     if ":" in spec:
-        factory, label, failed = _import_factory(spec), spec, f"{spec} could not create a platform"
+        given = f"the platform spec {spec!r}" if given is None else given
+        factory, label, failed = _import_factory(spec, given), spec, f"{spec} could not create a platform"
     else:
         factory, label = _named_factory(spec), f"the factory of platform {spec!r}"
         failed = f"platform {spec!r} could not be created"
@@ -412,7 +433,7 @@ def _resolve(env: Mapping[str, str]) -> Selection:
     forced = env.get(ENV_VAR, "").strip()
     if forced:
         try:
-            platform = _load(forced)
+            platform = _load(forced, f"{ENV_VAR}={forced!r}")
         except PlatformError as exc:
             if exc.reason != "unavailable":
                 raise

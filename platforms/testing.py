@@ -22,7 +22,10 @@ device (refusing bad input with nothing changed), the default generator is the o
 use, and the state is what the device's random ops draw from. A platform that does not
 implement the methods every platform must (``device_count``, ``_read_state``,
 ``_write_state``) fails every check with an ``AssertionError`` that names them. Every
-check leaves the RNG state of every device, and the current device, as it found them.
+check leaves the RNG state of every device, and the current device, as it found them:
+:func:`check_platform` reads them before each check and puts them back after it, and a
+platform on which that fails (an unusable device, a ``_read_state`` or ``_write_state``
+that raises) fails the check ``reads_and_restores_its_state``, with the error it met.
 Our CPU, CUDA, NPU and simulated platforms pass it.
 """
 
@@ -112,6 +115,18 @@ def state_is_a_cpu_byte_copy(p: Platform) -> None:
     expected = state.clone()
     state.zero_()
     assert torch.equal(p.get_rng_state(), expected), "get_rng_state() must return a copy, not the live state"
+
+
+@_check
+def reads_and_restores_its_state(p: Platform) -> None:
+    # check_platform reads every device's state and the current device before each check, and puts them
+    # back after it; a failure there is reported under this name, not that of the check it surrounds.
+    before, home = _states(p), p.current_device()
+    with _restored(p, "reseeding every device"):
+        for i in range(p.device_count()):
+            p.manual_seed(9000 + i, i)
+    _assert_unchanged(p, before, "reseeding every device, then writing back the states read before,")
+    assert p.current_device() == home, f"restoring the states left device {p.current_device()} current, not {home}"
 
 
 @_check
@@ -381,7 +396,7 @@ def state_io_addresses_each_device(p: Platform) -> None:
     n = p.device_count()
     home = p.current_device()
     currents = list(range(n)) if n > 1 else [home]  # set_device only where there is a choice
-    with _restored(p):  # also when the check runs on its own, outside check_platform
+    with _restored(p, "the _state_io checks"):  # also when the check runs on its own, outside check_platform
         for made_on in currents:
             if n > 1:
                 p.set_device(made_on)
@@ -474,28 +489,70 @@ def counter_based_states_are_the_position(p: Platform) -> None:
     assert seed == 5 and offset > 8, f"a draw at (5, 8) left the position at {(seed, offset)}; draws advance the offset"
 
 
+class _NotRestorable(Exception):
+    """Reading the states before a check, or writing them back after it, failed (the message says which)."""
+
+
 @contextlib.contextmanager
-def _restored(p: Platform) -> Iterator[None]:
-    """Run the block, then put back every device's RNG state and the current device.
+def _restored(p: Platform, block: str = "the block") -> Iterator[None]:
+    """Run the block (``block`` names it in errors), then put back every device's RNG state and the current device.
 
     A platform without the required methods, or whose states are not tensors, has no state
     to save; the block then runs as is (a check says what is wrong).
+
+    Raises:
+        _NotRestorable: reading the states and the current device before the block, or putting
+            them back after it, failed; the message says which, and the error met (chained).
     """
     if unimplemented_methods(p):
         yield
         return
-    saved = _states(p)
+    try:
+        n = p.device_count()
+        if isinstance(n, int) and not isinstance(n, bool) and n == 0:
+            raise _NotRestorable(f"device_count() returned 0 before {block}: {_no_device(p)}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _NotRestorable(
+                f"device_count() returned {n!r} before {block}, not a positive int: return the number of devices"
+            )
+        saved = _states(p)
+        home = p.current_device()
+    except _NotRestorable:
+        raise
+    except Exception as exc:
+        raise _NotRestorable(
+            f"reading every device's RNG state and the current device before {block} raised {_named(exc)}"
+        ) from exc
     if not all(isinstance(state, torch.Tensor) for state in saved):  # nothing to restore with: a check says why
         yield
         return
-    home = p.current_device()
     try:
         yield
     finally:
-        if p.current_device() != home:
-            p.set_device(home)
-        for i, s in enumerate(saved):
-            p.set_rng_state(s, i)
+        try:
+            if p.current_device() != home:
+                p.set_device(home)
+            for i, s in enumerate(saved):
+                p.set_rng_state(s, i)
+        except Exception as exc:
+            raise _NotRestorable(
+                f"writing back every device's RNG state and the current device after {block} raised {_named(exc)}"
+            ) from exc
+
+
+def _no_device(p: Platform) -> str:
+    """Why a platform has no device here, for messages: its probe's reason where it gives one."""
+    try:
+        reason = p.probe()
+    except Exception as exc:
+        reason = f"its probe raised {_named(exc)}"
+    why = f" (probe() says: {reason})" if isinstance(reason, str) and reason else ""
+    return f"there is no device to check{why}; run the kit where the platform is available"
+
+
+def _named(exc: BaseException) -> str:
+    """``Type: message`` (or the type alone where the message is empty)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def check_platform(platform: Platform) -> None:
@@ -508,8 +565,10 @@ def check_platform(platform: Platform) -> None:
         AssertionError: on the first check that fails, naming the check, the platform and
             what was wrong (a platform missing a required method fails the first check,
             ``implements_the_required_methods``, which names the methods to implement). An
-            exception of any other kind that a check, or the restoring of the states around
-            it, meets is turned into this error too, naming the check and the exception.
+            exception of any other kind that a check meets is turned into this error too,
+            naming the check and the exception. Where reading the states before a check, or
+            writing them back after it, fails, the check named is ``reads_and_restores_its_state``
+            (whichever check it surrounded), with the error met.
     """
     for name in CHECKS:
         _run_check(name, platform, restore=True)
@@ -518,8 +577,12 @@ def check_platform(platform: Platform) -> None:
 def _run_check(name: str, platform: Platform, restore: bool) -> None:
     """Run check ``name`` (within :func:`_restored` where ``restore``), any failure as an AssertionError naming it."""
     try:
-        with _restored(platform) if restore else contextlib.nullcontext():
+        with _restored(platform, f"check {name!r}") if restore else contextlib.nullcontext():
             CHECKS[name](platform)
+    except _NotRestorable as exc:  # the reading or restoring around the check failed, not the check
+        raise AssertionError(
+            f"conformance check 'reads_and_restores_its_state' failed for {platform!r}: {exc}"
+        ) from exc
     except AssertionError as exc:
         raise AssertionError(f"conformance check {name!r} failed for {platform!r}: {exc}") from exc
     except Exception as exc:
@@ -539,7 +602,7 @@ else:
 
         @pytest.fixture(autouse=True)
         def _restore_states(self, platform: Platform) -> Iterator[None]:
-            with _restored(platform):
+            with _restored(platform, "the test"):
                 yield
 
         @pytest.mark.parametrize("check", list(CHECKS))

@@ -321,6 +321,64 @@ def test_check_platform_turns_any_failure_into_an_assertion_naming_the_check(
         check_platform(platform())
 
 
+# -- the kit blames the reading or restoring of states on a check of its own --------------------
+class _WriteStateRaises(platforms.CPUPlatform):
+    def _write_state(self, state: torch.Tensor, index: int) -> None:
+        raise RuntimeError("write refused")
+
+
+class _ReadStateRaises(platforms.CPUPlatform):
+    def _read_state(self, index: int) -> torch.Tensor:
+        raise RuntimeError("read refused")
+
+
+class _DeviceCountIsNone(platforms.CPUPlatform):
+    def device_count(self) -> int:
+        return None  # type: ignore[return-value]
+
+
+_RESTORING = "conformance check 'reads_and_restores_its_state' failed for .*: "
+
+
+@pytest.mark.parametrize(
+    ("platform", "message"),
+    [
+        (
+            _WriteStateRaises,
+            _RESTORING + "writing back .* after check 'implements_the_required_methods' raised "
+            "RuntimeError: write refused",
+        ),
+        (
+            _ReadStateRaises,
+            _RESTORING + "reading .* before check 'implements_the_required_methods' raised RuntimeError: read refused",
+        ),
+        (_DeviceCountIsNone, _RESTORING + "device_count\\(\\) returned None before check .*, not a positive int"),
+        pytest.param(
+            platforms.CUDAPlatform,
+            _RESTORING + "device_count\\(\\) returned 0 before check 'implements_the_required_methods': there is "
+            "no device to check \\(probe\\(\\) says: .*\\); run the kit where the platform is available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        ),
+    ],
+    ids=["write-state-raises", "read-state-raises", "device-count-is-none", "cuda-without-a-gpu"],
+)
+def test_check_platform_blames_a_failure_to_read_or_restore_the_states_on_its_own_check(
+    platform: type[platforms.Platform], message: str
+) -> None:
+    # It named 'implements_the_required_methods', which every one of these platforms passes.
+    with pytest.raises(AssertionError, match=message) as info:
+        check_platform(platform())
+    assert "implements_the_required_methods' failed" not in str(info.value)
+    assert "reads_and_restores_its_state" in CHECKS
+
+
+def test_the_restoring_check_passes_a_platform_that_reads_and_restores_its_states() -> None:
+    cpu = platforms.CPUPlatform()
+    before = cpu.get_rng_state()
+    CHECKS["reads_and_restores_its_state"](cpu)  # alone: no restoring wrapper around it
+    assert torch.equal(cpu.get_rng_state(), before)
+
+
 @pytest.mark.needs_sim
 def test_the_kit_draws_only_where_torchs_ops_draw_from_the_platforms_own_generators() -> None:
     # On a GPU machine the simulated torch.cuda stand-in has real cuda tensors, whose draws come from

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -139,6 +140,30 @@ def test_bad_module_factory_specs_fail_clearly(spec: str, error: type[Exception]
     assert registry._selection is before
 
 
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("sim:", "is malformed"),
+        (":", "is malformed"),
+        ("os:nonexistent", "has no attribute 'nonexistent'"),
+        ("no_such_module_xyz:Factory", "failed to import (ModuleNotFoundError"),
+        ("platforms:ENV_VAR", "not a callable factory"),
+    ],
+)
+def test_a_bad_spec_names_the_environment_variable_only_when_it_came_from_there(spec: str, fragment: str) -> None:
+    # use("sim:") once said "HYPERRNG_PLATFORM='sim:' is malformed", though the variable was not set.
+    outer = platforms.current()
+    for give in (platforms.load, _enter_use):
+        with pytest.raises(PlatformError) as info:
+            give(spec)
+        assert fragment in str(info.value) and f"platform spec {spec!r}" in str(info.value)
+        assert platforms.ENV_VAR not in str(info.value), str(info.value)
+    assert platforms.current() is outer
+    with pytest.raises(PlatformError) as info:
+        platforms.select({platforms.ENV_VAR: spec})
+    assert fragment in str(info.value) and f"{platforms.ENV_VAR}={spec!r}" in str(info.value)
+
+
 def test_module_factory_that_raises_on_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "brokenaccel.py").write_text("raise OSError('libaccel.so: cannot open shared object file')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -172,6 +197,56 @@ def test_a_probe_raising_anything_is_recorded_and_skipped(exc: Exception, monkey
     assert sel.platform.name == "cpu"
     npu = sel.probes[0]
     assert not npu.available and f"probe raised {type(exc).__name__}" in npu.reason
+
+
+_BAD_PROBE_RETURNS = [True, False, "", "  ", 0]
+
+
+def _probe_returning(value: object) -> type[platforms.Platform]:
+    class OddProbe(platforms.CPUPlatform):
+        name = "oddprobe"
+
+        def probe(self) -> str | None:
+            return value  # type: ignore[return-value]
+
+    return OddProbe
+
+
+def _bad_probe_reason(value: object) -> str:
+    return (
+        f"invalid platform: its probe() returned {value!r}; it must return None when the platform can run here, or "
+        "a non-empty string saying why not"
+    )
+
+
+@pytest.mark.parametrize("value", _BAD_PROBE_RETURNS, ids=repr)
+def test_a_probe_returning_neither_none_nor_a_reason_is_recorded_as_invalid(
+    value: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # probe() returning True was recorded as unavailable with the reason True; False and "" with no reason.
+    from hyperrng.cli import info_lines
+
+    monkeypatch.setitem(registry._FACTORIES, "npu", _probe_returning(value))
+    sel = platforms.select({})
+    assert sel.platform.name != "oddprobe"
+    npu = sel.probes[0]
+    assert npu.name == "npu" and not npu.available and isinstance(npu.reason, str)
+    assert _bad_probe_reason(value) in npu.reason
+    with pytest.raises(PlatformError, match="not available: " + re.escape(_bad_probe_reason(value))):
+        platforms.load("npu")
+    lines = [line for line in info_lines() if line.lstrip().startswith("npu ")]  # the probe, the known platform
+    assert len(lines) == 2 and all("unavailable - " in line and _bad_probe_reason(value) in line for line in lines)
+
+
+@pytest.mark.parametrize(("value", "dist"), [(True, "plug_odd_true"), ("", "plug_odd_empty")], ids=["True", "''"])
+def test_a_plugin_whose_probe_returns_neither_none_nor_a_reason_is_recorded_as_invalid(  # type: ignore[no-untyped-def]
+    value: object, dist: str, plugin_env
+) -> None:
+    plugin_env(dist, {"plugodd": f"{dist}:make"}, PLUGIN_SOURCE.format(name="plugodd", reason=value))
+    sel = platforms.select({})
+    assert sel.platform.name != "plugodd"
+    (probe,) = [p for p in sel.probes if p.name == "plugodd"]
+    assert probe.source == "plugin" and not probe.available and _bad_probe_reason(value) in probe.reason
 
 
 def test_a_factory_raising_is_recorded_and_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,6 +344,10 @@ def test_register_adds_a_named_factory(monkeypatch: pytest.MonkeyPatch) -> None:
         ("cpu", platforms.CPUPlatform, InvalidArgumentError, "already registered; pass replace=True"),
         ("", platforms.CPUPlatform, InvalidArgumentError, "non-empty string"),
         ("a:b", platforms.CPUPlatform, InvalidArgumentError, "without ':'"),
+        # load() and HYPERRNG_PLATFORM strip the names they are given: they could never select these
+        (" a", platforms.CPUPlatform, InvalidArgumentError, "' a' begins or ends with whitespace"),
+        ("cpu ", platforms.CPUPlatform, InvalidArgumentError, "strip it: register it as 'cpu'"),
+        ("  ", platforms.CPUPlatform, InvalidArgumentError, "begins or ends with whitespace"),
         ("x", 42, ArgumentTypeError, "must be callable"),
         (7, platforms.CPUPlatform, ArgumentTypeError, "platform name must be a string"),
     ],
