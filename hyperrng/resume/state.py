@@ -9,7 +9,6 @@ written to and read from a file (:func:`save_rng_state`, :func:`load_rng_state`,
 from __future__ import annotations
 
 import copy
-import functools
 import random
 import re
 from collections.abc import Callable, Collection, Mapping
@@ -22,6 +21,7 @@ import hyperrng.platforms as platforms
 from hyperrng._guard.exclusive import refuse_held, refuse_inside_contexts
 from hyperrng.errors import ArgumentTypeError, HyperRNGError, InvalidArgumentError, RankFailure
 from hyperrng.platforms.validate import check_instance, check_seed
+from hyperrng.resume._dcp_planner import Entry, planner_class, saved_template
 from hyperrng.resume._format import FORMAT, FORMAT_VERSION, check_saved, decode, digest, saved_derivation
 from hyperrng.resume._reseed import RESUME_DOMAIN, RNGResumeWarning, _reseed, resume_seed
 from hyperrng.resume._save_load import load_rng_state, save_rng_state
@@ -437,7 +437,7 @@ class RNGStateful:
             RankFailure: another rank's capture failed (it raises its own error).
         """
         # DCP calls it first, on every rank: a rank that raised here alone would leave the others in DCP's gathers.
-        return self._agreed("state_dict", lambda: _Entry(self, {self._key(): rng_state_dict(**self._save)}))[0]
+        return self._agreed("state_dict", lambda: Entry(self, {self._key(): rng_state_dict(**self._save)}))[0]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's state from what DCP read (see the class docstring for a larger world).
@@ -537,11 +537,11 @@ class RNGStateful:
         (``on_mismatch="reseed"`` without ``load_from``) or for none (otherwise), and its
         :meth:`load_state_dict` then resumes or refuses with our error.
         """
-        return _planner_class()(**kwargs)
+        return planner_class()(**kwargs)
 
-    def _plan(self, name: str, entry: _Entry, metadata: Any) -> None:
+    def _plan(self, name: str, entry: Entry, metadata: Any) -> None:
         """The planner's step for this instance's ``entry``, DCP's top-level key ``name``, in a checkpoint described
-        by ``metadata``: each state is read in the structure it was saved in (:func:`_saved_template`), whatever this
+        by ``metadata``: each state is read in the structure it was saved in (``saved_template``), whatever this
         rank's own holds (no streams yet, another layout: :func:`load_rng_state_dict` then adopts or refuses it);
         where this rank's key is absent, ask for every saved rank's state (reseed, no ``load_from``) or for none,
         and note which ranks it holds."""
@@ -551,13 +551,13 @@ class RNGStateful:
         [(key, template)] = entry.items()
         reseed = self._load["on_mismatch"] == "reseed" and self._load_from is None
         if int(key[len("rank_") :]) in ranks and not reseed:
-            entry[key] = _saved_template(metadata, name, key) or template
+            entry[key] = saved_template(metadata, name, key) or template
             return
         entry.saved = sorted(ranks)
         entry.clear()
         if reseed:  # its own state may have been saved elsewhere on the mesh: every rank's, to choose by coordinates
             entry.update(
-                {f"rank_{r}": _saved_template(metadata, name, f"rank_{r}") or copy.deepcopy(template) for r in ranks}
+                {f"rank_{r}": saved_template(metadata, name, f"rank_{r}") or copy.deepcopy(template) for r in ranks}
             )  # DCP reads into each
 
     def _stand_in(self, why: str, loaded: Mapping[str, Any]) -> str:
@@ -628,68 +628,3 @@ def _ranks_named(keys: list[str]) -> str:
     if len(keys) <= 4:
         return ", ".join(keys)
     return f"{len(keys)} ranks' states, {keys[0]} to {keys[-1]}"
-
-
-class _Entry(dict):  # type: ignore[type-arg]
-    """What :meth:`RNGStateful.state_dict` gives DCP: ``{rank key: state}``, knowing its owner,
-    so that :meth:`RNGStateful.planner` finds the entries it may re-plan."""
-
-    def __init__(self, owner: RNGStateful, items: dict[str, Any]) -> None:
-        super().__init__(items)
-        self.owner = owner
-        self.saved: list[int] | None = None  # the saved ranks, once the planner found this rank's missing
-
-
-def _saved_template(metadata: Any, name: str, key: str) -> dict[str, Any] | None:
-    """The structure in which DCP saved the state under ``name.key``, from the paths its save planner recorded
-    (tensors allocated at their saved size and dtype, other values read whole): what a load reads into, so that
-    a loading rank whose own state differs in structure reads the saved one rather than failing in DCP's planner
-    on a key the checkpoint lacks. ``None`` where the checkpoint records no paths (saved without flattening)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    paths = getattr(metadata, "planner_data", None)
-    if not isinstance(paths, Mapping):
-        return None
-    template: dict[Any, Any] = {}
-    for fqn, path in paths.items():
-        if not isinstance(path, tuple) or len(path) < 3 or path[:2] != (name, key):
-            continue
-        stored = metadata.state_dict_metadata.get(fqn)
-        node = template
-        for part in path[2:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = (
-            torch.empty(stored.size, dtype=stored.properties.dtype)
-            if isinstance(stored, TensorStorageMetadata)
-            else None
-        )
-    return _as_lists(template) if template else None
-
-
-def _as_lists(node: Any) -> Any:
-    """``node`` with every dict keyed ``0..n-1`` turned into the list it was saved as (DCP's paths index lists)."""
-    if not isinstance(node, dict):
-        return node
-    items = {k: _as_lists(v) for k, v in node.items()}
-    if items and all(type(k) is int for k in items) and sorted(items) == list(range(len(items))):
-        return [items[i] for i in range(len(items))]
-    return items
-
-
-@functools.cache
-def _planner_class() -> type:
-    """:meth:`RNGStateful.planner`'s class, made at first use (importing DCP takes most of a second)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class RNGLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc]
-        """DCP's default load planner, letting :class:`hyperrng.RNGStateful` re-plan its entries first."""
-
-        def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-            metadata = args[0] if args else kwargs.get("metadata")
-            if metadata is not None:
-                for name, value in state_dict.items():
-                    if isinstance(value, _Entry):
-                        value.owner._plan(name, value, metadata)
-            super().set_up_planner(state_dict, *args, **kwargs)
-
-    return RNGLoadPlanner
