@@ -49,7 +49,26 @@ def saved_template(metadata: Any, name: str, key: str) -> dict[str, Any] | None:
             if isinstance(stored, TensorStorageMetadata)
             else None
         )
-    return _as_lists(template) if template else None
+    if not template:
+        return None
+    for *parents, last in _CONTAINERS:  # an empty one left no path: put it back, or the digest would not match
+        node = template
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last not in node:
+            node[last] = _CONTAINERS[(*parents, last)]()
+    return _as_lists(template)
+
+
+_CONTAINERS: dict[tuple[str, ...], type] = {
+    ("streams",): dict,
+    ("coords",): dict,
+    ("resume_bases",): dict,
+    ("layout", "streams"): dict,
+    ("devices",): list,
+}
+"""The containers of a saved RNG state (:func:`hyperrng.rng_state_dict`) that DCP's paths cross and that may be
+empty: DCP records no path for an empty one, and a value it saved as None has its own path."""
 
 
 def _as_lists(node: Any) -> Any:

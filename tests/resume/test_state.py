@@ -1244,6 +1244,13 @@ def test_with_the_planner_a_tracker_without_streams_or_with_others_loads_what_wa
         with pytest.raises(HyperRNGError):
             dcp.load({"rng": RNGStateful(tracker=other)}, checkpoint_id=str(tmp_path), planner=RNGStateful.planner())
         assert snapshot(other) == before
+        # A state with empty containers (no streams, no layout), which leave DCP no path to read them back by
+        empty = RNGStatesTracker()
+        where = str(tmp_path / "empty")
+        dcp.save({"rng": RNGStateful(tracker=empty)}, checkpoint_id=where)
+        expected = draw_everything(empty)
+        dcp.load({"rng": RNGStateful(tracker=empty)}, checkpoint_id=where, planner=RNGStateful.planner())
+        assert draw_everything(empty) == expected
 
 
 def test_the_stateful_passes_on_mismatch_through() -> None:
