@@ -160,8 +160,11 @@ def _overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether two elements of a tensor of ``shape`` and ``strides`` share a memory offset. Dims sorted by stride, each
     stride past what the smaller ones reach, cannot (every dense or permuted tensor, a slice of one); any other
     layout (an expanded dim, rows that overlap) is decided by listing the offsets."""
+    dims = [(st, n) for st, n in zip(strides, shape) if n > 1]
+    if any(st == 0 for st, _ in dims) or math.prod(n for _, n in dims) > 1 + sum(st * (n - 1) for st, n in dims):
+        return True  # an expanded dim, or more elements than offsets they can reach: no listing needed
     reach = 0
-    for stride, size in sorted((st, n) for st, n in zip(strides, shape) if n > 1):
+    for stride, size in sorted(dims):
         if stride <= reach:
             break
         reach += stride * (size - 1)
