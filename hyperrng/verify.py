@@ -140,9 +140,11 @@ def verify_rng_sync(
             f"verify_rng_sync cannot run inside a fork of stream {tracker.active_stream!r}; call it outside any fork.",
             reason="tracker",
         )
-    # Nor inside another context that swapped the generator (another tracker's fork, fork_rng, a sharded region):
-    # the default stream's fingerprint would be that context's stream, a desync missed or one reported falsely.
-    refuse_inside_contexts(device_keys(platforms.current()), "verify the streams' sync")
+    # Nor inside another context that swapped the generator (another tracker's fork, a sharded region): the default
+    # stream's fingerprint would be that context's stream, a desync missed or one reported falsely (not fork_rng,
+    # which swaps nothing in).
+    keys = device_keys(platforms.current())
+    refuse_inside_contexts(keys, "verify the streams' sync", lambda context: getattr(context, "continues", False))
     point = mesh_coordinates(coords)  # a wrong type is a TypeError whether or not a group exists
     missing_dims = [d for d in layout.dims if d not in point]
     if missing_dims:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import hyperrng.platforms as platforms
+from hyperrng._guard.exclusive import refuse_inside_contexts
 from hyperrng.errors import ArgumentTypeError, InvalidArgumentError
 from hyperrng.platforms.mix import combine64
 from hyperrng.platforms.validate import MAX_SEED, check_instance, check_int, check_seed
@@ -277,7 +278,9 @@ class StreamLayout:
         derivation = Derivation(self, check_seed(base_seed, "base_seed"), self._coords(coords), own or None)
         platform = platforms.current()
         keys = device_keys(platform, [platform.current_device()])
-        # Refused before anything is seeded; then the streams, the generators and the record, or none of them
+        # Refused before anything is seeded (inside another context that swapped the generator too: its exit would
+        # undo the default generator's seed); then the streams, the generators and the record, or none of them
+        refuse_inside_contexts(keys, "seed a stream layout", tracker.owns)
         with Replacing(tracker, "reseed the tracker", holds=keys, holding_what="seeding a stream layout").applying():
             tracker.reseed({name: seed for name, seed in seeds.items() if name != DEFAULT_STREAM})
             platform.manual_seed(default_seed)

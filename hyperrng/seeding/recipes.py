@@ -164,6 +164,7 @@ def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_se
     neither (signals deferred meanwhile)."""
     platform = platforms.current()
     keys = [current_device_key(platform)]
+    refuse_inside_contexts(keys, "seed the device generator", resolve_tracker(tracker).owns)  # see seed_host
     replacement = _replacing(tracker, keys, what)
     with replacement.applying():
         replacement.tracker.reseed(streams)

@@ -313,6 +313,41 @@ def test_recipes_refuse_to_reseed_inside_a_fork(platform: platforms.Platform) ->
             assert everything(platform) == before
 
 
+@pytest.mark.parametrize("context", ["another tracker's fork", "fork_rng", "portable_random(seed)"])
+def test_seeding_inside_a_context_that_swapped_the_generator_is_refused(
+    platform: platforms.Platform, context: str
+) -> None:
+    """Inside another tracker's fork, fork_rng or a seeded portable block the generator holds that context's stream,
+    which its exit puts back: seeding there reseeded that stream, and the run's generator never got its seed."""
+    from hyperrng.platforms import _features
+
+    from hyperrng import RNGStatesTracker, apply_layout, fork_rng, portable_random
+    from hyperrng.seeding.layout import StreamLayout
+
+    if context == "portable_random(seed)" and not _features.feature("portable-mode").available:
+        pytest.skip(_features.feature("portable-mode").refusal())
+    other = RNGStatesTracker()
+    other.add("u", 1)
+    layout = StreamLayout(dims=("dp",), default=("dp",), streams={"a": ()})
+    opened = {
+        "another tracker's fork": lambda: other.fork("u"),
+        "fork_rng": fork_rng,
+        "portable_random(seed)": lambda: portable_random(5),
+    }[context]
+    with opened():
+        before = everything(platform)
+        for call in (
+            lambda: apply_layout(layout, 12, {"dp": 0}, tracker=RNGStatesTracker()),
+            lambda: model_parallel_cuda_manual_seed(3, tracker=RNGStatesTracker()),
+            lambda: megatron_model_parallel_manual_seed(3, tracker=RNGStatesTracker()),
+            lambda: set_seeds(42),
+            lambda: seed_host(42),
+        ):
+            with pytest.raises(InvalidOperationError, match="inside a"):
+                call()
+            assert everything(platform) == before
+
+
 # -- Megatron-core ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("tp", "ep", "etp"), [(0, 0, 0), (3, 0, 0), (1, 5, 2), (7, 31, 1)])
 def test_megatron_formulas(tp: int, ep: int, etp: int) -> None:
