@@ -160,6 +160,8 @@ def _overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether two elements of a tensor of ``shape`` and ``strides`` share a memory offset. Dims sorted by stride, each
     stride past what the smaller ones reach, cannot (every dense or permuted tensor, a slice of one); any other
     layout (an expanded dim, rows that overlap) is decided by listing the offsets."""
+    if 0 in shape:
+        return False  # no elements
     dims = [(st, n) for st, n in zip(strides, shape) if n > 1]
     if any(st == 0 for st, _ in dims) or math.prod(n for _, n in dims) > 1 + sum(st * (n - 1) for st, n in dims):
         return True  # an expanded dim, or more elements than offsets they can reach: no listing needed

@@ -63,12 +63,12 @@ def saved_template(metadata: Any, name: str, key: str) -> dict[str, Any] | None:
 _CONTAINERS: dict[tuple[str, ...], type] = {
     ("streams",): dict,
     ("coords",): dict,
-    ("resume_bases",): dict,
     ("layout", "streams"): dict,
     ("devices",): list,
 }
-"""The containers of a saved RNG state (:func:`hyperrng.rng_state_dict`) that DCP's paths cross and that may be
-empty: DCP records no path for an empty one, and a value it saved as None has its own path."""
+"""The containers of a saved RNG state (:func:`hyperrng.rng_state_dict`) that DCP's paths cross and that the format
+writes even when empty: DCP records no path for an empty one, and a value it saved as None has its own path
+(``resume_bases`` is None or holds the default stream; states saved before it existed lack it)."""
 
 
 def _as_lists(node: Any) -> Any:

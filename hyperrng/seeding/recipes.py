@@ -235,7 +235,9 @@ def set_random_seed(
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     keys = device_keys(platforms.current())
-    # Refused inside a fork, where seeding the device would reseed the forked stream; all or nothing after
+    # Refused inside a fork, where seeding the device would reseed the forked stream, and inside any other context
+    # that swapped a generator (before stuck forks are cleared); all or nothing after
+    refuse_inside_contexts(keys, "seed the generators", resolve_tracker(tracker).owns)
     with _replacing(tracker, keys, "set_random_seed").applying():  # held throughout
         seed_host(base)
         if tp_rank is not None:
@@ -437,7 +439,8 @@ def megatron_set_random_seed(
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
     keys = device_keys(platforms.current())
-    # Refused before anything is seeded; held throughout; all or nothing
+    # Refused before anything is seeded (stuck forks cleared) inside another context; held throughout; all or nothing
+    refuse_inside_contexts(keys, "seed the generators", resolve_tracker(tracker).owns)
     with _replacing(tracker, keys, "megatron_set_random_seed").applying():
         seed_host(base)
         megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)

@@ -790,6 +790,9 @@ def test_an_out_whose_rows_overlap_is_refused_and_one_whose_strides_interleave_i
     assert torch.equal(base, torch.zeros(10))
     interleaved = base.as_strided((2, 3), (3, 2))
     assert torch.equal(philox.uniform((2, 3), SEED, out=interleaved), philox.uniform((2, 3), SEED))
+    # A view without elements holds no two (an expanded one, or one whose empty dim comes last, listed none)
+    for empty in (torch.empty(0, 1).expand(0, 3), torch.empty(0).as_strided((10**4, 10**4, 0), (1, 2, 1))):
+        assert philox.uniform(tuple(empty.shape), SEED, out=empty) is empty
     # An expanded view of 2**34 elements is refused without listing its offsets (128 GB of them)
     with pytest.raises(InvalidArgumentError, match="overlapping"):
         philox.uniform((2**17, 2**17), SEED, out=torch.empty(1, 1).expand(2**17, 2**17))

@@ -1251,6 +1251,16 @@ def test_with_the_planner_a_tracker_without_streams_or_with_others_loads_what_wa
         expected = draw_everything(empty)
         dcp.load({"rng": RNGStateful(tracker=empty)}, checkpoint_id=where, planner=RNGStateful.planner())
         assert draw_everything(empty) == expected
+        # A state of this format saved before resume_bases existed (absent, not empty) reads as it was saved
+        state = rng_state_dict(tracker=tracker)
+        old = {k: v for k, v in state.items() if k not in ("resume_bases", "digest")}
+        old["digest"] = _digest(old)
+        where = str(tmp_path / "old")
+        dcp.save({"rng": {"rank_0": old}}, checkpoint_id=where)  # what RNGStateful.state_dict() handed DCP then
+        expected = draw_everything(tracker)
+        fresh = RNGStatesTracker()
+        dcp.load({"rng": RNGStateful(tracker=fresh)}, checkpoint_id=where, planner=RNGStateful.planner())
+        assert draw_everything(fresh) == expected
 
 
 def test_the_stateful_passes_on_mismatch_through() -> None:

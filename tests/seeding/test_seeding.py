@@ -335,6 +335,13 @@ def test_seeding_inside_a_context_that_swapped_the_generator_is_refused(
         "portable_random(seed)": lambda: portable_random(5),
     }[context]
     with opened():
+        stuck = RNGStatesTracker()  # forks left stuck by an exit refused as out of order: recipes may clear them
+        stuck.reseed({"x": 1, "y": 2})
+        x, y = stuck.fork("x"), stuck.fork("y")
+        x.__enter__()
+        y.__enter__()
+        with pytest.raises(InvalidOperationError, match="out of order|reverse order"):
+            x.__exit__(None, None, None)
         before = everything(platform)
         for call in (
             lambda: apply_layout(layout, 12, {"dp": 0}, tracker=RNGStatesTracker()),
@@ -342,10 +349,14 @@ def test_seeding_inside_a_context_that_swapped_the_generator_is_refused(
             lambda: megatron_model_parallel_manual_seed(3, tracker=RNGStatesTracker()),
             lambda: set_seeds(42),
             lambda: seed_host(42),
+            lambda: set_random_seed(3, tp_rank=0, tracker=stuck),  # before they cleared the stuck forks
+            lambda: megatron_set_random_seed(3, tracker=stuck),
         ):
             with pytest.raises(InvalidOperationError, match="inside a"):
                 call()
             assert everything(platform) == before
+            assert stuck.active_stream == "y"
+        stuck.reset()  # clears them (their holds too), inside the context as they were made
 
 
 # -- Megatron-core ----------------------------------------------------------------------------
