@@ -333,15 +333,23 @@ _TRUSTED_READERS = (CPUPlatform._read_state, DeviceModulePlatform._read_state)
 
 
 def _state_problem(platform: Platform) -> str | None:
-    """``None`` if the platform's state is a 1-D CPU uint8 tensor of ``_state_nbytes``, else why not.
+    """``None`` if the platform has devices and its state is a 1-D CPU uint8 tensor of ``_state_nbytes``, else why not.
 
-    Asks a plug-in's own ``_read_state`` for the current device's state, once, when the
-    platform is selected; the built-in readers are not called.
+    Asks a plug-in's ``device_count()`` and ``current_device()``, then its own ``_read_state`` for the current
+    device's state, once, when the platform is selected; the built-in readers are not called.
     """
     if type(platform)._read_state in _TRUSTED_READERS:
         return None
     try:
-        index = platform.current_device()
+        count, index = platform.device_count(), platform.current_device()
+    except Exception as exc:
+        return f"asking for its devices raised {_one_line(exc)}"
+    if type(count) is not int or count < 1 or type(index) is not int or not 0 <= index < count:
+        return (
+            f"device_count() returned {count!r:.40} and current_device() {index!r:.40}: an available platform "
+            "has at least one device (an int) and a current one below that count; return those"
+        )
+    try:
         state = platform._read_state(index)
     except Exception as exc:
         return f"reading its RNG state raised {_one_line(exc)}"

@@ -530,6 +530,26 @@ def test_a_platform_whose_state_cannot_be_read_is_not_available(monkeypatch: pyt
         platforms.load("dictplug")
 
 
+@pytest.mark.parametrize(("count", "current"), [(None, 0), (0, 0), (2, 5), (1, None)], ids=["None", "0", "past", "bad"])
+def test_a_platform_without_a_usable_device_count_is_not_available(
+    count: object, current: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plug-in whose device_count() is None (or 0, or whose current device is not below it) was selected, then
+    failed in every later call with torch's TypeError ('<' between int and NoneType)."""
+
+    class Countless(_DictState):
+        def device_count(self) -> int:
+            return count  # type: ignore[return-value]
+
+        def current_device(self) -> int:
+            return current  # type: ignore[return-value]
+
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    platforms.register("dictplug", Countless)
+    with pytest.raises(PlatformError, match=r"not available: device_count\(\) returned .* and current_device\(\)"):
+        platforms.load("dictplug")
+
+
 # -- import behaviour, in fresh interpreters ------------------------------------------------
 
 
