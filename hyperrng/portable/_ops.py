@@ -18,6 +18,7 @@ records for a random op in the mode is :mod:`hyperrng.portable._traced`'s.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from hyperrng.platforms import _features
 from hyperrng.platforms._features import outside_dynamo
 from hyperrng.portable import _attention as _attention_ops
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry, refuse_capture
+from hyperrng.sharding._local_tensor import portable_refusal
 from hyperrng.sharding.tracker import active_region
 from hyperrng.streams._checkpoints import (
     RERUN,
@@ -312,6 +314,9 @@ def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+_LOCAL_TENSOR = "torch.distributed._local_tensor"
+
+
 _META = torch._C.DispatchKey.Meta
 """Meta tensors, and fake ones (whose kernels run on meta tensors: torch.compile's tracing, DTensor's
 sharding propagation), carry this key: they propagate shapes, draw nothing, and move no position."""
@@ -356,6 +361,9 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
             return _untraced(kernel, keyset, args, kwargs)
         if not THREAD.entries or keyset.has(_META):  # torch's: meta and fake tensors only propagate shapes
             return original(keyset, *args, **kwargs)
+        local = sys.modules.get(_LOCAL_TENSOR)  # (LocalTensor's simulated ranks: never imported in most runs)
+        if local is not None and local.enabled_local_tensor_mode() is not None:
+            raise portable_refusal(what)
         verdict = checkpoint_verdict()
         if verdict is RERUN or (kwargs.get("generator") is not None and _own_host_generator(kwargs)):
             return original(keyset, *args, **kwargs)  # see unreplayed_recompute and _own_host_generator

@@ -20,9 +20,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["active_mode", "combine", "each_rank", "load_rank", "per_rank", "restore", "snapshot", "value_on"]
+from hyperrng.errors import UnsupportedPortableOpError
+
+__all__ = [
+    "active_mode",
+    "combine",
+    "each_rank",
+    "load_rank",
+    "per_rank",
+    "portable_refusal",
+    "restore",
+    "snapshot",
+    "value_on",
+]
 
 _MODULE = "torch.distributed._local_tensor"
+
+
+def portable_refusal(what: str) -> UnsupportedPortableOpError:
+    """The refusal of a portable draw (``what``) under LocalTensor mode, before anything moves: its simulated ranks keep
+    one generator each, which portable mode neither positions nor reads as one global counter."""
+    return UnsupportedPortableOpError(
+        f"{what} in portable mode under torch's LocalTensorMode: its simulated ranks keep one generator each, which "
+        "portable mode neither positions nor reads as one global counter, so each would draw its shard from its own "
+        "position. Run the ranks as processes (torch.multiprocessing with the gloo backend), or leave portable mode."
+    )
 
 
 def active_mode() -> Any | None:

@@ -63,6 +63,8 @@ from hyperrng.sharding._regions import LocalRegion, Region, active_region
 from hyperrng.sharding.offsets import rng_offsets
 from hyperrng.streams._device_state import current_device_key
 
+_PORTABLE_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")  # included on a thread in portable mode
+
 __all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
 _log = logging.getLogger(__name__)
@@ -310,6 +312,8 @@ class ShardedRNGTracker:
         global_shape: Sequence[int],
         source: torch.Generator | None,
     ) -> LocalRegion:
+        if _PORTABLE_KEY is not None and torch._C._dispatch_tls_is_dispatch_key_included(_PORTABLE_KEY):
+            raise _local_ranks.portable_refusal("a DTensor random op")  # this thread is in portable mode
         starts, end = self._rank_offsets(mode, mesh, placements, global_shape)
         return LocalRegion(self._platform or platforms.current(), mode, starts, end, source)
 

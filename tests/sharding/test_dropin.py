@@ -166,6 +166,25 @@ def test_dtensor_random_ops_under_local_tensor_mode_draw_what_real_ranks_draw(
 
 
 @pytest.mark.needs_local_tensor
+@pytest.mark.needs_portable_mode
+def test_portable_draws_under_local_tensor_mode_are_refused_with_nothing_moved(fake_world: None) -> None:
+    """Portable mode neither positions LocalTensor's simulated ranks nor reads them as one counter: each drew its
+    shard by local index from its own padded window, and every rank left at the padded end, silently. Refused."""
+    from hyperrng import portable_random
+    from hyperrng.errors import UnsupportedPortableOpError
+
+    mesh = DeviceMesh("cpu", torch.arange(WORLD))
+    with portable_random(SEED), LocalTensorMode(WORLD) as mode, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dtensor = distribute_tensor(torch.zeros(2, 6), mesh, [Shard(1)])
+        before, host = _positions(mode), torch.get_rng_state()
+        for op in (dtensor.uniform_, lambda: torch.rand(4)):  # a sharded op, and a plain one on every rank
+            with pytest.raises(UnsupportedPortableOpError, match="LocalTensorMode"):
+                op()
+            assert _positions(mode) == before and torch.equal(torch.get_rng_state(), host)
+
+
+@pytest.mark.needs_local_tensor
 def test_distribute_region_under_local_tensor_mode_positions_every_simulated_rank(fake_world: None) -> None:
     mesh = DeviceMesh("cpu", torch.arange(WORLD))
     tracker = ShardedRNGTracker()
