@@ -512,6 +512,7 @@ class _DTensorRegion(EnteredUntraced):
         self._user = generator
         self._saved: torch.Tensor | None = None
         self._after: tuple[int, int] | None = None  # where the op left the device generator
+        self._before: tuple[int, int] | None = None  # the user generator's position before the op
         self._region: Region | LocalRegion | None = None
         self._held: tuple[str, int, int] | None = None  # (device type, index, depth before) of the device held
 
@@ -531,7 +532,7 @@ class _DTensorRegion(EnteredUntraced):
             # Held for the whole op: the user generator's position is moved into the device generator.
             self._held = (p.device_type, index, _exclusive.hold(p.device_type, index, "a DTensor random op"))
             if self._user is not None:
-                position = p.get_seed_offset(generator=self._user)  # refuses a foreign generator first
+                position = self._before = p.get_seed_offset(generator=self._user)  # refuses a foreign one first
                 self._saved = p.get_rng_state()
                 p.set_seed_offset(*position)
             region.__enter__()
@@ -566,8 +567,10 @@ class _DTensorRegion(EnteredUntraced):
                 self._after = p.get_seed_offset()
         if self._saved is not None and self._after is not None:
             p.set_rng_state(self._saved)
-            # Last, so that a user generator that is the device's own (DTensor hands the
-            # tracker a new wrapper of it when passed explicitly) keeps the op's advance.
-            p.set_seed_offset(*self._after, generator=self._user)
+            # Last, so that a user generator that is the device's own (DTensor hands the tracker a new wrapper of it
+            # when passed explicitly) keeps the op's advance; none (a refused op) leaves it untouched: on the CPU,
+            # positioning a generator reseeds it, which would lose the draws it made before.
+            if self._after != self._before:
+                p.set_seed_offset(*self._after, generator=self._user)
         if self._held is not None:
             _exclusive.release(*self._held)

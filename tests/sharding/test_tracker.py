@@ -360,15 +360,45 @@ def _ops_with_an_explicit_default_generator(rank: int, world_size: int) -> dict[
                     out[label].append(t.to_local().tolist())
     finally:
         tracker.uninstall_dtensor(previous)
+    out["refused"] = _a_refused_op_leaves_a_user_generator(mesh)
     return out
+
+
+def _a_refused_op_leaves_a_user_generator(mesh: Any) -> list[list[float]]:
+    """A portable DTensor op refused (an int tensor) with generator=g: g's next numbers, which must be those it had
+    (on the CPU, putting g back at its position reseeded it, losing the draws it made before)."""
+    import warnings
+
+    from hyperrng.platforms import _features
+    from torch.distributed.tensor import distribute_tensor
+
+    import hyperrng
+    from hyperrng.errors import ArgumentTypeError
+
+    g = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=g)
+    if _features.feature("portable-mode").available:
+        with warnings.catch_warnings(), hyperrng.portable_random(7):
+            warnings.simplefilter("ignore")
+            t = distribute_tensor(torch.zeros(4, 4, dtype=torch.int32), mesh, [Shard(0)])
+            try:
+                t.uniform_(generator=g)
+            except ArgumentTypeError:
+                pass
+    return [torch.rand(2, generator=g).tolist()]
 
 
 @pytest.mark.multiproc
 def test_dtensor_ops_given_the_default_generator_explicitly_draw_what_implicit_ones_draw() -> None:
     """DTensor hands the tracker a new wrapper of the default generator; each op must still move it on."""
+    g = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=g)
     for result in _on_the_cpu(_ops_with_an_explicit_default_generator, 2):
         assert result["explicit"] == result["implicit"]
         assert result["explicit"][0] != result["explicit"][1] != result["explicit"][2]
+        assert result["refused"] == [torch.rand(2, generator=g).tolist()], "a refused op moved the user generator"
+        g = torch.Generator().manual_seed(5)
+        torch.rand(3, generator=g)
 
 
 @pytest.mark.multiproc
