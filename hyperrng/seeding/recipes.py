@@ -155,8 +155,12 @@ def _derived(value: int, formula: str) -> int:
 def _replacing(tracker: RNGStatesTracker | None, keys: list[tuple[str, int]], what: str) -> Replacing:
     """The reseed of the tracker, refused up front (an active fork, a mode the platform lacks, ``keys`` held by
     another thread), before anything is seeded: a reseed would refuse the same way, but only after the host
-    was seeded."""
-    return Replacing(resolve_tracker(tracker), "reseed", holds=keys, holding_what=what)
+    was seeded. Also refused inside another context that swapped one of ``keys``' generators (another tracker's
+    fork, ``fork_rng``, a region, ``portable_random(seed)``), whose exit would undo the seeds: checked before
+    the tracker's stuck forks are cleared, so that a refusal changes nothing."""
+    chosen = resolve_tracker(tracker)
+    refuse_inside_contexts(keys, "seed the generators", chosen.owns)
+    return Replacing(chosen, "reseed", holds=keys, holding_what=what)
 
 
 def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_seed: int, what: str) -> None:
@@ -164,7 +168,6 @@ def _reseed(tracker: RNGStatesTracker | None, streams: dict[str, int], device_se
     neither (signals deferred meanwhile)."""
     platform = platforms.current()
     keys = [current_device_key(platform)]
-    refuse_inside_contexts(keys, "seed the device generator", resolve_tracker(tracker).owns)  # see seed_host
     replacement = _replacing(tracker, keys, what)
     with replacement.applying():
         replacement.tracker.reseed(streams)
@@ -235,9 +238,7 @@ def set_random_seed(
         tp = _rank(tp_rank, "tp_rank")
         _derived(base + _MEGATRON_TP_OFFSET + tp, f"seed + {_MEGATRON_TP_OFFSET} + tp_rank")
     keys = device_keys(platforms.current())
-    # Refused inside a fork, where seeding the device would reseed the forked stream, and inside any other context
-    # that swapped a generator (before stuck forks are cleared); all or nothing after
-    refuse_inside_contexts(keys, "seed the generators", resolve_tracker(tracker).owns)
+    # Refused inside a fork, where seeding the device would reseed the forked stream; all or nothing after
     with _replacing(tracker, keys, "set_random_seed").applying():  # held throughout
         seed_host(base)
         if tp_rank is not None:
@@ -439,8 +440,7 @@ def megatron_set_random_seed(
     base = _derived(base, "seed + 100 * pp_rank (+ 10 * dp_rank)")
     _check_megatron_distinct(megatron_seeds(base, tp_rank, ep_rank, etp_rank))
     keys = device_keys(platforms.current())
-    # Refused before anything is seeded (stuck forks cleared) inside another context; held throughout; all or nothing
-    refuse_inside_contexts(keys, "seed the generators", resolve_tracker(tracker).owns)
+    # Refused before anything is seeded; held throughout; all or nothing
     with _replacing(tracker, keys, "megatron_set_random_seed").applying():
         seed_host(base)
         megatron_model_parallel_manual_seed(base, tp_rank, ep_rank, etp_rank, tracker=tracker)
