@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hyperrng.resume._format import CONTAINERS
+
 __all__ = ["Entry", "planner_class", "saved_template"]
 
 
@@ -51,24 +53,13 @@ def saved_template(metadata: Any, name: str, key: str) -> dict[str, Any] | None:
         )
     if not template:
         return None
-    for *parents, last in _CONTAINERS:  # an empty one left no path: put it back, or the digest would not match
+    for *parents, last in CONTAINERS:  # an empty one left no path: put it back, or the digest would not match
         node = template
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and last not in node:
-            node[last] = _CONTAINERS[(*parents, last)]()
+            node[last] = CONTAINERS[(*parents, last)]()
     return _as_lists(template)
-
-
-_CONTAINERS: dict[tuple[str, ...], type] = {
-    ("streams",): dict,
-    ("coords",): dict,
-    ("layout", "streams"): dict,
-    ("devices",): list,
-}
-"""The containers of a saved RNG state (:func:`hyperrng.rng_state_dict`) that DCP's paths cross and that the format
-writes even when empty: DCP records no path for an empty one, and a value it saved as None has its own path
-(``resume_bases`` is None or holds the default stream; states saved before it existed lack it)."""
 
 
 def _as_lists(node: Any) -> Any:

@@ -19,13 +19,23 @@ from hyperrng.platforms.validate import MAX_SEED
 from hyperrng.seeding.layout import Derivation, StreamLayout, mesh_coordinates
 from hyperrng.streams.tracker import RNGStatesTracker
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "check_saved", "decode", "digest", "saved_derivation", "saved_layout"]
+__all__ = ["CONTAINERS", "FORMAT", "FORMAT_VERSION", "check_saved", "decode", "digest", "saved_derivation", "saved_layout"]
 
 FORMAT = "hyperrng.rng_state"
 FORMAT_VERSION = 2
 """Version 2: device states in the platform's own format (the CPU's carries its position
 cursor), no separate position list, and no copy of torch's CPU state where the platform's
 device is the host."""
+
+CONTAINERS: dict[tuple[str, ...], type] = {
+    ("streams",): dict,
+    ("coords",): dict,
+    ("layout", "streams"): dict,
+    ("devices",): list,
+}
+"""The containers of a saved state, by path, that the format writes even when empty (and that a reader of it
+field by field, such as DCP's, which records no path for an empty one, must put back). ``resume_bases`` is not
+one: None, or it holds the default stream; states saved before it existed lack it."""
 
 _MT_WORDS = 624
 _PY_STATE_WORDS = _MT_WORDS + 1  # CPython's MT19937: 624 words plus the position
