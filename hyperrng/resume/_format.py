@@ -19,7 +19,16 @@ from hyperrng.platforms.validate import MAX_SEED
 from hyperrng.seeding.layout import Derivation, StreamLayout, mesh_coordinates
 from hyperrng.streams.tracker import RNGStatesTracker
 
-__all__ = ["CONTAINERS", "FORMAT", "FORMAT_VERSION", "check_saved", "decode", "digest", "saved_derivation", "saved_layout"]
+__all__ = [
+    "CONTAINERS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "check_saved",
+    "decode",
+    "digest",
+    "saved_derivation",
+    "saved_layout",
+]
 
 FORMAT = "hyperrng.rng_state"
 FORMAT_VERSION = 2
