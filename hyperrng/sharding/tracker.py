@@ -63,7 +63,8 @@ from hyperrng.sharding._regions import LocalRegion, Region, active_region
 from hyperrng.sharding.offsets import rng_offsets
 from hyperrng.streams._device_state import current_device_key
 
-_PORTABLE_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")  # included on a thread in portable mode
+# Portable mode's key (hyperrng.portable._ops.KEY_NAME, which imports this module): a thread in the mode includes it.
+_PORTABLE_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")
 
 __all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
