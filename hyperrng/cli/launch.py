@@ -7,6 +7,13 @@ platform current in the parent, even one chosen programmatically there. :class:`
 says where ranks run: each on a device of the platform, over its backend where every local
 rank has a device of its own, else over gloo with tensors staged through the host.
 
+Ranks are forked from multiprocessing's fork server, which imports torch once, so a rank
+starts in a fraction of the seconds importing torch takes. A rank sees this process's
+environment as of the call and selects its platform in it; but the variables that Python
+and torch read as they start (see :func:`_rank_context`) must be those the server started
+with, else the ranks are spawned, as they are where there is no fork (Windows). The server,
+started by the first call, keeps that moment's standard output and error for the ranks.
+
 A rank that raises, dies or hangs fails the call with :class:`~hyperrng.errors.RankFailure`:
 a rank that dies is noticed within a second, and the ranks still running (typically
 blocked in a collective with it) are killed at once rather than waited for. A hang is
@@ -94,6 +101,29 @@ class Placement:
         return f"over {self.backend}, {where}" + (", tensors staged through the host" if self.staged else "")
 
 
+# Modules the fork server imports once for every rank, and the environment variables that modules
+# read as they are imported (torch's, its libraries', Python's): a rank forked from the server has
+# them as the server started. The platform variable is not one: a rank selects its platform again.
+_SERVER_PRELOAD = ["torch", "torch.distributed"]
+_READ_AT_IMPORT = ("TORCH", "PYTORCH", "CUDA", "NCCL", "HIP", "ROCM", "ASCEND", "NPU", "OMP_",
+                   "KMP_", "GOMP_", "MKL", "OPENBLAS", "TRITON", "PYTHON", "LD_", "MALLOC")  # fmt: skip
+_server_env: dict[str, str] | None = None  # the import-time variables the fork server started with
+
+
+def _rank_context(mp: Any, env: dict[str, str]) -> Any:
+    """The multiprocessing context ranks start in: the fork server where there is one and the
+    variables read at import (names that start with one of ``_READ_AT_IMPORT``) are as the
+    server started, else spawn. The first call starts the server with torch imported."""
+    global _server_env
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    at_import = {k: v for k, v in env.items() if k.upper().startswith(_READ_AT_IMPORT)}
+    if _server_env is None:
+        _server_env = at_import
+        mp.set_forkserver_preload(_SERVER_PRELOAD)
+    return mp.get_context("forkserver" if at_import == _server_env else "spawn")
+
+
 def _platform_for_ranks() -> tuple[type[platforms.Platform], str]:
     """The class and name of the parent's current platform, checked to be rebuildable in a child.
 
@@ -139,12 +169,17 @@ def _entry(
     port: int,
     backend: str,
     platform: tuple[type[platforms.Platform], str],
+    env: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     conn: Any,
 ) -> None:
     import torch.distributed as dist
 
+    imported_with = os.environ.get(platforms.ENV_VAR)  # the platform variable this rank imported hyperrng with
+    if os.environ != env:  # forked from the fork server: the caller's environment, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -154,6 +189,8 @@ def _entry(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
+        if env.get(platforms.ENV_VAR) != imported_with:
+            platforms.select()  # as a rank that imported hyperrng in the caller's environment selected it
         _use_platform(*platform)
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S)
@@ -193,11 +230,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     import torch.multiprocessing as mp
 
     platform = _platform_for_ranks()
-    ctx = mp.get_context("spawn")
+    env = dict(os.environ)
+    ctx = _rank_context(mp, env)
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, backend, platform, fn, args, pipes[r][1]), daemon=True)
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, backend, platform, env, fn, args, pipes[r][1]), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,16 +1,20 @@
-"""The local launcher: every rank's answer arrives, and no rank's teardown can hold the run up."""
+"""The local launcher: ranks start from a server that imported torch, in the caller's environment; every
+rank's answer arrives, and no rank's teardown can hold the run up."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import hyperrng.platforms as platforms
 import pytest
 import torch
 import torch.distributed as dist
+from hyperrng.platforms.cpu import CPUPlatform
 
 from hyperrng.cli.launch import run_ranks
 from hyperrng.errors import RankFailure
@@ -81,3 +85,47 @@ def test_ranks_slow_to_start_are_not_failed_by_the_hang_timeout(
     finally:
         opener.cancel()
     assert gate.exists(), "the ranks answered before they could have started"
+
+
+class _Configured(CPUPlatform):
+    """A platform only its factory can build (its class takes an argument)."""
+
+    name = "configured"
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+
+def configured() -> CPUPlatform:
+    """The factory a test names in ``HYPERRNG_PLATFORM``."""
+    return _Configured("by its factory")
+
+
+def _what_the_rank_sees(rank: int, world_size: int) -> tuple[str, str | None, str | None, bool, int]:
+    p = platforms.current()
+    return p.name, getattr(p, "how", None), os.environ.get("LAUNCH_TEST"), "torch" in sys.modules, os.getppid()
+
+
+def test_ranks_see_the_callers_environment_as_of_the_call_and_select_their_platform_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first call starts the fork server, in this environment; later ranks are forked from it.
+    run_ranks(_what_the_rank_sees, 1)
+    monkeypatch.setenv("LAUNCH_TEST", "as of the call")
+    monkeypatch.setenv(platforms.ENV_VAR, f"{__name__}:configured")
+    assert platforms.select().platform.name == "configured"  # the caller's platform, built by its factory
+    seen = run_ranks(_what_the_rank_sees, 2)
+    assert [s[:4] for s in seen] == [("configured", "by its factory", "as of the call", True)] * 2
+    assert all(parent != os.getpid() for *_, parent in seen), "the ranks were not forked from the server"
+
+
+def test_where_a_variable_python_or_torch_reads_at_start_changed_the_ranks_are_spawned_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_ranks(_what_the_rank_sees, 1)
+    monkeypatch.setenv("LAUNCH_TEST", "spawned")
+    monkeypatch.setenv("TORCH_LAUNCH_TEST", "1")  # a name torch's variables have: read as torch starts
+    seen = run_ranks(_what_the_rank_sees, 2)
+    assert [s[2] for s in seen] == ["spawned"] * 2
+    assert all(parent == os.getpid() for *_, parent in seen), "the ranks were forked from a server started before"
