@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -378,18 +377,11 @@ class Derivation:
         return self.layout.seeds(self.base_seed, self.coords, bases=self.bases)
 
 
-# Beside each tracker (never keeping one alive): its derivation, and the seeds its streams had
-# then. A recipe, reseed, add or reset changes those seeds, which retires the record.
-_RECORDS: weakref.WeakKeyDictionary[RNGStatesTracker, tuple[Derivation, dict[str, int]]] = weakref.WeakKeyDictionary()
-
-
 def _record(tracker: RNGStatesTracker, derivation: Derivation | None) -> None:
-    """Remember that ``tracker``'s current streams come from ``derivation``, or forget (``None``)
-    what was remembered (see :func:`recorded_derivation`)."""
-    if derivation is None:
-        _RECORDS.pop(tracker, None)
-    else:
-        _RECORDS[tracker] = (derivation, tracker.seeds())
+    """Remember beside ``tracker`` (pickled and copied with it) that its current streams come from
+    ``derivation``, with their seeds now, or forget (``None``) what was remembered. A recipe, reseed,
+    add or reset changes those seeds, which retires the record (see :func:`recorded_derivation`)."""
+    tracker._derivation = None if derivation is None else (derivation, tracker.seeds())
 
 
 def recorded_derivation(tracker: RNGStatesTracker | None = None) -> Derivation | None:
@@ -407,12 +399,12 @@ def recorded_derivation(tracker: RNGStatesTracker | None = None) -> Derivation |
     another world size can re-derive the streams without the user having planned for it.
     """
     chosen = resolve_tracker(tracker)
-    record = _RECORDS.get(chosen)
+    record = chosen._derivation
     if record is None:
         return None
     derivation, seeds = record
     if chosen.seeds() != seeds:
-        del _RECORDS[chosen]
+        chosen._derivation = None
         return None
     return derivation
 

@@ -77,13 +77,9 @@ _SEED_HINT = (
 
 @runtime_checkable
 class RNGTrackerProtocol(Protocol):
-    """What TransformerEngine and activation-checkpoint code call on an RNG tracker.
-
-    The tracker satisfies the protocol TransformerEngine modules and activation-checkpoint code
-    use (``fork(name)`` as a context manager, ``get_states()``, ``set_states(states)``), so
-    ``te.TransformerLayer(..., get_rng_state_tracker=hyperrng.get_rng_tracker)`` works.
-
-    """
+    """What TransformerEngine and activation-checkpoint code call on an RNG tracker (``fork(name)`` as a
+    context manager, ``get_states()``, ``set_states(states)``): the tracker satisfies it, so
+    ``te.TransformerLayer(..., get_rng_state_tracker=hyperrng.get_rng_tracker)`` works."""
 
     def fork(self, name: str = ...) -> Any: ...
 
@@ -124,13 +120,16 @@ class RNGStatesTracker(ForkChain):
         # While a fork is open on a tracker whose forks may swap several devices' generators:
         # the thread that has it open (see _Fork.__enter__).
         self._claim: dict[str, Thread] = {}
+        self._derivation: Any = None  # what derived these streams, their seeds then (hyperrng.seeding.layout's)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A pickled tracker (a DataLoader worker made by ``spawn`` unpickles its dataset) holds its streams' states
-        and seeds. Unpickled, it binds to that process's platform and, in a worker, its first fork re-derives the
-        streams as in one made by ``fork`` (:meth:`_join_process`); elsewhere they continue where they were."""
+        """A pickled tracker (a DataLoader worker made by ``spawn`` unpickles its dataset) holds its streams' states,
+        seeds and derivation (:func:`hyperrng.seeding.layout.recorded_derivation`). Unpickled, it binds to that
+        process's platform and, in a worker, its first fork re-derives the streams as in one made by ``fork``
+        (:meth:`_join_process`); elsewhere they continue where they were."""
         states = {name: state.numpy().tobytes() for name, state in self.get_states(as_tensors=True).items()}
-        return {"graph_safe": self._want_graph_safe, "states": states, "seeds": self._seeds}  # bytes: no shared memory
+        kept = {"graph_safe": self._want_graph_safe, "seeds": self._seeds, "derivation": self._derivation}
+        return {**kept, "states": states}  # bytes: no shared memory
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(graph_safe=state["graph_safe"])  # type: ignore[misc]
@@ -139,6 +138,7 @@ class RNGStatesTracker(ForkChain):
                 {name: torch.frombuffer(bytearray(b), dtype=torch.uint8) for name, b in state["states"].items()}
             )
         self._seeds = dict(state["seeds"])
+        self._derivation = state.get("derivation")
         self._process = None  # its first fork joins this process
 
     # -- introspection --------------------------------------------------------------------

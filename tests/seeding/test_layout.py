@@ -366,6 +366,22 @@ def test_restoring_states_keeps_the_derivation_and_replacing_streams_drops_it() 
     assert recorded_derivation(tracker) is None, "a dropped record does not come back"
 
 
+def test_a_pickled_or_copied_tracker_keeps_its_derivation_until_its_streams_change() -> None:
+    import copy
+    import pickle
+
+    tracker = RNGStatesTracker()
+    apply_layout(megatron_like_layout(), 7, {**GOOD, "tp": 3}, tracker=tracker)
+    for twin in (pickle.loads(pickle.dumps(tracker)), copy.deepcopy(tracker), copy.copy(tracker)):
+        assert recorded_derivation(twin) == Derivation(megatron_like_layout(), 7, {**GOOD, "tp": 3})
+        twin.reseed({MODEL_PARALLEL_STREAM: 1})
+        assert recorded_derivation(twin) is None
+    assert recorded_derivation(tracker) is not None, "a copy's reseed dropped the original's record"
+    plain = RNGStatesTracker()
+    plain.add("a", 1)
+    assert recorded_derivation(pickle.loads(pickle.dumps(plain))) is None
+
+
 def test_a_refused_apply_layout_records_nothing() -> None:
     tracker = RNGStatesTracker()
     with pytest.raises(InvalidArgumentError):
