@@ -9,7 +9,7 @@ inside; :func:`active_region` returns the innermost (portable mode reads it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from threading import Thread, current_thread
 from typing import Any
 
@@ -21,7 +21,7 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET
 from hyperrng.sharding import _local_tensor as _local_ranks
 
-__all__ = ["LocalRegion", "Region", "active_region"]
+__all__ = ["LocalRegion", "Region", "active_region", "in_portable_mode"]
 
 
 class _ActiveRegions(threading.local):
@@ -32,6 +32,14 @@ class _ActiveRegions(threading.local):
 
 
 _ACTIVE = _ActiveRegions()
+
+# Portable mode's key (hyperrng.portable._ops.KEY_NAME; that module imports this one): a thread in the mode includes it.
+_PORTABLE_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")
+
+
+def in_portable_mode() -> bool:
+    """Whether this thread is in portable mode, where an op can be refused inside a region (:meth:`Region.cancel`)."""
+    return _PORTABLE_KEY is not None and torch._C._dispatch_tls_is_dispatch_key_included(_PORTABLE_KEY)
 
 
 class Region(_exclusive.LeavesOnExit):
@@ -50,6 +58,7 @@ class Region(_exclusive.LeavesOnExit):
         "_base",
         "_consumed",
         "_cancelled",
+        "_saved",
         "mesh",
         "placements",
         "global_shape",
@@ -74,6 +83,7 @@ class Region(_exclusive.LeavesOnExit):
         self._base = 0
         self._consumed = 0
         self._cancelled = False
+        self._saved: tuple[Callable[[Any], object], Any] | None = None  # (write, snapshot): see __enter__
         self.mesh = mesh
         self.placements = placements
         self.global_shape = global_shape
@@ -102,8 +112,9 @@ class Region(_exclusive.LeavesOnExit):
 
     def cancel(self) -> None:
         """Record that an op refused to draw: on exit every rank moves only past what :meth:`consume`
-        recorded (back to the entry position if nothing), not to the shard layout's end. On the
-        CPU, moving back to the entry position reseeds its free stream, as ``set_seed_offset`` does."""
+        recorded, not to the shard layout's end; where it drew nothing, the generator gets back the
+        very state it had on entry (on the CPU, moving to a position reseeds, which would lose the
+        draws torch's own ops made since)."""
         self._cancelled = True
 
     def __enter__(self) -> None:
@@ -123,6 +134,9 @@ class Region(_exclusive.LeavesOnExit):
             self._seed, self._base = seed, base
             positioned = True
             if self._end:  # an op on an empty tensor draws nothing: the generator and its plain draws stay as they are
+                if not p.counter_based and in_portable_mode():  # moving reseeds; a refused op leaves it (_leave)
+                    io = p._state_io() if gen is None else None
+                    self._saved = (io.write, io.read()) if io is not None else (gen.set_state, gen.get_state())
                 if gen is None:
                     p._move(seed, base + self._start, True)
                 else:
@@ -150,7 +164,10 @@ class Region(_exclusive.LeavesOnExit):
         elif self in stack:  # regions left out of order: this one must not stay active
             stack.remove(self)
         end = self._consumed if self._consumed or self._cancelled else self._end
-        if end or self._end:
+        if not end and self._saved is not None:  # an op refused before it drew: the state as it was
+            write, snapshot = self._saved
+            write(snapshot)
+        elif end or self._end:
             if self._generator is None:
                 self._platform._move(self._seed, self._base + end, False)
             else:

@@ -533,6 +533,20 @@ def test_an_op_refused_inside_a_region_leaves_every_rank_where_it_was(op: Callab
         with pytest.raises(error), tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
             op()
         assert _position() == (SEED, 0)
+    # Not only the position: the state, with the draws torch's own ops made from it (on the CPU,
+    # putting the generator back at its position would reseed it and lose them).
+    p = platforms.current()
+    torch.rand(3)
+    before = p.get_rng_state()
+    g = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=g)
+    before_g = g.get_state()
+    for generator in (None, g):
+        with portable_random(), pytest.raises(error):
+            with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,), generator):
+                op()
+    assert torch.equal(p.get_rng_state(), before), "a refused op changed the generator"
+    assert torch.equal(g.get_state(), before_g), "a refused op changed the generator of the region"
 
 
 # -- bad input: typed errors, nothing changed ----------------------------------------------------
