@@ -27,7 +27,14 @@ _OWNER = "thread"
 
 
 _MODES = torch._C._TorchDispatchModeKey
-_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # a process-wide flag, where torch has it
+
+
+def _pre_dispatch_tracing() -> bool:
+    """Whether a proxy mode traces at pre-dispatch (process-wide): how torch 2.5's export traces, with no flag."""
+    return torch._ops._get_dispatch_mode_pre_dispatch(_MODES.PROXY) is not None
+
+
+_exporting = getattr(torch.compiler, "is_exporting", None) or _pre_dispatch_tracing  # a process-wide flag
 
 
 _mode_on = torch._C._get_dispatch_mode

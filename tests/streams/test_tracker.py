@@ -925,8 +925,6 @@ def test_a_fork_that_a_graph_tracer_would_bake_out_is_refused_before_it_moves_a_
     graph drew from the default generator (before, silently)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    if tracer == "export" and not hasattr(torch.compiler, "is_exporting"):
-        pytest.skip("this torch does not tell that torch.export traces (torch.compiler.is_exporting)")
     tracker = RNGStatesTracker()
     tracker.add("model-parallel-rng", 1234)
 
