@@ -1,18 +1,18 @@
 """Start N local processes joined by one process group (the demo and the tests use it).
 
-``run_ranks(fn, world_size, *args)`` spawns the ranks, initialises a process group (gloo
+``run_ranks(fn, world_size, *args)`` starts the ranks, initialises a process group (gloo
 unless told otherwise) on a free loopback port, calls ``fn(rank, world_size, *args)`` on
 each, and returns the per-rank results (which must be picklable). Every rank runs on the
 platform current in the parent, even one chosen programmatically there. :class:`Placement`
 says where ranks run: each on a device of the platform, over its backend where every local
 rank has a device of its own, else over gloo with tensors staged through the host.
 
-Ranks are forked from multiprocessing's fork server, which imports torch once, so a rank
-starts in a fraction of the seconds importing torch takes. A rank sees this process's
-environment as of the call and selects its platform in it; but the variables that Python
-and torch read as they start (see :func:`_rank_context`) must be those the server started
-with, else the ranks are spawned, as they are where there is no fork (Windows). The server,
-started by the first call, keeps that moment's standard output and error for the ranks.
+Ranks on the host (the CPU, the simulated device) are forked, on Linux, from a fork server
+that the first call starts with torch imported: a rank then starts in a fraction of the
+seconds an import of torch takes. Such a rank gets this process's environment as of the call,
+selects its platform in it and draws fresh seeds, as a spawned one would; where forking could
+not give it the rest of what spawning would (:func:`_rank_context`), and for ranks on an
+accelerator, whose runtime must not be in a process that forks, the ranks are spawned.
 
 A rank that raises, dies or hangs fails the call with :class:`~hyperrng.errors.RankFailure`:
 a rank that dies is noticed within a second, and the ranks still running (typically
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import pickle
 import socket
@@ -45,10 +46,12 @@ import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
+from pathlib import Path
 from typing import Any
 
 import hyperrng.platforms as platforms
 from hyperrng.errors import PlatformError, RankFailure
+from hyperrng.platforms.cpu import CPUPlatform
 from hyperrng.platforms.validate import error_gist
 
 __all__ = ["Placement", "RankFailure", "free_port", "run_ranks"]
@@ -101,27 +104,82 @@ class Placement:
         return f"over {self.backend}, {where}" + (", tensors staged through the host" if self.staged else "")
 
 
-# Modules the fork server imports once for every rank, and the environment variables that modules
-# read as they are imported (torch's, its libraries', Python's): a rank forked from the server has
-# them as the server started. The platform variable is not one: a rank selects its platform again.
-_SERVER_PRELOAD = ["torch", "torch.distributed"]
-_READ_AT_IMPORT = ("TORCH", "PYTORCH", "CUDA", "NCCL", "HIP", "ROCM", "ASCEND", "NPU", "OMP_",
-                   "KMP_", "GOMP_", "MKL", "OPENBLAS", "TRITON", "PYTHON", "LD_", "MALLOC")  # fmt: skip
-_server_env: dict[str, str] | None = None  # the import-time variables the fork server started with
+# The modules the fork server imports once for every rank, and the environment variables that Python,
+# torch and its libraries read as they start: a rank forked from the server has them as the server started.
+_SERVER_PRELOAD = ("torch", "torch.distributed")
+_READ_AT_IMPORT = ("TORCH", "PYTORCH", "CUDA", "NCCL", "HIP", "ROCM", "ASCEND", "NPU", "OMP_", "KMP_", "GOMP_",
+                   "MKL", "OPENBLAS", "TRITON", "PYTHON", "LD_", "MALLOC", "LC_", "LANG")  # fmt: skip
+_server: tuple[int, Any] | None = None  # (this process, what a rank inherits from it) when it started the server
 
 
-def _rank_context(mp: Any, env: dict[str, str]) -> Any:
-    """The multiprocessing context ranks start in: the fork server where there is one and the
-    variables read at import (names that start with one of ``_READ_AT_IMPORT``) are as the
-    server started, else spawn. The first call starts the server with torch imported."""
-    global _server_env
-    if "forkserver" not in mp.get_all_start_methods():
+def _inherited(env: dict[str, str]) -> Any:
+    """What a process hands a child as it starts it, and a rank forked from the server has as the server
+    started: the variables read at start, the file-creation mask, the CPUs, the priority, the resource
+    limits, and what standard output and error are."""
+    import resource
+
+    status = Path("/proc/self/status").read_text()
+    outputs = []
+    for fd in (1, 2):
+        try:
+            outputs.append(os.fstat(fd)[1:3])  # (inode, device)
+        except OSError:
+            outputs.append(None)
+    return (
+        {k: v for k, v in env.items() if k.upper().startswith(_READ_AT_IMPORT)},
+        next((line for line in status.splitlines() if line.startswith("Umask:")), None),
+        os.sched_getaffinity(0),
+        os.getpriority(os.PRIO_PROCESS, 0),
+        [resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")],
+        outputs,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _device_backends() -> bool:
+    """Whether torch's import loads device backends of other packages (``torch.backends`` entry points,
+    such as torch_npu's), unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (checked by the caller)."""
+    from importlib.metadata import entry_points
+
+    return bool(entry_points(group="torch.backends"))
+
+
+def _rank_context(mp: Any, env: dict[str, str], on_host: bool) -> Any:
+    """The multiprocessing context ranks start in: the fork server where forking is safe and gives a
+    rank what spawning would, else spawn.
+
+    Safe: on Linux, for ranks on the host (the CPU, the simulated device), where importing torch
+    loads no device backend (an accelerator's runtime must not be in a process that forks). The
+    same as spawn: this process started the server (not code before it, not a process it was forked
+    from), and :func:`_inherited` is as then. A rank gets the rest at its start (:func:`_entry`).
+    """
+    global _server
+    autoload = env.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0"
+    if sys.platform != "linux" or not on_host or (autoload and _device_backends()):
         return mp.get_context("spawn")
-    at_import = {k: v for k, v in env.items() if k.upper().startswith(_READ_AT_IMPORT)}
-    if _server_env is None:
-        _server_env = at_import
-        mp.set_forkserver_preload(_SERVER_PRELOAD)
-    return mp.get_context("forkserver" if at_import == _server_env else "spawn")
+    inherited = _inherited(env)
+    if _server is None:
+        from multiprocessing import forkserver
+
+        server = getattr(forkserver, "_forkserver", None)
+        if getattr(server, "_forkserver_pid", 0) is not None:  # another's server, or one this Python hides
+            _server = (-1, None)
+            return mp.get_context("spawn")
+        ours = [m for m in getattr(server, "_preload_modules", ()) if m != "__main__"]  # a caller's, kept
+        mp.set_forkserver_preload(ours + [m for m in _SERVER_PRELOAD if m not in ours])
+        _server = (os.getpid(), inherited)
+    return mp.get_context("forkserver" if _server == (os.getpid(), inherited) else "spawn")
+
+
+def _fresh_seeds() -> None:
+    """In a rank forked from the server: new random seeds where a spawned rank's imports draw them (torch's
+    CPU generator; NumPy's global one, had the server imported it). Python's ``random`` reseeds itself."""
+    import torch
+
+    torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def _platform_for_ranks() -> tuple[type[platforms.Platform], str]:
@@ -169,17 +227,17 @@ def _entry(
     port: int,
     backend: str,
     platform: tuple[type[platforms.Platform], str],
-    env: dict[str, str],
+    env: dict[str, str] | None,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     conn: Any,
 ) -> None:
     import torch.distributed as dist
 
-    imported_with = os.environ.get(platforms.ENV_VAR)  # the platform variable this rank imported hyperrng with
-    if os.environ != env:  # forked from the fork server: the caller's environment, not the server's
+    if env is not None:  # forked from the fork server: the caller's environment and fresh seeds
         os.environ.clear()
         os.environ.update(env)
+        _fresh_seeds()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -189,8 +247,9 @@ def _entry(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        if env.get(platforms.ENV_VAR) != imported_with:
-            platforms.select()  # as a rank that imported hyperrng in the caller's environment selected it
+        if env is not None:  # selected as importing hyperrng in the caller's environment would (or left to below)
+            with contextlib.suppress(PlatformError):
+                platforms.select()
         _use_platform(*platform)
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S)
@@ -231,12 +290,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
     platform = _platform_for_ranks()
     env = dict(os.environ)
-    ctx = _rank_context(mp, env)
+    ctx = _rank_context(mp, env, issubclass(platform[0], (CPUPlatform, platforms.SimulatedPlatform)))
+    env_for_ranks = env if ctx.get_start_method() == "forkserver" else None
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(world_size)]
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world_size, port, backend, platform, env, fn, args, pipes[r][1]), daemon=True
+            target=_entry,
+            args=(r, world_size, port, backend, platform, env_for_ranks, fn, args, pipes[r][1]),
+            daemon=True,
         )
         for r in range(world_size)
     ]

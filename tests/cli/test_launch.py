@@ -129,3 +129,40 @@ def test_where_a_variable_python_or_torch_reads_at_start_changed_the_ranks_are_s
     seen = run_ranks(_what_the_rank_sees, 2)
     assert [s[2] for s in seen] == ["spawned"] * 2
     assert all(parent == os.getpid() for *_, parent in seen), "the ranks were forked from a server started before"
+
+
+def _seeds(rank: int, world_size: int) -> tuple[int, float]:
+    import random
+
+    return torch.initial_seed(), random.random()
+
+
+def test_every_rank_of_every_call_starts_from_seeds_of_its_own_as_a_spawned_one_does() -> None:
+    # Forked from one server, ranks would share the seeds it drew as it imported torch: unseeded
+    # draws would be the same on every rank and in every call.
+    drawn = run_ranks(_seeds, 2) + run_ranks(_seeds, 2)
+    assert len({seed for seed, _ in drawn}) == 4 and len({value for _, value in drawn}) == 4, drawn
+
+
+_FORKED_AFTER_THE_SERVER = """
+import os, sys
+from hyperrng.cli.launch import run_ranks
+from tests.cli.test_launch import _seeds
+run_ranks(_seeds, 1)  # starts the fork server
+child = os.fork()
+if child == 0:  # this process's copy of the server's handle is not its own: its ranks are spawned
+    os._exit(0 if len(run_ranks(_seeds, 2)) == 2 else 1)
+_, status = os.waitpid(child, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_after_the_first_call_starts_its_own_ranks() -> None:
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _FORKED_AFTER_THE_SERVER], capture_output=True, text=True,
+                         env=env, cwd=repo, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
