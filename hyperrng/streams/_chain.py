@@ -8,6 +8,7 @@ that replaces every stream clears it (:class:`Replacing`, the preamble of every 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from threading import Thread, current_thread
@@ -27,14 +28,14 @@ _OWNER = "thread"
 
 
 _MODES = torch._C._TorchDispatchModeKey
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # a process-wide flag, where torch has it
+_pre_dispatch_on = functools.partial(torch._C._dispatch_tls_is_dispatch_key_included, torch._C.DispatchKey.PreDispatch)
 
 
 def _pre_dispatch_tracing() -> bool:
-    """Whether a proxy mode traces at pre-dispatch (process-wide): how torch 2.5's export traces, with no flag."""
-    return torch._ops._get_dispatch_mode_pre_dispatch(_MODES.PROXY) is not None
-
-
-_exporting = getattr(torch.compiler, "is_exporting", None) or _pre_dispatch_tracing  # a process-wide flag
+    """Whether this thread traces at pre-dispatch (``make_fx(pre_dispatch=True)``; torch 2.5's export, which has
+    no flag): its key is this thread's, the proxy mode it traces with the process's."""
+    return _pre_dispatch_on() and torch._ops._get_dispatch_mode_pre_dispatch(_MODES.PROXY) is not None
 
 
 _mode_on = torch._C._get_dispatch_mode
@@ -115,7 +116,11 @@ class _Fork:
             return self._enter_outside_the_graph()
         # make_fx (a proxy mode) or torch.export traces this thread's tensor ops, which become a graph. Export's flag
         # is process-wide, so its fake-tensor mode, which is this thread's, must be on here too (asked first: a C call).
-        if _mode_on(_MODES.PROXY) is not None or (_mode_on(_MODES.FAKE) is not None and _exporting()):
+        if (
+            _mode_on(_MODES.PROXY) is not None
+            or (_mode_on(_MODES.FAKE) is not None and _exporting())
+            or _pre_dispatch_tracing()
+        ):
             raise InvalidOperationError(
                 f"stream {self.name!r} cannot be forked while torch.export or make_fx traces the code: the fork "
                 "swaps the generator in Python, which a graph does not record, so the graph would draw from the "

@@ -917,7 +917,7 @@ def test_a_compiled_function_with_a_fork_draws_the_eager_numbers_without_tracing
     assert compiled_tracker.active_stream is None
 
 
-@pytest.mark.parametrize("tracer", ["make_fx", "export"])
+@pytest.mark.parametrize("tracer", ["make_fx", "make_fx at pre-dispatch", "export"])
 def test_a_fork_that_a_graph_tracer_would_bake_out_is_refused_before_it_moves_a_stream(
     cpu: platforms.Platform, tracer: str
 ) -> None:
@@ -935,8 +935,8 @@ def test_a_fork_that_a_graph_tracer_would_bake_out_is_refused_before_it_moves_a_
 
     before, default = tracker.get_states(), torch.get_rng_state()
     with pytest.raises(InvalidOperationError, match="cannot be forked while torch.export or make_fx traces"):
-        if tracer == "make_fx":
-            make_fx(Step())(torch.ones(4))
+        if tracer.startswith("make_fx"):
+            make_fx(Step(), pre_dispatch=tracer.endswith("pre-dispatch"))(torch.ones(4))
         else:
             torch.export.export(Step(), (torch.ones(4),), strict=False)
     assert torch.equal(tracker.get_states()["model-parallel-rng"], before["model-parallel-rng"])
