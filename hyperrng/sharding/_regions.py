@@ -122,6 +122,7 @@ class Region(_exclusive.LeavesOnExit):
         # interrupt anywhere leaves the generator before the region, or where its exit leaves it.
         p, gen = self._platform, self._generator
         positioned = False
+        self._consumed, self._cancelled, self._saved = 0, False, None  # a region entered again starts afresh
         try:
             if gen is None or gen is p.default_generator():
                 key, me = (p.device_type, p.current_device()), current_thread()

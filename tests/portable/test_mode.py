@@ -547,6 +547,19 @@ def test_an_op_refused_inside_a_region_leaves_every_rank_where_it_was(op: Callab
                 op()
     assert torch.equal(p.get_rng_state(), before), "a refused op changed the generator"
     assert torch.equal(g.get_state(), before_g), "a refused op changed the generator of the region"
+    # The same region entered again, outside the mode, does what a new one does from where the generator is now.
+    region = tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,))
+    with portable_random(), pytest.raises(error), region:
+        op()
+    torch.rand(3)
+    now = p.get_rng_state()
+    with region:
+        torch.rand(2)
+    again = p.get_rng_state()
+    p.set_rng_state(now)
+    with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
+        torch.rand(2)
+    assert torch.equal(p.get_rng_state(), again), "the region entered again kept its first entry's state"
 
 
 # -- bad input: typed errors, nothing changed ----------------------------------------------------
