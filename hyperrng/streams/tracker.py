@@ -190,8 +190,7 @@ class RNGStatesTracker(ForkChain):
                 of another tracker) is still open. Nothing changed.
         """
         with Replacing(self, "reset the tracker", target=False).applying():
-            self._states = {}
-            self._seeds = {}
+            self._states, self._seeds, self._derivation = {}, {}, None
             self._swap = None
             self._initialized = False
 

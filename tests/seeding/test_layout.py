@@ -380,6 +380,17 @@ def test_a_pickled_or_copied_tracker_keeps_its_derivation_until_its_streams_chan
     plain = RNGStatesTracker()
     plain.add("a", 1)
     assert recorded_derivation(pickle.loads(pickle.dumps(plain))) is None
+    # A reset drops it, even where the streams came with no seeds (a checkpoint loaded): other streams may follow.
+    from hyperrng.resume.state import load_rng_state_dict, rng_state_dict
+
+    loaded = RNGStatesTracker()
+    finish = load_rng_state_dict(rng_state_dict(tracker=tracker), tracker=loaded)
+    if callable(finish):
+        finish()
+    assert recorded_derivation(loaded) is not None
+    loaded.reset()
+    loaded.set_states(plain.get_states())
+    assert recorded_derivation(loaded) is None
 
 
 def test_a_refused_apply_layout_records_nothing() -> None:
