@@ -7,12 +7,15 @@ platform current in the parent, even one chosen programmatically there. :class:`
 says where ranks run: each on a device of the platform, over its backend where every local
 rank has a device of its own, else over gloo with tensors staged through the host.
 
-Ranks on the host (the CPU, the simulated device) are forked, on Linux, from a fork server
-that the first call starts with torch imported: a rank then starts in a fraction of the
-seconds an import of torch takes. Such a rank gets this process's environment as of the call,
-selects its platform in it and draws fresh seeds, as a spawned one would; where forking could
-not give it the rest of what spawning would (:func:`_rank_context`), and for ranks on an
-accelerator, whose runtime must not be in a process that forks, the ranks are spawned.
+Ranks are spawned: each imports torch, two or three seconds on a busy machine. With
+``fork_server=True`` (the demo and the tests) ranks on the host (the CPU, the simulated device)
+are forked instead, on Linux, from a server that the first such call starts with torch
+imported: each then starts in a fraction of that. Such a rank gets this process's environment
+as of the call, selects its platform in it and draws fresh seeds; where forking could not give
+it what spawning would (:func:`_rank_context`), and for ranks on an accelerator, whose runtime
+must not be in a process that forks, the ranks are spawned all the same. What a forked rank
+cannot get: the modules of ``fn``, of its arguments and of ``__main__`` are imported before
+the environment is applied, and every rank shares the server's string-hash secret.
 
 A rank that raises, dies or hangs fails the call with :class:`~hyperrng.errors.RankFailure`:
 a rank that dies is noticed within a second, and the ranks still running (typically
@@ -39,8 +42,11 @@ import datetime
 import functools
 import os
 import pickle
+import re
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Collection
@@ -52,7 +58,7 @@ from typing import Any
 import hyperrng.platforms as platforms
 from hyperrng.errors import PlatformError, RankFailure
 from hyperrng.platforms.cpu import CPUPlatform
-from hyperrng.platforms.validate import error_gist
+from hyperrng.platforms.validate import check_instance, error_gist
 
 __all__ = ["Placement", "RankFailure", "free_port", "run_ranks"]
 
@@ -109,13 +115,16 @@ class Placement:
 _SERVER_PRELOAD = ("torch", "torch.distributed")
 _READ_AT_IMPORT = ("TORCH", "PYTORCH", "CUDA", "NCCL", "HIP", "ROCM", "ASCEND", "NPU", "OMP_", "KMP_", "GOMP_",
                    "MKL", "OPENBLAS", "TRITON", "PYTHON", "LD_", "MALLOC", "LC_", "LANG")  # fmt: skip
+_READ_LATER = re.compile(r"TORCH(INDUCTOR|DYNAMO)_", re.IGNORECASE)
 _server: tuple[int, Any] | None = None  # (this process, what a rank inherits from it) when it started the server
+_SERVER_LOCK = threading.Lock()
 
 
 def _inherited(env: dict[str, str]) -> Any:
     """What a process hands a child as it starts it, and a rank forked from the server has as the server
-    started: the variables read at start, the file-creation mask, the CPUs, the priority, the resource
-    limits, and what standard output and error are."""
+    started: the variables read at start (not inductor's and Dynamo's, read as they are imported, after
+    :func:`_entry` applied the environment), the file-creation mask, the CPUs, the priority, the resource
+    limits, the identity, the signals ignored and blocked, and what standard output and error are."""
     import resource
 
     status = Path("/proc/self/status").read_text()
@@ -126,11 +135,12 @@ def _inherited(env: dict[str, str]) -> Any:
         except OSError:
             outputs.append(None)
     return (
-        {k: v for k, v in env.items() if k.upper().startswith(_READ_AT_IMPORT)},
+        {k: v for k, v in env.items() if k.upper().startswith(_READ_AT_IMPORT) and not _READ_LATER.match(k)},
         next((line for line in status.splitlines() if line.startswith("Umask:")), None),
-        os.sched_getaffinity(0),
-        os.getpriority(os.PRIO_PROCESS, 0),
+        (os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, 0)),
         [resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")],
+        (os.getresuid(), os.getresgid(), os.getgroups()),
+        ({n for n in signal.valid_signals() if signal.getsignal(n) is signal.SIG_IGN}, signal.pthread_sigmask(0, [])),
         outputs,
     )
 
@@ -157,17 +167,21 @@ def _rank_context(mp: Any, env: dict[str, str], on_host: bool) -> Any:
     autoload = env.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0"
     if sys.platform != "linux" or not on_host or (autoload and _device_backends()):
         return mp.get_context("spawn")
-    inherited = _inherited(env)
-    if _server is None:
-        from multiprocessing import forkserver
+    try:
+        inherited = _inherited(env)
+    except (OSError, AttributeError, ValueError):  # no /proc, no such call here: what a rank gets is unknown
+        return mp.get_context("spawn")
+    with _SERVER_LOCK:
+        if _server is None:
+            from multiprocessing import forkserver
 
-        server = getattr(forkserver, "_forkserver", None)
-        if getattr(server, "_forkserver_pid", 0) is not None:  # another's server, or one this Python hides
-            _server = (-1, None)
-            return mp.get_context("spawn")
-        ours = [m for m in getattr(server, "_preload_modules", ()) if m != "__main__"]  # a caller's, kept
-        mp.set_forkserver_preload(ours + [m for m in _SERVER_PRELOAD if m not in ours])
-        _server = (os.getpid(), inherited)
+            server = getattr(forkserver, "_forkserver", None)
+            if getattr(server, "_forkserver_pid", 0) is not None:  # another's server, or one this Python hides
+                _server = (-1, None)
+                return mp.get_context("spawn")
+            ours = [m for m in getattr(server, "_preload_modules", ()) if m != "__main__"]  # a caller's, kept
+            mp.set_forkserver_preload(ours + [m for m in _SERVER_PRELOAD if m not in ours])
+            _server = (os.getpid(), inherited)
     return mp.get_context("forkserver" if _server == (os.getpid(), inherited) else "spawn")
 
 
@@ -237,6 +251,7 @@ def _entry(
     if env is not None:  # forked from the fork server: the caller's environment and fresh seeds
         os.environ.clear()
         os.environ.update(env)
+        time.tzset()
         _fresh_seeds()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -267,7 +282,9 @@ def _entry(
     os._exit(0 if ok else 1)  # no process group teardown, no interpreter finalisation: see the module docstring
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", fork_server: bool = False
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
 
     Args:
@@ -275,6 +292,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         world_size: how many processes to start.
         *args: passed to ``fn`` after the rank and world size.
         backend: the ``torch.distributed`` backend of the process group.
+        fork_server: fork ranks on the host from a server that imported torch, where that gives them
+            what spawning would but for what the module docstring says; else spawn them.
 
     Each rank has ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set, as
     under torchrun, and uses the parent's current platform.
@@ -290,7 +309,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
     platform = _platform_for_ranks()
     env = dict(os.environ)
-    ctx = _rank_context(mp, env, issubclass(platform[0], (CPUPlatform, platforms.SimulatedPlatform)))
+    on_host = issubclass(platform[0], (CPUPlatform, platforms.SimulatedPlatform))
+    ctx = _rank_context(mp, env, on_host) if check_instance(fork_server, bool, "fork_server") else None
+    ctx = ctx or mp.get_context("spawn")
     env_for_ranks = env if ctx.get_start_method() == "forkserver" else None
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(world_size)]

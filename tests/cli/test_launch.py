@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hyperrng.platforms.cpu import CPUPlatform
 
 from hyperrng.cli.launch import run_ranks
-from hyperrng.errors import RankFailure
+from hyperrng.errors import ArgumentTypeError, RankFailure
 
 pytestmark = pytest.mark.multiproc
 
@@ -102,31 +102,42 @@ def configured() -> CPUPlatform:
     return _Configured("by its factory")
 
 
-def _what_the_rank_sees(rank: int, world_size: int) -> tuple[str, str | None, str | None, bool, int]:
+def _what_the_rank_sees(rank: int, world_size: int) -> tuple[str, str | None, str | None, str, int]:
     p = platforms.current()
-    return p.name, getattr(p, "how", None), os.environ.get("LAUNCH_TEST"), "torch" in sys.modules, os.getppid()
+    return p.name, getattr(p, "how", None), os.environ.get("LAUNCH_TEST"), time.tzname[0], os.getppid()
+
+
+def _forked(fn: Any, world_size: int) -> Any:
+    return run_ranks(fn, world_size, fork_server=True)
 
 
 def test_ranks_see_the_callers_environment_as_of_the_call_and_select_their_platform_in_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The first call starts the fork server, in this environment; later ranks are forked from it.
-    run_ranks(_what_the_rank_sees, 1)
+    _forked(_what_the_rank_sees, 1)
     monkeypatch.setenv("LAUNCH_TEST", "as of the call")
+    monkeypatch.setenv("TZ", "JST-9")
     monkeypatch.setenv(platforms.ENV_VAR, f"{__name__}:configured")
     assert platforms.select().platform.name == "configured"  # the caller's platform, built by its factory
-    seen = run_ranks(_what_the_rank_sees, 2)
-    assert [s[:4] for s in seen] == [("configured", "by its factory", "as of the call", True)] * 2
+    seen = _forked(_what_the_rank_sees, 2)
+    assert [s[:4] for s in seen] == [("configured", "by its factory", "as of the call", "JST")] * 2
     assert all(parent != os.getpid() for *_, parent in seen), "the ranks were not forked from the server"
+
+
+def test_ranks_are_spawned_unless_asked_and_the_request_is_checked() -> None:
+    assert all(parent == os.getpid() for *_, parent in run_ranks(_what_the_rank_sees, 2))
+    with pytest.raises(ArgumentTypeError, match="fork_server"):
+        run_ranks(_what_the_rank_sees, 2, fork_server="yes")
 
 
 def test_where_a_variable_python_or_torch_reads_at_start_changed_the_ranks_are_spawned_in_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    run_ranks(_what_the_rank_sees, 1)
+    _forked(_what_the_rank_sees, 1)
     monkeypatch.setenv("LAUNCH_TEST", "spawned")
     monkeypatch.setenv("TORCH_LAUNCH_TEST", "1")  # a name torch's variables have: read as torch starts
-    seen = run_ranks(_what_the_rank_sees, 2)
+    seen = _forked(_what_the_rank_sees, 2)
     assert [s[2] for s in seen] == ["spawned"] * 2
     assert all(parent == os.getpid() for *_, parent in seen), "the ranks were forked from a server started before"
 
@@ -140,7 +151,7 @@ def _seeds(rank: int, world_size: int) -> tuple[int, float]:
 def test_every_rank_of_every_call_starts_from_seeds_of_its_own_as_a_spawned_one_does() -> None:
     # Forked from one server, ranks would share the seeds it drew as it imported torch: unseeded
     # draws would be the same on every rank and in every call.
-    drawn = run_ranks(_seeds, 2) + run_ranks(_seeds, 2)
+    drawn = _forked(_seeds, 2) + _forked(_seeds, 2)
     assert len({seed for seed, _ in drawn}) == 4 and len({value for _, value in drawn}) == 4, drawn
 
 
@@ -148,10 +159,10 @@ _FORKED_AFTER_THE_SERVER = """
 import os, sys
 from hyperrng.cli.launch import run_ranks
 from tests.cli.test_launch import _seeds
-run_ranks(_seeds, 1)  # starts the fork server
+run_ranks(_seeds, 1, fork_server=True)  # starts the fork server
 child = os.fork()
 if child == 0:  # this process's copy of the server's handle is not its own: its ranks are spawned
-    os._exit(0 if len(run_ranks(_seeds, 2)) == 2 else 1)
+    os._exit(0 if len(run_ranks(_seeds, 2, fork_server=True)) == 2 else 1)
 _, status = os.waitpid(child, 0)
 sys.exit(os.waitstatus_to_exitcode(status))
 """

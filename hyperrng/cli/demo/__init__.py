@@ -476,11 +476,15 @@ def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> 
         else:
             phases.start("train", f"starting {cfg.size} processes (each imports torch, then joins the group)")
             with relayed(phases) as report:
-                trained = run_ranks(_train, cfg.size, cfg, placement, report, backend=placement.backend)
+                trained = run_ranks(
+                    _train, cfg.size, cfg, placement, report, backend=placement.backend, fork_server=True
+                )
             phases.say(f"{cfg.size} processes finished")
             phases.start("resume", f"starting {cfg.size} fresh processes")
             with relayed(phases) as report:
-                resumed = run_ranks(_resume, cfg.size, cfg, placement, report, backend=placement.backend)
+                resumed = run_ranks(
+                    _resume, cfg.size, cfg, placement, report, backend=placement.backend, fork_server=True
+                )
             phases.say(f"{cfg.size} processes finished")
     verdicts = _verdicts(cfg, trained, resumed, fresh=not torchrun)
     if cfg.portable:

@@ -185,7 +185,7 @@ def tp_invariance_report(
     check_seed(seed)
     if world < 1 or not sizes or any(tp < 1 or world % tp for tp in sizes):
         raise InvalidArgumentError(f"every TP size must divide world_size={world}; got {sizes}.")
-    per_rank = run_ranks(tp_rank, world, sizes, steps, seed)
+    per_rank = run_ranks(tp_rank, world, sizes, steps, seed, fork_server=True)
     reference = per_rank[0][sizes[0]]
     params = all(r[tp]["params"] == reference["params"] for r in per_rank for tp in sizes)  # exact float equality
     masks = all(r[tp]["masks"] == reference["masks"] for r in per_rank for tp in sizes)
