@@ -135,7 +135,7 @@ class Region(_exclusive.LeavesOnExit):
             self._seed, self._base = seed, base
             positioned = True
             if self._end:  # an op on an empty tensor draws nothing: the generator and its plain draws stay as they are
-                if not p.counter_based and in_portable_mode():  # moving reseeds; a refused op leaves it (_leave)
+                if not p.counter_based:  # moving reseeds; a refused op leaves it (_leave)
                     io = p._state_io() if gen is None else None
                     self._saved = (io.write, io.read()) if io is not None else (gen.set_state, gen.get_state())
                 if gen is None:

@@ -545,6 +545,9 @@ def test_an_op_refused_inside_a_region_leaves_every_rank_where_it_was(op: Callab
         with portable_random(), pytest.raises(error):
             with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,), generator):
                 op()
+    with pytest.raises(error), tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
+        with portable_random():  # entered inside the region
+            op()
     assert torch.equal(p.get_rng_state(), before), "a refused op changed the generator"
     assert torch.equal(g.get_state(), before_g), "a refused op changed the generator of the region"
     # The same region entered again, outside the mode, does what a new one does from where the generator is now.
