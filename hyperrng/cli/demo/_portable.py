@@ -5,8 +5,8 @@ over the TP ranks as Megatron-style code splits it, every random op inside a sha
 (:meth:`hyperrng.ShardedRNGTracker.distribute_region`) with the global shape of its tensor:
 portable mode then gives every TP size the numbers of the unsharded model.
 
-:func:`tp_invariance_report` spawns the ranks; :func:`tp_rank` is what each of them runs
-(spawned processes import this module to find it). It lives with the demo, not with portable
+:func:`tp_invariance_report` starts the ranks; :func:`tp_rank` is what each of them runs
+(rank processes import this module to find it). It lives with the demo, not with portable
 mode: it is a harness that exercises the mode, not part of it.
 """
 
@@ -161,7 +161,7 @@ def tp_invariance_report(
 ) -> dict[str, Any]:
     """Train a tiny tensor-parallel MLP with dropout under portable mode at each TP size, on real ranks.
 
-    Spawns ``world_size`` gloo processes on the platform's device; for each TP size the
+    Starts ``world_size`` gloo processes on the platform's device; for each TP size the
     ranks form groups of ``tp`` consecutive ranks, split the model over them (:class:`TinyMLP`),
     initialise it inside ``portable_random(seed)`` and train ``steps`` SGD steps with dropout.
 
