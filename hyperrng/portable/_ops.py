@@ -33,6 +33,7 @@ from hyperrng.platforms._features import outside_dynamo
 from hyperrng.portable import _attention as _attention_ops
 from hyperrng.portable._kernels import PORTABLE_OPS, THREAD, Entry, refuse_capture
 from hyperrng.sharding._local_tensor import portable_refusal
+from hyperrng.sharding._regions import cancel_innermost
 from hyperrng.sharding.tracker import active_region
 from hyperrng.streams._checkpoints import (
     RERUN,
@@ -295,9 +296,7 @@ def _before_attention(what: str, device: torch.device) -> None:
 def _cancel_active_region() -> None:
     """Cancel the active sharded region, for a kernel that refuses an op (a bad dtype, an unsupported
     op): every rank then stays where it was instead of moving past the op."""
-    region = active_region()
-    if region is not None:
-        region.cancel()
+    cancel_innermost()
 
 
 def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -363,6 +362,7 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
             return original(keyset, *args, **kwargs)
         local = sys.modules.get(_LOCAL_TENSOR)  # (LocalTensor's simulated ranks: never imported in most runs)
         if local is not None and local.enabled_local_tensor_mode() is not None:
+            _cancel_active_region()
             raise portable_refusal(what)
         verdict = checkpoint_verdict()
         if verdict is RERUN or (kwargs.get("generator") is not None and _own_host_generator(kwargs)):

@@ -21,7 +21,7 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET
 from hyperrng.sharding import _local_tensor as _local_ranks
 
-__all__ = ["LocalRegion", "Region", "active_region", "in_portable_mode"]
+__all__ = ["LocalRegion", "Region", "active_region", "cancel_innermost", "in_portable_mode"]
 
 
 class _ActiveRegions(threading.local):
@@ -29,6 +29,7 @@ class _ActiveRegions(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[Region] = []
+        self.local: list[LocalRegion] = []  # under LocalTensor mode, innermost last
 
 
 _ACTIVE = _ActiveRegions()
@@ -195,6 +196,14 @@ def active_region() -> Region | None:
     return stack[-1] if stack else None
 
 
+def cancel_innermost() -> None:
+    """Cancel the innermost region this thread is in, of either kind: a kernel refused its op."""
+    for stack in (_ACTIVE.stack, _ACTIVE.local):
+        if stack:
+            stack[-1].cancel()
+            return
+
+
 class LocalRegion:
     """A region under torch's LocalTensor mode: every simulated rank's generator at its own shard's start.
 
@@ -204,7 +213,7 @@ class LocalRegion:
     source takes the advance instead and every rank gets back the state it had.
     """
 
-    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved", "_held")
+    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved", "_held", "_found")
 
     def __init__(
         self, platform: Platform, mode: Any, starts: dict[int, int], end: int, source: torch.Generator | None
@@ -217,6 +226,7 @@ class LocalRegion:
         self._seed = 0
         self._base = 0
         self._saved: tuple[dict[int, Any], torch.Tensor] | None = None
+        self._found: tuple[dict[int, Any], torch.Tensor] | None = None  # the states on entry, while not cancelled
         self._held = ("", 0, 0)  # (device type, index, depth before) of the device held
 
     def __enter__(self) -> None:
@@ -230,17 +240,31 @@ class LocalRegion:
                 _local_ranks.load_rank(mode, min(mode.ranks))
                 seed, base = p.get_seed_offset()
             _check_room(base, self._end)
-            if self._source is not None:
-                self._saved = (_local_ranks.snapshot(mode), p.get_rng_state())
+            found = (_local_ranks.snapshot(mode), p.get_rng_state())
+            self._saved = found if self._source is not None else None
+            self._found = found
             self._seed, self._base = seed, base
             _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank], draw=True))
+            _ACTIVE.local.append(self)
         except BaseException:
             _exclusive.release(*self._held)
             raise
 
+    def cancel(self) -> None:
+        """Record that an op refused to draw: on exit every rank gets back the state it had on entry."""
+        self._saved, self._found = self._found, None
+
     def __exit__(self, *exc: object) -> None:
         p, seed, after = self._platform, self._seed, self._base + self._end
+        if self in _ACTIVE.local:
+            _ACTIVE.local.remove(self)
         try:
+            if self._found is None and self._saved is not None:  # cancelled: as on entry, nothing moved
+                states, host = self._saved
+                _local_ranks.restore(self._mode, states)
+                p.set_rng_state(host)
+                self._saved = None
+                return
             if self._saved is None:
                 _local_ranks.each_rank(self._mode, lambda rank: p.set_seed_offset(seed, after))
                 return
