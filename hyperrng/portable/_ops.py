@@ -362,7 +362,7 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
             return original(keyset, *args, **kwargs)
         local = sys.modules.get(_LOCAL_TENSOR)  # (LocalTensor's simulated ranks: never imported in most runs)
         if local is not None and local.enabled_local_tensor_mode() is not None:
-            _cancel_active_region()
+            cancel_innermost(local=True)
             raise portable_refusal(what)
         verdict = checkpoint_verdict()
         if verdict is RERUN or (kwargs.get("generator") is not None and _own_host_generator(kwargs)):

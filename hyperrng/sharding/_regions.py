@@ -83,7 +83,7 @@ class Region(_exclusive.LeavesOnExit):
         self._seed = 0
         self._base = 0
         self._consumed = 0
-        self._cancelled = False
+        self._cancelled: Any = False  # else the generator's state at the first refusal
         self._saved: tuple[Callable[[Any], object], Any] | None = None  # (write, snapshot): see __enter__
         self.mesh = mesh
         self.placements = placements
@@ -115,8 +115,14 @@ class Region(_exclusive.LeavesOnExit):
         """Record that an op refused to draw: on exit every rank moves only past what :meth:`consume`
         recorded, not to the shard layout's end; where it drew nothing, the generator gets back the
         very state it had on entry (on the CPU, moving to a position reseeds, which would lose the
-        draws torch's own ops made since)."""
-        self._cancelled = True
+        draws torch's own ops made since). Something that draws after the first refusal (torch's own
+        op) ends the cancel: the region then moves to its end, so those numbers are not drawn again."""
+        if self._cancelled is False:
+            self._cancelled = self._state_now()
+
+    def _state_now(self) -> torch.Tensor:
+        gen = self._generator
+        return self._platform.get_rng_state() if gen is None else gen.get_state()
 
     def __enter__(self) -> None:
         # Holds the device (hyperrng._guard.exclusive) when it positions the device's generator. One
@@ -165,7 +171,8 @@ class Region(_exclusive.LeavesOnExit):
             stack.pop()
         elif self in stack:  # regions left out of order: this one must not stay active
             stack.remove(self)
-        end = self._consumed if self._consumed or self._cancelled else self._end
+        cancelled = self._cancelled is not False and torch.equal(self._cancelled, self._state_now())
+        end = self._consumed if self._consumed or cancelled else self._end
         if not end and self._saved is not None:  # an op refused before it drew: the state as it was
             write, snapshot = self._saved
             write(snapshot)
@@ -196,9 +203,10 @@ def active_region() -> Region | None:
     return stack[-1] if stack else None
 
 
-def cancel_innermost() -> None:
-    """Cancel the innermost region this thread is in, of either kind: a kernel refused its op."""
-    for stack in (_ACTIVE.stack, _ACTIVE.local):
+def cancel_innermost(local: bool = False) -> None:
+    """Cancel the innermost region this thread is in (a kernel refused its op): a sharded region, else one under
+    LocalTensor mode; the other way round for a refusal under that mode (``local``)."""
+    for stack in (_ACTIVE.local, _ACTIVE.stack) if local else (_ACTIVE.stack, _ACTIVE.local):
         if stack:
             stack[-1].cancel()
             return
@@ -252,7 +260,8 @@ class LocalRegion:
 
     def cancel(self) -> None:
         """Record that an op refused to draw: on exit every rank gets back the state it had on entry."""
-        self._saved, self._found = self._found, None
+        if self._found is not None:
+            self._saved, self._found = self._found, None
 
     def __exit__(self, *exc: object) -> None:
         p, seed, after = self._platform, self._seed, self._base + self._end

@@ -563,6 +563,13 @@ def test_an_op_refused_inside_a_region_leaves_every_rank_where_it_was(op: Callab
     with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
         torch.rand(2)
     assert torch.equal(p.get_rng_state(), again), "the region entered again kept its first entry's state"
+    # torch's own draws after a refusal in the region end the cancel: they are not drawn again after it.
+    with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
+        with portable_random(), pytest.raises(error):
+            op()
+        inside = torch.rand(2)
+    with tracker.distribute_region(MeshInfo((2,), (1,)), [Shard(0)], (4,)):
+        assert not torch.equal(torch.rand(2), inside), "numbers drawn after a refusal came out again"
 
 
 # -- bad input: typed errors, nothing changed ----------------------------------------------------
