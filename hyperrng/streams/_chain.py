@@ -8,7 +8,6 @@ that replaces every stream clears it (:class:`Replacing`, the preamble of every 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator, Sequence
 from threading import Thread, current_thread
@@ -29,13 +28,14 @@ _OWNER = "thread"
 
 _MODES = torch._C._TorchDispatchModeKey
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # a process-wide flag, where torch has it
-_pre_dispatch_on = functools.partial(torch._C._dispatch_tls_is_dispatch_key_included, torch._C.DispatchKey.PreDispatch)
+_tls_included = torch._C._dispatch_tls_is_dispatch_key_included
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 
 
-def _pre_dispatch_tracing() -> bool:
-    """Whether this thread traces at pre-dispatch (``make_fx(pre_dispatch=True)``; torch 2.5's export, which has
-    no flag): its key is this thread's, the proxy mode it traces with the process's."""
-    return _pre_dispatch_on() and torch._ops._get_dispatch_mode_pre_dispatch(_MODES.PROXY) is not None
+def _pre_dispatch_proxy() -> bool:
+    """Whether a proxy mode traces at pre-dispatch (the process's stack): with this thread's pre-dispatch key,
+    ``make_fx(pre_dispatch=True)`` or torch 2.5's export, which has no flag, traces this thread."""
+    return torch._ops._get_dispatch_mode_pre_dispatch(_MODES.PROXY) is not None
 
 
 _mode_on = torch._C._get_dispatch_mode
@@ -119,7 +119,7 @@ class _Fork:
         if (
             _mode_on(_MODES.PROXY) is not None
             or (_mode_on(_MODES.FAKE) is not None and _exporting())
-            or _pre_dispatch_tracing()
+            or (_tls_included(_PRE_DISPATCH) and _pre_dispatch_proxy())
         ):
             raise InvalidOperationError(
                 f"stream {self.name!r} cannot be forked while torch.export or make_fx traces the code: the fork "
