@@ -293,21 +293,16 @@ def _before_attention(what: str, device: torch.device) -> None:
     refuse_capture(platforms.current(), device, what)
 
 
-def _cancel_active_region() -> None:
-    """Cancel the active sharded region, for a kernel that refuses an op (a bad dtype, an unsupported
-    op): every rank then stays where it was instead of moving past the op."""
-    cancel_innermost()
-
-
 def _cancelling(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``kernel``, cancelling the active sharded region when it refuses an op (:func:`_cancel_active_region`)."""
+    """``kernel``, cancelling the innermost region when it refuses an op (a bad dtype, an unsupported op): every
+    rank then stays where it was instead of moving past the op (see ``hyperrng.sharding._regions``)."""
 
     @functools.wraps(kernel)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return kernel(*args, **kwargs)
         except HyperRNGError:
-            _cancel_active_region()
+            cancel_innermost()
             raise
 
     return run
@@ -373,7 +368,7 @@ def _switched(op: Any, portable: Callable[..., Any], below: Any) -> Callable[...
                 refuse_unreplayed_checkpoint(what, verdict)
             return portable(*args, **kwargs)
         except HyperRNGError:
-            _cancel_active_region()
+            cancel_innermost()
             raise
         finally:
             include(key, True)

@@ -21,7 +21,7 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms.validate import MAX_OFFSET
 from hyperrng.sharding import _local_tensor as _local_ranks
 
-__all__ = ["LocalRegion", "Region", "active_region", "cancel_innermost", "in_portable_mode"]
+__all__ = ["LocalRegion", "Region", "active_region", "cancel_innermost"]
 
 
 class _ActiveRegions(threading.local):
@@ -33,14 +33,6 @@ class _ActiveRegions(threading.local):
 
 
 _ACTIVE = _ActiveRegions()
-
-# Portable mode's key (hyperrng.portable._ops.KEY_NAME; that module imports this one): a thread in the mode includes it.
-_PORTABLE_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")
-
-
-def in_portable_mode() -> bool:
-    """Whether this thread is in portable mode, where an op can be refused inside a region (:meth:`Region.cancel`)."""
-    return _PORTABLE_KEY is not None and torch._C._dispatch_tls_is_dispatch_key_included(_PORTABLE_KEY)
 
 
 class Region(_exclusive.LeavesOnExit):
@@ -142,9 +134,11 @@ class Region(_exclusive.LeavesOnExit):
             self._seed, self._base = seed, base
             positioned = True
             if self._end:  # an op on an empty tensor draws nothing: the generator and its plain draws stay as they are
-                if not p.counter_based:  # moving reseeds; a refused op leaves it (_leave)
-                    io = p._state_io() if gen is None else None
-                    self._saved = (io.write, io.read()) if io is not None else (gen.set_state, gen.get_state())
+                if not p.counter_based and gen is None:  # moving reseeds: a refused op puts the state back (_leave)
+                    io = p._state_io()
+                    self._saved = (io.write, io.read())
+                elif not p.counter_based:
+                    self._saved = (gen.set_state, gen.get_state())
                 if gen is None:
                     p._move(seed, base + self._start, True)
                 else:
@@ -221,7 +215,7 @@ class LocalRegion:
     source takes the advance instead and every rank gets back the state it had.
     """
 
-    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved", "_held", "_found")
+    __slots__ = ("_platform", "_mode", "_starts", "_end", "_source", "_seed", "_base", "_saved", "_cancelled", "_held")
 
     def __init__(
         self, platform: Platform, mode: Any, starts: dict[int, int], end: int, source: torch.Generator | None
@@ -233,8 +227,8 @@ class LocalRegion:
         self._source = source
         self._seed = 0
         self._base = 0
-        self._saved: tuple[dict[int, Any], torch.Tensor] | None = None
-        self._found: tuple[dict[int, Any], torch.Tensor] | None = None  # the states on entry, while not cancelled
+        self._saved: tuple[dict[int, Any], torch.Tensor] | None = None  # every rank's state and the host's, on entry
+        self._cancelled = False
         self._held = ("", 0, 0)  # (device type, index, depth before) of the device held
 
     def __enter__(self) -> None:
@@ -248,9 +242,7 @@ class LocalRegion:
                 _local_ranks.load_rank(mode, min(mode.ranks))
                 seed, base = p.get_seed_offset()
             _check_room(base, self._end)
-            found = (_local_ranks.snapshot(mode), p.get_rng_state())
-            self._saved = found if self._source is not None else None
-            self._found = found
+            self._saved, self._cancelled = (_local_ranks.snapshot(mode), p.get_rng_state()), False
             self._seed, self._base = seed, base
             _local_ranks.each_rank(mode, lambda rank: p.set_seed_offset(seed, base + starts[rank], draw=True))
             _ACTIVE.local.append(self)
@@ -260,27 +252,20 @@ class LocalRegion:
 
     def cancel(self) -> None:
         """Record that an op refused to draw: on exit every rank gets back the state it had on entry."""
-        if self._found is not None:
-            self._saved, self._found = self._found, None
+        self._cancelled = True
 
     def __exit__(self, *exc: object) -> None:
         p, seed, after = self._platform, self._seed, self._base + self._end
         if self in _ACTIVE.local:
             _ACTIVE.local.remove(self)
         try:
-            if self._found is None and self._saved is not None:  # cancelled: as on entry, nothing moved
-                states, host = self._saved
-                _local_ranks.restore(self._mode, states)
-                p.set_rng_state(host)
-                self._saved = None
-                return
-            if self._saved is None:
+            if not self._cancelled and self._source is None:
                 _local_ranks.each_rank(self._mode, lambda rank: p.set_seed_offset(seed, after))
                 return
-            states, host = self._saved
+            states, host = self._saved  # type: ignore[misc]
             _local_ranks.restore(self._mode, states)
             p.set_rng_state(host)
-            p.set_seed_offset(seed, after, generator=self._source)  # last: the source may be the device's own
-            self._saved = None
+            if not self._cancelled:  # the source takes the advance; a cancelled op moved nothing
+                p.set_seed_offset(seed, after, generator=self._source)  # last: the source may be the device's own
         finally:
             _exclusive.release(*self._held)

@@ -59,9 +59,12 @@ from hyperrng.platforms import Platform
 from hyperrng.platforms._features import EnteredUntraced
 from hyperrng.platforms.validate import check_instance, check_int, check_seed
 from hyperrng.sharding import _local_tensor as _local_ranks
-from hyperrng.sharding._regions import LocalRegion, Region, active_region, in_portable_mode
+from hyperrng.sharding._regions import LocalRegion, Region, active_region
 from hyperrng.sharding.offsets import rng_offsets
 from hyperrng.streams._device_state import current_device_key
+
+# Portable mode's key (hyperrng.portable._ops.KEY_NAME, which imports this module): a thread in the mode includes it.
+_PORTABLE_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")
 
 __all__ = ["MeshInfo", "OFFSETS_KEPT", "ShardedRNGTracker", "active_region", "as_mesh_info"]
 
@@ -310,7 +313,7 @@ class ShardedRNGTracker:
         global_shape: Sequence[int],
         source: torch.Generator | None,
     ) -> LocalRegion:
-        if in_portable_mode():
+        if _PORTABLE_KEY is not None and torch._C._dispatch_tls_is_dispatch_key_included(_PORTABLE_KEY):
             raise _local_ranks.portable_refusal("a DTensor random op")  # this thread is in portable mode
         starts, end = self._rank_offsets(mode, mesh, placements, global_shape)
         return LocalRegion(self._platform or platforms.current(), mode, starts, end, source)
