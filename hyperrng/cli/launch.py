@@ -145,7 +145,7 @@ def _inherited(env: dict[str, str]) -> Any:
     )
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _device_backends() -> bool:
     """Whether torch's import loads device backends of other packages (``torch.backends`` entry points,
     such as torch_npu's), unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (checked by the caller)."""
@@ -310,8 +310,8 @@ def run_ranks(
     platform = _platform_for_ranks()
     env = dict(os.environ)
     on_host = issubclass(platform[0], (CPUPlatform, platforms.SimulatedPlatform))
-    ctx = _rank_context(mp, env, on_host) if check_instance(fork_server, bool, "fork_server") else None
-    ctx = ctx or mp.get_context("spawn")
+    spawn = mp.get_context("spawn")
+    ctx = _rank_context(mp, env, on_host) if check_instance(fork_server, bool, "fork_server") else spawn
     env_for_ranks = env if ctx.get_start_method() == "forkserver" else None
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(world_size)]
